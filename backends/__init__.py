@@ -1,0 +1,1 @@
+"""Code generation: numba_cpu (kernel sources per op family), native (objects, driver, link)."""

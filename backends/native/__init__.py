@@ -1,0 +1,1 @@
+"""Native code: target descriptions, object emission, the C driver and the link."""

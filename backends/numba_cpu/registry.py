@@ -1,0 +1,50 @@
+"""Every op Cuvil can compile, and the generator that lowers it to kernels.
+
+One readable table, no registration by import side effect. An op missing
+here is a CuvilError naming the op, the node and this list.
+"""
+from __future__ import annotations
+
+from cuvil.errors import UnsupportedOpError
+
+from . import elementwise as ew
+from .views import lower_view
+
+GENERATORS = {
+    **{op: ew.lower_elementwise for op in ew.UNARY},
+    **{op: ew.lower_elementwise for op in ew.BINARY},
+    "Clip": ew.lower_clip,
+    "LeakyRelu": ew.lower_leaky_relu,
+    "HardSigmoid": ew.lower_hard_sigmoid,
+    "HardSwish": ew.lower_hard_swish,
+    "Where": ew.lower_where,
+    "Reshape": lower_view,
+    "Flatten": lower_view,
+    "Squeeze": lower_view,
+    "Unsqueeze": lower_view,
+    "Dropout": lower_view,
+}
+GENERATORS["Identity"] = lower_view
+
+
+def supported_ops() -> list[str]:
+    return sorted(GENERATORS)
+
+
+def generator_for(node):
+    if node.domain not in ("", "ai.onnx"):
+        raise UnsupportedOpError(f"node '{node.name}': op {node.domain}::{node.op} is not supported",
+                                 hint="only the default ONNX domain is supported")
+    gen = GENERATORS.get(node.op)
+    if gen is None:
+        raise UnsupportedOpError(f"node '{node.name}': op {node.op} is not supported",
+                                 hint=f"supported ops: {', '.join(supported_ops())}")
+    return gen
+
+
+def lower(graph) -> list:
+    """The schedule: kernel calls and views in the graph's (topological) node order."""
+    schedule = []
+    for node in graph.nodes:
+        schedule.extend(generator_for(node)(node, graph).calls)
+    return schedule

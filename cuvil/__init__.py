@@ -1,0 +1,24 @@
+"""Cuvil: compile ONNX and TorchScript models ahead of time into standalone
+shared libraries with a plain C ABI.
+
+`cuvil.load` needs only numpy and ctypes; `cuvil.compile` imports the
+compiler (onnx, numba, llvmlite) when first called.
+"""
+from .errors import CuvilError
+
+__version__ = "0.1.0"
+
+
+def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, **options):
+    """Compile a model (path, onnx.ModelProto, or torch module) into a loaded CompiledModel."""
+    from .api import compile as _compile
+    return _compile(model, input_shapes=input_shapes, target=target, precision=precision, threads=threads, **options)
+
+
+def load(path, prefix=None):
+    """Open a library built by cuvil (needs neither numba nor onnx)."""
+    from .runtime import load as _load
+    return _load(path, prefix=prefix)
+
+
+__all__ = ["CuvilError", "compile", "load", "__version__"]

@@ -1,0 +1,62 @@
+"""The Python API: `compile` a model into a loaded library in one call."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .cache import Cache, default_cache_dir
+from .errors import CuvilError
+from .runtime import Library
+
+
+class CompiledModel(Library):
+    """A library cuvil just built, loaded; `.save()` keeps it."""
+
+    def __init__(self, artifacts, workdir):
+        super().__init__(artifacts.library)
+        self.artifacts = artifacts
+        self._workdir = workdir  # TemporaryDirectory: removed with this object
+
+    def save(self, path) -> Path:
+        """Copy the library to `path`: a folder (library, header and manifest go in it) or a file name."""
+        path = Path(path)
+        if path.is_dir() or str(path).endswith(os.sep) or not path.suffix:
+            path.mkdir(parents=True, exist_ok=True)
+            for src in (self.artifacts.library, self.artifacts.header, self.artifacts.manifest):
+                shutil.copyfile(src, path / src.name)
+            return path / self.artifacts.library.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.artifacts.library, path)
+        return path
+
+
+def _model_name(model) -> str:
+    if isinstance(model, (str, os.PathLike)):
+        stem = Path(model).stem
+        name = "".join(c if c.isalnum() or c == "_" else "_" for c in stem)
+        return name if name and not name[0].isdigit() else f"m_{name}"
+    return "model"
+
+
+def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None,
+            opt_level=2, passes=None, disable_passes=(), symbol_prefix="cuvil_", name=None,
+            cache_dir=None, jobs=1, progress=None) -> CompiledModel:
+    from .build import VariantSpec, build_variant
+    threads = 1 if threads is None else int(threads)
+    if threads < 1:
+        raise CuvilError(f"threads must be >= 1, got {threads}")
+    source = model
+    if not isinstance(model, (str, os.PathLike, bytes)):
+        import onnx
+        if not isinstance(model, onnx.ModelProto):
+            from .frontends.torch import to_onnx_proto
+            source = to_onnx_proto(model, input_shapes)
+    spec = VariantSpec(name=name or _model_name(model), source=source, input_shapes=dict(input_shapes or {}),
+                       target=target, precision=precision, opt_level=opt_level, passes=passes,
+                       disable_passes=list(disable_passes), threads=threads, symbol_prefix=symbol_prefix)
+    cache = Cache(Path(cache_dir) if cache_dir else default_cache_dir())
+    workdir = tempfile.TemporaryDirectory(prefix="cuvil-")
+    artifacts = build_variant(spec, Path(workdir.name), cache, jobs=jobs, progress=progress)
+    return CompiledModel(artifacts, workdir)

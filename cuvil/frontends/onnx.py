@@ -1,0 +1,274 @@
+"""ONNX -> CIR.
+
+Every value gets a static shape and a dtype. Symbolic input dims take their
+value from the caller's `input_shapes`. Initializers and Constant nodes become
+constants, and any node whose inputs are all constant is evaluated here with
+ONNX's reference evaluator, so the shape arithmetic exporters write
+(Shape -> Gather -> Concat -> Reshape) is gone before the passes run.
+Output types of the remaining nodes come from ONNX's own shape inference,
+run one node at a time with every input type known.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import ModelError, ShapeError, UnsupportedOpError
+from ..ir import Graph, Node, Value
+
+# Constant inputs at most this large are handed to shape inference with their
+# data (a Reshape target, Slice starts...); larger ones only with their type.
+_SMALL_CONST = 4096
+# Folded constants larger than this stay as nodes: folding them would only
+# copy weights around (a Transpose of a weight is done by the kernel packer).
+_MAX_FOLD_ELEMENTS = 1 << 24
+
+
+def read_model(source) -> tuple[onnx.ModelProto, bytes, Path | None]:
+    """Load a model from a path, bytes or a ModelProto; return it, its bytes and its folder."""
+    if isinstance(source, onnx.ModelProto):
+        return source, source.SerializeToString(), None
+    path = Path(os.fspath(source))
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path}", hint="check the path (relative paths are resolved from the current directory or cuvil.yaml's folder)")
+    data = path.read_bytes()
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception as exc:  # protobuf raises its own DecodeError and friends
+        raise ModelError(f"{path}: not a valid ONNX protobuf ({type(exc).__name__}: {exc})",
+                         hint="the file may be truncated or not an ONNX model") from None
+    if not model.graph.node and not model.graph.output:
+        raise ModelError(f"{path}: the ONNX graph is empty", hint="the file may be truncated or not an ONNX model")
+    return model, data, path.parent
+
+
+def model_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _np_dtype(elem_type: int, where: str) -> np.dtype:
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    except Exception:
+        raise UnsupportedOpError(f"{where}: unsupported tensor element type {elem_type}") from None
+
+
+def _tensor_to_array(tensor: onnx.TensorProto, base_dir: Path | None) -> np.ndarray:
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        if base_dir is None:
+            raise ModelError(f"initializer '{tensor.name}' uses external data but the model was given without a folder")
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = (base_dir / location).resolve()
+        if base_dir.resolve() not in target.parents:
+            raise ModelError(f"initializer '{tensor.name}': external data location '{location}' is outside the model's folder",
+                             hint="external data files must live in the model's folder or below it")
+        return numpy_helper.to_array(tensor, base_dir=str(base_dir))
+    return numpy_helper.to_array(tensor)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    attrs = {}
+    for attr in node.attribute:
+        if attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+            raise UnsupportedOpError(f"node '{node.name}' ({node.op_type}) has a subgraph attribute '{attr.name}'; "
+                                     "control flow is not supported yet")
+        value = helper.get_attribute_value(attr)
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        elif isinstance(value, onnx.TensorProto):
+            value = numpy_helper.to_array(value)
+        elif isinstance(value, list):
+            value = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value]
+        attrs[attr.name] = value
+    return attrs
+
+
+def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...], np.dtype]:
+    t = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type"):
+        raise UnsupportedOpError(f"input '{vi.name}' is not a tensor (sequences and maps are not supported)")
+    dtype = _np_dtype(t.elem_type, f"input '{vi.name}'")
+    dims = list(t.shape.dim) if t.HasField("shape") else None
+    if vi.name in given:
+        shape = tuple(int(d) for d in given[vi.name])
+        if dims is not None and len(dims) != len(shape):
+            raise ShapeError(f"input '{vi.name}': the model has rank {len(dims)} but the given shape {list(shape)} has rank {len(shape)}")
+        for i, (d, s) in enumerate(zip(dims or [], shape)):
+            if d.HasField("dim_value") and d.dim_value != s:
+                raise ShapeError(f"input '{vi.name}': dim {i} is {d.dim_value} in the model but {s} was given")
+        return shape, dtype
+    if dims is None:
+        raise ShapeError(f"input '{vi.name}' has no shape in the model", hint=f"give it in inputs: {{{vi.name}: [...]}}")
+    symbolic = [d.dim_param or "?" for d in dims if not d.HasField("dim_value")]
+    if symbolic:
+        raise ShapeError(f"input '{vi.name}' has symbolic dims {symbolic}",
+                         hint=f"give its static shape in inputs: {{{vi.name}: [...]}} (cuvil.yaml) or input_shapes= (Python)")
+    return tuple(d.dim_value for d in dims), dtype
+
+
+def _topological(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
+    """Order nodes so each comes after its producers; a cycle or an undefined input is an error."""
+    producer = {}
+    for node in nodes:
+        for out in node.output:
+            if out:
+                if out in producer or out in available:
+                    raise ModelError(f"value '{out}' is produced twice (node '{node.name}', op {node.op_type})")
+                producer[out] = node
+    order, state = [], {}
+    for root in nodes:
+        stack = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            key = id(node)
+            if done:
+                state[key] = 2
+                order.append(node)
+                continue
+            if state.get(key) == 2:
+                continue
+            if state.get(key) == 1:
+                continue
+            state[key] = 1
+            stack.append((node, True))
+            for name in node.input:
+                if not name or name in available:
+                    continue
+                dep = producer.get(name)
+                if dep is None:
+                    raise ModelError(f"node '{node.name}' ({node.op_type}) reads '{name}', which no node, input or initializer defines")
+                if state.get(id(dep)) == 1:
+                    raise ModelError(f"the graph has a cycle through node '{dep.name}' ({dep.op_type}) and node '{node.name}' ({node.op_type})")
+                if state.get(id(dep)) != 2:
+                    stack.append((dep, False))
+    return order
+
+
+class _Importer:
+    def __init__(self, model: onnx.ModelProto, base_dir: Path | None, input_shapes: dict):
+        self.model = model
+        self.base_dir = base_dir
+        self.opsets = {o.domain or "": o.version for o in model.opset_import}
+        self.values: dict[str, Value] = {}
+        self.nodes: list[Node] = []
+        self.given = {k: tuple(v) for k, v in (input_shapes or {}).items()}
+
+    def run(self) -> Graph:
+        g = self.model.graph
+        for tensor in g.initializer:
+            arr = _tensor_to_array(tensor, self.base_dir)
+            self.values[tensor.name] = Value(tensor.name, arr.dtype, tuple(arr.shape), arr)
+        inputs = []
+        for vi in g.input:
+            if vi.name in self.values:
+                continue  # an initializer listed as input (old exporters): a constant
+            shape, dtype = _static_shape(vi, self.given)
+            self.values[vi.name] = Value(vi.name, dtype, shape)
+            inputs.append(vi.name)
+        unknown = sorted(set(self.given) - set(inputs))
+        if unknown:
+            raise ShapeError(f"input_shapes names {unknown}, which are not inputs of the model (inputs: {inputs})")
+        if "" not in self.opsets and "ai.onnx" not in self.opsets:
+            raise UnsupportedOpError("the model imports no version of the default ONNX domain")
+        for node in _topological(list(g.node), set(self.values)):
+            self._import_node(node)
+        outputs = [o.name for o in g.output]
+        for name in outputs:
+            if name not in self.values:
+                raise ModelError(f"graph output '{name}' is never produced")
+        return Graph(name=g.name or "model", values=self.values, nodes=self.nodes, inputs=inputs,
+                     outputs=outputs, opset=self.opsets.get("", self.opsets.get("ai.onnx", 0)))
+
+    def _import_node(self, proto: onnx.NodeProto) -> None:
+        name = proto.name or f"{proto.op_type}_{len(self.nodes)}"
+        domain = "" if proto.domain in ("", "ai.onnx") else proto.domain
+        if domain not in self.opsets and not (domain == "" and "ai.onnx" in self.opsets):
+            raise UnsupportedOpError(f"node '{name}' ({proto.op_type}) is in domain '{proto.domain}', which the model does not import")
+        attrs = _attrs(proto)
+        if proto.op_type == "Constant" and domain == "":
+            arr = self._evaluate(proto, name)[0]
+            self.values[proto.output[0]] = Value(proto.output[0], arr.dtype, tuple(arr.shape), arr)
+            return
+        inputs = list(proto.input)
+        in_values = [self.values[i] for i in inputs if i]
+        # Shape and Size only read the (static) shape, so their result is known now.
+        if domain == "" and (all(v.is_const for v in in_values) or proto.op_type in ("Shape", "Size")) \
+                and proto.op_type not in _NEVER_FOLD and in_values:
+            if sum(v.size for v in in_values if v.is_const) <= _MAX_FOLD_ELEMENTS or proto.op_type in ("Shape", "Size"):
+                results = self._evaluate(proto, name)
+                for out, arr in zip(proto.output, results):
+                    if out:
+                        arr = np.asarray(arr)
+                        self.values[out] = Value(out, arr.dtype, tuple(arr.shape), arr)
+                return
+        for out, (shape, dtype) in zip(proto.output, self._infer(proto, name)):
+            if out:
+                self.values[out] = Value(out, dtype, shape)
+        self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=list(proto.output),
+                               attrs=attrs, domain=domain))
+
+    def _single_node_model(self, proto: onnx.NodeProto, with_data) -> onnx.ModelProto:
+        inputs, inits = [], []
+        for name in dict.fromkeys(i for i in proto.input if i):
+            v = self.values[name]
+            if v.is_const and with_data(v):
+                inits.append(numpy_helper.from_array(np.asarray(v.data), name))
+            else:
+                inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(v.dtype)), list(v.shape)))
+                if v.is_const:
+                    # Shape/Size only need the type; other folds need the data as an input feed.
+                    pass
+        outputs = [helper.make_empty_tensor_value_info(o) for o in proto.output if o]
+        graph = helper.make_graph([proto], "node", inputs, outputs, initializer=inits)
+        return helper.make_model(graph, opset_imports=self.model.opset_import, ir_version=self.model.ir_version)
+
+    def _evaluate(self, proto: onnx.NodeProto, name: str) -> list[np.ndarray]:
+        from onnx.reference import ReferenceEvaluator
+        model = self._single_node_model(proto, with_data=lambda v: True)
+        feeds = {i.name: np.zeros(self.values[i.name].shape, self.values[i.name].dtype) for i in model.graph.input}
+        try:
+            return [np.asarray(r) for r in ReferenceEvaluator(model).run(None, feeds)]
+        except Exception as exc:
+            raise ModelError(f"node '{name}' ({proto.op_type}): evaluating it at build time failed: {exc}") from None
+
+    def _infer(self, proto: onnx.NodeProto, name: str) -> list[tuple[tuple[int, ...], np.dtype]]:
+        model = self._single_node_model(proto, with_data=lambda v: v.size <= _SMALL_CONST)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        except Exception as exc:
+            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            if "No Op registered" in str(exc) or "not registered" in str(exc):
+                raise UnsupportedOpError(f"node '{name}': op {proto.op_type} (domain '{proto.domain}') is not known to ONNX at opset {self.opsets}") from None
+            raise ShapeError(f"node '{name}' ({proto.op_type}): shape inference failed: {message}") from None
+        types = {vi.name: vi.type for vi in list(inferred.graph.value_info) + list(inferred.graph.output)}
+        result = []
+        for out in proto.output:
+            if not out:
+                result.append(((), np.dtype(np.float32)))
+                continue
+            t = types.get(out)
+            if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape") \
+                    or any(not d.HasField("dim_value") for d in t.tensor_type.shape.dim) or t.tensor_type.elem_type == 0:
+                raise ShapeError(f"node '{name}' ({proto.op_type}): the shape of output '{out}' cannot be inferred statically",
+                                 hint="give every model input a static shape; data-dependent shapes are not supported")
+            shape = tuple(int(d.dim_value) for d in t.tensor_type.shape.dim)
+            result.append((shape, _np_dtype(t.tensor_type.elem_type, f"node '{name}' output '{out}'")))
+        return result
+
+
+# Ops whose result is random or whose folding would only bloat the weights.
+_NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def import_onnx(source, input_shapes: dict | None = None) -> tuple[Graph, str]:
+    """Import a model (path, bytes or ModelProto) as a statically shaped CIR graph.
+
+    Returns the graph and the sha256 of the model's bytes."""
+    model, data, base_dir = read_model(source)
+    graph = _Importer(model, base_dir, input_shapes or {}).run()
+    return graph, model_sha256(data)

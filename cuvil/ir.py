@@ -1,0 +1,124 @@
+"""CIR: the small, explicit graph every pass and backend works on.
+
+A Graph holds Values (typed, statically shaped tensors; constants carry their
+numpy data) and Nodes (an ONNX op name, its attributes under their ONNX names,
+input and output value names) in topological order. No ONNX protobuf object
+lives past the frontend.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ModelError
+
+
+@dataclass
+class Value:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    data: np.ndarray | None = None  # set for constants (weights, folded values)
+
+    @property
+    def is_const(self) -> bool:
+        return self.data is not None
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclass
+class Node:
+    op: str
+    name: str
+    inputs: list[str]  # "" marks an omitted optional input
+    outputs: list[str]
+    attrs: dict = field(default_factory=dict)
+    domain: str = ""
+
+    def attr(self, key, default=None):
+        return self.attrs.get(key, default)
+
+
+@dataclass
+class Graph:
+    name: str
+    values: dict[str, Value]
+    nodes: list[Node]
+    inputs: list[str]
+    outputs: list[str]
+    opset: int = 17
+
+    def copy(self) -> "Graph":
+        """A copy whose node list and value table can be edited freely (constant data is shared)."""
+        return Graph(
+            name=self.name,
+            values={k: dataclasses.replace(v) for k, v in self.values.items()},
+            nodes=[dataclasses.replace(n, inputs=list(n.inputs), outputs=list(n.outputs), attrs=dict(n.attrs))
+                   for n in self.nodes],
+            inputs=list(self.inputs),
+            outputs=list(self.outputs),
+            opset=self.opset,
+        )
+
+    def producers(self) -> dict[str, Node]:
+        return {out: node for node in self.nodes for out in node.outputs if out}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        users: dict[str, list[Node]] = {}
+        for node in self.nodes:
+            for name in node.inputs:
+                if name:
+                    users.setdefault(name, []).append(node)
+        return users
+
+    def constants(self) -> list[Value]:
+        return [v for v in self.values.values() if v.is_const]
+
+    def unique_name(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.values:
+            i += 1
+            name = f"{base}_{i}"
+        return name
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for node in self.nodes:
+            counts[node.op] = counts.get(node.op, 0) + 1
+        return dict(sorted(counts.items()))
+
+
+def verify(graph: Graph) -> None:
+    """Check the invariants every pass must keep: defined inputs, topological order,
+    static shapes and dtypes on every value, graph outputs produced."""
+    defined = {name for name, v in graph.values.items() if v.is_const} | set(graph.inputs)
+    for name in graph.inputs:
+        if name not in graph.values:
+            raise ModelError(f"graph input '{name}' has no value entry")
+    for node in graph.nodes:
+        for name in node.inputs:
+            if name and name not in defined:
+                raise ModelError(f"node '{node.name}' ({node.op}) reads '{name}', which is not defined before it")
+        for name in node.outputs:
+            if not name:
+                continue
+            if name in defined:
+                raise ModelError(f"value '{name}' is defined twice (again by node '{node.name}')")
+            value = graph.values.get(name)
+            if value is None:
+                raise ModelError(f"node '{node.name}' ({node.op}) output '{name}' has no value entry")
+            if any((not isinstance(d, (int, np.integer))) or d < 0 for d in value.shape):
+                raise ModelError(f"value '{name}' has a non-static shape {value.shape}")
+            defined.add(name)
+    for name in graph.outputs:
+        if name not in defined:
+            raise ModelError(f"graph output '{name}' is never produced")

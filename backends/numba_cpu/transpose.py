@@ -1,0 +1,5 @@
+"""TODO: being written."""
+
+
+def lower_transpose(node, graph):
+    raise NotImplementedError(node.op)

@@ -1,0 +1,52 @@
+"""Shared test helpers: build small ONNX models and compare cuvil with onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+import cuvil
+
+
+def make_model(nodes, inputs, outputs, initializers=None, opset=17) -> onnx.ModelProto:
+    """inputs/outputs: lists of (name, np.dtype or onnx elem type, shape or None)."""
+    def vi(name, dtype, shape):
+        elem = dtype if isinstance(dtype, int) else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        return helper.make_tensor_value_info(name, elem, shape)
+    graph = helper.make_graph(nodes, "test", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                              initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in (initializers or {}).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = min(model.ir_version, 10)
+    return model
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict) -> dict:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def assert_matches_ort(model: onnx.ModelProto, feeds: dict, tol: float = 1e-4, input_shapes=None, **compile_options):
+    """Compile with cuvil, run both engines, require max|diff| / max|ref| <= tol for every output."""
+    compiled = cuvil.compile(model, input_shapes=input_shapes, **compile_options)
+    got = compiled.run(feeds)
+    want = run_ort(model, feeds)
+    assert list(got) == list(want), f"output names differ: {list(got)} vs {list(want)}"
+    for name, ref in want.items():
+        out = got[name]
+        assert out.shape == ref.shape, f"{name}: shape {out.shape} vs {ref.shape}"
+        assert out.dtype == ref.dtype, f"{name}: dtype {out.dtype} vs {ref.dtype}"
+        if ref.dtype.kind in "fc":
+            scale = max(float(np.max(np.abs(ref))) if ref.size else 0.0, 1e-6)
+            err = float(np.max(np.abs(out.astype(np.float64) - ref.astype(np.float64)))) if ref.size else 0.0
+            assert err / scale <= tol, f"{name}: max abs error {err:.3g} / max |ref| {scale:.3g} > {tol}"
+        else:
+            np.testing.assert_array_equal(out, ref, err_msg=name)
+    return compiled, got
+
+
+def rand(*shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)

@@ -122,3 +122,25 @@ def verify(graph: Graph) -> None:
     for name in graph.outputs:
         if name not in defined:
             raise ModelError(f"graph output '{name}' is never produced")
+
+
+def to_onnx(graph: Graph):
+    """Write a CIR graph back as an onnx.ModelProto (for tests and debugging:
+    onnxruntime runs a graph before and after a pass)."""
+    from onnx import helper, numpy_helper
+
+    def info(name):
+        v = graph.values[name]
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(v.dtype)), list(v.shape))
+
+    used = {i for n in graph.nodes for i in n.inputs if i} | set(graph.outputs)
+    inits = [numpy_helper.from_array(np.asarray(v.data), v.name) for v in graph.values.values()
+             if v.is_const and v.name in used]
+    nodes = []
+    for n in graph.nodes:
+        attrs = {k: (numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v) for k, v in n.attrs.items()}
+        nodes.append(helper.make_node(n.op, n.inputs, n.outputs, name=n.name, domain=n.domain or None, **attrs))
+    g = helper.make_graph(nodes, graph.name, [info(i) for i in graph.inputs], [info(o) for o in graph.outputs], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", graph.opset)])
+    model.ir_version = min(model.ir_version, 10)
+    return model

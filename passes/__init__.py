@@ -7,17 +7,26 @@ from __future__ import annotations
 
 from cuvil.errors import ConfigError
 
+from .eliminate_common import eliminate_common
 from .eliminate_dead import eliminate_dead
+from .eliminate_identity import eliminate_identity
+from .fold_batchnorm import fold_batchnorm
+from .fold_constants import fold_constants
 
 PASSES = {
+    "fold_constants": fold_constants,
+    "eliminate_identity": eliminate_identity,
+    "eliminate_common": eliminate_common,
+    "fold_batchnorm": fold_batchnorm,
     "eliminate_dead": eliminate_dead,
 }
 
+_BASIC = ["fold_constants", "eliminate_identity", "eliminate_common", "eliminate_dead"]
 OPT_LEVELS = {
     0: [],
-    1: ["eliminate_dead"],
-    2: ["eliminate_dead"],
-    3: ["eliminate_dead"],
+    1: _BASIC,
+    2: _BASIC[:2] + ["fold_batchnorm"] + _BASIC[2:],
+    3: _BASIC[:2] + ["fold_batchnorm"] + _BASIC[2:],
 }
 
 

@@ -36,7 +36,7 @@ class Session:
             raise RuntimeFailure(f"{library.path}: session_create failed (out of memory?)")
         self._lock = threading.Lock()
 
-    def run(self, feeds: dict, outputs: dict | None = None) -> dict:
+    def run(self, feeds: dict) -> dict:
         lib = self.library
         arrays = lib._check_feeds(feeds)
         results = {}
@@ -48,7 +48,7 @@ class Session:
             else:
                 arr = np.empty(spec["shape"], dtype=np.dtype(spec["dtype"]))
                 results[name] = arr
-            out_ptrs[i] = arr.ctypes.data if name not in (outputs or {}) else outputs[name].ctypes.data
+            out_ptrs[i] = arr.ctypes.data
         in_ptrs = (ctypes.c_void_p * max(1, len(arrays)))(*[a.ctypes.data for a in arrays])
         with self._lock:
             code = lib._run(self._handle, in_ptrs, out_ptrs)

@@ -1,5 +1,64 @@
-"""TODO: being written."""
+"""Concat: one kernel copies every input into its slice of the output.
+
+Viewed as outer x (n_i * inner), input i is one contiguous run of
+len_i = n_i * inner elements per outer row, landing at column offset off_i
+of the output row (length = sum of len_i). A work item is one outer row, or
+one block of a row when rows are long and few (Concat on axis 0), so the
+work splits across threads either way. The kernel only moves bytes, so its
+pointers are unsigned integers of the element size.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header
+from .transpose import copy_type
+
+# A row is split in blocks of this many elements when there are few rows.
+_BLOCK = 4096
+_FEW_ROWS = 64
 
 
-def lower_concat(node, graph):
-    raise NotImplementedError(node.op)
+def lower_concat(node, graph) -> Lowered:
+    y = graph.values[node.outputs[0]]
+    rank = len(y.shape)
+    axis = int(node.attr("axis"))
+    if axis < 0:
+        axis += rank
+    outer = int(np.prod(y.shape[:axis], dtype=np.int64))
+    inner = int(np.prod(y.shape[axis + 1:], dtype=np.int64))
+    ctype = copy_type(node, y.dtype)
+    # Inputs with no elements add nothing (and may have no storage).
+    parts, offset = [], 0
+    for name in node.inputs:
+        if not name:
+            continue
+        length = int(graph.values[name].shape[axis]) * inner
+        if length:
+            parts.append((name, offset, length))
+        offset += length
+    row = offset
+
+    blocks = -(-row // _BLOCK) if outer < _FEW_ROWS and row > _BLOCK else 1
+    src = Source().line(kernel_header(len(parts) + 1)).indent()
+    out = f"p{len(parts)}"
+    if blocks == 1:
+        src.line("for r in range(begin, end):").indent()
+        for k, (_, off, length) in enumerate(parts):
+            src.line(f"for j in range({length}):").indent()
+            src.line(f"{out}[r * {row} + {f'{off} + ' if off else ''}j] = p{k}[r * {length} + j]").dedent()
+        work = outer
+    else:
+        # Work item w: row w // blocks, columns [lo, hi) of it; each input copies its overlap.
+        src.line("for w in range(begin, end):").indent()
+        src.line(f"r = w // {blocks}")
+        src.line(f"lo = (w % {blocks}) * {_BLOCK}")
+        src.line(f"hi = min(lo + {_BLOCK}, {row})")
+        for k, (_, off, length) in enumerate(parts):
+            src.line(f"for j in range(max(lo, {off}), min(hi, {off + length})):").indent()
+            src.line(f"{out}[r * {row} + j] = p{k}[r * {length} + j - {off}]").dedent()
+        work = outer * blocks
+    if y.size == 0:
+        work = 0
+    kernel = Kernel("Concat", src.text(), (ctype,) * (len(parts) + 1))
+    return Lowered([KernelCall(kernel, [name for name, _, _ in parts] + [y.name], work, node.name)])

@@ -1,5 +1,448 @@
-"""TODO: being written."""
+"""Conv (NCHW, 1-D/2-D/3-D, groups, strides, pads, dilations, auto_pad, optional bias).
+
+    Y[n, oc, o] = B[oc] + sum_{ic in group(oc), k} W[oc, ic, k] * X[n, ic, o*s - p + k*d]
+
+A 1x1 stride-1 unpadded conv is a GEMM per (image, group): Y[n, g] = W[g] @ X[n, g]
+(M = output channels, N = pixels, K = input channels), handed to gemm.py.
+
+Otherwise the conv is direct. One work item computes output rows of OCB
+output-channel planes of one image (OCB = 2 when the group allows: each input
+load then feeds two FMAs). The planes are initialised with the bias, then
+accumulated block by block, where a block is a few taps (ICB whole input
+channels when the kernel is small, or a few kernel rows of one channel when it
+is large) fused in one expression per output channel:
+
+    x0 = x[xb + ow*s + c0]; x1 = x[xb + ow*s + c1]; ...
+    out_j[row, ow] += wj_0 * x0 + wj_1 * x1 + ...
+
+the c_t being compile-time offsets. The inner loop runs over the columns
+where every tap is inside the input, so it has no branches and LLVM
+vectorises it; border columns get one statement each with only their valid
+taps. Rows whose kernel window leaves the input (top/bottom padding) take a
+per-tap path with the valid kernel range computed at run time.
+
+With stride 1 and as many output as input columns (every "same" conv), the
+input offset is affine in the flat output index oh*OW + ow, so the inner loop
+runs over all interior rows at once: long trip counts vectorise with little
+scalar tail. The border columns it crosses read neighbouring input rows (in
+the same plane) and are recomputed whole afterwards.
+
+Weights are read in their ONNX layout [OC, IC/group, *kernel], which is the
+order the blocks read them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuvil.errors import UnsupportedOpError
+
+from dataclasses import dataclass
+
+from .gemm import Operand, gemm_kernel
+from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
+
+WEIGHT_REGS = 18  # weights live in one pass (OCB x taps): they stay in vector registers
+OC_BLOCK = 2      # output channels per work item (when the group size allows)
+MIN_ITEMS = 16    # when the (image, channel block) items are fewer, rows are split too
 
 
-def lower_conv(node, graph):
-    raise NotImplementedError(node.op)
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _unsupported(node, why):
+    return UnsupportedOpError(f"node '{node.name}' ({node.op}): {why}")
+
+
+def conv_geometry(node, x_spatial, w_spatial, y_spatial):
+    """Kernel shape, strides, dilations and begin pads of a Conv node (auto_pad resolved)."""
+    s = len(x_spatial)
+    kernel = [int(k) for k in (node.attr("kernel_shape") or w_spatial)]
+    strides = [int(v) for v in (node.attr("strides") or [1] * s)]
+    dilations = [int(v) for v in (node.attr("dilations") or [1] * s)]
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = []
+        for i, k, st, d in zip(x_spatial, kernel, strides, dilations):
+            out = _ceil_div(i, st)
+            total = max(0, (out - 1) * st + (k - 1) * d + 1 - i)
+            pads.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+    elif auto_pad == "VALID":
+        pads = [0] * s
+    elif auto_pad in ("NOTSET", ""):
+        pads = [int(v) for v in (node.attr("pads") or [0] * (2 * s))][:s]
+    else:
+        raise _unsupported(node, f"auto_pad '{auto_pad}' is not a valid value")
+    for i, k, st, d, p, o in zip(x_spatial, kernel, strides, dilations, pads, y_spatial):
+        if o < 1 or (o - 1) * st - p + (k - 1) * d < 0:
+            raise _unsupported(node, f"output size {o} is inconsistent with its attributes")
+    return kernel, strides, dilations, pads
+
+
+def lower_conv(node, graph) -> Lowered:
+    X = graph.values[node.inputs[0]]
+    W = graph.values[node.inputs[1]]
+    B = graph.values[node.inputs[2]] if len(node.inputs) > 2 and node.inputs[2] else None
+    Y = graph.values[node.outputs[0]]
+    dtype = np.dtype(Y.dtype)
+    if dtype.kind != "f":
+        raise _unsupported(node, f"{dtype.name} inputs are not supported (float only)")
+    if not W.is_const:
+        raise _unsupported(node, "a non-constant weight W is not supported (weights are packed at build time)")
+    if len(X.shape) < 3:
+        raise _unsupported(node, f"input rank {len(X.shape)} is not supported (N, C and at least one spatial dim)")
+    group = int(node.attr("group", 1))
+    N, C = X.shape[:2]
+    OC = W.shape[0]
+    if C % group or OC % group or W.shape[1] != C // group:
+        raise _unsupported(node, f"W shape {W.shape} does not match {C} input channels in {group} groups")
+    kernel, strides, dilations, pads = conv_geometry(node, X.shape[2:], W.shape[2:], Y.shape[2:])
+    if list(kernel) != list(W.shape[2:]):
+        raise _unsupported(node, f"kernel_shape {kernel} does not match W shape {W.shape}")
+    args = [X.name, W.name] + ([B.name] if B is not None else []) + [Y.name]
+    pointwise = (all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
+                 and tuple(X.shape[2:]) == tuple(Y.shape[2:]))
+    if pointwise:
+        kernel_obj, work = _pointwise_kernel(dtype, N, C, OC, group, int(np.prod(X.shape[2:])), B is not None)
+        args[0], args[1] = W.name, X.name  # the GEMM reads A = W, B = X
+    else:
+        kernel_obj, work, mask = direct_conv_kernel(dtype, N, C, OC, group, X.shape[2:], Y.shape[2:], kernel,
+                                                    strides, dilations, pads, B is not None)
+        if mask is not None:
+            args.insert(-1, mask)
+    return Lowered([KernelCall(kernel_obj, args, work, node.name)])
+
+
+def _pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias):
+    """1x1 conv as a GEMM batched over (image, group): A = W[g] (OCg x ICg), B = X[n, g] (ICg x pixels)."""
+    icg, ocg = C // group, OC // group
+    a = Operand((0, ocg * icg), icg, 1)
+    b = Operand((C * pixels, icg * pixels), pixels, 1)
+    c = Operand((0, ocg), 1, 0) if has_bias else None
+    out = Operand((OC * pixels, ocg * pixels), pixels, 1)
+    return gemm_kernel("Conv", dtype, ocg, pixels, icg, (N, group), a, b, c, out)
+
+
+@dataclass
+class _Geometry:
+    """Everything a direct-conv kernel is specialised to (spatial lists are per spatial dim)."""
+    dtype: np.dtype
+    C: int
+    OC: int
+    icg: int
+    ocg: int
+    ocb: int             # output channels per work item
+    in_spatial: list
+    out_spatial: list
+    kernel: list
+    strides: list
+    dilations: list
+    pads: list           # begin pads
+    has_bias: bool
+
+    def __post_init__(self):
+        self.lead = list(range(len(self.in_spatial) - 1))  # spatial dims above the column dim
+        self.in_strides = dims_strides(self.in_spatial)
+        self.in_plane = int(np.prod(self.in_spatial))
+        self.out_plane = int(np.prod(self.out_spatial))
+        self.ksize = int(np.prod(self.kernel))
+        self.IW, self.OW = self.in_spatial[-1], self.out_spatial[-1]
+        self.KW, self.SW, self.DW, self.PW = self.kernel[-1], self.strides[-1], self.dilations[-1], self.pads[-1]
+        # Columns where tap kw reads inside the input: ow in [col_lo[kw], col_hi[kw]).
+        self.col_lo = [max(0, _ceil_div(self.PW - kw * self.DW, self.SW)) for kw in range(self.KW)]
+        self.col_hi = [min(self.OW, (self.IW - 1 + self.PW - kw * self.DW) // self.SW + 1) for kw in range(self.KW)]
+        self.inner_lo, self.inner_hi = max(self.col_lo), min(self.col_hi)
+        if self.inner_lo >= self.inner_hi:
+            self.inner_lo = self.inner_hi = 0
+            self.border = list(range(self.OW))
+        else:
+            self.border = list(range(self.inner_lo)) + list(range(self.inner_hi, self.OW))
+        # Leading output indices whose whole kernel window is inside the input: [lo, hi) per dim.
+        self.interior = []
+        for d in self.lead:
+            lo = _ceil_div(self.pads[d], self.strides[d])
+            hi = min(self.out_spatial[d],
+                     (self.in_spatial[d] - 1 + self.pads[d] - (self.kernel[d] - 1) * self.dilations[d]) // self.strides[d] + 1)
+            self.interior.append((lo, max(lo, hi)))
+        self.all_interior = all(lo == 0 and hi == self.out_spatial[d] for d, (lo, hi) in zip(self.lead, self.interior))
+        self.none_interior = any(lo >= hi for lo, hi in self.interior)
+        self.flat = (len(self.lead) == 1 and self.SW == 1 and self.strides[0] == 1 and self.IW == self.OW
+                     and self.inner_hi > self.inner_lo and not self.none_interior)
+
+    @property
+    def masked_kw(self) -> list[int]:
+        """Kernel columns that are invalid somewhere in a row: the flat loop masks their sums."""
+        return [kw for kw in range(self.KW) if self.col_lo[kw] > 0 or self.col_hi[kw] < self.OW] if self.flat else []
+
+    def column_masks(self) -> np.ndarray:
+        """mask[i, oh*OW + ow] = 1 where masked kernel column i reads inside the input, else 0."""
+        cols = np.arange(self.out_plane) % self.OW
+        return np.stack([((cols >= self.col_lo[kw]) & (cols < self.col_hi[kw])) for kw in self.masked_kw]).astype(self.dtype)
+
+    def tap_offsets(self, ks):
+        """Input offset of kernel index ks relative to kernel index 0."""
+        return sum(k * d * st for k, d, st in zip(ks, self.dilations, self.in_strides))
+
+
+def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, strides, dilations, pads,
+                       has_bias) -> tuple[Kernel, int]:
+    icg, ocg = C // group, OC // group
+    g = _Geometry(np.dtype(dtype), C, OC, icg, ocg, OC_BLOCK if ocg % OC_BLOCK == 0 else 1, [int(v) for v in in_spatial],
+                  [int(v) for v in out_spatial], list(kernel), list(strides), list(dilations), list(pads), has_bias)
+    F = lambda v: literal(v, g.dtype)
+    rows_total = int(np.prod(g.out_spatial[:-1])) if g.lead else 1
+    items = N * OC // g.ocb
+    splits = min(rows_total, _ceil_div(MIN_ITEMS, items)) if items < MIN_ITEMS else 1
+    rows_per_split = _ceil_div(rows_total, splits)
+    splits = _ceil_div(rows_total, rows_per_split)
+
+    n_ptrs = 3 + has_bias + bool(g.masked_kw)
+    src = Source().line(kernel_header(n_ptrs)).indent()
+    src.line("for item in range(begin, end):").indent()
+    if splits > 1:
+        src.line(f"split = item % {splits}").line(f"blk = item // {splits}")
+        src.line(f"r_lo = split * {rows_per_split}").line(f"r_hi = min(r_lo + {rows_per_split}, {rows_total})")
+    else:
+        src.line("blk = item").line("r_lo = 0").line(f"r_hi = {rows_total}")
+    blocks_per_image = OC // g.ocb
+    src.line(f"oc0 = (blk % {blocks_per_image})*{g.ocb}").line(f"n = blk // {blocks_per_image}")
+    g_term = f" + (oc0 // {ocg})*{icg}" if group > 1 else ""
+    src.line(f"x_base = (n*{C}{g_term})*{g.in_plane}")
+    src.line(f"w_base0 = oc0*{icg * g.ksize}")
+    src.line(f"o_base0 = (n*{OC} + oc0)*{g.out_plane}")
+    with _per_channel(src, g):
+        src.line(f"for f in range(r_lo*{g.OW}, r_hi*{g.OW}):").indent()
+        src.line(f"{_PY(g)}[o_base + f] = bias").dedent()
+    if g.flat:
+        _flat_rows(src, g)
+    else:
+        _row_by_row(src, g)
+    mask = g.column_masks() if g.masked_kw else None
+    return Kernel("Conv", src.text(), tuple([g.dtype.name] * n_ptrs)), items * splits, mask
+
+
+_PX, _PW, _PB = "p0", "p1", "p2"
+
+
+def _PM(g):
+    return "p3" if g.has_bias else "p2"
+
+
+def _PY(g):
+    return f"p{2 + g.has_bias + bool(g.masked_kw)}"
+
+
+class _per_channel:
+    """`with _per_channel(src, g):` emits a loop over the item's output channels that sets
+    `oc`, `o_base`, `w_base` and `bias` for the body."""
+
+    def __init__(self, src, g):
+        self.src, self.g = src, g
+
+    def __enter__(self):
+        src, g = self.src, self.g
+        if g.ocb > 1:
+            src.line(f"for jo in range({g.ocb}):").indent()
+            src.line("oc = oc0 + jo").line(f"o_base = o_base0 + jo*{g.out_plane}")
+            src.line(f"w_base = w_base0 + jo*{g.icg * g.ksize}")
+        else:
+            src.line("oc = oc0").line("o_base = o_base0").line("w_base = w_base0")
+        src.line(f"bias = {_PB}[oc]" if g.has_bias else f"bias = {literal(0, g.dtype)}")
+
+    def __exit__(self, *exc):
+        if self.g.ocb > 1:
+            self.src.dedent()
+
+
+def _row_start(src, g, o_base):
+    """Decode the leading output indices of flat row `r`; set `orow` (output row offset from `o_base`)
+    and `xrow` (input offset of kernel index 0 at output column 0)."""
+    rest = "r"
+    for d in reversed(g.lead):
+        size = g.out_spatial[d]
+        if d == g.lead[0]:
+            src.line(f"o{d} = {rest}")
+        else:
+            src.line(f"o{d} = {rest} % {size}").line(f"oq{d} = {rest} // {size}")
+            rest = f"oq{d}"
+    src.line(f"orow = {o_base} + r*{g.OW}")
+    terms = ["x_base"] + [f"(o{d}*{g.strides[d]} - {g.pads[d]})*{g.in_strides[d]}" for d in g.lead]
+    src.line(f"xrow = {' + '.join(terms)}" + (f" - {g.PW}" if g.PW else ""))
+
+
+def _row_by_row(src, g):
+    """Each row: fused blocks (rows whose kernel window is inside) or per-tap loops."""
+    src.line("for r in range(r_lo, r_hi):").indent()
+    _row_start(src, g, "o_base0")
+    if not g.lead or g.all_interior:
+        _fused_blocks(src, g, g.inner_lo, g.inner_hi, [(ow, None) for ow in g.border])
+    elif g.none_interior:
+        _per_tap_all(src, g)
+    else:
+        cond = " and ".join(f"o{d} >= {lo} and o{d} < {hi}" for d, (lo, hi) in zip(g.lead, g.interior))
+        src.line(f"if {cond}:").indent()
+        _fused_blocks(src, g, g.inner_lo, g.inner_hi, [(ow, None) for ow in g.border])
+        src.dedent().line("else:").indent()
+        _per_tap_all(src, g)
+        src.dedent()
+    src.dedent()
+
+
+def _flat_rows(src, g):
+    """2-D, stride 1, OW == IW: one inner loop from the first inner column of the first interior row
+    to the last inner column of the last one. Its reads stay inside the plane (both ends do); at the
+    border columns it crosses, a kernel column reading across the row edge has its sum multiplied
+    by a 0/1 column mask. The partial first and last rows' border columns are single statements."""
+    lo, hi = g.interior[0]
+    OW = g.OW
+    src.line(f"ra = max(r_lo, {lo})").line(f"rb = min(r_hi, {hi})")
+    src.line("if ra < rb:").indent()
+    src.line("orow = o_base0").line(f"xrow = x_base - {g.pads[0] * g.IW + g.PW}")
+    src.line(f"fa = ra*{OW}").line(f"fb = (rb - 1)*{OW}")
+    border = [(ow, "fa") for ow in range(g.inner_lo)] + [(ow, "fb") for ow in range(g.inner_hi, OW)]
+    _fused_blocks(src, g, f"fa + {g.inner_lo}", f"fb + {g.inner_hi}", border)
+    src.dedent()
+    if lo > 0 or hi < g.out_spatial[0]:
+        src.line("for r in range(r_lo, r_hi):").indent()
+        src.line("if r < ra or r >= rb:").indent()
+        _row_start(src, g, "o_base0")
+        _per_tap_all(src, g)
+        src.dedent().dedent()
+
+
+def _blocks(g):
+    """How taps are grouped in passes over an output row.
+
+    Returns (header, taps, remainder): `header(src)` emits the block loop (returns whether it
+    opened one) and the runtime bases `xb` (input offset, relative to the row) and `wb`
+    (weight offset of the block's first output channel); `taps` are (x offset, weight offset, kw)
+    with compile-time offsets; `remainder` is None or (xb expr, wb expr, taps) for a last partial
+    block of channels."""
+    per_oc = max(1, WEIGHT_REGS // g.ocb)
+    lead = g.lead
+
+    def channel_taps(n_channels):
+        return [(i * g.in_plane + g.tap_offsets(ks), i * g.ksize + t, ks[-1])
+                for i in range(n_channels) for t, ks in enumerate(np.ndindex(*g.kernel))]
+
+    if g.ksize <= per_oc or not lead:
+        icb = max(1, min(g.icg, per_oc // g.ksize))
+        n_full, rem = divmod(g.icg, icb)
+
+        def header(src):
+            if n_full == 1:
+                src.line("xb = xrow").line("wb = w_base0")
+                return False
+            src.line(f"for icb in range({n_full}):").indent()
+            src.line(f"xb = xrow + icb*{icb * g.in_plane}").line(f"wb = w_base0 + icb*{icb * g.ksize}")
+            return True
+        remainder = None
+        if rem:
+            remainder = (f"xrow + {n_full * icb * g.in_plane}", f"w_base0 + {n_full * icb * g.ksize}", channel_taps(rem))
+        return header, channel_taps(icb), remainder
+    # Large kernels: a block is `rows` consecutive rows of the last leading kernel dim, in one channel.
+    kh = g.kernel[-2]
+    rows = max(r for r in range(1, kh + 1) if kh % r == 0 and (r * g.KW <= per_oc or r == 1))
+    groups_per_channel = (g.ksize // g.KW) // rows
+    taps = [(j * g.dilations[-2] * g.in_strides[-2] + kw * g.DW, j * g.KW + kw, kw)
+            for j in range(rows) for kw in range(g.KW)]
+
+    def header(src):
+        src.line(f"for blk in range({g.icg * groups_per_channel}):").indent()
+        src.line(f"ic = blk // {groups_per_channel}")
+        src.line(f"kr0 = (blk % {groups_per_channel}) * {rows}")  # first kernel row (flat over leading dims)
+        terms, rest = [], "kr0"
+        for d in reversed(lead):
+            if d == lead[0]:
+                src.line(f"kl{d} = {rest}")
+            else:
+                src.line(f"kl{d} = {rest} % {g.kernel[d]}").line(f"kq{d} = {rest} // {g.kernel[d]}")
+                rest = f"kq{d}"
+            terms.append(f"kl{d}*{g.dilations[d] * g.in_strides[d]}")
+        src.line(f"xb = xrow + ic*{g.in_plane} + {' + '.join(terms)}")
+        src.line(f"wb = w_base0 + ic*{g.ksize} + kr0*{g.KW}")
+        return True
+    return header, taps, None
+
+
+def _fused_blocks(src, g, loop_lo, loop_hi, border):
+    """Every block of taps over columns [loop_lo, loop_hi) of the row at `orow`, then the `border` columns."""
+    header, taps, remainder = _blocks(g)
+    opened = header(src)
+    _fused_taps(src, g, taps, loop_lo, loop_hi, border)
+    if opened:
+        src.dedent()
+    if remainder is not None:
+        xb, wb, rem_taps = remainder
+        src.line(f"xb = {xb}").line(f"wb = {wb}")
+        _fused_taps(src, g, rem_taps, loop_lo, loop_hi, border)
+
+
+def _fused_taps(src, g, taps, loop_lo, loop_hi, border):
+    """One pass: weights to scalars, the branch-free inner loop (inputs loaded once for all output
+    channels, before any store), then the `border` columns (ow, extra row offset or None) with
+    their valid taps."""
+    per_oc = g.icg * g.ksize
+    for j in range(g.ocb):
+        for t, (_, w_off, _) in enumerate(taps):
+            src.line(f"w{j}_{t} = {_PW}[{_add('wb', j * per_oc + w_off)}]")
+    col = "ow" if g.SW == 1 else f"ow*{g.SW}"
+    py = _PY(g)
+    masked = {kw: i for i, kw in enumerate(g.masked_kw)}
+    if isinstance(loop_lo, str) or loop_hi > loop_lo:
+        src.line(f"for ow in range({loop_lo}, {loop_hi}):").indent()
+        for t, (x_off, _, _) in enumerate(taps):
+            src.line(f"x{t} = {_PX}[{_add(f'xb + {col}', x_off)}]")
+        used = sorted({kw for _, _, kw in taps} & set(masked))
+        for kw in used:
+            src.line(f"m{kw} = {_PM(g)}[{_add('ow', masked[kw] * g.out_plane)}]")
+        for j in range(g.ocb):
+            sums = []
+            for kw in sorted({kw for _, _, kw in taps}):
+                products = " + ".join(f"w{j}_{t} * x{t}" for t, (_, _, k) in enumerate(taps) if k == kw)
+                sums.append(f"({products}) * m{kw}" if kw in masked else products)
+            src.line(f"{py}[{_add('orow + ow', j * g.out_plane)}] += {' + '.join(sums)}")
+        src.dedent()
+    for ow, row in border:
+        valid = [(t, x_off) for t, (x_off, _, kw) in enumerate(taps) if 0 <= ow * g.SW - g.PW + kw * g.DW < g.IW]
+        base = f" + {row}" if row else ""
+        for j in range(g.ocb if valid else 0):
+            terms = " + ".join(f"w{j}_{t} * {_PX}[{_add('xb' + base, x_off + ow * g.SW)}]" for t, x_off in valid)
+            src.line(f"{py}[{_add('orow' + base, ow + j * g.out_plane)}] += {terms}")
+
+
+def _add(expr, offset):
+    return f"{expr} + {offset}" if offset else expr
+
+
+def _per_tap_all(src, g):
+    """Rows whose kernel window leaves the input, for every output channel of the item:
+    valid kernel ranges at run time, one loop per tap."""
+    py = _PY(g)
+    for d in g.lead:
+        # i = o*s - p + k*d must lie in [0, I): k in [ceil(-base/d), floor((I-1-base)/d)].
+        dil = g.dilations[d]
+        src.line(f"base{d} = o{d}*{g.strides[d]} - {g.pads[d]}")
+        src.line(f"k{d}_lo = max(0, (-base{d} + {dil - 1}) // {dil})" if dil > 1 else f"k{d}_lo = max(0, -base{d})")
+        src.line(f"k{d}_hi = min({g.kernel[d]}, ({g.in_spatial[d] - 1} - base{d}) // {dil} + 1)" if dil > 1
+                 else f"k{d}_hi = min({g.kernel[d]}, {g.in_spatial[d]} - base{d})")
+    with _per_channel(src, g):
+        src.line(f"orow_c = orow + {'jo' if g.ocb > 1 else '0'}*{g.out_plane}")
+        src.line(f"for ic in range({g.icg}):").indent()
+        src.line(f"xk = xrow + ic*{g.in_plane}").line(f"wk = w_base + ic*{g.ksize}")
+        k_strides = dims_strides(g.kernel)
+        for d in g.lead:
+            src.line(f"for k{d} in range(k{d}_lo, k{d}_hi):").indent()
+        src.line(f"xt = {' + '.join(['xk'] + [f'k{d}*{g.dilations[d] * g.in_strides[d]}' for d in g.lead])}")
+        src.line(f"wt = {' + '.join(['wk'] + [f'k{d}*{k_strides[d]}' for d in g.lead])}")
+        col = "ow" if g.SW == 1 else f"ow*{g.SW}"
+        for kw in range(g.KW):
+            if g.col_hi[kw] <= g.col_lo[kw]:
+                continue
+            src.line(f"wv = {_PW}[{_add('wt', kw)}]")
+            src.line(f"for ow in range({g.col_lo[kw]}, {g.col_hi[kw]}):").indent()
+            src.line(f"{py}[orow_c + ow] += wv * {_PX}[{_add(f'xt + {col}', kw * g.DW)}]")
+            src.dedent()
+        for _ in g.lead:
+            src.dedent()
+        src.dedent()

@@ -90,7 +90,9 @@ def literal(value, dtype) -> str:
     dtype = np.dtype(dtype)
     if dtype.kind == "f":
         v = float(value)
-        if v == float("inf"):
+        if v != v:
+            text = "np.nan"
+        elif v == float("inf"):
             text = "np.inf"
         elif v == float("-inf"):
             text = "-np.inf"

@@ -1,17 +1,206 @@
-"""TODO: being written."""
+"""MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool over N x C x D1 x ... x Dk.
+
+The work range runs over the N*C planes. Within a plane the output is built
+in place: for every kernel tap, the taps of a whole output row are combined
+in one loop over the output's last dim (unit stride in the output, stride
+`strides[-1]` in the input), with that loop's bounds cut to the taps that
+fall inside the input, so no padding test runs in the inner loop.
+
+Window of output position o along one axis: input positions
+o*stride - pad_begin + j*dilation for j in [0, kernel), those in [0, size).
+MaxPool ignores padding (like onnxruntime it starts from the dtype's lowest
+value); AveragePool divides by the count of taps inside the input, or with
+count_include_pad by the count inside the padded input: a per-output divisor
+packed at build time as its reciprocal.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuvil.errors import UnsupportedOpError
+
+from .elementwise import check_dtypes, pointer_type
+from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
 
 
-def lower_maxpool(node, graph):
-    raise NotImplementedError(node.op)
+def _affine(terms, const=0) -> str:
+    """Source of `a*s + b*t + c` with unit factors and zero terms simplified."""
+    text = ""
+    for var, factor in [*[(v, f) for v, f in terms if f != 0], *([("", const)] if const or not terms else [])]:
+        magnitude = abs(factor)
+        term = (str(magnitude) if not var else var if magnitude == 1 else f"{var} * {magnitude}")
+        if not text:
+            text = term if factor >= 0 else f"-{term}"
+        else:
+            text += f" + {term}" if factor >= 0 else f" - {term}"
+    return text or "0"
 
 
-def lower_averagepool(node, graph):
-    raise NotImplementedError(node.op)
+def pool_geometry(node, in_spatial, out_spatial):
+    """kernel, strides, dilations, pads at the begin and at the end of every spatial axis.
+
+    The output shape comes from the graph (ONNX shape inference applied
+    ceil_mode already); with auto_pad SAME_* the pads are derived from it as
+    the ONNX spec does: total = (out-1)*stride + (kernel-1)*dilation + 1 - in."""
+    rank = len(in_spatial)
+    kernel = [int(k) for k in node.attr("kernel_shape")]
+    strides = [int(s) for s in (node.attr("strides") or [1] * rank)]
+    dilations = [int(d) for d in (node.attr("dilations") or [1] * rank)]
+    pads = [int(p) for p in (node.attr("pads") or [0] * (2 * rank))]
+    auto_pad = node.attr("auto_pad", "NOTSET") or "NOTSET"
+    begin, end = pads[:rank], pads[rank:]
+    if auto_pad == "VALID":
+        begin, end = [0] * rank, [0] * rank
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begin, end = [], []
+        for size, out, k, s, d in zip(in_spatial, out_spatial, kernel, strides, dilations):
+            total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
+            head = total // 2 if auto_pad == "SAME_UPPER" else (total + 1) // 2
+            begin.append(head)
+            end.append(total - head)
+    elif auto_pad != "NOTSET":
+        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): unknown auto_pad '{auto_pad}'")
+    return kernel, strides, dilations, begin, end
 
 
-def lower_global_averagepool(node, graph):
-    raise NotImplementedError(node.op)
+def _taps(out, size, k, s, d, pad_begin, pad_end, include_pad):
+    """How many taps of output position `out`'s window count for its average."""
+    lo, hi = (-pad_begin, size + pad_end) if include_pad else (0, size)
+    return sum(1 for j in range(k) if lo <= out * s - pad_begin + j * d < hi)
 
 
-def lower_global_maxpool(node, graph):
-    raise NotImplementedError(node.op)
+def _window_kernel(op, x, y, geometry) -> Kernel:
+    kernel, strides, dilations, pad_begin, _ = geometry
+    in_spatial, out_spatial = list(x.shape[2:]), list(y.shape[2:])
+    rank = len(in_spatial)
+    in_plane, out_plane = int(np.prod(in_spatial)), int(np.prod(out_spatial))
+    x_strides, y_strides = dims_strides(in_spatial), dims_strides(out_spatial)
+    is_max = op == "MaxPool"
+    dtype = np.dtype(y.dtype)
+    y_ptr = "p1" if is_max else "p2"
+    if is_max:
+        lowest = np.finfo(dtype).min if dtype.kind == "f" else np.iinfo(dtype).min
+        init = literal(lowest, dtype)
+    else:
+        init = literal(0, dtype)
+
+    src = Source().line(kernel_header(2 if is_max else 3)).indent()
+    src.line("for c in range(begin, end):").indent()
+    plane_depth = src.depth
+    src.line(f"xb = c * {in_plane}")
+    src.line(f"yb = c * {out_plane}")
+    src.line(f"for i in range({out_plane}):").indent().line(f"{y_ptr}[yb + i] = {init}").dedent()
+    x_terms, y_terms = [("xb", 1)], [("yb", 1)]
+    for axis in range(rank - 1):
+        o, t, h = f"o{axis}", f"k{axis}", f"h{axis}"
+        src.line(f"for {o} in range({out_spatial[axis]}):").indent()
+        src.line(f"for {t} in range({kernel[axis]}):").indent()
+        src.line(f"{h} = {_affine([(o, strides[axis]), (t, dilations[axis])], -pad_begin[axis])}")
+        last_tap = (out_spatial[axis] - 1) * strides[axis] + (kernel[axis] - 1) * dilations[axis] - pad_begin[axis]
+        if pad_begin[axis] > 0 or last_tap >= in_spatial[axis]:  # some tap may fall outside the input
+            src.line(f"if {h} >= 0 and {h} < {in_spatial[axis]}:").indent()
+        x_terms.append((h, x_strides[axis]))
+        y_terms.append((o, y_strides[axis]))
+    # The last axis: for each tap, the output positions whose tap is inside the input.
+    size, n_out = in_spatial[-1], out_spatial[-1]
+    k, s, d, p = kernel[-1], strides[-1], dilations[-1], pad_begin[-1]
+    src.line(f"xr = {_affine(x_terms)}")
+    src.line(f"yr = {_affine(y_terms)}")
+    src.line(f"for t in range({k}):").indent()
+    # first o with o*s + t*d - p >= 0, and one past the last with it < size
+    if s == 1:
+        src.line(f"lo = max(0, {_affine([('t', -d)], p)})")
+    else:
+        src.line(f"lo = max(0, -(({_affine([('t', d)], -p)}) // {s}))")
+    if s == 1:
+        src.line(f"hi = min({n_out}, {_affine([('t', -d)], size + p)})")
+    else:
+        src.line(f"hi = min({n_out}, ({_affine([('t', -d)], size - 1 + p)}) // {s} + 1)")
+    src.line(f"xt = xr + {_affine([('t', d)], -p)}")
+    src.line("for o in range(lo, hi):").indent()
+    src.line(f"v = p0[xt + {_affine([('o', s)])}]")
+    if is_max:
+        src.line(f"w = {y_ptr}[yr + o]")
+        src.line(f"{y_ptr}[yr + o] = v if v > w else w")
+    else:
+        src.line(f"{y_ptr}[yr + o] += v")
+    src.depth = plane_depth
+    if not is_max:
+        src.line(f"for i in range({out_plane}):").indent()
+        src.line(f"{y_ptr}[yb + i] = {y_ptr}[yb + i] * p1[i]").dedent()
+    arg_types = (pointer_type(x.dtype),) * (2 if is_max else 3)
+    return Kernel(op, src.text(), arg_types)
+
+
+def _check(node, graph, dtypes):
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    check_dtypes(node, [x, y])
+    if np.dtype(x.dtype).name not in dtypes:
+        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): dtype {np.dtype(x.dtype).name} is not supported",
+                                 hint=f"supported: {', '.join(dtypes)}")
+    if len(x.shape) < 3:
+        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): input rank {len(x.shape)}, expected N x C x spatial dims")
+    return x, y
+
+
+def lower_maxpool(node, graph) -> Lowered:
+    if len(node.outputs) > 1 and node.outputs[1]:
+        raise UnsupportedOpError(f"node '{node.name}' (MaxPool): the Indices output ('{node.outputs[1]}') is not supported",
+                                 hint="only the pooled values can be computed; remove the use of Indices")
+    x, y = _check(node, graph, ("float32", "float64", "int8", "uint8"))
+    geometry = pool_geometry(node, x.shape[2:], y.shape[2:])
+    kernel = _window_kernel("MaxPool", x, y, geometry)
+    planes = int(x.shape[0] * x.shape[1])
+    return Lowered([KernelCall(kernel, [x.name, y.name], planes, node.name)])
+
+
+def lower_averagepool(node, graph) -> Lowered:
+    x, y = _check(node, graph, ("float32", "float64"))
+    geometry = pool_geometry(node, x.shape[2:], y.shape[2:])
+    kernel_shape, strides, dilations, pad_begin, pad_end = geometry
+    include_pad = bool(node.attr("count_include_pad", 0))
+    # The divisor is a product over axes: the taps counted along each axis.
+    per_axis = [np.array([_taps(o, size, k, s, d, pb, pe, include_pad) for o in range(n_out)], dtype=np.float64)
+                for size, n_out, k, s, d, pb, pe
+                in zip(x.shape[2:], y.shape[2:], kernel_shape, strides, dilations, pad_begin, pad_end)]
+    count = per_axis[0]
+    for axis_count in per_axis[1:]:
+        count = np.multiply.outer(count, axis_count)
+    with np.errstate(divide="ignore"):
+        reciprocal = np.where(count > 0, 1.0 / np.maximum(count, 1), 0.0).astype(x.dtype).reshape(-1)
+    kernel = _window_kernel("AveragePool", x, y, geometry)
+    planes = int(x.shape[0] * x.shape[1])
+    return Lowered([KernelCall(kernel, [x.name, reciprocal, y.name], planes, node.name)])
+
+
+def _global_kernel(op, x) -> Kernel:
+    dtype = np.dtype(x.dtype)
+    plane = int(np.prod(x.shape[2:]))
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for c in range(begin, end):").indent()
+    src.line(f"xb = c * {plane}")
+    if op == "GlobalMaxPool":
+        src.line("acc = p0[xb]")
+        src.line(f"for i in range(1, {plane}):").indent()
+        src.line("v = p0[xb + i]")
+        src.line("acc = v if v > acc else acc").dedent()
+        src.line("p1[c] = acc")
+    else:
+        src.line(f"acc = {literal(0, dtype)}")
+        src.line(f"for i in range({plane}):").indent().line("acc += p0[xb + i]").dedent()
+        src.line(f"p1[c] = acc / {literal(plane, dtype)}")
+    return Kernel(op, src.text(), (pointer_type(dtype),) * 2)
+
+
+def _lower_global(node, graph) -> Lowered:
+    x, y = _check(node, graph, ("float32", "float64"))
+    planes = int(x.shape[0] * x.shape[1])
+    return Lowered([KernelCall(_global_kernel(node.op, x), [x.name, y.name], planes, node.name)])
+
+
+def lower_global_averagepool(node, graph) -> Lowered:
+    return _lower_global(node, graph)
+
+
+def lower_global_maxpool(node, graph) -> Lowered:
+    return _lower_global(node, graph)

@@ -236,6 +236,22 @@ class _Importer:
         except Exception as exc:
             raise ModelError(f"node '{name}' ({proto.op_type}): evaluating it at build time failed: {exc}") from None
 
+    def _drop_padding_window(self, proto, shape):
+        """With ceil_mode, ONNX's shape inference keeps a last window that starts
+        inside the end padding; onnxruntime and the reference evaluator drop it."""
+        attrs = _pool_attrs(proto)
+        if not attrs.get("ceil_mode") or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            return shape
+        in_shape = self.values[proto.input[0]].shape
+        spatial = len(in_shape) - 2
+        strides = list(attrs.get("strides", [1] * spatial))
+        pads = list(attrs.get("pads", [0] * 2 * spatial))
+        shape = list(shape)
+        for i in range(spatial):
+            if shape[2 + i] > 1 and (shape[2 + i] - 1) * strides[i] >= in_shape[2 + i] + pads[i]:
+                shape[2 + i] -= 1
+        return tuple(shape)
+
     def _infer(self, proto: onnx.NodeProto, name: str) -> list[tuple[tuple[int, ...], np.dtype]]:
         model = self._single_node_model(proto, with_data=lambda v: v.size <= _SMALL_CONST)
         try:
@@ -257,8 +273,14 @@ class _Importer:
                 raise ShapeError(f"node '{name}' ({proto.op_type}): the shape of output '{out}' cannot be inferred statically",
                                  hint="give every model input a static shape; data-dependent shapes are not supported")
             shape = tuple(int(d.dim_value) for d in t.tensor_type.shape.dim)
+            if proto.op_type in ("MaxPool", "AveragePool") and out == proto.output[0]:
+                shape = self._drop_padding_window(proto, shape)
             result.append((shape, _np_dtype(t.tensor_type.elem_type, f"node '{name}' output '{out}'")))
         return result
+
+
+def _pool_attrs(proto):
+    return {a.name: helper.get_attribute_value(a) for a in proto.attribute}
 
 
 # Ops whose result is random or whose folding would only bloat the weights.

@@ -1,0 +1,231 @@
+"""The `cuvil` command line, end to end on a temporary copy of the example project.
+
+`build` compiles cuvil.yaml.example's model, `inspect` reads what was built,
+`run` executes it on .npy inputs and must agree with onnxruntime, `check`
+reports an op cuvil cannot compile, and a mistake in cuvil.yaml comes out as
+one located message with exit code 2 and no traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+from cuvil import __version__
+from cuvil.cli import main
+
+from tests.helpers import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_CONFIG = ROOT / "cuvil.yaml.example"
+EXAMPLE_MODEL = ROOT / "examples" / "models" / "tiny_cnn.onnx"
+TEST_CACHE = Path(os.environ["CUVIL_CACHE_DIR"])  # set by conftest: kernels shared by every test
+
+
+def write_example_project(folder: Path, extra_models: str = "") -> Path:
+    """cuvil.yaml.example and its model copied into `folder`, with the shared test cache; returns the config."""
+    (folder / "examples" / "models").mkdir(parents=True, exist_ok=True)
+    if INTERIM:
+        (folder / "examples" / "models" / EXAMPLE_MODEL.name).write_bytes(_interim_model().SerializeToString())
+    else:
+        shutil.copyfile(EXAMPLE_MODEL, folder / "examples" / "models" / EXAMPLE_MODEL.name)
+    text = EXAMPLE_CONFIG.read_text().replace("dir: .cuvil-cache", f"dir: {TEST_CACHE}")
+    assert str(TEST_CACHE) in text, "cuvil.yaml.example no longer sets cache.dir: update this test"
+    if extra_models:
+        text = text.replace("\n# `cuvil watch`", extra_models + "\n# `cuvil watch`")
+    config = folder / "cuvil.yaml"
+    config.write_text(text)
+    return config
+
+
+# TEMPORARY until the Conv/Gemm/pool/Softmax generators land: the same
+# input and output names, elementwise ops and a Reshape only.
+INTERIM = True
+OUT_SHAPE = [1, 3072] if INTERIM else [1, 10]
+
+
+def _interim_model():
+    rng = np.random.default_rng(0)
+    return make_model(
+        [helper.make_node("Mul", ["input", "scale"], ["m"]), helper.make_node("Add", ["m", "shift"], ["a"]),
+         helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Reshape", ["r", "flat"], ["f"]),
+         helper.make_node("Sigmoid", ["f"], ["probs"])],
+        [("input", np.float32, ["N", 3, 32, 32])], [("probs", np.float32, ["N", 3072])],
+        {"scale": rng.standard_normal((3, 1, 1)).astype(np.float32),
+         "shift": rng.standard_normal((1, 32, 32)).astype(np.float32), "flat": np.array([1, -1], np.int64)})
+
+
+def cuvil_subprocess(*args, cwd) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "cuvil", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def run_ort(model_path: Path, feeds: dict) -> dict:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The example project, built once with `cuvil build`; returns (folder, library, build stdout)."""
+    folder = tmp_path_factory.mktemp("project")
+    config = write_example_project(folder)
+    result = cuvil_subprocess("build", "-f", config, "-j", "2", cwd=folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return folder, folder / "build" / "cuvil" / "tiny_cnn" / "native" / "libtiny_cnn.so", result.stdout
+
+
+def test_build_writes_the_variant_and_a_summary(built):
+    folder, library, stdout = built
+    variant = library.parent
+    assert sorted(p.name for p in variant.iterdir()) == ["libtiny_cnn.so", "manifest.json", "tiny_cnn.h"]
+    assert "[tiny_cnn/native] import" in stdout
+    assert "tiny_cnn/native: build/cuvil/tiny_cnn/native/libtiny_cnn.so" in stdout
+    assert "kernels, arena" in stdout and "built 1 variant" in stdout
+    manifest = json.loads((variant / "manifest.json").read_text())
+    assert manifest["symbol_prefix"] == "tiny_cnn_"
+    assert manifest["inputs"] == [{"name": "input", "dtype": "float32", "shape": [1, 3, 32, 32]}]
+    assert "tiny_cnn_session_run" in (variant / "tiny_cnn.h").read_text()
+
+
+def test_build_again_hits_the_cache(built, capsys, monkeypatch):
+    folder, library, _ = built
+    monkeypatch.chdir(folder)
+    assert main(["build"]) == 0  # -f defaults to ./cuvil.yaml
+    out = capsys.readouterr().out
+    assert " 0 misses" in out, out
+
+
+def test_inspect_prints_the_model_info(built, capsys):
+    _, library, _ = built
+    assert main(["inspect", str(library)]) == 0
+    out = capsys.readouterr().out
+    for words in ("tiny_cnn", "symbol prefix tiny_cnn_", "native", "fp32", "input", "float32 [1, 3, 32, 32]",
+                  "probs", str(OUT_SHAPE), "arena", "sha256", "numba"):
+        assert words in out, f"{words!r} missing from:\n{out}"
+
+    assert main(["inspect", "--json", str(library)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["outputs"] == [{"name": "probs", "dtype": "float32", "shape": OUT_SHAPE}]
+    assert info["precision"] == "fp32" and info["target"] == "native"
+    assert set(info["memory"]) >= {"arena_bytes", "weights_bytes"}
+
+
+def test_run_matches_onnxruntime(built, tmp_path, capsys):
+    folder, library, _ = built
+    x = np.random.default_rng(7).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    out_dir = tmp_path / "out"
+    assert main(["run", str(library), "--input", f"input={tmp_path / 'x.npy'}", "--output-dir", str(out_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert f"probs: shape {OUT_SHAPE} float32" in printed
+    got = np.load(out_dir / "probs.npy")
+    want = run_ort(folder / "examples" / "models" / "tiny_cnn.onnx", {"input": x})["probs"]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_run_names_a_missing_input_and_a_wrong_shape(built, tmp_path, capsys):
+    _, library, _ = built
+    assert main(["run", str(library)]) == 2
+    assert "no file given for input(s) ['input']" in capsys.readouterr().err
+    np.save(tmp_path / "small.npy", np.zeros((1, 3, 8, 8), np.float32))
+    assert main(["run", str(library), "-i", str(tmp_path / "small.npy")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cuvil: error: input 'input': shape [1, 3, 8, 8]") and "Traceback" not in err
+
+
+def test_run_output_file_names_are_sanitised():
+    from cuvil.cli import _file_names
+    assert _file_names(["probs", "a/b:c", "../x", "a_b_c", "a/b:c"]) == ["probs", "a_b_c", "_x", "a_b_c_2", "a_b_c_3"]
+
+
+def test_check_lists_ops_and_passes_a_supported_model(built, capsys):
+    folder, _, _ = built
+    assert main(["check", "-f", str(folder / "cuvil.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "input   input: float32 [1, 3, 32, 32]" in out
+    assert "all ops supported" in out and "unsupported" not in out
+
+
+def _unsupported_op() -> str:
+    from backends.numba_cpu.registry import GENERATORS
+    # Shape-preserving single-input ops, any of which cuvil may not have yet.
+    return next(op for op in ("Hardmax", "LpNormalization", "Softsign", "Softplus") if op not in GENERATORS)
+
+
+def test_check_reports_an_unsupported_op(tmp_path, capsys):
+    op = _unsupported_op()
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node(op, ["r"], ["y"], name="odd")],
+                       [("x", np.float32, ["N", 4])], [("y", np.float32, ["N", 4])])
+    (tmp_path / "odd.onnx").write_bytes(model.SerializeToString())
+    (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: odd\n    source: odd.onnx\n"
+                                         "    inputs: {x: [2, 4]}\n")
+    assert main(["check", "-f", str(tmp_path / "cuvil.yaml")]) == 1
+    out = capsys.readouterr().out
+    assert f"ops     2 nodes: {op} 1, Relu 1" in out
+    assert f"unsupported: node 'odd' ({op}):" in out
+    assert "node 'relu'" not in out
+
+    from cuvil.config import load_config
+    from cuvil.project import check_project
+    problems = check_project(load_config(tmp_path / "cuvil.yaml"))
+    assert len(problems) == 1 and problems[0].endswith(f"cuvil.yaml:3: model 'odd': node 'odd' ({op}): "
+                                                       f"no kernel generator for op {op}")
+
+
+def test_a_config_error_is_located_and_has_no_traceback(tmp_path):
+    config = write_example_project(tmp_path)
+    config.write_text(config.read_text().replace("  opt_level: 2", "  opt_levle: 2"))
+    result = cuvil_subprocess("build", "-f", "cuvil.yaml", cwd=tmp_path)
+    assert result.returncode == 2
+    line = next(i for i, text in enumerate(config.read_text().splitlines(), 1) if "opt_levle" in text)
+    assert result.stderr.startswith(f"cuvil: error: cuvil.yaml:{line}:"), result.stderr
+    assert "opt_levle" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "build").exists()
+
+    debug = cuvil_subprocess("--debug", "check", "-f", "cuvil.yaml", cwd=tmp_path)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_a_model_error_names_the_entry_in_the_config(tmp_path, capsys):
+    config = write_example_project(tmp_path)
+    config.write_text(config.read_text().replace("input: [1, 3, 32, 32]", "input: [1, 3, 32]"))
+    assert main(["build", "-f", str(config)]) == 2
+    err = capsys.readouterr().err
+    line = next(i for i, text in enumerate(config.read_text().splitlines(), 1) if "name: tiny_cnn" in text)
+    assert f"cuvil.yaml:{line}: model 'tiny_cnn': input 'input'" in err and "rank" in err
+
+
+def test_unknown_model_and_torchscript_source(tmp_path, capsys):
+    config = write_example_project(tmp_path)
+    assert main(["build", "-f", str(config), "resnet"]) == 2
+    assert "no model named 'resnet' (known: tiny_cnn)" in capsys.readouterr().err
+
+    (tmp_path / "net.pt").write_bytes(b"")
+    config.write_text(config.read_text().replace("source: examples/models/tiny_cnn.onnx", "source: net.pt"))
+    assert main(["check", "-f", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "model 'tiny_cnn': TorchScript sources (net.pt) are not supported yet" in err
+
+
+def test_version_and_usage(tmp_path):
+    result = cuvil_subprocess("--version", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == f"cuvil {__version__}"
+    result = cuvil_subprocess("frobnicate", cwd=tmp_path)
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+    result = cuvil_subprocess("inspect", tmp_path / "nothing.so", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith("cuvil: error: library not found")

@@ -67,6 +67,9 @@ class Cache:
         self.hits += 1
         return data
 
+    def contains(self, key: str) -> bool:
+        return self.root is not None and self._path(key).is_file()
+
     def put(self, key: str, data: bytes) -> None:
         if self.root is None or self.read_only:
             return

@@ -58,55 +58,43 @@ class _Worker:
             self.proc.kill()
 
 
-_workers: list[_Worker] = []
-_workers_lock = threading.Lock()
+_idle: list[_Worker] = []
+_all: list[_Worker] = []
+_pool_lock = threading.Lock()
 
 
-def _get_workers(n: int) -> list[_Worker]:
-    with _workers_lock:
-        _workers[:] = [w for w in _workers if w.alive()]
-        while len(_workers) < n:
-            _workers.append(_Worker())
-        return _workers[:n]
+def _acquire() -> _Worker:
+    with _pool_lock:
+        while _idle:
+            worker = _idle.pop()
+            if worker.alive():
+                return worker
+        worker = _Worker()
+        _all.append(worker)
+        return worker
+
+
+def _release(worker: _Worker) -> None:
+    with _pool_lock:
+        _idle.append(worker)
 
 
 @atexit.register
 def _shutdown():
-    for worker in _workers:
+    for worker in _all:
         worker.close()
-    _workers.clear()
+    _all.clear()
+    _idle.clear()
 
 
-def object_key(kernel, target: CpuTarget) -> str:
-    return step_key({"step": "kernel-object", "kernel": kernel.key, "target": target.as_key(), "versions": tool_versions()})
-
-
-def compile_objects(kernels, target: CpuTarget, cache: Cache, jobs: int = 1, progress=None) -> dict[str, bytes]:
-    """symbol -> object bytes for every kernel, from the cache or freshly compiled."""
-    objects, missing = {}, []
-    for kernel in {k.symbol: k for k in kernels}.values():
-        data = cache.get(object_key(kernel, target))
-        if data is None:
-            missing.append(kernel)
-        else:
-            objects[kernel.symbol] = data
-    if not missing:
-        return objects
-    workers = _get_workers(max(1, min(jobs, len(missing))))
-    pool = cf.ThreadPoolExecutor(max_workers=len(workers))
-    futures = {pool.submit(workers[i % len(workers)].compile, k, target): k for i, k in enumerate(missing)}
-    done = 0
-    for future in cf.as_completed(futures):
-        kernel = futures[future]
-        try:
-            data = future.result()
-        except Exception as exc:
-            raise BuildError(f"compiling kernel {kernel.symbol} ({kernel.family}) failed: {type(exc).__name__}: {exc}\n"
-                             f"kernel source:\n{kernel.source}", hint="this is a bug in cuvil; please report it with the model") from None
-        cache.put(object_key(kernel, target), data)
-        objects[kernel.symbol] = data
-        done += 1
-        if progress:
-            progress(f"kernel {done}/{len(missing)} {kernel.family}")
-    pool.shutdown()
-    return objects
+def compile_object(kernel, target: CpuTarget) -> bytes:
+    """Compile one kernel to an object file in a worker process (one kernel per worker at a time)."""
+    worker = _acquire()
+    try:
+        return worker.compile(kernel, target)
+    except Exception as exc:
+        raise BuildError(f"compiling kernel {kernel.symbol} ({kernel.family}) failed: {exc}\n"
+                         f"kernel source:\n{kernel.source}",
+                         hint="this is a bug in cuvil; please report it with the model") from None
+    finally:
+        _release(worker)

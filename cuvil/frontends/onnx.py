@@ -33,6 +33,11 @@ def read_model(source) -> tuple[onnx.ModelProto, bytes, Path | None]:
     """Load a model from a path, bytes or a ModelProto; return it, its bytes and its folder."""
     if isinstance(source, onnx.ModelProto):
         return source, source.SerializeToString(), None
+    if isinstance(source, bytes):
+        try:
+            return onnx.load_model_from_string(source), source, None
+        except Exception as exc:
+            raise ModelError(f"not a valid ONNX protobuf ({type(exc).__name__}: {exc})") from None
     path = Path(os.fspath(source))
     if not path.is_file():
         raise ModelError(f"model file not found: {path}", hint="check the path (relative paths are resolved from the current directory or cuvil.yaml's folder)")

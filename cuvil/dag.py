@@ -1,0 +1,191 @@
+"""The build as a graph of steps, each cached by a key derived from what it depends on.
+
+A step's key is the sha256 of the canonical JSON of its kind, its parameters,
+the keys of the steps it reads and the versions of the tools that run it.
+Keys are known before anything runs, so evaluation is demand-driven: asking
+for a step whose key is in the cache loads its output and runs nothing
+upstream of it. Steps may add steps while they run (the link step adds one
+step per kernel once the code generator has said which kernels exist).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import networkx as nx
+
+from .cache import step_key
+from .errors import BuildError, CuvilError
+
+
+@dataclass
+class Step:
+    name: str                        # unique and readable: "tiny_cnn/native/pass:fold_batchnorm"
+    kind: str                        # import | pass | codegen | kernel | link
+    params: dict                     # JSON-able: everything but its inputs that changes its output
+    deps: list[str]                  # names of the steps whose outputs it reads, in order
+    run: Callable[..., Any]          # run(graph, *dep_outputs) -> output
+    encode: Callable[[Any], bytes]   # output -> bytes for the cache
+    decode: Callable[[bytes], Any]
+    parallel: bool = False           # may run in a worker thread beside other such steps
+
+
+@dataclass
+class StepRecord:
+    name: str
+    kind: str
+    key: str
+    status: str      # "ran" | "cached"
+    seconds: float
+
+
+class StepGraph:
+    def __init__(self, cache, versions: dict, progress: Callable[[str], None] | None = None, jobs: int = 1):
+        self.g = nx.DiGraph()
+        self.cache = cache
+        self.versions = versions
+        self.progress = progress or (lambda message: None)
+        self.jobs = max(1, jobs)
+        self.records: dict[str, StepRecord] = {}
+        self._keys: dict[str, str] = {}
+        self._outputs: dict[str, Any] = {}
+        self._lock = threading.RLock()
+
+    # -- structure -----------------------------------------------------------------
+    def add(self, step: Step) -> str:
+        """Add a step (a step of the same name and key is shared, e.g. one kernel used by two models)."""
+        with self._lock:
+            if step.name in self.g:
+                return step.name
+            self.g.add_node(step.name, step=step)
+            for dep in step.deps:
+                self.g.add_edge(dep, step.name)
+        return step.name
+
+    def step(self, name: str) -> Step:
+        return self.g.nodes[name]["step"]
+
+    def check(self) -> None:
+        missing = sorted(n for n in self.g if "step" not in self.g.nodes[n])
+        if missing:
+            raise BuildError(f"steps depend on undefined steps: {missing}")
+        try:
+            cycle = nx.find_cycle(self.g)
+        except nx.NetworkXNoCycle:
+            return
+        names = " -> ".join([a for a, _ in cycle] + [cycle[0][0]])
+        raise BuildError(f"the build graph has a cycle: {names}")
+
+    def key(self, name: str) -> str:
+        with self._lock:
+            if name not in self._keys:
+                step = self.step(name)
+                self._keys[name] = step_key({"kind": step.kind, "params": step.params,
+                                             "deps": [self.key(d) for d in step.deps], "versions": self.versions})
+            return self._keys[name]
+
+    # -- evaluation ----------------------------------------------------------------
+    def get(self, name: str) -> Any:
+        """The output of a step: from memory, from the cache, or by running it."""
+        with self._lock:
+            if name in self._outputs:
+                return self._outputs[name]
+        step, key = self.step(name), self.key(name)
+        start = time.perf_counter()
+        data = self.cache.get(key)
+        if data is not None:
+            try:
+                output = step.decode(data)
+                self._finish(step, key, "cached", start, output)
+                return output
+            except Exception as exc:  # an entry we cannot read is a miss, never a failure
+                self.progress(f"warning: cache entry for {name} unreadable ({exc}); rebuilding")
+        inputs = self.get_many(step.deps)
+        self.progress(f"run  {name}")
+        start = time.perf_counter()
+        output = step.run(self, *inputs)
+        self.cache.put(key, step.encode(output))
+        self._finish(step, key, "ran", start, output)
+        return output
+
+    def get_many(self, names: list[str]) -> list[Any]:
+        """Outputs of several steps; those marked parallel run in up to `jobs` threads."""
+        parallel = [n for n in names if self.step(n).parallel and n not in self._outputs]
+        if self.jobs > 1 and len(parallel) > 1:
+            with cf.ThreadPoolExecutor(max_workers=self.jobs) as pool:
+                for future in [pool.submit(self.get, n) for n in dict.fromkeys(parallel)]:
+                    future.result()
+        return [self.get(n) for n in names]
+
+    def _finish(self, step, key, status, start, output):
+        with self._lock:
+            self._outputs[step.name] = output
+            self.records[step.name] = StepRecord(step.name, step.kind, key, status, time.perf_counter() - start)
+
+    def is_cached(self, name: str) -> bool:
+        return self.cache.contains(self.key(name))
+
+    # -- reporting -----------------------------------------------------------------
+    def report(self) -> dict:
+        steps = []
+        for name in nx.lexicographical_topological_sort(self.g):
+            rec = self.records.get(name)
+            if rec is None:  # not needed: something downstream of it was cached
+                rec = StepRecord(name, self.step(name).kind, self.key(name), "cached", 0.0)
+            steps.append({"name": rec.name, "kind": rec.kind, "key": rec.key, "status": rec.status,
+                          "seconds": round(rec.seconds, 4)})
+        return {"steps": steps}
+
+    def summary(self) -> str:
+        steps = self.report()["steps"]
+        ran = sum(1 for s in steps if s["status"] == "ran")
+        return f"ran {ran}, cached {len(steps) - ran}"
+
+    def render(self, fmt: str = "text") -> str:
+        order = list(nx.lexicographical_topological_sort(self.g))
+        ids = {n: f"s{i}" for i, n in enumerate(order)}
+        if fmt == "json":
+            import json
+            return json.dumps({"steps": [{"name": n, "kind": self.step(n).kind, "key": self.key(n),
+                                          "deps": list(self.step(n).deps)} for n in order]}, indent=2)
+        if fmt == "dot":
+            lines = ["digraph cuvil {", "  rankdir=LR;"]
+            lines += [f'  {ids[n]} [label="{n}\\n{self.key(n)[:12]}"];' for n in order]
+            lines += [f"  {ids[a]} -> {ids[b]};" for a, b in sorted(self.g.edges)]
+            return "\n".join(lines + ["}"])
+        if fmt == "mermaid":
+            lines = ["graph LR"]
+            lines += [f'  {ids[n]}["{n}"]' for n in order]
+            lines += [f"  {ids[a]} --> {ids[b]}" for a, b in sorted(self.g.edges)]
+            return "\n".join(lines)
+        if fmt != "text":
+            raise CuvilError(f"unknown graph format {fmt!r}", hint="use text, dot, mermaid or json")
+        lines = []
+        for n in order:
+            deps = self.step(n).deps
+            lines.append(f"{n}  [{self.step(n).kind} {self.key(n)[:12]}]" + (f"  <- {', '.join(deps)}" if deps else ""))
+        return "\n".join(lines)
+
+
+def pack_files(files: dict[str, bytes]) -> bytes:
+    """Several named byte strings as one cache entry (a JSON index, then the bytes)."""
+    import json
+    names = sorted(files)
+    index = json.dumps([[n, len(files[n])] for n in names]).encode()
+    return len(index).to_bytes(8, "little") + index + b"".join(files[n] for n in names)
+
+
+def unpack_files(data: bytes) -> dict[str, bytes]:
+    import json
+    size = int.from_bytes(data[:8], "little")
+    index = json.loads(data[8:8 + size])
+    out, pos = {}, 8 + size
+    for name, length in index:
+        out[name] = data[pos:pos + length]
+        pos += length
+    if pos != len(data):
+        raise ValueError("file bundle has trailing bytes")
+    return out

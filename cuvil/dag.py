@@ -58,7 +58,7 @@ class StepGraph:
     def add(self, step: Step) -> str:
         """Add a step (a step of the same name and key is shared, e.g. one kernel used by two models)."""
         with self._lock:
-            if step.name in self.g:
+            if step.name in self.g and "step" in self.g.nodes[step.name]:
                 return step.name
             self.g.add_node(step.name, step=step)
             for dep in step.deps:

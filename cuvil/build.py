@@ -64,11 +64,18 @@ def code_fingerprint() -> str:
     """sha256 of cuvil's own source: a changed generator or pass must never reuse old steps."""
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for package in ("cuvil", "passes", "backends"):
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+    files = [root / "cuvil" / name for name in _OUTPUT_AFFECTING] + sorted((root / "cuvil" / "frontends").rglob("*.py"))
+    for package in ("passes", "backends"):
+        files += sorted((root / package).rglob("*.py"))
+    for path in files:
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+# The modules of cuvil/ that shape what a step produces (the CLI, the config
+# loader, the runtime loader and the cache do not).
+_OUTPUT_AFFECTING = ("__init__.py", "build.py", "dag.py", "ir.py", "ir_io.py", "errors.py")
 
 
 @lru_cache(maxsize=None)

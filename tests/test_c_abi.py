@@ -9,7 +9,6 @@ arguments with an error code rather than a crash.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess

@@ -33,10 +33,7 @@ TEST_CACHE = Path(os.environ["CUVIL_CACHE_DIR"])  # set by conftest: kernels sha
 def write_example_project(folder: Path, extra_models: str = "") -> Path:
     """cuvil.yaml.example and its model copied into `folder`, with the shared test cache; returns the config."""
     (folder / "examples" / "models").mkdir(parents=True, exist_ok=True)
-    if INTERIM:
-        (folder / "examples" / "models" / EXAMPLE_MODEL.name).write_bytes(_interim_model().SerializeToString())
-    else:
-        shutil.copyfile(EXAMPLE_MODEL, folder / "examples" / "models" / EXAMPLE_MODEL.name)
+    shutil.copyfile(EXAMPLE_MODEL, folder / "examples" / "models" / EXAMPLE_MODEL.name)
     text = EXAMPLE_CONFIG.read_text().replace("dir: .cuvil-cache", f"dir: {TEST_CACHE}")
     assert str(TEST_CACHE) in text, "cuvil.yaml.example no longer sets cache.dir: update this test"
     if extra_models:
@@ -46,21 +43,7 @@ def write_example_project(folder: Path, extra_models: str = "") -> Path:
     return config
 
 
-# TEMPORARY until the Conv/Gemm/pool/Softmax generators land: the same
-# input and output names, elementwise ops and a Reshape only.
-INTERIM = True
-OUT_SHAPE = [1, 3072] if INTERIM else [1, 10]
-
-
-def _interim_model():
-    rng = np.random.default_rng(0)
-    return make_model(
-        [helper.make_node("Mul", ["input", "scale"], ["m"]), helper.make_node("Add", ["m", "shift"], ["a"]),
-         helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Reshape", ["r", "flat"], ["f"]),
-         helper.make_node("Sigmoid", ["f"], ["probs"])],
-        [("input", np.float32, ["N", 3, 32, 32])], [("probs", np.float32, ["N", 3072])],
-        {"scale": rng.standard_normal((3, 1, 1)).astype(np.float32),
-         "shift": rng.standard_normal((1, 32, 32)).astype(np.float32), "flat": np.array([1, -1], np.int64)})
+OUT_SHAPE = [1, 10]  # probs
 
 
 def cuvil_subprocess(*args, cwd) -> subprocess.CompletedProcess:
@@ -91,7 +74,7 @@ def test_build_writes_the_variant_and_a_summary(built):
     folder, library, stdout = built
     variant = library.parent
     assert sorted(p.name for p in variant.iterdir()) == ["libtiny_cnn.so", "manifest.json", "tiny_cnn.h"]
-    assert "[tiny_cnn/native] import" in stdout
+    assert "[tiny_cnn/native] build -> " in stdout
     assert "tiny_cnn/native: build/cuvil/tiny_cnn/native/libtiny_cnn.so" in stdout
     assert "kernels, arena" in stdout and "built 1 variant" in stdout
     manifest = json.loads((variant / "manifest.json").read_text())
@@ -210,16 +193,29 @@ def test_a_model_error_names_the_entry_in_the_config(tmp_path, capsys):
     assert f"cuvil.yaml:{line}: model 'tiny_cnn': input 'input'" in err and "rank" in err
 
 
-def test_unknown_model_and_torchscript_source(tmp_path, capsys):
+def test_unknown_model_is_named_with_the_known_ones(tmp_path, capsys):
     config = write_example_project(tmp_path)
     assert main(["build", "-f", str(config), "resnet"]) == 2
     assert "no model named 'resnet' (known: tiny_cnn)" in capsys.readouterr().err
 
-    (tmp_path / "net.pt").write_bytes(b"")
-    config.write_text(config.read_text().replace("source: examples/models/tiny_cnn.onnx", "source: net.pt"))
-    assert main(["check", "-f", str(config)]) == 2
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit is deprecated upstream, still supported
+def test_check_exports_a_torchscript_source(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    torch.jit.trace(model, torch.zeros(2, 8)).save(str(tmp_path / "net.pt"))
+    (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: net\n    source: net.pt\n"
+                                         "    inputs: {x: [2, 8]}\n")
+    assert main(["check", "-f", str(tmp_path / "cuvil.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "input   x: float32 [2, 8]" in out and "Relu 1" in out and "all ops supported" in out
+
+    (tmp_path / "broken.pt").write_bytes(b"not a TorchScript archive")
+    (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: broken\n    source: broken.pt\n"
+                                         "    inputs: {x: [2, 8]}\n")
+    assert main(["check", "-f", str(tmp_path / "cuvil.yaml")]) == 2
     err = capsys.readouterr().err
-    assert "model 'tiny_cnn': TorchScript sources (net.pt) are not supported yet" in err
+    assert "cuvil.yaml:3: model 'broken': " in err and "cannot be loaded as TorchScript" in err
 
 
 def test_version_and_usage(tmp_path):

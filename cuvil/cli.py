@@ -1,0 +1,285 @@
+"""The `cuvil` command line: build, run, inspect, check.
+
+Every command is a small function of its parsed arguments that returns an exit
+code. A `CuvilError` (a user mistake or a bad input) is printed as one
+`cuvil: error: ...` message with exit code 2 and no traceback; `--debug` adds
+the traceback. `run` and `inspect` need only numpy: the compiler is imported by
+`build` and `check` alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import traceback
+from pathlib import Path
+
+from . import __version__
+from .errors import CuvilError
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def main(argv=None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit:  # --help, --version and usage errors: argparse has printed them
+        return exit.code if isinstance(exit.code, int) else EXIT_ERROR
+    args.debug = getattr(args, "debug", False)
+    try:
+        return args.command(args)
+    except CuvilError as error:
+        if args.debug:
+            traceback.print_exc()
+        print(f"cuvil: error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("cuvil: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as error:  # a bug in cuvil: say so briefly; --debug shows where
+        if args.debug:
+            traceback.print_exc()
+        print(f"cuvil: internal error: {type(error).__name__}: {error}\n"
+              f"  hint: this is a bug in cuvil; rerun with --debug for the traceback and report it",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _parser() -> argparse.ArgumentParser:
+    # --debug is accepted before or after the command; SUPPRESS keeps a command's
+    # parser from resetting a --debug given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
+    parser = argparse.ArgumentParser(prog="cuvil", parents=[common],
+                                     description="Compile ONNX models ahead of time into "
+                                     "standalone shared libraries with a plain C ABI.")
+    parser.add_argument("--version", action="version", version=f"cuvil {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    build = commands.add_parser("build", parents=[common], help="build the models of a cuvil.yaml",
+                                description="Build every model (or the MODELs named) for each of its targets.")
+    _config_option(build)
+    build.add_argument("-j", "--jobs", type=_positive_int, default=1, metavar="N",
+                       help="compile up to N kernels in parallel (default 1)")
+    build.add_argument("models", nargs="*", metavar="MODEL", help="build only these models (default: all)")
+    build.set_defaults(command=cmd_build)
+
+    run = commands.add_parser("run", parents=[common], help="run a built library on .npy inputs",
+                              description="Run a library built by cuvil on inputs read from .npy files "
+                                          "and save each output as <output-dir>/<name>.npy.")
+    run.add_argument("library", type=Path, metavar="LIB", help="a lib<model>.so built by cuvil")
+    run.add_argument("-i", "--input", action="append", default=[], metavar="NAME=FILE.npy", dest="inputs",
+                     help="an input tensor (repeat for each input; NAME= may be left out for a one-input model)")
+    run.add_argument("-o", "--output-dir", type=Path, default=Path("."), metavar="D",
+                     help="folder for the output .npy files (default: the current folder)")
+    run.set_defaults(command=cmd_run)
+
+    inspect = commands.add_parser("inspect", parents=[common], help="describe a built library",
+                                  description="Print what a library built by cuvil contains: its tensors, "
+                                              "target, precision, memory and provenance.")
+    inspect.add_argument("library", type=Path, metavar="LIB")
+    inspect.add_argument("--json", action="store_true", help="print the library's model info as JSON")
+    inspect.set_defaults(command=cmd_inspect)
+
+    check = commands.add_parser("check", parents=[common], help="validate a cuvil.yaml and find unsupported ops",
+                                description="Validate the config and import each model without building it. "
+                                            "Exit 1 if some op cannot be compiled, 0 if all can.")
+    _config_option(check)
+    check.add_argument("models", nargs="*", metavar="MODEL", help="check only these models (default: all)")
+    check.set_defaults(command=cmd_check)
+    return parser
+
+
+def _config_option(parser):
+    parser.add_argument("-f", "--file", type=Path, default=Path("cuvil.yaml"), metavar="FILE",
+                        help="the build file (default: cuvil.yaml)")
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+# --- build
+
+def cmd_build(args) -> int:
+    from .cache import Cache
+    from .config import load_config
+    from .project import build_project
+
+    spec = load_config(args.file)
+    cache = Cache(spec.cache.dir, read_only=spec.cache.read_only)
+    built = build_project(spec, args.models or None, jobs=args.jobs, progress=_say, cache=cache)
+    print()
+    for artifacts in built:
+        info = artifacts.info
+        print(f"{info['name']}/{info['target']}: {_shown(artifacts.library)}")
+        unchanged = "" if getattr(artifacts, "changed", True) else " (unchanged)"
+        print(f"    {artifacts.kernels} kernels, arena {_bytes(info['memory']['arena_bytes'])}, "
+              f"weights {_bytes(info['memory']['weights_bytes'])}, {artifacts.seconds:.1f} s{unchanged}")
+    print(f"built {len(built)} variant{'s' if len(built) != 1 else ''}; "
+          f"step cache: {cache.hits} hits, {cache.misses} misses ({_shown(spec.cache.dir)})")
+    return EXIT_OK
+
+
+def _say(message):
+    print(message, flush=True)
+
+
+# --- run
+
+def cmd_run(args) -> int:
+    import numpy as np
+
+    from .runtime import load
+
+    library = load(args.library)
+    feeds = _read_inputs(args.inputs, library.input_names)
+    outputs = library.run(feeds)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    for name, file_name in zip(outputs, _file_names(list(outputs))):
+        array = outputs[name]
+        path = args.output_dir / f"{file_name}.npy"
+        np.save(path, array)
+        print(f"{name}: shape {list(array.shape)} {array.dtype} -> {_shown(path)}")
+        print(f"    {_preview(array)}")
+    return EXIT_OK
+
+
+def _read_inputs(specs: list[str], input_names: list[str]) -> dict:
+    import numpy as np
+
+    feeds = {}
+    for spec in specs:
+        name, sep, file = spec.partition("=")
+        if not sep:
+            if len(input_names) != 1:
+                raise CuvilError(f"--input {spec!r} does not name its input",
+                                 hint=f"write --input NAME=FILE.npy; the inputs are {input_names}")
+            name, file = input_names[0], spec
+        if name in feeds:
+            raise CuvilError(f"input {name!r} is given twice")
+        try:
+            feeds[name] = np.load(file, allow_pickle=False)
+        except FileNotFoundError:
+            raise CuvilError(f"input {name!r}: file not found: {file}") from None
+        except (OSError, ValueError) as error:
+            raise CuvilError(f"input {name!r}: cannot read {file} as a .npy array: {error}",
+                             hint="save inputs with numpy.save (one array per .npy file)") from None
+    missing = [n for n in input_names if n not in feeds]
+    if missing:
+        raise CuvilError(f"no file given for input(s) {missing}",
+                         hint="give each input as --input NAME=FILE.npy")
+    return feeds
+
+
+def _file_names(names: list[str]) -> list[str]:
+    """A safe, distinct file name stem for each tensor name (names may hold '/', ':' and worse)."""
+    stems, taken = [], set()
+    for name in names:
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "output"
+        unique, i = stem, 1
+        while unique in taken:
+            i += 1
+            unique = f"{stem}_{i}"
+        taken.add(unique)
+        stems.append(unique)
+    return stems
+
+
+def _preview(array, count=6) -> str:
+    flat = array.reshape(-1)
+    values = ", ".join(f"{v:.6g}" if array.dtype.kind == "f" else str(v) for v in flat[:count].tolist())
+    return f"[{values}{', ...' if flat.size > count else ''}]"
+
+
+# --- inspect
+
+def cmd_inspect(args) -> int:
+    from .runtime import load
+
+    library = load(args.library)
+    info = library.info
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"{_shown(library.path)}")
+    print(f"  model      {info.get('name', '?')} (ABI {info.get('abi_version', '?')}, "
+          f"symbol prefix {library.prefix})")
+    cpu = f" (cpu {info['cpu']})" if info.get("cpu") else ""
+    print(f"  target     {info.get('target', '?')}{cpu}, precision {info.get('precision', '?')}, "
+          f"threads {info.get('threads', '?')}")
+    for kind in ("inputs", "outputs"):
+        print(f"  {kind}")
+        width = max((len(t["name"]) for t in info[kind]), default=0)
+        for tensor in info[kind]:
+            print(f"    {tensor['name']:<{width}}  {tensor['dtype']} {tensor['shape']}")
+    memory = info.get("memory", {})
+    if memory:
+        print(f"  memory     arena {_bytes(memory.get('arena_bytes', 0))} "
+              f"(unplanned {_bytes(memory.get('naive_bytes', 0))}), weights {_bytes(memory.get('weights_bytes', 0))}")
+    if "kernels" in info:
+        print(f"  kernels    {info['kernels']}")
+    print(f"  passes     {', '.join(info.get('passes') or []) or '(none)'}")
+    print(f"  source     sha256 {info.get('source_sha256', '?')}")
+    print(f"  spec hash  {info.get('spec_hash', '?')}")
+    versions = info.get("versions") or {"cuvil": info.get("cuvil_version", "?")}
+    print(f"  versions   {', '.join(f'{k} {v}' for k, v in sorted(versions.items()))}")
+    return EXIT_OK
+
+
+# --- check
+
+def cmd_check(args) -> int:
+    from .config import load_config
+    from .project import check_model, select_models
+
+    spec = load_config(args.file)
+    selected = select_models(spec, args.models or None)
+    print(f"{_shown(spec.path)}: valid, {len(spec.models)} model{'s' if len(spec.models) != 1 else ''}")
+    unsupported = 0
+    for model in selected:
+        report = check_model(spec, model)
+        print(f"\n{model.name}  ({_shown(model.source)}; targets {', '.join(model.targets)}, {model.precision})")
+        for kind, tensors in (("input", report.inputs), ("output", report.outputs)):
+            for tensor in tensors:
+                print(f"  {kind:<7} {tensor['name']}: {tensor['dtype']} {tensor['shape']}")
+        total = sum(report.op_counts.values())
+        ops = ", ".join(f"{op} {n}" for op, n in report.op_counts.items())
+        print(f"  ops     {total} node{'s' if total != 1 else ''}: {ops or '(none)'}")
+        for problem in report.unsupported:
+            print(f"  unsupported: {problem}")
+        unsupported += len(report.unsupported)
+    if unsupported:
+        print(f"\n{unsupported} node{'s' if unsupported != 1 else ''} cannot be compiled yet")
+        return EXIT_PROBLEMS
+    print("\nall ops supported")
+    return EXIT_OK
+
+
+# --- formatting
+
+def _shown(path) -> str:
+    """A path relative to the working directory when it is below it, else absolute."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
+
+
+def _bytes(count: int) -> str:
+    count = int(count)
+    if count < 1024:
+        return f"{count} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if count < 1024 or unit == "GiB":
+            return f"{count:.1f} {unit}"

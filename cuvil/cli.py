@@ -63,8 +63,42 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(build)
     build.add_argument("-j", "--jobs", type=_positive_int, default=1, metavar="N",
                        help="compile up to N kernels in parallel (default 1)")
+    build.add_argument("--report", type=Path, metavar="FILE.json",
+                       help="write every step's name, kind, key, status (ran/cached) and seconds as JSON")
     build.add_argument("models", nargs="*", metavar="MODEL", help="build only these models (default: all)")
     build.set_defaults(command=cmd_build)
+
+    graph = commands.add_parser("graph", parents=[common], help="print the build's step graph",
+                                description="Print the steps of the build and their keys "
+                                            "(kernel steps appear once the code generator has run or is cached).")
+    _config_option(graph)
+    graph.add_argument("--format", choices=["text", "dot", "mermaid", "json"], default="text")
+    graph.add_argument("--expand", action="store_true",
+                       help="run (or load from the cache) the code generator so kernel steps are shown")
+    graph.add_argument("models", nargs="*", metavar="MODEL")
+    graph.set_defaults(command=cmd_graph)
+
+    verify = commands.add_parser("verify", parents=[common], help="rebuild a library and compare the bytes",
+                                 description="Rebuild LIB's model from the config in a temporary folder with a "
+                                             "fresh cache and report whether the bytes match.")
+    verify.add_argument("library", type=Path, metavar="LIB")
+    _config_option(verify)
+    verify.set_defaults(command=cmd_verify)
+
+    clean = commands.add_parser("clean", parents=[common], help="remove the build outputs of a cuvil.yaml",
+                                description="Remove <output_dir>; with --cache also the step cache.")
+    _config_option(clean)
+    clean.add_argument("--cache", action="store_true", help="also remove the local step cache")
+    clean.set_defaults(command=cmd_clean)
+
+    cache = commands.add_parser("cache", parents=[common], help="step cache statistics and pruning")
+    _config_option(cache)
+    cache_commands = cache.add_subparsers(metavar="ACTION", required=True)
+    stats = cache_commands.add_parser("stats", parents=[common], help="entries and bytes in the local cache")
+    stats.set_defaults(command=cmd_cache_stats)
+    prune = cache_commands.add_parser("prune", parents=[common], help="remove least recently used entries")
+    prune.add_argument("--max-size", required=True, metavar="SIZE", help="e.g. 500M, 2G")
+    prune.set_defaults(command=cmd_cache_prune)
 
     run = commands.add_parser("run", parents=[common], help="run a built library on .npy inputs",
                               description="Run a library built by cuvil on inputs read from .npy files "
@@ -110,13 +144,16 @@ def _positive_int(text):
 # --- build
 
 def cmd_build(args) -> int:
-    from .cache import Cache
     from .config import load_config
-    from .project import build_project
+    from .project import build_project, open_project_cache
 
     spec = load_config(args.file)
-    cache = Cache(spec.cache.dir, read_only=spec.cache.read_only)
-    built = build_project(spec, args.models or None, jobs=args.jobs, progress=_say, cache=cache)
+    cache = open_project_cache(spec)
+    result = build_project(spec, args.models or None, jobs=args.jobs, progress=_say, cache=cache)
+    built = result.artifacts
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(result.dag.report(), indent=2) + "\n")
     print()
     for artifacts in built:
         info = artifacts.info
@@ -124,8 +161,98 @@ def cmd_build(args) -> int:
         unchanged = "" if getattr(artifacts, "changed", True) else " (unchanged)"
         print(f"    {artifacts.kernels} kernels, arena {_bytes(info['memory']['arena_bytes'])}, "
               f"weights {_bytes(info['memory']['weights_bytes'])}, {artifacts.seconds:.1f} s{unchanged}")
-    print(f"built {len(built)} variant{'s' if len(built) != 1 else ''}; "
-          f"step cache: {cache.hits} hits, {cache.misses} misses ({_shown(spec.cache.dir)})")
+    print(f"{len(built)} variant{'s' if len(built) != 1 else ''}: {result.dag.summary()} steps "
+          f"in {result.seconds:.2f} s (cache: {_shown(spec.cache.dir)})")
+    return EXIT_OK
+
+
+def cmd_graph(args) -> int:
+    from .config import load_config
+    from .project import plan_project
+
+    spec = load_config(args.file)
+    dag, planned = plan_project(spec, args.models or None, progress=None)
+    if args.expand:
+        for _, _, _, link in planned:
+            dag.get(dag.step(link).deps[0])  # the codegen step says which kernels exist
+            _expand_kernels(dag, link)
+    print(dag.render(args.format))
+    return EXIT_OK
+
+
+def _expand_kernels(dag, link):
+    from backends.native.targets import CpuTarget
+
+    from .build import _kernel_step
+    bundle = dag.get(dag.step(link).deps[0])
+    target_key = dag.step(link).params["target"]
+    target = CpuTarget(**{**target_key, "gcc_flags": tuple(target_key["gcc_flags"])})
+    for kernel in json.loads(bundle["kernels.json"]):
+        dag.g.add_edge(dag.add(_kernel_step(target, kernel)), link)
+
+
+def cmd_verify(args) -> int:
+    import hashlib
+    import tempfile
+
+    from .cache import Cache
+    from .config import load_config
+    from .project import build_project
+    from .runtime import load
+
+    library = args.library.resolve()
+    if not library.is_file():
+        raise CuvilError(f"library not found: {library}")
+    info = load(library).info
+    spec = load_config(args.file)
+    model = spec.model(info["name"])
+    with tempfile.TemporaryDirectory(prefix="cuvil-verify-") as tmp:
+        result = build_project(spec, [model.name], progress=None, cache=Cache(Path(tmp) / "cache"),
+                               output_dir=Path(tmp) / "out")
+        rebuilt = next((a for a in result.artifacts if a.info["target"] == info["target"]), None)
+        if rebuilt is None:
+            raise CuvilError(f"{args.file}: model '{model.name}' has no target '{info['target']}'")
+        same = True
+        for mine in (rebuilt.library, rebuilt.header, rebuilt.manifest):
+            theirs = library.parent / mine.name
+            ok = theirs.is_file() and theirs.read_bytes() == mine.read_bytes()
+            same &= ok
+            digest = hashlib.sha256(mine.read_bytes()).hexdigest()[:16]
+            print(f"{'same     ' if ok else 'DIFFERENT'} {mine.name} (rebuilt sha256 {digest}...)")
+    print("verified: the rebuild is byte-identical" if same else "the rebuild differs")
+    return EXIT_OK if same else EXIT_PROBLEMS
+
+
+def cmd_clean(args) -> int:
+    import shutil
+
+    from .config import load_config
+    spec = load_config(args.file)
+    targets = [spec.output_dir] + ([spec.cache.dir] if args.cache else [])
+    for path in targets:
+        if path.exists():
+            shutil.rmtree(path)
+            print(f"removed {_shown(path)}")
+    return EXIT_OK
+
+
+def cmd_cache_stats(args) -> int:
+    from .config import load_config
+    from .project import open_project_cache
+    spec = load_config(args.file)
+    stats = open_project_cache(spec).stats()
+    print(f"{_shown(spec.cache.dir)}: {stats['entries']} entries, {_bytes(stats['bytes'])}")
+    return EXIT_OK
+
+
+def cmd_cache_prune(args) -> int:
+    from .cache import parse_size
+    from .config import load_config
+    from .project import open_project_cache
+    spec = load_config(args.file)
+    result = open_project_cache(spec).prune(parse_size(args.max_size))
+    print(f"removed {result['removed']} entries ({_bytes(result['removed_bytes'])}); "
+          f"{_bytes(result['bytes'])} left in {_shown(spec.cache.dir)}")
     return EXIT_OK
 
 

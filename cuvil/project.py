@@ -50,19 +50,27 @@ def select_models(spec: BuildSpec, names: list[str] | None = None) -> list[Model
     return [known[n] for n in dict.fromkeys(names)]
 
 
-def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
-                  cache: Cache | None = None) -> list:
-    """Build each selected model for each of its targets; returns one Artifacts per variant."""
-    from .build import VariantSpec, build_variant
+@dataclass
+class ProjectBuild:
+    """What a build of a cuvil.yaml produced: one Artifacts per variant, and the step graph."""
+    artifacts: list
+    dag: object
+    seconds: float
+
+
+def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
+                 cache=None):
+    """One step graph for every selected (model, target): identical kernels are one step.
+    Returns the graph and, per variant, (model config, target, output folder, link step)."""
+    from .build import VariantSpec, plan_variant, tool_versions
+    from .dag import StepGraph
 
     say = progress or (lambda message: None)
-    selected = select_models(spec, models)
     if cache is None:
-        cache = Cache(spec.cache.dir, read_only=spec.cache.read_only)
-    if spec.cache.url:
-        say(f"note: cache.url ({spec.cache.url}) is not supported yet; using {spec.cache.dir} only")
-    built = []
-    for model in selected:
+        cache = open_project_cache(spec)
+    dag = StepGraph(cache, tool_versions(), progress=say, jobs=jobs)
+    planned = []
+    for model in select_models(spec, models):
         for target in model.targets:
             with _located(spec, model):
                 variant = VariantSpec(
@@ -70,10 +78,40 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
                     precision=model.precision, opt_level=model.opt_level, passes=model.passes,
                     disable_passes=list(model.disable_passes), threads=model.threads,
                     symbol_prefix=model.symbol_prefix)
-                out_dir = spec.output_dir / model.name / target
-                say(f"[{model.name}/{target}] build -> {_relative(out_dir)}")
-                built.append(build_variant(variant, out_dir, cache, jobs=jobs, progress=say))
-    return built
+                planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
+    dag.check()
+    return dag, planned
+
+
+def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
+                  cache=None, output_dir: Path | None = None) -> ProjectBuild:
+    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/."""
+    import time
+
+    from .build import _artifacts, install
+
+    start = time.perf_counter()
+    say = progress or (lambda message: None)
+    dag, planned = plan_project(spec, models, jobs, progress, cache)
+    built = []
+    for model, target, out_dir, link in planned:
+        if output_dir is not None:
+            out_dir = Path(output_dir) / model.name / target
+        with _located(spec, model):
+            t0 = time.perf_counter()
+            files = dag.get(link)
+            changed = install(files, out_dir)
+            built.append(_artifacts(files, out_dir, time.perf_counter() - t0, changed))
+            say(f"[{model.name}/{target}] {'built' if changed else 'up to date'}: {_relative(out_dir)}")
+    return ProjectBuild(built, dag, time.perf_counter() - start)
+
+
+def open_project_cache(spec: BuildSpec):
+    """The step cache a cuvil.yaml asks for: a local folder, with a shared fsspec URL behind it if set."""
+    from . import cache as cache_module
+    if hasattr(cache_module, "open_cache"):
+        return cache_module.open_cache(spec.cache)
+    return cache_module.Cache(spec.cache.dir, read_only=spec.cache.read_only)
 
 
 def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:

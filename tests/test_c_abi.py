@@ -52,7 +52,7 @@ def project(tmp_path_factory):
     """Both models of the example project built; returns (folder, {name: Artifacts})."""
     folder = tmp_path_factory.mktemp("c_abi")
     config = write_example_project(folder, extra_models=SECOND_MODEL)
-    artifacts = build_project(load_config(config), progress=None)
+    artifacts = build_project(load_config(config), progress=None).artifacts
     return folder, {a.info["name"]: a for a in artifacts}
 
 

@@ -74,9 +74,9 @@ def test_build_writes_the_variant_and_a_summary(built):
     folder, library, stdout = built
     variant = library.parent
     assert sorted(p.name for p in variant.iterdir()) == ["libtiny_cnn.so", "manifest.json", "tiny_cnn.h"]
-    assert "[tiny_cnn/native] build -> " in stdout
+    assert "[tiny_cnn/native] built: build/cuvil/tiny_cnn/native" in stdout
     assert "tiny_cnn/native: build/cuvil/tiny_cnn/native/libtiny_cnn.so" in stdout
-    assert "kernels, arena" in stdout and "built 1 variant" in stdout
+    assert "kernels, arena" in stdout and "1 variant: ran " in stdout
     manifest = json.loads((variant / "manifest.json").read_text())
     assert manifest["symbol_prefix"] == "tiny_cnn_"
     assert manifest["inputs"] == [{"name": "input", "dtype": "float32", "shape": [1, 3, 32, 32]}]
@@ -88,7 +88,7 @@ def test_build_again_hits_the_cache(built, capsys, monkeypatch):
     monkeypatch.chdir(folder)
     assert main(["build"]) == 0  # -f defaults to ./cuvil.yaml
     out = capsys.readouterr().out
-    assert " 0 misses" in out, out
+    assert "1 variant: ran 0, cached" in out and "up to date" in out, out
 
 
 def test_inspect_prints_the_model_info(built, capsys):

@@ -68,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("models", nargs="*", metavar="MODEL", help="build only these models (default: all)")
     build.set_defaults(command=cmd_build)
 
+    watch = commands.add_parser("watch", parents=[common], help="rebuild whenever a model or the config changes",
+                                description="Build, then rebuild what changed each time cuvil.yaml, a model file "
+                                            "or a path under watch.paths changes. Ctrl-C stops.")
+    _config_option(watch)
+    watch.add_argument("-j", "--jobs", type=_positive_int, default=1, metavar="N")
+    watch.add_argument("--max-builds", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    watch.set_defaults(command=cmd_watch)
+
     graph = commands.add_parser("graph", parents=[common], help="print the build's step graph",
                                 description="Print the steps of the build and their keys "
                                             "(kernel steps appear once the code generator has run or is cached).")
@@ -164,6 +172,11 @@ def cmd_build(args) -> int:
     print(f"{len(built)} variant{'s' if len(built) != 1 else ''}: {result.dag.summary()} steps "
           f"in {result.seconds:.2f} s (cache: {_shown(spec.cache.dir)})")
     return EXIT_OK
+
+
+def cmd_watch(args) -> int:
+    from .watch import watch
+    return watch(args.file, jobs=args.jobs, say=_say, max_builds=args.max_builds)
 
 
 def cmd_graph(args) -> int:

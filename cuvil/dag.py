@@ -104,11 +104,14 @@ class StepGraph:
             except Exception as exc:  # an entry we cannot read is a miss, never a failure
                 self.progress(f"warning: cache entry for {name} unreadable ({exc}); rebuilding")
         inputs = self.get_many(step.deps)
-        self.progress(f"run  {name}")
         start = time.perf_counter()
         output = step.run(self, *inputs)
         self.cache.put(key, step.encode(output))
         self._finish(step, key, "ran", start, output)
+        with self._lock:
+            ran = sum(1 for r in self.records.values() if r.status == "ran")
+        self.progress(f"[{ran} ran, {len(self.records)}/{len(self.g)} done] {name} "
+                      f"({self.records[name].seconds:.2f} s)")
         return output
 
     def get_many(self, names: list[str]) -> list[Any]:

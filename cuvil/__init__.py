@@ -21,4 +21,10 @@ def load(path, prefix=None):
     return _load(path, prefix=prefix)
 
 
-__all__ = ["CuvilError", "compile", "load", "__version__"]
+def scons_toolpath() -> str:
+    """The folder to put in an SCons Environment's toolpath for `tools=["default", "cuvil"]`."""
+    from pathlib import Path
+    return str(Path(__file__).resolve().parents[1] / "site_scons" / "site_tools")
+
+
+__all__ = ["CuvilError", "compile", "load", "scons_toolpath", "__version__"]

@@ -109,3 +109,42 @@ def test_graph_renders(tmp_path):
     assert dag.render("dot").startswith("digraph")
     assert dag.render("mermaid").startswith("graph LR")
     assert '"kind": "link"' in dag.render("json")
+
+
+def _two_layer(path: Path):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["a"]),
+             helper.make_node("Sigmoid", ["a"], ["s"]), helper.make_node("Tanh", ["s"], ["y"])]
+    rng = np.random.default_rng(0)
+    model = make_model(nodes, [("x", np.float32, [4, 16])], [("y", np.float32, None)],
+                       {"w": rng.standard_normal((16, 8)).astype(np.float32),
+                        "b": rng.standard_normal(8).astype(np.float32)})
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_parallel_jobs_give_the_same_bytes(tmp_path):
+    a = _two_layer(tmp_path / "a.onnx")
+    outs = []
+    for jobs in (1, 2):
+        arts, dag = build_variants([(VariantSpec("a", a), tmp_path / f"out{jobs}")], Cache(tmp_path / f"cache{jobs}"),
+                                   jobs=jobs)
+        assert sum(1 for s in dag.report()["steps"] if s["kind"] == "kernel") >= 3
+        outs.append([f.read_bytes() for f in (arts[0].library, arts[0].header, arts[0].manifest)])
+    assert outs[0] == outs[1]
+
+
+def test_two_concurrent_builds_share_one_cache(tmp_path):
+    import subprocess
+    import sys
+    a = _two_layer(tmp_path / "a.onnx")
+    root = Path(__file__).resolve().parents[1]
+    script = ("import sys\nfrom pathlib import Path\nfrom cuvil.build import VariantSpec, build_variant\n"
+              "from cuvil.cache import Cache\n"
+              f"build_variant(VariantSpec('a', {str(a)!r}, threads=2), Path(sys.argv[1]), Cache({str(tmp_path / 'shared')!r}))\n")
+    env = dict(os.environ, PYTHONPATH=str(root))
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"out{i}")], env=env,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    assert (tmp_path / "out0" / "liba.so").read_bytes() == (tmp_path / "out1" / "liba.so").read_bytes()

@@ -41,6 +41,13 @@ def test_report_graph_verify_clean(tmp_path, capsys, monkeypatch):
     assert main(["verify", str(library)]) == 1
     assert "DIFFERENT libtiny_cnn.so" in capsys.readouterr().out
 
+    assert main(["cache", "stats"]) == 0
+    stats = capsys.readouterr().out
+    assert "entries" in stats
+    assert main(["cache", "prune", "--max-size", "1K"]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert main(["cache", "prune", "--max-size", "lots"]) == 2
+
     assert main(["clean", "--cache"]) == 0
     assert not (tmp_path / "build" / "cuvil").exists() and not cache.exists()
     shutil.rmtree(tmp_path / "examples")

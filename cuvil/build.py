@@ -327,6 +327,13 @@ def install(files: dict[str, bytes], out_dir: Path) -> bool:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CuvilError(f"cannot create the output folder {out_dir}: {exc.strerror}") from None
+    # A build killed between writing a temporary file and renaming it leaves
+    # the temporary behind: such leftovers are removed by the next install.
+    for stale in out_dir.glob(".cuvil-tmp-*"):
+        try:
+            stale.unlink()
+        except OSError:
+            pass
     changed = False
     for name in sorted(files, key=lambda n: (n == "manifest.json", n)):
         path = out_dir / name
@@ -334,7 +341,7 @@ def install(files: dict[str, bytes], out_dir: Path) -> bool:
         try:
             if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
                 continue
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
+            fd, tmp = tempfile.mkstemp(prefix=f".cuvil-tmp-{name}.", dir=out_dir)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)

@@ -44,6 +44,8 @@ class VariantSpec:
     disable_passes: list = field(default_factory=list)
     threads: int = 1
     symbol_prefix: str = "cuvil_"
+    max_arena_mb: int = 4096
+    sanitize: bool = False
 
 
 @dataclass
@@ -196,6 +198,11 @@ def _run_codegen(dag, graph, params):
     weights, weight_offsets = _pack_weights(graph, schedule)
     external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets)
     plan = plan_memory(graph, schedule, external)
+    limit = params["max_arena_mb"] << 20
+    if plan.arena_bytes > limit:
+        raise CuvilError(f"model '{params['name']}': a session would need {plan.arena_bytes / 2**20:.1f} MiB of working "
+                         f"memory, over the limit of {params['max_arena_mb']} MiB",
+                         hint="check the input shapes, or raise max_arena_mb in cuvil.yaml")
     kernels = {}
     for call in schedule:
         if isinstance(call, KernelCall):
@@ -253,10 +260,12 @@ def _run_link(dag, bundle, params, target):
     with tempfile.TemporaryDirectory(prefix="cuvil-link-") as tmp:
         tmp = Path(tmp)
         write_link_inputs(tmp, params["symbol_prefix"], bundle["driver.c"].decode(), bundle["weights.bin"], objects,
-                          library)
+                          library, sanitize=params["sanitize"])
         run_scons(tmp)
         lib_bytes = (tmp / library).read_bytes()
     info = json.loads(bundle["info.json"])
+    if params["sanitize"]:
+        info["sanitize"] = ["address", "undefined"]
     manifest = {**info, "files": {library: hashlib.sha256(lib_bytes).hexdigest(),
                                   f"{name}.h": hashlib.sha256(bundle["header.h"]).hexdigest()}}
     return {library: lib_bytes, f"{name}.h": bundle["header.h"],
@@ -264,6 +273,19 @@ def _run_link(dag, bundle, params, target):
 
 
 # -- planning --------------------------------------------------------------------------------
+
+def _shape(name, dims) -> list[int]:
+    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
+        raise CuvilError(f"input '{name}': the shape {dims!r} is not a list of integers")
+    shape = []
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int,)) and not (hasattr(d, "__index__")):
+            raise CuvilError(f"input '{name}': the shape {list(dims)!r} is not a list of integers")
+        if int(d) <= 0:
+            raise CuvilError(f"input '{name}': every dim of the shape {list(dims)} must be positive")
+        shape.append(int(d))
+    return shape
+
 
 def spec_hash(model_sha: str, spec: VariantSpec, pass_names) -> str:
     payload = {"model": model_sha, "inputs": {k: list(v) for k, v in sorted(spec.input_shapes.items())},
@@ -285,7 +307,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
     pass_names = resolve_passes(spec.opt_level, spec.passes, spec.disable_passes)
     model_bytes, kind = _source_bytes(spec.source)
     model_sha = hashlib.sha256(model_bytes).hexdigest()
-    shapes = {k: [int(d) for d in v] for k, v in sorted(spec.input_shapes.items())}
+    shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}
     base = f"{spec.name}/{spec.target}"
     encode_graph, decode_graph = _graph_codec(dag.cache)
 
@@ -307,12 +329,14 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
                             lambda d, g, name=name: _run_pass(d, g, name), encode_graph, decode_graph))
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
               "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
-              "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names)}
+              "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names),
+              "max_arena_mb": spec.max_arena_mb}
     codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
                            lambda d, g: _run_codegen(d, g, params), pack_files, unpack_files))
     link_name = f"{base}/link"
     link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": CFLAGS, "ldflags": LDFLAGS,
-                   "cc": compiler_version(), "target": target.as_key(), "link_step": link_name}
+                   "sanitize": spec.sanitize, "cc": compiler_version(), "target": target.as_key(),
+                   "link_step": link_name}
     dag.add(Step(link_name, "link", link_params, [codegen],
                  lambda d, bundle: _run_link(d, bundle, link_params, target), pack_files, unpack_files))
     return link_name

@@ -104,6 +104,10 @@ class _Settings(_Strict):
     disable_passes: list[str] = []
     threads: int = Field(1, ge=1)
     symbol_prefix: Identifier | None = None  # None: DEFAULT_SYMBOL_PREFIX
+    # Largest working memory a session may need; a model whose plan is larger is refused.
+    max_arena_mb: int = Field(4096, ge=1)
+    # Compile the driver with AddressSanitizer and UndefinedBehaviorSanitizer (for testing).
+    sanitize: bool = False
 
 
 class _Model(_Settings):
@@ -138,6 +142,8 @@ class ModelConfig(BaseModel):
     disable_passes: list[str]
     threads: int
     symbol_prefix: str
+    max_arena_mb: int = 4096
+    sanitize: bool = False
     line: int | None = None
 
 

@@ -77,7 +77,7 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                     name=model.name, source=model.source, input_shapes=dict(model.inputs), target=target,
                     precision=model.precision, opt_level=model.opt_level, passes=model.passes,
                     disable_passes=list(model.disable_passes), threads=model.threads,
-                    symbol_prefix=model.symbol_prefix)
+                    symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize)
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
     return dag, planned

@@ -38,6 +38,11 @@ env = Environment(ENV={{"PATH": os.environ.get("PATH", ""), "SOURCE_DATE_EPOCH":
                   # kernel objects come from LLVM (position independent), not from a SCons builder
                   STATIC_AND_SHARED_OBJECTS_ARE_THE_SAME=1)
 env.Decider("content")
+if {sanitize!r}:
+    # ASan and UBSan in the driver; the runtime comes from the program that loads the
+    # library (link it with -fsanitize=address,undefined, or LD_PRELOAD libasan).
+    env.Append(CCFLAGS=["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"],
+               SHLINKFLAGS=["-fsanitize=address,undefined"])
 driver = env.SharedObject("driver.os", "driver.c")
 weights = env.SharedObject("weights.os", "weights.S")
 kernels = {kernels!r}
@@ -46,7 +51,7 @@ env.SharedLibrary({library!r}, driver + weights + [File(k) for k in kernels])
 
 
 def write_link_inputs(build_dir: Path, prefix: str, driver_c: str, weights: bytes, kernel_objects: dict[str, bytes],
-                      library: str, extra_cflags=()) -> None:
+                      library: str, extra_cflags=(), sanitize: bool = False) -> None:
     (build_dir / "driver.c").write_text(driver_c)
     (build_dir / "weights.bin").write_bytes(weights)
     (build_dir / "weights.S").write_text(WEIGHTS_ASM.format(prefix=prefix))
@@ -57,7 +62,7 @@ def write_link_inputs(build_dir: Path, prefix: str, driver_c: str, weights: byte
         names.append(name)
     (build_dir / "SConstruct").write_text(SCONSTRUCT.format(
         cc=os.environ.get("CC", "gcc"), cflags=CFLAGS + list(extra_cflags), ldflags=LDFLAGS,
-        kernels=names, library=library))
+        kernels=names, library=library, sanitize=sanitize))
 
 
 def run_scons(build_dir: Path) -> None:

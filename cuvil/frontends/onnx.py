@@ -58,9 +58,14 @@ def model_sha256(data: bytes) -> str:
 
 def _np_dtype(elem_type: int, where: str) -> np.dtype:
     try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
     except Exception:
-        raise UnsupportedOpError(f"{where}: unsupported tensor element type {elem_type}") from None
+        dtype = None
+    if dtype is None or dtype.kind in "OUSVc":
+        name = onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else elem_type
+        raise UnsupportedOpError(f"{where}: tensors of element type {name} are not supported",
+                                 hint="supported: float32, float64, integer and bool tensors")
+    return dtype
 
 
 def _tensor_to_array(tensor: onnx.TensorProto, base_dir: Path | None) -> np.ndarray:
@@ -100,7 +105,12 @@ def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...]
     dtype = _np_dtype(t.elem_type, f"input '{vi.name}'")
     dims = list(t.shape.dim) if t.HasField("shape") else None
     if vi.name in given:
-        shape = tuple(int(d) for d in given[vi.name])
+        try:
+            shape = tuple(int(d) for d in given[vi.name])
+        except (TypeError, ValueError):
+            raise ShapeError(f"input '{vi.name}': the shape {given[vi.name]!r} is not a list of integers") from None
+        if any(d <= 0 for d in shape):
+            raise ShapeError(f"input '{vi.name}': every dim of the shape {list(shape)} must be positive")
         if dims is not None and len(dims) != len(shape):
             raise ShapeError(f"input '{vi.name}': the model has rank {len(dims)} but the given shape {list(shape)} has rank {len(shape)}")
         for i, (d, s) in enumerate(zip(dims or [], shape)):
@@ -114,6 +124,21 @@ def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...]
         raise ShapeError(f"input '{vi.name}' has symbolic dims {symbolic}",
                          hint=f"give its static shape in inputs: {{{vi.name}: [...]}} (cuvil.yaml) or input_shapes= (Python)")
     return tuple(d.dim_value for d in dims), dtype
+
+
+# No tensor may be larger than this (2**40 bytes): sizes beyond it are a mistake in
+# the declared shapes, and their byte counts would overflow the driver's arithmetic.
+_MAX_TENSOR_BYTES = 1 << 40
+
+
+def _check_size(shape, dtype, where):
+    size = 1
+    for d in shape:
+        size *= int(d)
+    nbytes = size * np.dtype(dtype).itemsize
+    if nbytes > _MAX_TENSOR_BYTES:
+        raise ShapeError(f"{where}: shape {list(shape)} would take {nbytes:,} bytes, more than the {_MAX_TENSOR_BYTES:,} "
+                         "a tensor may", hint="check the input shapes given in inputs: / input_shapes=")
 
 
 def _topological(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
@@ -173,6 +198,7 @@ class _Importer:
             if vi.name in self.values:
                 continue  # an initializer listed as input (old exporters): a constant
             shape, dtype = _static_shape(vi, self.given)
+            _check_size(shape, dtype, f"input '{vi.name}'")
             self.values[vi.name] = Value(vi.name, dtype, shape)
             inputs.append(vi.name)
         unknown = sorted(set(self.given) - set(inputs))
@@ -213,6 +239,7 @@ class _Importer:
                 return
         for out, (shape, dtype) in zip(proto.output, self._infer(proto, name)):
             if out:
+                _check_size(shape, dtype, f"node '{name}' ({proto.op_type}) output '{out}'")
                 self.values[out] = Value(out, dtype, shape)
         self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=list(proto.output),
                                attrs=attrs, domain=domain))

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import ModelError, ShapeError, UnsupportedOpError
+from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
 
 # Constant inputs at most this large are handed to shape inference with their
@@ -324,5 +324,14 @@ def import_onnx(source, input_shapes: dict | None = None) -> tuple[Graph, str]:
 
     Returns the graph and the sha256 of the model's bytes."""
     model, data, base_dir = read_model(source)
-    graph = _Importer(model, base_dir, input_shapes or {}).run()
+    try:
+        graph = _Importer(model, base_dir, input_shapes or {}).run()
+    except CuvilError:
+        raise
+    except Exception as exc:
+        # A malformed protobuf that parsed (an undefined element type, a tensor whose
+        # data does not match its dims...) surfaces as an error of the onnx library.
+        where = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
+        raise ModelError(f"{where}the model is malformed: {type(exc).__name__}: {exc}",
+                         hint="check it with onnx.checker.check_model; re-export it if it is damaged") from None
     return graph, model_sha256(data)

@@ -114,3 +114,17 @@ def test_names_with_quotes_newlines_and_c_keywords_still_build():
     model = make_model(nodes, [(odd[0], F, [2, 3])], [(odd[2], F, None), (odd[3], F, None)])
     compiled, _ = assert_matches_ort(model, {odd[0]: rand(2, 3)})
     assert compiled.output_names == [odd[2], odd[3]]
+
+
+def test_no_model_string_reaches_generated_kernel_source():
+    """Kernel source is exec'd by Numba: nothing the model names may appear in it."""
+    from backends.numba_cpu.kernel import KernelCall
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    payload = "__import__('os').system('echo pwned')"
+    nodes = [helper.make_node("LeakyRelu", [payload], ["h" + payload], name=payload, alpha=0.5),
+             helper.make_node("Concat", ["h" + payload, payload], ["y"], axis=1, name="c" + payload)]
+    model = make_model(nodes, [(payload, F, [2, 3])], [("y", F, None)])
+    graph, _ = import_onnx(model)
+    sources = [c.kernel.source for c in lower(graph) if isinstance(c, KernelCall)]
+    assert sources and not any("import" in s or "system" in s or "pwned" in s for s in sources)

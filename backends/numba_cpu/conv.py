@@ -18,31 +18,36 @@ is large) fused in one expression per output channel:
 the c_t being compile-time offsets. The inner loop runs over the columns
 where every tap is inside the input, so it has no branches and LLVM
 vectorises it; border columns get one statement each with only their valid
-taps. Rows whose kernel window leaves the input (top/bottom padding) take a
-per-tap path with the valid kernel range computed at run time.
+taps. In 2-D, the few rows whose kernel window leaves the input (top/bottom
+padding) get fused code of their own with only their valid kernel rows; other
+such rows (3-D, large kernels, large pads) take a per-tap path with the valid
+kernel range computed at run time.
 
 With stride 1 and as many output as input columns (every "same" conv), the
 input offset is affine in the flat output index oh*OW + ow, so the inner loop
 runs over all interior rows at once: long trip counts vectorise with little
 scalar tail. The border columns it crosses read neighbouring input rows (in
-the same plane) and are recomputed whole afterwards.
+the same plane); there the sum of a kernel column that crosses the row edge is
+multiplied by a 0/1 column mask packed at build time (kernels are compiled
+with fastmath, so no inf/NaN semantics are lost that were not already).
 
 Weights are read in their ONNX layout [OC, IC/group, *kernel], which is the
 order the blocks read them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from cuvil.errors import UnsupportedOpError
-
-from dataclasses import dataclass
 
 from .gemm import Operand, gemm_kernel
 from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
 
 WEIGHT_REGS = 18  # weights live in one pass (OCB x taps): they stay in vector registers
 OC_BLOCK = 2      # output channels per work item (when the group size allows)
+FUSED_EDGE_ROWS = 4  # at most this many top/bottom padding rows get their own fused code (2-D)
 MIN_ITEMS = 16    # when the (image, channel block) items are fewer, rows are split too
 
 
@@ -54,7 +59,7 @@ def _unsupported(node, why):
     return UnsupportedOpError(f"node '{node.name}' ({node.op}): {why}")
 
 
-def conv_geometry(node, x_spatial, w_spatial, y_spatial):
+def conv_geometry(node, x_spatial, w_spatial):
     """Kernel shape, strides, dilations and begin pads of a Conv node (auto_pad resolved)."""
     s = len(x_spatial)
     kernel = [int(k) for k in (node.attr("kernel_shape") or w_spatial)]
@@ -73,9 +78,6 @@ def conv_geometry(node, x_spatial, w_spatial, y_spatial):
         pads = [int(v) for v in (node.attr("pads") or [0] * (2 * s))][:s]
     else:
         raise _unsupported(node, f"auto_pad '{auto_pad}' is not a valid value")
-    for i, k, st, d, p, o in zip(x_spatial, kernel, strides, dilations, pads, y_spatial):
-        if o < 1 or (o - 1) * st - p + (k - 1) * d < 0:
-            raise _unsupported(node, f"output size {o} is inconsistent with its attributes")
     return kernel, strides, dilations, pads
 
 
@@ -96,7 +98,7 @@ def lower_conv(node, graph) -> Lowered:
     OC = W.shape[0]
     if C % group or OC % group or W.shape[1] != C // group:
         raise _unsupported(node, f"W shape {W.shape} does not match {C} input channels in {group} groups")
-    kernel, strides, dilations, pads = conv_geometry(node, X.shape[2:], W.shape[2:], Y.shape[2:])
+    kernel, strides, dilations, pads = conv_geometry(node, X.shape[2:], W.shape[2:])
     if list(kernel) != list(W.shape[2:]):
         raise _unsupported(node, f"kernel_shape {kernel} does not match W shape {W.shape}")
     args = [X.name, W.name] + ([B.name] if B is not None else []) + [Y.name]
@@ -169,6 +171,18 @@ class _Geometry:
         self.flat = (len(self.lead) == 1 and self.SW == 1 and self.strides[0] == 1 and self.IW == self.OW
                      and self.inner_hi > self.inner_lo and not self.none_interior)
 
+    def edge_rows(self) -> dict[int, tuple]:
+        """2-D: output rows whose kernel window leaves the input -> their valid kernel rows, when few
+        enough (and the kernel small enough) to give each fused code of its own; else {}."""
+        if len(self.lead) != 1 or self.none_interior or self.ksize > max(1, WEIGHT_REGS // self.ocb):
+            return {}
+        lo, hi = self.interior[0]
+        rows = list(range(lo)) + list(range(hi, self.out_spatial[0]))
+        if len(rows) > FUSED_EDGE_ROWS:
+            return {}
+        S, P, D, I = self.strides[0], self.pads[0], self.dilations[0], self.in_spatial[0]
+        return {r: tuple(k for k in range(self.kernel[0]) if 0 <= r * S - P + k * D < I) for r in rows}
+
     @property
     def masked_kw(self) -> list[int]:
         """Kernel columns that are invalid somewhere in a row: the flat loop masks their sums."""
@@ -185,11 +199,11 @@ class _Geometry:
 
 
 def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, strides, dilations, pads,
-                       has_bias) -> tuple[Kernel, int]:
+                       has_bias) -> tuple[Kernel, int, np.ndarray | None]:
+    """The direct conv kernel, its work size, and the column masks it reads (None if it reads none)."""
     icg, ocg = C // group, OC // group
     g = _Geometry(np.dtype(dtype), C, OC, icg, ocg, OC_BLOCK if ocg % OC_BLOCK == 0 else 1, [int(v) for v in in_spatial],
                   [int(v) for v in out_spatial], list(kernel), list(strides), list(dilations), list(pads), has_bias)
-    F = lambda v: literal(v, g.dtype)
     rows_total = int(np.prod(g.out_spatial[:-1])) if g.lead else 1
     items = N * OC // g.ocb
     splits = min(rows_total, _ceil_div(MIN_ITEMS, items)) if items < MIN_ITEMS else 1
@@ -212,7 +226,7 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
     src.line(f"o_base0 = (n*{OC} + oc0)*{g.out_plane}")
     with _per_channel(src, g):
         src.line(f"for f in range(r_lo*{g.OW}, r_hi*{g.OW}):").indent()
-        src.line(f"{_PY(g)}[o_base + f] = bias").dedent()
+        src.line(f"{_py(g)}[o_base + f] = bias").dedent()
     if g.flat:
         _flat_rows(src, g)
     else:
@@ -224,11 +238,11 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
 _PX, _PW, _PB = "p0", "p1", "p2"
 
 
-def _PM(g):
+def _pm(g):
     return "p3" if g.has_bias else "p2"
 
 
-def _PY(g):
+def _py(g):
     return f"p{2 + g.has_bias + bool(g.masked_kw)}"
 
 
@@ -274,18 +288,42 @@ def _row_by_row(src, g):
     """Each row: fused blocks (rows whose kernel window is inside) or per-tap loops."""
     src.line("for r in range(r_lo, r_hi):").indent()
     _row_start(src, g, "o_base0")
+    row_border = [(ow, None) for ow in g.border]
     if not g.lead or g.all_interior:
-        _fused_blocks(src, g, g.inner_lo, g.inner_hi, [(ow, None) for ow in g.border])
+        _fused_blocks(src, g, g.inner_lo, g.inner_hi, row_border)
     elif g.none_interior:
         _per_tap_all(src, g)
     else:
         cond = " and ".join(f"o{d} >= {lo} and o{d} < {hi}" for d, (lo, hi) in zip(g.lead, g.interior))
         src.line(f"if {cond}:").indent()
-        _fused_blocks(src, g, g.inner_lo, g.inner_hi, [(ow, None) for ow in g.border])
-        src.dedent().line("else:").indent()
-        _per_tap_all(src, g)
+        _fused_blocks(src, g, g.inner_lo, g.inner_hi, row_border)
         src.dedent()
+        _edge_rows(src, g, "elif")
     src.dedent()
+
+
+def _edge_rows(src, g, keyword):
+    """The rest of an if-chain over a row that is not interior, `keyword` being "if" (a new chain)
+    or "elif" (continuing one): fused code per edge row (the last one takes the `else`), or
+    per-tap loops when there are no edge rows with code of their own."""
+    edges = list(g.edge_rows().items())
+    bodies = [(f"r == {r}", lambda kh=kh: _edge_row(src, g, kh)) for r, kh in edges] or [(None, lambda: _per_tap_all(src, g))]
+    for i, (cond, body) in enumerate(bodies):
+        last = i == len(bodies) - 1
+        if last and keyword == "if" and i == 0:
+            body()  # the only case of a new chain: no test needed
+            return
+        src.line("else:" if last else f"{keyword} {cond}:").indent()
+        body()
+        src.dedent()
+        keyword = "elif"
+
+
+def _edge_row(src, g, kh_valid):
+    if kh_valid:
+        _fused_blocks(src, g, g.inner_lo, g.inner_hi, [(ow, None) for ow in g.border], kh_valid=kh_valid)
+    else:
+        src.line("pass")  # the kernel window is all padding: the row is the bias
 
 
 def _flat_rows(src, g):
@@ -300,17 +338,17 @@ def _flat_rows(src, g):
     src.line("orow = o_base0").line(f"xrow = x_base - {g.pads[0] * g.IW + g.PW}")
     src.line(f"fa = ra*{OW}").line(f"fb = (rb - 1)*{OW}")
     border = [(ow, "fa") for ow in range(g.inner_lo)] + [(ow, "fb") for ow in range(g.inner_hi, OW)]
-    _fused_blocks(src, g, f"fa + {g.inner_lo}", f"fb + {g.inner_hi}", border)
+    _fused_blocks(src, g, f"fa + {g.inner_lo}", f"fb + {g.inner_hi}", border, masks=True)
     src.dedent()
     if lo > 0 or hi < g.out_spatial[0]:
         src.line("for r in range(r_lo, r_hi):").indent()
         src.line("if r < ra or r >= rb:").indent()
         _row_start(src, g, "o_base0")
-        _per_tap_all(src, g)
+        _edge_rows(src, g, "if")
         src.dedent().dedent()
 
 
-def _blocks(g):
+def _blocks(g, kh_valid=None):
     """How taps are grouped in passes over an output row.
 
     Returns (header, taps, remainder): `header(src)` emits the block loop (returns whether it
@@ -323,10 +361,12 @@ def _blocks(g):
 
     def channel_taps(n_channels):
         return [(i * g.in_plane + g.tap_offsets(ks), i * g.ksize + t, ks[-1])
-                for i in range(n_channels) for t, ks in enumerate(np.ndindex(*g.kernel))]
+                for i in range(n_channels) for t, ks in enumerate(np.ndindex(*g.kernel))
+                if kh_valid is None or ks[0] in kh_valid]
 
     if g.ksize <= per_oc or not lead:
-        icb = max(1, min(g.icg, per_oc // g.ksize))
+        taps_per_channel = g.ksize if kh_valid is None else len(kh_valid) * (g.ksize // g.kernel[0])
+        icb = max(1, min(g.icg, per_oc // taps_per_channel))
         n_full, rem = divmod(g.icg, icb)
 
         def header(src):
@@ -365,20 +405,21 @@ def _blocks(g):
     return header, taps, None
 
 
-def _fused_blocks(src, g, loop_lo, loop_hi, border):
-    """Every block of taps over columns [loop_lo, loop_hi) of the row at `orow`, then the `border` columns."""
-    header, taps, remainder = _blocks(g)
+def _fused_blocks(src, g, loop_lo, loop_hi, border, kh_valid=None, masks=False):
+    """Every block of taps over columns [loop_lo, loop_hi) of the row at `orow`, then the `border`
+    columns; only kernel rows `kh_valid` (2-D) when given; column masks in the flat loop."""
+    header, taps, remainder = _blocks(g, kh_valid)
     opened = header(src)
-    _fused_taps(src, g, taps, loop_lo, loop_hi, border)
+    _fused_taps(src, g, taps, loop_lo, loop_hi, border, masks)
     if opened:
         src.dedent()
     if remainder is not None:
         xb, wb, rem_taps = remainder
         src.line(f"xb = {xb}").line(f"wb = {wb}")
-        _fused_taps(src, g, rem_taps, loop_lo, loop_hi, border)
+        _fused_taps(src, g, rem_taps, loop_lo, loop_hi, border, masks)
 
 
-def _fused_taps(src, g, taps, loop_lo, loop_hi, border):
+def _fused_taps(src, g, taps, loop_lo, loop_hi, border, masks):
     """One pass: weights to scalars, the branch-free inner loop (inputs loaded once for all output
     channels, before any store), then the `border` columns (ow, extra row offset or None) with
     their valid taps."""
@@ -387,15 +428,15 @@ def _fused_taps(src, g, taps, loop_lo, loop_hi, border):
         for t, (_, w_off, _) in enumerate(taps):
             src.line(f"w{j}_{t} = {_PW}[{_add('wb', j * per_oc + w_off)}]")
     col = "ow" if g.SW == 1 else f"ow*{g.SW}"
-    py = _PY(g)
-    masked = {kw: i for i, kw in enumerate(g.masked_kw)}
+    py = _py(g)
+    masked = {kw: i for i, kw in enumerate(g.masked_kw)} if masks else {}
     if isinstance(loop_lo, str) or loop_hi > loop_lo:
         src.line(f"for ow in range({loop_lo}, {loop_hi}):").indent()
         for t, (x_off, _, _) in enumerate(taps):
             src.line(f"x{t} = {_PX}[{_add(f'xb + {col}', x_off)}]")
         used = sorted({kw for _, _, kw in taps} & set(masked))
         for kw in used:
-            src.line(f"m{kw} = {_PM(g)}[{_add('ow', masked[kw] * g.out_plane)}]")
+            src.line(f"m{kw} = {_pm(g)}[{_add('ow', masked[kw] * g.out_plane)}]")
         for j in range(g.ocb):
             sums = []
             for kw in sorted({kw for _, _, kw in taps}):
@@ -418,7 +459,7 @@ def _add(expr, offset):
 def _per_tap_all(src, g):
     """Rows whose kernel window leaves the input, for every output channel of the item:
     valid kernel ranges at run time, one loop per tap."""
-    py = _PY(g)
+    py = _py(g)
     for d in g.lead:
         # i = o*s - p + k*d must lie in [0, I): k in [ceil(-base/d), floor((I-1-base)/d)].
         dil = g.dilations[d]

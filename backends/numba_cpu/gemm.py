@@ -137,7 +137,7 @@ def gemm_kernel(family: str, dtype, M: int, N: int, K: int, batch_shape, a: Oper
         operands = {"a": a.batch, "b": b.batch, "o": out.batch}
         if c is not None:
             operands["c"] = c.batch
-        off = _decode_batch(src, rest if (row_blocks > 1 or n_blocks > 1) else "item", batch_shape, operands)
+        off = _decode_batch(src, rest, batch_shape, operands)
     else:
         off = {"a": "0", "b": "0", "o": "0", "c": "0"}
 
@@ -303,6 +303,9 @@ def lower_matmul(node, graph) -> Lowered:
     M, K = a_shape[-2:]
     N = b_shape[-1]
     batch = tuple(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
+    if batch and all(d == 1 for d in b_shape[:-2]) and tuple(a_shape[:-2]) == batch:
+        # B is shared by every batch and A is contiguous: one GEMM with the batch dims folded into M.
+        M, batch = M * int(np.prod(batch)), ()
     a_batch = tuple(broadcast_strides(a_shape[:-2], batch)) if batch else ()
     b_batch = tuple(broadcast_strides(b_shape[:-2], batch)) if batch else ()
     a_batch = tuple(s * M * K for s in a_batch)

@@ -14,10 +14,12 @@ def _torch():
     return torch
 
 
-def export(module, shapes: dict, opset: int = 17) -> onnx.ModelProto:
+def export(module, shapes: dict, opset: int = 17, int_inputs=()) -> onnx.ModelProto:
+    """Export with zero example inputs of these shapes (int64 for the names in int_inputs)."""
     torch = _torch()
     module = module.eval()
-    args = tuple(torch.zeros(s) for s in shapes.values())
+    args = tuple(torch.zeros(s, dtype=torch.int64 if name in int_inputs else torch.float32)
+                 for name, s in shapes.items())
     buf = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -141,3 +143,174 @@ def mobilenet_v2(width_mult=1.0, num_classes=1000, seed=0):
 
 def sample_input(shape, seed=1):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def bert_encoder(layers=2, d=64, heads=4, ff=128, vocab=100, seq=16, seed=0):
+    """A BERT-style encoder: token + position embeddings, attention with a padding mask,
+    LayerNorm, GELU. Inputs: ids [1, seq] int64, mask [1, seq] float (1 = keep)."""
+    torch = _torch()
+    nn = torch.nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(d, 3 * d)
+            self.out = nn.Linear(d, d)
+            self.ln1 = nn.LayerNorm(d)
+            self.ff1 = nn.Linear(d, ff)
+            self.ff2 = nn.Linear(ff, d)
+            self.ln2 = nn.LayerNorm(d)
+
+        def forward(self, x, bias):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(x).split(d, dim=-1)
+            q = q.reshape(b, t, heads, d // heads).transpose(1, 2)
+            k = k.reshape(b, t, heads, d // heads).transpose(1, 2)
+            v = v.reshape(b, t, heads, d // heads).transpose(1, 2)
+            att = (q @ k.transpose(-1, -2)) / (d // heads) ** 0.5 + bias
+            y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+            x = self.ln1(x + self.out(y))
+            return self.ln2(x + self.ff2(torch.nn.functional.gelu(self.ff1(x))))
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d)
+            self.pos = nn.Embedding(seq, d)
+            self.layers = nn.ModuleList(Layer() for _ in range(layers))
+
+        def forward(self, ids, mask):
+            positions = torch.arange(ids.shape[1]).unsqueeze(0)
+            x = self.tok(ids) + self.pos(positions)
+            bias = (1.0 - mask[:, None, None, :]) * -10000.0
+            for layer in self.layers:
+                x = layer(x, bias)
+            return x
+
+    torch.manual_seed(seed)
+    return Encoder()
+
+
+def gpt2_block(d=64, heads=4, seq=16, seed=0):
+    """A GPT-2-style decoder block with a causal mask. Input: x [1, seq, d]."""
+    torch = _torch()
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d)
+            self.attn = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+            self.ln2 = nn.LayerNorm(d)
+            self.fc = nn.Linear(d, 4 * d)
+            self.fc2 = nn.Linear(4 * d, d)
+            self.register_buffer("causal", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.attn(self.ln1(x)).split(d, dim=-1)
+            q, k, v = (z.reshape(b, t, heads, d // heads).transpose(1, 2) for z in (q, k, v))
+            att = (q @ k.transpose(-1, -2)) * (1.0 / (d // heads) ** 0.5)
+            att = att.masked_fill(~self.causal[:t, :t], float("-inf")).softmax(-1)
+            x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(torch.nn.functional.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    torch.manual_seed(seed)
+    return Block()
+
+
+def lstm_model(inp=16, hidden=32, layers=2, seed=0):
+    torch = _torch()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(inp, hidden, num_layers=layers, batch_first=True)
+            self.head = torch.nn.Linear(hidden, 4)
+
+        def forward(self, x):
+            y, _ = self.rnn(x)
+            return self.head(y)
+
+    torch.manual_seed(seed)
+    return M()
+
+
+def gru_model(inp=16, hidden=32, seed=0):
+    torch = _torch()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.GRU(inp, hidden, batch_first=True, bidirectional=True)
+            self.head = torch.nn.Linear(2 * hidden, 4)
+
+        def forward(self, x):
+            y, _ = self.rnn(x)
+            return self.head(y)
+
+    torch.manual_seed(seed)
+    return M()
+
+
+def yolo_style(classes=3, seed=0):
+    """A small YOLO-style detector: strided conv backbone, a nearest-neighbour
+    upsample (Resize) merged with a skip (Concat), and a head split (Split) into
+    box / objectness / class parts with Sigmoid. Input [1, 3, 64, 64]."""
+    torch = _torch()
+    nn = torch.nn
+
+    def block(cin, cout, stride):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.LeakyReLU(0.1))
+
+    class Yolo(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = block(3, 16, 2)
+            self.c2 = block(16, 32, 2)
+            self.c3 = block(32, 64, 2)
+            self.up = nn.Upsample(scale_factor=2, mode="nearest")
+            self.fuse = block(64 + 32, 32, 1)
+            self.head = nn.Conv2d(32, 3 * (5 + classes), 1)
+
+        def forward(self, x):
+            a = self.c2(self.stem(x))
+            b = self.c3(a)
+            y = self.head(self.fuse(torch.cat([self.up(b), a], 1)))
+            n, _, h, w = y.shape
+            y = y.reshape(n, 3, 5 + classes, h, w)
+            box, obj, cls = torch.split(y, [4, 1, classes], dim=2)
+            return torch.cat([box, torch.sigmoid(obj), torch.sigmoid(cls)], 2)
+
+    return _randomise(Yolo(), seed)
+
+
+def unet_style(seed=0):
+    """A U-Net-style model: two downsampling stages, ConvTranspose upsampling, skips. Input [1, 3, 32, 32]."""
+    torch = _torch()
+    nn = torch.nn
+
+    def double(cin, cout):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), nn.ReLU(), nn.Conv2d(cout, cout, 3, 1, 1), nn.ReLU())
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.d1, self.d2, self.mid = double(3, 16), double(16, 32), double(32, 64)
+            self.pool = nn.MaxPool2d(2)
+            self.u2 = nn.ConvTranspose2d(64, 32, 2, 2)
+            self.e2 = double(64, 32)
+            self.u1 = nn.ConvTranspose2d(32, 16, 2, 2)
+            self.e1 = double(32, 16)
+            self.out = nn.Conv2d(16, 2, 1)
+
+        def forward(self, x):
+            a = self.d1(x)
+            b = self.d2(self.pool(a))
+            m = self.mid(self.pool(b))
+            y = self.e2(torch.cat([self.u2(m), b], 1))
+            y = self.e1(torch.cat([self.u1(y), a], 1))
+            return self.out(y)
+
+    return _randomise(UNet(), seed)

@@ -215,9 +215,23 @@ class _Importer:
         return Graph(name=g.name or "model", values=self.values, nodes=self.nodes, inputs=inputs,
                      outputs=outputs, opset=self.opsets.get("", self.opsets.get("ai.onnx", 0)))
 
+    # The interface control_flow.Inliner uses.
+    def import_node(self, proto: onnx.NodeProto) -> None:
+        self._import_node(proto)
+
+    def add_constant(self, name: str, array: np.ndarray) -> None:
+        self.values[name] = Value(name, array.dtype, tuple(array.shape), array)
+
+    def tensor_to_array(self, tensor) -> np.ndarray:
+        return _tensor_to_array(tensor, self.base_dir)
+
     def _import_node(self, proto: onnx.NodeProto) -> None:
         name = proto.name or f"{proto.op_type}_{len(self.nodes)}"
         domain = "" if proto.domain in ("", "ai.onnx") else proto.domain
+        if domain == "" and proto.op_type in ("If", "Loop", "Scan"):
+            from .control_flow import Inliner
+            getattr(Inliner(self), f"inline_{proto.op_type.lower()}")(proto, name)
+            return
         if domain not in self.opsets and not (domain == "" and "ai.onnx" in self.opsets):
             raise UnsupportedOpError(f"node '{name}' ({proto.op_type}) is in domain '{proto.domain}', which the model does not import")
         attrs = _attrs(proto)

@@ -1,0 +1,184 @@
+"""If, Loop and Scan whose control is known at build time become straight-line code.
+
+An If whose condition is a constant is replaced by the nodes of the branch it
+takes; a Loop with a constant trip count (and a condition that folds to a
+constant every iteration) and a Scan over a static sequence are unrolled. The
+body's nodes are copied with their names prefixed per iteration and handed
+back to the importer one by one, so constants keep folding through them and
+nested control flow is inlined the same way. Anything whose control depends
+on run-time data is an UnsupportedOpError naming the node.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..errors import UnsupportedOpError
+from ..ir import Value
+
+
+def _subgraph(proto, key):
+    for attr in proto.attribute:
+        if attr.name == key:
+            return attr.g
+    raise UnsupportedOpError(f"node '{proto.name}' ({proto.op_type}) has no '{key}' subgraph")
+
+
+def _int_attr(proto, key, default):
+    for attr in proto.attribute:
+        if attr.name == key:
+            return helper.get_attribute_value(attr)
+    return default
+
+
+class Inliner:
+    """Inlines control-flow nodes for an importer that provides `values`,
+    `import_node(proto)`, `add_constant(name, array)` and `tensor_to_array(tensor)`."""
+
+    def __init__(self, importer):
+        self.imp = importer
+
+    def _fresh(self, base):
+        name, i = base, 0
+        while name in self.imp.values:
+            i += 1
+            name = f"{base}~{i}"
+        return name
+
+    def _const(self, base, array):
+        name = self._fresh(base)
+        self.imp.add_constant(name, np.asarray(array))
+        return name
+
+    def _emit(self, op, inputs, outputs, name, **attrs):
+        self.imp.import_node(helper.make_node(op, inputs, outputs, name=name, **attrs))
+
+    def run_body(self, graph: onnx.GraphProto, prefix: str, bindings: dict) -> list[str]:
+        """Import the body's nodes with inner names prefixed; returns the outer names of its outputs."""
+        local = {}
+        for tensor in graph.initializer:
+            local[tensor.name] = self._const(prefix + tensor.name, self.imp.tensor_to_array(tensor))
+        for node in graph.node:
+            for out in node.output:
+                if out:
+                    local[out] = self._fresh(prefix + out)
+
+        def rename(name):
+            if not name:
+                return name
+            return bindings.get(name) or local.get(name) or name  # else: a value of an enclosing scope
+
+        for node in graph.node:
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            del copy.input[:]
+            del copy.output[:]
+            copy.input.extend(rename(i) for i in node.input)
+            copy.output.extend(local.get(o, "") if o else "" for o in node.output)
+            copy.name = prefix + (node.name or node.op_type)
+            self.imp.import_node(copy)
+        return [rename(o.name) for o in graph.output]
+
+    def _bind(self, results: list[str], outer: list[str], name: str):
+        for inner, out in zip(results, outer):
+            if out:
+                self._emit("Identity", [inner], [out], f"{name}/result:{out}")
+
+    # -- If ---------------------------------------------------------------------------
+    def inline_if(self, proto, name):
+        cond = self.imp.values.get(proto.input[0])
+        if cond is None or not cond.is_const:
+            raise UnsupportedOpError(f"node '{name}' (If): its condition is only known at run time",
+                                     hint="only an If whose condition is known at build time can be compiled")
+        branch = _subgraph(proto, "then_branch" if bool(np.asarray(cond.data).reshape(-1)[0]) else "else_branch")
+        self._bind(self.run_body(branch, f"{name}/", {}), list(proto.output), name)
+
+    # -- Loop -------------------------------------------------------------------------
+    def inline_loop(self, proto, name):
+        inputs = list(proto.input) + [""] * 2
+        trip, cond = inputs[0], inputs[1]
+        carried = [i for i in proto.input[2:]]
+        body = _subgraph(proto, "body")
+        if not trip or not self.imp.values[trip].is_const:
+            raise UnsupportedOpError(f"node '{name}' (Loop): its trip count is not known at build time",
+                                     hint="only loops with a constant trip count can be compiled")
+        count = int(np.asarray(self.imp.values[trip].data).reshape(-1)[0])
+        if count > 4096:
+            raise UnsupportedOpError(f"node '{name}' (Loop): {count} iterations is too many to unroll (limit 4096)")
+        keep_going = True
+        if cond:
+            value = self.imp.values[cond]
+            if not value.is_const:
+                raise UnsupportedOpError(f"node '{name}' (Loop): its condition is only known at run time")
+            keep_going = bool(np.asarray(value.data).reshape(-1)[0])
+        n_carried = len(carried)
+        body_inputs = [i.name for i in body.input]
+        scans: list[list[str]] = [[] for _ in range(len(body.output) - 1 - n_carried)]
+        state = carried
+        for i in range(count):
+            if not keep_going:
+                break
+            bindings = {body_inputs[0]: self._const(f"{name}/iter{i}/i", np.array(i, np.int64))}
+            if len(body_inputs) > 1:
+                bindings[body_inputs[1]] = self._const(f"{name}/iter{i}/cond", np.array(True))
+            bindings.update(zip(body_inputs[2:], state))
+            results = self.run_body(body, f"{name}/iter{i}/", bindings)
+            cond_out = self.imp.values[results[0]]
+            if not cond_out.is_const:
+                raise UnsupportedOpError(f"node '{name}' (Loop): its condition depends on run-time data")
+            keep_going = bool(np.asarray(cond_out.data).reshape(-1)[0])
+            state = results[1:1 + n_carried]
+            for k, value in enumerate(results[1 + n_carried:]):
+                scans[k].append(value)
+        self._bind(state, list(proto.output[:n_carried]), name)
+        for k, (parts, out) in enumerate(zip(scans, proto.output[n_carried:])):
+            self._stack(parts, out, 0, f"{name}/scan{k}")
+
+    def _stack(self, parts, out, axis, name):
+        if not parts:
+            raise UnsupportedOpError(f"node '{name}': a scan output with no iterations is not supported")
+        axes = self._const(f"{name}/axes", np.array([axis], np.int64))
+        expanded = []
+        for j, part in enumerate(parts):
+            tmp = self._fresh(f"{name}/item{j}")
+            self._emit("Unsqueeze", [part, axes], [tmp], f"{name}/unsqueeze{j}")
+            expanded.append(tmp)
+        self._emit("Concat", expanded, [out], f"{name}/concat", axis=axis)
+
+    # -- Scan -------------------------------------------------------------------------
+    def inline_scan(self, proto, name):
+        body = _subgraph(proto, "body")
+        n_scan = _int_attr(proto, "num_scan_inputs", 0)
+        states = list(proto.input[:len(proto.input) - n_scan])
+        scan_inputs = list(proto.input[len(proto.input) - n_scan:])
+        in_axes = list(_int_attr(proto, "scan_input_axes", [0] * n_scan))
+        in_dirs = list(_int_attr(proto, "scan_input_directions", [0] * n_scan))
+        n_out = len(body.output) - len(states)
+        out_axes = list(_int_attr(proto, "scan_output_axes", [0] * n_out))
+        out_dirs = list(_int_attr(proto, "scan_output_directions", [0] * n_out))
+        if not scan_inputs:
+            raise UnsupportedOpError(f"node '{name}' (Scan): no scan inputs")
+        ranks = [len(self.imp.values[s].shape) for s in scan_inputs]
+        in_axes = [a % r for a, r in zip(in_axes, ranks)]
+        length = self.imp.values[scan_inputs[0]].shape[in_axes[0]]
+        body_inputs = [i.name for i in body.input]
+        outs: list[list[str]] = [[] for _ in range(n_out)]
+        for t in range(length):
+            bindings = dict(zip(body_inputs, states))
+            for k, (src, axis, direction) in enumerate(zip(scan_inputs, in_axes, in_dirs)):
+                index = self._const(f"{name}/t{t}/index{k}", np.array(length - 1 - t if direction else t, np.int64))
+                item = self._fresh(f"{name}/t{t}/in{k}")
+                self._emit("Gather", [src, index], [item], f"{name}/t{t}/gather{k}", axis=axis)
+                bindings[body_inputs[len(states) + k]] = item
+            results = self.run_body(body, f"{name}/t{t}/", bindings)
+            states = results[:len(states)]
+            for k, value in enumerate(results[len(states):]):
+                outs[k].append(value)
+        self._bind(states, list(proto.output[:len(states)]), name)
+        for k, out in enumerate(proto.output[len(states):]):
+            if not out:
+                continue
+            parts = outs[k][::-1] if out_dirs[k] else outs[k]
+            rank = len(self.imp.values[parts[0]].shape) + 1
+            self._stack(parts, out, out_axes[k] % rank, f"{name}/out{k}")

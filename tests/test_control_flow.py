@@ -1,0 +1,79 @@
+"""If with a constant condition, Loop with a static trip count and Scan are compiled
+by inlining / unrolling at import; results match onnxruntime."""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import cuvil
+from tests.helpers import assert_matches_ort, make_model, rand
+
+F = np.float32
+
+
+def _branch(op, name):
+    return helper.make_graph([helper.make_node(op, ["x"], [f"{name}_out"])], name, [],
+                             [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [2, 3])])
+
+
+def _if_model(cond_source):
+    nodes = cond_source + [helper.make_node("If", ["c"], ["y"], then_branch=_branch("Relu", "then"),
+                                            else_branch=_branch("Neg", "else"))]
+    return nodes
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_if_with_constant_condition(value):
+    nodes = _if_model([helper.make_node("Constant", [], ["c"], value=helper.make_tensor("v", TensorProto.BOOL, [], [value]))])
+    model = make_model(nodes, [("x", F, [2, 3])], [("y", F, None)])
+    assert_matches_ort(model, {"x": rand(2, 3)})
+
+
+def test_if_on_a_shape_comparison_folds():
+    # cond = (Shape(x)[0] == 2): known once the input shape is static.
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Equal", ["n", "two"], ["c"])]
+    model = make_model(_if_model(nodes), [("x", F, [2, 3])], [("y", F, None)],
+                       {"zero": np.array(0, np.int64), "two": np.array(2, np.int64)})
+    assert_matches_ort(model, {"x": rand(2, 3)})
+
+
+def test_if_on_runtime_data_is_refused():
+    nodes = [helper.make_node("ReduceSum", ["x"], ["t"], keepdims=0), helper.make_node("Greater", ["t", "z"], ["c"])]
+    model = make_model(_if_model(nodes), [("x", F, [2, 3])], [("y", F, None)], {"z": np.array(0, F)})
+    with pytest.raises(cuvil.CuvilError, match="If.*run time"):
+        cuvil.compile(model)
+
+
+def test_loop_with_static_trip_count_and_scan_output():
+    # acc = acc * 0.5 + x each iteration; scan output collects acc; iteration count 4.
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Mul", ["acc_in", "half"], ["h"]), helper.make_node("Add", ["h", "x"], ["acc_out"]),
+         helper.make_node("Identity", ["acc_out"], ["scan_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [2, 3]),
+         helper.make_tensor_value_info("scan_out", TensorProto.FLOAT, [2, 3])],
+        initializer=[helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])])
+    nodes = [helper.make_node("Loop", ["trip", "cond", "acc0"], ["acc", "history"], body=body)]
+    model = make_model(nodes, [("x", F, [2, 3]), ("acc0", F, [2, 3])], [("acc", F, None), ("history", F, None)],
+                       {"trip": np.array(4, np.int64), "cond": np.array(True)})
+    assert_matches_ort(model, {"x": rand(2, 3), "acc0": rand(2, 3, seed=1)})
+
+
+@pytest.mark.parametrize("direction", [0, 1])
+def test_scan_cumulative_sum(direction):
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "x_t"], ["s_out"]), helper.make_node("Identity", ["s_out"], ["y_t"])],
+        "body",
+        [helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("x_t", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("s_out", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("y_t", TensorProto.FLOAT, [3])])
+    nodes = [helper.make_node("Scan", ["s0", "xs"], ["s", "ys"], body=body, num_scan_inputs=1,
+                              scan_input_directions=[direction])]
+    model = make_model(nodes, [("s0", F, [3]), ("xs", F, [5, 3])], [("s", F, None), ("ys", F, None)])
+    assert_matches_ort(model, {"s0": rand(3), "xs": rand(5, 3, seed=4)})

@@ -93,3 +93,31 @@ def test_unwritable_cache_does_not_fail_the_build(tmp_path):
     blocker.write_text("not a folder")
     art = build_variant(VariantSpec("m", str(model)), tmp_path / "out", Cache(blocker))
     assert art.library.exists()
+
+
+def test_full_disk_while_installing_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import cuvil.build as build_module
+    model = _model(tmp_path / "m.onnx", 0)
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, fd, mode):
+            self.f = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(build_module.os, "fdopen", FullDisk)
+    out = tmp_path / "out"
+    with pytest.raises(cuvil.CuvilError, match="No space left on device") as err:
+        build_variant(VariantSpec("m", str(model)), out, Cache(tmp_path / "cache"))
+    assert "disk is not full" in str(err.value)
+    assert not [p for p in out.iterdir()] if out.exists() else True

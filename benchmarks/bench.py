@@ -1,17 +1,34 @@
-"""cuvil vs onnxruntime latency, side by side in one process.
+"""cuvil vs onnxruntime latency over the model zoo, each engine in its own process.
 
-Both engines get the same inputs and the same thread count; after a warm-up,
-runs alternate between the engines (so drift in machine load hits both) and
-the medians are compared. Ratio < 1 means cuvil is faster.
+For every model: export it to ONNX, build it with cuvil (the cold build time
+is measured with an empty cache), then time, each in a fresh process, one
+after the other and repeated `--rounds` times:
 
-    python benchmarks/bench.py [--models mlp,resnet18,mobilenet_v2] [--threads 1] [--runs 50]
+  cuvil (C)       the library's session_run called from a small C program
+                  (benchmarks/ctime.py): no Python in the loop;
+  cuvil (Python)  `cuvil.load(lib).session().run(feeds)` (ctypes);
+  onnxruntime     `InferenceSession.run` with the same inputs and thread count
+                  (intra_op_num_threads = threads, all graph optimisations).
+
+A spinning thread pool of one engine would slow the other on a small
+machine, so they never run at the same time. Each process does a warm-up and
+`--runs` timed calls; the figure of a model is the median over all timed
+calls of all rounds. ratio = cuvil (Python) / onnxruntime: < 1 means cuvil is
+faster (the C figure shows the call overhead Python adds).
+
+    python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--runs 50] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,17 +36,63 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-import onnxruntime as ort  # noqa: E402
 
-import cuvil  # noqa: E402
-from tests import zoo  # noqa: E402
+
+def _zoo():
+    from tests import zoo
+    return zoo
+
+
+def encoder(layers=4, d=256, heads=4, ff=1024, seed=0):
+    """A BERT-style encoder: post-norm Transformer layers (multi-head self-attention,
+    GELU feed-forward), written with plain ops so the exporter emits MatMul/Softmax/LayerNorm."""
+    import torch
+    nn = torch.nn
+    torch.manual_seed(seed)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+            self.ff1, self.ff2 = nn.Linear(d, ff), nn.Linear(ff, d)
+            self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            split = lambda y: y.reshape(b, t, heads, d // heads).transpose(1, 2)
+            q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+            att = torch.softmax(q @ k.transpose(-1, -2) * (d // heads) ** -0.5, dim=-1)
+            y = (att @ v).transpose(1, 2).reshape(b, t, d)
+            x = self.n1(x + self.o(y))
+            return self.n2(x + self.ff2(torch.nn.functional.gelu(self.ff1(x))))
+
+    return nn.Sequential(*[Layer() for _ in range(layers)]).eval()
+
+
+def lstm(inputs=64, hidden=128, layers=2, seed=0):
+    import torch
+    torch.manual_seed(seed)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(inputs, hidden, layers)
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+    return Net().eval()
+
 
 MODELS = {
-    "mlp": lambda: (zoo.mlp(), {"x": (1, 256)}),
-    "resnet18": lambda: (zoo.resnet((2, 2, 2, 2)), {"input": (1, 3, 224, 224)}),
-    "resnet50": lambda: (zoo.resnet((3, 4, 6, 3), bottleneck=True), {"input": (1, 3, 224, 224)}),
-    "mobilenet_v2": lambda: (zoo.mobilenet_v2(), {"input": (1, 3, 224, 224)}),
+    "mlp": lambda: (_zoo().mlp(), {"x": (1, 256)}),
+    "resnet18": lambda: (_zoo().resnet((2, 2, 2, 2)), {"input": (1, 3, 224, 224)}),
+    "resnet50": lambda: (_zoo().resnet((3, 4, 6, 3), bottleneck=True), {"input": (1, 3, 224, 224)}),
+    "mobilenet_v2": lambda: (_zoo().mobilenet_v2(), {"input": (1, 3, 224, 224)}),
+    "encoder": lambda: (encoder(), {"x": (1, 128, 256)}),
+    "encoder_t16": lambda: (encoder(layers=1), {"x": (1, 16, 256)}),
+    "lstm": lambda: (lstm(), {"x": (32, 1, 64)}),
 }
+DEFAULT_MODELS = "mlp,resnet18,resnet50,mobilenet_v2,encoder,encoder_t16,lstm"
 
 
 def cpu_name() -> str:
@@ -42,51 +105,105 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def bench(name, threads, runs, jobs):
-    module, shapes = MODELS[name]()
-    model = zoo.export(module, shapes)
-    feeds = {k: zoo.sample_input(s) for k, s in shapes.items()}
-    t0 = time.perf_counter()
-    compiled = cuvil.compile(model, threads=threads, jobs=jobs)
-    build_s = time.perf_counter() - t0
+def cpu_flags() -> list[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
+def sample_feeds(shapes: dict) -> dict:
+    return {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+from backends.native.timing import cuvil_py_times, ort_time, ort_times  # noqa: E402,F401
+
+
+def check_outputs(library, model_path, shapes) -> float:
+    """max |cuvil - onnxruntime| / max |onnxruntime| over the first output."""
+    import onnxruntime as ort
+
+    from cuvil.runtime import Library
+    feeds = sample_feeds(shapes)
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    out_names = [o.name for o in sess.get_outputs()]
-    session = compiled.session()
-    ref = sess.run(out_names, feeds)[0]
-    got = session.run(feeds)[out_names[0]]
-    err = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-6))
-    for _ in range(max(3, runs // 10)):
-        session.run(feeds)
-        sess.run(out_names, feeds)
-    cu, ox = [], []
-    for _ in range(runs):
-        t = time.perf_counter()
-        session.run(feeds)
-        cu.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        sess.run(out_names, feeds)
-        ox.append(time.perf_counter() - t)
-    c, o = statistics.median(cu), statistics.median(ox)
-    return {"model": name, "cuvil_ms": c * 1e3, "ort_ms": o * 1e3, "ratio": c / o, "rel_err": err,
-            "build_s": build_s, "kernels": compiled.info["kernels"], "arena": compiled.info["memory"]["arena_bytes"]}
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    name = sess.get_outputs()[0].name
+    ref = sess.run([name], feeds)[0]
+    lib = Library(library)
+    got = lib.run(feeds)[lib.output_names[0]]
+    return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-6))
+
+
+def build(name, model_path, shapes, threads, cache_dir, jobs):
+    import cuvil
+    t = time.perf_counter()
+    compiled = cuvil.compile(str(model_path), input_shapes=shapes, threads=threads, cache_dir=cache_dir, jobs=jobs,
+                             name=name)
+    return compiled, time.perf_counter() - t
+
+
+def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool):
+    from backends.native import timing as ctime
+    module, shapes = MODELS[name]()
+    model = _zoo().export(module, shapes)
+    model_path = workdir / f"{name}.onnx"
+    model_path.write_bytes(model.SerializeToString())
+    cache_dir = workdir / f"cache-{name}-{threads}" if cold else None
+    compiled, build_s = build(name, model_path, shapes, threads, cache_dir, jobs)
+    lib_dir = workdir / f"{name}-t{threads}"
+    compiled.save(lib_dir)
+    library = lib_dir / compiled.artifacts.library.name
+    err = check_outputs(library, model_path, shapes)
+    c_times, py_times, ort = [], [], []
+    warm = max(3, runs // 10)
+    for _ in range(rounds):
+        c_times += ctime.time_library(library, runs=runs, warmup=warm, info=compiled.info)
+        py_times += cuvil_py_times(library, shapes, runs, warm)
+        ort += ort_times(model_path, shapes, threads, runs, warm)
+    c, p, o = (statistics.median(v) for v in (c_times, py_times, ort))
+    return {"model": name, "threads": threads, "cuvil_c_ms": c * 1e3, "cuvil_py_ms": p * 1e3, "ort_ms": o * 1e3,
+            "ratio": p / o, "ratio_c": c / o, "rel_err": err, "build_s": build_s, "cold": cold,
+            "kernels": compiled.info["kernels"], "arena_bytes": compiled.info["memory"]["arena_bytes"]}
 
 
 def main(argv=None):
+    import onnxruntime as ort
+
+    import cuvil
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,resnet18,mobilenet_v2")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--models", default=DEFAULT_MODELS)
+    parser.add_argument("--threads", default="1", help="thread counts, comma separated (e.g. 1,2)")
+    parser.add_argument("--runs", type=int, default=50, help="timed calls per process")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per engine (alternating)")
     parser.add_argument("-j", "--jobs", type=int, default=2, help="parallel kernel compiles")
+    parser.add_argument("--cold", action="store_true", help="build every model with an empty cache (cold build time)")
+    parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    print(f"# {cpu_name()}, onnxruntime {ort.__version__}, cuvil {cuvil.__version__}, threads={args.threads}")
-    print(f"{'model':<14}{'cuvil ms':>11}{'ort ms':>11}{'ratio':>8}{'rel err':>10}{'build s':>9}{'kernels':>9}")
-    for name in args.models.split(","):
-        r = bench(name, args.threads, args.runs, args.jobs)
-        print(f"{r['model']:<14}{r['cuvil_ms']:>11.3f}{r['ort_ms']:>11.3f}{r['ratio']:>8.2f}{r['rel_err']:>10.1e}"
-              f"{r['build_s']:>9.1f}{r['kernels']:>9}", flush=True)
+    flags = set(cpu_flags())
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                       "amx_tile") if f in flags]
+    print(f"# {cpu_name()} ({os.cpu_count()} cores; {' '.join(isa)}), onnxruntime {ort.__version__}, "
+          f"cuvil {cuvil.__version__}")
+    print(f"{'model':<14}{'thr':>4}{'cuvil C ms':>12}{'cuvil py ms':>13}{'ort ms':>10}{'ratio':>7}{'rel err':>9}"
+          f"{'build s':>9}")
+    results = []
+    workdir = Path(tempfile.mkdtemp(prefix="cuvil-bench-"))
+    try:
+        for name in args.models.split(","):
+            for threads in (int(t) for t in args.threads.split(",")):
+                r = bench_model(name, threads, args.runs, args.rounds, args.jobs, workdir, args.cold)
+                results.append(r)
+                print(f"{name:<14}{threads:>4}{r['cuvil_c_ms']:>12.3f}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
+                      f"{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{r['build_s']:>9.1f}", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "results": results}, indent=2) + "\n")
+    return results
 
 
 if __name__ == "__main__":

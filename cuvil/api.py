@@ -41,7 +41,7 @@ def _model_name(model) -> str:
 
 
 def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None,
-            opt_level=2, passes=None, disable_passes=(), symbol_prefix="cuvil_", name=None,
+            opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False) -> CompiledModel:
     from .build import VariantSpec, build_variant
     threads = 1 if threads is None else int(threads)
@@ -55,7 +55,8 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
             source = to_onnx_proto(model, input_shapes)
     spec = VariantSpec(name=name or _model_name(model), source=source, input_shapes=dict(input_shapes or {}),
                        target=target, precision=precision, opt_level=opt_level, passes=passes,
-                       disable_passes=list(disable_passes), threads=threads, symbol_prefix=symbol_prefix,
+                       disable_passes=list(disable_passes), pass_options=dict(pass_options or {}),
+                       threads=threads, symbol_prefix=symbol_prefix,
                        max_arena_mb=max_arena_mb, sanitize=sanitize)
     cache = Cache(Path(cache_dir) if cache_dir else default_cache_dir())
     workdir = tempfile.TemporaryDirectory(prefix="cuvil-")

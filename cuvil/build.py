@@ -42,6 +42,7 @@ class VariantSpec:
     opt_level: int = 2
     passes: list | None = None
     disable_passes: list = field(default_factory=list)
+    pass_options: dict = field(default_factory=dict)  # {pass name: {option: value}}
     threads: int = 1
     symbol_prefix: str = "cuvil_"
     max_arena_mb: int = 4096
@@ -137,9 +138,9 @@ def _run_import(dag, source, input_shapes, model_bytes=None):
     return graph
 
 
-def _run_pass(dag, graph, name):
-    from passes import PASSES
-    return PASSES[name](graph)
+def _run_pass(dag, graph, name, options):
+    from passes import run_pass
+    return run_pass(name, graph, options)
 
 
 def _io(graph, names):
@@ -197,7 +198,9 @@ def _run_codegen(dag, graph, params):
     schedule = lower(graph)
     weights, weight_offsets = _pack_weights(graph, schedule)
     external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets)
-    plan = plan_memory(graph, schedule, external)
+    # Without the plan_memory pass every buffer gets bytes of its own (see passes/plan_memory.py).
+    memory = params.get("memory") or {"strategy": "none", "in_place": False}
+    plan = plan_memory(graph, schedule, external, strategy=memory["strategy"], in_place=memory["in_place"])
     limit = params["max_arena_mb"] << 20
     if plan.arena_bytes > limit:
         raise CuvilError(f"model '{params['name']}': a session would need {plan.arena_bytes / 2**20:.1f} MiB of working "
@@ -220,6 +223,7 @@ def _run_codegen(dag, graph, params):
         "threads": params["threads"],
         "symbol_prefix": params["symbol_prefix"],
         "passes": params["passes"],
+        **({"pass_options": params["pass_options"]} if params.get("pass_options") else {}),
         "cuvil_version": __version__,
         "versions": {k: v for k, v in dag.versions.items() if k != "code"},
         "source_sha256": params["source_sha256"],
@@ -291,6 +295,8 @@ def spec_hash(model_sha: str, spec: VariantSpec, pass_names) -> str:
     payload = {"model": model_sha, "inputs": {k: list(v) for k, v in sorted(spec.input_shapes.items())},
                "target": spec.target, "precision": spec.precision, "passes": pass_names,
                "threads": spec.threads, "symbol_prefix": spec.symbol_prefix}
+    if spec.pass_options:
+        payload["pass_options"] = spec.pass_options
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -298,13 +304,14 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
     """Add the steps of one variant; returns the name of its link step."""
     from backends.native.link import CFLAGS, LDFLAGS
     from backends.native.targets import resolve_target
-    from passes import resolve_passes
+    from passes import resolve_pass_options, resolve_passes
 
     if spec.precision not in PRECISIONS_SUPPORTED:
         raise CuvilError(f"model '{spec.name}': precision '{spec.precision}' is not supported yet",
                          hint=f"supported: {', '.join(PRECISIONS_SUPPORTED)}")
     target = resolve_target(spec.target)
     pass_names = resolve_passes(spec.opt_level, spec.passes, spec.disable_passes)
+    pass_options = resolve_pass_options(pass_names, spec.pass_options)
     model_bytes, kind = _source_bytes(spec.source)
     model_sha = hashlib.sha256(model_bytes).hexdigest()
     shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}
@@ -324,13 +331,23 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
         importer = lambda d: _run_import(d, None, shapes, model_bytes)
     last = dag.add(Step(f"{base}/import", "import", {"model_sha256": model_sha, "inputs": shapes}, deps,
                         importer, encode_graph, decode_graph))
-    for name in pass_names:
-        last = dag.add(Step(f"{base}/pass:{name}", "pass", {"pass": name, "options": {}}, [last],
-                            lambda d, g, name=name: _run_pass(d, g, name), encode_graph, decode_graph))
+    for k, name in enumerate(pass_names):
+        options = pass_options[name]
+        # A pass listed again (opt 3 cleans up twice) is a step of its own: name#2, name#3...
+        repeat = pass_names[:k].count(name)
+        step_name = f"{base}/pass:{name}" + (f"#{repeat + 1}" if repeat else "")
+        last = dag.add(Step(step_name, "pass", {"pass": name, "options": options}, [last],
+                            lambda d, g, name=name, options=options: _run_pass(d, g, name, options),
+                            encode_graph, decode_graph))
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
               "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
               "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names),
               "max_arena_mb": spec.max_arena_mb}
+    if spec.pass_options:
+        params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
+    if "plan_memory" in pass_names:
+        memory = pass_options["plan_memory"]
+        params["memory"] = {"strategy": memory["strategy"], "in_place": memory["in_place"]}
     codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
                            lambda d, g: _run_codegen(d, g, params), pack_files, unpack_files))
     link_name = f"{base}/link"

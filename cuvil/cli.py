@@ -65,8 +65,23 @@ def _parser() -> argparse.ArgumentParser:
                        help="compile up to N kernels in parallel (default 1)")
     build.add_argument("--report", type=Path, metavar="FILE.json",
                        help="write every step's name, kind, key, status (ran/cached) and seconds as JSON")
+    build.add_argument("--explain", action="store_true",
+                       help="after building, print what the passes did, the kernels and the arena plan")
     build.add_argument("models", nargs="*", metavar="MODEL", help="build only these models (default: all)")
     build.set_defaults(command=cmd_build)
+
+    explain = commands.add_parser("explain", parents=[common], help="show what the passes do to a model",
+                                  description="For MODEL (a name in cuvil.yaml): each pass with the node counts "
+                                              "before and after and what it rewrote, the kernels the model "
+                                              "becomes with the ops each one fuses, and the arena plan. "
+                                              "Compiles nothing; pass results come from the build cache.")
+    _config_option(explain)
+    explain.add_argument("model", metavar="MODEL", help="a model name of the config")
+    explain.add_argument("--target", metavar="TARGET", help="which of the model's targets (default: its first)")
+    explain.add_argument("--buffers", type=_positive_int, default=24, metavar="N",
+                         help="show the N largest arena buffers (default 24)")
+    explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    explain.set_defaults(command=cmd_explain)
 
     watch = commands.add_parser("watch", parents=[common], help="rebuild whenever a model or the config changes",
                                 description="Build, then rebuild what changed each time cuvil.yaml, a model file "
@@ -131,6 +146,25 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(check)
     check.add_argument("models", nargs="*", metavar="MODEL", help="check only these models (default: all)")
     check.set_defaults(command=cmd_check)
+
+    bench = commands.add_parser("bench", parents=[common], help="time a library or a model (vs onnxruntime)",
+                                description="Time a built library (LIB.so) or build and time a model "
+                                            "(an .onnx file). Each engine runs in its own process: the library "
+                                            "from C (no Python in the loop) and through the Python runtime, "
+                                            "onnxruntime with the same thread count. Prints median, min and "
+                                            "p90 per call and the ratio cuvil/onnxruntime.")
+    bench.add_argument("target", type=Path, metavar="LIB|MODEL", help="a lib<model>.so, or an .onnx model")
+    bench.add_argument("--vs", choices=["onnxruntime"], help="also time onnxruntime on the same inputs")
+    bench.add_argument("--onnx", type=Path, metavar="FILE.onnx",
+                       help="the ONNX model of LIB, for --vs onnxruntime when timing a library")
+    bench.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                       help="threads of the build and of onnxruntime (default 1; a LIB keeps its own)")
+    bench.add_argument("--runs", type=_positive_int, default=100, metavar="N", help="timed calls per process")
+    bench.add_argument("--rounds", type=_positive_int, default=1, metavar="N", help="processes per engine")
+    bench.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2,...",
+                       help="an input shape for a model with symbolic dims (repeat per input)")
+    bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    bench.set_defaults(command=cmd_bench)
     return parser
 
 
@@ -171,6 +205,29 @@ def cmd_build(args) -> int:
               f"weights {_bytes(info['memory']['weights_bytes'])}, {artifacts.seconds:.1f} s{unchanged}")
     print(f"{len(built)} variant{'s' if len(built) != 1 else ''}: {result.dag.summary()} steps "
           f"in {result.seconds:.2f} s (cache: {_shown(spec.cache.dir)})")
+    if getattr(args, "explain", False):
+        from .explain import explain_variant, render
+        for artifacts in built:
+            info = artifacts.info
+            print()
+            print(render(explain_variant(result.dag, f"{info['name']}/{info['target']}/link", info["name"])))
+    return EXIT_OK
+
+
+def cmd_explain(args) -> int:
+    from .config import load_config
+    from .explain import as_dict, explain_variant, render
+    from .project import plan_project, select_models
+
+    spec = load_config(args.file)
+    (model,) = select_models(spec, [args.model])
+    target = args.target or model.targets[0]
+    if target not in model.targets:
+        raise CuvilError(f"model '{model.name}' has no target '{target}' (its targets: {', '.join(model.targets)})")
+    dag, planned = plan_project(spec, [model.name], progress=None)
+    link = next(link for _, t, _, link in planned if t == target)
+    report = explain_variant(dag, link, model.name)
+    print(json.dumps(as_dict(report), indent=2) if args.json else render(report, max_buffers=args.buffers))
     return EXIT_OK
 
 
@@ -372,6 +429,64 @@ def cmd_inspect(args) -> int:
     print(f"  spec hash  {info.get('spec_hash', '?')}")
     versions = info.get("versions") or {"cuvil": info.get("cuvil_version", "?")}
     print(f"  versions   {', '.join(f'{k} {v}' for k, v in sorted(versions.items()))}")
+    return EXIT_OK
+
+
+# --- bench
+
+def cmd_bench(args) -> int:
+    import tempfile
+
+    from backends.native import timing
+
+    target = args.target
+    if not target.is_file():
+        raise CuvilError(f"file not found: {target}")
+    shapes = {}
+    for spec in args.shape:
+        name, _, dims = spec.partition("=")
+        try:
+            shapes[name] = [int(d) for d in dims.split(",")]
+        except ValueError:
+            raise CuvilError(f"--shape {spec!r}: expected NAME=D1,D2,...") from None
+    onnx_path = args.onnx
+    with tempfile.TemporaryDirectory(prefix="cuvil-bench-") as tmp:
+        if target.suffix == ".so":
+            from .runtime import load
+            library_path = target
+            info = load(target).info
+        else:
+            from .api import compile as compile_model
+            onnx_path = onnx_path or target
+            compiled = compile_model(str(target), input_shapes=shapes or None, threads=args.threads)
+            library_path = compiled.save(Path(tmp) / "lib")
+            info = compiled.info
+        if args.vs and onnx_path is None:
+            raise CuvilError("--vs onnxruntime needs the ONNX model of the library", hint="pass --onnx FILE.onnx")
+        in_shapes = {t["name"]: t["shape"] for t in info["inputs"]}
+        warmup = max(3, args.runs // 10)
+        rows = {"cuvil (C)": [], "cuvil (Python)": [], "onnxruntime": []}
+        for _ in range(args.rounds):
+            rows["cuvil (C)"] += timing.time_library(library_path, args.runs, warmup, info)
+            rows["cuvil (Python)"] += timing.cuvil_py_times(library_path, in_shapes, args.runs, warmup)
+            if args.vs:
+                rows["onnxruntime"] += timing.ort_times(onnx_path, in_shapes, int(info.get("threads", args.threads)),
+                                                        args.runs, warmup)
+    results = {k: timing.summary(v) for k, v in rows.items() if v}
+    if args.vs:
+        ort_ms = results["onnxruntime"]["median_ms"]
+        for key in ("cuvil (C)", "cuvil (Python)"):
+            results[key]["ratio"] = results[key]["median_ms"] / ort_ms
+    if args.json:
+        print(json.dumps({"library": str(library_path) if target.suffix == ".so" else None, "model": info.get("name"),
+                          "threads": info.get("threads"), "results": results}, indent=2))
+        return EXIT_OK
+    print(f"{_shown(target)}: model {info.get('name', '?')}, target {info.get('target', '?')}, "
+          f"threads {info.get('threads', '?')}")
+    print(f"  {'engine':<16}{'median ms':>11}{'min ms':>10}{'p90 ms':>10}{'ratio':>8}")
+    for key, r in results.items():
+        ratio = f"{r['ratio']:>8.2f}" if "ratio" in r else ""
+        print(f"  {key:<16}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['p90_ms']:>10.3f}{ratio}")
     return EXIT_OK
 
 

@@ -62,6 +62,12 @@ def _source_suffix(value):
     return value
 
 
+def _pass_options(value):
+    # The passes own their options (a pydantic model each); the check lists what exists.
+    from passes import check_pass_options
+    return check_pass_options(value)
+
+
 def _version(value):
     if value != 1:
         raise ValueError(f"unsupported version {value} (this cuvil reads version 1)")
@@ -102,6 +108,9 @@ class _Settings(_Strict):
     opt_level: int = Field(2, ge=0, le=3)
     passes: list[str] | None = None  # None: the opt level's default list
     disable_passes: list[str] = []
+    # Options of individual passes, e.g. {fuse_elementwise: {max_ops: 8}}; a model's merge
+    # over `defaults:` pass by pass.
+    pass_options: Annotated[dict[str, dict[str, Any]], AfterValidator(_pass_options)] = {}
     threads: int = Field(1, ge=1)
     symbol_prefix: Identifier | None = None  # None: DEFAULT_SYMBOL_PREFIX
     # Largest working memory a session may need; a model whose plan is larger is refused.
@@ -140,6 +149,7 @@ class ModelConfig(BaseModel):
     opt_level: int
     passes: list[str] | None
     disable_passes: list[str]
+    pass_options: dict[str, dict] = {}
     threads: int
     symbol_prefix: str
     max_arena_mb: int = 4096
@@ -252,6 +262,8 @@ def _resolve(raw, root_node, path):
                               hint=f"paths are relative to the folder of {path.name} ({root})",
                               **_position_of(root_node, (*where, "source")))
         values = {**defaults, **entry.model_dump(exclude_unset=True)}
+        values["pass_options"] = {name: {**defaults["pass_options"].get(name, {}), **own}
+                                  for name, own in {**defaults["pass_options"], **values["pass_options"]}.items()}
         values.update(source=source, line=line,
                       inputs={name: tuple(shape) for name, shape in (entry.inputs or {}).items()},
                       symbol_prefix=values["symbol_prefix"] or DEFAULT_SYMBOL_PREFIX)

@@ -76,7 +76,8 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                 variant = VariantSpec(
                     name=model.name, source=model.source, input_shapes=dict(model.inputs), target=target,
                     precision=model.precision, opt_level=model.opt_level, passes=model.passes,
-                    disable_passes=list(model.disable_passes), threads=model.threads,
+                    disable_passes=list(model.disable_passes), pass_options=dict(model.pass_options),
+                    threads=model.threads,
                     symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize)
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
@@ -129,7 +130,8 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
         graph, _ = import_onnx(source, dict(model.inputs))
         report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
                              _tensors(graph, graph.outputs), graph.op_counts())
-        graph = run_passes(graph, resolve_passes(model.opt_level, model.passes, model.disable_passes))
+        graph = run_passes(graph, resolve_passes(model.opt_level, model.passes, model.disable_passes),
+                           options=model.pass_options)
         for node in graph.nodes:
             problem = _lowering_problem(registry, node, graph)
             if problem:
@@ -148,7 +150,9 @@ def check_project(spec: BuildSpec, models: list[str] | None = None) -> list[str]
 
 def _lowering_problem(registry, node, graph) -> str | None:
     """Why `node` cannot be lowered, or None. Lowering only writes kernel source, so it is cheap."""
-    if node.domain not in ("", "ai.onnx"):
+    # The "cuvil" domain holds the ops the fusion passes make (FusedConv, FusedElementwise...).
+    cuvil_op = node.domain == "cuvil" and node.op in getattr(registry, "CUVIL_DOMAIN_OPS", ())
+    if node.domain not in ("", "ai.onnx") and not cuvil_op:
         return f"op {node.domain}::{node.op} is outside the default ONNX domain"
     generator = registry.GENERATORS.get(node.op)
     if generator is None:

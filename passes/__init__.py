@@ -1,32 +1,57 @@
 """Graph passes: each a pure `Graph -> Graph` in a module of its own, named here.
 
-The registry below is the one list of passes `cuvil.yaml` can name; each
-opt level runs a fixed prefix-free list of them in order.
+The registry below is the one list of passes `cuvil.yaml` can name; each opt
+level runs a fixed list of them in order. A pass with options takes them as a
+pydantic model (`Options` in its module, checked strictly: a misspelt or
+mistyped option is an error naming what exists); a pass may have a
+`describe(before, after) -> str` saying what it did, which `cuvil explain`
+prints. It reads the two graphs only, so passes stay pure.
+
+    opt 0  nothing
+    opt 1  clean-ups that never change how a kernel computes: constants, identities,
+           shape chains, duplicates, dead nodes; memory planning
+    opt 2  + folding and fusion into ops the kernels already have: BatchNormalization
+           into Conv, MatMul + bias into Gemm, exporters' decompositions into one op,
+           activations and residual adds into Conv/Gemm/MatMul epilogues
+    opt 3  + fusion that generates new kernels: elementwise chains into one loop
+           (FusedElementwise), then the clean-ups once more
 """
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from cuvil.errors import ConfigError
 
-from .eliminate_common import eliminate_common
-from .eliminate_dead import eliminate_dead
-from .eliminate_identity import eliminate_identity
-from .fold_batchnorm import fold_batchnorm
-from .fold_constants import fold_constants
+from . import (eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fuse_activation,
+               fuse_elementwise, fuse_gemm, fuse_patterns, plan_memory, simplify_shapes)
 
-PASSES = {
+_MODULES = {
     "fold_constants": fold_constants,
     "eliminate_identity": eliminate_identity,
+    "simplify_shapes": simplify_shapes,
     "eliminate_common": eliminate_common,
     "fold_batchnorm": fold_batchnorm,
+    "fuse_gemm": fuse_gemm,
+    "fuse_patterns": fuse_patterns,
+    "fuse_activation": fuse_activation,
+    "fuse_elementwise": fuse_elementwise,
     "eliminate_dead": eliminate_dead,
+    "plan_memory": plan_memory,
 }
 
-_BASIC = ["fold_constants", "eliminate_identity", "eliminate_common", "eliminate_dead"]
+PASSES = {name: getattr(module, name) for name, module in _MODULES.items()}
+
+# name -> the pydantic model of its options (passes without options are absent).
+PASS_OPTIONS = {name: module.Options for name, module in _MODULES.items() if hasattr(module, "Options")}
+
+_BASIC = ["fold_constants", "eliminate_identity", "simplify_shapes", "eliminate_common", "eliminate_dead"]
+_FUSION = ["fold_constants", "eliminate_identity", "simplify_shapes", "fold_batchnorm", "fuse_gemm", "fuse_patterns",
+           "fuse_activation", "eliminate_common", "eliminate_dead"]
 OPT_LEVELS = {
     0: [],
-    1: _BASIC,
-    2: _BASIC[:2] + ["fold_batchnorm"] + _BASIC[2:],
-    3: _BASIC[:2] + ["fold_batchnorm"] + _BASIC[2:],
+    1: _BASIC + ["plan_memory"],
+    2: _FUSION + ["plan_memory"],
+    3: _FUSION + ["fuse_elementwise", "eliminate_common", "eliminate_dead", "plan_memory"],
 }
 
 
@@ -39,10 +64,82 @@ def resolve_passes(opt_level: int = 2, passes=None, disable=()) -> list[str]:
     return [n for n in names if n not in set(disable)]
 
 
-def run_passes(graph, names, on_pass=None):
+def check_pass_options(options: dict) -> dict:
+    """Validate `pass_options` as cuvil.yaml gives them ({pass: {option: value}}); returns them as given.
+    Raises ValueError with a message naming the known passes or options."""
+    if not isinstance(options, dict):
+        raise ValueError(f"pass_options must be a mapping of pass name to options, got {type(options).__name__}")
+    for name, given in options.items():
+        if name not in PASSES:
+            raise ValueError(f"unknown pass {name!r} (known passes: {', '.join(sorted(PASSES))})")
+        model = PASS_OPTIONS.get(name)
+        if model is None:
+            if given:
+                raise ValueError(f"pass {name!r} takes no options (passes with options: "
+                                 f"{', '.join(sorted(PASS_OPTIONS))})")
+            continue
+        if not isinstance(given, dict):
+            raise ValueError(f"{name}: expected a mapping of option to value, got {given!r}")
+        try:
+            model.model_validate(given)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            if first["type"] == "extra_forbidden":
+                message = f"unknown option {where!r} (known: {', '.join(model.model_fields)})"
+            else:
+                message = f"{where}: {first['msg']}, got {first.get('input')!r}"
+            raise ValueError(f"{name}: {message}") from None
+    return options
+
+
+def resolve_pass_options(names, options: dict | None = None) -> dict[str, dict]:
+    """Every listed pass's options with the defaults filled in ({} for a pass without options):
+    what goes into each pass step's key."""
+    try:
+        options = check_pass_options(dict(options or {}))
+    except ValueError as error:
+        hint = "each pass's options are the fields of `Options` in passes/<name>.py"
+        raise ConfigError(f"pass_options: {error}", hint=hint) from None
+    resolved = {}
     for name in names:
-        before = len(graph.nodes)
-        graph = PASSES[name](graph)
+        model = PASS_OPTIONS.get(name)
+        resolved[name] = model.model_validate(options.get(name, {})).model_dump() if model else {}
+    return resolved
+
+
+def run_pass(name: str, graph, options: dict | None = None):
+    model = PASS_OPTIONS.get(name)
+    if model is None:
+        return PASSES[name](graph)
+    return PASSES[name](graph, model.model_validate(options or {}))
+
+
+def describe(name: str, before, after) -> str:
+    """What pass `name` did, in a few words ('' when the module has nothing to say)."""
+    module = _MODULES.get(name)
+    if before is after:
+        return "no change"
+    if module is not None and hasattr(module, "describe"):
+        text = module.describe(before, after)
+        if text:
+            return text
+    return op_delta(before, after)
+
+
+def op_delta(before, after) -> str:
+    """'-53 BatchNormalization, +2 Gemm': the op counts that changed."""
+    b, a = before.op_counts(), after.op_counts()
+    parts = [f"{a.get(op, 0) - b.get(op, 0):+d} {op}" for op in sorted(set(a) | set(b)) if a.get(op, 0) != b.get(op, 0)]
+    return ", ".join(parts) or "no change in op counts"
+
+
+def run_passes(graph, names, on_pass=None, options: dict | None = None):
+    """Run passes in order; `on_pass(name, before_graph, after_graph)` sees each step."""
+    resolved = resolve_pass_options(names, options)
+    for name in names:
+        before = graph
+        graph = run_pass(name, graph, resolved[name])
         if on_pass:
-            on_pass(name, before, len(graph.nodes))
+            on_pass(name, before, graph)
     return graph

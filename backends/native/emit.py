@@ -12,6 +12,7 @@ import os
 import re
 
 from .targets import CpuTarget, _init_llvm
+from .ukernel import specs_in, ukernel_ir
 
 def _numba_types(arg_types):
     import numba
@@ -19,18 +20,83 @@ def _numba_types(arg_types):
     return [types.CPointer(numba.from_dtype(__import__("numpy").dtype(t))) for t in arg_types]
 
 
-def kernel_ir(source: str, arg_types: tuple[str, ...]) -> str:
+# libm calls Numba cannot vectorise -> the vectorisable versions of vmath.py (float32
+# polynomials; for float64 they are these same libm functions). Applied to every kernel's
+# source, so generators that write `math.exp(x)` get vector code too.
+_VMATH_CALLS = {"math.exp(": "vexp(", "math.tanh(": "vtanh(", "math.erf(": "verf("}
+
+
+def vectorisable_source(source: str) -> str:
+    for old, new in _VMATH_CALLS.items():
+        source = source.replace(old, new)
+    return source
+
+
+def in_place_versions(source: str, arg_types) -> str:
+    """Wrap an elementwise kernel so that it also has a version for running in place.
+
+    The memory planner lets an elementwise kernel write over an input it reads last
+    (output pointer == input pointer). LLVM vectorises `y[i] = f(x[i])` only behind a
+    run-time check that x and y do not overlap, which fails when they are equal, and
+    the scalar loop runs. So the body is inlined twice (or once per input of the
+    output's type): with the input's pointer replaced by the output's when they are
+    equal (one pointer: nothing to check), and as written otherwise."""
+    n = len(arg_types)
+    out = n - 1
+    same = [i for i in range(out) if arg_types[i] == arg_types[out]]
+    if not same or "def kernel(" not in source:
+        return source
+    params = [f"p{i}" for i in range(n)]
+    lines = [source.replace("def kernel(", "def _kernel_body(", 1), "",
+             "_kernel_body = _numba_njit(inline='always', fastmath=True, error_model='numpy')(_kernel_body)",
+             f"def kernel({', '.join(params)}, begin, end):"]
+    for i in same:
+        args = [f"p{out}" if k == i else p for k, p in enumerate(params)]
+        lines += [f"    if same_buffer(p{i}, p{out}):", f"        _kernel_body({', '.join(args)}, begin, end)",
+                  "        return"]
+    lines.append(f"    _kernel_body({', '.join(params)}, begin, end)")
+    return "\n".join(lines) + "\n"
+
+
+def kernel_ir(source: str, arg_types: tuple[str, ...], in_place: bool = False) -> str:
     """Compile kernel source with Numba as a cfunc over raw pointers; return its LLVM IR."""
     os.environ.setdefault("NUMBA_OPT", "0")
+    source = vectorisable_source(source)
+    if in_place:
+        source = in_place_versions(source, arg_types)
     import math
 
     import numpy as np
     from numba import cfunc, types
-    namespace = {"__name__": "cuvil_kernel", "math": math, "np": np}
+    _declare_ukernels(source)
+    from backends.numba_cpu.vmath import NAMESPACE as vmath
+    from numba import njit
+    namespace = {"__name__": "cuvil_kernel", "math": math, "np": np, "_numba_njit": njit, **vmath}
     exec(compile(source, "<cuvil kernel>", "exec"), namespace)
     sig = types.void(*_numba_types(arg_types), types.int64, types.int64)
     compiled = cfunc(sig, nopython=True, fastmath=True, error_model="numpy", cache=False)(namespace["kernel"])
     return compiled.inspect_llvm()
+
+
+_PLACEHOLDER = None
+
+
+def _declare_ukernels(source: str) -> None:
+    """Numba finalises every cfunc in its own JIT, which must resolve the micro-kernels the
+    source calls: bind their names to a placeholder address (never called; the object
+    file gets the real micro-kernels in `emit_object`)."""
+    global _PLACEHOLDER
+    import ctypes
+
+    import llvmlite.binding as llvm
+    names = specs_in(source)
+    if not names:
+        return
+    if _PLACEHOLDER is None:
+        _PLACEHOLDER = ctypes.CFUNCTYPE(ctypes.c_int32)(lambda: 0)
+    address = ctypes.cast(_PLACEHOLDER, ctypes.c_void_p).value
+    for name in names:
+        llvm.add_symbol(name, address)
 
 
 def _add_function_attributes(ir: str, attrs: str) -> str:
@@ -56,11 +122,16 @@ def _add_function_attributes(ir: str, attrs: str) -> str:
     return ir
 
 
-def emit_object(ir: str, symbol: str, target: CpuTarget) -> bytes:
-    """Optimise kernel IR for `target` and emit an ELF object exporting only `symbol` (hidden)."""
+def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> bytes:
+    """Optimise kernel IR for `target` and emit an ELF object exporting only `symbol` (hidden).
+
+    The micro-kernels `source` declares (see ukernel.py) are generated for the
+    target's vector width and linked into the module first."""
     import llvmlite.binding as llvm
     _init_llvm()
     module = llvm.parse_assembly(ir)
+    for name, spec in sorted(specs_in(source).items()):
+        module.link_in(llvm.parse_assembly(ukernel_ir(spec, target.vector_bits)))
     helpers = 0
     for fn in module.functions:
         if fn.is_declaration:
@@ -96,4 +167,11 @@ def emit_object(ir: str, symbol: str, target: CpuTarget) -> bytes:
 def build_kernel_object(job: tuple) -> bytes:
     """Worker entry point: (source, arg_types, symbol, target) -> object bytes."""
     source, arg_types, symbol, target = job
-    return emit_object(kernel_ir(source, arg_types), symbol, target)
+    return emit_object(kernel_ir(source, arg_types, in_place=_in_place_family(symbol)), symbol, target, source)
+
+
+def _in_place_family(symbol: str) -> bool:
+    """Whether the kernel's family (in its symbol, `cuvilk_<family>_<hash>`) may run in place."""
+    from .memory import IN_PLACE_FAMILIES
+    family = symbol[len("cuvilk_"):].rsplit("_", 1)[0] if symbol.startswith("cuvilk_") else ""
+    return family in {re.sub(r"[^A-Za-z0-9]", "_", f).lower() for f in IN_PLACE_FAMILIES}

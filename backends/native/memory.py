@@ -1,17 +1,39 @@
 """Static memory plan: every intermediate tensor gets an offset in one arena.
 
-Liveness runs over the schedule (a buffer lives from the step that writes it
-to the last step that reads it, views included); buffers are then placed
-largest first at the lowest 64-byte aligned offset that overlaps no buffer
-alive at the same time (greedy by size, as TFLite's planner does).
+Liveness runs over the schedule: a buffer lives from the step that writes it
+to the last step that reads it, views included (a view shares its source's
+bytes, so it extends the source's life).
+
+In-place reuse: an elementwise kernel computes output element i from input
+element i only, so when one of its inputs has the output's size and dtype and
+no later step reads that input's buffer, the output takes over the buffer
+(as onnxruntime's allocation planner does). A chain of such ops then runs in
+one buffer.
+
+Placement (64-byte aligned offsets, buffers largest first):
+  greedy_by_size  the lowest offset that overlaps no buffer alive at the same
+                  time (TFLite's planner);
+  best_fit        the smallest gap between such buffers that fits, else the end;
+  none            every buffer its own bytes (arena = naive; for debugging).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from backends.numba_cpu.kernel import KernelCall, View
 
 ALIGN = 64
+STRATEGIES = ("greedy_by_size", "best_fit", "none")
+
+# Kernel families whose kernels read input element i only in the iteration that
+# writes output element i (elementwise.py, fused.py and norm.py's Gelu).
+IN_PLACE_FAMILIES = frozenset({
+    "Relu", "Neg", "Abs", "Sqrt", "Exp", "Log", "Tanh", "Erf", "Sigmoid", "Reciprocal", "Floor", "Ceil",
+    "Sin", "Cos", "Softplus", "Softsign", "Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "PRelu", "Sum",
+    "Mean", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Gelu", "FusedElementwise",
+})
 
 
 def _align(n: int) -> int:
@@ -21,30 +43,40 @@ def _align(n: int) -> int:
 @dataclass
 class MemoryPlan:
     offsets: dict[str, int]   # root intermediate value -> arena offset
-    alias: dict[str, str]     # value -> the value whose storage it shares (views)
+    alias: dict[str, str]     # value -> the value whose storage it shares (views, in-place outputs)
     arena_bytes: int
     naive_bytes: int          # sum of every intermediate, as if nothing were reused
+    in_place: dict[str, str] = field(default_factory=dict)  # output -> the input whose buffer it took over
+    lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # root -> (first step, last step)
+    strategy: str = "greedy_by_size"
 
 
-def plan_memory(graph, schedule, external: set[str]) -> MemoryPlan:
+def plan_memory(graph, schedule, external: set[str], strategy: str = "greedy_by_size",
+                in_place: bool = True) -> MemoryPlan:
     """external: values that live outside the arena (graph inputs, outputs, constants)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown memory strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     alias: dict[str, str] = {}
+    for call in schedule:
+        if isinstance(call, View):
+            alias[call.dst] = call.src
 
     def root(name):
         while name in alias:
             name = alias[name]
         return name
 
+    # Liveness of each buffer (a value and the views of it).
     first, last = {}, {}
+    steps = []
     for step, call in enumerate(schedule):
         if isinstance(call, View):
-            alias[call.dst] = call.src
-            uses, defs = [call.src], []
+            defs, uses = [], [call.src]
         else:
-            names = [a for a in call.args if isinstance(a, str)]
-            outs = set(call_outputs(graph, call))
-            defs = [a for a in names if a in outs]
-            uses = [a for a in names if a not in outs]
+            outs = call_outputs(graph, call)
+            defs = outs
+            uses = [a for a in call.args[:len(call.args) - call.n_outputs] if isinstance(a, str)]
+        steps.append((defs, uses))
         for name in defs:
             r = root(name)
             first.setdefault(r, step)
@@ -52,24 +84,67 @@ def plan_memory(graph, schedule, external: set[str]) -> MemoryPlan:
         for name in uses:
             r = root(name)
             last[r] = max(last.get(r, step), step)
-    buffers = sorted(((graph.values[r].nbytes, r) for r in first if r not in external),
+    internal = [r for r in first if r not in external]
+    naive = sum(_align(graph.values[r].nbytes) for r in internal)
+
+    taken_over = {}
+    if in_place:
+        taken_over = _reuse_in_place(graph, schedule, steps, external, alias, root, first, last)
+    buffers = sorted(((graph.values[r].nbytes, r) for r in first if r not in external and r not in alias),
                      key=lambda t: (-t[0], t[1]))
+    offsets = _place(buffers, first, last, strategy)
+    ends = [offsets[r] + _align(max(size, 1)) for size, r in buffers]
+    return MemoryPlan(offsets, alias, max(ends, default=0), naive, taken_over,
+                      {r: (first[r], last[r]) for _, r in buffers}, strategy)
+
+
+def _reuse_in_place(graph, schedule, steps, external, alias, root, first, last) -> dict[str, str]:
+    """Let an elementwise kernel's output take over an input buffer whose last reader it is."""
+    taken_over = {}
+    for step, call in enumerate(schedule):
+        if not isinstance(call, KernelCall) or call.n_outputs != 1 or call.kernel.family not in IN_PLACE_FAMILIES:
+            continue
+        (out,) = steps[step][0]
+        if out in external or out in alias:
+            continue
+        out_value = graph.values[out]
+        for name in steps[step][1]:
+            r = root(name)
+            value = graph.values[name]
+            if r in external or r == out or last.get(r) != step or value.size != out_value.size \
+                    or np.dtype(value.dtype) != np.dtype(out_value.dtype):
+                continue
+            alias[out] = name
+            last[r] = max(last[r], last.pop(out))
+            first.pop(out)
+            taken_over[out] = name
+            break
+    return taken_over
+
+
+def _place(buffers, first, last, strategy) -> dict[str, int]:
     placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
     offsets = {}
+    cursor = 0
     for size, name in buffers:
         size = _align(max(size, 1))
+        if strategy == "none":
+            offsets[name], cursor = cursor, cursor + size
+            continue
         lo, hi = first[name], last[name]
         conflicts = sorted((o, e) for o, e, f, l in placed if not (l < lo or f > hi))
-        offset = 0
+        gaps, offset = [], 0
         for o, e in conflicts:
-            if offset + size <= o:
-                break
+            if o - offset >= size:
+                gaps.append((o - offset, offset))
             offset = max(offset, e)
+        if strategy == "greedy_by_size":
+            offset = gaps[0][1] if gaps else offset
+        else:  # best_fit: the tightest gap, else after every conflict
+            offset = min(gaps)[1] if gaps else offset
         offsets[name] = offset
         placed.append((offset, offset + size, lo, hi))
-    arena = max((e for _, e, _, _ in placed), default=0)
-    naive = sum(_align(graph.values[r].nbytes) for r in first if r not in external)
-    return MemoryPlan(offsets, alias, arena, naive)
+    return offsets
 
 
 def call_outputs(graph, call: KernelCall) -> list[str]:

@@ -42,8 +42,10 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from .gemm import Operand, gemm_kernel
-from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
+from . import convgemm
+from .epilogue import Epilogue, epilogue_of
+from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
+from .kernel import Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal
 
 WEIGHT_REGS = 18  # weights live in one pass (OCB x taps): they stay in vector registers
 OC_BLOCK = 2      # output channels per work item (when the group size allows)
@@ -82,9 +84,11 @@ def conv_geometry(node, x_spatial, w_spatial):
 
 
 def lower_conv(node, graph) -> Lowered:
-    X = graph.values[node.inputs[0]]
-    W = graph.values[node.inputs[1]]
-    B = graph.values[node.inputs[2]] if len(node.inputs) > 2 and node.inputs[2] else None
+    """Conv, and FusedConv (domain "cuvil"): y = act(conv(x) + bias + residual), see epilogue.py."""
+    epilogue, inputs = epilogue_of(node)
+    X = graph.values[inputs[0]]
+    W = graph.values[inputs[1]]
+    B = graph.values[inputs[2]] if len(inputs) > 2 and inputs[2] else None
     Y = graph.values[node.outputs[0]]
     dtype = np.dtype(Y.dtype)
     if dtype.kind != "f":
@@ -101,28 +105,69 @@ def lower_conv(node, graph) -> Lowered:
     kernel, strides, dilations, pads = conv_geometry(node, X.shape[2:], W.shape[2:])
     if list(kernel) != list(W.shape[2:]):
         raise _unsupported(node, f"kernel_shape {kernel} does not match W shape {W.shape}")
-    args = [X.name, W.name] + ([B.name] if B is not None else []) + [Y.name]
+    res_arg, res_strides = None, None
+    if epilogue.residual is not None:
+        R = graph.values[epilogue.residual]
+        res_arg = np.ascontiguousarray(np.asarray(R.data).astype(dtype)) if R.is_const else R.name
+        res_strides = tuple(broadcast_strides(R.shape, Y.shape))
+    args = [X.name, W.name] + ([B.name] if B is not None else [])
     pointwise = (all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
-                 and tuple(X.shape[2:]) == tuple(Y.shape[2:]))
+                 and tuple(X.shape[2:]) == tuple(Y.shape[2:])
+                 and (res_strides is None or _flat_spatial(res_strides[2:], Y.shape[2:]) is not None))
+    if not pointwise and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
+            and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:])):
+        return Lowered(convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                                res_arg, res_strides, epilogue))
     if pointwise:
-        kernel_obj, work = _pointwise_kernel(dtype, N, C, OC, group, int(np.prod(X.shape[2:])), B is not None)
-        args[0], args[1] = W.name, X.name  # the GEMM reads A = W, B = X
+        kernel_obj, work, packed = _pointwise_kernel(dtype, N, C, OC, group, int(np.prod(X.shape[2:])), B is not None,
+                                                     res_strides, Y.shape[2:], epilogue, W.data)
+        args[0], args[1] = (W.name if packed is None else packed), X.name  # the GEMM reads A = W, B = X
     else:
         kernel_obj, work, mask = direct_conv_kernel(dtype, N, C, OC, group, X.shape[2:], Y.shape[2:], kernel,
-                                                    strides, dilations, pads, B is not None)
+                                                    strides, dilations, pads, B is not None, res_strides, epilogue)
         if mask is not None:
-            args.insert(-1, mask)
+            args.append(mask)
+    if res_arg is not None:
+        args.append(res_arg)
+    args.append(Y.name)
     return Lowered([KernelCall(kernel_obj, args, work, node.name)])
 
 
-def _pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias):
-    """1x1 conv as a GEMM batched over (image, group): A = W[g] (OCg x ICg), B = X[n, g] (ICg x pixels)."""
+def _flat_spatial(strides, dims):
+    """The stride of a flat index over the spatial dims (0 or the last dim's stride) when the
+    spatial dims read linearly (or not at all); None otherwise."""
+    strides, dims = list(strides), list(dims)
+    if all(v == 0 for v in strides):
+        return 0
+    if all(strides[i] == strides[i + 1] * dims[i + 1] for i in range(len(dims) - 1)):
+        return strides[-1]
+    return None
+
+
+def _pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias, res_strides=None, out_spatial=(), epilogue=None,
+                      weights=None):
+    """1x1 conv as a GEMM batched over (image, group): A = W[g] (OCg x ICg), B = X[n, g] (ICg x pixels).
+    Returns the kernel, its work size and the weights packed into micro-kernel panels (or None: W as is)."""
     icg, ocg = C // group, OC // group
     a = Operand((0, ocg * icg), icg, 1)
     b = Operand((C * pixels, icg * pixels), pixels, 1)
     c = Operand((0, ocg), 1, 0) if has_bias else None
     out = Operand((OC * pixels, ocg * pixels), pixels, 1)
-    return gemm_kernel("Conv", dtype, ocg, pixels, icg, (N, group), a, b, c, out)
+    r = None
+    if res_strides is not None:
+        sn, sc = res_strides[:2]
+        r = Operand((sn, ocg * sc), sc, _flat_spatial(res_strides[2:], out_spatial))
+    if uk_eligible(dtype, ocg, pixels, icg, a, b):
+        if weights is not None:
+            packed = pack_a_panels(np.asarray(weights, dtype=np.float32).reshape(group, ocg, icg),
+                                   choose_tile(ocg, pixels)[0])
+            a = Operand((0, packed[0].size), icg, 1)
+            return (*uk_gemm_kernel("Conv", ocg, pixels, icg, (N, group), a, b, c, out, residual=r,
+                                    epilogue=epilogue, a_panels=True), packed)
+        return (*uk_gemm_kernel("Conv", ocg, pixels, icg, (N, group), a, b, c, out, residual=r, epilogue=epilogue),
+                None)
+    return (*gemm_kernel("Conv", dtype, ocg, pixels, icg, (N, group), a, b, c, out, residual=r, epilogue=epilogue),
+            None)
 
 
 @dataclass
@@ -141,6 +186,8 @@ class _Geometry:
     dilations: list
     pads: list           # begin pads
     has_bias: bool
+    res_strides: tuple | None = None   # residual's element strides over (N, OC, *out_spatial), or None
+    epilogue: Epilogue | None = None
 
     def __post_init__(self):
         self.lead = list(range(len(self.in_spatial) - 1))  # spatial dims above the column dim
@@ -199,18 +246,20 @@ class _Geometry:
 
 
 def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, strides, dilations, pads,
-                       has_bias) -> tuple[Kernel, int, np.ndarray | None]:
-    """The direct conv kernel, its work size, and the column masks it reads (None if it reads none)."""
+                       has_bias, res_strides=None, epilogue=None) -> tuple[Kernel, int, np.ndarray | None]:
+    """The direct conv kernel, its work size, and the column masks it reads (None if it reads none).
+    Pointers: X, W, [bias], [masks], [residual], Y."""
     icg, ocg = C // group, OC // group
     g = _Geometry(np.dtype(dtype), C, OC, icg, ocg, OC_BLOCK if ocg % OC_BLOCK == 0 else 1, [int(v) for v in in_spatial],
-                  [int(v) for v in out_spatial], list(kernel), list(strides), list(dilations), list(pads), has_bias)
+                  [int(v) for v in out_spatial], list(kernel), list(strides), list(dilations), list(pads), has_bias,
+                  tuple(res_strides) if res_strides is not None else None, epilogue)
     rows_total = int(np.prod(g.out_spatial[:-1])) if g.lead else 1
     items = N * OC // g.ocb
     splits = min(rows_total, _ceil_div(MIN_ITEMS, items)) if items < MIN_ITEMS else 1
     rows_per_split = _ceil_div(rows_total, splits)
     splits = _ceil_div(rows_total, rows_per_split)
 
-    n_ptrs = 3 + has_bias + bool(g.masked_kw)
+    n_ptrs = 3 + has_bias + bool(g.masked_kw) + (g.res_strides is not None)
     src = Source().line(kernel_header(n_ptrs)).indent()
     src.line("for item in range(begin, end):").indent()
     if splits > 1:
@@ -226,11 +275,16 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
     src.line(f"o_base0 = (n*{OC} + oc0)*{g.out_plane}")
     with _per_channel(src, g):
         src.line(f"for f in range(r_lo*{g.OW}, r_hi*{g.OW}):").indent()
-        src.line(f"{_py(g)}[o_base + f] = bias").dedent()
+        src.line(f"{_py(g)}[o_base + f] = bias{_residual_term(src, g)}").dedent()
     if g.flat:
         _flat_rows(src, g)
     else:
         _row_by_row(src, g)
+    if g.epilogue is not None and g.epilogue.active:
+        with _per_channel(src, g, bias=False):
+            src.line(f"for f in range(r_lo*{g.OW}, r_hi*{g.OW}):").indent()
+            src.line(f"v = {_py(g)}[o_base + f]")
+            src.line(f"{_py(g)}[o_base + f] = {g.epilogue.expr('v', g.dtype)}").dedent()
     mask = g.column_masks() if g.masked_kw else None
     return Kernel("Conv", src.text(), tuple([g.dtype.name] * n_ptrs)), items * splits, mask
 
@@ -243,15 +297,41 @@ def _pm(g):
 
 
 def _py(g):
+    return f"p{2 + g.has_bias + bool(g.masked_kw) + (g.res_strides is not None)}"
+
+
+def _pr(g):
     return f"p{2 + g.has_bias + bool(g.masked_kw)}"
+
+
+def _residual_term(src, g) -> str:
+    """` + R[...]` for output element (n, oc, flat index f), emitting index lines into src if needed."""
+    if g.res_strides is None:
+        return ""
+    sn, sc = g.res_strides[:2]
+    base = " + ".join(t for t in (f"n*{sn}" if sn else "", f"oc*{sc}" if sc else "") if t) or "0"
+    flat = _flat_spatial(g.res_strides[2:], g.out_spatial)
+    if flat is not None:
+        return f" + {_pr(g)}[{base}{'' if flat == 0 else (' + f' if flat == 1 else f' + f*{flat}')}]"
+    terms, rest = [], "f"
+    for d in range(len(g.out_spatial) - 1, -1, -1):
+        stride = g.res_strides[2 + d]
+        if d == 0:
+            src.line(f"rc{d} = {rest}")
+        else:
+            src.line(f"rc{d} = {rest} % {g.out_spatial[d]}").line(f"rq{d} = {rest} // {g.out_spatial[d]}")
+            rest = f"rq{d}"
+        if stride:
+            terms.append(f"rc{d}*{stride}")
+    return f" + {_pr(g)}[{' + '.join([base] + terms)}]"
 
 
 class _per_channel:
     """`with _per_channel(src, g):` emits a loop over the item's output channels that sets
     `oc`, `o_base`, `w_base` and `bias` for the body."""
 
-    def __init__(self, src, g):
-        self.src, self.g = src, g
+    def __init__(self, src, g, bias=True):
+        self.src, self.g, self.bias = src, g, bias
 
     def __enter__(self):
         src, g = self.src, self.g
@@ -261,7 +341,8 @@ class _per_channel:
             src.line(f"w_base = w_base0 + jo*{g.icg * g.ksize}")
         else:
             src.line("oc = oc0").line("o_base = o_base0").line("w_base = w_base0")
-        src.line(f"bias = {_PB}[oc]" if g.has_bias else f"bias = {literal(0, g.dtype)}")
+        if self.bias:
+            src.line(f"bias = {_PB}[oc]" if g.has_bias else f"bias = {literal(0, g.dtype)}")
 
     def __exit__(self, *exc):
         if self.g.ocb > 1:

@@ -17,16 +17,18 @@ from ..numba_cpu.kernel import (Kernel, KernelCall, Lowered, Source, broadcast_s
 # Expressions over operand names a, b (c for Where; a, b, c... for the
 # variadic ops). `F(x)` is a typed literal of the output dtype, filled in by
 # `render`. Bool operands arrive as Numba booleans (see `load`).
+# vexp, vsigmoid, vtanh, verf (vmath.py) are vectorisable float32 versions of the libm
+# functions (which are scalar calls LLVM cannot vectorise); float64 gets libm.
 UNARY = {
     "Relu": "a if a > F(0) else F(0)",
     "Neg": "-a",
     "Abs": "abs(a)",
     "Sqrt": "math.sqrt(a)",
-    "Exp": "math.exp(a)",
+    "Exp": "vexp(a)",
     "Log": "math.log(a)",
-    "Tanh": "math.tanh(a)",
-    "Erf": "math.erf(a)",
-    "Sigmoid": "F(1) / (F(1) + math.exp(-a))",
+    "Tanh": "vtanh(a)",
+    "Erf": "verf(a)",
+    "Sigmoid": "vsigmoid(a)",
     "Reciprocal": "F(1) / a",
     # math.floor/ceil return Python ints in Numba (wrong past 2**63, and for inf/nan).
     "Floor": "np.floor(a)",
@@ -38,6 +40,22 @@ UNARY = {
     "Softplus": "(a + math.log1p(math.exp(-a))) if a > F(0) else math.log1p(math.exp(a))",
     "Softsign": "a / (F(1) + abs(a))",
     "Not": "not a",
+    "Tan": "math.tan(a)",
+    "Asin": "math.asin(a)",
+    "Acos": "math.acos(a)",
+    "Atan": "math.atan(a)",
+    "Sinh": "math.sinh(a)",
+    "Cosh": "math.cosh(a)",
+    "Asinh": "math.asinh(a)",
+    "Acosh": "math.acosh(a)",
+    "Atanh": "math.atanh(a)",
+    "Sign": "F(1) if a > F(0) else (F(-1) if a < F(0) else F(0))",
+    # np.rint rounds half to even, as ONNX's Round does.
+    "Round": "np.rint(a)",
+    # NaN tests read the bits: fastmath lets LLVM assume `a != a` is false.
+    "IsNaN": "is_nan(a)",
+    "BitwiseNot": "~a",
+    "Mish": "a * math.tanh((a + math.log1p(math.exp(-a))) if a > F(0) else math.log1p(math.exp(a)))",
 }
 
 BINARY = {
@@ -60,6 +78,9 @@ BINARY = {
     # Variadic (one or more inputs): the expression is built for the input count.
     "Sum": "a + b",
     "Mean": "(a + b) / F(2)",
+    "BitwiseAnd": "a & b",
+    "BitwiseOr": "a | b",
+    "BitwiseXor": "a ^ b",
 }
 
 VARIADIC = {"Max", "Min", "Sum", "Mean"}
@@ -134,35 +155,229 @@ def render(expr: str, dtype) -> str:
 
 # Numba's CPointer(boolean) loads an i8 but stores an i1 (an LLVM type error),
 # so kernels see bool tensors as uint8 bytes; the graph dtype stays bool.
+# Numba has no float16 on the CPU: kernels see float16 tensors as uint16 bits,
+# compute in float32 and convert with the helpers below (round to nearest even).
+# Small float formats: the kernel pointer type, and the helpers converting
+# the stored bits to float32 and a float to the stored bits.
+SMALL_FLOATS = {
+    "float16": ("uint16", "f16_to_f32", "f32_to_f16"),
+    "bfloat16": ("uint16", "bf16_to_f32", "f32_to_bf16"),
+    "float8_e5m2": ("uint8", "e5m2_to_f32", "f32_to_e5m2"),
+}
+
+
+def _small_float(dtype):
+    return SMALL_FLOATS.get(np.dtype(dtype).name)
+
+
 def pointer_type(dtype) -> str:
     """The numpy dtype name a kernel's pointer to values of `dtype` has."""
     dtype = np.dtype(dtype)
+    if _small_float(dtype):
+        return _small_float(dtype)[0]
     return "uint8" if dtype.kind == "b" else dtype.name
 
 
+def compute_type(dtype) -> np.dtype:
+    """The type a kernel computes values of `dtype` in (small floats in float32)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if _small_float(dtype) else dtype
+
+
 def load(pointer: str, index: str, dtype) -> str:
-    """Source reading one element; bools come back as Numba booleans."""
+    """Source reading one element; bools come back as Numba booleans, small floats as float32."""
     if np.dtype(dtype).kind == "b":
         return f"{pointer}[{index}] != np.uint8(0)"
+    if _small_float(dtype):
+        return f"{_small_float(dtype)[1]}({pointer}[{index}])"
     return f"{pointer}[{index}]"
 
 
-def store(pointer: str, index: str, value: str, dtype) -> str:
-    """Source writing one element, converted to dtype (bools as one 0/1 byte)."""
+def store(pointer: str, index: str, value: str, dtype, saturate: bool = True) -> str:
+    """Source writing one element, converted to dtype (bools as one 0/1 byte;
+    float8 saturates out-of-range values to its largest finite value unless
+    saturate=False, as Cast's `saturate` attribute says)."""
     dtype = np.dtype(dtype)
     if dtype.kind == "b":
         return f"{pointer}[{index}] = np.uint8(1) if ({value}) else np.uint8(0)"
+    if dtype.name == "float8_e5m2":
+        return f"{pointer}[{index}] = f32_to_e5m2({value}, {bool(saturate)})"
+    if _small_float(dtype):
+        return f"{pointer}[{index}] = {_small_float(dtype)[2]}({value})"
     return f"{pointer}[{index}] = np.{dtype.name}({value})"
+
+
+# float16 <-> float32/64 by integer arithmetic on the bits (exact, round to
+# nearest even, NaN-safe under fastmath; checked against numpy in the tests).
+BIT_HELPERS = '''from llvmlite import ir as _ir
+from numba import njit, types as _types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def _f64_bits(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _ir.IntType(64))
+    return _types.int64(_types.float64), codegen
+
+
+@intrinsic
+def _f32_from_bits(typingctx, b):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], _ir.IntType(32)), _ir.FloatType())
+    return _types.float32(_types.int64), codegen
+
+
+@njit(inline="always")
+def f16_to_f32(h):
+    h = np.int64(h)
+    sign = (h & 32768) << 16
+    e = (h >> 10) & 31
+    m = h & 1023
+    if e == 0:
+        if m == 0:
+            return _f32_from_bits(sign)
+        e = 113
+        while (m & 1024) == 0:
+            m <<= 1
+            e -= 1
+        return _f32_from_bits(sign | (e << 23) | ((m & 1023) << 13))
+    if e == 31:
+        return _f32_from_bits(sign | 2139095040 | (m << 13))
+    return _f32_from_bits(sign | ((e + 112) << 23) | (m << 13))
+
+
+@njit(inline="always")
+def f32_to_f16(x):
+    b = _f64_bits(np.float64(x))
+    sign = np.uint16(32768) if b < 0 else np.uint16(0)
+    e = (b >> 52) & 2047
+    m = b & 4503599627370495
+    if e == 2047:
+        return sign | np.uint16(31744 | (512 if m != 0 else 0))
+    ee = e - 1008
+    if ee >= 31:
+        return sign | np.uint16(31744)
+    if ee <= 0:
+        if ee < -10:
+            return sign
+        mm = m | 4503599627370496
+        shift = 43 - ee
+        half = np.int64(1) << (shift - 1)
+        r = mm >> shift
+        rem = mm & ((np.int64(1) << shift) - 1)
+        if rem > half or (rem == half and (r & 1) == 1):
+            r += 1
+        return sign | np.uint16(r)
+    out = (ee << 10) | (m >> 42)
+    rem = m & 4398046511103
+    if rem > 2199023255552 or (rem == 2199023255552 and (out & 1) == 1):
+        out += 1
+    return sign | np.uint16(out)
+
+
+@njit(inline="always")
+def bf16_to_f32(h):
+    return _f32_from_bits(np.int64(h) << 16)
+
+
+@njit(inline="always")
+def f32_to_bf16(x):
+    b = _f64_bits(np.float64(np.float32(x)))
+    sign = np.uint16(32768) if b < 0 else np.uint16(0)
+    e = (b >> 52) & 2047
+    m = b & 4503599627370495
+    if e == 2047:
+        return sign | np.uint16(32640 | (64 if m != 0 else 0))
+    if e == 0:
+        return sign
+    ee = e - 896
+    if ee <= 0:
+        if ee < -7:
+            return sign
+        mm = m | 4503599627370496
+        shift = 46 - ee
+        half = np.int64(1) << (shift - 1)
+        r = mm >> shift
+        rem = mm & ((np.int64(1) << shift) - 1)
+        if rem > half or (rem == half and (r & 1) == 1):
+            r += 1
+        return sign | np.uint16(r)
+    out = (ee << 7) | (m >> 45)
+    rem = m & 35184372088831
+    if rem > 17592186044416 or (rem == 17592186044416 and (out & 1) == 1):
+        out += 1
+    return sign | np.uint16(out)
+
+
+@njit(inline="always")
+def e5m2_to_f32(b):
+    return f16_to_f32(np.int64(b) << 8)
+
+
+@njit(inline="always")
+def f32_to_e5m2(x, saturate):
+    b = _f64_bits(np.float64(x))
+    sign = np.uint8(128) if b < 0 else np.uint8(0)
+    e = (b >> 52) & 2047
+    m = b & 4503599627370495
+    top = 123 if saturate else 124
+    if e == 2047:
+        return sign | np.uint8(126 if m != 0 else top)
+    ee = e - 1008
+    if ee >= 31:
+        return sign | np.uint8(top)
+    if ee <= 0:
+        if ee < -2:
+            return sign
+        mm = m | 4503599627370496
+        shift = 51 - ee
+        half = np.int64(1) << (shift - 1)
+        r = mm >> shift
+        rem = mm & ((np.int64(1) << shift) - 1)
+        if rem > half or (rem == half and (r & 1) == 1):
+            r += 1
+        return sign | np.uint8(r)
+    out = (ee << 2) | (m >> 50)
+    rem = m & 1125899906842623
+    if rem > 562949953421312 or (rem == 562949953421312 and (out & 1) == 1):
+        out += 1
+    if out >= 124:
+        out = top
+    return sign | np.uint8(out)
+
+
+@njit(inline="always")
+def is_nan(x):
+    return (_f64_bits(np.float64(x)) & 9223372036854775807) > 9218868437227405312
+
+
+@njit(inline="always")
+def is_inf(x):
+    return (_f64_bits(np.float64(x)) & 9223372036854775807) == 9218868437227405312
+
+
+'''
+
+
+def with_helpers(source: str) -> str:
+    """Kernel source with the helpers it calls (float16 conversions, NaN/inf tests) defined before it."""
+    names = ("_f64_bits", "is_nan", "is_inf") + tuple(n for _, *conv in SMALL_FLOATS.values() for n in conv)
+    if any(f"{name}(" in source for name in names):
+        return BIT_HELPERS + source
+    return source
 
 
 _KERNEL_DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                   "float32", "float64"}
 
 
-def check_dtypes(node, values) -> None:
-    """Kernels are Numba code: float16, bfloat16, strings and complex have no kernel yet."""
+def check_dtypes(node, values, float16: bool = False) -> None:
+    """Kernels are Numba code: strings and complex have no kernel; the small
+    floats (float16, bfloat16, float8_e5m2) only in generators that read and
+    write them through load/store (float16=True)."""
     for v in values:
-        if np.dtype(v.dtype).name not in _KERNEL_DTYPES:
+        if np.dtype(v.dtype).name not in _KERNEL_DTYPES and not (float16 and _small_float(v.dtype)):
             raise UnsupportedOpError(f"node '{node.name}' ({node.op}): dtype {np.dtype(v.dtype).name} of '{v.name}' is not supported",
                                      hint=f"supported dtypes: {', '.join(sorted(_KERNEL_DTYPES))}")
 
@@ -171,7 +386,8 @@ def operand_name(k: int) -> str:
     return "abcdefgh"[k] if k < 8 else f"x{k}"
 
 
-def elementwise_kernel(family: str, expr: str, in_shapes, in_dtypes, out_shape, out_dtype) -> tuple[Kernel, int]:
+def elementwise_kernel(family: str, expr: str, in_shapes, in_dtypes, out_shape, out_dtype,
+                       saturate: bool = True) -> tuple[Kernel, int]:
     """A kernel computing `out = expr(a, b, c...)` with broadcasting."""
     operand_strides = [broadcast_strides(s, out_shape) for s in in_shapes] + [dims_strides(out_shape)]
     src = Source().line(kernel_header(len(in_shapes) + 1)).indent()
@@ -179,8 +395,8 @@ def elementwise_kernel(family: str, expr: str, in_shapes, in_dtypes, out_shape, 
     for k, (idx, dtype) in enumerate(zip(indices[:-1], in_dtypes)):
         src.line(f"{operand_name(k)} = {load(f'p{k}', idx, dtype)}")
     out = len(in_shapes)
-    src.line(store(f"p{out}", indices[-1], render(expr, out_dtype), out_dtype))
-    kernel = Kernel(family, src.text(), tuple(pointer_type(d) for d in list(in_dtypes) + [out_dtype]))
+    src.line(store(f"p{out}", indices[-1], render(expr, compute_type(out_dtype)), out_dtype, saturate))
+    kernel = Kernel(family, with_helpers(src.text()), tuple(pointer_type(d) for d in list(in_dtypes) + [out_dtype]))
     return kernel, work
 
 
@@ -198,7 +414,7 @@ def _variadic(op: str, n: int) -> str:
 def lower_elementwise(node, graph) -> Lowered:
     ins = [graph.values[i] for i in node.inputs if i]
     out = graph.values[node.outputs[0]]
-    check_dtypes(node, ins + [out])
+    check_dtypes(node, ins + [out], float16=True)
     if node.op in VARIADIC:
         expr = _variadic(node.op, len(ins))
     elif node.op in UNARY:
@@ -221,7 +437,7 @@ def lower_clip(node, graph) -> Lowered:
     Constant bounds are baked in; a bound computed at run time is a scalar operand."""
     x = graph.values[node.inputs[0]]
     out = graph.values[node.outputs[0]]
-    check_dtypes(node, [x, out])
+    check_dtypes(node, [x, out], float16=True)
     bounds = {"min": node.attr("min"), "max": node.attr("max")}
     operands = [x]
     for pos, key in ((1, "min"), (2, "max")):
@@ -238,7 +454,7 @@ def lower_clip(node, graph) -> Lowered:
         if bound is None:
             continue
         if not isinstance(bound, str):
-            bound = literal(bound, out.dtype)
+            bound = literal(bound, compute_type(out.dtype))
         expr = f"({expr} if {expr} {keep} {bound} else {bound})"
     kernel, work = elementwise_kernel("Clip", expr, [v.shape for v in operands], [v.dtype for v in operands],
                                       out.shape, out.dtype)
@@ -247,7 +463,7 @@ def lower_clip(node, graph) -> Lowered:
 
 def _unary(node, graph, family, expr) -> Lowered:
     x, out = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
-    check_dtypes(node, [x, out])
+    check_dtypes(node, [x, out], float16=True)
     kernel, work = elementwise_kernel(family, expr, [x.shape], [x.dtype], out.shape, out.dtype)
     return Lowered([KernelCall(kernel, [x.name, out.name], work, node.name)])
 
@@ -269,6 +485,77 @@ def lower_hard_swish(node, graph) -> Lowered:
 def lower_where(node, graph) -> Lowered:
     ins = [graph.values[i] for i in node.inputs]
     out = graph.values[node.outputs[0]]
-    check_dtypes(node, ins + [out])
+    check_dtypes(node, ins + [out], float16=True)
     kernel, work = elementwise_kernel("Where", "b if a else c", [v.shape for v in ins], [v.dtype for v in ins], out.shape, out.dtype)
+    return Lowered([KernelCall(kernel, [v.name for v in ins] + [out.name], work, node.name)])
+
+
+def lower_elu(node, graph) -> Lowered:
+    alpha = float(node.attr("alpha", 1.0))
+    return _unary(node, graph, "Elu", f"a if a >= F(0) else F({alpha!r}) * (math.exp(a) - F(1))")
+
+
+def lower_selu(node, graph) -> Lowered:
+    alpha = float(node.attr("alpha", 1.67326319217681884765625))
+    gamma = float(node.attr("gamma", 1.05070102519989013671875))
+    return _unary(node, graph, "Selu", f"F({gamma!r}) * (a if a > F(0) else F({alpha!r}) * (math.exp(a) - F(1)))")
+
+
+def lower_celu(node, graph) -> Lowered:
+    alpha = float(node.attr("alpha", 1.0))
+    return _unary(node, graph, "Celu",
+                  f"max(F(0), a) + min(F(0), F({alpha!r}) * (math.exp(a / F({alpha!r})) - F(1)))")
+
+
+def lower_thresholded_relu(node, graph) -> Lowered:
+    alpha = float(node.attr("alpha", 1.0))
+    return _unary(node, graph, "ThresholdedRelu", f"a if a > F({alpha!r}) else F(0)")
+
+
+def lower_shrink(node, graph) -> Lowered:
+    bias, lambd = float(node.attr("bias", 0.0)), float(node.attr("lambd", 0.5))
+    return _unary(node, graph, "Shrink",
+                  f"a + F({bias!r}) if a < F({-lambd!r}) else (a - F({bias!r}) if a > F({lambd!r}) else F(0))")
+
+
+def lower_swish(node, graph) -> Lowered:
+    alpha = float(node.attr("alpha", 1.0))
+    return _unary(node, graph, "Swish", f"a / (F(1) + math.exp(-F({alpha!r}) * a))")
+
+
+def lower_is_inf(node, graph) -> Lowered:
+    negative, positive = bool(node.attr("detect_negative", 1)), bool(node.attr("detect_positive", 1))
+    # +inf and -inf by their bits (fastmath lets LLVM assume there are no infinities)
+    tests = ([f"_f64_bits(np.float64(a)) == {0x7FF0000000000000}"] if positive else []) + \
+        ([f"_f64_bits(np.float64(a)) == {-0x10000000000000}"] if negative else [])
+    return _unary(node, graph, "IsInf", " or ".join(tests) or "False")
+
+
+def lower_mod(node, graph) -> Lowered:
+    """fmod=0: the result has the divisor's sign (numpy's mod); fmod=1: the dividend's (C fmod)."""
+    ins = [graph.values[i] for i in node.inputs]
+    out = graph.values[node.outputs[0]]
+    check_dtypes(node, ins + [out], float16=True)
+    integer = np.dtype(out.dtype).kind in "iu"
+    if node.attr("fmod", 0):
+        expr = f"a - b * ({_INT_DIV})" if integer else "np.fmod(a, b)"
+    else:
+        expr = "a % b" if integer else "np.remainder(a, b)"
+    kernel, work = elementwise_kernel("Mod", expr, [v.shape for v in ins], [v.dtype for v in ins], out.shape, out.dtype)
+    return Lowered([KernelCall(kernel, [v.name for v in ins] + [out.name], work, node.name)])
+
+
+def lower_bit_shift(node, graph) -> Lowered:
+    """Shifts by a negative count or by the width or more give 0 (as numpy's do)."""
+    ins = [graph.values[i] for i in node.inputs]
+    out = graph.values[node.outputs[0]]
+    check_dtypes(node, ins + [out])
+    bits = np.dtype(out.dtype).itemsize * 8
+    if str(node.attr("direction")) == "LEFT":
+        expr = f"(a << b) if (b >= F(0) and b < F({bits})) else F(0)"
+    else:
+        fill = "(F(-1) if a < F(0) else F(0))" if np.dtype(out.dtype).kind == "i" else "F(0)"
+        expr = f"(a >> b) if (b >= F(0) and b < F({bits})) else {fill}"
+    kernel, work = elementwise_kernel("BitShift", expr, [v.shape for v in ins], [v.dtype for v in ins],
+                                      out.shape, out.dtype)
     return Lowered([KernelCall(kernel, [v.name for v in ins] + [out.name], work, node.name)])

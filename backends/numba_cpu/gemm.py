@@ -26,6 +26,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+from .epilogue import Epilogue, epilogue_of
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header,
                      literal)
 
@@ -89,17 +90,24 @@ def _decode_batch(src: Source, var: str, batch_shape, operands: dict[str, tuple]
 
 
 def gemm_kernel(family: str, dtype, M: int, N: int, K: int, batch_shape, a: Operand, b: Operand,
-                c: Operand | None, out: Operand, alpha: float = 1.0, beta: float = 1.0) -> tuple[Kernel, int]:
-    """A kernel `kernel(A, B, [C,] out, begin, end)` computing out = alpha*A@B (+ beta*C), batched.
+                c: Operand | None, out: Operand, alpha: float = 1.0, beta: float = 1.0,
+                residual: Operand | None = None, epilogue: Epilogue | None = None) -> tuple[Kernel, int]:
+    """A kernel `kernel(A, B, [C,] [R,] out, begin, end)` computing
+    out = act(alpha*A@B (+ beta*C) (+ R)), batched.
 
     `out.cols` must be 1 (each output row is contiguous). Returns the kernel and its work size."""
     assert out.cols == 1
     dtype = np.dtype(dtype)
+    epilogue = epilogue or Epilogue()
     batch_shape = tuple(int(d) for d in batch_shape)
     n_batch = int(np.prod(batch_shape, dtype=np.int64)) if batch_shape else 1
     dot = a.cols == 1 and b.rows == 1 and (b.cols != 1 or N == 1) and K > 1
-    src = Source().line(kernel_header(4 if c is not None else 3)).indent()
-    pa, pb, pc, po = "p0", "p1", "p2", ("p3" if c is not None else "p2")
+    n_ptrs = 3 + (c is not None) + (residual is not None)
+    src = Source().line(kernel_header(n_ptrs)).indent()
+    pa, pb = "p0", "p1"
+    pc = "p2" if c is not None else None
+    pr = f"p{2 + (c is not None)}" if residual is not None else None
+    po = f"p{n_ptrs - 1}"
     if dot:
         rb, n_block = 1, (min(N, N_BLOCK_GEMV) if M == 1 else N)
     else:
@@ -137,35 +145,243 @@ def gemm_kernel(family: str, dtype, M: int, N: int, K: int, batch_shape, a: Oper
         operands = {"a": a.batch, "b": b.batch, "o": out.batch}
         if c is not None:
             operands["c"] = c.batch
+        if residual is not None:
+            operands["r"] = residual.batch
         off = _decode_batch(src, rest, batch_shape, operands)
     else:
-        off = {"a": "0", "b": "0", "o": "0", "c": "0"}
+        off = {"a": "0", "b": "0", "o": "0", "c": "0", "r": "0"}
 
     F = lambda v: literal(v, dtype)
     scale_a = "" if alpha == 1.0 else f" * {F(alpha)}"
     scale_c = "" if beta == 1.0 else f" * {F(beta)}"
 
     def c_value(row_var, col_var):
-        return f"{pc}[{_sum(off['c'], _term(row_var, c.rows), _term(col_var, c.cols))}]{scale_c}"
+        terms = []
+        if c is not None:
+            terms.append(f"{pc}[{_sum(off['c'], _term(row_var, c.rows), _term(col_var, c.cols))}]{scale_c}")
+        if residual is not None:
+            terms.append(f"{pr}[{_sum(off['r'], _term(row_var, residual.rows), _term(col_var, residual.cols))}]")
+        return " + ".join(terms) if terms else None
 
+    act = (lambda x: epilogue.expr(x, dtype)) if epilogue.active else None
     if dot:
-        _dot_body(src, pa, pb, po, K, a, b, c, out, off, F, alpha, c_value)
+        _dot_body(src, pa, pb, po, K, a, b, c_value, out, off, F, alpha, act)
     else:
         full = M // rb
         if full == row_blocks:
-            _axpy_body(src, rb, K, pa, pb, po, a, b, c, out, off, scale_a, c_value, M)
+            _axpy_body(src, rb, K, pa, pb, po, a, b, out, off, scale_a, c_value, M, act)
         else:
             src.line(f"if blk < {full}:").indent()
-            _axpy_body(src, rb, K, pa, pb, po, a, b, c, out, off, scale_a, c_value, M)
+            _axpy_body(src, rb, K, pa, pb, po, a, b, out, off, scale_a, c_value, M, act)
             src.dedent().line("else:").indent()
-            _axpy_body(src, M % rb, K, pa, pb, po, a, b, c, out, off, scale_a, c_value, M)
+            _axpy_body(src, M % rb, K, pa, pb, po, a, b, out, off, scale_a, c_value, M, act)
             src.dedent()
-    types = [dtype.name] * (4 if c is not None else 3)
+    types = [dtype.name] * n_ptrs
     return Kernel(family, src.text(), tuple(types)), work
 
 
-def _axpy_body(src, rows, K, pa, pb, po, a, b, c, out, off, scale_a, c_value, M):
-    """Rows m0..m0+rows-1 of the output (m0 = blk*ROW_BLOCK), columns [n_lo, n_hi)."""
+# -- micro-kernel GEMM (backends/native/ukernel.py) -------------------------------------------------
+
+UK_MR = 6        # rows of a micro-tile (the default tile; see choose_tile)
+UK_NR = 64       # columns of a micro-tile (4 zmm vectors on AVX-512)
+# Tiles (rows x columns) with 24 accumulators on AVX-512, and their relative speed measured on
+# this machine with hot caches (rows: B rows read in place or packed; taps: convolutions).
+UK_TILES = {"rows": {(6, 64): 1.0, (8, 48): 0.99, (12, 32): 1.03},
+            "taps": {(6, 64): 1.0, (8, 48): 0.98, (12, 32): 1.04}}
+
+
+def choose_tile(M: int, N: int, mode: str = "rows") -> tuple[int, int]:
+    """The micro-tile that wastes least on edge tiles (partial rows and columns) for an M x N output,
+    weighted by the tile's speed. Fewer than 12 rows: 6 x 64 (its edge kernels keep the most
+    accumulators per row)."""
+    if M < 12:
+        return UK_MR, UK_NR
+
+    def score(tile):
+        mr, nr = tile
+        return UK_TILES[mode][tile] * M / (_ceil_div(M, mr) * mr) * N / (_ceil_div(N, nr) * nr)
+    return max(sorted(UK_TILES[mode]), key=score)
+UK_KC = 256      # k values per pass (the B micro-panel kc x NR stays in L1/L2, the C tile is reloaded per pass)
+UK_ITEMS = 8     # work items to aim for (so threads get balanced shares)
+UK_MIN_SPLIT_FLOPS = 1 << 17  # smaller GEMMs are one work item: splitting them costs more than it saves
+
+
+def uk_eligible(dtype, M, N, K, a: Operand, b: Operand | None) -> bool:
+    """Whether the micro-kernel path applies: float32, A contiguous along k or m, B rows contiguous
+    (or packed at build time), and N wide enough to fill vectors."""
+    if np.dtype(dtype) != np.float32 or N < 16 or K < 2 or M * N * K < 4096:
+        return False
+    if not (a.cols == 1 or a.rows == 1):
+        return False
+    return b is None or b.cols == 1
+
+
+def pack_b_panels(data: np.ndarray, nr: int = UK_NR) -> np.ndarray:
+    """[K, N] -> [ceil(N/nr), K, nr] panels, zero padded: the layout micro-kernels read B in."""
+    K, N = data.shape
+    n_panels = _ceil_div(N, nr)
+    padded = np.zeros((K, n_panels * nr), dtype=np.float32)
+    padded[:, :N] = data
+    return np.ascontiguousarray(padded.reshape(K, n_panels, nr).transpose(1, 0, 2))
+
+
+def pack_a_panels(data: np.ndarray, mr: int = UK_MR) -> np.ndarray:
+    """[..., M, K] -> [..., ceil(M/mr), K, mr] panels, zero padded: row m of A at m*K + k*mr + m % mr."""
+    *lead, M, K = data.shape
+    n_panels = _ceil_div(M, mr)
+    padded = np.zeros((*lead, n_panels * mr, K), dtype=np.float32)
+    padded[..., :M, :] = data
+    out = padded.reshape(*lead, n_panels, mr, K)
+    return np.ascontiguousarray(np.swapaxes(out, -1, -2))
+
+
+def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand, b: Operand | None,
+                   c: Operand | None, out: Operand, beta: float = 1.0, residual: Operand | None = None,
+                   epilogue: Epilogue | None = None, threads_hint: int = UK_ITEMS,
+                   a_panels: bool = False, tile: tuple[int, int] | None = None) -> tuple[Kernel, int]:
+    """out = act(A @ B (+ beta*C) (+ R)) through LLVM-IR micro-kernels.
+
+    Pointers: A, B, [C], [R], out. `b` None: B is packed at build time by `pack_b_panels`
+    (alpha folded in); else B is read in place, rows contiguous. A(i, k) is
+    `a[i*a.rows + k*a.cols]` with a.cols == 1 (rows) or a.rows == 1 (columns); with `a_panels`, A is
+    packed at build time by `pack_a_panels` and `a` gives its batch strides and rows = K."""
+    from backends.native.ukernel import UKSpec
+    assert out.cols == 1
+    dtype = np.dtype(np.float32)
+    epilogue = epilogue or Epilogue()
+    batch_shape = tuple(int(d) for d in batch_shape)
+    n_batch = int(np.prod(batch_shape, dtype=np.int64)) if batch_shape else 1
+    MR, NR = tile or choose_tile(M, N)
+    n_ptrs = 3 + (c is not None) + (residual is not None)
+    pc = "p2" if c is not None else None
+    pr = f"p{2 + (c is not None)}" if residual is not None else None
+    po = f"p{n_ptrs - 1}"
+
+    # A as the micro-kernel reads it.
+    if a_panels:
+        a_packed, a_panel, lda, a_k = 1, MR, 0, MR
+    elif a.cols == 1:
+        a_packed, a_panel, lda, a_k = 0, 0, a.rows, 1
+    else:
+        a_packed, a_panel, lda, a_k = 1, a.cols, 0, a.cols
+    ldb = NR if b is None else b.rows
+    specs = {}
+
+    def spec(mr, edge_n):
+        key = (mr, edge_n and b is not None)
+        if key not in specs:
+            specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=NR, a_packed=a_packed, a_panel=a_panel,
+                                                    b_masked=int(key[1])))
+        return specs[key][0]
+
+    # Work items: (batch, n block, m block); blocks of whole micro-tiles.
+    n_panels = _ceil_div(N, NR)
+    m_tiles = _ceil_div(M, MR)
+    want = max(1, _ceil_div(threads_hint, n_batch)) if 2 * M * N * K >= UK_MIN_SPLIT_FLOPS else 1
+    n_blocks = min(n_panels, want)
+    m_blocks = min(m_tiles, _ceil_div(want, n_blocks))
+    ppb = _ceil_div(n_panels, n_blocks)
+    n_blocks = _ceil_div(n_panels, ppb)
+    tpb = _ceil_div(m_tiles, m_blocks)
+    m_blocks = _ceil_div(m_tiles, tpb)
+    work = n_batch * n_blocks * m_blocks
+    kc_max = min(K, UK_KC)
+    # Balance the passes over k: equal sizes.
+    n_passes = _ceil_div(K, kc_max)
+    kc_max = _ceil_div(K, n_passes)
+
+    body = Source().indent()
+    body.line("for item in range(begin, end):").indent()
+    body.line(f"mb = item % {m_blocks}")
+    body.line(f"rest = item // {m_blocks}")
+    body.line(f"nb = rest % {n_blocks}")
+    body.line(f"rest = rest // {n_blocks}")
+    if n_batch > 1:
+        operands = {"a": a.batch, "o": out.batch}
+        if b is not None:
+            operands["b"] = b.batch
+        if c is not None:
+            operands["c"] = c.batch
+        if residual is not None:
+            operands["r"] = residual.batch
+        off = _decode_batch(body, "rest", batch_shape, operands)
+        off.setdefault("b", "0")
+    else:
+        off = {"a": "0", "b": "0", "o": "0", "c": "0", "r": "0"}
+    body.line(f"m_lo = mb * {tpb * MR}").line(f"m_hi = min(m_lo + {tpb * MR}, {M})")
+    body.line(f"p_lo = nb * {ppb}").line(f"p_hi = min(p_lo + {ppb}, {n_panels})")
+    body.line(f"for k0 in range(0, {K}, {kc_max}):").indent()
+    body.line(f"kc = min({kc_max}, {K} - k0)")
+    body.line("lc = min(k0, 1)")
+    body.line(f"last = k0 + {kc_max} >= {K}")
+    body.line("for pn in range(p_lo, p_hi):").indent()
+    body.line(f"n0 = pn * {NR}")
+    body.line(f"nv = min({NR}, {N} - n0)")
+    body.line(f"mask = np.int64(-1) if nv >= 64 else (np.int64(1) << nv) - np.int64(1)")
+    if b is None:
+        body.line(f"boff = pn * {K * NR} + k0 * {NR}")
+    else:
+        body.line(f"boff = {_sum(off['b'], _term('k0', b.rows))} + n0")
+
+    F = lambda v: literal(v, dtype)
+    scale_c = "" if beta == 1.0 else f" * {F(beta)}"
+    has_epi = c is not None or residual is not None or epilogue.active
+
+    def call(mr, edge_n):
+        name = spec(mr, edge_n)
+        a_off = _sum(off["a"], _term("m", a.rows), _term("k0", a_k))
+        body.line(f"{name}(p0, {a_off}, {lda}, p1, boff, {ldb}, {po}, {_sum(off['o'], _term('m', out.rows))} + n0, "
+                  f"{out.rows}, kc, mask, lc)")
+        if has_epi:
+            body.line("if last:").indent()
+            body.line(f"for r in range(m, m + {mr}):").indent()
+            body.line(f"ob = {_sum(off['o'], _term('r', out.rows))}")
+            if c is not None:
+                body.line(f"cb = {_sum(off['c'], _term('r', c.rows))}")
+            if residual is not None:
+                body.line(f"rb = {_sum(off['r'], _term('r', residual.rows))}")
+            body.line("for j in range(n0, n0 + nv):").indent()
+            terms = [f"{po}[ob + j]"]
+            if c is not None:
+                terms.append(f"{pc}[{_sum('cb', _term('j', c.cols))}]{scale_c}")
+            if residual is not None:
+                terms.append(f"{pr}[{_sum('rb', _term('j', residual.cols))}]")
+            body.line(f"v = {' + '.join(terms)}")
+            body.line(f"{po}[ob + j] = {epilogue.expr('v', dtype) if epilogue.active else 'v'}")
+            body.dedent().dedent().dedent()
+
+    def m_loop(edge_n):
+        body.line("m = m_lo")
+        body.line(f"while m + {MR} <= m_hi:").indent()
+        call(MR, edge_n)
+        body.line(f"m += {MR}")
+        body.dedent()
+        if M % MR:
+            body.line("if m < m_hi:").indent()
+            call(M % MR, edge_n)
+            body.dedent()
+
+    if b is not None and N % NR:
+        body.line(f"if nv == {NR}:").indent()
+        m_loop(False)
+        body.dedent().line("else:").indent()
+        m_loop(True)
+        body.dedent()
+    else:
+        m_loop(False)
+
+    head = Source()
+    for name, uk in sorted(specs.values()):
+        for line in uk.declaration(name).splitlines():
+            head.line(line)
+    head.line(kernel_header(n_ptrs))
+    text = head.text() + body.text()
+    return Kernel(family, text, tuple([dtype.name] * n_ptrs)), work
+
+
+def _axpy_body(src, rows, K, pa, pb, po, a, b, out, off, scale_a, c_value, M, act=None):
+    """Rows m0..m0+rows-1 of the output (m0 = blk*ROW_BLOCK), columns [n_lo, n_hi); the activation
+    (if any) is applied to the block while it is in L1."""
     kb = K_BLOCK_GEMV if M == 1 else K_BLOCK
     kb = min(kb, K)
     src.line(f"m0 = blk * {ROW_BLOCK}" if M > rows or M >= ROW_BLOCK else "m0 = 0")
@@ -174,7 +390,7 @@ def _axpy_body(src, rows, K, pa, pb, po, a, b, c, out, off, scale_a, c_value, M)
     # Initialise with C (or zero).
     src.line("for n in range(n_lo, n_hi):").indent()
     for r in range(rows):
-        value = c_value(f"(m0 + {r})" if r else "m0", "n") if c is not None else "0"
+        value = c_value(f"(m0 + {r})" if r else "m0", "n") or "0"
         src.line(f"{po}[o{r} + n] = {value}")
     src.dedent()
 
@@ -203,9 +419,15 @@ def _axpy_body(src, rows, K, pa, pb, po, a, b, c, out, off, scale_a, c_value, M)
         src.dedent()
     if K % kb:
         block(str(full * kb), K % kb)
+    if act is not None:
+        src.line("for n in range(n_lo, n_hi):").indent()
+        for r in range(rows):
+            src.line(f"v{r} = {po}[o{r} + n]")
+            src.line(f"{po}[o{r} + n] = {act(f'v{r}')}")
+        src.dedent()
 
 
-def _dot_body(src, pa, pb, po, K, a, b, c, out, off, F, alpha, c_value):
+def _dot_body(src, pa, pb, po, K, a, b, c_value, out, off, F, alpha, act=None):
     """One output row (m = blk) x columns [n_lo, n_hi): dot products over k, DOT_COLS columns at a time."""
     src.line(f"arow = {_sum(off['a'], _term('blk', a.rows))}")
     src.line(f"orow = {_sum(off['o'], _term('blk', out.rows))}")
@@ -213,8 +435,12 @@ def _dot_body(src, pa, pb, po, K, a, b, c, out, off, F, alpha, c_value):
 
     def finish(col, acc):
         value = f"{acc}{scale}"
-        if c is not None:
-            value = f"{value} + {c_value('blk', col)}"
+        extra = c_value('blk', col)
+        if extra:
+            value = f"{value} + {extra}"
+        if act is not None:
+            src.line(f"v = {value}")
+            value = act("v")
         src.line(f"{po}[orow + {col}] = {value}")
 
     src.line("n = n_lo")
@@ -253,11 +479,22 @@ def _float_dtype(node, value):
     return dtype
 
 
+def _residual_arg(graph, name, dtype):
+    """A residual operand: its value name, or (constant) its data as a packed array."""
+    R = graph.values[name]
+    if R.is_const:
+        return np.ascontiguousarray(np.asarray(R.data).astype(dtype)), R
+    return R.name, R
+
+
 def lower_gemm(node, graph) -> Lowered:
-    """Y = alpha * A' @ B' + beta * C, A' = A^T if transA, B' = B^T if transB; C broadcasts to (M, N)."""
-    A = graph.values[node.inputs[0]]
-    B = graph.values[node.inputs[1]]
-    C = graph.values[node.inputs[2]] if len(node.inputs) > 2 and node.inputs[2] else None
+    """Y = act(alpha * A' @ B' + beta * C (+ R)), A' = A^T if transA, B' = B^T if transB; C and R broadcast to (M, N).
+
+    Also FusedGemm (domain "cuvil"): see epilogue.py."""
+    epilogue, inputs = epilogue_of(node)
+    A = graph.values[inputs[0]]
+    B = graph.values[inputs[1]]
+    C = graph.values[inputs[2]] if len(inputs) > 2 and inputs[2] else None
     Y = graph.values[node.outputs[0]]
     dtype = _float_dtype(node, Y)
     alpha, beta = float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))
@@ -266,9 +503,12 @@ def lower_gemm(node, graph) -> Lowered:
     K = A.shape[0] if trans_a else A.shape[1]
     a = Operand((), 1, M) if trans_a else Operand((), K, 1)
     args: list = [A.name]
+    use_uk = False
     if B.is_const:
         packed = np.asarray(B.data.T if trans_b else B.data, dtype=np.float64) * alpha
-        args.append(np.ascontiguousarray(packed.astype(dtype)))
+        use_uk = uk_eligible(dtype, M, N, K, a, None)
+        args.append(pack_b_panels(packed.astype(dtype), choose_tile(M, N)[1]) if use_uk
+                    else np.ascontiguousarray(packed.astype(dtype)))
         b, alpha_left = Operand((), N, 1), 1.0
     else:
         args.append(B.name)
@@ -287,15 +527,39 @@ def lower_gemm(node, graph) -> Lowered:
             c_op, beta_left = Operand((), strides[0], strides[1]), beta
     else:
         beta_left = 1.0
+    r_op = None
+    if epilogue.residual is not None:
+        arg, R = _residual_arg(graph, epilogue.residual, dtype)
+        args.append(arg)
+        strides = broadcast_strides(R.shape, (M, N))
+        r_op = Operand((), strides[0], strides[1])
     args.append(Y.name)
-    kernel, work = gemm_kernel("Gemm", dtype, M, N, K, (), a, b, c_op, Operand((), N, 1), alpha_left, beta_left)
+    family = node.op.replace("Fused", "")
+    if not use_uk and alpha_left == 1.0 and uk_eligible(dtype, M, N, K, a, b):
+        use_uk, b_in = True, b
+    else:
+        b_in = None
+    if use_uk:
+        kernel, work = uk_gemm_kernel(family, M, N, K, (), a, b_in, c_op, Operand((), N, 1), beta_left,
+                                      residual=r_op, epilogue=epilogue)
+    else:
+        kernel, work = gemm_kernel(family, dtype, M, N, K, (), a, b, c_op, Operand((), N, 1),
+                                   alpha_left, beta_left, residual=r_op, epilogue=epilogue)
     return Lowered([KernelCall(kernel, args, work, node.name)])
 
 
+def _linear(strides, dims) -> bool:
+    """Whether dims with these strides can be read as one flat dim (stride strides[-1])."""
+    return all(strides[i] == strides[i + 1] * dims[i + 1] for i in range(len(dims) - 1))
+
+
 def lower_matmul(node, graph) -> Lowered:
-    """numpy matmul: 1-D operands are promoted (and the added dim dropped), leading dims broadcast."""
-    A = graph.values[node.inputs[0]]
-    B = graph.values[node.inputs[1]]
+    """numpy matmul: 1-D operands are promoted (and the added dim dropped), leading dims broadcast.
+
+    Also FusedMatMul (domain "cuvil"): y = act(A @ B + R), see epilogue.py."""
+    epilogue, inputs = epilogue_of(node)
+    A = graph.values[inputs[0]]
+    B = graph.values[inputs[1]]
     Y = graph.values[node.outputs[0]]
     dtype = _float_dtype(node, Y)
     a_shape = (1,) + tuple(A.shape) if len(A.shape) == 1 else tuple(A.shape)
@@ -303,14 +567,44 @@ def lower_matmul(node, graph) -> Lowered:
     M, K = a_shape[-2:]
     N = b_shape[-1]
     batch = tuple(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
-    if batch and all(d == 1 for d in b_shape[:-2]) and tuple(a_shape[:-2]) == batch:
+    args = [A.name, B.name]
+    r_strides = None
+    if epilogue.residual is not None:
+        arg, R = _residual_arg(graph, epilogue.residual, dtype)
+        args.append(arg)
+        # Strides of R over the canonical output (batch..., M, N): dims numpy matmul drops get stride 0.
+        s = list(broadcast_strides(R.shape, Y.shape))
+        if len(B.shape) == 1:
+            s.append(0)
+        if len(A.shape) == 1:
+            s.insert(len(s) - 1, 0)
+        r_strides = s
+    fold = batch and all(d == 1 for d in b_shape[:-2]) and tuple(a_shape[:-2]) == batch
+    if fold and r_strides is not None:
+        fold = _linear(r_strides[:-1], list(batch) + [M]) or all(v == 0 for v in r_strides[:-1])
+    r_op = None
+    if fold:
         # B is shared by every batch and A is contiguous: one GEMM with the batch dims folded into M.
         M, batch = M * int(np.prod(batch)), ()
+        if r_strides is not None:
+            r_op = Operand((), r_strides[-2], r_strides[-1])
+    elif r_strides is not None:
+        r_op = Operand(tuple(r_strides[:-2]), r_strides[-2], r_strides[-1])
     a_batch = tuple(broadcast_strides(a_shape[:-2], batch)) if batch else ()
     b_batch = tuple(broadcast_strides(b_shape[:-2], batch)) if batch else ()
     a_batch = tuple(s * M * K for s in a_batch)
     b_batch = tuple(s * K * N for s in b_batch)
     o_batch = tuple(s * M * N for s in dims_strides(batch)) if batch else ()
-    kernel, work = gemm_kernel("MatMul", dtype, M, N, K, batch, Operand(a_batch, K, 1), Operand(b_batch, N, 1),
-                               None, Operand(o_batch, N, 1))
-    return Lowered([KernelCall(kernel, [A.name, B.name, Y.name], work, node.name)])
+    a_op, b_op, o_op = Operand(a_batch, K, 1), Operand(b_batch, N, 1), Operand(o_batch, N, 1)
+    if B.is_const and not any(b_batch) and len(B.shape) >= 2 and uk_eligible(dtype, M, N, K, a_op, None):
+        # Constant weights: packed into micro-kernel panels at build time.
+        args[1] = pack_b_panels(np.asarray(B.data, dtype=np.float32).reshape(K, N), choose_tile(M, N)[1])
+        kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, None, None, o_op,
+                                      residual=r_op, epilogue=epilogue)
+    elif uk_eligible(dtype, M, N, K, a_op, b_op):
+        kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, b_op, None, o_op,
+                                      residual=r_op, epilogue=epilogue)
+    else:
+        kernel, work = gemm_kernel("MatMul", dtype, M, N, K, batch, a_op, b_op, None, o_op,
+                                   residual=r_op, epilogue=epilogue)
+    return Lowered([KernelCall(kernel, args + [Y.name], work, node.name)])

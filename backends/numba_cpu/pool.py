@@ -143,12 +143,41 @@ def _check(node, graph, dtypes):
     return x, y
 
 
+def _maxpool_indices_kernel(x, y, geometry, storage_order) -> Kernel:
+    """MaxPool with its Indices output: a window walk per output element (the
+    first maximum wins); an index is the flat position in the whole input,
+    row-major, or with storage_order=1 column-major within a plane."""
+    kernel, strides, dilations, pad_begin, _ = geometry
+    in_spatial, out_spatial = [int(d) for d in x.shape[2:]], [int(d) for d in y.shape[2:]]
+    rank = len(in_spatial)
+    in_plane, out_plane = int(np.prod(in_spatial)), int(np.prod(out_spatial))
+    x_strides, y_strides = dims_strides(in_spatial), dims_strides(out_spatial)
+    index_strides = x_strides if not storage_order else dims_strides(in_spatial[::-1])[::-1]
+    src = Source().line(kernel_header(3)).indent()
+    src.line("for c in range(begin, end):").indent()
+    for a in range(rank):
+        src.line(f"for o{a} in range({out_spatial[a]}):").indent()
+    src.line("found = False").line(f"best = p0[c * {in_plane}]").line("arg = 0")
+    for a in range(rank):
+        src.line(f"for k{a} in range({kernel[a]}):").indent()
+        src.line(f"h{a} = {_affine([(f'o{a}', strides[a]), (f'k{a}', dilations[a])], -pad_begin[a])}")
+        src.line(f"if h{a} < 0 or h{a} >= {in_spatial[a]}:").indent().line("continue").dedent()
+    src.line(f"v = p0[{_affine([('c', in_plane)] + [(f'h{a}', x_strides[a]) for a in range(rank)])}]")
+    src.line("if not found or v > best:").indent().line("found = True").line("best = v")
+    src.line(f"arg = {_affine([('c', in_plane)] + [(f'h{a}', index_strides[a]) for a in range(rank)])}").dedent()
+    src.depth = 2 + rank
+    out = _affine([("c", out_plane)] + [(f"o{a}", y_strides[a]) for a in range(rank)])
+    src.line(f"p1[{out}] = best").line(f"p2[{out}] = np.int64(arg)")
+    return Kernel("MaxPoolIndices", src.text(), (pointer_type(x.dtype), pointer_type(y.dtype), "int64"))
+
+
 def lower_maxpool(node, graph) -> Lowered:
-    if len(node.outputs) > 1 and node.outputs[1]:
-        raise UnsupportedOpError(f"node '{node.name}' (MaxPool): the Indices output ('{node.outputs[1]}') is not supported",
-                                 hint="only the pooled values can be computed; remove the use of Indices")
     x, y = _check(node, graph, ("float32", "float64", "int8", "uint8"))
     geometry = pool_geometry(node, x.shape[2:], y.shape[2:])
+    planes = int(x.shape[0] * x.shape[1])
+    if len(node.outputs) > 1 and node.outputs[1]:
+        kernel = _maxpool_indices_kernel(x, y, geometry, int(node.attr("storage_order", 0)))
+        return Lowered([KernelCall(kernel, [x.name, y.name, node.outputs[1]], planes, node.name, n_outputs=2)])
     kernel = _window_kernel("MaxPool", x, y, geometry)
     planes = int(x.shape[0] * x.shape[1])
     return Lowered([KernelCall(kernel, [x.name, y.name], planes, node.name)])
@@ -204,3 +233,33 @@ def lower_global_averagepool(node, graph) -> Lowered:
 
 def lower_global_maxpool(node, graph) -> Lowered:
     return _lower_global(node, graph)
+
+
+def lower_lppool(node, graph) -> Lowered:
+    """LpPool: (sum over the window of |x|^p)^(1/p); padding contributes nothing.
+    A window walk per output element."""
+    x, y = _check(node, graph, ("float32", "float64"))
+    kernel_shape, strides, dilations, pad_begin, _ = pool_geometry(node, x.shape[2:], y.shape[2:])
+    p = float(node.attr("p", 2))
+    in_spatial, out_spatial = [int(d) for d in x.shape[2:]], [int(d) for d in y.shape[2:]]
+    rank = len(in_spatial)
+    in_plane, out_plane = int(np.prod(in_spatial)), int(np.prod(out_spatial))
+    x_strides, y_strides = dims_strides(in_spatial), dims_strides(out_spatial)
+    dtype = np.dtype(x.dtype)
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for c in range(begin, end):").indent()
+    for a in range(rank):
+        src.line(f"for o{a} in range({out_spatial[a]}):").indent()
+    src.line(f"acc = {literal(0, dtype)}")
+    for a in range(rank):
+        src.line(f"for k{a} in range({kernel_shape[a]}):").indent()
+        src.line(f"h{a} = {_affine([(f'o{a}', strides[a]), (f'k{a}', dilations[a])], -pad_begin[a])}")
+        src.line(f"if h{a} < 0 or h{a} >= {in_spatial[a]}:").indent().line("continue").dedent()
+    v = f"abs(p0[{_affine([('c', in_plane)] + [(f'h{a}', x_strides[a]) for a in range(rank)])}])"
+    src.line(f"acc += {v} * {v}" if p == 2 else f"acc += {v} ** {literal(p, dtype)}")
+    src.depth = 2 + rank
+    out = _affine([("c", out_plane)] + [(f"o{a}", y_strides[a]) for a in range(rank)])
+    src.line(f"p1[{out}] = math.sqrt(acc)" if p == 2 else f"p1[{out}] = acc ** {literal(1.0 / p, dtype)}")
+    planes = int(x.shape[0] * x.shape[1])
+    return Lowered([KernelCall(Kernel("LpPool", src.text(), (pointer_type(dtype),) * 2), [x.name, y.name], planes,
+                               node.name)])

@@ -10,6 +10,15 @@ from cuvil.errors import UnsupportedOpError
 from . import batchnorm, concat, conv, elementwise as ew, gemm, pool, softmax, transpose
 from .views import lower_view
 
+# rnn.py, convtranspose.py, norm.py, quant.py
+from . import convtranspose, norm, quant, rnn
+
+# reduce.py, indexing.py, resize.py
+from . import indexing, reduce, resize
+
+# fused.py (fused elementwise programs, made by passes/fuse_elementwise.py and fuse_patterns.py)
+from . import fused
+
 GENERATORS = {
     # elementwise (elementwise.py)
     **{op: ew.lower_elementwise for op in ew.UNARY if op != "Identity"},
@@ -30,6 +39,12 @@ GENERATORS = {
     "Gemm": gemm.lower_gemm,
     "MatMul": gemm.lower_matmul,
     "Conv": conv.lower_conv,
+    # fused epilogues, domain "cuvil" (made by the fusion passes; see epilogue.py)
+    "FusedGemm": gemm.lower_gemm,
+    "FusedMatMul": gemm.lower_matmul,
+    "FusedConv": conv.lower_conv,
+    # fused elementwise loops, domain "cuvil" (fused.py)
+    "FusedElementwise": fused.lower_fused_elementwise,
     # normalisation, pooling, layout (batchnorm.py, pool.py, softmax.py, transpose.py, concat.py)
     "BatchNormalization": batchnorm.lower_batchnorm,
     "MaxPool": pool.lower_maxpool,
@@ -39,6 +54,75 @@ GENERATORS = {
     "Softmax": softmax.lower_softmax,
     "Transpose": transpose.lower_transpose,
     "Concat": concat.lower_concat,
+    # recurrent networks (rnn.py)
+    "LSTM": rnn.lower_lstm,
+    "GRU": rnn.lower_gru,
+    "RNN": rnn.lower_rnn,
+    # transposed convolution (convtranspose.py)
+    "ConvTranspose": convtranspose.lower_convtranspose,
+    # normalisations and Gelu (norm.py)
+    "LayerNormalization": norm.lower_layer_normalization,
+    "InstanceNormalization": norm.lower_instance_normalization,
+    "MeanVarianceNormalization": norm.lower_mean_variance_normalization,
+    "LpNormalization": norm.lower_lp_normalization,
+    "Gelu": norm.lower_gelu,
+    # linear quantisation (quant.py)
+    "QuantizeLinear": quant.lower_quantize_linear,
+    "DequantizeLinear": quant.lower_dequantize_linear,
+    "DynamicQuantizeLinear": quant.lower_dynamic_quantize_linear,
+    "MatMulInteger": quant.lower_matmul_integer,
+    "QLinearMatMul": quant.lower_qlinear_matmul,
+    "ConvInteger": quant.lower_conv_integer,
+    "QLinearConv": quant.lower_qlinear_conv,
+    # elementwise ops with attributes (elementwise.py)
+    "Elu": ew.lower_elu,
+    "Selu": ew.lower_selu,
+    "Celu": ew.lower_celu,
+    "ThresholdedRelu": ew.lower_thresholded_relu,
+    "Shrink": ew.lower_shrink,
+    "Swish": ew.lower_swish,
+    "IsInf": ew.lower_is_inf,
+    "Mod": ew.lower_mod,
+    "BitShift": ew.lower_bit_shift,
+    # reductions (reduce.py)
+    **{op: reduce.lower_reduce for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
+                                           "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")},
+    "ArgMax": reduce.lower_arg_extreme,
+    "ArgMin": reduce.lower_arg_extreme,
+    "CumSum": reduce.lower_cumsum,
+    "CumProd": reduce.lower_cumsum,
+    "NegativeLogLikelihoodLoss": reduce.lower_nll_loss,
+    "SoftmaxCrossEntropyLoss": reduce.lower_softmax_cross_entropy,
+    "TopK": reduce.lower_topk,
+    "LogSoftmax": reduce.lower_log_softmax,
+    "Hardmax": reduce.lower_hardmax,
+    # data movement and indexing (indexing.py)
+    "Cast": indexing.lower_cast,
+    "CastLike": indexing.lower_cast,
+    "Expand": indexing.lower_expand,
+    "Tile": indexing.lower_tile,
+    "Slice": indexing.lower_slice,
+    "Pad": indexing.lower_pad,
+    "Split": indexing.lower_split,
+    "Gather": indexing.lower_gather,
+    "GatherElements": indexing.lower_gather_elements,
+    "GatherND": indexing.lower_gather_nd,
+    "ScatterElements": indexing.lower_scatter_elements,
+    "Scatter": indexing.lower_scatter_elements,
+    "ScatterND": indexing.lower_scatter_nd,
+    "Trilu": indexing.lower_trilu,
+    "EyeLike": indexing.lower_eye_like,
+    "OneHot": indexing.lower_one_hot,
+    "DepthToSpace": indexing.lower_depth_to_space,
+    "SpaceToDepth": indexing.lower_space_to_depth,
+    "Einsum": indexing.lower_einsum,
+    "ReverseSequence": indexing.lower_reverse_sequence,
+    "BitCast": lower_view,  # same bit width, same shape: the bytes are the result
+    # pooling with a p-norm (pool.py)
+    "LpPool": pool.lower_lppool,
+    # interpolation (resize.py)
+    "Resize": resize.lower_resize,
+    "Upsample": resize.lower_resize,
 }
 
 
@@ -46,7 +130,13 @@ def supported_ops() -> list[str]:
     return sorted(GENERATORS)
 
 
+# Ops of cuvil's own domain "cuvil" (graph passes make them; no ONNX model contains them).
+CUVIL_DOMAIN_OPS = {"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise"}
+
+
 def generator_for(node):
+    if node.domain == "cuvil" and node.op in CUVIL_DOMAIN_OPS:
+        return GENERATORS[node.op]
     if node.domain not in ("", "ai.onnx"):
         raise UnsupportedOpError(f"node '{node.name}': op {node.domain}::{node.op} is not supported",
                                  hint="only the default ONNX domain is supported")

@@ -1,0 +1,179 @@
+"""Latency measurement of built libraries, each engine in its own process.
+
+- `time_library`: a small C program (compiled once into $TMPDIR/cuvil-bench/)
+  opens the library with dlopen, creates a session, fills the inputs with fixed
+  pseudo-random values in [-1, 1), runs a warm-up and then times each call of
+  session_run: no Python in the loop.
+- `cuvil_py_times`: the same through the Python runtime (ctypes), in a fresh process.
+- `ort_times`: onnxruntime on the ONNX model, same thread count, in a fresh process.
+
+Used by `cuvil bench` and by benchmarks/ (bench.py, gemm.py, convs.py).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(tempfile.gettempdir()) / "cuvil-bench"
+
+HARNESS = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef void* (*create_fn)(void);
+typedef int (*run_fn)(void*, const void* const*, void* const*);
+typedef void (*destroy_fn)(void*);
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec; }
+
+int main(int argc, char** argv) {
+    /* ctime LIB PREFIX RUNS WARMUP N_IN bytes... N_OUT bytes... */
+    if (argc < 6) { fprintf(stderr, "usage\n"); return 2; }
+    void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 1; }
+    char name[256];
+    snprintf(name, sizeof name, "%ssession_create", argv[2]); create_fn create = (create_fn)dlsym(lib, name);
+    snprintf(name, sizeof name, "%ssession_run", argv[2]); run_fn run = (run_fn)dlsym(lib, name);
+    snprintf(name, sizeof name, "%ssession_destroy", argv[2]); destroy_fn destroy = (destroy_fn)dlsym(lib, name);
+    if (!create || !run || !destroy) { fprintf(stderr, "missing symbols\n"); return 1; }
+    int runs = atoi(argv[3]), warmup = atoi(argv[4]);
+    int a = 5, n_in = atoi(argv[a++]);
+    void** ins = calloc(n_in + 1, sizeof(void*));
+    uint32_t seed = 12345;
+    for (int i = 0; i < n_in; i++) {
+        size_t bytes = strtoull(argv[a++], NULL, 10);
+        float* p = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+        for (size_t j = 0; j < bytes / 4; j++) { seed = seed * 1664525u + 1013904223u; p[j] = (seed >> 8) * (2.0f / 16777216.0f) - 1.0f; }
+        ins[i] = p;
+    }
+    int n_out = atoi(argv[a++]);
+    void** outs = calloc(n_out + 1, sizeof(void*));
+    for (int i = 0; i < n_out; i++) { size_t bytes = strtoull(argv[a++], NULL, 10); outs[i] = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64); }
+    void* s = create();
+    if (!s) { fprintf(stderr, "session_create failed\n"); return 1; }
+    for (int i = 0; i < warmup; i++) if (run(s, (const void* const*)ins, outs)) { fprintf(stderr, "run failed\n"); return 1; }
+    for (int i = 0; i < runs; i++) {
+        double t = now();
+        run(s, (const void* const*)ins, outs);
+        printf("%.0f\n", now() - t);
+    }
+    destroy(s);
+    return 0;
+}
+"""
+
+
+def harness() -> Path:
+    """The C timing program, compiled on first use."""
+    BUILD.mkdir(exist_ok=True)
+    exe = BUILD / "ctime"
+    src = BUILD / "ctime.c"
+    if not exe.exists() or not src.exists() or src.read_text() != HARNESS:
+        src.write_text(HARNESS)
+        subprocess.run(["gcc", "-O2", "-o", str(exe), str(src), "-ldl"], check=True)
+    return exe
+
+
+def _info(lib: Path) -> dict:
+    from cuvil.runtime import Library
+    return Library(lib).info
+
+
+def time_library(lib, runs: int = 100, warmup: int = 10, info: dict | None = None) -> list[float]:
+    """Seconds per call of session_run, measured in C."""
+    lib = Path(lib).resolve()
+    info = info or _info(lib)
+    size = lambda v: int(np.prod(v["shape"], dtype=np.int64)) * np.dtype(v["dtype"]).itemsize
+    args = [str(harness()), str(lib), info.get("symbol_prefix", "cuvil_"), str(runs), str(warmup)]
+    args += [str(len(info["inputs"]))] + [str(size(v)) for v in info["inputs"]]
+    args += [str(len(info["outputs"]))] + [str(size(v)) for v in info["outputs"]]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return [float(line) * 1e-9 for line in out.split()]
+
+
+# The timing processes: each reads a JSON job on argv, prints a JSON list of seconds.
+_ORT_WORKER = r"""
+import json, sys, time
+import numpy as np
+import onnxruntime as ort
+job = json.loads(sys.argv[1])
+so = ort.SessionOptions()
+so.intra_op_num_threads = job["threads"]
+so.inter_op_num_threads = 1
+so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+sess = ort.InferenceSession(job["model"], so, providers=["CPUExecutionProvider"])
+feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
+names = [o.name for o in sess.get_outputs()]
+for _ in range(job["warmup"]):
+    sess.run(names, feeds)
+times = []
+for _ in range(job["runs"]):
+    t = time.perf_counter()
+    sess.run(names, feeds)
+    times.append(time.perf_counter() - t)
+print(json.dumps(times))
+"""
+
+_CUVIL_WORKER = r"""
+import json, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from cuvil.runtime import Library
+job = json.loads(sys.argv[1])
+session = Library(job["library"]).session()
+feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
+for _ in range(job["warmup"]):
+    session.run(feeds)
+times = []
+for _ in range(job["runs"]):
+    t = time.perf_counter()
+    session.run(feeds)
+    times.append(time.perf_counter() - t)
+print(json.dumps(times))
+"""
+
+
+def _worker(script: str, job: dict) -> list[float]:
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(job), str(ROOT)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ort_times(model_path, shapes, threads, runs, warmup=None) -> list[float]:
+    return _worker(_ORT_WORKER, {"model": str(model_path), "shapes": {k: list(v) for k, v in shapes.items()},
+                                 "threads": threads, "runs": runs, "warmup": warmup or max(3, runs // 10)})
+
+
+def cuvil_py_times(library, shapes, runs, warmup=None) -> list[float]:
+    return _worker(_CUVIL_WORKER, {"library": str(library), "shapes": {k: list(v) for k, v in shapes.items()},
+                                   "runs": runs, "warmup": warmup or max(3, runs // 10)})
+
+
+def ort_time(model, threads=1, runs=20) -> float:
+    """Median seconds of onnxruntime on an onnx.ModelProto (its own process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.onnx"
+        path.write_bytes(model.SerializeToString())
+        shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input
+                  if i.name not in {t.name for t in model.graph.initializer}}
+        return statistics.median(ort_times(path, shapes, threads, runs))
+
+
+
+def summary(times: list[float]) -> dict:
+    """median / min / p90 in milliseconds."""
+    s = sorted(times)
+    return {"median_ms": statistics.median(s) * 1e3, "min_ms": s[0] * 1e3,
+            "p90_ms": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e3, "runs": len(s)}

@@ -1,0 +1,320 @@
+"""GEMM micro-kernels written directly as LLVM vector IR.
+
+Numba's vectoriser does not keep a 6x64 tile of accumulators in registers (it
+picks 256-bit vectors and spills), so the inner kernel of every GEMM and
+convolution is generated here, as text IR, with explicit vector accumulators
+carried around the K loop in phi nodes and `llvm.fma` on them:
+
+    C[i, j] (+)= sum_k  A(i, k) * B(k, j)      i < mr, j < nr (nr <= 64)
+
+- A(i, k) is a scalar broadcast: packed panels `a[aoff + k*P + i]` (weights packed
+  at build time) or strided rows `a[aoff + i*lda + k]` (activations read in place).
+- B(k, :) is `nr` contiguous floats: rows `b[boff + k*ldb + j]`, or, for convolutions
+  over a padded input, taps: k = c*T + t reads `b[boff + c*ldb + off[t] + j]`
+  with compile-time tap offsets `off` (the K loop runs over channels c).
+- C rows are `c[coff + i*ldc + j]`; `mask` (i64) has bit j set for valid columns.
+  `store` "m": masked positional stores; "x": compress stores (the valid lanes are
+  packed contiguously: a convolution's output over a padded grid whose
+  columns beyond the output width are garbage). `loadc` != 0 accumulates onto
+  C (masked / expanding loads), else C is overwritten.
+
+The kernel source (Numba) calls a micro-kernel by name through an external
+function declaration and carries its spec in a comment line
+`# cuvil-ukernel <name> <json>`; `emit.py` generates the IR for the target
+(vector width 16/8/4 floats; the tile is split in column chunks so the
+accumulators fit the register file) and links it in.
+
+Signature (every micro-kernel):
+    i32 name(ptr a, i64 aoff, i64 lda, ptr b, i64 boff, i64 ldb,
+             ptr c, i64 coff, i64 ldc, i64 kc, i64 mask, i64 loadc)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+
+MAX_ACC = {16: 24, 8: 12, 4: 12}   # accumulator registers per chunk, by lanes (zmm: 32 regs, ymm/xmm: 16)
+
+ARG_TYPES = ("a", "aoff", "lda", "b", "boff", "ldb", "c", "coff", "ldc", "kc", "mask", "loadc")
+_PTR_ARGS = {"a", "b", "c"}
+
+
+@dataclass(frozen=True)
+class UKSpec:
+    mr: int                 # rows of the tile
+    nr: int                 # columns of the tile (floats, multiple of 16, <= 64)
+    a_packed: int           # 1: a[aoff + k*P + i] with P = a_panel; 0: a[aoff + i*lda + k]
+    a_panel: int = 0
+    taps: tuple = ()        # () rows mode; else the compile-time tap offsets (K loop over channels)
+    store: str = "m"        # "m" masked positional, "x" compress
+    b_masked: int = 0       # 1: B loads are masked with `mask` (B rows may end at the last valid column)
+
+    @property
+    def name(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return f"cuvil_uk_{self.mr}x{self.nr}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+    def comment(self) -> str:
+        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
+
+    def declaration(self, var: str) -> str:
+        """Python source lines (for a kernel's module level) binding `var` to the micro-kernel."""
+        p, i = "types.CPointer(types.float32)", "types.int64"
+        sig = ", ".join(p if n in _PTR_ARGS else i for n in ARG_TYPES)
+        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
+                f"{var} = _uk_types.ExternalFunction({self.name!r}, "
+                f"_uk_types.int32({sig.replace('types.', '_uk_types.')}))\n")
+
+
+_COMMENT = re.compile(r"^# cuvil-ukernel (\S+) (\{.*\})$", re.M)
+
+
+def specs_in(source: str) -> dict[str, UKSpec]:
+    """The micro-kernels a kernel's source declares, by name."""
+    found = {}
+    for name, blob in _COMMENT.findall(source):
+        data = json.loads(blob)
+        data["taps"] = tuple(data.get("taps", ()))
+        spec = UKSpec(**data)
+        assert spec.name == name, (spec.name, name)
+        found[name] = spec
+    return found
+
+
+def lanes_for(vector_bits: int) -> int:
+    return max(4, vector_bits // 32)
+
+
+class _IR:
+    def __init__(self):
+        self.lines, self.n = [], 0
+
+    def tmp(self, base="t"):
+        self.n += 1
+        return f"%{base}{self.n}"
+
+    def __call__(self, text):
+        self.lines.append("  " + text)
+
+    def label(self, name):
+        self.lines.append(f"{name}:")
+
+
+def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
+    """The LLVM IR (a module of one function named spec.name) for the target's vector width."""
+    L = min(lanes_for(vector_bits), 16)
+    assert spec.nr % L == 0 and spec.nr <= 64
+    V = spec.nr // L
+    vt = f"<{L} x float>"
+    mt = f"<{L} x i1>"
+    # Column chunks: vectors per chunk so that mr * chunk <= the accumulator budget.
+    per_chunk = max(1, min(V, MAX_ACC[L] // max(1, spec.mr)))
+    chunks = [list(range(v0, min(V, v0 + per_chunk))) for v0 in range(0, V, per_chunk)]
+    ir = _IR()
+    T = len(spec.taps)
+    P = spec.a_panel
+    need_mask = True
+
+    ir.label("entry")
+    # Per-vector lane masks from the i64 column mask.
+    masks = {}
+    full = ir.tmp("full")
+    ir(f"{full} = icmp eq i64 %mask, -1")
+    if need_mask:
+        for v in range(V):
+            shifted = ir.tmp("ms")
+            ir(f"{shifted} = lshr i64 %mask, {v * L}")
+            bits = ir.tmp("mb")
+            ir(f"{bits} = trunc i64 {shifted} to i{L}")
+            m = ir.tmp("m")
+            ir(f"{m} = bitcast i{L} {bits} to {mt}")
+            masks[v] = m
+    # Compress stores advance by the popcount of each vector's mask: prefix offsets.
+    offsets = {}
+    if spec.store == "x":
+        running = "0"
+        for v in range(V):
+            offsets[v] = running
+            seg = ir.tmp("seg")
+            ir(f"{seg} = lshr i64 %mask, {v * L}")
+            segm = ir.tmp("segm")
+            ir(f"{segm} = and i64 {seg}, {(1 << L) - 1}")
+            cnt = ir.tmp("cnt")
+            ir(f"{cnt} = call i64 @llvm.ctpop.i64(i64 {segm})")
+            nxt = ir.tmp("off")
+            ir(f"{nxt} = add i64 {running}, {cnt}")
+            running = nxt
+    loadc = ir.tmp("loadc")
+    ir(f"{loadc} = icmp ne i64 %loadc, 0")
+    # Row base pointers of C.
+    crow = {}
+    for i in range(spec.mr):
+        idx = ir.tmp("ci")
+        ir(f"{idx} = mul i64 %ldc, {i}")
+        idx2 = ir.tmp("ci")
+        ir(f"{idx2} = add i64 %coff, {idx}")
+        ptr = ir.tmp("crow")
+        ir(f"{ptr} = getelementptr float, ptr %c, i64 {idx2}")
+        crow[i] = ptr
+    # Row base pointers of A (strided mode) or the panel base (packed mode).
+    arow = {}
+    if spec.a_packed:
+        ptr = ir.tmp("apanel")
+        ir(f"{ptr} = getelementptr float, ptr %a, i64 %aoff")
+        arow[0] = ptr
+    else:
+        for i in range(spec.mr):
+            idx = ir.tmp("ai")
+            ir(f"{idx} = mul i64 %lda, {i}")
+            idx2 = ir.tmp("ai")
+            ir(f"{idx2} = add i64 %aoff, {idx}")
+            ptr = ir.tmp("arow")
+            ir(f"{ptr} = getelementptr float, ptr %a, i64 {idx2}")
+            arow[i] = ptr
+    bbase = ir.tmp("bbase")
+    ir(f"{bbase} = getelementptr float, ptr %b, i64 %boff")
+
+    def c_addr(i, v):
+        if spec.store == "x":
+            p = ir.tmp("cp")
+            ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {offsets[v]}")
+        else:
+            p = ir.tmp("cp")
+            ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
+        return p
+
+    rename = {}
+    ir(f"br label %chunk0")
+    for ci, vecs in enumerate(chunks):
+        ir.label(f"chunk{ci}")
+        # Initial accumulators: C (when accumulating) or zero.
+        ir(f"br i1 {loadc}, label %ldsel{ci}, label %zero{ci}")
+        ir.label(f"ldsel{ci}")
+        ir(f"br i1 {full}, label %ldf{ci}, label %ldm{ci}")
+        loaded = {}
+        for kind in ("f", "m"):
+            ir.label(f"ld{kind}{ci}")
+            for i in range(spec.mr):
+                for v in vecs:
+                    x = ir.tmp("c")
+                    if kind == "f":
+                        p = ir.tmp("cp")
+                        ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
+                        ir(f"{x} = load {vt}, ptr {p}, align 4")
+                    elif spec.store == "x":
+                        p = c_addr(i, v)
+                        ir(f"{x} = call {vt} @llvm.masked.expandload.v{L}f32(ptr {p}, {mt} {masks[v]}, {vt} zeroinitializer)")
+                    else:
+                        p = c_addr(i, v)
+                        ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, {mt} {masks[v]}, {vt} zeroinitializer)")
+                    loaded.setdefault((i, v), []).append((x, f"%ld{kind}{ci}"))
+            ir(f"br label %pre{ci}")
+        ir.label(f"zero{ci}")
+        ir(f"br label %pre{ci}")
+        ir.label(f"pre{ci}")
+        init = {}
+        for key, xs in loaded.items():
+            ph = ir.tmp("i")
+            incoming = ", ".join(f"[ {x}, {blk} ]" for x, blk in xs)
+            ir(f"{ph} = phi {vt} {incoming}, [ zeroinitializer, %zero{ci} ]")
+            init[key] = ph
+        ir(f"br label %loop{ci}")
+        # The K loop (over k, or over channels with T taps each).
+        ir.label(f"loop{ci}")
+        kv = f"%k{ci}"
+        accs = {key: f"%acc{ci}_{key[0]}_{key[1]}" for key in init}
+        nexts = {}
+        ir(f"{kv} = phi i64 [ 0, %pre{ci} ], [ %kn{ci}, %loop{ci} ]")
+        for key, acc in accs.items():
+            ir(f"{acc} = phi {vt} [ {init[key]}, %pre{ci} ], [ %accn{ci}_{key[0]}_{key[1]}, %loop{ci} ]")
+        cur = dict(accs)
+        steps = [(t, spec.taps[t]) for t in range(T)] if T else [(0, None)]
+        # B row base for this k (or channel).
+        brow_idx = ir.tmp("bk")
+        ir(f"{brow_idx} = mul i64 {kv}, %ldb")
+        brow = ir.tmp("brow")
+        ir(f"{brow} = getelementptr float, ptr {bbase}, i64 {brow_idx}")
+        for t, off in steps:
+            bvec = {}
+            for v in vecs:
+                p = ir.tmp("bp")
+                ir(f"{p} = getelementptr float, ptr {brow}, i64 {(off or 0) + v * L}")
+                x = ir.tmp("b")
+                if spec.b_masked:
+                    ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, {mt} {masks[v]}, {vt} zeroinitializer)")
+                else:
+                    ir(f"{x} = load {vt}, ptr {p}, align 4")
+                bvec[v] = x
+            kk = kv
+            if T:
+                kk = ir.tmp("kk")
+                ir(f"{kk} = add i64 {ir_mul(ir, kv, T)}, {t}")
+            for i in range(spec.mr):
+                if spec.a_packed:
+                    idx = ir.tmp("aidx")
+                    ir(f"{idx} = add i64 {ir_mul(ir, kk, P)}, {i}")
+                    p = ir.tmp("ap")
+                    ir(f"{p} = getelementptr float, ptr {arow[0]}, i64 {idx}")
+                else:
+                    p = ir.tmp("ap")
+                    ir(f"{p} = getelementptr float, ptr {arow[i]}, i64 {kk}")
+                s = ir.tmp("a")
+                ir(f"{s} = load float, ptr {p}, align 4")
+                ins = ir.tmp("ins")
+                ir(f"{ins} = insertelement {vt} poison, float {s}, i64 0")
+                splat = ir.tmp("bc")
+                ir(f"{splat} = shufflevector {vt} {ins}, {vt} poison, <{L} x i32> zeroinitializer")
+                for v in vecs:
+                    out = ir.tmp("f")
+                    ir(f"{out} = call {vt} @llvm.fma.v{L}f32({vt} {splat}, {vt} {bvec[v]}, {vt} {cur[i, v]})")
+                    cur[i, v] = out
+        for key in accs:
+            rename[f"%accn{ci}_{key[0]}_{key[1]}"] = cur[key]
+        ir(f"%kn{ci} = add i64 {kv}, 1")
+        ir(f"%kc{ci} = icmp slt i64 %kn{ci}, %kc")
+        ir(f"br i1 %kc{ci}, label %loop{ci}, label %st{ci}")
+        ir.label(f"st{ci}")
+        ir(f"br i1 {full}, label %stf{ci}, label %stm{ci}")
+        nxt = f"chunk{ci + 1}" if ci + 1 < len(chunks) else "done"
+        for kind in ("f", "m"):
+            ir.label(f"st{kind}{ci}")
+            for (i, v) in accs:
+                val = f"%accn{ci}_{i}_{v}"
+                if kind == "f":
+                    p = ir.tmp("cp")
+                    ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
+                    ir(f"store {vt} {val}, ptr {p}, align 4")
+                elif spec.store == "x":
+                    p = c_addr(i, v)
+                    ir(f"call void @llvm.masked.compressstore.v{L}f32({vt} {val}, ptr {p}, {mt} {masks[v]})")
+                else:
+                    p = c_addr(i, v)
+                    ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {val}, ptr align 4 {p}, {mt} {masks[v]})")
+            ir(f"br label %{nxt}")
+    ir.label("done")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr noalias %{n}" if n in _PTR_ARGS and n != "c" else
+                     (f"ptr %{n}" if n in _PTR_ARGS else f"i64 %{n}") for n in ARG_TYPES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [
+        f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
+        f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, {mt}, {vt})",
+        f"declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, {mt})",
+        f"declare {vt} @llvm.masked.expandload.v{L}f32(ptr, {mt}, {vt})",
+        f"declare void @llvm.masked.compressstore.v{L}f32({vt}, ptr, {mt})",
+        "declare i64 @llvm.ctpop.i64(i64)",
+    ]
+    body = "\n".join(ir.lines)
+    for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
+        body = re.sub(re.escape(old) + r"\b", new, body)
+    return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+def ir_mul(ir: _IR, var: str, factor: int) -> str:
+    if factor == 1:
+        return var
+    t = ir.tmp("mul")
+    ir(f"{t} = mul i64 {var}, {factor}")
+    return t

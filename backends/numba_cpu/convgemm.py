@@ -1,0 +1,229 @@
+"""2-D convolution as an implicit GEMM on the micro-kernels (backends/native/ukernel.py).
+
+    Y[n, oc, oh, ow] = sum_{c, kh, kw} W[oc, c, kh, kw] * Xpad[n, c, oh*s + kh*d, ow*s + kw*d]
+
+Two kernels per Conv:
+
+1. `ConvPad` lays the input out once as zero-padded *phase images*: for stride s,
+   phase (a, b) of channel c is  P[c, a, b][i, j] = Xpad[c, i*s + a, j*s + b],
+   each PH x PW. Only the phases some tap reads are stored. Every tap then
+   reads its phase image at a constant offset from the output position:
+   tap (kh, kw) at output (oh, ow) is  P[c, kh*d % s, kw*d % s][oh + kh*d // s, ow + kw*d // s].
+2. `Conv` computes, per image (and group), the GEMM  M = output channels,
+   N = output positions on the flat grid q = oh*PW + ow, K = channels x taps:
+   the micro-kernel reads B(k, q..q+63) as one contiguous run of the phase
+   image (offset by the tap), A from the weights packed at build time into
+   panels [group][panel][c][tap][MR]. Grid columns ow >= OW are garbage: the
+   tile stores only its valid lanes, packed contiguously (AVX-512 compress
+   stores), which is exactly the NCHW output order. Each tile's column mask,
+   first output index and count come from a table packed at build time.
+
+The epilogue (bias, residual, activation) runs on each tile after its last
+pass over the channels, while the tile is in L1.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuvil.ir import Value
+
+from .epilogue import Epilogue
+from .gemm import _ceil_div, choose_tile
+from .kernel import Kernel, KernelCall, Source, kernel_header, literal
+
+K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
+ITEMS = 8          # work items to aim for per image
+
+
+def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
+    if np.dtype(dtype) != np.float32 or len(X.shape) != 4:
+        return False
+    icg, ocg = X.shape[1] // group, W.shape[0] // group
+    taps = int(np.prod(kernel))
+    if icg * taps < 8 or ocg < 4:
+        return False  # depthwise and tiny convs: the direct kernel
+    OH, OW = Y.shape[2:]
+    return OH * OW >= 16
+
+
+def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                    residual_arg=None, res_strides=None, epilogue: Epilogue | None = None) -> list:
+    """The ConvPad and Conv kernel calls of a 2-D conv (see the module docstring)."""
+    from backends.native.ukernel import UKSpec
+    epilogue = epilogue or Epilogue()
+    dtype = np.dtype(np.float32)
+    N, C, H, Wd = (int(v) for v in X.shape)
+    OC = int(W.shape[0])
+    OH, OW = (int(v) for v in Y.shape[2:])
+    KH, KW = kernel
+    s_h, s_w = strides
+    d_h, d_w = dilations
+    p_t, p_l = pads[:2]
+    icg, ocg = C // group, OC // group
+
+    # Phases read by the taps, and the phase-image extents.
+    taps = [(kh, kw) for kh in range(KH) for kw in range(KW)]
+    phases = sorted({((kh * d_h) % s_h, (kw * d_w) % s_w) for kh, kw in taps})
+    ph_index = {p: i for i, p in enumerate(phases)}
+    max_dh = max((kh * d_h) // s_h for kh, _ in taps)
+    max_dw = max((kw * d_w) // s_w for _, kw in taps)
+    PH, PW = OH + max_dh, OW + max_dw
+    plane = PH * PW
+    ldb = len(phases) * plane                      # floats per channel in the phase layout
+    offsets = tuple(ph_index[((kh * d_h) % s_h, (kw * d_w) % s_w)] * plane + ((kh * d_h) // s_h) * PW
+                    + (kw * d_w) // s_w for kh, kw in taps)
+    T = len(taps)
+    q_valid = (OH - 1) * PW + OW
+    MR, NR = choose_tile(ocg, q_valid, "taps")
+    scratch_floats = N * C * ldb + NR + 16
+    scratch = graph.unique_name(f"{Y.name}__phases")
+    graph.values[scratch] = Value(scratch, np.dtype(np.float32), (scratch_floats,))
+
+    pad_kernel = _pad_kernel(C, H, Wd, s_h, s_w, p_t, p_l, phases, PH, PW, N)
+
+    # Weights: [group][panel][c][tap][MR], zero padded.
+    n_panels = _ceil_div(ocg, MR)
+    w = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
+    packed = np.zeros((group, n_panels * MR, icg, T), dtype=np.float32)
+    packed[:, :ocg] = w
+    packed = np.ascontiguousarray(packed.reshape(group, n_panels, MR, icg, T).transpose(0, 1, 3, 4, 2))
+
+    # Tiles of the flat grid: (mask, first output index, count).
+    n_tiles = _ceil_div(q_valid, NR)
+    table = np.zeros((n_tiles, 3), dtype=np.int64)
+    for t in range(n_tiles):
+        q = np.arange(t * NR, t * NR + NR)
+        valid = (q % PW < OW) & (q < OH * PW)
+        bits = 0
+        for j in np.nonzero(valid)[0]:
+            bits |= 1 << int(j)
+        table[t, 0] = bits - 2 ** 64 if bits >= 2 ** 63 else bits
+        first = int(q[valid][0]) if valid.any() else 0
+        table[t, 1] = (first // PW) * OW + first % PW
+        table[t, 2] = int(valid.sum())
+    store = "x" if PW != OW else "m"
+
+    # Work items: (image, group, tile block, channel block).
+    want = ITEMS
+    n_blocks = min(n_tiles, want)
+    tpb = _ceil_div(n_tiles, n_blocks)
+    n_blocks = _ceil_div(n_tiles, tpb)
+    m_tiles = n_panels
+    m_blocks = min(m_tiles, _ceil_div(want, n_blocks))
+    mpb = _ceil_div(m_tiles, m_blocks)
+    m_blocks = _ceil_div(m_tiles, mpb)
+    work = N * group * n_blocks * m_blocks
+    kc_max = max(1, min(icg, K_PER_PASS // T))
+    passes = _ceil_div(icg, kc_max)
+    kc_max = _ceil_div(icg, passes)
+
+    has_bias = B is not None
+    n_ptrs = 4 + has_bias + (residual_arg is not None)
+    # Pointers: S (phases), W (packed), [bias], table, [residual], Y.
+    pb = "p2" if has_bias else None
+    pt = f"p{2 + has_bias}"
+    pr = f"p{3 + has_bias}" if residual_arg is not None else None
+    py = f"p{n_ptrs - 1}"
+    OHW = OH * OW
+    specs = {}
+
+    def spec(mr):
+        if mr not in specs:
+            specs[mr] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR, taps=offsets, store=store))
+        return specs[mr][0]
+
+    body = Source().indent()
+    body.line("for item in range(begin, end):").indent()
+    body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
+    body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
+    body.line(f"g = rest % {group}").line(f"n = rest // {group}")
+    body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
+    body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
+    body.line(f"for c0 in range(0, {icg}, {kc_max}):").indent()
+    body.line(f"kc = min({kc_max}, {icg} - c0)").line("lc = min(c0, 1)").line(f"last = c0 + {kc_max} >= {icg}")
+    body.line("for tt in range(t_lo, t_hi):").indent()
+    body.line(f"mask = {pt}[tt * 3]").line(f"y0 = {pt}[tt * 3 + 1]").line(f"cnt = {pt}[tt * 3 + 2]")
+    body.line(f"boff = (n * {C} + g * {icg} + c0) * {ldb} + tt * {NR}")
+    F = lambda v: literal(v, dtype)
+    has_epi = has_bias or residual_arg is not None or epilogue.active
+
+    def call(mr):
+        name = spec(mr)
+        body.line(f"{name}(p1, ((g * {n_panels} + m // {MR}) * {icg} + c0) * {T * MR}, 0, p0, boff, {ldb}, "
+                  f"{py}, (n * {OC} + g * {ocg} + m) * {OHW} + y0, {OHW}, kc, mask, lc)")
+        if has_epi:
+            body.line("if last:").indent()
+            body.line(f"for r in range(m, m + {mr}):").indent()
+            body.line(f"oc = g * {ocg} + r")
+            body.line(f"ob = (n * {OC} + oc) * {OHW}")
+            terms = [f"{py}[ob + j]"]
+            if has_bias:
+                body.line(f"bias = {pb}[oc]")
+                terms.append("bias")
+            if residual_arg is not None:
+                sn, sc, sh, sw = res_strides
+                flat = 0 if (sh == 0 and sw == 0) else sw
+                body.line(f"rb = n * {sn} + oc * {sc}")
+                terms.append(f"{pr}[rb + j * {flat}]" if flat != 1 else f"{pr}[rb + j]")
+            body.line("for j in range(y0, y0 + cnt):").indent()
+            body.line(f"v = {' + '.join(terms)}")
+            body.line(f"{py}[ob + j] = {epilogue.expr('v', dtype) if epilogue.active else 'v'}")
+            body.dedent().dedent().dedent()
+
+    body.line("m = m_lo")
+    body.line(f"while m + {MR} <= m_hi:").indent()
+    call(MR)
+    body.line(f"m += {MR}")
+    body.dedent()
+    if ocg % MR:
+        body.line("if m < m_hi:").indent()
+        call(ocg % MR)
+        body.dedent()
+
+    head = Source()
+    for name, uk in sorted(specs.values()):
+        for line in uk.declaration(name).splitlines():
+            head.line(line)
+    head.line(kernel_header(n_ptrs))
+    types = ["float32", "float32"] + (["float32"] if has_bias else []) + ["int64"] \
+        + (["float32"] if residual_arg is not None else []) + ["float32"]
+    conv_kernel = Kernel("Conv", head.text() + body.text(), tuple(types))
+    args = [scratch, packed] + ([B.name] if has_bias else []) + [table] \
+        + ([residual_arg] if residual_arg is not None else []) + [Y.name]
+    return [KernelCall(pad_kernel, [X.name, scratch], N * C, node.name),
+            KernelCall(conv_kernel, args, work, node.name)]
+
+
+def flat_residual(res_strides, out_spatial) -> bool:
+    """Whether the residual reads linearly (or not at all) over the flat output plane."""
+    sh, sw = res_strides[2:]
+    return (sh == 0 and sw == 0) or sh == sw * out_spatial[1]
+
+
+def _pad_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> Kernel:
+    """X (N, C, H, W) -> phase images, one (image, channel) plane per work item."""
+    zero = literal(0, np.float32)
+    ldb = len(phases) * PH * PW
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"xb = item * {H * W}").line(f"sb = item * {ldb}")
+    for k, (a, b) in enumerate(phases):
+        # Columns j with 0 <= j*s_w + b - p_l < W: [j_lo, j_hi).
+        j_lo = max(0, _ceil_div(p_l - b, s_w))
+        j_hi = min(PW, max(j_lo, (W - 1 + p_l - b) // s_w + 1))
+        src.line(f"for i in range({PH}):").indent()
+        src.line(f"o = sb + {k * PH * PW} + i * {PW}")
+        src.line(f"r = i * {s_h} + {a - p_t}" if s_h > 1 else f"r = i + {a - p_t}")
+        src.line(f"if r < 0 or r >= {H}:").indent()
+        src.line(f"for j in range({PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
+        src.dedent().line("else:").indent()
+        src.line(f"x = xb + r * {W} + {b - p_l}")
+        if j_lo > 0:
+            src.line(f"for j in range({j_lo}):").indent().line(f"p1[o + j] = {zero}").dedent()
+        if j_hi > j_lo:
+            col = "j" if s_w == 1 else f"j * {s_w}"
+            src.line(f"for j in range({j_lo}, {j_hi}):").indent().line(f"p1[o + j] = p0[x + {col}]").dedent()
+        if j_hi < PW:
+            src.line(f"for j in range({j_hi}, {PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
+        src.dedent().dedent()
+    return Kernel("ConvPad", src.text(), ("float32", "float32"))

@@ -1,0 +1,514 @@
+"""Linear quantisation (ONNX opsets 10-21): QuantizeLinear, DequantizeLinear,
+DynamicQuantizeLinear, MatMulInteger, QLinearMatMul, ConvInteger, QLinearConv.
+
+    QuantizeLinear    q = saturate(rint(x / scale) + zero_point)   (round half to even)
+    DequantizeLinear  x = (q - zero_point) * scale
+    QLinear*          q = saturate(rint(acc * (s_a * s_b / s_y)) + zp_y),
+                      acc = sum (a - zp_a) * (b - zp_b) in int32
+
+Scale and zero point are per tensor, per `axis` (1-D) or, from opset 21, per
+block of `block_size` along `axis`. Quantised outputs must equal onnxruntime's
+exactly, so every rounding step is its: x / scale correctly rounded to float32
+(which fast-math would not give; see `_exact_quotient`), int32 accumulation,
+the requantisation multiply in float32 (float16 scales: each operation rounded
+to float16, as ONNX's reference does). Constant weights are unpacked at build
+time to int32 with their zero point subtracted (and transposed for
+QLinearMatMul, so the dot product is unit-stride); multipliers and
+reciprocals of constant scales are computed at build time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuvil.errors import UnsupportedOpError
+
+from .kernel import Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal
+
+_RANGES = {"uint8": (0, 255), "int8": (-128, 127), "uint16": (0, 65535), "int16": (-32768, 32767)}
+
+
+def _unsupported(node, why):
+    return UnsupportedOpError(f"node '{node.name}' ({node.op}): {why}")
+
+
+def _input(node, graph, k):
+    name = node.inputs[k] if len(node.inputs) > k else ""
+    return graph.values[name] if name else None
+
+
+def _check(node, value, allowed):
+    name = np.dtype(value.dtype).name
+    if name not in allowed:
+        raise _unsupported(node, f"dtype {name} of '{value.name}' is not supported ({', '.join(sorted(allowed))})")
+    return np.dtype(value.dtype)
+
+
+class _Args:
+    """Kernel pointer arguments in order, with their dtypes."""
+
+    def __init__(self):
+        self.values, self.types = [], []
+
+    def add(self, value, dtype) -> str:
+        self.values.append(value)
+        self.types.append(np.dtype(dtype).name)
+        return f"p{len(self.values) - 1}"
+
+
+# ---------------------------------------------------------------- QuantizeLinear / DequantizeLinear
+
+def _param_layout(node, x_shape, scale):
+    """How the scale (and zero point) is indexed: rows of `inner` contiguous elements of X, each
+    with axis index a; returns (outer, A, inner, index expression of the row's parameter, per
+    element offset or None)."""
+    rank = len(x_shape)
+    size = int(np.prod(x_shape, dtype=np.int64))
+    if scale.size == 1 and int(node.attr("block_size", 0)) == 0:
+        inner = x_shape[-1] if rank else 1
+        return size // max(inner, 1), 1, inner, "0", False
+    axis = int(node.attr("axis", 1))
+    axis = axis + rank if axis < 0 else axis
+    outer = int(np.prod(x_shape[:axis], dtype=np.int64))
+    A = x_shape[axis]
+    inner = int(np.prod(x_shape[axis + 1:], dtype=np.int64))
+    block = int(node.attr("block_size", 0))
+    if block == 0:
+        if len(scale.shape) != 1 or scale.shape[0] != A:
+            raise _unsupported(node, f"scale shape {scale.shape} is neither per-tensor nor per-axis for axis {axis} of {x_shape}")
+        return outer, A, inner, "a", False
+    Ab = -(-A // block)
+    if len(scale.shape) != rank or scale.shape[axis] != Ab:
+        raise _unsupported(node, f"scale shape {scale.shape} does not match block_size {block} on axis {axis} of {x_shape}")
+    return outer, A, inner, f"(o*{Ab} + a // {block})*{inner}", True
+
+
+def _rows_kernel(node, family, x, scale, zero, out, body, reciprocal=False):
+    """A kernel over rows of X; `body(x_load)` is the stored value, over `s` (the scale) or, with
+    `reciprocal`, `r` (1 / scale in float64, see `_exact_quotient`) and `z` (the zero point)."""
+    outer, A, inner, pindex, per_element = _param_layout(node, x.shape, scale)
+    args = _Args()
+    px = args.add(x.name, x.dtype)
+    if not reciprocal:
+        ps = args.add(scale.name, scale.dtype)
+        load_scale = [f"s = {ps}[{{at}}]"]
+    elif scale.is_const:
+        ps = args.add(np.ascontiguousarray(1.0 / np.asarray(scale.data, np.float64).reshape(-1)), np.float64)
+        load_scale = [f"r = {ps}[{{at}}]"]
+    elif np.dtype(scale.dtype).name == "float32":
+        ps = args.add(scale.name, np.int32)  # its bits: see _exact_quotient
+        load_scale = _float32_bits_to_float64(f"{ps}[{{at}}]", "sv") + ["r = np.float64(1) / sv"]
+    else:
+        ps = args.add(scale.name, scale.dtype)
+        load_scale = [f"r = np.float64(1) / {ps}[{{at}}]"]
+    pz = args.add(zero.name, zero.dtype) if zero is not None else None
+    py = args.add(out.name, out.dtype)
+    src = Source().line(kernel_header(len(args.values))).indent()
+    src.line("for row in range(begin, end):").indent()
+    src.line(f"o = row // {A}").line(f"a = row % {A}")
+    src.line(f"pb = {pindex}")
+    src.line(f"xb = row*{inner}")
+
+    def load_params(at):
+        for line in load_scale:
+            src.line(line.format(at=at))
+        src.line(f"z = np.int64({pz}[{at}])" if pz else "z = np.int64(0)")
+    if not per_element:
+        load_params("pb")
+    src.line(f"for e in range({inner}):").indent()
+    if per_element:
+        load_params("pb + e")
+    src.line(f"{py}[xb + e] = {body(f'{px}[xb + e]')}")
+    kernel = Kernel(family, src.text(), tuple(args.types))
+    return Lowered([KernelCall(kernel, list(args.values), outer * A, node.name)])
+
+
+def _float32_bits_to_float64(bits, var) -> list[str]:
+    """Lines setting `var` (float64) to the float32 whose bits are the int32 `bits`, built from
+    integers so that fast-math cannot see it as a widened float32 (and shrink what uses it)."""
+    one = "np.int64(1)"
+    # value = mantissa * 2**t, the power of two as (exact) products of integer powers of two
+    # (math.ldexp needs Numba's helper library, which kernels are not linked with).
+    return [f"sb = np.int64({bits})", "se = (sb >> 23) & 255", "sm = sb & 8388607",
+            "st = (1 if se == 0 else se) - 150",
+            "sq = st if st >= 0 else -st",
+            f"sp = np.float64({one} << min(sq, 62)) * np.float64({one} << min(max(sq - 62, 0), 62)) "
+            f"* np.float64({one} << max(sq - 124, 0))",
+            "sm2 = np.float64(sm if se == 0 else sm + 8388608)",
+            f"{var} = sm2 * sp if st >= 0 else sm2 / sp",
+            f"{var} = -{var} if sb < 0 else {var}"]
+
+
+def _exact_quotient(x, dtype) -> str:
+    """x / scale rounded to float32 as onnxruntime computes it (for float64, x * r), from `r`,
+    the float64 reciprocal of the scale.
+
+    Kernels compile with fast-math: a division by a loop-invariant scale becomes a multiplication
+    by its float32 reciprocal, and `(float)((double)x / (double)s)` is shrunk back to a float
+    division, so neither gives the correctly rounded quotient (ties then round the other way).
+    A float64 product with a float64 reciprocal the compiler cannot trace back to a float32 (a
+    constant table, or one built from the scale's bits) is not shrunk, and rounded to float32 it
+    is the correctly rounded quotient: the exact quotient of two float32 numbers is a float32
+    rounding midpoint only when the scale is a power of two (its reciprocal is then exact), and
+    otherwise lies ~2**-49 or more (relative) from one, far more than the product's error."""
+    if np.dtype(dtype).name == "float64":
+        return f"(np.float64({x}) * r)"
+    return f"np.float32(np.float64({x}) * r)"
+
+
+def _saturate(expr, dtype):
+    lo, hi = _RANGES[np.dtype(dtype).name]
+    return f"np.{np.dtype(dtype).name}(min(max({expr}, {float(lo)}), {float(hi)}))"
+
+
+def lower_quantize_linear(node, graph) -> Lowered:
+    x, scale, zero = (_input(node, graph, k) for k in range(3))
+    y = graph.values[node.outputs[0]]
+    _check(node, x, {"float32", "float64"})
+    _check(node, scale, {"float32", "float64"})
+    _check(node, y, set(_RANGES))
+    if zero is not None:
+        _check(node, zero, set(_RANGES))
+    return _rows_kernel(node, "QuantizeLinear", x, scale, zero, y,
+                        lambda xv: _saturate(f"np.rint({_exact_quotient(xv, scale.dtype)}) + np.float64(z)", y.dtype),
+                        reciprocal=True)
+
+
+def lower_dequantize_linear(node, graph) -> Lowered:
+    x, scale, zero = (_input(node, graph, k) for k in range(3))
+    y = graph.values[node.outputs[0]]
+    _check(node, x, set(_RANGES) | {"int32"})
+    _check(node, scale, {"float32", "float64"})
+    _check(node, y, {"float32", "float64"})
+    ydt = np.dtype(y.dtype).name
+    return _rows_kernel(node, "DequantizeLinear", x, scale, zero, y,
+                        lambda xv: f"np.{ydt}(np.int64({xv}) - z) * s")
+
+
+def lower_dynamic_quantize_linear(node, graph) -> Lowered:
+    """min/max over all of x (widened to include 0), scale = (max - min) / 255,
+    zero point = saturate(rint(-min / scale)), then QuantizeLinear; one work item.
+
+    The scale is rounded to float32 before x is divided by it (as onnxruntime does); for
+    `_exact_quotient` the kernel reads its bits back through a second, int32, pointer to the
+    y_scale output."""
+    x = graph.values[node.inputs[0]]
+    _check(node, x, {"float32"})
+    outs = [graph.values[o] if o else None for o in node.outputs]
+    if len(outs) < 3 or any(o is None for o in outs):
+        raise _unsupported(node, "all three outputs (y, y_scale, y_zero_point) must be named")
+    y, ys, yz = outs[:3]
+    size = x.size
+    f = lambda v: literal(v, np.float32)  # noqa: E731
+    src = Source().line(kernel_header(5)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"lo = {f(0)}").line(f"hi = {f(0)}")
+    src.line(f"for i in range({size}):").indent()
+    src.line("v = p0[i]").line("lo = min(lo, v)").line("hi = max(hi, v)").dedent()
+    # (hi - lo) / 255 correctly rounded: a float64 product with 1/255, which is no float32.
+    src.line(f"p3[0] = np.float32(np.float64(hi - lo) * np.float64({1 / 255!r}))")
+    for line in _float32_bits_to_float64("p1[0]", "sv"):
+        src.line(line)
+    src.line("r = np.float64(1) / sv if sv != np.float64(0) else np.float64(0)")
+    src.line(f"z = min(max(np.rint({f(0)} - {_exact_quotient('lo', np.float32)}), {f(0)}), {f(255)})")
+    src.line("p4[0] = np.uint8(z)")
+    src.line(f"for i in range({size}):").indent()
+    quotient = _exact_quotient("p0[i]", np.float32)
+    src.line(f"p2[i] = {_saturate(f'np.rint({quotient}) + z', np.uint8)}")
+    kernel = Kernel("DynamicQuantizeLinear", src.text(), ("float32", "int32", "uint8", "float32", "uint8"))
+    return Lowered([KernelCall(kernel, [x.name, ys.name, y.name, ys.name, yz.name], 1, node.name, n_outputs=3)])
+
+
+# ---------------------------------------------------------------- helpers for the integer ops
+
+def _zero_expr(args, value, index):
+    """Source for the zero point at `index` (0 when the input is omitted), as int32."""
+    if value is None:
+        return "np.int32(0)"
+    p = args.add(value.name, value.dtype)
+    return f"np.int32({p}[{index if value.size > 1 else 0}])"
+
+
+def _multiplier(args, scales, index):
+    """The requantisation multiplier s_a * s_b / s_y as onnxruntime computes it in float32
+    (in ONNX's reference with float16 scales: each operation rounded to float16).
+    Returns (lines computing it, its expression, whether it is float64 (float16 scales)); the
+    lines go where `index` (the index of a per-channel s_b) is defined. Constant scales give
+    a table computed at build time."""
+    a, b, y = scales
+    half = any(np.dtype(v.dtype).name == "float16" for v in scales)
+    ib = index if b.size > 1 else "0"
+    if all(v.is_const for v in scales):
+        dtype = np.float16 if half else np.float32
+        sa, sb, sy = (np.asarray(v.data).astype(dtype).reshape(-1) for v in scales)
+        table = ((sa * sb) / sy).astype(np.float64 if half else np.float32)
+        p = args.add(np.ascontiguousarray(table), table.dtype)
+        return [], f"{p}[{ib if table.size > 1 else 0}]", half
+    if half:
+        pa, pb, py = (args.add(v.name, np.uint16) for v in scales)
+        lines = (_float16_bits_to_float64(f"{pa}[0]", "ma") + _float16_bits_to_float64(f"{pb}[{ib}]", "mb")
+                 + _float16_bits_to_float64(f"{py}[0]", "my"))
+        lines += _round_to_float16("ma * mb", "mab")
+        # numpy divides float16 in float32, then rounds to float16 (see _exact_quotient).
+        lines += ["mq = np.float64(np.float32(mab * (np.float64(1) / my)))"]
+        lines += _round_to_float16("mq", "mult")
+        return lines, "mult", True
+    pa, pb = args.add(a.name, np.float32), args.add(b.name, np.float32)
+    py = args.add(y.name, np.int32)  # its bits: see _exact_quotient
+    lines = _float32_bits_to_float64(f"{py}[0]", "my")
+    lines += [f"mult = np.float32(np.float64({pa}[0] * {pb}[{ib}]) * (np.float64(1) / my))"]
+    return lines, "mult", False
+
+
+def _requantized(acc, mult, wide, zero, dtype) -> str:
+    """saturate(rint(acc * multiplier) + zero point)."""
+    product = f"np.float64({acc}) * {mult}" if wide else f"np.float32({acc}) * {mult}"
+    return _saturate(f"np.rint({product}) + {zero}", dtype)
+
+
+def _float16_bits_to_float64(bits, var) -> list[str]:
+    """Lines setting `var` to the (finite) float16 whose bits are the uint16 `bits`, exactly."""
+    return [f"hb = np.int64({bits})", "he = (hb >> 10) & 31", "hm = hb & 1023",
+            "hp = np.float64(np.int64(1) << (he - 1 if he > 0 else 0))",
+            f"{var} = np.float64(hm if he == 0 else hm + 1024) * hp * {literal(2.0 ** -24, np.float64)}",
+            f"{var} = -{var} if (hb & 32768) != 0 else {var}"]
+
+
+def _round_to_float16(value, var) -> list[str]:
+    """Lines setting `var` (float64) to the non-negative float64 `value` rounded to the nearest
+    float16, ties to even: scaled by powers of two (exact) to an 11-bit integer part, rint."""
+    return [f"rw = {value}", "rk = 0",
+            "while rw >= np.float64(2048):", "    rw = rw * np.float64(0.5)", "    rk += 1",
+            "while rw < np.float64(1024) and rk > -24 and rw > np.float64(0):", "    rw = rw * np.float64(2)", "    rk -= 1",
+            "rw = np.rint(rw)",
+            "rq = rk if rk >= 0 else -rk",
+            "rp = np.float64(np.int64(1) << rq)",
+            f"{var} = rw * rp if rk >= 0 else rw / rp"]
+
+
+def _unpacked(value, zero, per_axis=0):
+    """A constant integer tensor as int32 minus its zero point (per tensor, or one per index
+    along `per_axis`)."""
+    data = np.asarray(value.data).astype(np.int32)
+    if zero is not None:
+        z = np.asarray(zero.data).astype(np.int32).reshape(-1)
+        if z.size > 1:
+            shape = [1] * data.ndim
+            shape[per_axis] = z.size
+            data = data - z.reshape(shape)
+        else:
+            data = data - z[0]
+    return data
+
+
+# ---------------------------------------------------------------- MatMulInteger / QLinearMatMul
+
+def _matmul_geometry(node, A, B, Y):
+    a_shape, b_shape = list(A.shape), list(B.shape)
+    if len(a_shape) == 1:
+        a_shape = [1] + a_shape
+    if len(b_shape) == 1:
+        b_shape = b_shape + [1]
+    M, K = a_shape[-2:]
+    N = b_shape[-1]
+    batch = list(np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])))
+    nbatch = int(np.prod(batch, dtype=np.int64))
+    a_strides = broadcast_strides(a_shape[:-2], batch) if batch else []
+    b_strides = broadcast_strides(b_shape[:-2], batch) if batch else []
+    a_off = np.zeros(nbatch, np.int64)
+    b_off = np.zeros(nbatch, np.int64)
+    for i, idx in enumerate(np.ndindex(*batch)) if batch else []:
+        a_off[i] = sum(j * s for j, s in zip(idx, a_strides)) * M * K
+        b_off[i] = sum(j * s for j, s in zip(idx, b_strides)) * K * N
+    if int(np.prod(Y.shape, dtype=np.int64)) != nbatch * M * N:
+        raise _unsupported(node, f"output shape {Y.shape} does not match {A.shape} x {B.shape}")
+    return M, K, N, nbatch, a_off, b_off
+
+
+def _batch_offsets(args, src, a_off, b_off):
+    """Lines setting `ab`/`bb`, the batch offsets of A and B (constant tables when batched)."""
+    if len(a_off) == 1:
+        src.line(f"ab = {int(a_off[0])}").line(f"bb = {int(b_off[0])}")
+        return
+    pa = args.add(a_off, np.int64)
+    pb = args.add(b_off, np.int64)
+    src.line(f"ab = {pa}[bi]").line(f"bb = {pb}[bi]")
+
+
+def lower_matmul_integer(node, graph) -> Lowered:
+    A, B, za, zb = (_input(node, graph, k) for k in range(4))
+    Y = graph.values[node.outputs[0]]
+    for v in (A, B):
+        _check(node, v, {"uint8", "int8"})
+    M, K, N, nbatch, a_off, b_off = _matmul_geometry(node, A, B, Y)
+    args = _Args()
+    src = Source()
+    body = Source()
+    pA = args.add(A.name, A.dtype)
+    if B.is_const and (zb is None or zb.is_const):
+        pB = args.add(_unpacked(B, zb, per_axis=-1), np.int32)
+        b_term = f"{pB}[bb + k*{N} + n]"
+    else:
+        pB = args.add(B.name, B.dtype)
+        zbe = _zero_expr(args, zb, "n")
+        b_term = f"(np.int32({pB}[bb + k*{N} + n]) - {zbe})"
+    zae = _zero_expr(args, za, "m")
+    body.line(f"bi = row // {M}").line(f"m = row % {M}")
+    _batch_offsets(args, body, a_off, b_off)
+    pY = args.add(Y.name, np.int32)
+    # Y is int32: accumulate in place, the inner loop over n unit-stride.
+    body.line(f"yb = row*{N}").line(f"ar = ab + m*{K}")
+    body.line(f"za = {zae}")
+    body.line(f"for n in range({N}):").indent().line(f"{pY}[yb + n] = np.int32(0)").dedent()
+    body.line(f"for k in range({K}):").indent()
+    body.line(f"av = np.int32({pA}[ar + k]) - za")
+    body.line(f"for n in range({N}):").indent()
+    body.line(f"{pY}[yb + n] += av * {b_term}")
+    src.line(kernel_header(len(args.values))).indent().line("for row in range(begin, end):").indent()
+    for line in body.lines:
+        src.line(line)
+    kernel = Kernel("MatMulInteger", src.text(), tuple(args.types))
+    return Lowered([KernelCall(kernel, list(args.values), nbatch * M, node.name)])
+
+
+def lower_qlinear_matmul(node, graph) -> Lowered:
+    a, sa, za, b, sb, zb, sy, zy = (_input(node, graph, k) for k in range(8))
+    Y = graph.values[node.outputs[0]]
+    for v in (a, b, Y):
+        _check(node, v, {"uint8", "int8"})
+    for v in (sa, sb, sy):
+        _check(node, v, {"float32", "float16"})
+    M, K, N, nbatch, a_off, b_off = _matmul_geometry(node, a, b, Y)
+    args = _Args()
+    body = Source()
+    pA = args.add(a.name, a.dtype)
+    if b.is_const and (zb is None or zb.is_const):
+        # B^T with its zero point subtracted: the dot over k is unit-stride.
+        bt = _unpacked(b, zb, per_axis=-1)
+        bt = np.ascontiguousarray(np.swapaxes(bt.reshape(K, 1) if bt.ndim == 1 else bt, -1, -2))
+        pB = args.add(bt, np.int32)
+        b_term = f"{pB}[bb + n*{K} + k]"
+    else:
+        pB = args.add(b.name, b.dtype)
+        zbe = _zero_expr(args, zb, "n")
+        b_term = f"(np.int32({pB}[bb + k*{N} + n]) - {zbe})"
+    zae = _zero_expr(args, za, "m")
+    mult_lines, mult, wide = _multiplier(args, (sa, sb, sy), "n")
+    pzy = args.add(zy.name, zy.dtype) if zy is not None else None
+    body.line(f"bi = row // {M}").line(f"m = row % {M}")
+    _batch_offsets(args, body, a_off, b_off)
+    pY = args.add(Y.name, Y.dtype)
+    body.line(f"yb = row*{N}").line(f"ar = ab + m*{K}")
+    body.line(f"za = {zae}")
+    body.line(f"yz = np.float32({pzy}[0])" if pzy else "yz = np.float32(0)")
+    body.line(f"for n in range({N}):").indent()
+    body.line("acc = np.int32(0)")
+    body.line(f"for k in range({K}):").indent()
+    body.line(f"acc += (np.int32({pA}[ar + k]) - za) * {b_term}").dedent()
+    for line in mult_lines:
+        body.line(line)
+    body.line(f"{pY}[yb + n] = {_requantized('acc', mult, wide, 'yz', Y.dtype)}")
+    src = Source().line(kernel_header(len(args.values))).indent().line("for row in range(begin, end):").indent()
+    for line in body.lines:
+        src.line(line)
+    kernel = Kernel("QLinearMatMul", src.text(), tuple(args.types))
+    return Lowered([KernelCall(kernel, list(args.values), nbatch * M, node.name)])
+
+
+# ---------------------------------------------------------------- ConvInteger / QLinearConv
+
+def _conv_pads(node, in_spatial, kernel, strides, dilations, out_spatial):
+    n = len(in_spatial)
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    if auto_pad == "VALID":
+        return [0] * n
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        heads = []
+        for i in range(n):
+            total = max(0, (out_spatial[i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - in_spatial[i])
+            heads.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+        return heads
+    return list(node.attr("pads", [0] * 2 * n))[:n]
+
+
+def _integer_conv(node, graph, family, x, zx, w, zw, bias, y, requant):
+    """Direct convolution in int32, one (image, output channel) plane per item; `requant` is
+    None (ConvInteger: store the int32 sum) or args -> (multiplier lines, expression, wide, zero
+    point expression), see `_multiplier`."""
+    for v in (x, w):
+        _check(node, v, {"uint8", "int8"})
+    N, C = x.shape[:2]
+    M = w.shape[0]
+    group = int(node.attr("group", 1))
+    Cg, Mg = C // group, M // group
+    in_spatial, out_spatial, kernel = list(x.shape[2:]), list(y.shape[2:]), list(w.shape[2:])
+    n = len(in_spatial)
+    strides = list(node.attr("strides", [1] * n))
+    dilations = list(node.attr("dilations", [1] * n))
+    pads = _conv_pads(node, in_spatial, kernel, strides, dilations, out_spatial)
+    args = _Args()
+    px = args.add(x.name, x.dtype)
+    if w.is_const and (zw is None or zw.is_const):
+        pw = args.add(np.ascontiguousarray(_unpacked(w, zw, per_axis=0)), np.int32)
+        w_term = f"{pw}[wb + {{k}}]"
+    else:
+        pw = args.add(w.name, w.dtype)
+        zwe = _zero_expr(args, zw, "oc")
+        w_term = f"(np.int32({pw}[wb + {{k}}]) - {zwe})"
+    zxe = _zero_expr(args, zx, "0")
+    pb = args.add(bias.name, np.int32) if bias is not None else None
+    if requant is not None:
+        mult_lines, mult, wide, zy = requant(args)
+    py = args.add(y.name, y.dtype)
+    in_plane, out_plane, ksize = int(np.prod(in_spatial)), int(np.prod(out_spatial)), int(np.prod(kernel))
+    in_strides, out_strides, k_strides = dims_strides(in_spatial), dims_strides(out_spatial), dims_strides(kernel)
+    src = Source().line(kernel_header(len(args.values))).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {M}").line(f"oc = item % {M}").line(f"g = oc // {Mg}")
+    src.line(f"ob = item*{out_plane}")
+    src.line(f"zx = {zxe}")
+    if requant is not None:
+        for line in mult_lines:
+            src.line(line)
+        src.line(f"mu = {mult}").line(f"yz = {zy}")
+    for d in range(n):
+        src.line(f"for o{d} in range({out_spatial[d]}):").indent()
+    src.line(f"acc = {f'{pb}[oc]' if pb else 'np.int32(0)'}")
+    src.line(f"for icl in range({Cg}):").indent()
+    src.line(f"xb = (n*{C} + g*{Cg} + icl)*{in_plane}")
+    src.line(f"wb = (oc*{Cg} + icl)*{ksize}")
+    for d in range(n):
+        src.line(f"for k{d} in range({kernel[d]}):").indent()
+        src.line(f"i{d} = o{d}*{strides[d]} - {pads[d]} + k{d}*{dilations[d]}")
+        src.line(f"if i{d} >= 0 and i{d} < {in_spatial[d]}:").indent()
+    x_index = " + ".join(["xb"] + [f"i{d}*{in_strides[d]}" for d in range(n)])
+    k_index = " + ".join(f"k{d}*{k_strides[d]}" for d in range(n))
+    src.line(f"acc += (np.int32({px}[{x_index}]) - zx) * {w_term.format(k=k_index)}")
+    for _ in range(2 * n + 1):
+        src.dedent()
+    y_index = " + ".join(["ob"] + [f"o{d}*{out_strides[d]}" for d in range(n)])
+    if requant is None:
+        src.line(f"{py}[{y_index}] = acc")
+    else:
+        src.line(f"{py}[{y_index}] = {_requantized('acc', 'mu', wide, 'yz', y.dtype)}")
+    kernel_obj = Kernel(family, src.text(), tuple(args.types))
+    return Lowered([KernelCall(kernel_obj, list(args.values), N * M, node.name)])
+
+
+def lower_conv_integer(node, graph) -> Lowered:
+    x, w, zx, zw = (_input(node, graph, k) for k in range(4))
+    y = graph.values[node.outputs[0]]
+    return _integer_conv(node, graph, "ConvInteger", x, zx, w, zw, None, y, None)
+
+
+def lower_qlinear_conv(node, graph) -> Lowered:
+    x, sx, zx, w, sw, zw, sy, zy, bias = (_input(node, graph, k) for k in range(9))
+    y = graph.values[node.outputs[0]]
+    _check(node, y, {"uint8", "int8"})
+    for v in (sx, sw, sy):
+        _check(node, v, {"float32", "float16"})
+
+    def requant(args):
+        lines, mult, wide = _multiplier(args, (sx, sw, sy), "oc")
+        zero = f"np.float32({args.add(zy.name, zy.dtype)}[0])" if zy is not None else "np.float32(0)"
+        return lines, mult, wide, zero
+    return _integer_conv(node, graph, "QLinearConv", x, zx, w, zw, bias, y, requant)

@@ -1,0 +1,531 @@
+"""LSTM, GRU and RNN (ONNX opsets 7-22): forward, reverse, bidirectional,
+initial states, sequence lengths, peepholes, clip, activations, layout 0/1.
+
+    LSTM  i = f(x.Wi + h.Ri + Pi*c + bi)   f = f(x.Wf + h.Rf + Pf*c + bf)
+          g = g(x.Wc + h.Rc + bc)          c' = f*c + i*g
+          o = f(x.Wo + h.Ro + Po*c' + bo)  h' = o*h(c')
+    GRU   z = f(x.Wz + h.Rz + bz)          r = f(x.Wr + h.Rr + br)
+          n = g(x.Wh + (r*h).Rh + bh)              (linear_before_reset=0)
+          n = g(x.Wh + Wbh + r*(h.Rh + Rbh))       (linear_before_reset=1)
+          h' = (1 - z)*n + z*h
+    RNN   h' = f(x.Wi + h.Ri + bi)
+
+b = Wb + Rb (summed at build time when B is a constant); clip applies to
+every pre-activation. Two kinds of kernel call, as onnxruntime splits it:
+
+1. The input projection x.W^T + b of every step at once, into scratch, each
+   row of W read once for several input rows (the GEMM part).
+2. Per direction, the recurrence. A work item is a block of batch rows; a
+   step first adds h.R^T to the step's projections in place (dot products
+   over unit-stride rows of R, each row used for every row of the block
+   while in cache), then runs the cell's elementwise update over the units,
+   a loop that vectorises (math.exp and math.tanh become vmath.py's vector
+   versions). All of h is read before any of it is written.
+
+The states live in Y_h / Y_c when the node has them, else in scratch, as
+does GRU's r*h (see scratch.py).
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from cuvil.errors import UnsupportedOpError
+
+from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal
+from .scratch import scratch_value
+
+# Gates per cell, in ONNX's row order of W, R and B.
+_GATES = {"LSTM": "iofc", "GRU": "zrh", "RNN": "i"}
+_DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
+
+# Activation -> (expression over {x}, {alpha}, {beta}; default alpha; default beta).
+# Literal numbers are written F(...) and become typed literals. math.exp and math.tanh
+# become vmath.py's vectorisable versions when the kernel is compiled (emit.py), so the
+# loop applying them vectorises.
+_ACTIVATIONS = {
+    "relu": ("({x} if {x} > F(0) else F(0))", None, None),
+    "tanh": ("math.tanh({x})", None, None),
+    "sigmoid": ("(F(1) / (F(1) + math.exp(-{x})))", None, None),
+    "affine": ("({alpha} * {x} + {beta})", 1.0, 0.0),
+    "leakyrelu": ("({x} if {x} >= F(0) else {alpha} * {x})", 0.01, None),
+    "thresholdedrelu": ("({x} if {x} > {alpha} else F(0))", 1.0, None),
+    "scaledtanh": ("({alpha} * math.tanh({beta} * {x}))", 1.0, 1.0),
+    "hardsigmoid": ("min(max({alpha} * {x} + {beta}, F(0)), F(1))", 0.2, 0.5),
+    "elu": ("({x} if {x} >= F(0) else {alpha} * (math.exp({x}) - F(1)))", 1.0, None),
+    "softsign": ("({x} / (F(1) + abs({x})))", None, None),
+    "softplus": ("(({x} + math.log1p(math.exp(-{x}))) if {x} > F(0) else math.log1p(math.exp({x})))", None, None),
+}
+
+
+def _unsupported(node, why, hint=None):
+    return UnsupportedOpError(f"node '{node.name}' ({node.op}): {why}", hint=hint)
+
+
+def _typed(expr: str, dtype) -> str:
+    return re.sub(r"F\(([^()]*)\)", lambda m: literal(float(m.group(1)), dtype), expr)
+
+
+def _activations(node, cell, num_directions, dtype):
+    """Per direction, one expression over {x} per activation slot (f, g, h); ONNX's
+    alpha/beta lists are consumed in order by the functions that take them (onnxruntime's
+    rule)."""
+    names = node.attr("activations")
+    per_dir = len(_DEFAULT_ACTIVATIONS[cell])
+    if not names:
+        names = _DEFAULT_ACTIVATIONS[cell] * num_directions
+    names = list(names)
+    if len(names) == per_dir and num_directions == 2:
+        names = names * 2
+    if len(names) != per_dir * num_directions:
+        raise _unsupported(node, f"{len(names)} activations given, {per_dir * num_directions} expected")
+    alphas = list(node.attr("activation_alpha") or [])
+    betas = list(node.attr("activation_beta") or [])
+    exprs = []
+    for name in names:
+        key = name.lower()
+        if key not in _ACTIVATIONS:
+            raise _unsupported(node, f"activation {name} is not supported",
+                               hint=f"supported: {', '.join(sorted(_ACTIVATIONS))}")
+        template, alpha, beta = _ACTIVATIONS[key]
+        if alpha is not None and alphas:
+            alpha = alphas.pop(0)
+        if beta is not None and betas:
+            beta = betas.pop(0)
+        template = template.replace("{alpha}", literal(alpha or 0.0, dtype)).replace("{beta}", literal(beta or 0.0, dtype))
+        exprs.append(_typed(template, dtype))
+    return [exprs[d * per_dir:(d + 1) * per_dir] for d in range(num_directions)]
+
+
+# Batch rows per recurrence work item: each row of R is read once per step for all of them.
+_BATCH_BLOCK = 8
+# Input rows per pass over W in the input projection.
+_ROW_BLOCK = 4
+
+
+def lower_lstm(node, graph) -> Lowered:
+    return _lower_rnn(node, graph, "LSTM")
+
+
+def lower_gru(node, graph) -> Lowered:
+    return _lower_rnn(node, graph, "GRU")
+
+
+def lower_rnn(node, graph) -> Lowered:
+    return _lower_rnn(node, graph, "RNN")
+
+
+def _input(node, graph, k):
+    name = node.inputs[k] if len(node.inputs) > k else ""
+    return graph.values[name] if name else None
+
+
+def _output(node, k):
+    return node.outputs[k] if len(node.outputs) > k and node.outputs[k] else None
+
+
+class _Args:
+    """Kernel pointer arguments by role: `bind` returns the pointer's name in the source."""
+
+    def __init__(self):
+        self.values, self.types, self.role = [], [], {}
+
+    def bind(self, key, value, dtype):
+        self.role[key] = f"p{len(self.values)}"
+        self.values.append(value)
+        self.types.append(np.dtype(dtype).name)
+        return self.role[key]
+
+
+class _Spec:
+    """Everything the generated source depends on, for one node (and one direction)."""
+
+    def __init__(self, node, graph, cell):
+        X, W, R, Bv = (_input(node, graph, k) for k in range(4))
+        self.X, self.W, self.R, self.Bv = X, W, R, Bv
+        self.seq, self.h0 = _input(node, graph, 4), _input(node, graph, 5)
+        self.c0 = _input(node, graph, 6) if cell == "LSTM" else None
+        self.P = _input(node, graph, 7) if cell == "LSTM" else None
+        self.cell = cell
+        self.dtype = np.dtype(X.dtype)
+        if self.dtype.name not in ("float32", "float64"):
+            raise _unsupported(node, f"dtype {self.dtype.name} is not supported (float32, float64)")
+        self.layout = int(node.attr("layout", 0))
+        self.direction = node.attr("direction", "forward")
+        if self.direction not in ("forward", "reverse", "bidirectional"):
+            raise _unsupported(node, f"direction {self.direction!r} is not supported")
+        self.D = 2 if self.direction == "bidirectional" else 1
+        if self.layout == 0:
+            self.T, self.B, self.I = X.shape
+        else:
+            self.B, self.T, self.I = X.shape
+        self.G = len(_GATES[cell])
+        self.H = H = int(node.attr("hidden_size", R.shape[-1]))
+        self.GH = self.G * H
+        if tuple(W.shape) != (self.D, self.GH, self.I) or tuple(R.shape) != (self.D, self.GH, H):
+            raise _unsupported(node, f"W {W.shape} / R {R.shape} do not match {self.D} direction(s), {self.G} gates, "
+                                     f"hidden {H}, input {self.I}")
+        self.clip = node.attr("clip")
+        self.lbr = int(node.attr("linear_before_reset", 0)) if cell == "GRU" else 0
+        self.input_forget = int(node.attr("input_forget", 0)) if cell == "LSTM" else 0
+        self.acts = _activations(node, cell, self.D, self.dtype)
+        # Sequence lengths equal to T everywhere are no lengths at all.
+        if self.seq is not None and self.seq.is_const and np.all(np.asarray(self.seq.data) == self.T):
+            self.seq = None
+        self.bias_packed = None
+        if Bv is not None and Bv.is_const:
+            self.bias_packed = _pack_bias(np.asarray(Bv.data, np.float64), cell, self.D, H, self.lbr).astype(self.dtype)
+        self.Y, self.Yh = _output(node, 0), _output(node, 1)
+        self.Yc = _output(node, 2) if cell == "LSTM" else None
+        # Scratch: the projections x.W + b of every step (a step adds h.R to its own, in place:
+        # the pre-activations), then per (direction, batch row) GRU's r*h (or r) and the states
+        # the node has no output for.
+        self.proj = self.D * self.T * self.B * self.GH
+        slots = (["q"] if cell == "GRU" else []) + ([] if self.Yh else ["h"]) \
+            + (["c"] if cell == "LSTM" and not self.Yc else [])
+        self.slot = {name: k * H for k, name in enumerate(slots)}
+        self.S = len(slots) * H
+        self.scratch = scratch_value(graph, node, (self.proj + self.D * self.B * self.S,), self.dtype)
+
+    def lit(self, v):
+        return literal(v, self.dtype)
+
+    def x_row(self, t, b):  # X[t, b, :] or X[b, t, :]
+        if self.layout == 0:
+            return f"({t})*{self.B * self.I} + ({b})*{self.I}"
+        return f"({b})*{self.T * self.I} + ({t})*{self.I}"
+
+    def y_row(self, d, t, b):  # Y[t, d, b, :] or Y[b, t, d, :]
+        D, B, H, T = self.D, self.B, self.H, self.T
+        if self.layout == 0:
+            return f"({t})*{D * B * H} + {d * B * H} + ({b})*{H}"
+        return f"({b})*{T * D * H} + ({t})*{D * H} + {d * H}"
+
+    def state_row(self, d, b):  # Y_h, Y_c, initial_h, initial_c: [d, b, :] or [b, d, :]
+        if self.layout == 0:
+            return f"{d * self.B * self.H} + ({b})*{self.H}"
+        return f"({b})*{self.D * self.H} + {d * self.H}"
+
+
+def _lower_rnn(node, graph, cell) -> Lowered:
+    spec = _Spec(node, graph, cell)
+    calls = [_projection_call(spec, node)]
+    for d in range(spec.D):
+        calls.append(_recurrence_call(spec, node, d))
+    return Lowered(calls)
+
+
+def _pack_bias(B, cell, D, H, lbr):
+    """Wb + Rb per direction; GRU with linear_before_reset keeps Rbh apart (it is scaled by r)."""
+    G = len(_GATES[cell])
+    Wb, Rb = B[:, :G * H], B[:, G * H:]
+    total = Wb + Rb
+    if cell == "GRU" and lbr:
+        total[:, 2 * H:] = Wb[:, 2 * H:]
+        return np.ascontiguousarray(np.concatenate([total, Rb[:, 2 * H:]], axis=1))
+    return np.ascontiguousarray(total)
+
+
+# ---------------------------------------------------------------- input projection
+
+def _projection_call(spec, node) -> KernelCall:
+    """scratch[d, t, b, :] = x[t, b] . W[d]^T + bias (all biases but GRU's Rbh with
+    linear_before_reset), for every step at once: _ROW_BLOCK input rows share each pass over a
+    row of W. Work items: (direction, block of rows)."""
+    D, T, B, I, H, GH = spec.D, spec.T, spec.B, spec.I, spec.H, spec.GH
+    args = _Args()
+    pX = args.bind("X", spec.X.name, spec.dtype)
+    pW = args.bind("W", spec.W.name, spec.dtype)
+    pB = None
+    if spec.Bv is not None:
+        pB = args.bind("B", spec.bias_packed if spec.bias_packed is not None else spec.Bv.name, spec.dtype)
+    pS = args.bind("S", spec.scratch, spec.dtype)
+    rows = T * B
+    nblk = -(-rows // _ROW_BLOCK)
+    src = Source().line(kernel_header(len(args.values))).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"d = item // {nblk}" if D > 1 else "d = 0")
+    src.line(f"r0 = (item % {nblk})*{_ROW_BLOCK}")
+    for i in range(_ROW_BLOCK):
+        # The last block repeats the last row (same values, same item).
+        src.line(f"row{i} = min(r0 + {i}, {rows - 1})")
+        if spec.layout == 0:
+            src.line(f"x{i} = row{i}*{I}")
+        else:
+            src.line(f"x{i} = {spec.x_row(f'row{i} // {B}', f'row{i} % {B}')}")
+        src.line(f"o{i} = (d*{rows} + row{i})*{GH}")
+    # Bias segments: (first gate row, end, bias expression over g).
+    if pB is None:
+        segments = [(0, GH, spec.lit(0))]
+    elif spec.bias_packed is not None:
+        width = spec.bias_packed.shape[1]
+        segments = [(0, GH, f"{pB}[d*{width} + g]")]
+    else:
+        summed = f"({pB}[d*{2 * GH} + g] + {pB}[d*{2 * GH} + {GH} + g])"
+        segments = [(0, 2 * H, summed), (2 * H, GH, f"{pB}[d*{2 * GH} + g]")] if spec.lbr else [(0, GH, summed)]
+    for lo, hi, bias in segments:
+        src.line(f"for g in range({lo}, {hi}):").indent()
+        src.line(f"wo = d*{GH * I} + g*{I}")
+        src.line(f"bv = {bias}")
+        for i in range(_ROW_BLOCK):
+            src.line(f"a{i} = bv")
+        src.line(f"for k in range({I}):").indent()
+        src.line(f"wv = {pW}[wo + k]")
+        for i in range(_ROW_BLOCK):
+            src.line(f"a{i} += {pX}[x{i} + k] * wv")
+        src.dedent()
+        for i in range(_ROW_BLOCK):
+            src.line(f"{pS}[o{i} + g] = a{i}")
+        src.dedent()
+    kernel = Kernel(f"{spec.cell}Projection", src.text(), tuple(args.types))
+    return KernelCall(kernel, list(args.values), D * nblk, node.name, n_outputs=1)
+
+
+# ---------------------------------------------------------------- recurrence
+
+class _Step:
+    """Source helpers for one direction's recurrence kernel."""
+
+    def __init__(self, spec, d, args, src):
+        self.spec, self.d, self.args, self.src = spec, d, args, src
+        self.role = args.role
+        self.reverse = spec.direction == "reverse" or d == 1
+        self.pS = self.role["S"]
+
+    def activate(self, k, x, out):
+        self.src.line(f"{out} = {self.spec.acts[self.d][k].replace('{x}', x)}")
+
+    def state(self, which):
+        """(pointer, base offset) of the h or c state of row b."""
+        key = {"h": "Yh", "c": "Yc"}[which]
+        if key in self.role:
+            return self.role[key], "st"
+        return self.pS, f"sl + {self.spec.slot[which]}"
+
+    def scratch(self, slot):
+        return f"sl + {self.spec.slot[slot]}" if self.spec.slot[slot] else "sl"
+
+    def clip(self, var):
+        if self.spec.clip is None:
+            return
+        c = self.spec.lit(float(self.spec.clip))
+        self.src.line(f"{var} = min(max({var}, -{c}), {c})")
+
+    def length(self, b):
+        if "seq" in self.role:
+            return f"min(max(np.int64({self.role['seq']}[{b}]), 0), {self.spec.T})"
+        return str(self.spec.T)
+
+    def for_rows(self, active=True):
+        """Open the loop over the block's batch rows with their offsets; with `active` (and
+        sequence lengths) only rows whose sequence is still running at step s."""
+        spec, src = self.spec, self.src
+        src.line("for bb in range(nb):").indent()
+        src.line("b = b0 + bb")
+        src.line(f"st = {spec.state_row(self.d, 'b')}")
+        src.line(f"sl = {spec.proj} + ({self.d * spec.B} + b)*{spec.S}")
+        opened = 1
+        if active:
+            src.line(f"L = {self.length('b')}")
+            if "seq" in self.role:
+                src.line("if s < L:").indent()
+                opened += 1
+            src.line("t = L - 1 - s" if self.reverse else "t = s")
+            src.line(f"xo = ({self.d * spec.T} + t)*{spec.B * spec.GH} + b*{spec.GH}")
+        return opened
+
+    def close(self, opened):
+        for _ in range(opened):
+            self.src.dedent()
+
+    def dots(self, accs, vectors):
+        """acc += vector . R[gate row j] for (acc, gate) in accs, vector (pointer, base) per acc."""
+        spec = self.spec
+        H, rd = spec.H, self.d * spec.GH * spec.H
+        self.src.line(f"for k in range({H}):").indent()
+        loaded = {}
+        for (acc, gate), (p, base) in zip(accs, vectors):
+            if (p, base) not in loaded:
+                loaded[(p, base)] = f"v{len(loaded)}"
+                self.src.line(f"{loaded[(p, base)]} = {p}[{base} + k]")
+            self.src.line(f"{acc} += {loaded[(p, base)]} * {self.role['R']}[{rd + gate * H * H} + j*{H} + k]")
+        self.src.dedent()
+
+
+def _recurrence_call(spec, node, d) -> KernelCall:
+    """One direction: items are blocks of up to _BATCH_BLOCK batch rows, each running its rows'
+    sequences through every step; in a step, hidden unit j is computed for every row of the
+    block while R's rows for j are in cache."""
+    args = _Args()
+    dt = spec.dtype
+    args.bind("R", spec.R.name, dt)
+    if spec.lbr and spec.Bv is not None:
+        args.bind("B", spec.bias_packed if spec.bias_packed is not None else spec.Bv.name, dt)
+    if spec.seq is not None:
+        args.bind("seq", spec.seq.name, np.int32)
+    for key, value in (("h0", spec.h0), ("c0", spec.c0), ("P", spec.P)):
+        if value is not None:
+            args.bind(key, value.name, dt)
+    n_inputs = len(args.values)
+    for key, name in (("Y", spec.Y), ("Yh", spec.Yh), ("Yc", spec.Yc)):
+        if name:
+            args.bind(key, name, dt)
+    args.bind("S", spec.scratch, dt)
+    src = Source().line(kernel_header(len(args.values))).indent()
+    step = _Step(spec, d, args, src)
+    role, H, T, B = args.role, spec.H, spec.T, spec.B
+    src.line("for blk in range(begin, end):").indent()
+    src.line(f"b0 = blk*{_BATCH_BLOCK}").line(f"nb = min({_BATCH_BLOCK}, {B} - b0)")
+    # Initial states.
+    opened = step.for_rows(active=False)
+    for which, init in [("h", "h0")] + ([("c", "c0")] if spec.cell == "LSTM" else []):
+        p, base = step.state(which)
+        src.line(f"for j in range({H}):").indent()
+        src.line(f"{p}[{base} + j] = {role[init] + '[st + j]' if init in role else spec.lit(0)}")
+        src.dedent()
+    step.close(opened)
+    if spec.seq is not None:
+        src.line("steps = 0")
+        src.line("for bb in range(nb):").indent()
+        src.line(f"steps = max(steps, {step.length('b0 + bb')})").dedent()
+    else:
+        src.line(f"steps = {T}")
+    src.line("for s in range(steps):").indent()
+    {"LSTM": _lstm_step, "GRU": _gru_step, "RNN": _rnn_step}[spec.cell](step)
+    src.dedent()  # time loop
+    if "Y" in role and "seq" in role:
+        opened = step.for_rows(active=False)
+        src.line(f"for t in range({step.length('b')}, {T}):").indent()
+        src.line(f"yo = {spec.y_row(d, 't', 'b')}")
+        src.line(f"for j in range({H}):").indent().line(f"{role['Y']}[yo + j] = {spec.lit(0)}").dedent()
+        src.dedent()
+        step.close(opened)
+    kernel = Kernel(spec.cell, src.text(), tuple(args.types))
+    work = -(-B // _BATCH_BLOCK)
+    return KernelCall(kernel, list(args.values), work, node.name, n_outputs=len(args.values) - n_inputs)
+
+
+def _store_h(step, value):
+    """h[j] = value, and the step's Y row."""
+    hp, hb = step.state("h")
+    step.src.line(f"{hp}[{hb} + j] = {value}")
+    if "Y" in step.role:
+        step.src.line(f"{step.role['Y']}[yo + j] = {value}")
+
+
+def _rows_for_update(step):
+    """Open the loop over active rows for an elementwise update of every unit j (it vectorises)."""
+    opened = step.for_rows()
+    if "Y" in step.role:
+        step.src.line(f"yo = {step.spec.y_row(step.d, 't', 'b')}")
+    step.src.line(f"for j in range({step.spec.H}):").indent()
+    return opened + 1
+
+
+def _accumulate(step, gates, vectors):
+    """Phase 1 of a step: pre-activation of gate rows `gates` [(acc, gate)] += vector . R[gate
+    row j], for every unit j and active row, stored back over the projections."""
+    src, pS, H = step.src, step.pS, step.spec.H
+    src.line(f"for j in range({H}):").indent()
+    opened = step.for_rows()
+    for acc, gate in gates:
+        src.line(f"{acc} = {pS}[xo + {gate * H} + j]")
+    step.dots(gates, vectors)
+    for acc, gate in gates:
+        src.line(f"{pS}[xo + {gate * H} + j] = {acc}")
+    step.close(opened)
+    src.dedent()
+
+
+def _lstm_step(step):
+    spec, src, pS, role = step.spec, step.src, step.pS, step.role
+    H = spec.H
+    cp, cb = step.state("c")
+    # Gate rows in ONNX order i, o, f, c.
+    rows = [("ai", 0), ("ao", 1), ("af", 2), ("ac", 3)]
+    if spec.input_forget:
+        rows = [r for r in rows if r[0] != "af"]
+    _accumulate(step, rows, [step.state("h")] * len(rows))
+    opened = _rows_for_update(step)
+    for acc, gate in rows:
+        src.line(f"{acc} = {pS}[xo + {gate * H} + j]")
+    src.line(f"cv = {cp}[{cb} + j]")
+    if "P" in role:
+        p, base = role["P"], step.d * 3 * H
+        src.line(f"ai += {p}[{base} + j] * cv")
+        if not spec.input_forget:
+            src.line(f"af += {p}[{base + 2 * H} + j] * cv")
+    step.clip("ai")
+    step.activate(0, "ai", "ig")
+    if spec.input_forget:
+        src.line(f"fg = {spec.lit(1)} - ig")
+    else:
+        step.clip("af")
+        step.activate(0, "af", "fg")
+    step.clip("ac")
+    step.activate(1, "ac", "cg")
+    src.line("cn = fg * cv + ig * cg")
+    src.line(f"{cp}[{cb} + j] = cn")
+    if "P" in role:
+        src.line(f"ao += {role['P']}[{step.d * 3 * H + H} + j] * cn")
+    step.clip("ao")
+    step.activate(0, "ao", "og")
+    step.activate(2, "cn", "hc")
+    src.line("hv = og * hc")
+    _store_h(step, "hv")
+    step.close(opened)
+
+
+def _gru_step(step):
+    spec, src, pS, role = step.spec, step.src, step.pS, step.role
+    H = spec.H
+    hp, hb = h = step.state("h")
+    q = (pS, step.scratch("q"))
+    # r first: the candidate needs r*h (or r) of every unit.
+    _accumulate(step, [("ar", 1)], [h])
+    opened = step.for_rows()
+    src.line(f"for j in range({H}):").indent()
+    src.line(f"ar = {pS}[xo + {H} + j]")
+    step.clip("ar")
+    step.activate(0, "ar", "rg")
+    src.line(f"{pS}[{q[1]} + j] = {'rg' if spec.lbr else f'rg * {hp}[{hb} + j]'}")
+    src.dedent()
+    step.close(opened)
+    src.line(f"for j in range({H}):").indent()
+    opened = step.for_rows()
+    src.line(f"az = {pS}[xo + j]").line(f"ah = {pS}[xo + {2 * H} + j]")
+    if spec.lbr:
+        if "B" in role:
+            width = spec.bias_packed.shape[1] if spec.bias_packed is not None else 2 * spec.GH
+            offset = step.d * width + spec.GH + (0 if spec.bias_packed is not None else 2 * H)
+            src.line(f"ahr = {role['B']}[{offset} + j]")
+        else:
+            src.line(f"ahr = {spec.lit(0)}")
+        step.dots([("az", 0), ("ahr", 2)], [h, h])
+        src.line(f"ah += {pS}[{q[1]} + j] * ahr")
+    else:
+        step.dots([("az", 0), ("ah", 2)], [h, q])
+    src.line(f"{pS}[xo + j] = az").line(f"{pS}[xo + {2 * H} + j] = ah")
+    step.close(opened)
+    src.dedent()
+    opened = _rows_for_update(step)
+    src.line(f"az = {pS}[xo + j]").line(f"ah = {pS}[xo + {2 * H} + j]")
+    step.clip("az")
+    step.clip("ah")
+    step.activate(0, "az", "zg")
+    step.activate(1, "ah", "ng")
+    src.line(f"hv = ({spec.lit(1)} - zg) * ng + zg * {hp}[{hb} + j]")
+    _store_h(step, "hv")
+    step.close(opened)
+
+
+def _rnn_step(step):
+    src, pS = step.src, step.pS
+    _accumulate(step, [("ai", 0)], [step.state("h")])
+    opened = _rows_for_update(step)
+    src.line(f"ai = {pS}[xo + j]")
+    step.clip("ai")
+    step.activate(0, "ai", "hv")
+    _store_h(step, "hv")
+    step.close(opened)

@@ -1,0 +1,262 @@
+"""`onnx.backend.base.Backend` on top of `cuvil.compile`, so ONNX's own backend
+tests (and any tool written against that interface) can drive cuvil.
+
+Cuvil compiles for static shapes. A model input whose *value* decides a
+shape or a kernel parameter (Reshape's shape, Slice's starts, TopK's k...)
+cannot be a run-time input of a compiled library, so the rep compiles when it
+first sees such a value, with the value baked in as a constant, and keeps one
+library per distinct value. Models with symbolic input dims are likewise
+compiled per input-shape signature. Everything else is compiled once, in
+`prepare`.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import namedtuple
+from functools import lru_cache
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+from onnx.backend.base import Backend, BackendRep
+
+from .errors import CuvilError
+
+# Inputs (by position) whose values decide output shapes or kernel parameters.
+# Shape inputs of these ops that come from the graph's inputs are specialised
+# per value (see the module docstring).
+BUILD_TIME_INPUTS = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 3),
+    "Split": (1,), "Squeeze": (1,), "Unsqueeze": (1,), "TopK": (1,), "Range": (0, 1, 2),
+    "ConstantOfShape": (0,), "OneHot": (1,), "Resize": (1, 2, 3), "Upsample": (1,), "CumSum": (1,), "CumProd": (1,),
+    "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,),
+    "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,), "ReduceLogSumExp": (1,),
+    "ReduceSumSquare": (1,), "Trilu": (1,), "CenterCropPad": (1,), "Compress": (1,),
+    "MaxUnpool": (2,), "Col2Im": (1, 2), "BlackmanWindow": (0,), "HannWindow": (0,),
+    "HammingWindow": (0,), "DFT": (1, 2), "STFT": (1, 3), "MelWeightMatrix": (0, 1, 2, 3, 4), "AffineGrid": (1,),
+    "Dropout": (1, 2),
+}
+
+
+def _is_static(vi: onnx.ValueInfoProto) -> bool:
+    t = vi.type.tensor_type
+    return vi.type.HasField("tensor_type") and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    """The graph's nodes and, recursively, those of its subgraphs (If branches, Loop bodies)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
+                        list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else []):
+                yield from _all_nodes(sub)
+
+
+def build_time_inputs(model: onnx.ModelProto) -> list[str]:
+    """Graph inputs whose values a build-time position (BUILD_TIME_INPUTS) depends
+    on, directly or through the nodes that compute it (shape arithmetic)."""
+    inits = {t.name for t in model.graph.initializer}
+    graph_inputs = [vi.name for vi in model.graph.input if vi.name not in inits]
+    nodes = list(_all_nodes(model.graph))
+    producer = {out: node for node in nodes for out in node.output if out}
+    wanted, stack = set(), []
+    for node in nodes:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        for pos in BUILD_TIME_INPUTS.get(node.op_type, ()):
+            if pos < len(node.input) and node.input[pos]:
+                stack.append(node.input[pos])
+        if node.op_type in ("If", "Loop"):  # the condition / trip count decide the graph
+            stack.extend(node.input[:2] if node.op_type == "Loop" else node.input[:1])
+    while stack:
+        name = stack.pop()
+        if name in wanted:
+            continue
+        wanted.add(name)
+        node = producer.get(name)
+        if node is not None and node.op_type not in ("Shape", "Size"):  # those read only the static shape
+            stack.extend(i for i in node.input if i)
+            # an If or Loop also reads whatever its subgraphs read from the outer scope
+            stack.extend(i for sub in _all_nodes(onnx.helper.make_graph([node], "n", [], [])) if sub is not node
+                         for i in sub.input if i)
+    return [n for n in graph_inputs if n in wanted]
+
+
+def _specialise(model: onnx.ModelProto, values: dict) -> onnx.ModelProto:
+    """The model with the given inputs turned into initializers."""
+    special = onnx.ModelProto()
+    special.CopyFrom(model)
+    keep = [vi for vi in special.graph.input if vi.name not in values]
+    del special.graph.input[:]
+    special.graph.input.extend(keep)
+    for name, arr in values.items():
+        special.graph.initializer.append(numpy_helper.from_array(np.asarray(arr), name))
+    return special
+
+
+class CuvilRep(BackendRep):
+    """A prepared model: one compiled library, or one per specialised input signature."""
+
+    def __init__(self, model: onnx.ModelProto, compile_options: dict):
+        self.model = model
+        self.options = compile_options
+        inits = {t.name for t in model.graph.initializer}
+        self.inputs = [vi for vi in model.graph.input if vi.name not in inits]
+        self.input_names = [vi.name for vi in self.inputs]
+        self.output_names = [o.name for o in model.graph.output]
+        self.specialised = build_time_inputs(model)
+        self.dynamic_shapes = not all(_is_static(vi) for vi in self.inputs)
+        self._libraries: dict = {}
+        self._outputs_type = namedtuple("Outputs", [f"o{i}" for i in range(len(self.output_names))]) \
+            if self.output_names else tuple
+        if not self.specialised and not self.dynamic_shapes:
+            self._libraries[()] = self._compile(model, None)
+
+    def _compile(self, model, shapes):
+        from .api import compile as cuvil_compile
+        return cuvil_compile(model, input_shapes=shapes, **self.options)
+
+    def _feeds(self, inputs) -> dict:
+        if isinstance(inputs, dict):
+            feeds = dict(inputs)
+        else:
+            inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+            if len(inputs) != len(self.input_names):
+                raise CuvilError(f"the model takes {len(self.input_names)} input(s) {self.input_names}, got {len(inputs)}")
+            feeds = dict(zip(self.input_names, inputs))
+        return {k: np.asarray(v) for k, v in feeds.items()}
+
+    def library_for(self, feeds: dict):
+        """The library for these feeds (compiled now if their signature is new)."""
+        key = tuple((n, feeds[n].dtype.str, feeds[n].shape, feeds[n].tobytes()) for n in self.specialised)
+        if self.dynamic_shapes:
+            key += tuple((n, feeds[n].shape) for n in self.input_names if n not in self.specialised)
+        lib = self._libraries.get(key)
+        if lib is None:
+            model = _specialise(self.model, {n: feeds[n] for n in self.specialised}) if self.specialised else self.model
+            shapes = None
+            if self.dynamic_shapes:
+                shapes = {vi.name: list(feeds[vi.name].shape) for vi in self.inputs
+                          if vi.name not in self.specialised and not _is_static(vi)}
+            lib = self._libraries[key] = self._compile(model, shapes)
+        return lib
+
+    def run(self, inputs, **kwargs):
+        feeds = self._feeds(inputs)
+        lib = self.library_for(feeds)
+        results = lib.run({n: feeds[n] for n in lib.input_names})
+        return self._outputs_type(*[results[n] for n in self.output_names])
+
+
+class CuvilBackend(Backend):
+    """prepare() compiles with cuvil.compile; keyword arguments are compile options (threads, opt_level...)."""
+
+    @classmethod
+    def is_compatible(cls, model, device: str = "CPU", **kwargs) -> bool:
+        return cls.supports_device(device)
+
+    @classmethod
+    def prepare(cls, model, device: str = "CPU", **kwargs) -> CuvilRep:
+        if not cls.supports_device(device):
+            raise CuvilError(f"device {device!r} is not supported", hint="cuvil compiles for the CPU")
+        if isinstance(model, (bytes, str)):
+            model = onnx.load_model_from_string(model) if isinstance(model, bytes) else onnx.load(model)
+        options = {k: v for k, v in kwargs.items() if k not in ("rtol", "atol")}
+        return CuvilRep(model, options)
+
+    @classmethod
+    def run_model(cls, model, inputs, device: str = "CPU", **kwargs):
+        return cls.prepare(model, device, **kwargs).run(inputs)
+
+    @classmethod
+    def run_node(cls, node, inputs, device: str = "CPU", outputs_info=None, **kwargs):
+        raise NotImplementedError("cuvil compiles whole models; wrap the node in a model and use run_model")
+
+    @classmethod
+    def supports_device(cls, device: str) -> bool:
+        return str(device).upper().split(":")[0] == "CPU"
+
+
+prepare = CuvilBackend.prepare
+run_model = CuvilBackend.run_model
+supports_device = CuvilBackend.supports_device
+
+
+# -- ONNX's node tests, by op ---------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def load_node_tests() -> list[tuple[object, str]]:
+    """ONNX's backend node tests (generated in memory by the installed onnx) as
+    (TestCase, op) pairs. The op of a test is the op of the node its generator
+    exported, so a function's `_expanded` variant counts for the function's op."""
+    import onnx.backend.test.case.node as node_cases
+    origin: dict[str, str] = {}
+    original = node_cases.expect
+
+    def expect(node_op, *args, **kwargs):
+        before = len(node_cases._NodeTestCases)
+        original(node_op, *args, **kwargs)
+        for case in node_cases._NodeTestCases[before:]:
+            origin[case.name] = node_op.op_type
+
+    node_cases.expect = expect
+    try:
+        from onnx.backend.test.loader import load_model_tests
+        with warnings.catch_warnings():  # the generators overflow casts on purpose
+            warnings.simplefilter("ignore")
+            cases = load_model_tests(kind="node")
+    finally:
+        node_cases.expect = original
+    single = {c.name: c.model.graph.node[0].op_type for c in cases if len(c.model.graph.node) == 1}
+    return [(c, origin.get(c.name) or _op_from_name(c, single)) for c in cases]
+
+
+def _op_from_name(case, single: dict) -> str:
+    """Fallback when the generators ran before (their `expect` was already bound)."""
+    base = case.name
+    for suffix in ("_expanded_ver18", "_expanded"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+    if base in single:
+        return single[base]
+    ops = [n.op_type for n in case.model.graph.node if n.op_type != "Constant"]
+    return ops[0] if ops else "Constant"
+
+
+# ONNX's generators give every case rtol=1e-3, atol=1e-7 unless a test needs
+# looser ones; an atol of 1e-7 is below float32 rounding of values near 1, so
+# the default cases are compared at atol=1e-5 (onnxruntime's own default).
+DEFAULT_RTOL, DEFAULT_ATOL = 1e-3, 1e-5
+
+
+def tolerances(case) -> tuple[float, float]:
+    rtol, atol = getattr(case, "rtol", None), getattr(case, "atol", None)
+    if rtol is None or atol is None or (rtol, atol) == (1e-3, 1e-7):
+        return DEFAULT_RTOL, DEFAULT_ATOL
+    return rtol, atol
+
+
+def run_node_test(case, **compile_options) -> None:
+    """Prepare the case's model with CuvilBackend, run every data set, compare
+    with the expected outputs (shape, dtype, values); raises AssertionError or
+    a CuvilError. Returns how many kernel calls the libraries ran (0: every
+    node was folded at build time)."""
+    from onnx.backend.test.runner import _normalize_tensor
+    rtol, atol = tolerances(case)
+    rep = CuvilBackend.prepare(case.model, "CPU", **compile_options)
+    for inputs, expected in case.data_sets:
+        inputs = [_normalize_tensor(x) for x in inputs]
+        expected = [_normalize_tensor(x) for x in expected]
+        outputs = list(rep.run(inputs))
+        assert len(outputs) == len(expected), f"{len(outputs)} outputs, expected {len(expected)}"
+        for i, (got, want) in enumerate(zip(outputs, expected)):
+            assert got.shape == want.shape, f"output {i}: shape {got.shape}, expected {want.shape}"
+            assert got.dtype == want.dtype, f"output {i}: dtype {got.dtype}, expected {want.dtype}"
+            if want.dtype == object or want.dtype.kind in "biuSU":
+                np.testing.assert_array_equal(got, want, err_msg=f"output {i}")
+            else:
+                np.testing.assert_allclose(got.astype(np.float64) if got.dtype.kind == "f" else got,
+                                           want.astype(np.float64) if want.dtype.kind == "f" else want,
+                                           rtol=rtol, atol=atol, err_msg=f"output {i}")
+    return sum(lib.artifacts.info.get("steps", 0) for lib in rep._libraries.values())

@@ -1,0 +1,188 @@
+"""`cuvil explain`: what the passes did to a model, the kernels it became, and its arena.
+
+    fold_batchnorm      175 -> 122 nodes  53 BatchNormalization folded into Conv
+
+For each pass: node counts before and after, and the pass's own account of
+its rewrites (`describe(before, after)` in its module, which reads the two
+graphs only, so passes stay pure). Then the kernel schedule with the ops each
+kernel computes (a FusedConv's epilogue, a FusedElementwise's program), and
+the memory plan: arena against naive bytes, and each buffer's offset and
+lifetime.
+
+`explain_graphs` works on graphs already made (the build's cached pass
+steps, see `explain_variant`); `explain_model` runs import and passes itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PassRecord:
+    name: str
+    nodes_before: int
+    nodes_after: int
+    summary: str
+
+
+@dataclass
+class KernelRecord:
+    node: str
+    op: str
+    computes: str        # "Conv + Add(residual) + Relu", "FusedElementwise[Mul, Add, Relu]"...
+    symbol: str
+    output_shape: tuple
+
+
+@dataclass
+class Explanation:
+    model: str
+    passes: list[PassRecord]
+    kernels: list[KernelRecord]
+    kernels_before: int          # kernel calls the imported graph would need with no pass
+    views: int                   # schedule steps that are views (no code runs)
+    memory: dict                 # arena_bytes, naive_bytes, weights_bytes, in_place, strategy
+    buffers: list[tuple]         # (offset, bytes, first step, last step, value)
+    op_counts_before: dict = field(default_factory=dict)
+    op_counts_after: dict = field(default_factory=dict)
+
+    @property
+    def distinct_kernels(self) -> int:
+        return len({k.symbol for k in self.kernels})
+
+
+def computes(node) -> str:
+    """What one node's kernel computes, fused ops included."""
+    if node.domain == "cuvil" and node.op in ("FusedConv", "FusedGemm", "FusedMatMul"):
+        parts = [node.op.replace("Fused", "")]
+        if int(node.attr("has_residual", 0)):
+            parts.append("Add(residual)")
+        if node.attr("activation"):
+            parts.append(str(node.attr("activation")))
+        return " + ".join(parts)
+    if node.domain == "cuvil" and node.op == "FusedElementwise":
+        return f"FusedElementwise[{', '.join(step.split()[0] for step in node.attr('program') or [])}]"
+    return node.op
+
+
+def _kernel_calls(graph):
+    from backends.numba_cpu.kernel import KernelCall
+    from backends.numba_cpu.registry import lower
+    schedule = lower(graph)
+    return schedule, [c for c in schedule if isinstance(c, KernelCall)]
+
+
+def explain_graphs(model: str, stages: list[tuple[str, object]], memory_options: dict | None) -> Explanation:
+    """stages: [("import", graph), (pass name, graph after it), ...]; memory_options: plan_memory's
+    (strategy, in_place), or None when plan_memory is not run (every buffer apart)."""
+    from backends.native.memory import plan_memory
+    from passes import describe
+
+    from .build import _pack_weights
+
+    records = []
+    for (_, before), (name, after) in zip(stages, stages[1:]):
+        records.append(PassRecord(name, len(before.nodes), len(after.nodes), describe(name, before, after)))
+    first, final = stages[0][1], stages[-1][1]
+    _, before_calls = _kernel_calls(first)
+    schedule, calls = _kernel_calls(final)
+    nodes = {n.name: n for n in final.nodes}
+    kernels = []
+    for call in calls:
+        node = nodes.get(call.node)
+        out = call.args[-1] if isinstance(call.args[-1], str) else ""
+        shape = tuple(final.values[out].shape) if out in final.values else ()
+        kernels.append(KernelRecord(call.node, node.op if node else "?", computes(node) if node else "?",
+                                    call.kernel.symbol, shape))
+    # As codegen does it, so the figures are the manifest's.
+    blob, weight_offsets = _pack_weights(final, schedule)
+    external = set(final.inputs) | set(final.outputs) | set(weight_offsets)
+    memory = memory_options or {"strategy": "none", "in_place": False}
+    plan = plan_memory(final, schedule, external, strategy=memory["strategy"], in_place=memory["in_place"])
+    weights = len(blob)
+    buffers = sorted((plan.offsets[r], final.values[r].nbytes, *plan.lifetimes[r], r) for r in plan.offsets)
+    return Explanation(model, records, kernels, len(before_calls), len(schedule) - len(calls),
+                       {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes, "weights_bytes": weights,
+                        "in_place": len(plan.in_place), "strategy": plan.strategy},
+                       buffers, first.op_counts(), final.op_counts())
+
+
+def explain_model(source, input_shapes=None, opt_level=2, passes=None, disable_passes=(), pass_options=None,
+                  name="model") -> Explanation:
+    """Import a model (path, bytes or onnx.ModelProto) and run its passes here, uncached."""
+    from passes import resolve_pass_options, resolve_passes, run_passes
+
+    from .frontends.onnx import import_onnx
+    graph, _ = import_onnx(source, input_shapes or {})
+    names = resolve_passes(opt_level, passes, disable_passes)
+    options = resolve_pass_options(names, pass_options)
+    stages = [("import", graph)]
+    run_passes(graph, names, on_pass=lambda n, b, a: stages.append((n, a)), options=pass_options)
+    return explain_graphs(name, stages, options.get("plan_memory"))
+
+
+def explain_variant(dag, link_step: str, model: str) -> Explanation:
+    """Explain one planned variant from its build steps: the import and pass steps are read from
+    the step cache (or run and cached), so explaining after a build costs no pass run."""
+    codegen = dag.step(link_step).deps[0]
+    chain, name = [], dag.step(codegen).deps[0]
+    while True:
+        step = dag.step(name)
+        chain.append(step)
+        if step.kind != "pass":
+            break
+        name = step.deps[0]
+    chain.reverse()
+    stages = [("import", dag.get(chain[0].name))]
+    stages += [(step.params["pass"], dag.get(step.name)) for step in chain[1:]]
+    return explain_graphs(model, stages, dag.step(codegen).params.get("memory"))
+
+
+# -- text -----------------------------------------------------------------------------------
+
+def _size(count) -> str:
+    count = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return ""
+
+
+def render(report: Explanation, max_buffers: int = 24) -> str:
+    lines = [f"model {report.model}"]
+    if report.passes:
+        width = max(len(p.name) for p in report.passes)
+        lines.append("passes")
+        for p in report.passes:
+            lines.append(f"  {p.name:<{width}}  {p.nodes_before:5d} -> {p.nodes_after:<5d} {p.summary}")
+    else:
+        lines.append("passes  (none)")
+    lines.append(f"kernels  {len(report.kernels)} calls of {report.distinct_kernels} distinct kernels "
+                 f"(without passes: {report.kernels_before} calls); {report.views} views (no code)")
+    width = max((len(k.node) for k in report.kernels), default=4)
+    width = min(width, 40)
+    for k in report.kernels:
+        shape = "x".join(str(d) for d in k.output_shape) or "scalar"
+        lines.append(f"  {k.node[:width]:<{width}}  {k.computes:<36} -> {shape}")
+    m = report.memory
+    ratio = m["arena_bytes"] / m["naive_bytes"] if m["naive_bytes"] else 0.0
+    lines.append(f"arena  {_size(m['arena_bytes'])} for {_size(m['naive_bytes'])} of intermediates "
+                 f"({ratio:.1%}; strategy {m['strategy']}, {m['in_place']} in place); "
+                 f"weights {_size(m['weights_bytes'])}")
+    shown = sorted(report.buffers, key=lambda b: (-b[1], b[0]))[:max_buffers]
+    for offset, size, first, last, value in sorted(shown):
+        lines.append(f"  @{offset:<10d} {_size(size):>10}  steps {first:>3}-{last:<3} {value}")
+    if len(report.buffers) > len(shown):
+        lines.append(f"  ... and {len(report.buffers) - len(shown)} smaller buffers")
+    return "\n".join(lines)
+
+
+def as_dict(report: Explanation) -> dict:
+    return {"model": report.model,
+            "passes": [vars(p) for p in report.passes],
+            "kernels": [{**vars(k), "output_shape": list(k.output_shape)} for k in report.kernels],
+            "kernels_before": report.kernels_before, "distinct_kernels": report.distinct_kernels,
+            "memory": report.memory,
+            "buffers": [dict(zip(("offset", "bytes", "first", "last", "value"), b)) for b in report.buffers],
+            "op_counts_before": report.op_counts_before, "op_counts_after": report.op_counts_after}

@@ -1,0 +1,178 @@
+"""Correctness of the performance code paths against onnxruntime: the LLVM-IR
+micro-kernel GEMM (packed constant weights, activations read in place, edge
+tiles, batches), convolution as an implicit GEMM over phase images (strides,
+dilations, asymmetric pads, groups), the vectorised exp/tanh/erf/sigmoid,
+in-place elementwise kernels, and identical results for any thread count.
+No timing here (benchmarks/ does that)."""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import cuvil
+from backends.native.ukernel import UKSpec, specs_in, ukernel_ir
+from tests.helpers import assert_matches_ort, make_model, rand
+
+
+def matmul_model(a_shape, b_shape, const_b=True, seed=0):
+    inputs = [("a", np.float32, a_shape)]
+    inits = {}
+    if const_b:
+        inits["b"] = rand(*b_shape, seed=seed + 1)
+    else:
+        inputs.append(("b", np.float32, b_shape))
+    model = make_model([helper.make_node("MatMul", ["a", "b"], ["y"])], inputs, [("y", np.float32, None)], inits)
+    feeds = {"a": rand(*a_shape, seed=seed + 2)}
+    if not const_b:
+        feeds["b"] = rand(*b_shape, seed=seed + 3)
+    return model, feeds
+
+
+@pytest.mark.parametrize("a_shape,b_shape,const_b", [
+    ((64, 96), (96, 128), True),        # whole tiles
+    ((13, 70), (70, 67), True),         # edge rows (13 % 6) and columns (67 % 64)
+    ((1, 300), (300, 200), True),       # one row (GEMV), several k passes
+    ((7, 600), (600, 40), True),        # K split in passes, N below one tile
+    ((2, 9, 32), (32, 80), True),       # batch folded into rows
+    ((3, 10, 24), (3, 24, 33), False),  # batched, B read in place with masked loads
+    ((20, 48), (48, 130), False),
+])
+def test_microkernel_matmul(a_shape, b_shape, const_b):
+    model, feeds = matmul_model(a_shape, b_shape, const_b)
+    assert_matches_ort(model, feeds, tol=1e-5)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_microkernel_gemm_transposes(trans_a, trans_b):
+    M, K, N = 11, 40, 70
+    a = rand(*((K, M) if trans_a else (M, K)), seed=4)
+    b = rand(*((N, K) if trans_b else (K, N)), seed=5)
+    c = rand(N, seed=6)
+    node = helper.make_node("Gemm", ["a", "b", "c"], ["y"], transA=trans_a, transB=trans_b, alpha=0.7, beta=1.3)
+    model = make_model([node], [("a", np.float32, a.shape)], [("y", np.float32, None)], {"b": b, "c": c})
+    assert_matches_ort(model, {"a": a}, tol=1e-5)
+
+
+def conv_model(x_shape, w_shape, seed=0, bias=True, **attrs):
+    inits = {"w": rand(*w_shape, seed=seed + 1) * 0.2}
+    if bias:
+        inits["bias"] = rand(w_shape[0], seed=seed + 2)
+    node = helper.make_node("Conv", ["x", "w"] + (["bias"] if bias else []), ["y"], **attrs)
+    return make_model([node], [("x", np.float32, x_shape)], [("y", np.float32, None)], inits), \
+        {"x": rand(*x_shape, seed=seed + 3)}
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 16, 14, 14), (24, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((1, 8, 13, 17), (12, 8, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),       # odd sizes, stride 2
+    ((1, 3, 32, 30), (16, 3, 7, 7), dict(pads=[3, 3, 3, 3], strides=[2, 2])),       # ResNet stem shape
+    ((1, 16, 12, 12), (32, 16, 1, 1), dict(strides=[2, 2])),                        # 1x1 downsample
+    ((1, 8, 15, 15), (8, 8, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),      # dilation
+    ((1, 8, 10, 11), (10, 8, 3, 2), dict(pads=[0, 1, 2, 0])),                       # asymmetric pads, 3x2 kernel
+    ((2, 16, 9, 9), (32, 4, 3, 3), dict(pads=[1, 1, 1, 1], group=4)),               # groups, batch 2
+    ((1, 12, 20, 9), (7, 12, 5, 5), dict(pads=[2, 2, 2, 2], strides=[1, 2])),       # unequal strides
+    ((1, 6, 16, 16), (9, 6, 3, 3), dict(auto_pad="SAME_UPPER", strides=[2, 2])),
+])
+def test_conv_implicit_gemm(x_shape, w_shape, attrs):
+    model, feeds = conv_model(x_shape, w_shape, **attrs)
+    compiled, _ = assert_matches_ort(model, feeds, tol=1e-5)
+
+
+def test_conv_implicit_gemm_is_used():
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    model, _ = conv_model((1, 16, 14, 14), (24, 16, 3, 3), pads=[1, 1, 1, 1])
+    graph, _ = import_onnx(model)
+    families = [c.kernel.family for c in lower(graph)]
+    assert families == ["ConvPad", "Conv"]
+    assert specs_in(lower(graph)[1].kernel.source)
+
+
+@pytest.mark.parametrize("op", ["Exp", "Tanh", "Erf", "Sigmoid"])
+def test_vectorised_math_matches_ort(op):
+    x = np.concatenate([np.linspace(-12, 12, 4001), np.linspace(-0.01, 0.01, 101)]).astype(np.float32)
+    if op == "Exp":
+        x = np.linspace(-80, 80, 4001).astype(np.float32)
+    model = make_model([helper.make_node(op, ["x"], ["y"])], [("x", np.float32, x.shape)], [("y", np.float32, None)])
+    compiled = cuvil.compile(model)
+    got = compiled.run({"x": x})["y"].astype(np.float64)
+    from tests.helpers import run_ort
+    want = run_ort(model, {"x": x})["y"].astype(np.float64)
+    if op == "Exp":
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    else:
+        np.testing.assert_allclose(got, want, atol=5e-7)
+
+
+def test_softmax_and_gelu_chain_in_place():
+    """Softmax (vexp) then an elementwise chain that the memory planner runs in place."""
+    x = rand(4, 37, seed=9) * 5
+    nodes = [helper.make_node("Softmax", ["x"], ["s"], axis=-1),
+             helper.make_node("Mul", ["s", "k"], ["m"]),
+             helper.make_node("Erf", ["m"], ["e"]),
+             helper.make_node("Tanh", ["e"], ["y"])]
+    model = make_model(nodes, [("x", np.float32, x.shape)], [("y", np.float32, None)], {"k": np.float32(3.0)})
+    assert_matches_ort(model, {"x": x}, tol=1e-5)
+
+
+def resnetish():
+    """Conv stem, a residual block (3x3 convs, 1x1 downsample) and a Gemm head."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], pads=[3, 3, 3, 3], strides=[2, 2]),
+        helper.make_node("Relu", ["c0"], ["r0"]),
+        helper.make_node("Conv", ["r0", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["r0", "wd", "bd"], ["d"], strides=[2, 2]),
+        helper.make_node("Add", ["c2", "d"], ["s"]),
+        helper.make_node("Relu", ["s"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node("Gemm", ["f", "wf", "bf"], ["y"], transB=1),
+    ]
+    inits = {"w0": rand(16, 3, 7, 7, seed=1) * 0.1, "b0": rand(16, seed=2) * 0.1,
+             "w1": rand(32, 16, 3, 3, seed=3) * 0.1, "b1": rand(32, seed=4) * 0.1,
+             "w2": rand(32, 32, 3, 3, seed=5) * 0.1, "b2": rand(32, seed=6) * 0.1,
+             "wd": rand(32, 16, 1, 1, seed=7) * 0.1, "bd": rand(32, seed=8) * 0.1,
+             "wf": rand(10, 32, seed=9) * 0.1, "bf": rand(10, seed=10) * 0.1}
+    model = make_model(nodes, [("x", np.float32, (1, 3, 40, 40))], [("y", np.float32, None)], inits)
+    return model, {"x": rand(1, 3, 40, 40, seed=11)}
+
+
+def test_results_identical_for_any_thread_count():
+    model, feeds = resnetish()
+    outs = {}
+    for threads in (1, 2, 3):
+        compiled, got = assert_matches_ort(model, feeds, tol=1e-5, threads=threads)
+        outs[threads] = got["y"]
+        # several runs of one session give the same bytes too
+        again = compiled.run(feeds)["y"]
+        np.testing.assert_array_equal(again, got["y"])
+    np.testing.assert_array_equal(outs[1], outs[2])
+    np.testing.assert_array_equal(outs[1], outs[3])
+
+
+def test_gemm_threads_identical():
+    model, feeds = matmul_model((37, 200), (200, 300))
+    one = cuvil.compile(model, threads=1).run(feeds)["y"]
+    two = cuvil.compile(model, threads=2).run(feeds)["y"]
+    np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.parametrize("bits", [512, 256, 128])
+def test_microkernel_ir_for_every_vector_width(bits):
+    """The micro-kernel IR is valid for AVX-512, AVX2 and SSE widths (the tile is split in
+    column chunks so its accumulators fit the register file)."""
+    import llvmlite.binding as llvm
+
+    from backends.native.targets import _init_llvm
+    _init_llvm()
+    for spec in (UKSpec(mr=6, nr=64, a_packed=0), UKSpec(mr=4, nr=64, a_packed=1, a_panel=6, taps=(0, 1, 9), store="x"),
+                 UKSpec(mr=1, nr=32, a_packed=0, b_masked=1)):
+        llvm.parse_assembly(ukernel_ir(spec, bits)).verify()
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])
+def test_other_targets_compute_the_same(target):
+    """Narrower targets run the same micro-kernels with 8- or 4-wide vectors."""
+    model, feeds = resnetish()
+    assert_matches_ort(model, feeds, tol=1e-5, target=target)

@@ -18,7 +18,7 @@ _SAME_SHAPE_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
 
 
 def _is_identity(node, graph: Graph, producers) -> bool:
-    if not node.inputs or not node.inputs[0]:
+    if not node.inputs or not node.inputs[0] or not node.outputs or not node.outputs[0]:
         return False
     src, dst = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     if node.op == "Identity":

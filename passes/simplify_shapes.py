@@ -47,6 +47,8 @@ def simplify_shapes(graph: Graph) -> Graph:
     views = {n.name for n in graph.nodes if _is_view(n, graph)}
 
     def rewritten(node):
+        if node.name not in views:
+            return False
         from_view = producers.get(node.inputs[0]) is not None and producers[node.inputs[0]].name in views
         same = graph.values[node.inputs[0]].shape == graph.values[node.outputs[0]].shape
         return node.name in views and (from_view or node.op == "Transpose" or

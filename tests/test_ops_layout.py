@@ -51,11 +51,11 @@ def test_maxpool_dtypes(dtype):
     assert_matches_ort(model, {"x": x})
 
 
-def test_maxpool_indices_output_is_refused():
-    model = one_node("MaxPool", [("x", F32, [1, 1, 4, 4])], {"kernel_shape": [2, 2]}, outputs=("y", "idx"))
+def test_maxpool_indices_output():
+    model = one_node("MaxPool", [("x", F32, [1, 2, 5, 5])], {"kernel_shape": [2, 2], "strides": [2, 2]},
+                     outputs=("y", "idx"))
     model.graph.output[1].type.tensor_type.elem_type = 7  # int64
-    with pytest.raises(UnsupportedOpError, match="MaxPool.*Indices"):
-        cuvil.compile(model)
+    assert_matches_ort(model, {"x": rand(1, 2, 5, 5)})
 
 
 def test_maxpool_unused_indices_slot():

@@ -20,14 +20,8 @@ F32, F64 = np.float32, np.float64
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
-def omitted_first_output(model) -> dict:
-    # TODO(lead): drop once passes/eliminate_identity.py and simplify_shapes.py skip nodes whose
-    # first output is omitted ("" has no value entry: KeyError for LSTM(..., outputs=["", "Y_h"])).
-    return {"opt_level": 0} if not model.graph.node[0].output[0] else {}
-
-
 def check(model, feeds, **options):
-    return assert_matches_ort(model, feeds, **options, **omitted_first_output(model))
+    return assert_matches_ort(model, feeds, **options)
 
 
 def rnn_model(op, T=4, B=3, I=5, H=6, direction="forward", layout=0, outputs=("Y", "Y_h", "Y_c"),
@@ -136,7 +130,7 @@ def test_layout1(case):
     op, kwargs = LAYOUT1_CASES[case]
     batch_major, feeds = rnn_model(op, layout=1, **kwargs)
     time_major, _ = rnn_model(op, layout=0, **kwargs)
-    got = cuvil.compile(batch_major, **omitted_first_output(batch_major)).run(feeds)
+    got = cuvil.compile(batch_major).run(feeds)
     to_time_major = {"X": (1, 0, 2), "initial_h": (1, 0, 2), "initial_c": (1, 0, 2)}
     want = run_ort(time_major, {k: v.transpose(to_time_major[k]) if k in to_time_major else v for k, v in feeds.items()})
     to_batch_major = {"Y": (2, 0, 1, 3), "Y_h": (1, 0, 2), "Y_c": (1, 0, 2)}

@@ -1,6 +1,6 @@
 """Cast, data movement and indexing ops against onnxruntime
-(backends/numba_cpu/indexing.py, resize.py) and the small-float conversions
-of backends/numba_cpu/elementwise.py against numpy / ml_dtypes."""
+(backends/numba_cpu/indexing.py, resize.py) and the narrow-type conversions
+of backends/numba_cpu/narrow.py against numpy / ml_dtypes."""
 import math
 
 import ml_dtypes
@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import cuvil
-from backends.numba_cpu.elementwise import BIT_HELPERS
+from backends.numba_cpu.narrow import BIT_HELPERS
 from tests.helpers import assert_matches_ort, make_model, rand
 
 F32 = np.float32
@@ -58,16 +58,54 @@ def test_16_bit_floats_round_trip_exactly(helpers, fmt, to_f32, from_f32):
     assert np.all(np.isnan(got[nan].view(dtype).astype(F32)))
 
 
+EIGHT_BIT = [("float8_e5m2", 57344), ("float8_e4m3fn", 448), ("float8_e4m3fnuz", 240), ("float8_e5m2fnuz", 57344),
+             ("float4_e2m1fn", 6)]
+
+
 @pytest.mark.parametrize("saturate", [True, False])
-def test_float8_e5m2_round_trip_exactly(helpers, saturate):
-    bits = np.arange(256, dtype=np.uint8)
-    got = np.array([helpers["e5m2_to_f32"](b) for b in bits], F32)
-    assert np.array_equal(got, bits.view(ml_dtypes.float8_e5m2).astype(F32), equal_nan=True)
+@pytest.mark.parametrize("fmt,largest", EIGHT_BIT, ids=[f for f, _ in EIGHT_BIT])
+def test_float8_and_float4_match_ml_dtypes(helpers, fmt, largest, saturate):
+    """Decode every code; encode as ONNX's Cast does (saturate: clip, then round)."""
+    from backends.numba_cpu.narrow import SMALL_FLOATS
+    _, decode, encode = SMALL_FLOATS[fmt]
+    dtype = getattr(ml_dtypes, fmt)
+    codes = np.arange(16 if fmt == "float4_e2m1fn" else 256, dtype=np.uint8)
+    got = np.array([helpers[decode](c) for c in codes], F32)
+    assert np.array_equal(got, codes.view(dtype).astype(F32), equal_nan=True)
     xs = _probe_floats()
-    xs = xs[~np.isnan(xs)]
-    got = np.array([helpers["f32_to_e5m2"](x, saturate) for x in xs], np.uint8)
-    want = (np.clip(xs, -57344, 57344) if saturate else xs).astype(ml_dtypes.float8_e5m2).view(np.uint8)
-    assert np.array_equal(got, want)
+    got = np.array([helpers[encode](x, saturate) for x in xs], np.uint8)
+    with np.errstate(all="ignore"):
+        want = (np.clip(xs, -largest, largest) if saturate else xs).astype(dtype).view(np.uint8)
+    same = (got == want) | (np.isnan(got.view(dtype).astype(F32)) & np.isnan(want.view(dtype).astype(F32)))
+    assert same.all(), xs[~same][:5]
+
+
+@pytest.mark.parametrize("mode", ["up", "down", "nearest"])
+def test_float8_e8m0_matches_onnx(helpers, mode):
+    from onnx.numpy_helper import to_float8e8m0
+    codes = np.arange(256, dtype=np.uint8)
+    got = np.array([helpers["e8m0_to_f32"](c) for c in codes], F32)
+    assert np.array_equal(got, codes.view(ml_dtypes.float8_e8m0fnu).astype(F32), equal_nan=True)
+    xs = np.concatenate([_probe_floats(), np.array([3e38, 2.0 ** 127, 1e-40, -2.0], F32)])
+    for saturate in (True, False):
+        got = np.array([helpers["f32_to_e8m0"](x, saturate, {"up": 0, "down": 1, "nearest": 2}[mode]) for x in xs])
+        np.testing.assert_array_equal(got.astype(np.uint8), to_float8e8m0(xs, saturate, mode).view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt,bits,signed", [("int4", 4, True), ("uint4", 4, False), ("int2", 2, True),
+                                             ("uint2", 2, False)])
+def test_sub_byte_integers_match_ml_dtypes(helpers, fmt, bits, signed):
+    dtype = getattr(ml_dtypes, fmt)
+    codes = np.arange(1 << bits, dtype=np.uint8)
+    got = np.array([helpers["intn_load"](c, bits, signed) for c in codes])
+    np.testing.assert_array_equal(got, codes.view(dtype).astype(np.int64))
+    floats = np.concatenate([np.arange(-20, 20), [np.nan, np.inf, -np.inf, 7.9, -8.9, 2.5]]).astype(F32)
+    with np.errstate(all="ignore"):
+        want = floats.astype(dtype).view(np.uint8)
+    np.testing.assert_array_equal([helpers["intn_from_float"](x, bits, signed) for x in floats], want)
+    ints = np.arange(-300, 300)
+    np.testing.assert_array_equal([helpers["intn_from_int"](v, bits, signed) for v in ints],
+                                  ints.astype(dtype).view(np.uint8))
 
 
 def test_float16_cast_keeps_nan_and_inf_under_fastmath():
@@ -286,3 +324,17 @@ def test_resize(attrs, scales, sizes):
         inits["sizes"] = np.array(sizes, I64)
     model = one_node("Resize", [("x", F32, [1, 2, 5, 4])], attrs, initializers=inits, opset=19)
     assert_matches_ort(model, {"x": rand(1, 2, 5, 4, seed=30)}, tol=1e-5)
+
+
+# GridSample -------------------------------------------------------------------------------------
+
+GRID_SAMPLES = [("bilinear", "zeros", 0), ("nearest", "border", 1), ("bicubic", "reflection", 0),
+                ("bilinear", "reflection", 1)]
+
+
+@pytest.mark.parametrize("mode,padding,align", GRID_SAMPLES, ids=[f"{m}-{p}-{a}" for m, p, a in GRID_SAMPLES])
+def test_grid_sample(mode, padding, align):
+    grid = np.random.default_rng(31).uniform(-1.3, 1.3, (2, 3, 4, 2)).astype(F32)
+    model = one_node("GridSample", [("x", F32, [2, 3, 5, 6]), ("grid", F32, [2, 3, 4, 2])],
+                     {"mode": mode, "padding_mode": padding, "align_corners": align}, opset=16)
+    assert_matches_ort(model, {"x": rand(2, 3, 5, 6, seed=32), "grid": grid}, tol=1e-5)

@@ -123,3 +123,12 @@ def test_losses(op, reduction, weighted, ignore):
     inits = {"w": rand(5, seed=12) ** 2} if weighted else None
     model = one_node(op, inputs, attrs, opset=13, initializers=inits, out_dtypes=[F32])
     assert_matches_ort(model, {"x": x, "t": target}, tol=1e-5)
+
+
+# LRN ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [3, 5])  # onnxruntime takes odd sizes only
+def test_lrn(size):
+    model = one_node("LRN", [("x", F32, [2, 6, 3, 4])], {"size": size, "alpha": 2e-3, "beta": 0.6, "bias": 1.5},
+                     opset=13)
+    assert_matches_ort(model, {"x": rand(2, 6, 3, 4, seed=13)}, tol=1e-5)

@@ -284,10 +284,18 @@ def _pointer_source(name, graph, plan, weights_offsets, input_index):
     return f"(W + {weights_offsets[name]})"
 
 
-# A small pool created once per session. Between steps the workers spin on an
-# atomic generation counter for a short while (a step usually follows within
-# microseconds), then sleep on a condition variable; the calling thread runs
-# chunk 0 of every step itself and spins until the others are done.
+# A small pool created once per session, with dynamic scheduling: the work
+# range of a step is handed out in chunks from one atomic counter, and the
+# calling thread takes chunks too, so a step never waits for a worker the OS
+# has not scheduled (2 busy cores): the caller then does all of it. A chunk's
+# results do not depend on which thread computes it (kernels' work items are
+# independent), so results are identical for any thread count.
+#
+# The counter packs the step's generation (high 32 bits) with the next item
+# (low 32 bits): a worker late from an earlier step fails its compare-and-swap
+# and takes nothing. Between steps the workers spin on the counter a while
+# (a step usually follows within microseconds), then sleep on a condition
+# variable.
 _POOL = r"""
 #include <pthread.h>
 #include <sched.h>
@@ -300,13 +308,14 @@ struct pool {
     struct worker workers[64];
     pthread_mutex_t lock;
     pthread_cond_t wake;
-    atomic_long generation;
-    atomic_int pending, sleepers, stop;
+    atomic_ullong ticket;        /* generation << 32 | next item */
+    atomic_llong done;           /* items finished in this generation */
+    atomic_int sleepers, stop;
     step_fn fn;
     unsigned char* arena;
     const void* const* inputs;
     void* const* outputs;
-    int64_t work;
+    int64_t work, grain;
 };
 
 #define POOL_SPINS 20000
@@ -317,54 +326,53 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Chunk i of n of [0, work): sizes differ by at most one, in a fixed order,
-   so results do not depend on which thread runs which chunk. */
-static void chunk(int64_t work, int n, int i, int64_t* b, int64_t* e) {
-    int64_t base = work / n, extra = work % n;
-    *b = i * base + (i < extra ? i : extra);
-    *e = *b + base + (i < extra ? 1 : 0);
+/* Take chunks of generation `gen` until none is left. */
+static void pool_take(struct pool* p, unsigned long long gen) {
+    unsigned long long cur = atomic_load(&p->ticket);
+    for (;;) {
+        if ((cur >> 32) != gen) return;
+        unsigned long long next = cur & 0xffffffffULL;
+        int64_t work = p->work, grain = p->grain;
+        if ((int64_t)next >= work) return;
+        if (!atomic_compare_exchange_weak(&p->ticket, &cur, cur + (unsigned long long)grain)) continue;
+        /* Won items [next, next + grain) of generation gen: the step's fields are stable until
+           they are done (the caller waits for them). */
+        int64_t b = (int64_t)next, e = b + grain < work ? b + grain : work;
+        p->fn(p->arena, p->inputs, p->outputs, b, e);
+        atomic_fetch_add(&p->done, e - b);
+        cur = atomic_load(&p->ticket);
+    }
 }
 
 static void* pool_worker(void* arg) {
     struct worker* w = (struct worker*)arg;
     struct pool* p = w->pool;
-    long seen = 0;
+    unsigned long long seen = 0;
     for (;;) {
-        long g = atomic_load(&p->generation);
-        for (int spins = 0; g == seen && spins < POOL_SPINS; spins++) {
+        unsigned long long gen = atomic_load(&p->ticket) >> 32;
+        for (int spins = 0; gen == seen && spins < POOL_SPINS; spins++) {
             cpu_relax();
-            g = atomic_load(&p->generation);
+            gen = atomic_load(&p->ticket) >> 32;
         }
-        if (g == seen) {
+        if (gen == seen) {
             pthread_mutex_lock(&p->lock);
             atomic_fetch_add(&p->sleepers, 1);
-            while ((g = atomic_load(&p->generation)) == seen) pthread_cond_wait(&p->wake, &p->lock);
+            while ((gen = atomic_load(&p->ticket) >> 32) == seen && !atomic_load(&p->stop))
+                pthread_cond_wait(&p->wake, &p->lock);
             atomic_fetch_sub(&p->sleepers, 1);
             pthread_mutex_unlock(&p->lock);
         }
-        seen = g;
         if (atomic_load(&p->stop)) return NULL;
-        int64_t b, e;
-        chunk(p->work, p->n, w->index, &b, &e);
-        if (b < e) p->fn(p->arena, p->inputs, p->outputs, b, e);
-        atomic_fetch_sub(&p->pending, 1);
-    }
-}
-
-static void pool_wake(struct pool* p) {
-    atomic_fetch_add(&p->generation, 1);
-    if (atomic_load(&p->sleepers) > 0) {
-        pthread_mutex_lock(&p->lock);
-        pthread_cond_broadcast(&p->wake);
-        pthread_mutex_unlock(&p->lock);
+        seen = gen;
+        pool_take(p, gen);
     }
 }
 
 static int pool_start(struct pool* p, int n) {
     if (n > 64) n = 64;
     p->n = n;
-    atomic_init(&p->generation, 0);
-    atomic_init(&p->pending, 0);
+    atomic_init(&p->ticket, 0);
+    atomic_init(&p->done, 0);
     atomic_init(&p->sleepers, 0);
     atomic_init(&p->stop, 0);
     pthread_mutex_init(&p->lock, NULL);
@@ -383,7 +391,8 @@ static int pool_start(struct pool* p, int n) {
 static void pool_stop(struct pool* p) {
     atomic_store(&p->stop, 1);
     pthread_mutex_lock(&p->lock);
-    atomic_fetch_add(&p->generation, 1);
+    unsigned long long gen = (atomic_load(&p->ticket) >> 32) + 1;
+    atomic_store(&p->ticket, (gen << 32) | 0xffffffffULL);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->lock);
     for (int i = 1; i < p->n; i++) pthread_join(p->workers[i].thread, NULL);
@@ -393,18 +402,28 @@ static void pool_stop(struct pool* p) {
 
 static void pool_run(struct pool* p, unsigned char* arena, step_fn fn, const void* const* inputs,
                      void* const* outputs, int64_t work) {
-    if (p->n == 1 || work < 2) { fn(arena, inputs, outputs, 0, work); return; }
+    if (p->n == 1 || work < 2 || work >= 0xffffffffLL) { fn(arena, inputs, outputs, 0, work); return; }
+    /* Chunks: about four per thread, so a late thread still finds some. */
+    int64_t grain = work / (4 * p->n);
     p->fn = fn; p->arena = arena; p->inputs = inputs; p->outputs = outputs; p->work = work;
-    atomic_store(&p->pending, p->n - 1);
-    pool_wake(p);   /* publishes the fields above (sequentially consistent) */
-    int64_t b, e;
-    chunk(work, p->n, 0, &b, &e);
-    if (b < e) fn(arena, inputs, outputs, b, e);
-    /* Wait for the others: spin, then yield the core (a descheduled worker needs it). */
-    for (int spins = 0; atomic_load(&p->pending) > 0; spins++) {
+    p->grain = grain < 1 ? 1 : grain;
+    atomic_store(&p->done, 0);
+    unsigned long long gen = (atomic_load(&p->ticket) >> 32) + 1;
+    atomic_store(&p->ticket, gen << 32);   /* publishes the fields above (sequentially consistent) */
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->lock);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->lock);
+    }
+    pool_take(p, gen);
+    /* Chunks other threads took: wait for them (spin, then yield the core). */
+    for (int spins = 0; atomic_load(&p->done) < work; spins++) {
         if (spins < POOL_SPINS) cpu_relax();
         else sched_yield();
     }
+    /* Mark the generation exhausted before the fields change for the next step: a worker
+       still holding an old ticket value then fails its compare-and-swap. */
+    atomic_store(&p->ticket, (gen << 32) | 0xffffffffULL);
 }
 #define parallel_for(s, fn, in, out, work) pool_run(&(s)->pool, A, fn, in, out, work)
 """

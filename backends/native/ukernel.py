@@ -236,6 +236,8 @@ def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
         ir(f"{brow_idx} = mul i64 {kv}, %ldb")
         brow = ir.tmp("brow")
         ir(f"{brow} = getelementptr float, ptr {bbase}, i64 {brow_idx}")
+        if ci == 0:
+            _prefetches(ir, spec, kv, arow, brow, T, P)
         for t, off in steps:
             bvec = {}
             for v in vecs:
@@ -305,11 +307,40 @@ def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
         f"declare {vt} @llvm.masked.expandload.v{L}f32(ptr, {mt}, {vt})",
         f"declare void @llvm.masked.compressstore.v{L}f32({vt}, ptr, {mt})",
         "declare i64 @llvm.ctpop.i64(i64)",
+        "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
     ]
     body = "\n".join(ir.lines)
     for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
         body = re.sub(re.escape(old) + r"\b", new, body)
     return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+PREFETCH_A_BYTES = 2048   # packed A (weights, streamed from L3/DRAM): this far ahead
+PREFETCH_B_ROWS = 8       # B rows read in place (rows mode): this many k ahead
+
+
+def _prefetches(ir: _IR, spec: UKSpec, kv: str, arow: dict, brow: str, T: int, P: int) -> None:
+    """Software prefetches in the K loop (first column chunk only): hardware prefetchers stop at
+    4 KiB pages, and weights in a library's read-only data live in 4 KiB pages."""
+    if spec.a_packed:
+        per_k = (T or 1) * P                  # floats of A one iteration reads
+        base = ir.tmp("pfa")
+        ir(f"{base} = mul i64 {kv}, {per_k}")
+        for j in range(max(1, -(-per_k * 4 // 64))):
+            p = ir.tmp("pfp")
+            ir(f"{p} = getelementptr float, ptr {arow[0]}, i64 {base}")
+            q = ir.tmp("pfq")
+            ir(f"{q} = getelementptr i8, ptr {p}, i64 {PREFETCH_A_BYTES + 64 * j}")
+            ir(f"call void @llvm.prefetch.p0(ptr {q}, i32 0, i32 3, i32 1)")
+    if not T:
+        ahead = ir.tmp("pfb")
+        ir(f"{ahead} = mul i64 %ldb, {PREFETCH_B_ROWS}")
+        p = ir.tmp("pfp")
+        ir(f"{p} = getelementptr float, ptr {brow}, i64 {ahead}")
+        for j in range(-(-spec.nr * 4 // 64)):
+            q = ir.tmp("pfq")
+            ir(f"{q} = getelementptr i8, ptr {p}, i64 {64 * j}")
+            ir(f"call void @llvm.prefetch.p0(ptr {q}, i32 0, i32 3, i32 1)")
 
 
 def ir_mul(ir: _IR, var: str, factor: int) -> str:

@@ -13,7 +13,7 @@ Two kernels per Conv:
    N = output positions on the flat grid q = oh*PW + ow, K = channels x taps:
    the micro-kernel reads B(k, q..q+63) as one contiguous run of the phase
    image (offset by the tap), A from the weights packed at build time into
-   panels [group][panel][c][tap][MR]. Grid columns ow >= OW are garbage: the
+   panels [group][pass over the channels][panel][c][tap][MR]. Grid columns ow >= OW are garbage: the
    tile stores only its valid lanes, packed contiguously (AVX-512 compress
    stores), which is exactly the NCHW output order. Each tile's column mask,
    first output index and count come from a table packed at build time.
@@ -55,38 +55,34 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     N, C, H, Wd = (int(v) for v in X.shape)
     OC = int(W.shape[0])
     OH, OW = (int(v) for v in Y.shape[2:])
-    KH, KW = kernel
     s_h, s_w = strides
-    d_h, d_w = dilations
     p_t, p_l = pads[:2]
     icg, ocg = C // group, OC // group
 
-    # Phases read by the taps, and the phase-image extents.
-    taps = [(kh, kw) for kh in range(KH) for kw in range(KW)]
-    phases = sorted({((kh * d_h) % s_h, (kw * d_w) % s_w) for kh, kw in taps})
-    ph_index = {p: i for i, p in enumerate(phases)}
-    max_dh = max((kh * d_h) // s_h for kh, _ in taps)
-    max_dw = max((kw * d_w) // s_w for _, kw in taps)
-    PH, PW = OH + max_dh, OW + max_dw
-    plane = PH * PW
-    ldb = len(phases) * plane                      # floats per channel in the phase layout
-    offsets = tuple(ph_index[((kh * d_h) % s_h, (kw * d_w) % s_w)] * plane + ((kh * d_h) // s_h) * PW
-                    + (kw * d_w) // s_w for kh, kw in taps)
-    T = len(taps)
+    # Phases read by the taps, the phase-image extents and each tap's offset in a channel's phases.
+    phases, PH, PW, ldb, offsets, left = _phase_geometry(kernel, strides, dilations, p_l, Wd, OH, OW)
+    T = len(offsets)
     q_valid = (OH - 1) * PW + OW
     MR, NR = choose_tile(ocg, q_valid, "taps")
-    scratch_floats = N * C * ldb + NR + 16
+    scratch_floats = N * C * ldb + NR + 2 * PW + 16  # garbage lanes of the last tiles read past the end
     scratch = graph.unique_name(f"{Y.name}__phases")
     graph.values[scratch] = Value(scratch, np.dtype(np.float32), (scratch_floats,))
 
-    pad_kernel = _pad_kernel(C, H, Wd, s_h, s_w, p_t, p_l, phases, PH, PW, N)
+    pad_kernel = _pad_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
 
-    # Weights: [group][panel][c][tap][MR], zero padded.
+    # Channels per pass over the channels (balanced).
+    kc_max = max(1, min(icg, K_PER_PASS // T))
+    passes = _ceil_div(icg, kc_max)
+    kc_max = _ceil_div(icg, passes)
+    # Weights: [group][pass][panel][c in pass][tap][MR], zero padded: the micro-kernel calls of one
+    # pass read one contiguous run of weights, panel after panel (a stream prefetchers follow).
     n_panels = _ceil_div(ocg, MR)
-    w = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
-    packed = np.zeros((group, n_panels * MR, icg, T), dtype=np.float32)
-    packed[:, :ocg] = w
-    packed = np.ascontiguousarray(packed.reshape(group, n_panels, MR, icg, T).transpose(0, 1, 3, 4, 2))
+    w = np.zeros((group, n_panels * MR, icg, T), dtype=np.float32)
+    w[:, :ocg] = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
+    w = w.reshape(group, n_panels, MR, icg, T)
+    packed = np.ascontiguousarray(np.concatenate(
+        [w[:, :, :, c0:c0 + kc_max].transpose(0, 1, 3, 4, 2).reshape(group, -1)
+         for c0 in range(0, icg, kc_max)], axis=1))
 
     # Tiles of the flat grid: (mask, first output index, count).
     n_tiles = _ceil_div(q_valid, NR)
@@ -113,9 +109,6 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     mpb = _ceil_div(m_tiles, m_blocks)
     m_blocks = _ceil_div(m_tiles, mpb)
     work = N * group * n_blocks * m_blocks
-    kc_max = max(1, min(icg, K_PER_PASS // T))
-    passes = _ceil_div(icg, kc_max)
-    kc_max = _ceil_div(icg, passes)
 
     has_bias = B is not None
     n_ptrs = 4 + has_bias + (residual_arg is not None)
@@ -149,7 +142,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
 
     def call(mr):
         name = spec(mr)
-        body.line(f"{name}(p1, ((g * {n_panels} + m // {MR}) * {icg} + c0) * {T * MR}, 0, p0, boff, {ldb}, "
+        body.line(f"{name}(p1, (g * {icg} + c0) * {n_panels * T * MR} + (m // {MR}) * kc * {T * MR}, 0, p0, boff, {ldb}, "
                   f"{py}, (n * {OC} + g * {ocg} + m) * {OHW} + y0, {OHW}, kc, mask, lc)")
         if has_epi:
             body.line("if last:").indent()
@@ -192,6 +185,36 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
     return [KernelCall(pad_kernel, [X.name, scratch], N * C, node.name),
             KernelCall(conv_kernel, args, work, node.name)]
+
+
+def _phase_geometry(kernel, strides, dilations, p_l, W, OH, OW):
+    """The phases the taps read, the phase-image extents, the floats per channel, each tap's offset,
+    and the left padding the phase images are laid out with.
+
+    With stride 1 along the rows the image has one phase, and a row's zero columns serve as the
+    right padding of the row before it too: g = max(left pad, right pad) zeros then the W inputs,
+    so a row is W + g wide instead of W + left + right (fewer garbage columns on the grid)."""
+    KH, KW = kernel
+    s_h, s_w = strides
+    d_h, d_w = dilations
+    if s_h == 1 and s_w == 1:
+        p_r = OW + (KW - 1) * d_w - p_l - W
+        g = max(p_l, p_r, 0)
+        PW = max(OW, W + g)
+        # One more zero row: the right padding of the last row is the first column after it.
+        PH = OH + (KH - 1) * d_h + 1
+        offsets = tuple(kh * d_h * PW + kw * d_w + g - p_l for kh in range(KH) for kw in range(KW))
+        return [(0, 0)], PH, PW, PH * PW, offsets, g
+    taps = [(kh, kw) for kh in range(KH) for kw in range(KW)]
+    phases = sorted({((kh * d_h) % s_h, (kw * d_w) % s_w) for kh, kw in taps})
+    ph_index = {p: i for i, p in enumerate(phases)}
+    max_dh = max((kh * d_h) // s_h for kh, _ in taps)
+    max_dw = max((kw * d_w) // s_w for _, kw in taps)
+    PH, PW = OH + max_dh, OW + max_dw
+    plane = PH * PW
+    offsets = tuple(ph_index[((kh * d_h) % s_h, (kw * d_w) % s_w)] * plane + ((kh * d_h) // s_h) * PW
+                    + (kw * d_w) // s_w for kh, kw in taps)
+    return phases, PH, PW, len(phases) * plane, offsets, p_l
 
 
 def flat_residual(res_strides, out_spatial) -> bool:

@@ -11,6 +11,9 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+# Element types kernels reach only through load/store (bool, float16, float8, int4...): narrow.py.
+from .narrow import (BIT_HELPERS, SMALL_FLOATS, SMALL_INTS, compute_type, is_narrow, load,  # noqa: F401
+                     pointer_type, store, with_helpers)
 from ..numba_cpu.kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides,
                                 dims_strides, index_expr, kernel_header, literal)
 
@@ -153,231 +156,17 @@ def render(expr: str, dtype) -> str:
     return re.sub(r"F\(([^()]*)\)", typed, expr)
 
 
-# Numba's CPointer(boolean) loads an i8 but stores an i1 (an LLVM type error),
-# so kernels see bool tensors as uint8 bytes; the graph dtype stays bool.
-# Numba has no float16 on the CPU: kernels see float16 tensors as uint16 bits,
-# compute in float32 and convert with the helpers below (round to nearest even).
-# Small float formats: the kernel pointer type, and the helpers converting
-# the stored bits to float32 and a float to the stored bits.
-SMALL_FLOATS = {
-    "float16": ("uint16", "f16_to_f32", "f32_to_f16"),
-    "bfloat16": ("uint16", "bf16_to_f32", "f32_to_bf16"),
-    "float8_e5m2": ("uint8", "e5m2_to_f32", "f32_to_e5m2"),
-}
-
-
-def _small_float(dtype):
-    return SMALL_FLOATS.get(np.dtype(dtype).name)
-
-
-def pointer_type(dtype) -> str:
-    """The numpy dtype name a kernel's pointer to values of `dtype` has."""
-    dtype = np.dtype(dtype)
-    if _small_float(dtype):
-        return _small_float(dtype)[0]
-    return "uint8" if dtype.kind == "b" else dtype.name
-
-
-def compute_type(dtype) -> np.dtype:
-    """The type a kernel computes values of `dtype` in (small floats in float32)."""
-    dtype = np.dtype(dtype)
-    return np.dtype(np.float32) if _small_float(dtype) else dtype
-
-
-def load(pointer: str, index: str, dtype) -> str:
-    """Source reading one element; bools come back as Numba booleans, small floats as float32."""
-    if np.dtype(dtype).kind == "b":
-        return f"{pointer}[{index}] != np.uint8(0)"
-    if _small_float(dtype):
-        return f"{_small_float(dtype)[1]}({pointer}[{index}])"
-    return f"{pointer}[{index}]"
-
-
-def store(pointer: str, index: str, value: str, dtype, saturate: bool = True) -> str:
-    """Source writing one element, converted to dtype (bools as one 0/1 byte;
-    float8 saturates out-of-range values to its largest finite value unless
-    saturate=False, as Cast's `saturate` attribute says)."""
-    dtype = np.dtype(dtype)
-    if dtype.kind == "b":
-        return f"{pointer}[{index}] = np.uint8(1) if ({value}) else np.uint8(0)"
-    if dtype.name == "float8_e5m2":
-        return f"{pointer}[{index}] = f32_to_e5m2({value}, {bool(saturate)})"
-    if _small_float(dtype):
-        return f"{pointer}[{index}] = {_small_float(dtype)[2]}({value})"
-    return f"{pointer}[{index}] = np.{dtype.name}({value})"
-
-
-# float16 <-> float32/64 by integer arithmetic on the bits (exact, round to
-# nearest even, NaN-safe under fastmath; checked against numpy in the tests).
-BIT_HELPERS = '''from llvmlite import ir as _ir
-from numba import njit, types as _types
-from numba.extending import intrinsic
-
-
-@intrinsic
-def _f64_bits(typingctx, x):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], _ir.IntType(64))
-    return _types.int64(_types.float64), codegen
-
-
-@intrinsic
-def _f32_from_bits(typingctx, b):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.trunc(args[0], _ir.IntType(32)), _ir.FloatType())
-    return _types.float32(_types.int64), codegen
-
-
-@njit(inline="always")
-def f16_to_f32(h):
-    h = np.int64(h)
-    sign = (h & 32768) << 16
-    e = (h >> 10) & 31
-    m = h & 1023
-    if e == 0:
-        if m == 0:
-            return _f32_from_bits(sign)
-        e = 113
-        while (m & 1024) == 0:
-            m <<= 1
-            e -= 1
-        return _f32_from_bits(sign | (e << 23) | ((m & 1023) << 13))
-    if e == 31:
-        return _f32_from_bits(sign | 2139095040 | (m << 13))
-    return _f32_from_bits(sign | ((e + 112) << 23) | (m << 13))
-
-
-@njit(inline="always")
-def f32_to_f16(x):
-    b = _f64_bits(np.float64(x))
-    sign = np.uint16(32768) if b < 0 else np.uint16(0)
-    e = (b >> 52) & 2047
-    m = b & 4503599627370495
-    if e == 2047:
-        return sign | np.uint16(31744 | (512 if m != 0 else 0))
-    ee = e - 1008
-    if ee >= 31:
-        return sign | np.uint16(31744)
-    if ee <= 0:
-        if ee < -10:
-            return sign
-        mm = m | 4503599627370496
-        shift = 43 - ee
-        half = np.int64(1) << (shift - 1)
-        r = mm >> shift
-        rem = mm & ((np.int64(1) << shift) - 1)
-        if rem > half or (rem == half and (r & 1) == 1):
-            r += 1
-        return sign | np.uint16(r)
-    out = (ee << 10) | (m >> 42)
-    rem = m & 4398046511103
-    if rem > 2199023255552 or (rem == 2199023255552 and (out & 1) == 1):
-        out += 1
-    return sign | np.uint16(out)
-
-
-@njit(inline="always")
-def bf16_to_f32(h):
-    return _f32_from_bits(np.int64(h) << 16)
-
-
-@njit(inline="always")
-def f32_to_bf16(x):
-    b = _f64_bits(np.float64(np.float32(x)))
-    sign = np.uint16(32768) if b < 0 else np.uint16(0)
-    e = (b >> 52) & 2047
-    m = b & 4503599627370495
-    if e == 2047:
-        return sign | np.uint16(32640 | (64 if m != 0 else 0))
-    if e == 0:
-        return sign
-    ee = e - 896
-    if ee <= 0:
-        if ee < -7:
-            return sign
-        mm = m | 4503599627370496
-        shift = 46 - ee
-        half = np.int64(1) << (shift - 1)
-        r = mm >> shift
-        rem = mm & ((np.int64(1) << shift) - 1)
-        if rem > half or (rem == half and (r & 1) == 1):
-            r += 1
-        return sign | np.uint16(r)
-    out = (ee << 7) | (m >> 45)
-    rem = m & 35184372088831
-    if rem > 17592186044416 or (rem == 17592186044416 and (out & 1) == 1):
-        out += 1
-    return sign | np.uint16(out)
-
-
-@njit(inline="always")
-def e5m2_to_f32(b):
-    return f16_to_f32(np.int64(b) << 8)
-
-
-@njit(inline="always")
-def f32_to_e5m2(x, saturate):
-    b = _f64_bits(np.float64(x))
-    sign = np.uint8(128) if b < 0 else np.uint8(0)
-    e = (b >> 52) & 2047
-    m = b & 4503599627370495
-    top = 123 if saturate else 124
-    if e == 2047:
-        return sign | np.uint8(126 if m != 0 else top)
-    ee = e - 1008
-    if ee >= 31:
-        return sign | np.uint8(top)
-    if ee <= 0:
-        if ee < -2:
-            return sign
-        mm = m | 4503599627370496
-        shift = 51 - ee
-        half = np.int64(1) << (shift - 1)
-        r = mm >> shift
-        rem = mm & ((np.int64(1) << shift) - 1)
-        if rem > half or (rem == half and (r & 1) == 1):
-            r += 1
-        return sign | np.uint8(r)
-    out = (ee << 2) | (m >> 50)
-    rem = m & 1125899906842623
-    if rem > 562949953421312 or (rem == 562949953421312 and (out & 1) == 1):
-        out += 1
-    if out >= 124:
-        out = top
-    return sign | np.uint8(out)
-
-
-@njit(inline="always")
-def is_nan(x):
-    return (_f64_bits(np.float64(x)) & 9223372036854775807) > 9218868437227405312
-
-
-@njit(inline="always")
-def is_inf(x):
-    return (_f64_bits(np.float64(x)) & 9223372036854775807) == 9218868437227405312
-
-
-'''
-
-
-def with_helpers(source: str) -> str:
-    """Kernel source with the helpers it calls (float16 conversions, NaN/inf tests) defined before it."""
-    names = ("_f64_bits", "is_nan", "is_inf") + tuple(n for _, *conv in SMALL_FLOATS.values() for n in conv)
-    if any(f"{name}(" in source for name in names):
-        return BIT_HELPERS + source
-    return source
-
 
 _KERNEL_DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                   "float32", "float64"}
 
 
 def check_dtypes(node, values, float16: bool = False) -> None:
-    """Kernels are Numba code: strings and complex have no kernel; the small
-    floats (float16, bfloat16, float8_e5m2) only in generators that read and
-    write them through load/store (float16=True)."""
+    """Kernels are Numba code: strings and complex have no kernel; the narrow
+    types (float16, bfloat16, float8, float4, int4...) only in generators that
+    read and write them through load/store (float16=True)."""
     for v in values:
-        if np.dtype(v.dtype).name not in _KERNEL_DTYPES and not (float16 and _small_float(v.dtype)):
+        if np.dtype(v.dtype).name not in _KERNEL_DTYPES and not (float16 and is_narrow(v.dtype)):
             raise UnsupportedOpError(f"node '{node.name}' ({node.op}): dtype {np.dtype(v.dtype).name} of '{v.name}' is not supported",
                                      hint=f"supported dtypes: {', '.join(sorted(_KERNEL_DTYPES))}")
 
@@ -387,7 +176,7 @@ def operand_name(k: int) -> str:
 
 
 def elementwise_kernel(family: str, expr: str, in_shapes, in_dtypes, out_shape, out_dtype,
-                       saturate: bool = True) -> tuple[Kernel, int]:
+                       saturate: bool = True, value_dtype=None, round_mode: str = "up") -> tuple[Kernel, int]:
     """A kernel computing `out = expr(a, b, c...)` with broadcasting."""
     operand_strides = [broadcast_strides(s, out_shape) for s in in_shapes] + [dims_strides(out_shape)]
     src = Source().line(kernel_header(len(in_shapes) + 1)).indent()
@@ -395,7 +184,8 @@ def elementwise_kernel(family: str, expr: str, in_shapes, in_dtypes, out_shape, 
     for k, (idx, dtype) in enumerate(zip(indices[:-1], in_dtypes)):
         src.line(f"{operand_name(k)} = {load(f'p{k}', idx, dtype)}")
     out = len(in_shapes)
-    src.line(store(f"p{out}", indices[-1], render(expr, compute_type(out_dtype)), out_dtype, saturate))
+    src.line(store(f"p{out}", indices[-1], render(expr, compute_type(out_dtype)), out_dtype, saturate, value_dtype,
+                   round_mode))
     kernel = Kernel(family, with_helpers(src.text()), tuple(pointer_type(d) for d in list(in_dtypes) + [out_dtype]))
     return kernel, work
 

@@ -203,7 +203,8 @@ def choose_tile(M: int, N: int, mode: str = "rows") -> tuple[int, int]:
     return max(sorted(UK_TILES[mode]), key=score)
 UK_KC = 256      # k values per pass (the B micro-panel kc x NR stays in L1/L2, the C tile is reloaded per pass)
 UK_ITEMS = 8     # work items to aim for (so threads get balanced shares)
-UK_MIN_SPLIT_FLOPS = 1 << 17  # smaller GEMMs are one work item: splitting them costs more than it saves
+UK_A_BLOCK_BYTES = 256 << 10  # rows of A per block: rows x kc floats stay in L2
+UK_MIN_SPLIT_FLOPS = 1 << 21  # smaller GEMMs are one work item: splitting them costs more than it saves
 
 
 def uk_eligible(dtype, M, N, K, a: Operand, b: Operand | None) -> bool:
@@ -225,14 +226,23 @@ def pack_b_panels(data: np.ndarray, nr: int = UK_NR) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(K, n_panels, nr).transpose(1, 0, 2))
 
 
+def uk_k_pass(K: int) -> int:
+    """k values per pass of the micro-kernel GEMM (passes of balanced sizes, at most UK_KC)."""
+    kc = min(K, UK_KC)
+    return _ceil_div(K, _ceil_div(K, kc))
+
+
 def pack_a_panels(data: np.ndarray, mr: int = UK_MR) -> np.ndarray:
-    """[..., M, K] -> [..., ceil(M/mr), K, mr] panels, zero padded: row m of A at m*K + k*mr + m % mr."""
+    """[..., M, K] -> [..., pass over k, ceil(M/mr) panels, k in pass, mr], zero padded: the
+    micro-kernel calls of one pass read one contiguous run of A, panel after panel."""
     *lead, M, K = data.shape
     n_panels = _ceil_div(M, mr)
+    kc = uk_k_pass(K)
     padded = np.zeros((*lead, n_panels * mr, K), dtype=np.float32)
     padded[..., :M, :] = data
-    out = padded.reshape(*lead, n_panels, mr, K)
-    return np.ascontiguousarray(np.swapaxes(out, -1, -2))
+    panels = padded.reshape(*lead, n_panels, mr, K)
+    parts = [np.swapaxes(panels[..., k0:k0 + kc], -1, -2).reshape(*lead, -1) for k0 in range(0, K, kc)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1))
 
 
 def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand, b: Operand | None,
@@ -285,10 +295,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     tpb = _ceil_div(m_tiles, m_blocks)
     m_blocks = _ceil_div(m_tiles, tpb)
     work = n_batch * n_blocks * m_blocks
-    kc_max = min(K, UK_KC)
-    # Balance the passes over k: equal sizes.
-    n_passes = _ceil_div(K, kc_max)
-    kc_max = _ceil_div(K, n_passes)
+    kc_max = uk_k_pass(K)
 
     body = Source().indent()
     body.line("for item in range(begin, end):").indent()
@@ -314,6 +321,10 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     body.line(f"kc = min({kc_max}, {K} - k0)")
     body.line("lc = min(k0, 1)")
     body.line(f"last = k0 + {kc_max} >= {K}")
+    # Rows in blocks whose A (rows x kc) stays in L2 while the item's panels go by.
+    mc = max(MR, UK_A_BLOCK_BYTES // (kc_max * 4) // MR * MR)
+    body.line(f"for mb0 in range(m_lo, m_hi, {mc}):").indent()
+    body.line(f"mb1 = min(mb0 + {mc}, m_hi)")
     body.line("for pn in range(p_lo, p_hi):").indent()
     body.line(f"n0 = pn * {NR}")
     body.line(f"nv = min({NR}, {N} - n0)")
@@ -329,7 +340,10 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
 
     def call(mr, edge_n):
         name = spec(mr, edge_n)
-        a_off = _sum(off["a"], _term("m", a.rows), _term("k0", a_k))
+        if a_panels:   # pass k0 starts at k0 * (rows of panels); panel m // MR of it at m * kc
+            a_off = _sum(off["a"], _term("k0", _ceil_div(M, MR) * MR), "m*kc")
+        else:
+            a_off = _sum(off["a"], _term("m", a.rows), _term("k0", a_k))
         body.line(f"{name}(p0, {a_off}, {lda}, p1, boff, {ldb}, {po}, {_sum(off['o'], _term('m', out.rows))} + n0, "
                   f"{out.rows}, kc, mask, lc)")
         if has_epi:
@@ -351,13 +365,13 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
             body.dedent().dedent().dedent()
 
     def m_loop(edge_n):
-        body.line("m = m_lo")
-        body.line(f"while m + {MR} <= m_hi:").indent()
+        body.line("m = mb0")
+        body.line(f"while m + {MR} <= mb1:").indent()
         call(MR, edge_n)
         body.line(f"m += {MR}")
         body.dedent()
         if M % MR:
-            body.line("if m < m_hi:").indent()
+            body.line("if m < mb1:").indent()
             call(M % MR, edge_n)
             body.dedent()
 

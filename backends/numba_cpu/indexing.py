@@ -74,7 +74,8 @@ def lower_cast(node, graph) -> Lowered:
     if np.dtype(x.dtype) == np.dtype(y.dtype):
         return affine_copy("Copy", node, x, y, dims_strides(x.shape))
     kernel, work = elementwise_kernel("Cast", "a", [x.shape], [x.dtype], y.shape, y.dtype,
-                                      saturate=bool(node.attr("saturate", 1)))
+                                      saturate=bool(node.attr("saturate", 1)), value_dtype=x.dtype,
+                                      round_mode=str(node.attr("round_mode", "up")))
     return Lowered([KernelCall(kernel, [x.name, y.name], work if y.size else 0, node.name)])
 
 

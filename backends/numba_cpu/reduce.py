@@ -390,3 +390,30 @@ def lower_nll_loss(node, graph) -> Lowered:
 
 def lower_softmax_cross_entropy(node, graph) -> Lowered:
     return _loss(node, graph, log_softmax=True)
+
+
+# -- LRN ----------------------------------------------------------------------------------------
+
+def lower_lrn(node, graph) -> Lowered:
+    """y = x / (bias + alpha / size * sum of x^2 over the channel window) ** beta,
+    the window [c - floor((size-1)/2), c + ceil((size-1)/2)] cut to the channels."""
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    check_dtypes(node, [x, y], float16=True)
+    size = int(node.attr("size"))
+    alpha, beta, bias = float(node.attr("alpha", 1e-4)), float(node.attr("beta", 0.75)), float(node.attr("bias", 1.0))
+    shape = [int(d) for d in x.shape]
+    n, c = shape[0], shape[1]
+    inner = int(np.prod(shape[2:], dtype=np.int64))
+    before, after = (size - 1) // 2, -(-(size - 1) // 2)
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for w in range(begin, end):").indent()
+    src.line(f"b = w // {c}").line(f"ch = w % {c}")
+    src.line(f"lo = max(0, ch - {before})").line(f"hi = min({c - 1}, ch + {after})")
+    src.line(f"for j in range({inner}):").indent()
+    src.line("s = 0.0")
+    src.line("for k in range(lo, hi + 1):").indent()
+    src.line(f"v = np.float64({load('p0', f'(b * {c} + k) * {inner} + j', x.dtype)})").line("s += v * v").dedent()
+    src.line(f"v = np.float64({load('p0', f'w * {inner} + j', x.dtype)})")
+    src.line(store("p1", f"w * {inner} + j", f"v / ({bias!r} + {alpha / size!r} * s) ** {beta!r}", y.dtype))
+    kernel = Kernel("LRN", with_helpers(src.text()), (pointer_type(x.dtype), pointer_type(y.dtype)))
+    return Lowered([KernelCall(kernel, [x.name, y.name], n * c if y.size else 0, node.name)])

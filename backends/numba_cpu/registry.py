@@ -96,6 +96,7 @@ GENERATORS = {
     "TopK": reduce.lower_topk,
     "LogSoftmax": reduce.lower_log_softmax,
     "Hardmax": reduce.lower_hardmax,
+    "LRN": reduce.lower_lrn,
     # data movement and indexing (indexing.py)
     "Cast": indexing.lower_cast,
     "CastLike": indexing.lower_cast,
@@ -123,6 +124,7 @@ GENERATORS = {
     # interpolation (resize.py)
     "Resize": resize.lower_resize,
     "Upsample": resize.lower_resize,
+    "GridSample": resize.lower_grid_sample,
 }
 
 

@@ -248,3 +248,115 @@ def lower_resize(node, graph) -> Lowered:
     arg_types = [pointer_type(x.dtype)] + ["int64", "float64"] * len(resized) + [pointer_type(y.dtype)]
     kernel = Kernel(node.op, with_helpers(src.text()), tuple(arg_types))
     return Lowered([KernelCall(kernel, [x.name] + tables + [y.name], rows if y.size else 0, node.name)])
+
+
+# -- GridSample -----------------------------------------------------------------------------------
+
+_GRID_HELPERS = '''from numba import njit
+
+
+@njit(inline="always")
+def gs_reflect(x, lo, hi):
+    rng = hi - lo
+    if x < lo:
+        dx = lo - x
+        n = np.int64(dx / rng)
+        r = dx - n * rng
+        return lo + r if n % 2 == 0 else hi - r
+    if x > hi:
+        dx = x - hi
+        n = np.int64(dx / rng)
+        r = dx - n * rng
+        return hi - r if n % 2 == 0 else lo + r
+    return x
+
+
+@njit(inline="always")
+def gs_cubic(t, k):
+    a = -0.75
+    if k == 0:
+        return ((a * (t + 1) - 5 * a) * (t + 1) + 8 * a) * (t + 1) - 4 * a
+    if k == 1:
+        return ((a + 2) * t - (a + 3)) * t * t + 1
+    if k == 2:
+        return ((a + 2) * (1 - t) - (a + 3)) * (1 - t) * (1 - t) + 1
+    return ((a * (2 - t) - 5 * a) * (2 - t) + 8 * a) * (2 - t) - 4 * a
+
+
+'''
+
+
+def lower_grid_sample(node, graph) -> Lowered:
+    """GridSample as ONNX's reference computes it: per output point the grid gives
+    normalised coordinates (last spatial axis first); nearest / linear / cubic taps
+    per axis, out-of-range taps read as zeros, the clamped border or the reflection."""
+    x, grid, y = graph.values[node.inputs[0]], graph.values[node.inputs[1]], graph.values[node.outputs[0]]
+    check_dtypes(node, [x, grid, y], float16=True)
+    mode = str(node.attr("mode", "linear" if graph.opset >= 20 else "bilinear"))
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    padding = str(node.attr("padding_mode", "zeros"))
+    align = bool(node.attr("align_corners", 0))
+    if mode not in ("nearest", "linear", "cubic") or padding not in ("zeros", "border", "reflection"):
+        raise UnsupportedOpError(f"node '{node.name}' (GridSample): mode '{mode}' / padding_mode '{padding}' is not supported")
+    dims = [int(d) for d in x.shape[2:]]
+    r = len(dims)
+    n_batch, channels = int(x.shape[0]), int(x.shape[1])
+    out_points = int(np.prod([int(d) for d in y.shape[2:]], dtype=np.int64))
+    in_plane = int(np.prod(dims, dtype=np.int64))
+    strides = dims_strides(dims)
+    taps, offset = {"nearest": (1, 0), "linear": (2, 0), "cubic": (4, 1)}[mode]
+    src = Source()
+    src.line(kernel_header(3)).indent()
+    src.line("for w in range(begin, end):").indent()
+    src.line(f"n = w // {out_points}").line(f"o = w % {out_points}")
+    src.line(f"g = w * {r}")
+    for a, d in enumerate(dims):
+        lo, hi = (0.0, d - 1.0) if align else (-0.5, d - 0.5)
+        src.line(f"v = np.float64({load('p1', f'g + {r - 1 - a}', grid.dtype)})")
+        # the reference keeps denormalised coordinates in float32
+        src.line(f"x{a} = np.float64(np.float32((v + 1.0) / 2.0 * {d - 1}.0))" if align else
+                 f"x{a} = np.float64(np.float32(((v + 1.0) * {d}.0 - 1.0) / 2.0))")
+        if mode == "nearest":
+            src.line(f"x{a} = np.rint(x{a})")
+        if padding == "border":
+            src.line(f"if x{a} < {lo!r} or x{a} > {hi!r}:").indent()
+            src.line(f"x{a} = 0.0 if x{a} < 0.0 else ({d - 1}.0 if x{a} > {d - 1}.0 else x{a})").dedent()
+        elif padding == "reflection":
+            src.line(f"x{a} = gs_reflect(x{a}, {lo!r}, {hi!r})")
+        src.line(f"f{a} = np.int64(math.floor(x{a}))")
+        src.line(f"t{a} = x{a} - np.float64(f{a})")
+    src.line(f"for c in range({channels}):").indent()
+    src.line(f"base = (n * {channels} + c) * {in_plane}")
+    src.line("acc = 0.0")
+    depth = src.depth
+    weights = []
+    for a, d in enumerate(dims):
+        lo, hi = (0.0, d - 1.0) if align else (-0.5, d - 0.5)
+        src.line(f"for k{a} in range({taps}):").indent()
+        src.line(f"i{a} = f{a} + k{a} - {offset}" if taps > 1 else f"i{a} = f{a}")
+        if mode == "linear":
+            src.line(f"c{a} = (1.0 - t{a}) if k{a} == 0 else t{a}")
+        elif mode == "cubic":
+            src.line(f"c{a} = gs_cubic(t{a}, k{a})")
+        else:
+            src.line(f"c{a} = 1.0")
+        weights.append(f"c{a}")
+        if padding == "zeros":
+            src.line(f"inside{a} = i{a} >= 0 and i{a} < {d}")
+            src.line(f"i{a} = 0 if i{a} < 0 else ({d - 1} if i{a} > {d - 1} else i{a})")
+        elif padding == "border":
+            src.line(f"i{a} = 0 if i{a} < 0 else ({d - 1} if i{a} > {d - 1} else i{a})")
+        else:
+            src.line(f"i{a} = np.int64(gs_reflect(np.float64(i{a}), {lo!r}, {hi!r}))")
+            src.line(f"i{a} = 0 if i{a} < 0 else ({d - 1} if i{a} > {d - 1} else i{a})")
+    offset_expr = " + ".join(f"i{a} * {s}" if s != 1 else f"i{a}" for a, s in enumerate(strides))
+    value = f"np.float64({load('p0', f'base + {offset_expr}', x.dtype)})"
+    if padding == "zeros":
+        inside = " and ".join(f"inside{a}" for a in range(r))
+        src.line(f"if {inside}:").indent()
+    src.line(f"acc += {' * '.join(weights)} * {value}")
+    src.depth = depth
+    src.line(store("p2", f"(n * {channels} + c) * {out_points} + o", "acc", y.dtype))
+    source = _GRID_HELPERS + with_helpers(src.text())
+    kernel = Kernel("GridSample", source, (pointer_type(x.dtype), pointer_type(grid.dtype), pointer_type(y.dtype)))
+    return Lowered([KernelCall(kernel, [x.name, grid.name, y.name], n_batch * out_points if y.size else 0, node.name)])

@@ -13,6 +13,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+from .narrow import is_narrow  # float16, bfloat16, float8, int4...: bytes like any other
 from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, index_expr, kernel_header
 
 # When the outermost output dim is this small, the work range runs over the
@@ -24,7 +25,7 @@ def copy_type(node, dtype) -> str:
     """The unsigned integer type of dtype's width: pure data movement needs no more."""
     dtype = np.dtype(dtype)
     names = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
-    if dtype.kind not in "biuf" or dtype.itemsize not in names:
+    if (dtype.kind not in "biuf" and not is_narrow(dtype)) or dtype.itemsize not in names:
         raise UnsupportedOpError(f"node '{node.name}' ({node.op}): dtype {dtype} is not supported")
     return names[dtype.itemsize]
 

@@ -43,14 +43,18 @@ def _is_static(vi: onnx.ValueInfoProto) -> bool:
     return vi.type.HasField("tensor_type") and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
 
 
+def _subgraphs(node: onnx.NodeProto) -> list:
+    return [g for attr in node.attribute
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
+                      list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else [])]
+
+
 def _all_nodes(graph: onnx.GraphProto):
     """The graph's nodes and, recursively, those of its subgraphs (If branches, Loop bodies)."""
     for node in graph.node:
         yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
-                        list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else []):
-                yield from _all_nodes(sub)
+        for sub in _subgraphs(node):
+            yield from _all_nodes(sub)
 
 
 def build_time_inputs(model: onnx.ModelProto) -> list[str]:
@@ -78,8 +82,7 @@ def build_time_inputs(model: onnx.ModelProto) -> list[str]:
         if node is not None and node.op_type not in ("Shape", "Size"):  # those read only the static shape
             stack.extend(i for i in node.input if i)
             # an If or Loop also reads whatever its subgraphs read from the outer scope
-            stack.extend(i for sub in _all_nodes(onnx.helper.make_graph([node], "n", [], [])) if sub is not node
-                         for i in sub.input if i)
+            stack.extend(i for sub in _subgraphs(node) for inner in _all_nodes(sub) for i in inner.input if i)
     return [n for n in graph_inputs if n in wanted]
 
 

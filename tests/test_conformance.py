@@ -292,10 +292,6 @@ EXCLUDE = {
         'test_cast_FLOAT16_to_UINT2', 'test_cast_FLOAT16_to_UINT4', 'test_cast_FLOAT_to_UINT2',
         'test_cast_FLOAT_to_UINT4',
     ],
-    'UnsupportedOpError: op AffineGrid is not supported': [
-        'test_affine_grid_2d', 'test_affine_grid_2d_align_corners', 'test_affine_grid_3d',
-        'test_affine_grid_3d_align_corners',
-    ],
     'UnsupportedOpError: op Bernoulli is not supported': [
         'test_bernoulli', 'test_bernoulli_double', 'test_bernoulli_seed',
     ],
@@ -342,23 +338,11 @@ EXCLUDE = {
     "UnsupportedOpError: dtype floatN_eNmN of '…' is not supported (intN, intN, uintN, uintN)": [
         'test_quantizelinear_e5m2',
     ],
-    'UnsupportedOpError: op ColNIm is not supported': [
-        'op:Col2Im',
-    ],
-    'UnsupportedOpError: op DFT is not supported': [
-        'op:DFT',
-    ],
     'UnsupportedOpError: op DeformConv is not supported': [
         'op:DeformConv',
     ],
     'UnsupportedOpError: op Det is not supported': [
         'op:Det',
-    ],
-    'UnsupportedOpError: op LRN is not supported': [
-        'op:LRN',
-    ],
-    'UnsupportedOpError: op MaxUnpool is not supported': [
-        'test_maxunpool_export_without_output_shape',
     ],
     'UnsupportedOpError: op OptionalGetElement is not supported': [
         'test_optional_get_element_tensor',

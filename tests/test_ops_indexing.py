@@ -338,3 +338,32 @@ def test_grid_sample(mode, padding, align):
     model = one_node("GridSample", [("x", F32, [2, 3, 5, 6]), ("grid", F32, [2, 3, 4, 2])],
                      {"mode": mode, "padding_mode": padding, "align_corners": align}, opset=16)
     assert_matches_ort(model, {"x": rand(2, 3, 5, 6, seed=32), "grid": grid}, tol=1e-5)
+
+
+# MaxUnpool, Col2Im (pool.py) ----------------------------------------------------------------------
+
+def test_max_unpool_inverts_max_pool_indices():
+    pool = helper.make_node("MaxPool", ["x"], ["v", "i"], kernel_shape=[2, 2], strides=[2, 2])
+    unpool = helper.make_node("MaxUnpool", ["v", "i"], ["y"], kernel_shape=[2, 2], strides=[2, 2])
+    model = make_model([pool, unpool], [("x", F32, [1, 2, 4, 6])], [("y", F32, None)], opset=11)
+    assert_matches_ort(model, {"x": rand(1, 2, 4, 6, seed=33)})
+
+
+@pytest.mark.parametrize("attrs", [{}, {"strides": [2, 1], "pads": [1, 0, 1, 0], "dilations": [1, 2]}])
+def test_col2im(attrs):
+    image, block = (5, 6), (2, 2)
+    strides, pads, dilations = attrs.get("strides", [1, 1]), attrs.get("pads", [0] * 4), attrs.get("dilations", [1, 1])
+    slides = [(image[a] + pads[a] + pads[2 + a] - (dilations[a] * (block[a] - 1) + 1)) // strides[a] + 1 for a in (0, 1)]
+    shape = [2, 3 * 4, slides[0] * slides[1]]
+    inits = {"image_shape": np.array(image, I64), "block_shape": np.array(block, I64)}
+    model = one_node("Col2Im", [("x", F32, shape)], attrs, initializers=inits, opset=18)
+    assert_matches_ort(model, {"x": rand(*shape, seed=34)})
+
+
+# AffineGrid (resize.py) ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("align", [0, 1])
+def test_affine_grid(align):
+    model = one_node("AffineGrid", [("theta", F32, [2, 2, 3])], {"align_corners": align},
+                     initializers={"size": np.array([2, 3, 4, 5], I64)}, opset=20)
+    assert_matches_ort(model, {"theta": rand(2, 2, 3, seed=35)}, tol=1e-5)

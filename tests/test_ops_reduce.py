@@ -132,3 +132,20 @@ def test_lrn(size):
     model = one_node("LRN", [("x", F32, [2, 6, 3, 4])], {"size": size, "alpha": 2e-3, "beta": 0.6, "bias": 1.5},
                      opset=13)
     assert_matches_ort(model, {"x": rand(2, 6, 3, 4, seed=13)}, tol=1e-5)
+
+
+# DFT ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("channels,inverse,onesided", [(2, 0, 0), (1, 0, 1), (2, 1, 0)])
+def test_dft(channels, inverse, onesided):
+    model = one_node("DFT", [("x", F32, [2, 8, 3, channels])], {"axis": 1, "inverse": inverse, "onesided": onesided},
+                     opset=17)
+    assert_matches_ort(model, {"x": rand(2, 8, 3, channels, seed=14)}, tol=1e-5)
+
+
+# LpPool (pool.py) -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p,attrs", [(2, {}), (3, {"strides": [2, 1], "pads": [1, 0, 1, 1]})])
+def test_lp_pool(p, attrs):
+    model = one_node("LpPool", [("x", F32, [1, 2, 5, 6])], {"kernel_shape": [2, 3], "p": p, **attrs}, opset=18)
+    assert_matches_ort(model, {"x": rand(1, 2, 5, 6, seed=15)}, tol=1e-5)

@@ -1,6 +1,6 @@
 """Data movement and indexing: Cast, Expand, Tile, Slice, Pad, Split, Gather,
 GatherElements, GatherND, ScatterElements, ScatterND, Trilu, OneHot, EyeLike,
-DepthToSpace, SpaceToDepth, Einsum.
+DepthToSpace, SpaceToDepth, Einsum, ReverseSequence, Dropout (inference).
 
 Most of these are one loop nest over the output whose input index is affine
 in the loop variables (Slice: start + i * step; Expand and Tile: broadcast

@@ -263,3 +263,54 @@ def lower_lppool(node, graph) -> Lowered:
     planes = int(x.shape[0] * x.shape[1])
     return Lowered([KernelCall(Kernel("LpPool", src.text(), (pointer_type(dtype),) * 2), [x.name, y.name], planes,
                                node.name)])
+
+
+def lower_max_unpool(node, graph) -> Lowered:
+    """MaxUnpool: a zero output, then every value written at its index (a flat
+    position in the whole output, as MaxPool's Indices give it). One work item."""
+    x, indices, y = graph.values[node.inputs[0]], graph.values[node.inputs[1]], graph.values[node.outputs[0]]
+    check_dtypes(node, [x, y])
+    dtype = np.dtype(y.dtype)
+    src = Source().line(kernel_header(3)).indent()
+    src.line("for w in range(begin, end):").indent()
+    src.line(f"for i in range({y.size}):").indent().line(f"p2[i] = {literal(0, dtype)}").dedent()
+    src.line(f"for i in range({x.size}):").indent()
+    src.line("t = np.int64(p1[i])")
+    src.line(f"if t >= 0 and t < {y.size}:").indent().line("p2[t] = p0[i]")
+    kernel = Kernel("MaxUnpool", src.text(), (pointer_type(x.dtype), np.dtype(indices.dtype).name, pointer_type(dtype)))
+    return Lowered([KernelCall(kernel, [x.name, indices.name, y.name], 1, node.name)])
+
+
+def lower_col2im(node, graph) -> Lowered:
+    """Col2Im: the sum of every block column back into its image position
+    (N x C*prod(block) x L -> N x C x image); a work item is one (n, c) image."""
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    check_dtypes(node, [x, y])
+    image = [int(d) for d in y.shape[2:]]
+    block = [int(b) for b in np.asarray(graph.values[node.inputs[2]].data).reshape(-1)]
+    r = len(image)
+    strides = [int(s) for s in (node.attr("strides") or [1] * r)]
+    dilations = [int(d) for d in (node.attr("dilations") or [1] * r)]
+    pads = [int(p) for p in (node.attr("pads") or [0] * 2 * r)]
+    slides = [(image[a] + pads[a] + pads[r + a] - (dilations[a] * (block[a] - 1) + 1)) // strides[a] + 1
+              for a in range(r)]
+    n_block, n_slide, plane = int(np.prod(block)), int(np.prod(slides)), int(np.prod(image))
+    channels = int(y.shape[1])
+    block_strides, slide_strides, image_strides = dims_strides(block), dims_strides(slides), dims_strides(image)
+    dtype = np.dtype(y.dtype)
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for w in range(begin, end):").indent()
+    src.line(f"n = w // {channels}").line(f"c = w % {channels}")
+    src.line(f"for i in range({plane}):").indent().line(f"p1[w * {plane} + i] = {literal(0, dtype)}").dedent()
+    for a in range(r):
+        src.line(f"for b{a} in range({block[a]}):").indent()
+    for a in range(r):
+        src.line(f"for l{a} in range({slides[a]}):").indent()
+        src.line(f"h{a} = {_affine([(f'l{a}', strides[a]), (f'b{a}', dilations[a])], -pads[a])}")
+        src.line(f"if h{a} < 0 or h{a} >= {image[a]}:").indent().line("continue").dedent()
+    row = _affine([("c", n_block)] + [(f"b{a}", block_strides[a]) for a in range(r)])
+    col = _affine([(f"l{a}", slide_strides[a]) for a in range(r)])
+    dst = _affine([(f"h{a}", image_strides[a]) for a in range(r)])
+    src.line(f"p1[w * {plane} + {dst}] += p0[(n * {channels * n_block} + {row}) * {n_slide} + {col}]")
+    kernel = Kernel("Col2Im", src.text(), (pointer_type(x.dtype), pointer_type(dtype)))
+    return Lowered([KernelCall(kernel, [x.name, y.name], int(y.shape[0]) * channels if y.size else 0, node.name)])

@@ -8,12 +8,17 @@
   Floats accumulate in their own type (as onnxruntime does); integers in
   int64/uint64 and are converted once, at the end.
 - ArgMax/ArgMin: the first (or last, `select_last_index`) extreme index.
-- CumSum: running sums along one axis (`exclusive`, `reverse`); a work item is
-  one outer index, the inner dims innermost so the update is unit-stride.
+- CumSum, CumProd: running sums / products along one axis (`exclusive`,
+  `reverse`); a work item is one outer index, the inner dims innermost so the
+  update is unit-stride.
 - TopK: k selection passes over each slice, each taking the best element
   ordered after the previous pick (value, then lower index first); O(k * n)
   but needs no scratch memory.
 - LogSoftmax and Hardmax: along one axis, with the opset < 13 flattening.
+- NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss: one work item, with
+  ONNX's reference semantics for weights, ignore_index and the reductions.
+- LRN (a sum of squares over a channel window) and DFT (a direct sum in
+  float64, forward / inverse / one-sided).
 """
 from __future__ import annotations
 
@@ -417,3 +422,61 @@ def lower_lrn(node, graph) -> Lowered:
     src.line(store("p1", f"w * {inner} + j", f"v / ({bias!r} + {alpha / size!r} * s) ** {beta!r}", y.dtype))
     kernel = Kernel("LRN", with_helpers(src.text()), (pointer_type(x.dtype), pointer_type(y.dtype)))
     return Lowered([KernelCall(kernel, [x.name, y.name], n * c if y.size else 0, node.name)])
+
+
+# -- DFT ----------------------------------------------------------------------------------------
+
+def lower_dft(node, graph) -> Lowered:
+    """DFT as a direct sum, in float64: X_k = sum_n x_n e^(-+2 pi i k n / N) (1/N when
+    inverse), the signal padded with zeros or cut to N = dft_length; `onesided`
+    keeps N//2+1 frequencies, or (inverse) reads them as a Hermitian half and
+    gives the real signal, as numpy's rfft / irfft do."""
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    check_dtypes(node, [x, y], float16=True)
+    shape = [int(d) for d in x.shape]
+    rank = len(shape)
+    if graph.opset >= 20:
+        axis_data = _const_input(node, graph, 2, "axis")
+        axis = int(axis_data.reshape(-1)[0]) if axis_data is not None else -2
+    else:
+        axis = int(node.attr("axis", 1))
+    axis = axis + rank if axis < 0 else axis
+    inverse, onesided = bool(node.attr("inverse", 0)), bool(node.attr("onesided", 0))
+    length_data = _const_input(node, graph, 1, "dft_length")
+    size = shape[axis]
+    n_fft = int(length_data.reshape(-1)[0]) if length_data is not None else (
+        2 * (size - 1) if inverse and onesided else size)
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1:-1], dtype=np.int64))
+    c_in, c_out = shape[-1], int(y.shape[-1])
+    k_out = int(y.shape[axis])
+    used = min(size, n_fft // 2 + 1 if inverse and onesided else n_fft)  # input points that count
+    sign = 1.0 if inverse else -1.0
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for w in range(begin, end):").indent()
+    src.line(f"o = w // {inner}").line(f"j = w % {inner}")
+    src.line(f"for k in range({k_out}):").indent()
+    src.line("re = 0.0").line("im = 0.0")
+    src.line(f"for n in range({used}):").indent()
+    src.line(f"at = ((o * {size} + n) * {inner} + j) * {c_in}")
+    src.line(f"a = np.float64({load('p0', 'at', x.dtype)})")
+    src.line(f"b = np.float64({load('p0', 'at + 1', x.dtype)})" if c_in == 2 else "b = 0.0")
+    src.line(f"t = {sign * 2 * np.pi / n_fft!r} * np.float64((k * n) % {n_fft})")
+    src.line("cs = math.cos(t)").line("sn = math.sin(t)")
+    if inverse and onesided:
+        # Hermitian half: bins 1 .. (N-1)/2 count twice; the imaginary parts of
+        # bin 0 and (N even) bin N/2 are dropped, as numpy's irfft does.
+        src.line(f"f = 1.0 if n == 0 or 2 * n == {n_fft} else 2.0")
+        src.line(f"if n == 0 or 2 * n == {n_fft}:").indent().line("b = 0.0").dedent()
+        src.line("re += f * (a * cs - b * sn)")
+    else:
+        src.line("re += a * cs - b * sn").line("im += a * sn + b * cs")
+    src.dedent()
+    if inverse:
+        src.line(f"re = re / {float(n_fft)!r}").line(f"im = im / {float(n_fft)!r}")
+    dst = f"((o * {k_out} + k) * {inner} + j) * {c_out}"
+    src.line(store("p1", dst, "re", y.dtype))
+    if c_out == 2:
+        src.line(store("p1", f"{dst} + 1", "im", y.dtype))
+    kernel = Kernel("DFT", with_helpers(src.text()), (pointer_type(x.dtype), pointer_type(y.dtype)))
+    return Lowered([KernelCall(kernel, [x.name, y.name], outer * inner if y.size else 0, node.name)])

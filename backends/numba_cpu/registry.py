@@ -97,6 +97,7 @@ GENERATORS = {
     "LogSoftmax": reduce.lower_log_softmax,
     "Hardmax": reduce.lower_hardmax,
     "LRN": reduce.lower_lrn,
+    "DFT": reduce.lower_dft,
     # data movement and indexing (indexing.py)
     "Cast": indexing.lower_cast,
     "CastLike": indexing.lower_cast,
@@ -121,10 +122,13 @@ GENERATORS = {
     "BitCast": lower_view,  # same bit width, same shape: the bytes are the result
     # pooling with a p-norm (pool.py)
     "LpPool": pool.lower_lppool,
+    "MaxUnpool": pool.lower_max_unpool,
+    "Col2Im": pool.lower_col2im,
     # interpolation (resize.py)
     "Resize": resize.lower_resize,
     "Upsample": resize.lower_resize,
     "GridSample": resize.lower_grid_sample,
+    "AffineGrid": resize.lower_affine_grid,
 }
 
 

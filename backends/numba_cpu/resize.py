@@ -9,6 +9,10 @@ every resized axis, the product of their weights times the input element.
 With tf_crop_and_resize, an output position whose source coordinate leaves
 the input has idx[o, 0] = -1 and the output element is extrapolation_value.
 Scales, sizes and roi must be constants (the tables depend on them).
+
+GridSample (the sampling points come from a run-time grid, so its taps and
+weights are computed in the kernel) and AffineGrid (the grid from a batch of
+affine matrices) live here too.
 """
 from __future__ import annotations
 
@@ -360,3 +364,34 @@ def lower_grid_sample(node, graph) -> Lowered:
     source = _GRID_HELPERS + with_helpers(src.text())
     kernel = Kernel("GridSample", source, (pointer_type(x.dtype), pointer_type(grid.dtype), pointer_type(y.dtype)))
     return Lowered([KernelCall(kernel, [x.name, grid.name, y.name], n_batch * out_points if y.size else 0, node.name)])
+
+
+# -- AffineGrid -----------------------------------------------------------------------------------
+
+def lower_affine_grid(node, graph) -> Lowered:
+    """grid[n, ..., k] = sum_j theta[n, k, j] * base_j with base = (x, y[, z], 1), the
+    normalised pixel centres (or corners, align_corners) of the output size."""
+    theta, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    check_dtypes(node, [theta, y], float16=True)
+    align = bool(node.attr("align_corners", 0))
+    spatial = [int(d) for d in y.shape[1:-1]]
+    r = len(spatial)
+    points = int(np.prod(spatial, dtype=np.int64))
+    strides = dims_strides(spatial)
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for w in range(begin, end):").indent()
+    src.line(f"n = w // {points}").line(f"q = w % {points}")
+    # base coordinate of spatial axis a (x is the last axis)
+    for a, size in enumerate(spatial):
+        idx = f"((q // {strides[a]}) % {size})" if strides[a] > 1 else f"(q % {size})"
+        if align:
+            src.line(f"c{a} = -1.0 + np.float64({idx}) * {2.0 / (size - 1) if size > 1 else 0.0!r}")
+        else:
+            src.line(f"c{a} = -1.0 + (2.0 * np.float64({idx}) + 1.0) / {float(size)!r}")
+    base = [f"c{a}" for a in reversed(range(r))] + ["1.0"]
+    for k in range(r):
+        row = f"(n * {r} + {k}) * {r + 1}"
+        terms = " + ".join(f"np.float64({load('p0', f'{row} + {j}', theta.dtype)}) * {b}" for j, b in enumerate(base))
+        src.line(store("p1", f"w * {r} + {k}", terms, y.dtype))
+    kernel = Kernel("AffineGrid", with_helpers(src.text()), (pointer_type(theta.dtype), pointer_type(y.dtype)))
+    return Lowered([KernelCall(kernel, [theta.name, y.name], int(y.shape[0]) * points if y.size else 0, node.name)])

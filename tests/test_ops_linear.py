@@ -11,10 +11,13 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
+from onnx.reference import ReferenceEvaluator
 
 from cuvil.errors import UnsupportedOpError
 
 from tests.helpers import assert_matches_ort, make_model, rand
+
+import cuvil
 
 F32, F64 = np.float32, np.float64
 
@@ -177,11 +180,16 @@ def test_conv_threads():
         assert_matches_ort(model, feeds, threads=2)
 
 
-def test_conv_runtime_weight_is_unsupported():
-    node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], name="conv_rt")
-    model = make_model([node], [("x", F32, [1, 2, 5, 5]), ("w", F32, [3, 2, 3, 3])], [("y", F32, [1, 3, 5, 5])])
-    with pytest.raises(UnsupportedOpError, match="conv_rt"):
-        assert_matches_ort(model, {"x": rand(1, 2, 5, 5), "w": rand(3, 2, 3, 3)})
+@pytest.mark.parametrize("attrs", [{"pads": [1, 1, 1, 1]}, {"strides": [2, 2], "group": 2}, {}])
+def test_conv_runtime_weight(attrs):
+    """W as a graph input: not packed at build time, the direct kernel reads it as it is."""
+    group = attrs.get("group", 1)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv_rt", **attrs)
+    model = make_model([node], [("x", F32, [1, 2, 5, 5]), ("w", F32, [4, 2 // group, 3, 3])], [("y", F32, None)])
+    assert_matches_ort(model, {"x": rand(1, 2, 5, 5), "w": rand(4, 2 // group, 3, 3, seed=1)})
+    pointwise = helper.make_node("Conv", ["x", "w"], ["y"], name="conv_rt_1x1")
+    model = make_model([pointwise], [("x", F32, [1, 2, 5, 5]), ("w", F32, [3, 2, 1, 1])], [("y", F32, None)])
+    assert_matches_ort(model, {"x": rand(1, 2, 5, 5), "w": rand(3, 2, 1, 1, seed=1)})
 
 
 # ---------------------------------------------------------------- BatchNormalization
@@ -210,7 +218,20 @@ def test_batchnorm(shape, const, attrs):
     assert_matches_ort(model, feeds)
 
 
-def test_batchnorm_training_is_unsupported():
-    model, feeds = bn_model((2, 3, 4, 4), outputs=("y", "running_mean", "running_var"), training_mode=1)
-    with pytest.raises(UnsupportedOpError, match="training_mode"):
-        assert_matches_ort(model, feeds)
+@pytest.mark.parametrize("shape, outputs", [((2, 3, 4, 4), ("y", "running_mean", "running_var")),
+                                            ((5, 4), ("y", "running_mean", "")), ((1, 2, 6), ("y", "", "running_var"))])
+def test_batchnorm_training_mode(shape, outputs):
+    """Batch statistics normalise x; the running statistics are updated with momentum.
+    onnxruntime's inference build has no training mode: ONNX's reference evaluator is the oracle."""
+    C = shape[1]
+    params = {"scale": rand(C, seed=1), "bias": rand(C, seed=2), "mean": rand(C, seed=3),
+              "var": np.abs(rand(C, seed=4)) + 0.1}
+    node = helper.make_node("BatchNormalization", ["x", *params], list(outputs), training_mode=1, momentum=0.8)
+    model = make_model([node], [("x", F32, list(shape))] + [(k, F32, [C]) for k in params],
+                       [(o, F32, None) for o in outputs if o], opset=15)
+    feeds = {"x": rand(*shape, seed=5) * F32(3) + F32(1), **params}
+    got = cuvil.compile(model).run(feeds)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    assert list(got) == [o for o in outputs if o]
+    for out, ref in zip(got.values(), want):
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

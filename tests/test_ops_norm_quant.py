@@ -4,8 +4,10 @@ relative tolerance 1e-4 for float outputs, exact equality for integer ones
 (quantised values are rounded exactly as onnxruntime rounds them, ties to even,
 which the tie-heavy inputs below check)."""
 import numpy as np
+import onnxruntime as ort
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
 
 from tests.helpers import assert_matches_ort, make_model, rand, run_ort
 
@@ -181,6 +183,77 @@ def test_dequantize_linear(case):
     inputs = [("x", x, False), ("s", scale, const)] + ([("z", zero, const)] if zero is not None else [])
     model, feeds = one_node("DequantizeLinear", inputs, [("y", F32)], attrs, opset=opset)
     assert_matches_ort(model, feeds)
+
+
+NARROW = {  # name: (element type, opset, zero points per row of a (3, 8) input)
+    "int4": (TensorProto.INT4, 21, [0, 3, -2]),
+    "uint4": (TensorProto.UINT4, 21, [8, 0, 15]),
+    "int2": (TensorProto.INT2, 25, [0, 1, -1]),
+    "uint2": (TensorProto.UINT2, 25, [1, 0, 3]),
+    "float8_e4m3fn": (TensorProto.FLOAT8E4M3FN, 21, [0, 0, 0]),
+    "float8_e5m2": (TensorProto.FLOAT8E5M2, 21, [0, 0, 0]),
+    "float4_e2m1": (TensorProto.FLOAT4E2M1, 23, [0, 0, 0]),
+}
+
+
+def narrow_roundtrip_model(elem, opset, zeros, saturate=None):
+    """x -> QuantizeLinear (per row) -> q (narrow) -> DequantizeLinear -> y; both outputs."""
+    attrs = {"saturate": saturate} if saturate is not None else {}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=0, **attrs),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=0)]
+    graph = helper.make_graph(nodes, "narrow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+                              [helper.make_tensor_value_info("q", elem, [3, 8]),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])],
+                              initializer=[helper.make_tensor("s", TensorProto.FLOAT, [3], [0.5, 0.25, 3.0]),
+                                           helper.make_tensor("z", elem, [3], zeros)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 11 if opset >= 25 else 10
+    return model
+
+
+@pytest.mark.parametrize("case", list(NARROW))
+def test_quantize_dequantize_narrow(case):
+    """Narrow quantised types (int4/int2 with zero points, float8, float4): ties, saturation and
+    NaN-free out-of-range values. The dequantised values are compared with onnxruntime where it
+    implements the type (everything but float4), and the quantised bits with ONNX's reference."""
+    elem, opset, zeros = NARROW[case]
+    x = np.concatenate([np.linspace(-30, 30, 17), [0.125, 0.375, -0.375, 1e6, -1e6, 0.0, 2.5]]).astype(F32).reshape(3, 8)
+    model = narrow_roundtrip_model(elem, opset, zeros)
+    got = cuvil.compile(model).run({"x": x})
+    want = ReferenceEvaluator(model).run(None, {"x": x})
+    assert got["q"].dtype == want[0].dtype
+    np.testing.assert_array_equal(got["q"].astype(F32), want[0].astype(F32))
+    np.testing.assert_array_equal(got["y"], want[1])
+    if case != "float4_e2m1":  # onnxruntime 1.32 has no float4 Quantize/DequantizeLinear
+        # (only y: onnxruntime's Python API cannot return narrow-typed outputs)
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        np.testing.assert_array_equal(got["y"], session.run(["y"], {"x": x})[0])
+
+
+def test_quantize_float8_without_saturation():
+    """saturate=0: out-of-range values become inf (e5m2) or NaN (e4m3fn), as ONNX's reference says."""
+    x = np.array([[1e6, -1e6, 3.0, 0.1]] * 3, F32).repeat(2, axis=1)
+    for elem in (TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2):
+        model = narrow_roundtrip_model(elem, 21, [0, 0, 0], saturate=0)
+        got = cuvil.compile(model).run({"x": x})
+        want = ReferenceEvaluator(model).run(None, {"x": x})
+        np.testing.assert_array_equal(got["y"], want[1])
+
+
+def test_dequantize_float8_to_float16():
+    """A float16 scale gives a float16 output, rounded once."""
+    node = helper.make_node("DequantizeLinear", ["q", "s"], ["y"])
+    graph = helper.make_graph([helper.make_node("QuantizeLinear", ["x", "s32"], ["q"], output_dtype=TensorProto.FLOAT8E4M3FN), node],
+                              "f16", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [16])],
+                              initializer=[helper.make_tensor("s32", TensorProto.FLOAT, [], [1.0]),
+                                           helper.make_tensor("s", TensorProto.FLOAT16, [], [np.float16(0.1)])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    x = np.linspace(-400, 400, 16).astype(F32)
+    got = cuvil.compile(model).run({"x": x})["y"]
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, run_ort(model, {"x": x})["y"])
 
 
 def test_dynamic_quantize_linear():

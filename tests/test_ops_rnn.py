@@ -158,6 +158,58 @@ def test_lstm_threads():
     check(model, feeds, threads=2)
 
 
+# float32 nodes with constant weights run their products on micro-kernels (rnn_uk.py): batch rows
+# in tiles of up to 6 (B=8: a tile of 6 and one of 2), gate rows in panels of 64 (H=40: LSTM's 160
+# gate rows end in a partial panel; GRU's z|r group 80 and candidate group 40), input rows of the
+# projection in tiles of 6 (T*B=24 and, with layout 1, per batch row T=3) and K passes of 256 (I=300).
+PANEL_CASES = {
+    "lstm_batch8_bidirectional": ("LSTM", {"B": 8, "H": 40, "direction": "bidirectional", "initial": True}),
+    "lstm_batch8_seq_lens_peepholes": ("LSTM", {"B": 8, "H": 20, "seq_lens": [3, 1, 2, 3, 0, 2, 3, 1],
+                                                "peepholes": True, "T": 3}),
+    "lstm_wide_input": ("LSTM", {"B": 2, "I": 300, "H": 17, "T": 3}),
+    "gru_batch8": ("GRU", {"B": 8, "H": 40, "direction": "reverse", "initial": True}),
+    "gru_batch7_linear_before_reset": ("GRU", {"B": 7, "H": 40, "linear_before_reset": 1,
+                                               "direction": "bidirectional"}),
+    "rnn_batch13": ("RNN", {"B": 13, "H": 70, "clip": 2.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(PANEL_CASES))
+def test_micro_kernel_tiles(case):
+    op, kwargs = PANEL_CASES[case]
+    model, feeds = rnn_model(op, **kwargs)
+    check(model, feeds)
+
+
+def test_micro_kernel_layout1_batch_rows():
+    batch_major, feeds = rnn_model("LSTM", layout=1, B=7, T=3, H=24, initial=True)
+    time_major, _ = rnn_model("LSTM", layout=0, B=7, T=3, H=24, initial=True)
+    got = cuvil.compile(batch_major).run(feeds)
+    to_time_major = {"X": (1, 0, 2), "initial_h": (1, 0, 2), "initial_c": (1, 0, 2)}
+    want = run_ort(time_major, {k: v.transpose(to_time_major[k]) for k, v in feeds.items()})
+    to_batch_major = {"Y": (2, 0, 1, 3), "Y_h": (1, 0, 2), "Y_c": (1, 0, 2)}
+    for name, ref in want.items():
+        ref = ref.transpose(to_batch_major[name])
+        assert np.max(np.abs(got[name] - ref)) <= 1e-4 * np.max(np.abs(ref)), name
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])
+def test_micro_kernel_narrow_vectors(target):
+    """The recurrent product's 16-float vectors are split by LLVM for 8- and 4-wide targets."""
+    model, feeds = rnn_model("GRU", B=7, H=40, linear_before_reset=1, initial=True)
+    check(model, feeds, target=target)
+
+
+def test_micro_kernel_threads_identical():
+    """Work items (directions x gate panels, batch tiles) give the same bits for any thread count."""
+    model, feeds = rnn_model("LSTM", B=13, H=40, T=5, direction="bidirectional", initial=True)
+    one = cuvil.compile(model, threads=1).run(feeds)
+    two = cuvil.compile(model, threads=2).run(feeds)
+    for name in one:
+        assert np.array_equal(one[name], two[name]), name
+    check(model, feeds, threads=2)
+
+
 def test_unknown_activation_is_refused():
     model, _ = rnn_model("RNN", activations=["Gelu"])
     with pytest.raises(UnsupportedOpError, match="activation Gelu"):

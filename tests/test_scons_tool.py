@@ -227,3 +227,17 @@ def test_a_bad_cuvil_yaml_stops_scons_with_file_and_line(tmp_path, cache_dir):
     assert result.returncode != 0
     assert "cuvil.yaml:11:" in output and "unknown key 'colour'" in output
     assert "Traceback" not in output
+
+
+def test_pass_options_and_arena_limit_reach_the_build(project):
+    """CUVIL_PASS_OPTIONS is checked like cuvil.yaml's pass_options; CUVIL_MAX_ARENA_MB is in the varlist."""
+    sconstruct = project / "SConstruct"
+    original = sconstruct.read_text()
+    sconstruct.write_text(original.replace('CUVIL_PREFIX="sig_"', 'CUVIL_PREFIX="sig_", CUVIL_PASS_OPTIONS={"nope": {}}'))
+    result = scons(project, "build/sig")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "unknown pass 'nope'" in output and "Traceback" not in output
+    sconstruct.write_text(original)
+    built(scons(project, "build/sig"))
+    sconstruct.write_text(original.replace('CUVIL_PREFIX="sig_"', 'CUVIL_PREFIX="sig_", CUVIL_MAX_ARENA_MB=64'))
+    assert "sig.onnx" in built(scons(project, "build/sig")).stdout

@@ -1,4 +1,4 @@
-"""BatchNormalization, inference form, per channel (axis 1) over any rank >= 2:
+"""BatchNormalization per channel (axis 1) over any rank >= 2. Inference form:
 
     y = (x - mean) / sqrt(var + epsilon) * scale + B  =  x * s + t,
     s = scale / sqrt(var + epsilon),  t = B - mean * s
@@ -8,6 +8,11 @@ in float64 and the kernel is one multiply-add per element. With run-time
 parameters the kernel computes s and t itself. One work item is one
 (image, channel) plane, unit-stride; rank-2 inputs (no plane) run one image
 per item with the inner loop over channels.
+
+Training form (opset 14+, training_mode=1): the batch's own mean and (biased)
+variance normalise x, and the optional outputs are the updated running
+statistics, running = input * momentum + batch * (1 - momentum); one work item
+per channel, statistics accumulated in float64.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ def lower_batchnorm(node, graph) -> Lowered:
     Y = graph.values[node.outputs[0]]
     dtype = np.dtype(Y.dtype)
     if int(node.attr("training_mode", 0)):
-        raise _unsupported(node, "training_mode=1 is not supported (inference only)")
+        return _lower_training(node, graph, X, params, Y)
     consumers = graph.consumers()
     for extra in node.outputs[1:]:
         if extra and (extra in consumers or extra in graph.outputs):
@@ -104,3 +109,40 @@ def _runtime_params_kernel(dtype, N, C, plane, eps):
         src.line("p5[base + i] = p0[base + i] * s + t")
         work = N * C
     return Kernel("BatchNormalization", src.text(), (dtype.name,) * 6), work
+
+
+def _lower_training(node, graph, X, params, Y):
+    dtype = np.dtype(Y.dtype)
+    if dtype.kind != "f" or len(X.shape) < 2:
+        raise _unsupported(node, f"training_mode=1 needs a float input of rank >= 2, not {dtype.name} of rank {len(X.shape)}")
+    N, C = X.shape[:2]
+    if any(p.size != C for p in params):
+        raise _unsupported(node, "training_mode=1 needs one parameter per channel")
+    plane = int(np.prod(X.shape[2:], dtype=np.int64))
+    eps, momentum = float(node.attr("epsilon", 1e-5)), float(node.attr("momentum", 0.9))
+    stats = [name for name in node.outputs[1:3] if name]
+    count = N * plane
+    f64 = lambda v: literal(v, np.float64)  # noqa: E731
+    src = Source().line(kernel_header(6 + len(stats))).indent()
+    src.line("for c in range(begin, end):").indent()
+    src.line(f"acc = {f64(0)}")
+    src.line(f"for n in range({N}):").indent().line(f"base = (n*{C} + c)*{plane}")
+    src.line(f"for i in range({plane}):").indent().line("acc += np.float64(p0[base + i])").dedent().dedent()
+    src.line(f"mean = acc / {f64(count)}")
+    src.line(f"acc = {f64(0)}")
+    src.line(f"for n in range({N}):").indent().line(f"base = (n*{C} + c)*{plane}")
+    src.line(f"for i in range({plane}):").indent().line("d = np.float64(p0[base + i]) - mean").line("acc += d * d")
+    src.dedent().dedent()
+    src.line(f"var = acc / {f64(count)}")
+    src.line(f"s = np.float64(p1[c]) / math.sqrt(var + {f64(eps)})")
+    src.line("t = np.float64(p2[c]) - mean * s")
+    src.line(f"for n in range({N}):").indent().line(f"base = (n*{C} + c)*{plane}")
+    src.line(f"for i in range({plane}):").indent()
+    src.line(f"p5[base + i] = np.{dtype.name}(np.float64(p0[base + i]) * s + t)").dedent().dedent()
+    for k, (name, batch) in enumerate(zip(node.outputs[1:3], ("mean", "var"))):
+        if name:
+            src.line(f"p{6 + stats.index(name)}[c] = np.{dtype.name}(np.float64(p{3 + k}[c]) * {f64(momentum)} "
+                     f"+ {batch} * {f64(1 - momentum)})")
+    kernel = Kernel("BatchNormalizationTraining", src.text(), (dtype.name,) * (6 + len(stats)))
+    args = [X.name] + [p.name for p in params] + [Y.name] + stats
+    return Lowered([KernelCall(kernel, args, C, node.name, n_outputs=1 + len(stats))])

@@ -93,8 +93,6 @@ def lower_conv(node, graph) -> Lowered:
     dtype = np.dtype(Y.dtype)
     if dtype.kind != "f":
         raise _unsupported(node, f"{dtype.name} inputs are not supported (float only)")
-    if not W.is_const:
-        raise _unsupported(node, "a non-constant weight W is not supported (weights are packed at build time)")
     if len(X.shape) < 3:
         raise _unsupported(node, f"input rank {len(X.shape)} is not supported (N, C and at least one spatial dim)")
     group = int(node.attr("group", 1))
@@ -111,10 +109,11 @@ def lower_conv(node, graph) -> Lowered:
         res_arg = np.ascontiguousarray(np.asarray(R.data).astype(dtype)) if R.is_const else R.name
         res_strides = tuple(broadcast_strides(R.shape, Y.shape))
     args = [X.name, W.name] + ([B.name] if B is not None else [])
-    pointwise = (all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
+    # A weight computed at run time cannot be packed at build time: the direct kernel reads W as it is.
+    pointwise = W.is_const and (all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
                  and tuple(X.shape[2:]) == tuple(Y.shape[2:])
                  and (res_strides is None or _flat_spatial(res_strides[2:], Y.shape[2:]) is not None))
-    if not pointwise and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
+    if not pointwise and W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
             and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:])):
         return Lowered(convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                                                 res_arg, res_strides, epilogue))

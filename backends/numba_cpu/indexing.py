@@ -22,19 +22,8 @@ from cuvil.errors import UnsupportedOpError
 
 from .elementwise import (check_dtypes, compute_type, elementwise_kernel, load, loop_nest, pointer_type, store,
                           with_helpers)
-from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
+from .kernel import Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal
 from .transpose import copy_type
-
-
-def _const(node, graph, pos, what, default=None):
-    """The data of a constant input at `pos` (None/default when omitted)."""
-    if len(node.inputs) <= pos or not node.inputs[pos]:
-        return default
-    v = graph.values[node.inputs[pos]]
-    if not v.is_const:
-        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): {what} ('{v.name}') must be a constant",
-                                 hint="cuvil specialises kernels to constant shapes, starts, pads and counts")
-    return np.asarray(v.data)
 
 
 def _bits(value, dtype) -> str:
@@ -87,7 +76,7 @@ def lower_expand(node, graph) -> Lowered:
 def lower_tile(node, graph) -> Lowered:
     """Tile is a broadcast of x viewed as (1, d0, 1, d1, ...) to (r0, d0, r1, d1, ...)."""
     x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
-    repeats = [int(r) for r in _const(node, graph, 1, "repeats").reshape(-1)]
+    repeats = [int(r) for r in const_input(node, graph, 1, "repeats").reshape(-1)]
     in_shape, out_shape = [], []
     for d, r in zip(x.shape, repeats):
         in_shape += [1, int(d)]
@@ -104,10 +93,10 @@ def slice_params(node, graph, shape):
         starts, ends = node.attr("starts"), node.attr("ends")
         axes, steps = node.attr("axes"), None
     else:
-        starts = _const(node, graph, 1, "starts")
-        ends = _const(node, graph, 2, "ends")
-        axes = _const(node, graph, 3, "axes")
-        steps = _const(node, graph, 4, "steps")
+        starts = const_input(node, graph, 1, "starts")
+        ends = const_input(node, graph, 2, "ends")
+        axes = const_input(node, graph, 3, "axes")
+        steps = const_input(node, graph, 4, "steps")
     starts = [int(s) for s in np.asarray(starts).reshape(-1)]
     ends = [int(e) for e in np.asarray(ends).reshape(-1)]
     axes = list(range(len(starts))) if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
@@ -174,7 +163,7 @@ def lower_pad(node, graph) -> Lowered:
         pads = [int(p) for p in node.attr("pads")]
         value = float(node.attr("value", 0.0))
     else:
-        pads = [int(p) for p in _const(node, graph, 1, "pads").reshape(-1)]
+        pads = [int(p) for p in const_input(node, graph, 1, "pads").reshape(-1)]
         value = 0
         if len(node.inputs) > 2 and node.inputs[2]:
             cv = graph.values[node.inputs[2]]
@@ -182,7 +171,7 @@ def lower_pad(node, graph) -> Lowered:
                 value = np.asarray(cv.data).reshape(-1)[0] if cv.size else 0
             else:
                 value_pointer = cv.name
-        axes = _const(node, graph, 3, "axes")
+        axes = const_input(node, graph, 3, "axes")
         if axes is not None:
             axes = [int(a) + rank if int(a) < 0 else int(a) for a in axes.reshape(-1)]
             full = [0] * (2 * rank)
@@ -425,7 +414,7 @@ def lower_scatter_nd(node, graph) -> Lowered:
 
 def lower_trilu(node, graph) -> Lowered:
     x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
-    k_data = _const(node, graph, 1, "k")
+    k_data = const_input(node, graph, 1, "k")
     k = int(k_data.reshape(-1)[0]) if k_data is not None else 0
     upper = bool(node.attr("upper", 1))
     shape = [int(d) for d in x.shape]
@@ -457,7 +446,7 @@ def lower_eye_like(node, graph) -> Lowered:
 
 def lower_one_hot(node, graph) -> Lowered:
     indices, values, y = graph.values[node.inputs[0]], graph.values[node.inputs[2]], graph.values[node.outputs[0]]
-    depth = int(np.asarray(_const(node, graph, 1, "depth")).reshape(-1)[0])
+    depth = int(np.asarray(const_input(node, graph, 1, "depth")).reshape(-1)[0])
     rank = len(y.shape)
     axis = int(node.attr("axis", -1))
     axis = axis + rank if axis < 0 else axis
@@ -550,8 +539,8 @@ def lower_dropout(node, graph) -> Lowered:
     """Inference Dropout: the output is the input (a view) and the optional mask
     is all true. Training mode with a non-zero ratio is random: refused."""
     from .kernel import View
-    ratio = _const(node, graph, 1, "ratio")
-    training = _const(node, graph, 2, "training_mode")
+    ratio = const_input(node, graph, 1, "ratio")
+    training = const_input(node, graph, 2, "training_mode")
     if training is not None and bool(np.asarray(training).reshape(-1)[0]) and \
             (ratio is None or float(np.asarray(ratio).reshape(-1)[0]) != 0.0):
         raise UnsupportedOpError(f"node '{node.name}' (Dropout): training_mode with a non-zero ratio is random",

@@ -17,6 +17,8 @@ from functools import cached_property
 
 import numpy as np
 
+from cuvil.errors import UnsupportedOpError
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -58,6 +60,18 @@ class View:
 class Lowered:
     """What a generator returns for one node."""
     calls: list = field(default_factory=list)  # KernelCall | View
+
+
+def const_input(node, graph, pos, what, default=None):
+    """The data of a node's constant input at `pos` (`default` when omitted); an
+    UnsupportedOpError naming the node when the input is computed at run time."""
+    if len(node.inputs) <= pos or not node.inputs[pos]:
+        return default
+    v = graph.values[node.inputs[pos]]
+    if not v.is_const:
+        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): {what} ('{v.name}') must be a constant",
+                                 hint="cuvil specialises kernels to constant shapes, axes, starts, pads and counts")
+    return np.asarray(v.data)
 
 
 def dims_strides(shape) -> list[int]:

@@ -23,8 +23,15 @@ import numpy as np
 from cuvil.errors import UnsupportedOpError
 
 from .kernel import Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal
+from .narrow import SMALL_FLOATS, SMALL_INTS, load, pointer_type, store, with_helpers
 
 _RANGES = {"uint8": (0, 255), "int8": (-128, 127), "uint16": (0, 65535), "int16": (-32768, 32767)}
+# QuantizeLinear/DequantizeLinear also take the narrow formats (opset 19+: float8, 21+: int4, 23+: float4,
+# 25+: int2); kernels reach them through narrow.py's load/store.
+_NARROW_INT_RANGES = {"int4": (-8, 7), "uint4": (0, 15), "int2": (-2, 1), "uint2": (0, 3)}
+_SMALL_FLOATS = set(SMALL_FLOATS) - {"float16", "bfloat16", "float8_e8m0fnu"}
+_QUANTIZED = set(_RANGES) | set(_NARROW_INT_RANGES) | _SMALL_FLOATS
+_FLOATS = {"float32", "float64", "float16"}
 
 
 def _unsupported(node, why):
@@ -87,10 +94,10 @@ def _rows_kernel(node, family, x, scale, zero, out, body, reciprocal=False):
     `reciprocal`, `r` (1 / scale in float64, see `_exact_quotient`) and `z` (the zero point)."""
     outer, A, inner, pindex, per_element = _param_layout(node, x.shape, scale)
     args = _Args()
-    px = args.add(x.name, x.dtype)
+    px = args.add(x.name, pointer_type(x.dtype))
     if not reciprocal:
-        ps = args.add(scale.name, scale.dtype)
-        load_scale = [f"s = {ps}[{{at}}]"]
+        ps = args.add(scale.name, pointer_type(scale.dtype))
+        load_scale = [f"s = {load(ps, '{at}', scale.dtype)}"]
     elif scale.is_const:
         ps = args.add(np.ascontiguousarray(1.0 / np.asarray(scale.data, np.float64).reshape(-1)), np.float64)
         load_scale = [f"r = {ps}[{{at}}]"]
@@ -98,10 +105,12 @@ def _rows_kernel(node, family, x, scale, zero, out, body, reciprocal=False):
         ps = args.add(scale.name, np.int32)  # its bits: see _exact_quotient
         load_scale = _float32_bits_to_float64(f"{ps}[{{at}}]", "sv") + ["r = np.float64(1) / sv"]
     else:
-        ps = args.add(scale.name, scale.dtype)
-        load_scale = [f"r = np.float64(1) / {ps}[{{at}}]"]
-    pz = args.add(zero.name, zero.dtype) if zero is not None else None
-    py = args.add(out.name, out.dtype)
+        ps = args.add(scale.name, pointer_type(scale.dtype))
+        load_scale = [f"r = np.float64(1) / np.float64({load(ps, '{at}', scale.dtype)})"]
+    pz = args.add(zero.name, pointer_type(zero.dtype)) if zero is not None else None
+    py = args.add(out.name, pointer_type(out.dtype))
+    # The zero point as int64, or float64 for the float8/float4 formats.
+    zero_type = "float64" if zero is not None and np.dtype(zero.dtype).name in _SMALL_FLOATS else "int64"
     src = Source().line(kernel_header(len(args.values))).indent()
     src.line("for row in range(begin, end):").indent()
     src.line(f"o = row // {A}").line(f"a = row % {A}")
@@ -111,14 +120,15 @@ def _rows_kernel(node, family, x, scale, zero, out, body, reciprocal=False):
     def load_params(at):
         for line in load_scale:
             src.line(line.format(at=at))
-        src.line(f"z = np.int64({pz}[{at}])" if pz else "z = np.int64(0)")
+        src.line(f"z = np.{zero_type}({load(pz, at, zero.dtype)})" if pz else f"z = np.{zero_type}(0)")
     if not per_element:
         load_params("pb")
     src.line(f"for e in range({inner}):").indent()
     if per_element:
         load_params("pb + e")
-    src.line(f"{py}[xb + e] = {body(f'{px}[xb + e]')}")
-    kernel = Kernel(family, src.text(), tuple(args.types))
+    src.line(store(py, "xb + e", body(load(px, "xb + e", x.dtype)), out.dtype,
+                   saturate=bool(node.attr("saturate", 1)), value_dtype=np.float64))
+    kernel = Kernel(family, with_helpers(src.text()), tuple(args.types))
     return Lowered([KernelCall(kernel, list(args.values), outer * A, node.name)])
 
 
@@ -156,8 +166,12 @@ def _exact_quotient(x, dtype) -> str:
 
 
 def _saturate(expr, dtype):
-    lo, hi = _RANGES[np.dtype(dtype).name]
-    return f"np.{np.dtype(dtype).name}(min(max({expr}, {float(lo)}), {float(hi)}))"
+    name = np.dtype(dtype).name
+    if name in _NARROW_INT_RANGES:  # stored by narrow.store from an integral float64
+        lo, hi = _NARROW_INT_RANGES[name]
+        return f"min(max({expr}, {float(lo)}), {float(hi)})"
+    lo, hi = _RANGES[name]
+    return f"np.{name}(min(max({expr}, {float(lo)}), {float(hi)}))"
 
 
 def lower_quantize_linear(node, graph) -> Lowered:
@@ -165,23 +179,33 @@ def lower_quantize_linear(node, graph) -> Lowered:
     y = graph.values[node.outputs[0]]
     _check(node, x, {"float32", "float64"})
     _check(node, scale, {"float32", "float64"})
-    _check(node, y, set(_RANGES))
+    _check(node, y, _QUANTIZED)
     if zero is not None:
-        _check(node, zero, set(_RANGES))
-    return _rows_kernel(node, "QuantizeLinear", x, scale, zero, y,
-                        lambda xv: _saturate(f"np.rint({_exact_quotient(xv, scale.dtype)}) + np.float64(z)", y.dtype),
-                        reciprocal=True)
+        _check(node, zero, _QUANTIZED)
+    if np.dtype(y.dtype).name in _SMALL_FLOATS:  # rounded to nearest even by the store, saturating as told
+        def body(xv):
+            return f"np.float32({_exact_quotient(xv, scale.dtype)} + z)"
+    else:
+        def body(xv):
+            return _saturate(f"np.rint({_exact_quotient(xv, scale.dtype)}) + np.float64(z)", y.dtype)
+    return _rows_kernel(node, "QuantizeLinear", x, scale, zero, y, body, reciprocal=True)
 
 
 def lower_dequantize_linear(node, graph) -> Lowered:
     x, scale, zero = (_input(node, graph, k) for k in range(3))
     y = graph.values[node.outputs[0]]
-    _check(node, x, set(_RANGES) | {"int32"})
-    _check(node, scale, {"float32", "float64"})
-    _check(node, y, {"float32", "float64"})
-    ydt = np.dtype(y.dtype).name
-    return _rows_kernel(node, "DequantizeLinear", x, scale, zero, y,
-                        lambda xv: f"np.{ydt}(np.int64({xv}) - z) * s")
+    _check(node, x, _QUANTIZED | {"int32"})
+    _check(node, scale, _FLOATS)
+    _check(node, y, _FLOATS)
+    # float16 computes in float32 (float16 * float16 products are exact there) and is rounded once on store.
+    ydt = "float32" if np.dtype(y.dtype).name == "float16" else np.dtype(y.dtype).name
+    if np.dtype(x.dtype).name in _SMALL_FLOATS:
+        def body(xv):
+            return f"np.{ydt}(np.float64({xv}) - z) * s"
+    else:
+        def body(xv):
+            return f"np.{ydt}(np.int64({xv}) - z) * s"
+    return _rows_kernel(node, "DequantizeLinear", x, scale, zero, y, body)
 
 
 def lower_dynamic_quantize_linear(node, graph) -> Lowered:

@@ -27,7 +27,7 @@ import numpy as np
 from cuvil.errors import UnsupportedOpError
 
 from .elementwise import check_dtypes, compute_type, load, pointer_type, store, with_helpers
-from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
+from .kernel import Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal
 
 # op: (initial accumulator, per-element update of `acc` with `v`, final expression of acc and n)
 _REDUCTIONS = {
@@ -44,21 +44,10 @@ _REDUCTIONS = {
 }
 
 
-def _const_input(node, graph, pos, what):
-    """The data of an optional constant input, None when absent."""
-    if len(node.inputs) <= pos or not node.inputs[pos]:
-        return None
-    v = graph.values[node.inputs[pos]]
-    if not v.is_const:
-        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): {what} ('{v.name}') must be a constant",
-                                 hint="cuvil specialises kernels to constant axes, shapes and counts")
-    return np.asarray(v.data)
-
-
 def reduce_axes(node, graph) -> list[int] | None:
     """Normalised reduction axes; None means 'no reduction' (noop_with_empty_axes)."""
     rank = len(graph.values[node.inputs[0]].shape)
-    axes = _const_input(node, graph, 1, "axes")
+    axes = const_input(node, graph, 1, "axes")
     if axes is None:
         axes = node.attr("axes")
     axes = [] if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
@@ -209,7 +198,7 @@ def lower_cumsum(node, graph) -> Lowered:
     """CumSum and CumProd."""
     x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     check_dtypes(node, [x, y])
-    axis_data = _const_input(node, graph, 1, "axis")
+    axis_data = const_input(node, graph, 1, "axis")
     rank = len(x.shape)
     axis = int(axis_data.reshape(-1)[0]) if axis_data is not None else 0
     axis = axis + rank if axis < 0 else axis
@@ -247,7 +236,7 @@ def lower_topk(node, graph) -> Lowered:
     rank = len(x.shape)
     axis = _axis(node, rank, -1)
     outer, n, inner = _outer_n_inner(x.shape, axis)
-    k_data = _const_input(node, graph, 1, "K")
+    k_data = const_input(node, graph, 1, "K")
     k = int(k_data.reshape(-1)[0]) if k_data is not None else int(node.attr("k"))
     largest = bool(node.attr("largest", 1))
     # `a` ranks before `b` when it is better, or equal with a lower index.
@@ -436,13 +425,13 @@ def lower_dft(node, graph) -> Lowered:
     shape = [int(d) for d in x.shape]
     rank = len(shape)
     if graph.opset >= 20:
-        axis_data = _const_input(node, graph, 2, "axis")
+        axis_data = const_input(node, graph, 2, "axis")
         axis = int(axis_data.reshape(-1)[0]) if axis_data is not None else -2
     else:
         axis = int(node.attr("axis", 1))
     axis = axis + rank if axis < 0 else axis
     inverse, onesided = bool(node.attr("inverse", 0)), bool(node.attr("onesided", 0))
-    length_data = _const_input(node, graph, 1, "dft_length")
+    length_data = const_input(node, graph, 1, "dft_length")
     size = shape[axis]
     n_fft = int(length_data.reshape(-1)[0]) if length_data is not None else (
         2 * (size - 1) if inverse and onesided else size)

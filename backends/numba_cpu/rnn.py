@@ -16,11 +16,16 @@ every pre-activation. Two kinds of kernel call, as onnxruntime splits it:
 1. The input projection x.W^T + b of every step at once, into scratch, each
    row of W read once for several input rows (the GEMM part).
 2. Per direction, the recurrence. A work item is a block of batch rows; a
-   step first adds h.R^T to the step's projections in place (dot products
-   over unit-stride rows of R, each row used for every row of the block
-   while in cache), then runs the cell's elementwise update over the units,
-   a loop that vectorises (math.exp and math.tanh become vmath.py's vector
-   versions). All of h is read before any of it is written.
+   step first adds h.R^T to the step's projections in place, then runs the
+   cell's elementwise update over the units, a loop that vectorises
+   (math.exp and math.tanh become vmath.py's vector versions). All of h is
+   read before any of it is written.
+
+float32 nodes with constant weights run both products on vector micro-kernels
+over W^T and R^T packed at build time (rnn_uk.py: broadcast-FMA form, R read
+as one sequential stream per step, batch rows in tiles of 6). Otherwise
+(float64, weights given at run time) they are dot products over unit-stride
+rows of W and R, each row used for every row of a block while in cache.
 
 The states live in Y_h / Y_c when the node has them, else in scratch, as
 does GRU's r*h (see scratch.py).
@@ -33,6 +38,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+from . import rnn_uk
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal
 from .scratch import scratch_value
 
@@ -170,6 +176,10 @@ class _Spec:
         self.lbr = int(node.attr("linear_before_reset", 0)) if cell == "GRU" else 0
         self.input_forget = int(node.attr("input_forget", 0)) if cell == "LSTM" else 0
         self.acts = _activations(node, cell, self.D, self.dtype)
+        # float32 with constant weights: the products run on the micro-kernels (rnn_uk.py).
+        self.uk_projection = self.dtype == np.float32 and W.is_const
+        self.uk_recurrence = self.dtype == np.float32 and R.is_const
+        self.block = rnn_uk.MR if self.uk_recurrence else _BATCH_BLOCK
         # Sequence lengths equal to T everywhere are no lengths at all.
         if self.seq is not None and self.seq.is_const and np.all(np.asarray(self.seq.data) == self.T):
             self.seq = None
@@ -229,7 +239,71 @@ def _pack_bias(B, cell, D, H, lbr):
 
 # ---------------------------------------------------------------- input projection
 
+def _bias_segments(spec, pB):
+    """The bias of gate row g in direction d, by segments: (first gate row, end, expression)."""
+    GH, H = spec.GH, spec.H
+    if pB is None:
+        return [(0, GH, spec.lit(0))]
+    if spec.bias_packed is not None:
+        width = spec.bias_packed.shape[1]
+        return [(0, GH, f"{pB}[d*{width} + g]")]
+    summed = f"({pB}[d*{2 * GH} + g] + {pB}[d*{2 * GH} + {GH} + g])"
+    return [(0, 2 * H, summed), (2 * H, GH, f"{pB}[d*{2 * GH} + g]")] if spec.lbr else [(0, GH, summed)]
+
+
 def _projection_call(spec, node) -> KernelCall:
+    if spec.uk_projection:
+        return _projection_uk_call(spec, node)
+    return _projection_dot_call(spec, node)
+
+
+def _projection_uk_call(spec, node) -> KernelCall:
+    """scratch[d, t, b, :] = x[t, b] . W[d]^T + bias through the micro-kernel: work items are
+    (direction, panel of 64 gate rows); an item writes the bias into its columns of every row,
+    then accumulates 6 input rows at a time against the panel (W^T packed at build time)."""
+    D, T, B, I, GH = spec.D, spec.T, spec.B, spec.I, spec.GH
+    W = np.asarray(spec.W.data, np.float32)
+    P = rnn_uk.n_panels(GH)
+    args = _Args()
+    pX = args.bind("X", spec.X.name, np.float32)
+    pW = args.bind("W", np.concatenate([rnn_uk.panels(W[d]) for d in range(D)]), np.float32)
+    pB = None
+    if spec.Bv is not None:
+        pB = args.bind("B", spec.bias_packed if spec.bias_packed is not None else spec.Bv.name, np.float32)
+    pS = args.bind("S", spec.scratch, np.float32)
+    rows = T * B
+    uk = rnn_uk.MicroKernels()
+    body = Source().indent()
+    body.line("for item in range(begin, end):").indent()
+    body.line(f"d = item // {P}" if D > 1 else "d = 0")
+    body.line(f"n0 = (item % {P})*{rnn_uk.NR}")
+    body.line(f"nv = min({rnn_uk.NR}, {GH} - n0)")
+    body.line(f"mask = np.int64(-1) if nv >= 64 else (np.int64(1) << nv) - np.int64(1)")
+    body.line(f"for r in range({rows}):").indent()
+    body.line(f"o = (d*{rows} + r)*{GH}")
+    for lo, hi, bias in _bias_segments(spec, pB):
+        body.line(f"for g in range(max(n0, {lo}), min(n0 + nv, {hi})):").indent()
+        body.line(f"{pS}[o + g] = {bias}").dedent()
+    body.dedent()
+    body.line(f"wb = d*{P * I * rnn_uk.NR} + (item % {P})*{I * rnn_uk.NR}")
+    # Rows with a uniform stride in X and in the scratch: all T*B (layout 0), or per batch row
+    # the T steps (layout 1).
+    if spec.layout == 0 or B == 1:
+        runs, M, lda, ldc = [("0", f"d*{rows * GH}")], rows, I, GH
+    else:
+        runs, M, lda, ldc = [(f"{b * T * I}", f"d*{rows * GH} + {b * GH}") for b in range(B)], T, I, B * GH
+    for k0 in range(0, I, rnn_uk.KC):
+        kc = min(rnn_uk.KC, I - k0)
+        for abase, cbase in runs:
+            uk.rows(body, M, pX, f"{abase} + {k0}", lda, pW, f"wb + {k0 * rnn_uk.NR}", pS, f"{cbase} + n0", ldc,
+                    kc, "mask", 1)
+    src = uk.header().line(kernel_header(len(args.values)))
+    src.lines += body.lines
+    kernel = Kernel(f"{spec.cell}Projection", src.text(), tuple(args.types))
+    return KernelCall(kernel, list(args.values), D * P, node.name, n_outputs=1)
+
+
+def _projection_dot_call(spec, node) -> KernelCall:
     """scratch[d, t, b, :] = x[t, b] . W[d]^T + bias (all biases but GRU's Rbh with
     linear_before_reset), for every step at once: _ROW_BLOCK input rows share each pass over a
     row of W. Work items: (direction, block of rows)."""
@@ -255,16 +329,7 @@ def _projection_call(spec, node) -> KernelCall:
         else:
             src.line(f"x{i} = {spec.x_row(f'row{i} // {B}', f'row{i} % {B}')}")
         src.line(f"o{i} = (d*{rows} + row{i})*{GH}")
-    # Bias segments: (first gate row, end, bias expression over g).
-    if pB is None:
-        segments = [(0, GH, spec.lit(0))]
-    elif spec.bias_packed is not None:
-        width = spec.bias_packed.shape[1]
-        segments = [(0, GH, f"{pB}[d*{width} + g]")]
-    else:
-        summed = f"({pB}[d*{2 * GH} + g] + {pB}[d*{2 * GH} + {GH} + g])"
-        segments = [(0, 2 * H, summed), (2 * H, GH, f"{pB}[d*{2 * GH} + g]")] if spec.lbr else [(0, GH, summed)]
-    for lo, hi, bias in segments:
+    for lo, hi, bias in _bias_segments(spec, pB):
         src.line(f"for g in range({lo}, {hi}):").indent()
         src.line(f"wo = d*{GH * I} + g*{I}")
         src.line(f"bv = {bias}")
@@ -359,7 +424,15 @@ def _recurrence_call(spec, node, d) -> KernelCall:
     block while R's rows for j are in cache."""
     args = _Args()
     dt = spec.dtype
-    args.bind("R", spec.R.name, dt)
+    if spec.uk_recurrence:
+        R = np.asarray(spec.R.data, np.float32)[d]
+        packed, offsets = [], {}
+        for lo, hi, _, _ in _uk_groups(spec):
+            offsets[lo] = sum(p.size for p in packed)
+            packed.append(rnn_uk.panels(R[lo:hi]))
+        args.bind("R", np.concatenate(packed), dt)
+    else:
+        args.bind("R", spec.R.name, dt)
     if spec.lbr and spec.Bv is not None:
         args.bind("B", spec.bias_packed if spec.bias_packed is not None else spec.Bv.name, dt)
     if spec.seq is not None:
@@ -372,11 +445,13 @@ def _recurrence_call(spec, node, d) -> KernelCall:
         if name:
             args.bind(key, name, dt)
     args.bind("S", spec.scratch, dt)
-    src = Source().line(kernel_header(len(args.values))).indent()
+    src = Source().indent()
     step = _Step(spec, d, args, src)
+    if spec.uk_recurrence:
+        step.uk, step.panel_offsets = rnn_uk.Gemv(), offsets
     role, H, T, B = args.role, spec.H, spec.T, spec.B
     src.line("for blk in range(begin, end):").indent()
-    src.line(f"b0 = blk*{_BATCH_BLOCK}").line(f"nb = min({_BATCH_BLOCK}, {B} - b0)")
+    src.line(f"b0 = blk*{spec.block}").line(f"nb = min({spec.block}, {B} - b0)")
     # Initial states.
     opened = step.for_rows(active=False)
     for which, init in [("h", "h0")] + ([("c", "c0")] if spec.cell == "LSTM" else []):
@@ -401,8 +476,10 @@ def _recurrence_call(spec, node, d) -> KernelCall:
         src.line(f"for j in range({H}):").indent().line(f"{role['Y']}[yo + j] = {spec.lit(0)}").dedent()
         src.dedent()
         step.close(opened)
-    kernel = Kernel(spec.cell, src.text(), tuple(args.types))
-    work = -(-B // _BATCH_BLOCK)
+    head = step.uk.header() if spec.uk_recurrence else Source()
+    head.line(kernel_header(len(args.values)))
+    kernel = Kernel(spec.cell, head.text() + src.text(), tuple(args.types))
+    work = -(-B // spec.block)
     return KernelCall(kernel, list(args.values), work, node.name, n_outputs=len(args.values) - n_inputs)
 
 
@@ -438,6 +515,49 @@ def _accumulate(step, gates, vectors):
     src.dedent()
 
 
+def _uk_groups(spec):
+    """The recurrent products of a step on the micro-kernels: (first gate row, end, vector,
+    destination), vector "h" (the state) or "q" (GRU's r*h), destination "xo" (the step's
+    pre-activations, in place) or "q" (GRU's h.Rh with linear_before_reset, kept apart: r scales it)."""
+    H, GH = spec.H, spec.GH
+    if spec.cell != "GRU":
+        return [(0, GH, "h", "xo")]
+    return [(0, 2 * H, "h", "xo"), (2 * H, GH, "h" if spec.lbr else "q", "q" if spec.lbr else "xo")]
+
+
+def _uk_product(step, lo, hi, vector, dest):
+    """pre[gate rows lo:hi] (+)= vector . R[lo:hi]^T for the block's active rows: one micro-kernel
+    call per panel of 64 gate rows; without sequence lengths all the block's rows share a call."""
+    spec, src, pS = step.spec, step.src, step.pS
+    H, GH = spec.H, spec.GH
+    hp, hb = step.state("h")
+    h_stride = spec.S if hp == pS else (H if spec.layout == 0 else spec.D * H)
+    a, aoff, lda = (hp, hb, h_stride) if vector == "h" else (pS, step.scratch("q"), spec.S)
+    if dest == "xo":
+        c, coff, ldc, loadc = pS, f"xo + {lo}", GH, 1
+    else:
+        c, coff, ldc, loadc = pS, step.scratch("q"), spec.S, 0
+    base = step.panel_offsets[lo]
+    if "seq" in step.role or spec.B == 1:
+        opened = step.for_rows()
+        counts = [1]
+    else:
+        # Every row of the block is active: the block's first row and the row strides.
+        src.line("b = b0")
+        src.line(f"st = {spec.state_row(step.d, 'b')}")
+        src.line(f"sl = {spec.proj} + ({step.d * spec.B} + b)*{spec.S}")
+        src.line(f"t = {spec.T - 1} - s" if step.reverse else "t = s")
+        src.line(f"xo = ({step.d * spec.T} + t)*{spec.B * GH} + b*{GH}")
+        opened = 0
+        counts = [min(spec.block, spec.B)] + ([spec.B % spec.block] if spec.B % spec.block else [])
+    rows = hi - lo
+    for p in range(rnn_uk.n_panels(rows)):
+        n0 = p * rnn_uk.NR
+        step.uk.tiles(src, "nb", a, aoff, lda, step.role["R"], base + p * H * rnn_uk.NR,
+                      c, f"{coff} + {n0}", ldc, H, min(rnn_uk.NR, rows - n0), loadc, counts)
+    step.close(opened)
+
+
 def _lstm_step(step):
     spec, src, pS, role = step.spec, step.src, step.pS, step.role
     H = spec.H
@@ -446,7 +566,10 @@ def _lstm_step(step):
     rows = [("ai", 0), ("ao", 1), ("af", 2), ("ac", 3)]
     if spec.input_forget:
         rows = [r for r in rows if r[0] != "af"]
-    _accumulate(step, rows, [step.state("h")] * len(rows))
+    if spec.uk_recurrence:
+        _uk_product(step, *_uk_groups(spec)[0])
+    else:
+        _accumulate(step, rows, [step.state("h")] * len(rows))
     opened = _rows_for_update(step)
     for acc, gate in rows:
         src.line(f"{acc} = {pS}[xo + {gate * H} + j]")
@@ -478,6 +601,9 @@ def _lstm_step(step):
 
 
 def _gru_step(step):
+    if step.spec.uk_recurrence:
+        _gru_step_uk(step)
+        return
     spec, src, pS, role = step.spec, step.src, step.pS, step.role
     H = spec.H
     hp, hb = h = step.state("h")
@@ -520,9 +646,52 @@ def _gru_step(step):
     step.close(opened)
 
 
+def _gru_step_uk(step):
+    """GRU on the micro-kernels: z and r rows first; then (linear_before_reset=0) q = r*h and
+    q . Rh^T into the candidate's pre-activation, or (=1) h . Rh^T into q, scaled by r in the update."""
+    spec, src, pS, role = step.spec, step.src, step.pS, step.role
+    H = spec.H
+    hp, hb = step.state("h")
+    q = step.scratch("q")
+    first, second = _uk_groups(spec)
+    _uk_product(step, *first)
+    if not spec.lbr:
+        opened = step.for_rows()
+        src.line(f"for j in range({H}):").indent()
+        src.line(f"ar = {pS}[xo + {H} + j]")
+        step.clip("ar")
+        step.activate(0, "ar", "rg")
+        src.line(f"{pS}[{q} + j] = rg * {hp}[{hb} + j]")
+        src.dedent()
+        step.close(opened)
+    _uk_product(step, *second)
+    opened = _rows_for_update(step)
+    src.line(f"az = {pS}[xo + j]").line(f"ah = {pS}[xo + {2 * H} + j]")
+    if spec.lbr:
+        src.line(f"ar = {pS}[xo + {H} + j]")
+        step.clip("ar")
+        step.activate(0, "ar", "rg")
+        ahr = f"{pS}[{q} + j]"
+        if "B" in role:
+            width = spec.bias_packed.shape[1] if spec.bias_packed is not None else 2 * spec.GH
+            offset = step.d * width + spec.GH + (0 if spec.bias_packed is not None else 2 * H)
+            ahr = f"({ahr} + {role['B']}[{offset} + j])"
+        src.line(f"ah += rg * {ahr}")
+    step.clip("az")
+    step.clip("ah")
+    step.activate(0, "az", "zg")
+    step.activate(1, "ah", "ng")
+    src.line(f"hv = ({spec.lit(1)} - zg) * ng + zg * {hp}[{hb} + j]")
+    _store_h(step, "hv")
+    step.close(opened)
+
+
 def _rnn_step(step):
     src, pS = step.src, step.pS
-    _accumulate(step, [("ai", 0)], [step.state("h")])
+    if step.spec.uk_recurrence:
+        _uk_product(step, *_uk_groups(step.spec)[0])
+    else:
+        _accumulate(step, [("ai", 0)], [step.state("h")])
     opened = _rows_for_update(step)
     src.line(f"ai = {pS}[xo + j]")
     step.clip("ai")

@@ -56,15 +56,20 @@ def model_sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# ml_dtypes' narrow formats: kernels reach them through load/store (backends/numba_cpu/narrow.py).
+_NARROW_DTYPES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                            "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4", "int2", "uint2"})
+
+
 def _np_dtype(elem_type: int, where: str) -> np.dtype:
     try:
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
     except Exception:
         dtype = None
-    if dtype is None or dtype.kind in "OUSVc":
+    if dtype is None or (dtype.kind in "OUSVc" and dtype.name not in _NARROW_DTYPES):
         name = onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else elem_type
         raise UnsupportedOpError(f"{where}: tensors of element type {name} are not supported",
-                                 hint="supported: float32, float64, integer and bool tensors")
+                                 hint="supported: float, integer and bool tensors (float16, bfloat16, float8, float4, int4, int2 included)")
     return dtype
 
 

@@ -35,6 +35,9 @@ default cache folder: `$CUVIL_CACHE_DIR` in the OS environment, else
 | `CUVIL_OPT_LEVEL` | `2` | 0..3: which passes run |
 | `CUVIL_PASSES` | `None` | an explicit list of pass names instead of the opt level's |
 | `CUVIL_DISABLE_PASSES` | `[]` | passes to leave out |
+| `CUVIL_PASS_OPTIONS` | `{}` | options of passes, `{"fuse_activation": {...}}` (as `pass_options` in cuvil.yaml) |
+| `CUVIL_MAX_ARENA_MB` | `4096` | refuse a model whose planned memory is larger |
+| `CUVIL_SANITIZE` | `False` | link with AddressSanitizer/UBSan (debugging) |
 | `CUVIL_CACHE_DIR` | cuvil's default | where compiled steps are kept (does not change the output) |
 | `CUVIL_CACHE_READ_ONLY` | `False` | read the cache, never write it (a shared CI cache) |
 | `CUVIL_JOBS` | SCons' `-j` | kernels compiled in parallel within one model |
@@ -73,6 +76,9 @@ DEFAULTS = {
     "CUVIL_OPT_LEVEL": 2,
     "CUVIL_PASSES": None,
     "CUVIL_DISABLE_PASSES": [],
+    "CUVIL_PASS_OPTIONS": {},
+    "CUVIL_MAX_ARENA_MB": 4096,
+    "CUVIL_SANITIZE": False,
 }
 
 # What reaches the bytes of the library; `_CUVIL_VERSIONS` stands for cuvil's own code.
@@ -161,7 +167,21 @@ def _variant_spec(target, source, env):
         target=env.subst("$CUVIL_TARGET"), precision=env.subst("$CUVIL_PRECISION"),
         opt_level=_as_int(env, "CUVIL_OPT_LEVEL"), passes=_as_list(env, "CUVIL_PASSES"),
         disable_passes=_as_list(env, "CUVIL_DISABLE_PASSES") or [], threads=_as_int(env, "CUVIL_THREADS"),
-        symbol_prefix=env.subst("$CUVIL_PREFIX"))
+        symbol_prefix=env.subst("$CUVIL_PREFIX"), pass_options=_pass_options(env),
+        max_arena_mb=_as_int(env, "CUVIL_MAX_ARENA_MB"), sanitize=bool(env.get("CUVIL_SANITIZE", False)))
+
+
+def _pass_options(env):
+    from cuvil.errors import CuvilError
+    from passes import check_pass_options
+
+    options = env.get("CUVIL_PASS_OPTIONS") or {}
+    if not isinstance(options, dict):
+        raise _Error(f"CUVIL_PASS_OPTIONS must be a dict of pass name -> options, got {options!r}")
+    try:
+        return check_pass_options({str(k): dict(v) for k, v in options.items()})
+    except (CuvilError, TypeError, ValueError) as error:
+        raise _Error(f"CUVIL_PASS_OPTIONS: {error}") from None
 
 
 def _jobs(env):
@@ -228,7 +248,8 @@ def _cuvil_project(env, config="cuvil.yaml"):
                 CUVIL_TARGET=target, CUVIL_PRECISION=model.precision, CUVIL_THREADS=model.threads,
                 CUVIL_PREFIX=model.symbol_prefix, CUVIL_OPT_LEVEL=model.opt_level, CUVIL_PASSES=model.passes,
                 CUVIL_DISABLE_PASSES=list(model.disable_passes), CUVIL_CACHE_DIR=str(spec.cache.dir),
-                CUVIL_CACHE_READ_ONLY=spec.cache.read_only)
+                CUVIL_CACHE_READ_ONLY=spec.cache.read_only, CUVIL_PASS_OPTIONS=dict(model.pass_options),
+                CUVIL_MAX_ARENA_MB=model.max_arena_mb, CUVIL_SANITIZE=model.sanitize)
             libraries.append(nodes[0])
     return libraries
 

@@ -132,9 +132,18 @@ def _run_export(dag, source, input_shapes):
     return to_onnx_proto(source, input_shapes).SerializeToString()
 
 
+def has_kernel(domain: str, op: str) -> bool:
+    """Whether cuvil compiles the op as it is; the import expands the others into
+    their ONNX function bodies where they have one (frontends/expand.py)."""
+    from backends.numba_cpu.registry import CUVIL_DOMAIN_OPS, GENERATORS
+    if domain == "cuvil":
+        return op in CUVIL_DOMAIN_OPS
+    return domain in ("", "ai.onnx") and op in GENERATORS
+
+
 def _run_import(dag, source, input_shapes, model_bytes=None):
     from .frontends.onnx import import_onnx
-    graph, _ = import_onnx(model_bytes if model_bytes is not None else source, input_shapes)
+    graph, _ = import_onnx(model_bytes if model_bytes is not None else source, input_shapes, has_kernel=has_kernel)
     return graph
 
 

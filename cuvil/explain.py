@@ -112,8 +112,9 @@ def explain_model(source, input_shapes=None, opt_level=2, passes=None, disable_p
     """Import a model (path, bytes or onnx.ModelProto) and run its passes here, uncached."""
     from passes import resolve_pass_options, resolve_passes, run_passes
 
+    from .build import has_kernel
     from .frontends.onnx import import_onnx
-    graph, _ = import_onnx(source, input_shapes or {})
+    graph, _ = import_onnx(source, input_shapes or {}, has_kernel=has_kernel)
     names = resolve_passes(opt_level, passes, disable_passes)
     options = resolve_pass_options(names, pass_options)
     stages = [("import", graph)]

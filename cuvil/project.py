@@ -120,6 +120,7 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
     from backends.numba_cpu import registry
     from passes import resolve_passes, run_passes
 
+    from .build import has_kernel
     from .frontends.onnx import import_onnx
 
     with _located(spec, model):
@@ -127,7 +128,7 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
         if source.suffix.lower() in TORCHSCRIPT_SUFFIXES:  # the build's export step, run here uncached
             from .frontends.torch import to_onnx_proto
             source = to_onnx_proto(source, dict(model.inputs))
-        graph, _ = import_onnx(source, dict(model.inputs))
+        graph, _ = import_onnx(source, dict(model.inputs), has_kernel=has_kernel)
         report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
                              _tensors(graph, graph.outputs), graph.op_counts())
         graph = run_passes(graph, resolve_passes(model.opt_level, model.passes, model.disable_passes),

@@ -34,7 +34,7 @@ GENERATORS = {
     "Flatten": lower_view,
     "Squeeze": lower_view,
     "Unsqueeze": lower_view,
-    "Dropout": lower_view,
+    "Dropout": indexing.lower_dropout,
     # dense linear algebra (gemm.py, conv.py)
     "Gemm": gemm.lower_gemm,
     "MatMul": gemm.lower_matmul,

@@ -23,7 +23,7 @@ import numpy as np
 from cuvil.errors import UnsupportedOpError
 
 from .elementwise import check_dtypes, compute_type, load, pointer_type, store, with_helpers
-from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
+from .kernel import Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal
 
 
 def _nearest(ratio, mode):
@@ -139,15 +139,10 @@ def _resize_params(node, graph, shape):
     rank = len(shape)
     out_shape = [int(d) for d in graph.values[node.outputs[0]].shape]
 
-    def const(pos):
-        if len(node.inputs) <= pos or not node.inputs[pos]:
-            return None
-        v = graph.values[node.inputs[pos]]
-        if not v.is_const:
-            raise UnsupportedOpError(f"node '{node.name}' ({node.op}): input '{v.name}' must be a constant",
-                                     hint="cuvil builds the interpolation tables from constant scales/sizes/roi")
-        data = np.asarray(v.data, dtype=np.float64).reshape(-1)
-        return data if data.size else None
+    def const(pos):  # the interpolation tables are built from constant scales/sizes/roi
+        data = const_input(node, graph, pos, f"input {pos} (roi, scales or sizes)")
+        data = None if data is None else np.asarray(data, dtype=np.float64).reshape(-1)
+        return data if data is not None and data.size else None
 
     if node.op == "Upsample" or graph.opset < 11:
         scales = const(1) if node.attr("scales") is None else np.asarray(node.attr("scales"), dtype=np.float64)

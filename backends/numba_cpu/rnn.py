@@ -600,6 +600,19 @@ def _lstm_step(step):
     step.close(opened)
 
 
+def _store_reset_gate(step, q, value):
+    """GRU: r = f(pre-activation) of every unit, then scratch[q + j] = value (of rg, the gate)."""
+    src, pS, H = step.src, step.pS, step.spec.H
+    opened = step.for_rows()
+    src.line(f"for j in range({H}):").indent()
+    src.line(f"ar = {pS}[xo + {H} + j]")
+    step.clip("ar")
+    step.activate(0, "ar", "rg")
+    src.line(f"{pS}[{q} + j] = {value}")
+    src.dedent()
+    step.close(opened)
+
+
 def _gru_step(step):
     if step.spec.uk_recurrence:
         _gru_step_uk(step)
@@ -610,14 +623,7 @@ def _gru_step(step):
     q = (pS, step.scratch("q"))
     # r first: the candidate needs r*h (or r) of every unit.
     _accumulate(step, [("ar", 1)], [h])
-    opened = step.for_rows()
-    src.line(f"for j in range({H}):").indent()
-    src.line(f"ar = {pS}[xo + {H} + j]")
-    step.clip("ar")
-    step.activate(0, "ar", "rg")
-    src.line(f"{pS}[{q[1]} + j] = {'rg' if spec.lbr else f'rg * {hp}[{hb} + j]'}")
-    src.dedent()
-    step.close(opened)
+    _store_reset_gate(step, q[1], "rg" if spec.lbr else f"rg * {hp}[{hb} + j]")
     src.line(f"for j in range({H}):").indent()
     opened = step.for_rows()
     src.line(f"az = {pS}[xo + j]").line(f"ah = {pS}[xo + {2 * H} + j]")
@@ -656,14 +662,7 @@ def _gru_step_uk(step):
     first, second = _uk_groups(spec)
     _uk_product(step, *first)
     if not spec.lbr:
-        opened = step.for_rows()
-        src.line(f"for j in range({H}):").indent()
-        src.line(f"ar = {pS}[xo + {H} + j]")
-        step.clip("ar")
-        step.activate(0, "ar", "rg")
-        src.line(f"{pS}[{q} + j] = rg * {hp}[{hb} + j]")
-        src.dedent()
-        step.close(opened)
+        _store_reset_gate(step, q, f"rg * {hp}[{hb} + j]")
     _uk_product(step, *second)
     opened = _rows_for_update(step)
     src.line(f"az = {pS}[xo + j]").line(f"ah = {pS}[xo + {2 * H} + j]")

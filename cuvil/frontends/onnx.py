@@ -343,11 +343,16 @@ def _pool_attrs(proto):
 _NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
-def import_onnx(source, input_shapes: dict | None = None) -> tuple[Graph, str]:
+def import_onnx(source, input_shapes: dict | None = None, has_kernel=None) -> tuple[Graph, str]:
     """Import a model (path, bytes or ModelProto) as a statically shaped CIR graph.
 
+    With `has_kernel(domain, op)`, ops it rejects are first replaced by their
+    ONNX function bodies where the schema defines one (frontends/expand.py).
     Returns the graph and the sha256 of the model's bytes."""
     model, data, base_dir = read_model(source)
+    if has_kernel is not None:
+        from .expand import expand_functions
+        model = expand_functions(model, has_kernel)
     try:
         graph = _Importer(model, base_dir, input_shapes or {}).run()
     except CuvilError:

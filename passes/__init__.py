@@ -15,6 +15,9 @@ prints. It reads the two graphs only, so passes stay pure.
            activations and residual adds into Conv/Gemm/MatMul epilogues
     opt 3  + fusion that generates new kernels: elementwise chains into one loop
            (FusedElementwise), then the clean-ups once more
+
+    in no level  merge_matmuls (sibling MatMul/Gemm of one input -> one product + Split):
+                 measured neutral on the encoder, see its module; name it in `passes:`
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pydantic import ValidationError
 from cuvil.errors import ConfigError
 
 from . import (eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fuse_activation,
-               fuse_elementwise, fuse_gemm, fuse_patterns, plan_memory, simplify_shapes)
+               fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes)
 
 _MODULES = {
     "fold_constants": fold_constants,
@@ -34,6 +37,7 @@ _MODULES = {
     "fuse_gemm": fuse_gemm,
     "fuse_patterns": fuse_patterns,
     "fuse_activation": fuse_activation,
+    "merge_matmuls": merge_matmuls,
     "fuse_elementwise": fuse_elementwise,
     "eliminate_dead": eliminate_dead,
     "plan_memory": plan_memory,

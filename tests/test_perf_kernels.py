@@ -193,3 +193,40 @@ def test_depthwise_conv(x_shape, attrs):
     k = attrs.get("kernel_shape", [3, 3])
     model, feeds = conv_model(x_shape, (C, 1, *k), group=C, **attrs)
     assert_matches_ort(model, feeds, tol=1e-5)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,const_b", [
+    ((24, 40), (40, 196), True),    # 12 x 32 tiles: the last column panel (4 columns) by a 16-wide kernel
+    ((24, 40), (40, 196), False),   # the same with B read in place (masked loads)
+    ((12, 30), (30, 40), True),     # one full panel and a 16-wide edge panel
+])
+def test_microkernel_narrow_edge_panel(a_shape, b_shape, const_b):
+    from backends.numba_cpu.gemm import choose_tile
+    assert choose_tile(a_shape[0], b_shape[1]) == (12, 32)
+    model, feeds = matmul_model(a_shape, b_shape, const_b)
+    compiled, _ = assert_matches_ort(model, feeds, tol=1e-5)
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    graph, _ = import_onnx(model)
+    widths = {spec.nr for spec in specs_in(lower(graph)[0].kernel.source).values()}
+    assert widths == {32, 16}
+
+
+def test_split_work_keeps_large_weights_streaming_once():
+    """Few output columns and large weights: rows are split, so the weights are read once; small
+    weights keep the column-first split."""
+    from backends.numba_cpu.gemm import split_work
+    # 1x1 conv 512 -> 2048 at 7 x 7 (12 x 32 tiles: 2 column panels, 171 row tiles)
+    assert split_work(8, 2, 171, 4 * 2048 * 512, 4 * 512 * 49) == (1, 2, 8, 22)
+    # 1x1 conv 64 -> 64 at 56 x 56: columns first, as before
+    assert split_work(8, 49, 11, 4 * 64 * 64, 4 * 64 * 3136) == (7, 7, 2, 6)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 128, 7, 7), (512, 128, 1, 1), dict()),                  # 1x1, rows split (weights >> activations)
+    ((1, 64, 7, 7), (128, 64, 3, 3), dict(pads=[1, 1, 1, 1])),   # implicit GEMM, rows split
+])
+def test_conv_row_split_identical_for_any_thread_count(x_shape, w_shape, attrs):
+    model, feeds = conv_model(x_shape, w_shape, **attrs)
+    outs = {t: assert_matches_ort(model, feeds, tol=1e-5, threads=t)[1]["y"] for t in (1, 2)}
+    np.testing.assert_array_equal(outs[1], outs[2])

@@ -28,7 +28,7 @@ import numpy as np
 from cuvil.ir import Value
 
 from .epilogue import Epilogue
-from .gemm import _ceil_div, choose_tile
+from .gemm import _ceil_div, choose_tile, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
@@ -93,6 +93,8 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         bits = 0
         for j in np.nonzero(valid)[0]:
             bits |= 1 << int(j)
+        if bits == (1 << NR) - 1:
+            bits = -1   # every lane valid: the micro-kernel's unmasked loads and stores
         table[t, 0] = bits - 2 ** 64 if bits >= 2 ** 63 else bits
         first = int(q[valid][0]) if valid.any() else 0
         table[t, 1] = (first // PW) * OW + first % PW
@@ -100,14 +102,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     store = "x" if PW != OW else "m"
 
     # Work items: (image, group, tile block, channel block).
-    want = ITEMS
-    n_blocks = min(n_tiles, want)
-    tpb = _ceil_div(n_tiles, n_blocks)
-    n_blocks = _ceil_div(n_tiles, tpb)
-    m_tiles = n_panels
-    m_blocks = min(m_tiles, _ceil_div(want, n_blocks))
-    mpb = _ceil_div(m_tiles, m_blocks)
-    m_blocks = _ceil_div(m_tiles, mpb)
+    n_blocks, tpb, m_blocks, mpb = split_work(ITEMS, n_tiles, n_panels, 4 * ocg * icg * T, 4 * icg * ldb)
     work = N * group * n_blocks * m_blocks
 
     has_bias = B is not None

@@ -202,9 +202,33 @@ def choose_tile(M: int, N: int, mode: str = "rows") -> tuple[int, int]:
         return UK_TILES[mode][tile] * M / (_ceil_div(M, mr) * mr) * N / (_ceil_div(N, nr) * nr)
     return max(sorted(UK_TILES[mode]), key=score)
 UK_KC = 256      # k values per pass (the B micro-panel kc x NR stays in L1/L2, the C tile is reloaded per pass)
+UK_NR_STEP = 16  # column granularity of edge micro-kernels (one AVX-512 vector)
 UK_ITEMS = 8     # work items to aim for (so threads get balanced shares)
 UK_A_BLOCK_BYTES = 256 << 10  # rows of A per block: rows x kc floats stay in L2
 UK_MIN_SPLIT_FLOPS = 1 << 21  # smaller GEMMs are one work item: splitting them costs more than it saves
+
+
+def split_work(want: int, n_cols: int, m_tiles: int, a_bytes: int, b_bytes: int) -> tuple[int, int, int, int]:
+    """Work items of a GEMM as (column blocks, column tiles per block, row blocks, row tiles per
+    block), about `want` items. Every column block reads all of A and every row block all of B, so
+    columns are split first, unless a split with (nearly) as many items moves a quarter fewer bytes:
+    a conv with large weights and few output columns (stage 4 of a ResNet) splits its rows, so its
+    weights stream from memory once, not once per column block."""
+    def split(n_try):
+        per_n = _ceil_div(n_cols, n_try)
+        n_blocks = _ceil_div(n_cols, per_n)
+        m_blocks = min(m_tiles, _ceil_div(want, n_blocks))
+        per_m = _ceil_div(m_tiles, m_blocks)
+        return n_blocks, per_n, _ceil_div(m_tiles, per_m), per_m
+
+    def traffic(c):
+        return c[0] * a_bytes + c[2] * b_bytes
+
+    columns_first = split(min(n_cols, want))
+    target = min(want, columns_first[0] * columns_first[2])
+    enough = [split(n_try) for n_try in range(min(n_cols, want), 0, -1)]
+    best = min((c for c in enough if 4 * c[0] * c[2] >= 3 * target), key=traffic)
+    return best if 4 * traffic(best) < 3 * traffic(columns_first) else columns_first
 
 
 def uk_eligible(dtype, M, N, K, a: Operand, b: Operand | None) -> bool:
@@ -277,23 +301,21 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     ldb = NR if b is None else b.rows
     specs = {}
 
+    # The last column panel is computed by a kernel only as wide as its columns need (whole vectors).
+    edge_nr = min(NR, _ceil_div(N % NR, UK_NR_STEP) * UK_NR_STEP) if N % NR else NR
+
     def spec(mr, edge_n):
-        key = (mr, edge_n and b is not None)
+        key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)
         if key not in specs:
-            specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=NR, a_packed=a_packed, a_panel=a_panel,
-                                                    b_masked=int(key[1])))
+            specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=key[1], a_packed=a_packed, a_panel=a_panel,
+                                                    b_masked=int(key[2])))
         return specs[key][0]
 
     # Work items: (batch, n block, m block); blocks of whole micro-tiles.
     n_panels = _ceil_div(N, NR)
     m_tiles = _ceil_div(M, MR)
     want = max(1, _ceil_div(threads_hint, n_batch)) if 2 * M * N * K >= UK_MIN_SPLIT_FLOPS else 1
-    n_blocks = min(n_panels, want)
-    m_blocks = min(m_tiles, _ceil_div(want, n_blocks))
-    ppb = _ceil_div(n_panels, n_blocks)
-    n_blocks = _ceil_div(n_panels, ppb)
-    tpb = _ceil_div(m_tiles, m_blocks)
-    m_blocks = _ceil_div(m_tiles, tpb)
+    n_blocks, ppb, m_blocks, tpb = split_work(want, n_panels, m_tiles, 4 * M * K, 4 * K * N)
     work = n_batch * n_blocks * m_blocks
     kc_max = uk_k_pass(K)
 
@@ -328,7 +350,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     body.line("for pn in range(p_lo, p_hi):").indent()
     body.line(f"n0 = pn * {NR}")
     body.line(f"nv = min({NR}, {N} - n0)")
-    body.line(f"mask = np.int64(-1) if nv >= 64 else (np.int64(1) << nv) - np.int64(1)")
+    body.line(f"mask = np.int64(-1) if nv >= {NR} else (np.int64(1) << nv) - np.int64(1)")
     if b is None:
         body.line(f"boff = pn * {K * NR} + k0 * {NR}")
     else:
@@ -375,7 +397,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
             call(M % MR, edge_n)
             body.dedent()
 
-    if b is not None and N % NR:
+    if N % NR and (b is not None or edge_nr < NR):
         body.line(f"if nv == {NR}:").indent()
         m_loop(False)
         body.dedent().line("else:").indent()

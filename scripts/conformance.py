@@ -197,7 +197,9 @@ def write_doc(results: dict, path: Path, exclude_count: int | None = None) -> st
         "(`np.testing.assert_allclose` at the test's own rtol/atol where onnx sets them, else rtol=1e-3, atol=1e-5; "
         "integers and bools exactly).",
         "- A test counts for the op whose node its generator exported, so a function op's `_expanded` "
-        "variant (the function body as a graph) counts for that op.",
+        "variant (the function body as a graph) counts for that op. An op with no cuvil kernel whose schema "
+        "defines a function (Attention, RMSNormalization, RotaryEmbedding...) is compiled from that body "
+        "(`cuvil/frontends/expand.py`), as it is for any model.",
         "- Cuvil compiles for static shapes. Inputs whose value decides a shape or a kernel parameter "
         "(Reshape's shape, Slice's starts/ends/axes/steps, TopK's k, Pad's pads, reduction axes, Range's bounds, "
         "ConstantOfShape's shape...; the list is `cuvil.backend.BUILD_TIME_INPUTS`) are baked into the library as "

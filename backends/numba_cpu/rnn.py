@@ -613,6 +613,16 @@ def _store_reset_gate(step, q, value):
     step.close(opened)
 
 
+def _gru_update(step, hp, hb):
+    """h' = (1 - z)*n + z*h from the pre-activations az and ah of unit j."""
+    step.clip("az")
+    step.clip("ah")
+    step.activate(0, "az", "zg")
+    step.activate(1, "ah", "ng")
+    step.src.line(f"hv = ({step.spec.lit(1)} - zg) * ng + zg * {hp}[{hb} + j]")
+    _store_h(step, "hv")
+
+
 def _gru_step(step):
     if step.spec.uk_recurrence:
         _gru_step_uk(step)
@@ -643,12 +653,7 @@ def _gru_step(step):
     src.dedent()
     opened = _rows_for_update(step)
     src.line(f"az = {pS}[xo + j]").line(f"ah = {pS}[xo + {2 * H} + j]")
-    step.clip("az")
-    step.clip("ah")
-    step.activate(0, "az", "zg")
-    step.activate(1, "ah", "ng")
-    src.line(f"hv = ({spec.lit(1)} - zg) * ng + zg * {hp}[{hb} + j]")
-    _store_h(step, "hv")
+    _gru_update(step, hp, hb)
     step.close(opened)
 
 
@@ -676,12 +681,7 @@ def _gru_step_uk(step):
             offset = step.d * width + spec.GH + (0 if spec.bias_packed is not None else 2 * H)
             ahr = f"({ahr} + {role['B']}[{offset} + j])"
         src.line(f"ah += rg * {ahr}")
-    step.clip("az")
-    step.clip("ah")
-    step.activate(0, "az", "zg")
-    step.activate(1, "ah", "ng")
-    src.line(f"hv = ({spec.lit(1)} - zg) * ng + zg * {hp}[{hb} + j]")
-    _store_h(step, "hv")
+    _gru_update(step, hp, hb)
     step.close(opened)
 
 

@@ -162,6 +162,16 @@ def test_gemm_threads_identical():
     np.testing.assert_array_equal(one, two)
 
 
+def test_more_threads_than_items_identical():
+    """Each thread owns a contiguous share of a step's items and then takes what is left of the
+    others': with more threads than items (shares of none), every item still runs once."""
+    model, feeds = matmul_model((30, 64), (64, 100))
+    one = cuvil.compile(model, threads=1).run(feeds)["y"]
+    compiled = cuvil.compile(model, threads=5)
+    for _ in range(20):
+        np.testing.assert_array_equal(compiled.run(feeds)["y"], one)
+
+
 @pytest.mark.parametrize("bits", [512, 256, 128])
 def test_microkernel_ir_for_every_vector_width(bits):
     """The micro-kernel IR is valid for AVX-512, AVX2 and SSE widths (the tile is split in
@@ -217,9 +227,30 @@ def test_split_work_keeps_large_weights_streaming_once():
     weights keep the column-first split."""
     from backends.numba_cpu.gemm import split_work
     # 1x1 conv 512 -> 2048 at 7 x 7 (12 x 32 tiles: 2 column panels, 171 row tiles)
-    assert split_work(8, 2, 171, 4 * 2048 * 512, 4 * 512 * 49) == (1, 2, 8, 22)
+    n_blocks, per_n, m_blocks, per_m = split_work(8, 2, 171, 4 * 2048 * 512, 4 * 512 * 49)
+    assert (n_blocks, per_n) == (1, 2) and 8 <= m_blocks <= 32
     # 1x1 conv 64 -> 64 at 56 x 56: columns first, as before
-    assert split_work(8, 49, 11, 4 * 64 * 64, 4 * 64 * 3136) == (7, 7, 2, 6)
+    n_blocks, per_n, m_blocks, per_m = split_work(8, 49, 11, 4 * 64 * 64, 4 * 64 * 3136)
+    assert n_blocks >= 7 and m_blocks <= 2
+
+
+@pytest.mark.parametrize("n_cols,m_tiles,a_bytes,b_bytes", [
+    (2, 171, 4 * 2048 * 512, 4 * 512 * 49),    # ResNet-50 stage 4, 1x1 512 -> 2048
+    (2, 43, 4 * 512 * 256 * 9, 4 * 256 * 160),  # ResNet-18 stage 4, 3x3 512 -> 512 as an implicit GEMM
+    (7, 22, 4 * 256 * 256 * 9, 4 * 256 * 255),  # ResNet-18 stage 3, 3x3 256 -> 256
+    (67, 8, 4 * 64 * 64 * 9, 4 * 64 * 3364),    # ResNet-18 stage 1, 3x3 64 -> 64
+])
+def test_split_work_balances_two_threads(n_cols, m_tiles, a_bytes, b_bytes):
+    """Blocks are whole tiles: 43 row tiles in 8 blocks of 6 leave two threads 24 and 19 tiles.
+    The split keeps two threads taking items in turn within 5 % of a perfect share, and tiles are
+    neither lost nor computed twice."""
+    from backends.numba_cpu.gemm import _imbalance, split_work
+    c = split_work(8, n_cols, m_tiles, a_bytes, b_bytes)
+    n_blocks, per_n, m_blocks, per_m = c
+    assert (n_blocks - 1) * per_n < n_cols <= n_blocks * per_n
+    assert (m_blocks - 1) * per_m < m_tiles <= m_blocks * per_m
+    assert 8 <= n_blocks * m_blocks <= 32
+    assert _imbalance(c, n_cols, m_tiles, 2) <= 1.05
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs", [

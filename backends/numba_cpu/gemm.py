@@ -205,6 +205,7 @@ UK_KC = 256      # k values per pass (the B micro-panel kc x NR stays in L1/L2, 
 UK_NR_STEP = 16  # column granularity of edge micro-kernels (one AVX-512 vector)
 UK_ITEMS = 8     # work items to aim for (so threads get balanced shares)
 UK_A_BLOCK_BYTES = 256 << 10  # rows of A per block: rows x kc floats stay in L2
+L2_RESIDENT_BYTES = 1 << 20  # an operand this small stays in L2 between the work items reading it
 UK_MIN_SPLIT_FLOPS = 1 << 21  # smaller GEMMs are one work item: splitting them costs more than it saves
 
 
@@ -213,11 +214,18 @@ def split_work(want: int, n_cols: int, m_tiles: int, a_bytes: int, b_bytes: int)
     block), about `want` items. Every column block reads all of A and every row block all of B, so
     columns are split first, unless a split with (nearly) as many items moves a quarter fewer bytes:
     a conv with large weights and few output columns (stage 4 of a ResNet) splits its rows, so its
-    weights stream from memory once, not once per column block."""
-    def split(n_try):
+    weights stream from memory once, not once per column block.
+
+    Then the split is balanced: blocks are whole tiles, so 43 row tiles in 8 blocks of 6 leave one
+    block of 1, and two threads taking the items in turn finish 24 and 19 tiles (10 % lost). Among
+    splits of want..4*want items moving at most a quarter more bytes
+    from memory, the one whose items two (then four) threads share best, as the driver hands them
+    out, is chosen.
+    Blocks only group whole tiles, so results do not depend on the split."""
+    def split(n_try, m_try=None):
         per_n = _ceil_div(n_cols, n_try)
         n_blocks = _ceil_div(n_cols, per_n)
-        m_blocks = min(m_tiles, _ceil_div(want, n_blocks))
+        m_blocks = min(m_tiles, _ceil_div(want, n_blocks) if m_try is None else m_try)
         per_m = _ceil_div(m_tiles, m_blocks)
         return n_blocks, per_n, _ceil_div(m_tiles, per_m), per_m
 
@@ -228,7 +236,41 @@ def split_work(want: int, n_cols: int, m_tiles: int, a_bytes: int, b_bytes: int)
     target = min(want, columns_first[0] * columns_first[2])
     enough = [split(n_try) for n_try in range(min(n_cols, want), 0, -1)]
     best = min((c for c in enough if 4 * c[0] * c[2] >= 3 * target), key=traffic)
-    return best if 4 * traffic(best) < 3 * traffic(columns_first) else columns_first
+    base = best if 4 * traffic(best) < 3 * traffic(columns_first) else columns_first
+    if base[0] * base[2] < 2:
+        return base
+    # Re-reading an operand that stays in L2 costs little: it counts an eighth.
+    def memory(c):
+        return sum(blocks * (nbytes if nbytes > L2_RESIDENT_BYTES else nbytes // 8)
+                   for blocks, nbytes in ((c[0], a_bytes), (c[2], b_bytes)))
+    limit = 5 * memory(base) // 4
+    cands = {split(n_try, m_try) for n_try in range(1, min(n_cols, 4 * want) + 1)
+             for m_try in range(1, min(m_tiles, 4 * want) + 1)}
+    cands = [c for c in cands if base[0] * base[2] <= c[0] * c[2] <= 4 * want and memory(c) <= limit]
+
+    def key(c):
+        return (round(_imbalance(c, n_cols, m_tiles, 2), 2), round(_imbalance(c, n_cols, m_tiles, 4), 2),
+                c[0] * c[2], traffic(c), c)
+    return min(cands + [base], key=key)
+
+
+def _imbalance(c, n_cols: int, m_tiles: int, threads: int) -> float:
+    """Time of the slowest of `threads` threads running split c's items as the driver hands them
+    out (each thread its contiguous share in order, then what is left of the others'), over a
+    perfect share; an item's time is its number of tiles."""
+    n_blocks, per_n, m_blocks, per_m = c
+    sizes = [min(per_n, n_cols - nb * per_n) * min(per_m, m_tiles - mb * per_m)
+             for nb in range(n_blocks) for mb in range(m_blocks)]
+    work = len(sizes)
+    nxt = [work * r // threads for r in range(threads)]
+    end = [work * (r + 1) // threads for r in range(threads)]
+    free = [0] * threads
+    while any(nxt[r] < end[r] for r in range(threads)):
+        t = free.index(min(free))
+        r = next(r % threads for r in range(t, t + threads) if nxt[r % threads] < end[r % threads])
+        free[t] += sizes[nxt[r]]
+        nxt[r] += 1
+    return max(free) * threads / (n_cols * m_tiles)
 
 
 def uk_eligible(dtype, M, N, K, a: Operand, b: Operand | None) -> bool:

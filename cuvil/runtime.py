@@ -5,6 +5,7 @@ Needs numpy and the standard library only: no numba, no onnx, no compiler.
 from __future__ import annotations
 
 import ctypes
+import math
 import json
 import re
 import threading
@@ -89,10 +90,7 @@ class Session:
     @staticmethod
     def _stage(ptrs, index, dtype, shape):
         """A buffer for a small tensor, its address stored in ptrs[index] once; None for a large one."""
-        count = 1
-        for d in shape:
-            count *= d
-        if count * dtype.itemsize > STAGED_BYTES:
+        if math.prod(shape) * dtype.itemsize > STAGED_BYTES:
             return None
         buf = np.zeros(shape, dtype)
         ptrs[index] = _address(buf)

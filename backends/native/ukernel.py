@@ -50,6 +50,7 @@ class UKSpec:
     taps: tuple = ()        # () rows mode; else the compile-time tap offsets (K loop over channels)
     store: str = "m"        # "m" masked positional, "x" compress
     b_masked: int = 0       # 1: B loads are masked with `mask` (B rows may end at the last valid column)
+    prefetch_b: int = 1     # 0: no software prefetch of B rows (B streams from L2, which the hardware follows)
 
     @property
     def name(self) -> str:
@@ -332,7 +333,7 @@ def _prefetches(ir: _IR, spec: UKSpec, kv: str, arow: dict, brow: str, T: int, P
             q = ir.tmp("pfq")
             ir(f"{q} = getelementptr i8, ptr {p}, i64 {PREFETCH_A_BYTES + 64 * j}")
             ir(f"call void @llvm.prefetch.p0(ptr {q}, i32 0, i32 3, i32 1)")
-    if not T:
+    if not T and spec.prefetch_b:
         ahead = ir.tmp("pfb")
         ir(f"{ahead} = mul i64 %ldb, {PREFETCH_B_ROWS}")
         p = ir.tmp("pfp")

@@ -448,7 +448,7 @@ def _recurrence_call(spec, node, d) -> KernelCall:
     src = Source().indent()
     step = _Step(spec, d, args, src)
     if spec.uk_recurrence:
-        step.uk, step.panel_offsets = rnn_uk.Gemv(), offsets
+        step.uk, step.panel_offsets = rnn_uk.MicroKernels(prefetch_b=False), offsets
     role, H, T, B = args.role, spec.H, spec.T, spec.B
     src.line("for blk in range(begin, end):").indent()
     src.line(f"b0 = blk*{spec.block}").line(f"nb = min({spec.block}, {B} - b0)")
@@ -613,6 +613,16 @@ def _store_reset_gate(step, q, value):
     step.close(opened)
 
 
+def _rbh(step) -> str | None:
+    """GRU with linear_before_reset: the expression of Rbh[j] (None without biases)."""
+    spec = step.spec
+    if "B" not in step.role:
+        return None
+    width = spec.bias_packed.shape[1] if spec.bias_packed is not None else 2 * spec.GH
+    offset = step.d * width + spec.GH + (0 if spec.bias_packed is not None else 2 * spec.H)
+    return f"{step.role['B']}[{offset} + j]"
+
+
 def _gru_update(step, hp, hb):
     """h' = (1 - z)*n + z*h from the pre-activations az and ah of unit j."""
     step.clip("az")
@@ -627,7 +637,7 @@ def _gru_step(step):
     if step.spec.uk_recurrence:
         _gru_step_uk(step)
         return
-    spec, src, pS, role = step.spec, step.src, step.pS, step.role
+    spec, src, pS = step.spec, step.src, step.pS
     H = spec.H
     hp, hb = h = step.state("h")
     q = (pS, step.scratch("q"))
@@ -638,12 +648,7 @@ def _gru_step(step):
     opened = step.for_rows()
     src.line(f"az = {pS}[xo + j]").line(f"ah = {pS}[xo + {2 * H} + j]")
     if spec.lbr:
-        if "B" in role:
-            width = spec.bias_packed.shape[1] if spec.bias_packed is not None else 2 * spec.GH
-            offset = step.d * width + spec.GH + (0 if spec.bias_packed is not None else 2 * H)
-            src.line(f"ahr = {role['B']}[{offset} + j]")
-        else:
-            src.line(f"ahr = {spec.lit(0)}")
+        src.line(f"ahr = {_rbh(step) or spec.lit(0)}")
         step.dots([("az", 0), ("ahr", 2)], [h, h])
         src.line(f"ah += {pS}[{q[1]} + j] * ahr")
     else:
@@ -660,7 +665,7 @@ def _gru_step(step):
 def _gru_step_uk(step):
     """GRU on the micro-kernels: z and r rows first; then (linear_before_reset=0) q = r*h and
     q . Rh^T into the candidate's pre-activation, or (=1) h . Rh^T into q, scaled by r in the update."""
-    spec, src, pS, role = step.spec, step.src, step.pS, step.role
+    spec, src, pS = step.spec, step.src, step.pS
     H = spec.H
     hp, hb = step.state("h")
     q = step.scratch("q")
@@ -675,12 +680,8 @@ def _gru_step_uk(step):
         src.line(f"ar = {pS}[xo + {H} + j]")
         step.clip("ar")
         step.activate(0, "ar", "rg")
-        ahr = f"{pS}[{q} + j]"
-        if "B" in role:
-            width = spec.bias_packed.shape[1] if spec.bias_packed is not None else 2 * spec.GH
-            offset = step.d * width + spec.GH + (0 if spec.bias_packed is not None else 2 * H)
-            ahr = f"({ahr} + {role['B']}[{offset} + j])"
-        src.line(f"ah += rg * {ahr}")
+        rbh = _rbh(step)
+        src.line(f"ah += rg * {f'({pS}[{q} + j] + {rbh})' if rbh else f'{pS}[{q} + j]'}")
     _gru_update(step, hp, hb)
     step.close(opened)
 

@@ -162,6 +162,19 @@ def test_gemm_threads_identical():
     np.testing.assert_array_equal(one, two)
 
 
+def test_work_items_follow_the_build_threads():
+    """The lowering knows the build's thread count: a large GEMM gets at least four items per
+    thread on 4 threads, and the same bytes as on one."""
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    model, feeds = matmul_model((256, 256), (256, 512))
+    graph, _ = import_onnx(model)
+    work = {t: [c.work for c in lower(graph, threads=t) if hasattr(c, "work")] for t in (1, 4)}
+    assert max(work[4]) >= 16 > max(work[1])
+    one = cuvil.compile(model, threads=1).run(feeds)["y"]
+    np.testing.assert_array_equal(cuvil.compile(model, threads=4).run(feeds)["y"], one)
+
+
 def test_more_threads_than_items_identical():
     """Each thread owns a contiguous share of a step's items and then takes what is left of the
     others': with more threads than items (shares of none), every item still runs once."""

@@ -29,10 +29,9 @@ from cuvil.ir import Value
 
 from .epilogue import Epilogue
 from .gemm import _ceil_div, choose_tile, split_work
-from .kernel import Kernel, KernelCall, Source, kernel_header, literal
+from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
-ITEMS = 8          # work items to aim for per image
 
 
 def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
@@ -102,7 +101,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     store = "x" if PW != OW else "m"
 
     # Work items: (image, group, tile block, channel block).
-    n_blocks, tpb, m_blocks, mpb = split_work(ITEMS, n_tiles, n_panels, 4 * ocg * icg * T, 4 * icg * ldb)
+    n_blocks, tpb, m_blocks, mpb = split_work(work_items(), n_tiles, n_panels, 4 * ocg * icg * T, 4 * icg * ldb)
     work = N * group * n_blocks * m_blocks
 
     has_bias = B is not None

@@ -27,8 +27,8 @@ import numpy as np
 from cuvil.errors import UnsupportedOpError
 
 from .epilogue import Epilogue, epilogue_of
-from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header,
-                     literal)
+from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
+                     work_items)
 
 ROW_BLOCK = 4      # output rows accumulated together (share each B load)
 K_BLOCK = 4        # k values fused in one pass over an output row (RB * KB scalars of A live in registers)
@@ -187,7 +187,7 @@ UK_NR = 64       # columns of a micro-tile (4 zmm vectors on AVX-512)
 # Tiles (rows x columns) with 24 accumulators on AVX-512, and their relative speed measured on
 # this machine with hot caches (rows: B rows read in place or packed; taps: convolutions).
 UK_TILES = {"rows": {(6, 64): 1.0, (8, 48): 0.99, (12, 32): 1.03},
-            "taps": {(6, 64): 1.0, (8, 48): 0.98, (12, 32): 1.04}}
+            "taps": {(6, 64): 1.0, (8, 48): 1.06, (12, 32): 1.04}}
 
 
 def choose_tile(M: int, N: int, mode: str = "rows") -> tuple[int, int]:
@@ -203,7 +203,6 @@ def choose_tile(M: int, N: int, mode: str = "rows") -> tuple[int, int]:
     return max(sorted(UK_TILES[mode]), key=score)
 UK_KC = 256      # k values per pass (the B micro-panel kc x NR stays in L1/L2, the C tile is reloaded per pass)
 UK_NR_STEP = 16  # column granularity of edge micro-kernels (one AVX-512 vector)
-UK_ITEMS = 8     # work items to aim for (so threads get balanced shares)
 UK_A_BLOCK_BYTES = 256 << 10  # rows of A per block: rows x kc floats stay in L2
 L2_RESIDENT_BYTES = 1 << 20  # an operand this small stays in L2 between the work items reading it
 UK_MIN_SPLIT_FLOPS = 1 << 21  # smaller GEMMs are one work item: splitting them costs more than it saves
@@ -313,7 +312,7 @@ def pack_a_panels(data: np.ndarray, mr: int = UK_MR) -> np.ndarray:
 
 def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand, b: Operand | None,
                    c: Operand | None, out: Operand, beta: float = 1.0, residual: Operand | None = None,
-                   epilogue: Epilogue | None = None, threads_hint: int = UK_ITEMS,
+                   epilogue: Epilogue | None = None, threads_hint: int | None = None,
                    a_panels: bool = False, tile: tuple[int, int] | None = None) -> tuple[Kernel, int]:
     """out = act(A @ B (+ beta*C) (+ R)) through LLVM-IR micro-kernels.
 
@@ -356,6 +355,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     # Work items: (batch, n block, m block); blocks of whole micro-tiles.
     n_panels = _ceil_div(N, NR)
     m_tiles = _ceil_div(M, MR)
+    threads_hint = work_items() if threads_hint is None else threads_hint
     want = max(1, _ceil_div(threads_hint, n_batch)) if 2 * M * N * K >= UK_MIN_SPLIT_FLOPS else 1
     n_blocks, ppb, m_blocks, tpb = split_work(want, n_panels, m_tiles, 4 * M * K, 4 * K * N)
     work = n_batch * n_blocks * m_blocks

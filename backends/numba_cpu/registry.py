@@ -8,6 +8,7 @@ from __future__ import annotations
 from cuvil.errors import UnsupportedOpError
 
 from . import batchnorm, concat, conv, elementwise as ew, gemm, pool, softmax, transpose
+from .kernel import lowering_for
 from .views import lower_view
 
 # rnn.py, convtranspose.py, norm.py, quant.py
@@ -153,9 +154,11 @@ def generator_for(node):
     return gen
 
 
-def lower(graph) -> list:
-    """The schedule: kernel calls and views in the graph's (topological) node order."""
+def lower(graph, threads: int = 1) -> list:
+    """The schedule: kernel calls and views in the graph's (topological) node order, work split
+    for a session of `threads` threads."""
     schedule = []
-    for node in graph.nodes:
-        schedule.extend(generator_for(node)(node, graph).calls)
+    with lowering_for(threads):
+        for node in graph.nodes:
+            schedule.extend(generator_for(node)(node, graph).calls)
     return schedule

@@ -36,6 +36,9 @@ MAXPOOL = [
     ({"kernel_shape": [3], "strides": [2], "pads": [1, 1]}, (2, 3, 9), 12),
     ({"kernel_shape": [2, 3, 2], "strides": [2, 1, 2], "pads": [1, 0, 1, 0, 1, 1]}, (1, 2, 5, 6, 5), 12),
     ({"kernel_shape": [2, 2], "storage_order": 1}, (1, 1, 4, 4), 8),
+    # ResNet's stem pool: interior rows and columns take the fused k x k loop, edges the per-tap loops
+    ({"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, (1, 4, 32, 30), 12),
+    ({"kernel_shape": [3, 2], "strides": [1, 2], "pads": [0, 1, 2, 0], "ceil_mode": 1}, (1, 2, 9, 11), 12),
 ]
 
 

@@ -32,6 +32,8 @@ from .gemm import _ceil_div, choose_tile, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
+FEW_PLANES = 16    # ConvPad: with fewer (image, channel) planes than this, work items are blocks of rows
+ROW_BLOCKS = 8     # ... this many per plane
 
 
 def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
@@ -67,7 +69,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     scratch = graph.unique_name(f"{Y.name}__phases")
     graph.values[scratch] = Value(scratch, np.dtype(np.float32), (scratch_floats,))
 
-    pad_kernel = _pad_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
+    pad_kernel, pad_work = _pad_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
 
     # Channels per pass over the channels (balanced).
     kc_max = max(1, min(icg, K_PER_PASS // T))
@@ -177,7 +179,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     conv_kernel = Kernel("Conv", head.text() + body.text(), tuple(types))
     args = [scratch, packed] + ([B.name] if has_bias else []) + [table] \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
-    return [KernelCall(pad_kernel, [X.name, scratch], N * C, node.name),
+    return [KernelCall(pad_kernel, [X.name, scratch], pad_work, node.name),
             KernelCall(conv_kernel, args, work, node.name)]
 
 
@@ -217,18 +219,28 @@ def flat_residual(res_strides, out_spatial) -> bool:
     return (sh == 0 and sw == 0) or sh == sw * out_spatial[1]
 
 
-def _pad_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> Kernel:
-    """X (N, C, H, W) -> phase images, one (image, channel) plane per work item."""
+def _pad_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
+    """X (N, C, H, W) -> phase images, and the work size. A work item is one channel's plane or,
+    with few planes (a network's first conv: 3 channels), a block of rows of one, so that
+    threads share the work evenly; blocks run top rows first, like the conv's output tiles."""
     zero = literal(0, np.float32)
     ldb = len(phases) * PH * PW
+    blocks = min(PH, ROW_BLOCKS) if N * C < FEW_PLANES else 1
+    rows = _ceil_div(PH, blocks)
+    blocks = _ceil_div(PH, rows)
     src = Source().line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
-    src.line(f"xb = item * {H * W}").line(f"sb = item * {ldb}")
+    if blocks > 1:
+        src.line(f"plane = item % {N * C}").line(f"i_lo = (item // {N * C}) * {rows}")
+        src.line(f"i_hi = min(i_lo + {rows}, {PH})")
+    else:
+        src.line("plane = item").line("i_lo = 0").line(f"i_hi = {PH}")
+    src.line(f"xb = plane * {H * W}").line(f"sb = plane * {ldb}")
     for k, (a, b) in enumerate(phases):
         # Columns j with 0 <= j*s_w + b - p_l < W: [j_lo, j_hi).
         j_lo = max(0, _ceil_div(p_l - b, s_w))
         j_hi = min(PW, max(j_lo, (W - 1 + p_l - b) // s_w + 1))
-        src.line(f"for i in range({PH}):").indent()
+        src.line("for i in range(i_lo, i_hi):").indent()
         src.line(f"o = sb + {k * PH * PW} + i * {PW}")
         src.line(f"r = i * {s_h} + {a - p_t}" if s_h > 1 else f"r = i + {a - p_t}")
         src.line(f"if r < 0 or r >= {H}:").indent()
@@ -243,4 +255,4 @@ def _pad_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> Kernel:
         if j_hi < PW:
             src.line(f"for j in range({j_hi}, {PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
         src.dedent().dedent()
-    return Kernel("ConvPad", src.text(), ("float32", "float32"))
+    return Kernel("ConvPad", src.text(), ("float32", "float32")), N * C * blocks

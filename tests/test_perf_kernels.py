@@ -210,12 +210,23 @@ def test_other_targets_compute_the_same(target):
     ((1, 8, 15, 13), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
     ((2, 6, 9, 11), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),
     ((1, 4, 10, 10), dict(pads=[0, 1, 2, 0], kernel_shape=[5, 3])),
+    ((1, 24, 28, 28), dict(pads=[1, 1, 1, 1], strides=[2, 2])),    # small strided: phase images
+    ((2, 5, 13, 15), dict(pads=[1, 0, 1, 2], strides=[2, 1])),
 ])
 def test_depthwise_conv(x_shape, attrs):
     C = x_shape[1]
     k = attrs.get("kernel_shape", [3, 3])
     model, feeds = conv_model(x_shape, (C, 1, *k), group=C, **attrs)
     assert_matches_ort(model, feeds, tol=1e-5)
+
+
+def test_small_strided_depthwise_uses_phase_images():
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    for shape, families in (((1, 24, 28, 28), ["ConvPad", "Conv"]), ((1, 24, 56, 56), ["Conv"])):
+        model, _ = conv_model(shape, (24, 1, 3, 3), group=24, pads=[1, 1, 1, 1], strides=[2, 2])
+        graph, _ = import_onnx(model)
+        assert [c.kernel.family for c in lower(graph)] == families
 
 
 @pytest.mark.parametrize("a_shape,b_shape,const_b", [

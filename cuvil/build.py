@@ -184,14 +184,15 @@ def _pack_weights(graph, schedule):
     for call in schedule:
         if not isinstance(call, KernelCall):
             continue
-        for i, arg in enumerate(call.args):
-            if isinstance(arg, np.ndarray):
-                name = f"__packed_{packed}"
-                packed += 1
-                place(name, arg)
-                call.args[i] = name
-            elif arg not in offsets and graph.values[arg].is_const:
-                place(arg, graph.values[arg].data)
+        for args in [call.args] + ([call.in_place.args] if call.in_place else []):
+            for i, arg in enumerate(args):
+                if isinstance(arg, np.ndarray):
+                    name = f"__packed_{packed}"
+                    packed += 1
+                    place(name, arg)
+                    args[i] = name
+                elif arg not in offsets and graph.values[arg].is_const:
+                    place(arg, graph.values[arg].data)
     for name in graph.outputs:
         if name not in offsets and graph.values[name].is_const:
             place(name, graph.values[name].data)

@@ -285,3 +285,44 @@ def test_conv_row_split_identical_for_any_thread_count(x_shape, w_shape, attrs):
     model, feeds = conv_model(x_shape, w_shape, **attrs)
     outs = {t: assert_matches_ort(model, feeds, tol=1e-5, threads=t)[1]["y"] for t in (1, 2)}
     np.testing.assert_array_equal(outs[1], outs[2])
+
+
+def _residual_conv_model(k, own_input=False, later_reader=False):
+    """t = act(conv(x') + r) with r an intermediate (Relu of an input); own_input: the residual is
+    the conv's own input; later_reader: r is read again after the conv."""
+    C, H = 8, 10
+    w = rand(C, C, k, k, seed=3) * 0.2
+    b = rand(C, seed=4) * 0.1
+    nodes = [helper.make_node("Relu", ["z"], ["r"]), helper.make_node("Neg", ["x"], ["xn"]),
+             helper.make_node("Conv", ["r" if own_input else "xn", "w", "b"], ["c"], pads=[k // 2] * 4),
+             helper.make_node("Add", ["c", "r"], ["s"]), helper.make_node("Relu", ["s"], ["t"])]
+    last = helper.make_node("Add", ["t", "r"], ["y"]) if later_reader else \
+        helper.make_node("Transpose", ["t"], ["y"], perm=[0, 1, 3, 2])
+    model = make_model(nodes + [last], [("x", np.float32, (1, C, H, H)), ("z", np.float32, (1, C, H, H))],
+                       [("y", np.float32, None)], {"w": w, "b": b})
+    return model, {"x": rand(1, C, H, H, seed=5), "z": rand(1, C, H, H, seed=6)}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("case", ["in_place", "own_input", "later_reader"])
+def test_conv_accumulates_onto_its_residual(k, case):
+    """A residual with no later reader becomes the conv's output buffer, and the conv accumulates
+    onto it (KernelCall.in_place); not when it is read later, nor when the conv reads it as its
+    input (a 1x1 conv; a 3x3 conv reads the phase images ConvPad made of it, one step before)."""
+    from backends.native.memory import plan_memory
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    from passes import resolve_passes, run_passes
+    model, feeds = _residual_conv_model(k, own_input=case == "own_input", later_reader=case == "later_reader")
+    for threads in (1, 2):
+        assert_matches_ort(model, feeds, tol=1e-5, threads=threads)
+    graph, _ = import_onnx(model)
+    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    schedule = lower(graph)
+    conv = next(c for c in schedule if c.kernel.family == "Conv")
+    assert conv.in_place is not None
+    plan = plan_memory(graph, schedule, set(graph.inputs) | set(graph.outputs))
+    taken = [out for out, value in plan.in_place.items() if value == "r"]
+    expected = case == "in_place" or (case == "own_input" and k == 3)
+    assert (len(taken) == 1) == expected
+    assert (conv.in_place is None) == expected   # the call became its in-place form

@@ -53,7 +53,9 @@ class MemoryPlan:
 
 def plan_memory(graph, schedule, external: set[str], strategy: str = "greedy_by_size",
                 in_place: bool = True) -> MemoryPlan:
-    """external: values that live outside the arena (graph inputs, outputs, constants)."""
+    """external: values that live outside the arena (graph inputs, outputs, constants). A call
+    whose output takes over an input's buffer in its in-place form (KernelCall.in_place) is
+    rewritten to that form in `schedule`."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown memory strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     alias: dict[str, str] = {}
@@ -99,16 +101,29 @@ def plan_memory(graph, schedule, external: set[str], strategy: str = "greedy_by_
 
 
 def _reuse_in_place(graph, schedule, steps, external, alias, root, first, last) -> dict[str, str]:
-    """Let an elementwise kernel's output take over an input buffer whose last reader it is."""
+    """Let an elementwise kernel's output take over an input buffer whose last reader it is, and a
+    call with an in-place form (KernelCall.in_place) the buffer of its in-place input: the call
+    then becomes that form."""
     taken_over = {}
     for step, call in enumerate(schedule):
-        if not isinstance(call, KernelCall) or call.n_outputs != 1 or call.kernel.family not in IN_PLACE_FAMILIES:
+        if not isinstance(call, KernelCall) or call.n_outputs != 1:
+            continue
+        if call.kernel.family in IN_PLACE_FAMILIES:
+            candidates = steps[step][1]
+        elif call.in_place is not None:
+            # Not when the call reads the same buffer through another argument (a conv whose
+            # residual is its own input): other work items would read what one overwrote.
+            value = call.in_place.value
+            others = list(steps[step][1])
+            others.remove(value)
+            candidates = [] if root(value) in {root(a) for a in others} else [value]
+        else:
             continue
         (out,) = steps[step][0]
         if out in external or out in alias:
             continue
         out_value = graph.values[out]
-        for name in steps[step][1]:
+        for name in candidates:
             r = root(name)
             value = graph.values[name]
             if r in external or r == out or last.get(r) != step or value.size != out_value.size \
@@ -118,6 +133,9 @@ def _reuse_in_place(graph, schedule, steps, external, alias, root, first, last) 
             last[r] = max(last[r], last.pop(out))
             first.pop(out)
             taken_over[out] = name
+            if call.in_place is not None and call.in_place.value == name:
+                form = call.in_place
+                call.kernel, call.args, call.work, call.in_place = form.kernel, form.args, form.work, None
             break
     return taken_over
 

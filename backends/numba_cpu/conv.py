@@ -40,12 +40,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backends.native.ukernel import specs_in
 from cuvil.errors import UnsupportedOpError
 
 from . import convgemm
 from .epilogue import Epilogue, epilogue_of
 from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
-from .kernel import Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal
+from .kernel import (InPlace, Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header,
+                     literal)
 
 WEIGHT_REGS = 18  # weights live in one pass (OCB x taps): they stay in vector registers
 OC_BLOCK = 2      # output channels per work item (when the group size allows)
@@ -113,14 +115,31 @@ def lower_conv(node, graph) -> Lowered:
     pointwise = W.is_const and (all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
                  and tuple(X.shape[2:]) == tuple(Y.shape[2:])
                  and (res_strides is None or _flat_spatial(res_strides[2:], Y.shape[2:]) is not None))
+    # A residual laid out like the output, with no reader after this conv, may become the output's
+    # buffer: the conv then accumulates onto it (one pass over it instead of a read and a write).
+    in_place_residual = isinstance(res_arg, str) and res_strides == tuple(dims_strides(Y.shape))
     if not pointwise and W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
             and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:])):
-        return Lowered(convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
-                                                res_arg, res_strides, epilogue))
+        calls = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                         res_arg, res_strides, epilogue)
+        if in_place_residual:
+            # The phase-image scratch is already in the graph: only the conv call has another form.
+            form = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                            None, None, epilogue, accumulate=True, scratch=calls[0].args[1])[1]
+            calls[1].in_place = InPlace(res_arg, form.kernel, form.args, form.work)
+        return Lowered(calls)
     if pointwise:
-        kernel_obj, work, packed = _pointwise_kernel(dtype, N, C, OC, group, int(np.prod(X.shape[2:])), B is not None,
+        pixels = int(np.prod(X.shape[2:]))
+        kernel_obj, work, packed = _pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None,
                                                      res_strides, Y.shape[2:], epilogue, W.data)
         args[0], args[1] = (W.name if packed is None else packed), X.name  # the GEMM reads A = W, B = X
+        if in_place_residual and specs_in(kernel_obj.source):
+            form, form_work, form_packed = _pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None, None,
+                                                             Y.shape[2:], epilogue, W.data, accumulate=True)
+            form_args = [W.name if form_packed is None else form_packed, X.name] + args[2:] + [Y.name]
+            call = KernelCall(kernel_obj, args + [res_arg, Y.name], work, node.name,
+                              in_place=InPlace(res_arg, form, form_args, form_work))
+            return Lowered([call])
     else:
         kernel_obj, work, mask = direct_conv_kernel(dtype, N, C, OC, group, X.shape[2:], Y.shape[2:], kernel,
                                                     strides, dilations, pads, B is not None, res_strides, epilogue)
@@ -144,7 +163,7 @@ def _flat_spatial(strides, dims):
 
 
 def _pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias, res_strides=None, out_spatial=(), epilogue=None,
-                      weights=None):
+                      weights=None, accumulate=False):
     """1x1 conv as a GEMM batched over (image, group): A = W[g] (OCg x ICg), B = X[n, g] (ICg x pixels).
     Returns the kernel, its work size and the weights packed into micro-kernel panels (or None: W as is)."""
     icg, ocg = C // group, OC // group
@@ -162,9 +181,9 @@ def _pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias, res_strides=None
                                    choose_tile(ocg, pixels)[0])
             a = Operand((0, packed[0].size), icg, 1)
             return (*uk_gemm_kernel("Conv", ocg, pixels, icg, (N, group), a, b, c, out, residual=r,
-                                    epilogue=epilogue, a_panels=True), packed)
-        return (*uk_gemm_kernel("Conv", ocg, pixels, icg, (N, group), a, b, c, out, residual=r, epilogue=epilogue),
-                None)
+                                    epilogue=epilogue, a_panels=True, accumulate=accumulate), packed)
+        return (*uk_gemm_kernel("Conv", ocg, pixels, icg, (N, group), a, b, c, out, residual=r, epilogue=epilogue,
+                                accumulate=accumulate), None)
     return (*gemm_kernel("Conv", dtype, ocg, pixels, icg, (N, group), a, b, c, out, residual=r, epilogue=epilogue),
             None)
 

@@ -54,8 +54,10 @@ def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
 
 
 def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
-                    residual_arg=None, res_strides=None, epilogue: Epilogue | None = None) -> list:
-    """The ConvPad and Conv kernel calls of a 2-D conv (see the module docstring)."""
+                    residual_arg=None, res_strides=None, epilogue: Epilogue | None = None,
+                    accumulate: bool = False, scratch: str | None = None) -> list:
+    """The ConvPad and Conv kernel calls of a 2-D conv (see the module docstring). With
+    `accumulate`, the conv adds onto its output (which holds the residual: see kernel.InPlace)."""
     from backends.native.ukernel import UKSpec
     epilogue = epilogue or Epilogue()
     dtype = np.dtype(np.float32)
@@ -72,8 +74,9 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     q_valid = (OH - 1) * PW + OW
     MR, NR = choose_tile(ocg, q_valid, "taps")
     scratch_floats = N * C * ldb + NR + 2 * PW + 16  # garbage lanes of the last tiles read past the end
-    scratch = graph.unique_name(f"{Y.name}__phases")
-    graph.values[scratch] = Value(scratch, np.dtype(np.float32), (scratch_floats,))
+    if scratch is None:   # (given: another form of the same conv, sharing its phase images)
+        scratch = graph.unique_name(f"{Y.name}__phases")
+        graph.values[scratch] = Value(scratch, np.dtype(np.float32), (scratch_floats,))
 
     pad_kernel, pad_work = _pad_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
 
@@ -135,7 +138,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
     body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
     body.line(f"for c0 in range(0, {icg}, {kc_max}):").indent()
-    body.line(f"kc = min({kc_max}, {icg} - c0)").line("lc = min(c0, 1)").line(f"last = c0 + {kc_max} >= {icg}")
+    body.line(f"kc = min({kc_max}, {icg} - c0)").line("lc = 1" if accumulate else "lc = min(c0, 1)").line(f"last = c0 + {kc_max} >= {icg}")
     body.line("for tt in range(t_lo, t_hi):").indent()
     body.line(f"mask = {pt}[tt * 3]").line(f"y0 = {pt}[tt * 3 + 1]").line(f"cnt = {pt}[tt * 3 + 2]")
     body.line(f"boff = (n * {C} + g * {icg} + c0) * {ldb} + tt * {NR}")

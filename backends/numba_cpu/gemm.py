@@ -313,8 +313,10 @@ def pack_a_panels(data: np.ndarray, mr: int = UK_MR) -> np.ndarray:
 def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand, b: Operand | None,
                    c: Operand | None, out: Operand, beta: float = 1.0, residual: Operand | None = None,
                    epilogue: Epilogue | None = None, threads_hint: int | None = None,
-                   a_panels: bool = False, tile: tuple[int, int] | None = None) -> tuple[Kernel, int]:
-    """out = act(A @ B (+ beta*C) (+ R)) through LLVM-IR micro-kernels.
+                   a_panels: bool = False, tile: tuple[int, int] | None = None,
+                   accumulate: bool = False) -> tuple[Kernel, int]:
+    """out = act(A @ B (+ beta*C) (+ R)) through LLVM-IR micro-kernels; with `accumulate`,
+    out = act(out + A @ B (+ beta*C)): the output holds a residual on entry (see kernel.InPlace).
 
     Pointers: A, B, [C], [R], out. `b` None: B is packed at build time by `pack_b_panels`
     (alpha folded in); else B is read in place, rows contiguous. A(i, k) is
@@ -383,7 +385,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     body.line(f"p_lo = nb * {ppb}").line(f"p_hi = min(p_lo + {ppb}, {n_panels})")
     body.line(f"for k0 in range(0, {K}, {kc_max}):").indent()
     body.line(f"kc = min({kc_max}, {K} - k0)")
-    body.line("lc = min(k0, 1)")
+    body.line("lc = 1" if accumulate else "lc = min(k0, 1)")
     body.line(f"last = k0 + {kc_max} >= {K}")
     # Rows in blocks whose A (rows x kc) stays in L2 while the item's panels go by.
     mc = max(MR, UK_A_BLOCK_BYTES // (kc_max * 4) // MR * MR)

@@ -64,6 +64,17 @@ class Kernel:
 
 
 @dataclass
+class InPlace:
+    """The form a call takes when its output takes over the buffer of input `value` (the memory
+    planner decides, when `value` has no later reader): `kernel` then finds that input's values
+    in its output (a GEMM or conv accumulates onto its residual instead of reading it apart)."""
+    value: str
+    kernel: Kernel
+    args: list
+    work: int
+
+
+@dataclass
 class KernelCall:
     """One call of a kernel in the schedule: which values (or build-time packed
     constants) its pointers bind to, and the size of its work range."""
@@ -72,6 +83,7 @@ class KernelCall:
     work: int
     node: str = ""  # the CIR node(s) it implements, for messages and `explain`
     n_outputs: int = 1  # the trailing n_outputs args are written, the rest only read
+    in_place: InPlace | None = None  # see InPlace
 
 
 @dataclass

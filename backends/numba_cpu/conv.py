@@ -291,18 +291,29 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
     src.line(f"x_base = (n*{C}{g_term})*{g.in_plane}")
     src.line(f"w_base0 = oc0*{icg * g.ksize}")
     src.line(f"o_base0 = (n*{OC} + oc0)*{g.out_plane}")
+    # Output ranges [lo, hi) set to the bias before the taps add up and given the epilogue after:
+    # all of them, or, when the flat loop sums every tap at once, only what it does not write
+    # itself (one pass over the rest of the output instead of three).
+    ranges = [(f"r_lo*{g.OW}", f"r_hi*{g.OW}")]
+    if _single_pass(g):
+        lo, hi = g.interior[0]
+        src.line(f"fl_lo = max(r_lo, {lo})*{g.OW} + {g.inner_lo}").line(f"fl_hi = (min(r_hi, {hi}) - 1)*{g.OW} + {g.inner_hi}")
+        src.line("if fl_hi <= fl_lo:").indent().line(f"fl_lo = r_hi*{g.OW}").line("fl_hi = fl_lo").dedent()
+        ranges = [(f"r_lo*{g.OW}", "fl_lo"), ("fl_hi", f"r_hi*{g.OW}")]
     with _per_channel(src, g):
-        src.line(f"for f in range(r_lo*{g.OW}, r_hi*{g.OW}):").indent()
-        src.line(f"{_py(g)}[o_base + f] = bias{_residual_term(src, g)}").dedent()
+        for lo, hi in ranges:
+            src.line(f"for f in range({lo}, {hi}):").indent()
+            src.line(f"{_py(g)}[o_base + f] = bias{_residual_term(src, g)}").dedent()
     if g.flat:
-        _flat_rows(src, g)
+        _flat_rows(src, g, assign=_single_pass(g))
     else:
         _row_by_row(src, g)
     if g.epilogue is not None and g.epilogue.active:
         with _per_channel(src, g, bias=False):
-            src.line(f"for f in range(r_lo*{g.OW}, r_hi*{g.OW}):").indent()
-            src.line(f"v = {_py(g)}[o_base + f]")
-            src.line(f"{_py(g)}[o_base + f] = {g.epilogue.expr('v', g.dtype)}").dedent()
+            for lo, hi in ranges:
+                src.line(f"for f in range({lo}, {hi}):").indent()
+                src.line(f"v = {_py(g)}[o_base + f]")
+                src.line(f"{_py(g)}[o_base + f] = {g.epilogue.expr('v', g.dtype)}").dedent()
     mask = g.column_masks() if g.masked_kw else None
     return Kernel("Conv", src.text(), tuple([g.dtype.name] * n_ptrs)), items * splits, mask
 
@@ -425,7 +436,16 @@ def _edge_row(src, g, kh_valid):
         src.line("pass")  # the kernel window is all padding: the row is the bias
 
 
-def _flat_rows(src, g):
+def _single_pass(g) -> bool:
+    """Whether the flat loop sums all of an output's taps in one pass (one block of taps: a
+    depthwise conv), so it can store bias + sum, with the epilogue, instead of adding to it."""
+    if not g.flat or g.res_strides is not None:
+        return False
+    per_oc = max(1, WEIGHT_REGS // g.ocb)
+    return g.icg == 1 and g.ksize <= per_oc
+
+
+def _flat_rows(src, g, assign=False):
     """2-D, stride 1, OW == IW: one inner loop from the first inner column of the first interior row
     to the last inner column of the last one. Its reads stay inside the plane (both ends do); at the
     border columns it crosses, a kernel column reading across the row edge has its sum multiplied
@@ -437,7 +457,7 @@ def _flat_rows(src, g):
     src.line("orow = o_base0").line(f"xrow = x_base - {g.pads[0] * g.IW + g.PW}")
     src.line(f"fa = ra*{OW}").line(f"fb = (rb - 1)*{OW}")
     border = [(ow, "fa") for ow in range(g.inner_lo)] + [(ow, "fb") for ow in range(g.inner_hi, OW)]
-    _fused_blocks(src, g, f"fa + {g.inner_lo}", f"fb + {g.inner_hi}", border, masks=True)
+    _fused_blocks(src, g, f"fa + {g.inner_lo}", f"fb + {g.inner_hi}", border, masks=True, assign=assign)
     src.dedent()
     if lo > 0 or hi < g.out_spatial[0]:
         src.line("for r in range(r_lo, r_hi):").indent()
@@ -504,12 +524,14 @@ def _blocks(g, kh_valid=None):
     return header, taps, None
 
 
-def _fused_blocks(src, g, loop_lo, loop_hi, border, kh_valid=None, masks=False):
+def _fused_blocks(src, g, loop_lo, loop_hi, border, kh_valid=None, masks=False, assign=False):
     """Every block of taps over columns [loop_lo, loop_hi) of the row at `orow`, then the `border`
-    columns; only kernel rows `kh_valid` (2-D) when given; column masks in the flat loop."""
+    columns; only kernel rows `kh_valid` (2-D) when given; column masks in the flat loop; with
+    `assign` (one block: see _single_pass) the loop stores act(bias + sum)."""
     header, taps, remainder = _blocks(g, kh_valid)
     opened = header(src)
-    _fused_taps(src, g, taps, loop_lo, loop_hi, border, masks)
+    assert not assign or (not opened and remainder is None)
+    _fused_taps(src, g, taps, loop_lo, loop_hi, border, masks, assign)
     if opened:
         src.dedent()
     if remainder is not None:
@@ -518,7 +540,7 @@ def _fused_blocks(src, g, loop_lo, loop_hi, border, kh_valid=None, masks=False):
         _fused_taps(src, g, rem_taps, loop_lo, loop_hi, border, masks)
 
 
-def _fused_taps(src, g, taps, loop_lo, loop_hi, border, masks):
+def _fused_taps(src, g, taps, loop_lo, loop_hi, border, masks, assign=False):
     """One pass: weights to scalars, the branch-free inner loop (inputs loaded once for all output
     channels, before any store), then the `border` columns (ow, extra row offset or None) with
     their valid taps."""
@@ -526,6 +548,8 @@ def _fused_taps(src, g, taps, loop_lo, loop_hi, border, masks):
     for j in range(g.ocb):
         for t, (_, w_off, _) in enumerate(taps):
             src.line(f"w{j}_{t} = {_PW}[{_add('wb', j * per_oc + w_off)}]")
+        if assign:
+            src.line(f"b{j} = " + (f"{_PB}[oc0 + {j}]" if g.has_bias else literal(0, g.dtype)))
     col = "ow" if g.SW == 1 else f"ow*{g.SW}"
     py = _py(g)
     masked = {kw: i for i, kw in enumerate(g.masked_kw)} if masks else {}
@@ -541,7 +565,12 @@ def _fused_taps(src, g, taps, loop_lo, loop_hi, border, masks):
             for kw in sorted({kw for _, _, kw in taps}):
                 products = " + ".join(f"w{j}_{t} * x{t}" for t, (_, _, k) in enumerate(taps) if k == kw)
                 sums.append(f"({products}) * m{kw}" if kw in masked else products)
-            src.line(f"{py}[{_add('orow + ow', j * g.out_plane)}] += {' + '.join(sums)}")
+            if assign:
+                src.line(f"v = b{j} + {' + '.join(sums)}")
+                epi = g.epilogue.expr("v", g.dtype) if g.epilogue is not None and g.epilogue.active else "v"
+                src.line(f"{py}[{_add('orow + ow', j * g.out_plane)}] = {epi}")
+            else:
+                src.line(f"{py}[{_add('orow + ow', j * g.out_plane)}] += {' + '.join(sums)}")
         src.dedent()
     for ow, row in border:
         valid = [(t, x_off) for t, (x_off, _, kw) in enumerate(taps) if 0 <= ow * g.SW - g.PW + kw * g.DW < g.IW]

@@ -326,3 +326,24 @@ def test_conv_accumulates_onto_its_residual(k, case):
     expected = case == "in_place" or (case == "own_input" and k == 3)
     assert (len(taken) == 1) == expected
     assert (conv.in_place is None) == expected   # the call became its in-place form
+
+
+@pytest.mark.parametrize("x_shape,attrs", [
+    ((1, 4, 20, 20), dict(pads=[1, 1, 1, 1])),                   # flat loop, 4 channels: rows split in items
+    ((1, 6, 17, 19), dict(pads=[1, 1, 1, 1], strides=[2, 2])),   # row by row
+    ((1, 4, 21, 16), dict(pads=[0, 2, 1, 0], strides=[2, 1])),   # asymmetric pads
+    ((1, 3, 9, 9), dict(pads=[0, 0, 0, 0])),                     # every row interior
+])
+def test_depthwise_conv_single_pass_with_epilogue(x_shape, attrs):
+    """Depthwise conv + Clip: interior outputs are stored once as clip(bias + sum), the border is
+    set to the bias, summed and clipped after (conv.py _single_pass)."""
+    C = x_shape[1]
+    model, feeds = conv_model(x_shape, (C, 1, 3, 3), group=C, **attrs)
+    y = model.graph.output[0].name
+    model.graph.node.append(helper.make_node("Clip", [y, "lo", "hi"], ["clipped"]))
+    from onnx import numpy_helper
+    model.graph.initializer.extend([numpy_helper.from_array(np.array(-0.2, np.float32), "lo"),
+                                    numpy_helper.from_array(np.array(0.3, np.float32), "hi")])
+    model.graph.output[0].name = "clipped"
+    for threads in (1, 2):
+        assert_matches_ort(model, feeds, tol=1e-5, threads=threads)

@@ -335,8 +335,9 @@ def test_conv_accumulates_onto_its_residual(k, case):
     ((1, 3, 9, 9), dict(pads=[0, 0, 0, 0])),                     # every row interior
 ])
 def test_depthwise_conv_single_pass_with_epilogue(x_shape, attrs):
-    """Depthwise conv + Clip: interior outputs are stored once as clip(bias + sum), the border is
-    set to the bias, summed and clipped after (conv.py _single_pass)."""
+    """Depthwise conv + Clip. In the flat loop (stride 1) interior outputs are stored once as
+    clip(bias + sum), the border is set to the bias, summed and clipped after (conv.py
+    _single_pass); strided ones go row by row in three passes (one pass measured slower there)."""
     C = x_shape[1]
     model, feeds = conv_model(x_shape, (C, 1, 3, 3), group=C, **attrs)
     y = model.graph.output[0].name

@@ -294,47 +294,26 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
     # Output ranges [lo, hi) set to the bias before the taps add up and given the epilogue after:
     # all of them, or, when the flat loop sums every tap at once, only what it does not write
     # itself (one pass over the rest of the output instead of three).
-    single = _single_pass(g)
     ranges = [(f"r_lo*{g.OW}", f"r_hi*{g.OW}")]
-    if single and g.flat:
+    if _single_pass(g):
         lo, hi = g.interior[0]
         src.line(f"fl_lo = max(r_lo, {lo})*{g.OW} + {g.inner_lo}").line(f"fl_hi = (min(r_hi, {hi}) - 1)*{g.OW} + {g.inner_hi}")
         src.line("if fl_hi <= fl_lo:").indent().line(f"fl_lo = r_hi*{g.OW}").line("fl_hi = fl_lo").dedent()
         ranges = [(f"r_lo*{g.OW}", "fl_lo"), ("fl_hi", f"r_hi*{g.OW}")]
-
-    def outside(stmt):
-        """`stmt(f)` for every output f of the item the fused loop does not store itself."""
-        if not single or g.flat:
-            for lo, hi in ranges:
-                src.line(f"for f in range({lo}, {hi}):").indent()
-                stmt("f")
-                src.dedent()
-            return
-        lo, hi = g.interior[0]
-        src.line("for r in range(r_lo, r_hi):").indent()
-        src.line(f"if r >= {lo} and r < {hi}:").indent()
-        for a, b in ((0, g.inner_lo), (g.inner_hi, g.OW)):
-            if b > a:
-                src.line(f"for f in range(r*{g.OW} + {a}, r*{g.OW} + {b}):").indent()
-                stmt("f")
-                src.dedent()
-        if g.inner_lo == 0 and g.inner_hi == g.OW:
-            src.line("pass")
-        src.dedent().line("else:").indent()
-        src.line(f"for f in range(r*{g.OW}, r*{g.OW} + {g.OW}):").indent()
-        stmt("f")
-        src.dedent().dedent().dedent()
-
     with _per_channel(src, g):
-        outside(lambda f: src.line(f"{_py(g)}[o_base + {f}] = bias{_residual_term(src, g)}"))
+        for lo, hi in ranges:
+            src.line(f"for f in range({lo}, {hi}):").indent()
+            src.line(f"{_py(g)}[o_base + f] = bias{_residual_term(src, g)}").dedent()
     if g.flat:
-        _flat_rows(src, g, assign=single)
+        _flat_rows(src, g, assign=_single_pass(g))
     else:
-        _row_by_row(src, g, assign=single)
+        _row_by_row(src, g)
     if g.epilogue is not None and g.epilogue.active:
         with _per_channel(src, g, bias=False):
-            outside(lambda f: src.line(f"v = {_py(g)}[o_base + {f}]")
-                    .line(f"{_py(g)}[o_base + {f}] = {g.epilogue.expr('v', g.dtype)}"))
+            for lo, hi in ranges:
+                src.line(f"for f in range({lo}, {hi}):").indent()
+                src.line(f"v = {_py(g)}[o_base + f]")
+                src.line(f"{_py(g)}[o_base + f] = {g.epilogue.expr('v', g.dtype)}").dedent()
     mask = g.column_masks() if g.masked_kw else None
     return Kernel("Conv", src.text(), tuple([g.dtype.name] * n_ptrs)), items * splits, mask
 
@@ -415,20 +394,19 @@ def _row_start(src, g, o_base):
     src.line(f"xrow = {' + '.join(terms)}" + (f" - {g.PW}" if g.PW else ""))
 
 
-def _row_by_row(src, g, assign=False):
-    """Each row: fused blocks (rows whose kernel window is inside) or per-tap loops; with `assign`
-    (see _single_pass) the fused loop of an interior row stores act(bias + sum)."""
+def _row_by_row(src, g):
+    """Each row: fused blocks (rows whose kernel window is inside) or per-tap loops."""
     src.line("for r in range(r_lo, r_hi):").indent()
     _row_start(src, g, "o_base0")
     row_border = [(ow, None) for ow in g.border]
     if not g.lead or g.all_interior:
-        _fused_blocks(src, g, g.inner_lo, g.inner_hi, row_border, assign=assign)
+        _fused_blocks(src, g, g.inner_lo, g.inner_hi, row_border)
     elif g.none_interior:
         _per_tap_all(src, g)
     else:
         cond = " and ".join(f"o{d} >= {lo} and o{d} < {hi}" for d, (lo, hi) in zip(g.lead, g.interior))
         src.line(f"if {cond}:").indent()
-        _fused_blocks(src, g, g.inner_lo, g.inner_hi, row_border, assign=assign)
+        _fused_blocks(src, g, g.inner_lo, g.inner_hi, row_border)
         src.dedent()
         _edge_rows(src, g, "elif")
     src.dedent()
@@ -459,10 +437,9 @@ def _edge_row(src, g, kh_valid):
 
 
 def _single_pass(g) -> bool:
-    """Whether the fused loop over the inner columns of the interior rows sums all of an output's
-    taps in one pass (one block of taps: a depthwise conv, 2-D), so it can store bias + sum, with
-    the epilogue, instead of adding to it."""
-    if g.res_strides is not None or len(g.lead) != 1 or g.none_interior or g.inner_hi <= g.inner_lo:
+    """Whether the flat loop sums all of an output's taps in one pass (one block of taps: a
+    depthwise conv), so it can store bias + sum, with the epilogue, instead of adding to it."""
+    if not g.flat or g.res_strides is not None:
         return False
     per_oc = max(1, WEIGHT_REGS // g.ocb)
     return g.icg == 1 and g.ksize <= per_oc

@@ -194,7 +194,10 @@ def test_microkernel_ir_for_every_vector_width(bits):
     from backends.native.targets import _init_llvm
     _init_llvm()
     for spec in (UKSpec(mr=6, nr=64, a_packed=0), UKSpec(mr=4, nr=64, a_packed=1, a_panel=6, taps=(0, 1, 9), store="x"),
-                 UKSpec(mr=1, nr=32, a_packed=0, b_masked=1)):
+                 UKSpec(mr=1, nr=32, a_packed=0, b_masked=1),
+                 UKSpec(mr=6, nr=64, a_packed=1, a_panel=6, bias=1, act="Relu"),
+                 UKSpec(mr=8, nr=48, a_packed=1, a_panel=8, taps=(0, 1), store="x", bias=1, act="Clip",
+                        act_lo=float("-inf"), act_hi=6.0)):
         llvm.parse_assembly(ukernel_ir(spec, bits)).verify()
 
 
@@ -348,3 +351,36 @@ def test_depthwise_conv_single_pass_with_epilogue(x_shape, attrs):
     model.graph.output[0].name = "clipped"
     for threads in (1, 2):
         assert_matches_ort(model, feeds, tol=1e-5, threads=threads)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,act", [
+    ((1, 16, 12, 12), (40, 16, 1, 1), {}, "Relu"),                            # 1x1: the GEMM path
+    ((1, 300, 9, 9), (14, 300, 3, 3), dict(pads=[1, 1, 1, 1]), "Clip"),       # 3x3, several passes over k
+    ((1, 24, 10, 10), (30, 24, 3, 3), dict(strides=[2, 2]), ""),             # bias only
+])
+def test_conv_epilogue_in_microkernel_registers(x_shape, w_shape, attrs, act):
+    """Bias and Relu/Clip run on the micro-kernel's accumulators on the last pass over k (no loop
+    reads the tile back): the spec carries them, and results match onnxruntime."""
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    from passes import resolve_passes, run_passes
+    model, feeds = conv_model(x_shape, w_shape, **attrs)
+    y = model.graph.output[0].name
+    if act:
+        from onnx import numpy_helper
+        extra = ["lo", "hi"] if act == "Clip" else []
+        model.graph.node.append(helper.make_node(act, [y] + extra, ["z"]))
+        if act == "Clip":
+            model.graph.initializer.extend([numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
+                                            numpy_helper.from_array(np.array(0.25, np.float32), "hi")])
+        model.graph.output[0].name = "z"
+    # tol is relative to the largest output: the Clip bound (0.25) is far below the sums it clips,
+    # whose float32 rounding (same before the epilogue moved into registers) is ~1e-5.
+    for threads in (1, 2):
+        assert_matches_ort(model, feeds, tol=1e-4 if act == "Clip" else 1e-5, threads=threads)
+    graph, _ = import_onnx(model)
+    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    conv = [c for c in lower(graph) if c.kernel.family == "Conv"][-1]
+    specs = list(specs_in(conv.kernel.source).values())
+    assert specs and all(sp.bias == 1 and sp.act == act for sp in specs)
+    assert "if last:" not in conv.kernel.source

@@ -26,7 +26,9 @@ accumulators fit the register file) and links it in.
 
 Signature (every micro-kernel):
     i32 name(ptr a, i64 aoff, i64 lda, ptr b, i64 boff, i64 ldb,
-             ptr c, i64 coff, i64 ldc, i64 kc, i64 mask, i64 loadc)
+             ptr c, i64 coff, i64 ldc, i64 kc, i64 mask, i64 loadc, ptr bias, i64 biasoff)
+`loadc` bit 0: accumulate onto C; bit 1: the epilogue (spec.bias, spec.act) runs on the
+accumulators before they are stored, so a conv's last pass writes its final values once.
 """
 from __future__ import annotations
 
@@ -37,8 +39,10 @@ from dataclasses import asdict, dataclass
 
 MAX_ACC = {16: 24, 8: 12, 4: 12}   # accumulator registers per chunk, by lanes (zmm: 32 regs, ymm/xmm: 16)
 
-ARG_TYPES = ("a", "aoff", "lda", "b", "boff", "ldb", "c", "coff", "ldc", "kc", "mask", "loadc")
-_PTR_ARGS = {"a", "b", "c"}
+ARG_TYPES = ("a", "aoff", "lda", "b", "boff", "ldb", "c", "coff", "ldc", "kc", "mask", "loadc", "bias", "biasoff")
+_PTR_ARGS = {"a", "b", "c", "bias"}
+LOADC_ACCUMULATE = 1   # loadc bit: the tile starts from C (else from zero)
+LOADC_EPILOGUE = 2     # loadc bit: add the bias and apply the activation before storing (the last pass)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class UKSpec:
     store: str = "m"        # "m" masked positional, "x" compress
     b_masked: int = 0       # 1: B loads are masked with `mask` (B rows may end at the last valid column)
     prefetch_b: int = 1     # 0: no software prefetch of B rows (B streams from L2, which the hardware follows)
+    bias: int = 0           # 1: with the epilogue bit, row i gets bias[biasoff + i] added
+    act: str = ""           # with the epilogue bit: "" | "Relu" | "Clip" (bounds act_lo, act_hi; inf: no bound)
+    act_lo: float = 0.0
+    act_hi: float = 0.0
 
     @property
     def name(self) -> str:
@@ -148,7 +156,12 @@ def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
             ir(f"{nxt} = add i64 {running}, {cnt}")
             running = nxt
     loadc = ir.tmp("loadc")
-    ir(f"{loadc} = icmp ne i64 %loadc, 0")
+    ir(f"{loadc}w = and i64 %loadc, {LOADC_ACCUMULATE}")
+    ir(f"{loadc} = icmp ne i64 {loadc}w, 0")
+    epilogue = bool(spec.bias or spec.act)
+    if epilogue:
+        ir("%epiw = and i64 %loadc, " + str(LOADC_EPILOGUE))
+        ir("%epi = icmp ne i64 %epiw, 0")
     # Row base pointers of C.
     crow = {}
     for i in range(spec.mr):
@@ -279,12 +292,15 @@ def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
         ir(f"%kc{ci} = icmp slt i64 %kn{ci}, %kc")
         ir(f"br i1 %kc{ci}, label %loop{ci}, label %st{ci}")
         ir.label(f"st{ci}")
+        final = {key: f"%accn{ci}_{key[0]}_{key[1]}" for key in accs}
+        if epilogue:
+            final = _epilogue(ir, spec, final, vt, L)
         ir(f"br i1 {full}, label %stf{ci}, label %stm{ci}")
         nxt = f"chunk{ci + 1}" if ci + 1 < len(chunks) else "done"
         for kind in ("f", "m"):
             ir.label(f"st{kind}{ci}")
             for (i, v) in accs:
-                val = f"%accn{ci}_{i}_{v}"
+                val = final[i, v]
                 if kind == "f":
                     p = ir.tmp("cp")
                     ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
@@ -309,11 +325,72 @@ def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
         f"declare void @llvm.masked.compressstore.v{L}f32({vt}, ptr, {mt})",
         "declare i64 @llvm.ctpop.i64(i64)",
         "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
+        f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+        f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
     ]
     body = "\n".join(ir.lines)
     for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
         body = re.sub(re.escape(old) + r"\b", new, body)
     return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+def _epilogue(ir: _IR, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
+    """act(acc + bias[row]) for every accumulator, selected by the epilogue bit (%epi)."""
+    out = {}
+    bias = {}
+    for i in sorted({i for i, _ in accs}):
+        if spec.bias:
+            idx = ir.tmp("bi")
+            ir(f"{idx} = add i64 %biasoff, {i}")
+            p = ir.tmp("bp")
+            ir(f"{p} = getelementptr float, ptr %bias, i64 {idx}")
+            # Only read when the epilogue runs (the pointer may be a placeholder otherwise).
+            x = ir.tmp("bsel")
+            ir(f"{x} = select i1 %epi, ptr {p}, ptr %c")
+            sc = ir.tmp("bv")
+            ir(f"{sc} = load float, ptr {x}, align 4")
+            ins = ir.tmp("bins")
+            ir(f"{ins} = insertelement {vt} poison, float {sc}, i64 0")
+            bias[i] = ir.tmp("bsplat")
+            ir(f"{bias[i]} = shufflevector {vt} {ins}, {vt} poison, <{L} x i32> zeroinitializer")
+
+    def splat(value: float) -> str:
+        return f"<{', '.join([f'float {_float_ir(value)}'] * L)}>"
+    for (i, v), acc in accs.items():
+        x = acc
+        if spec.bias:
+            y = ir.tmp("eb")
+            ir(f"{y} = fadd {vt} {x}, {bias[i]}")
+            x = y
+        if spec.act == "Relu":
+            y = ir.tmp("er")
+            ir(f"{y} = call {vt} @llvm.maxnum.v{L}f32({vt} {x}, {vt} zeroinitializer)")
+            x = y
+        elif spec.act == "Clip":
+            if spec.act_lo != float("-inf"):
+                y = ir.tmp("elo")
+                ir(f"{y} = call {vt} @llvm.maxnum.v{L}f32({vt} {x}, {vt} {splat(spec.act_lo)})")
+                x = y
+            if spec.act_hi != float("inf"):
+                y = ir.tmp("ehi")
+                ir(f"{y} = call {vt} @llvm.minnum.v{L}f32({vt} {x}, {vt} {splat(spec.act_hi)})")
+                x = y
+        else:
+            assert spec.act == "", spec.act
+        sel = ir.tmp("e")
+        ir(f"{sel} = select i1 %epi, {vt} {x}, {vt} {acc}")
+        out[i, v] = sel
+    return out
+
+
+def _float_ir(value: float) -> str:
+    """A float32 constant as LLVM IR writes it: the double with the same value, in hex."""
+    import struct
+    as_f32 = struct.unpack("f", struct.pack("f", value))[0]
+    return "0x" + struct.pack(">d", as_f32).hex().upper()
+
+
+EPILOGUE_ACTIVATIONS = ("", "Relu", "Clip")   # what the micro-kernel's epilogue computes in registers
 
 
 PREFETCH_A_BYTES = 2048   # packed A (weights, streamed from L3/DRAM): this far ahead

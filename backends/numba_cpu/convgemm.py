@@ -27,7 +27,9 @@ import numpy as np
 
 from cuvil.ir import Value
 
-from .epilogue import Epilogue
+from backends.native.ukernel import EPILOGUE_ACTIVATIONS, LOADC_EPILOGUE
+
+from .epilogue import Epilogue, epilogue_fields
 from .gemm import _ceil_div, choose_tile, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
@@ -125,9 +127,15 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     OHW = OH * OW
     specs = {}
 
+    # Bias, Relu or Clip run in the micro-kernel's registers on the last pass (no loop reads the
+    # tile back); a residual read or another activation keep the loop below.
+    in_registers = residual_arg is None and epilogue.activation in EPILOGUE_ACTIVATIONS and (has_bias or epilogue.active)
+    uk_epilogue = epilogue_fields(has_bias, epilogue) if in_registers else {}
+
     def spec(mr):
         if mr not in specs:
-            specs[mr] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR, taps=offsets, store=store))
+            specs[mr] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR, taps=offsets, store=store,
+                                                   **uk_epilogue))
         return specs[mr][0]
 
     body = Source().indent()
@@ -138,17 +146,19 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
     body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
     body.line(f"for c0 in range(0, {icg}, {kc_max}):").indent()
-    body.line(f"kc = min({kc_max}, {icg} - c0)").line("lc = 1" if accumulate else "lc = min(c0, 1)").line(f"last = c0 + {kc_max} >= {icg}")
+    body.line(f"kc = min({kc_max}, {icg} - c0)").line("lc = 1" if accumulate else "lc = min(c0, 1)").line(f"last = 1 if c0 + {kc_max} >= {icg} else 0")
     body.line("for tt in range(t_lo, t_hi):").indent()
     body.line(f"mask = {pt}[tt * 3]").line(f"y0 = {pt}[tt * 3 + 1]").line(f"cnt = {pt}[tt * 3 + 2]")
     body.line(f"boff = (n * {C} + g * {icg} + c0) * {ldb} + tt * {NR}")
     F = lambda v: literal(v, dtype)
-    has_epi = has_bias or residual_arg is not None or epilogue.active
+    has_epi = (has_bias or residual_arg is not None or epilogue.active) and not in_registers
 
     def call(mr):
         name = spec(mr)
         body.line(f"{name}(p1, (g * {icg} + c0) * {n_panels * T * MR} + (m // {MR}) * kc * {T * MR}, 0, p0, boff, {ldb}, "
-                  f"{py}, (n * {OC} + g * {ocg} + m) * {OHW} + y0, {OHW}, kc, mask, lc)")
+                  f"{py}, (n * {OC} + g * {ocg} + m) * {OHW} + y0, {OHW}, kc, mask, "
+                  + (f"lc + {LOADC_EPILOGUE} * last, " + (f"{pb}, g * {ocg} + m)" if has_bias else "p0, 0)")
+                     if in_registers else "lc, p0, 0)"))
         if has_epi:
             body.line("if last:").indent()
             body.line(f"for r in range(m, m + {mr}):").indent()

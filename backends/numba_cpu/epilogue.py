@@ -55,6 +55,13 @@ class Epilogue:
         raise AssertionError(act)
 
 
+def epilogue_fields(has_bias: bool, epilogue: Epilogue) -> dict:
+    """The micro-kernel spec fields (backends/native/ukernel.py UKSpec) that compute a per-row
+    bias and a Relu or Clip in registers."""
+    lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
+    return {"bias": int(has_bias), "act": epilogue.activation, "act_lo": float(lo), "act_hi": float(hi)}
+
+
 def epilogue_of(node) -> tuple[Epilogue, list[str]]:
     """The node's epilogue and its inputs without the residual (Conv/Gemm/MatMul inputs)."""
     inputs = list(node.inputs)

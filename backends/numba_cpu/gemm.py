@@ -26,7 +26,9 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from .epilogue import Epilogue, epilogue_of
+from backends.native.ukernel import EPILOGUE_ACTIVATIONS, LOADC_EPILOGUE
+
+from .epilogue import Epilogue, epilogue_fields, epilogue_of
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
                      work_items)
 
@@ -347,11 +349,18 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     # The last column panel is computed by a kernel only as wide as its columns need (whole vectors).
     edge_nr = min(NR, _ceil_div(N % NR, UK_NR_STEP) * UK_NR_STEP) if N % NR else NR
 
+    # The epilogue runs in the micro-kernel's registers when it is a per-row bias (a conv's) and a
+    # Relu or Clip: the last pass stores final values once, no loop reads the tile back.
+    in_registers = (residual is None and epilogue.activation in EPILOGUE_ACTIVATIONS
+                    and (c is None or (c.cols == 0 and c.rows == 1 and beta == 1.0))
+                    and (c is not None or epilogue.active))
+    uk_epilogue = epilogue_fields(c is not None, epilogue) if in_registers else {}
+
     def spec(mr, edge_n):
         key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)
         if key not in specs:
             specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=key[1], a_packed=a_packed, a_panel=a_panel,
-                                                    b_masked=int(key[2])))
+                                                    b_masked=int(key[2]), **uk_epilogue))
         return specs[key][0]
 
     # Work items: (batch, n block, m block); blocks of whole micro-tiles.
@@ -386,7 +395,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     body.line(f"for k0 in range(0, {K}, {kc_max}):").indent()
     body.line(f"kc = min({kc_max}, {K} - k0)")
     body.line("lc = 1" if accumulate else "lc = min(k0, 1)")
-    body.line(f"last = k0 + {kc_max} >= {K}")
+    body.line(f"last = 1 if k0 + {kc_max} >= {K} else 0")
     # Rows in blocks whose A (rows x kc) stays in L2 while the item's panels go by.
     mc = max(MR, UK_A_BLOCK_BYTES // (kc_max * 4) // MR * MR)
     body.line(f"for mb0 in range(m_lo, m_hi, {mc}):").indent()
@@ -402,7 +411,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
 
     F = lambda v: literal(v, dtype)
     scale_c = "" if beta == 1.0 else f" * {F(beta)}"
-    has_epi = c is not None or residual is not None or epilogue.active
+    has_epi = (c is not None or residual is not None or epilogue.active) and not in_registers
 
     def call(mr, edge_n):
         name = spec(mr, edge_n)
@@ -410,8 +419,13 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
             a_off = _sum(off["a"], _term("k0", _ceil_div(M, MR) * MR), "m*kc")
         else:
             a_off = _sum(off["a"], _term("m", a.rows), _term("k0", a_k))
+        loadc, bias = "lc", "p0, 0"
+        if in_registers:
+            loadc = f"lc + {LOADC_EPILOGUE} * last"
+            if c is not None:
+                bias = f"{pc}, {_sum(off['c'], 'm')}"
         body.line(f"{name}(p0, {a_off}, {lda}, p1, boff, {ldb}, {po}, {_sum(off['o'], _term('m', out.rows))} + n0, "
-                  f"{out.rows}, kc, mask, lc)")
+                  f"{out.rows}, kc, mask, {loadc}, {bias})")
         if has_epi:
             body.line("if last:").indent()
             body.line(f"for r in range(m, m + {mr}):").indent()

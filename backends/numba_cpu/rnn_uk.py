@@ -73,7 +73,7 @@ class MicroKernels:
 
     def call(self, src: Source, mr, a, aoff, lda, b, boff, c, coff, ldc, kc, mask, loadc):
         """C[mr rows, 64] (+)= A[mr rows, kc] . B[kc, 64]: a source line (mr a literal int)."""
-        src.line(f"{self.name(mr)}({a}, {aoff}, {lda}, {b}, {boff}, {NR}, {c}, {coff}, {ldc}, {kc}, {mask}, {loadc})")
+        src.line(f"{self.name(mr)}({a}, {aoff}, {lda}, {b}, {boff}, {NR}, {c}, {coff}, {ldc}, {kc}, {mask}, {loadc}, {a}, 0)")
 
     def rows(self, src: Source, M: int, a, abase, lda, b, boff, c, cbase, ldc, kc, mask, loadc):
         """All M rows (a compile-time count) in tiles of MR rows, then the remainder."""

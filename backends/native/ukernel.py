@@ -278,10 +278,7 @@ def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
                     ir(f"{p} = getelementptr float, ptr {arow[i]}, i64 {kk}")
                 s = ir.tmp("a")
                 ir(f"{s} = load float, ptr {p}, align 4")
-                ins = ir.tmp("ins")
-                ir(f"{ins} = insertelement {vt} poison, float {s}, i64 0")
-                splat = ir.tmp("bc")
-                ir(f"{splat} = shufflevector {vt} {ins}, {vt} poison, <{L} x i32> zeroinitializer")
+                splat = _broadcast(ir, s, vt, L)
                 for v in vecs:
                     out = ir.tmp("f")
                     ir(f"{out} = call {vt} @llvm.fma.v{L}f32({vt} {splat}, {vt} {bvec[v]}, {vt} {cur[i, v]})")
@@ -334,6 +331,15 @@ def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
     return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
+def _broadcast(ir: _IR, scalar: str, vt: str, L: int) -> str:
+    """A vector with every lane the float `scalar`."""
+    ins = ir.tmp("ins")
+    ir(f"{ins} = insertelement {vt} poison, float {scalar}, i64 0")
+    splat = ir.tmp("bc")
+    ir(f"{splat} = shufflevector {vt} {ins}, {vt} poison, <{L} x i32> zeroinitializer")
+    return splat
+
+
 def _epilogue(ir: _IR, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
     """act(acc + bias[row]) for every accumulator, selected by the epilogue bit (%epi)."""
     out = {}
@@ -349,10 +355,7 @@ def _epilogue(ir: _IR, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
             ir(f"{x} = select i1 %epi, ptr {p}, ptr %c")
             sc = ir.tmp("bv")
             ir(f"{sc} = load float, ptr {x}, align 4")
-            ins = ir.tmp("bins")
-            ir(f"{ins} = insertelement {vt} poison, float {sc}, i64 0")
-            bias[i] = ir.tmp("bsplat")
-            ir(f"{bias[i]} = shufflevector {vt} {ins}, {vt} poison, <{L} x i32> zeroinitializer")
+            bias[i] = _broadcast(ir, sc, vt, L)
 
     def splat(value: float) -> str:
         return f"<{', '.join([f'float {_float_ir(value)}'] * L)}>"

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from dataclasses import asdict, dataclass
 
 MAX_ACC = {16: 24, 8: 12, 4: 12}   # accumulator registers per chunk, by lanes (zmm: 32 regs, ymm/xmm: 16)
@@ -55,7 +56,8 @@ class UKSpec:
     store: str = "m"        # "m" masked positional, "x" compress
     b_masked: int = 0       # 1: B loads are masked with `mask` (B rows may end at the last valid column)
     prefetch_b: int = 1     # 0: no software prefetch of B rows (B streams from L2, which the hardware follows)
-    bias: int = 0           # 1: with the epilogue bit, row i gets bias[biasoff + i] added
+    bias: int = 0           # 1: with the epilogue bit, row i gets bias[biasoff + i] added (bias must then be a
+                            # valid pointer on every call)
     act: str = ""           # with the epilogue bit: "" | "Relu" | "Clip" (bounds act_lo, act_hi; inf: no bound)
     act_lo: float = 0.0
     act_hi: float = 0.0
@@ -350,11 +352,8 @@ def _epilogue(ir: _IR, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
             ir(f"{idx} = add i64 %biasoff, {i}")
             p = ir.tmp("bp")
             ir(f"{p} = getelementptr float, ptr %bias, i64 {idx}")
-            # Only read when the epilogue runs (the pointer may be a placeholder otherwise).
-            x = ir.tmp("bsel")
-            ir(f"{x} = select i1 %epi, ptr {p}, ptr %c")
             sc = ir.tmp("bv")
-            ir(f"{sc} = load float, ptr {x}, align 4")
+            ir(f"{sc} = load float, ptr {p}, align 4")
             bias[i] = _broadcast(ir, sc, vt, L)
 
     def splat(value: float) -> str:
@@ -388,7 +387,6 @@ def _epilogue(ir: _IR, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
 
 def _float_ir(value: float) -> str:
     """A float32 constant as LLVM IR writes it: the double with the same value, in hex."""
-    import struct
     as_f32 = struct.unpack("f", struct.pack("f", value))[0]
     return "0x" + struct.pack(">d", as_f32).hex().upper()
 

@@ -295,7 +295,8 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
     # all of them, or, when the flat loop sums every tap at once, only what it does not write
     # itself (one pass over the rest of the output instead of three).
     ranges = [(f"r_lo*{g.OW}", f"r_hi*{g.OW}")]
-    if _single_pass(g):
+    single = _single_pass(g)
+    if single:
         lo, hi = g.interior[0]
         src.line(f"fl_lo = max(r_lo, {lo})*{g.OW} + {g.inner_lo}").line(f"fl_hi = (min(r_hi, {hi}) - 1)*{g.OW} + {g.inner_hi}")
         src.line("if fl_hi <= fl_lo:").indent().line(f"fl_lo = r_hi*{g.OW}").line("fl_hi = fl_lo").dedent()
@@ -305,7 +306,7 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
             src.line(f"for f in range({lo}, {hi}):").indent()
             src.line(f"{_py(g)}[o_base + f] = bias{_residual_term(src, g)}").dedent()
     if g.flat:
-        _flat_rows(src, g, assign=_single_pass(g))
+        _flat_rows(src, g, assign=single)
     else:
         _row_by_row(src, g)
     if g.epilogue is not None and g.epilogue.active:

@@ -27,9 +27,9 @@ import numpy as np
 
 from cuvil.ir import Value
 
-from backends.native.ukernel import EPILOGUE_ACTIVATIONS, LOADC_EPILOGUE
+from backends.native.ukernel import LOADC_EPILOGUE
 
-from .epilogue import Epilogue, epilogue_fields
+from .epilogue import Epilogue, register_epilogue
 from .gemm import _ceil_div, choose_tile, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
@@ -129,8 +129,9 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
 
     # Bias, Relu or Clip run in the micro-kernel's registers on the last pass (no loop reads the
     # tile back); a residual read or another activation keep the loop below.
-    in_registers = residual_arg is None and epilogue.activation in EPILOGUE_ACTIVATIONS and (has_bias or epilogue.active)
-    uk_epilogue = epilogue_fields(has_bias, epilogue) if in_registers else {}
+    uk_epilogue = register_epilogue(has_bias, epilogue, residual_arg is not None)
+    in_registers = uk_epilogue is not None
+    uk_epilogue = uk_epilogue or {}
 
     def spec(mr):
         if mr not in specs:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backends.native.ukernel import EPILOGUE_ACTIVATIONS
 from cuvil.errors import UnsupportedOpError
 
 from .kernel import literal
@@ -55,11 +56,15 @@ class Epilogue:
         raise AssertionError(act)
 
 
-def epilogue_fields(has_bias: bool, epilogue: Epilogue) -> dict:
-    """The micro-kernel spec fields (backends/native/ukernel.py UKSpec) that compute a per-row
-    bias and a Relu or Clip in registers."""
+def register_epilogue(row_bias: bool, epilogue: Epilogue, other_terms: bool = False) -> dict | None:
+    """The micro-kernel spec fields (backends/native/ukernel.py UKSpec) that compute the epilogue
+    in registers on the last pass: a per-row bias and a Relu or Clip. None when there is nothing
+    to compute or it needs the loop over the stored tile (`other_terms`: a residual, a bias the
+    micro-kernel cannot add; or another activation)."""
+    if other_terms or epilogue.activation not in EPILOGUE_ACTIVATIONS or not (row_bias or epilogue.active):
+        return None
     lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
-    return {"bias": int(has_bias), "act": epilogue.activation, "act_lo": float(lo), "act_hi": float(hi)}
+    return {"bias": int(row_bias), "act": epilogue.activation, "act_lo": float(lo), "act_hi": float(hi)}
 
 
 def epilogue_of(node) -> tuple[Epilogue, list[str]]:

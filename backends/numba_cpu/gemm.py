@@ -26,9 +26,9 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from backends.native.ukernel import EPILOGUE_ACTIVATIONS, LOADC_EPILOGUE
+from backends.native.ukernel import LOADC_EPILOGUE
 
-from .epilogue import Epilogue, epilogue_fields, epilogue_of
+from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
                      work_items)
 
@@ -351,10 +351,10 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
 
     # The epilogue runs in the micro-kernel's registers when it is a per-row bias (a conv's) and a
     # Relu or Clip: the last pass stores final values once, no loop reads the tile back.
-    in_registers = (residual is None and epilogue.activation in EPILOGUE_ACTIVATIONS
-                    and (c is None or (c.cols == 0 and c.rows == 1 and beta == 1.0))
-                    and (c is not None or epilogue.active))
-    uk_epilogue = epilogue_fields(c is not None, epilogue) if in_registers else {}
+    row_bias = c is not None and c.cols == 0 and c.rows == 1 and beta == 1.0
+    uk_epilogue = register_epilogue(row_bias, epilogue, residual is not None or (c is not None and not row_bias))
+    in_registers = uk_epilogue is not None
+    uk_epilogue = uk_epilogue or {}
 
     def spec(mr, edge_n):
         key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)

@@ -100,7 +100,7 @@ def _window_kernel(op, x, y, geometry) -> Kernel:
         o, t, h = f"o{axis}", f"k{axis}", f"h{axis}"
         src.line(f"for {o} in range({out_spatial[axis]}):").indent()
         if axis == 0:
-            fused = _fused_max_rows(src, x, y, geometry, y_ptr) if is_max and rank == 2 and min(dilations) == 1 else None
+            fused = _fused_max_rows(src, x, y, geometry, y_ptr, init) if is_max and rank == 2 and min(dilations) == 1 else None
         src.line(f"for {t} in range({kernel[axis]}):").indent()
         src.line(f"{h} = {_affine([(o, strides[axis]), (t, dilations[axis])], -pad_begin[axis])}")
         last_tap = (out_spatial[axis] - 1) * strides[axis] + (kernel[axis] - 1) * dilations[axis] - pad_begin[axis]
@@ -128,12 +128,10 @@ def _window_kernel(op, x, y, geometry) -> Kernel:
         # Rows whose window is inside the input were done by the fused loop, but for the edge columns.
         (r_lo, r_hi), (c_lo, c_hi) = fused
         src.line(f"if o0 >= {r_lo} and o0 < {r_hi}:").indent()
-        src.line(f"for o in range(lo, min(hi, {c_lo})):").indent()
-        src.line(f"v = p0[xt + {_affine([('o', s)])}]").line(f"w = {y_ptr}[yr + o]")
-        src.line(f"{y_ptr}[yr + o] = v if v > w else w").dedent()
-        src.line(f"for o in range(max(lo, {c_hi}), hi):").indent()
-        src.line(f"v = p0[xt + {_affine([('o', s)])}]").line(f"w = {y_ptr}[yr + o]")
-        src.line(f"{y_ptr}[yr + o] = v if v > w else w").dedent()
+        for edge in (f"lo, min(hi, {c_lo})", f"max(lo, {c_hi}), hi"):
+            src.line(f"for o in range({edge}):").indent()
+            src.line(f"v = p0[xt + {_affine([('o', s)])}]").line(f"w = {y_ptr}[yr + o]")
+            src.line(f"{y_ptr}[yr + o] = v if v > w else w").dedent()
         src.line("continue").dedent()
     src.line("for o in range(lo, hi):").indent()
     src.line(f"v = p0[xt + {_affine([('o', s)])}]")
@@ -150,24 +148,22 @@ def _window_kernel(op, x, y, geometry) -> Kernel:
     return Kernel(op, src.text(), arg_types)
 
 
-def geometry_rows(geometry, in_spatial, out_spatial) -> tuple[int, int]:
-    """Output rows [lo, hi) whose whole kernel window lies inside the input rows (2-D)."""
-    kernel, strides, dilations, pad_begin, _ = geometry
-    k, s, d, p, size = kernel[0], strides[0], dilations[0], pad_begin[0], in_spatial[0]
-    inside = [o for o in range(out_spatial[0]) if o * s - p >= 0 and o * s - p + (k - 1) * d < size]
+def _inside(k, s, d, p, size, n_out) -> tuple[int, int]:
+    """Output positions [lo, hi) along one axis whose whole kernel window lies inside the input."""
+    inside = [o for o in range(n_out) if o * s - p >= 0 and o * s - p + (k - 1) * d < size]
     return (inside[0], inside[-1] + 1) if inside else (0, 0)
 
 
-def _fused_max_rows(src, x, y, geometry, y_ptr):
+def _fused_max_rows(src, x, y, geometry, y_ptr, init):
     """2-D MaxPool, before the per-tap loops of output row o0: if the row's window lies inside the
     input rows, one loop over the columns whose window is inside too takes the max of all k*k taps
     (one store per output instead of a read-modify-write per tap). Returns those rows and columns,
     ([lo, hi), [lo, hi)), or None when no row or column is inside."""
     kernel, strides, dilations, pad_begin, _ = geometry
     H, W = (int(v) for v in x.shape[2:])
-    OW = int(y.shape[3])
-    r_lo, r_hi = geometry_rows(geometry, (H, W), y.shape[2:])
-    cols = geometry_rows([kernel[1:], strides[1:], dilations[1:], pad_begin[1:], None], (W,), (OW,))
+    OH, OW = (int(v) for v in y.shape[2:])
+    r_lo, r_hi = _inside(kernel[0], strides[0], dilations[0], pad_begin[0], H, OH)
+    cols = _inside(kernel[1], strides[1], dilations[1], pad_begin[1], W, OW)
     if r_hi <= r_lo or cols[1] <= cols[0]:
         return None
     kh, kw = kernel
@@ -179,7 +175,7 @@ def _fused_max_rows(src, x, y, geometry, y_ptr):
     src.line(f"for o in range({cols[0]}, {cols[1]}):").indent()
     src.line(f"xo = xf + o * {sw}" if sw != 1 else "xo = xf + o")
     # From the lowest value, like the per-tap loops (a NaN input is skipped the same way).
-    src.line(f"m = {literal(np.finfo(np.dtype(y.dtype)).min if np.dtype(y.dtype).kind == 'f' else np.iinfo(np.dtype(y.dtype)).min, y.dtype)}")
+    src.line(f"m = {init}")
     for t in (i * dh * W + j * dw for i in range(kh) for j in range(kw)):
         src.line(f"v = p0[xo + {t}]").line("m = v if v > m else m")
     src.line(f"{y_ptr}[yf + o] = m")

@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 
 import cuvil
-from backends.native.ukernel import UKSpec, specs_in, ukernel_ir
+from backends.native.ukernel import GatherSpec, UKSpec, specs_in, ukernel_ir
 from tests.helpers import assert_matches_ort, make_model, rand
 
 
@@ -75,6 +75,7 @@ def conv_model(x_shape, w_shape, seed=0, bias=True, **attrs):
     ((1, 600, 7, 7), (20, 600, 1, 1), dict()),                                       # 1x1 as GEMM, 3 passes over k
     ((1, 64, 5, 6), (32, 16, 1, 1), dict(group=4)),                                  # grouped 1x1
     ((1, 300, 6, 6), (14, 300, 3, 3), dict(pads=[1, 1, 1, 1])),                      # several passes, edge rows
+    ((1, 3, 37, 35), (70, 3, 7, 7), dict(pads=[3, 3, 3, 3], strides=[2, 2])),       # stem: panel groups, edge panel
 ])
 def test_conv_implicit_gemm(x_shape, w_shape, attrs):
     model, feeds = conv_model(x_shape, w_shape, **attrs)
@@ -186,6 +187,22 @@ def test_more_threads_than_items_identical():
         np.testing.assert_array_equal(compiled.run(feeds)["y"], one)
 
 
+@pytest.mark.parametrize("target", ["x86_64-avx512", "x86_64-avx2", "generic"])
+@pytest.mark.parametrize("width", [7, 33, 47])
+def test_strided_conv_phase_images_by_wide_loads(target, width):
+    """A stride-2 conv's phase images are copied by GatherSpec (wide loads and a shuffle; the last
+    group of each row masked), for every vector width and row widths around the group size."""
+    from backends.native.ukernel import GatherSpec
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    model, feeds = conv_model((1, 4, 9, width), (8, 4, 3, 3), pads=[1, 1, 1, 1], strides=[2, 2])
+    graph, _ = import_onnx(model)
+    pad = lower(graph)[0]
+    assert pad.kernel.family == "ConvPad"
+    assert [type(s) for s in specs_in(pad.kernel.source).values()] == [GatherSpec]
+    assert_matches_ort(model, feeds, tol=1e-5, target=target)
+
+
 @pytest.mark.parametrize("bits", [512, 256, 128])
 def test_microkernel_ir_for_every_vector_width(bits):
     """The micro-kernel IR is valid for AVX-512, AVX2 and SSE widths (the tile is split in
@@ -198,7 +215,7 @@ def test_microkernel_ir_for_every_vector_width(bits):
                  UKSpec(mr=1, nr=32, a_packed=0, b_masked=1),
                  UKSpec(mr=6, nr=64, a_packed=1, a_panel=6, bias=1, act="Relu"),
                  UKSpec(mr=8, nr=48, a_packed=1, a_panel=8, taps=(0, 1), store="x", bias=1, act="Clip",
-                        act_lo=float("-inf"), act_hi=6.0)):
+                        act_lo=float("-inf"), act_hi=6.0), GatherSpec(2), GatherSpec(3)):
         llvm.parse_assembly(ukernel_ir(spec, bits)).verify()
 
 

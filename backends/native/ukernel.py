@@ -79,16 +79,42 @@ class UKSpec:
                 f"_uk_types.int32({sig.replace('types.', '_uk_types.')}))\n")
 
 
+@dataclass(frozen=True)
+class GatherSpec:
+    """A strided row copy, dst[doff + j] = src[soff + j * stride] for j < n (the phase images of
+    a strided conv). Numba's loop for it stays scalar (LLVM does not vectorise the strided
+    loads); here each group of lanes is one wide load and a lane shuffle.
+
+    Signature: i32 name(ptr src, i64 soff, ptr dst, i64 doff, i64 n)."""
+    stride: int
+    kind: str = "gather"
+
+    @property
+    def name(self) -> str:
+        return f"cuvil_gather{self.stride}"
+
+    def comment(self) -> str:
+        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
+
+    def declaration(self, var: str) -> str:
+        p, i = "_uk_types.CPointer(_uk_types.float32)", "_uk_types.int64"
+        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
+                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({p}, {i}, {p}, {i}, {i}))\n")
+
+
 _COMMENT = re.compile(r"^# cuvil-ukernel (\S+) (\{.*\})$", re.M)
 
 
-def specs_in(source: str) -> dict[str, UKSpec]:
-    """The micro-kernels a kernel's source declares, by name."""
+def specs_in(source: str) -> dict:
+    """The micro-kernels (UKSpec) and strided copies (GatherSpec) a kernel's source declares, by name."""
     found = {}
     for name, blob in _COMMENT.findall(source):
         data = json.loads(blob)
-        data["taps"] = tuple(data.get("taps", ()))
-        spec = UKSpec(**data)
+        if data.get("kind") == "gather":
+            spec = GatherSpec(**data)
+        else:
+            data["taps"] = tuple(data.get("taps", ()))
+            spec = UKSpec(**data)
         assert spec.name == name, (spec.name, name)
         found[name] = spec
     return found
@@ -113,8 +139,10 @@ class _IR:
         self.lines.append(f"{name}:")
 
 
-def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
+def ukernel_ir(spec, vector_bits: int) -> str:
     """The LLVM IR (a module of one function named spec.name) for the target's vector width."""
+    if isinstance(spec, GatherSpec):
+        return gather_ir(spec, vector_bits)
     L = min(lanes_for(vector_bits), 16)
     assert spec.nr % L == 0 and spec.nr <= 64
     V = spec.nr // L
@@ -331,6 +359,66 @@ def ukernel_ir(spec: UKSpec, vector_bits: int) -> str:
     for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
         body = re.sub(re.escape(old) + r"\b", new, body)
     return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+def gather_ir(spec: GatherSpec, vector_bits: int) -> str:
+    """dst[j] = src[j * S] in groups of L lanes: a load of S * L floats and a shuffle. Whole groups
+    while one more output follows (the load's last S - 1 floats are then inside the source); the
+    rest, 1..L outputs, with masked loads and stores."""
+    L, S = min(lanes_for(vector_bits), 16), spec.stride
+    W = S * L
+    vt, wt = f"<{L} x float>", f"<{W} x float>"
+    pick = ", ".join(f"i32 {S * i}" for i in range(L))
+    lanes = lambda n: "<" + ", ".join(f"i32 {i}" for i in range(n)) + ">"
+    return f"""define i32 @{spec.name}(ptr noalias %src, i64 %soff, ptr noalias %dst, i64 %doff, i64 %n) #0 {{
+entry:
+  %s0 = getelementptr float, ptr %src, i64 %soff
+  %d0 = getelementptr float, ptr %dst, i64 %doff
+  br label %head
+head:
+  %j = phi i64 [ 0, %entry ], [ %jn, %body ]
+  %jn = add i64 %j, {L}
+  %more = icmp slt i64 %jn, %n
+  br i1 %more, label %body, label %tail
+body:
+  %si = mul i64 %j, {S}
+  %sp = getelementptr float, ptr %s0, i64 %si
+  %w = load {wt}, ptr %sp, align 4
+  %v = shufflevector {wt} %w, {wt} poison, <{L} x i32> <{pick}>
+  %dp = getelementptr float, ptr %d0, i64 %j
+  store {vt} %v, ptr %dp, align 4
+  br label %head
+tail:
+  %rem = sub i64 %n, %j
+  %some = icmp sgt i64 %rem, 0
+  br i1 %some, label %last, label %done
+last:
+  %need = mul i64 %rem, {S}
+  %need1 = sub i64 %need, {S - 1}
+  %needw = trunc i64 %need1 to i32
+  %needi = insertelement <{W} x i32> poison, i32 %needw, i64 0
+  %needs = shufflevector <{W} x i32> %needi, <{W} x i32> poison, <{W} x i32> zeroinitializer
+  %lm = icmp ult <{W} x i32> {lanes(W)}, %needs
+  %lsi = mul i64 %j, {S}
+  %lsp = getelementptr float, ptr %s0, i64 %lsi
+  %lw = call {wt} @llvm.masked.load.v{W}f32.p0(ptr align 4 %lsp, <{W} x i1> %lm, {wt} zeroinitializer)
+  %lv = shufflevector {wt} %lw, {wt} poison, <{L} x i32> <{pick}>
+  %remw = trunc i64 %rem to i32
+  %remi = insertelement <{L} x i32> poison, i32 %remw, i64 0
+  %rems = shufflevector <{L} x i32> %remi, <{L} x i32> poison, <{L} x i32> zeroinitializer
+  %sm = icmp ult <{L} x i32> {lanes(L)}, %rems
+  %ldp = getelementptr float, ptr %d0, i64 %j
+  call void @llvm.masked.store.v{L}f32.p0({vt} %lv, ptr align 4 %ldp, <{L} x i1> %sm)
+  br label %done
+done:
+  ret i32 0
+}}
+
+declare {wt} @llvm.masked.load.v{W}f32.p0(ptr, <{W} x i1>, {wt})
+declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)
+
+attributes #0 = {{ nounwind }}
+"""
 
 
 def _broadcast(ir: _IR, scalar: str, vt: str, L: int) -> str:

@@ -231,7 +231,7 @@ def test_other_targets_compute_the_same(target):
     ((1, 8, 15, 13), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
     ((2, 6, 9, 11), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),
     ((1, 4, 10, 10), dict(pads=[0, 1, 2, 0], kernel_shape=[5, 3])),
-    ((1, 24, 28, 28), dict(pads=[1, 1, 1, 1], strides=[2, 2])),    # small strided: phase images
+    ((1, 24, 28, 28), dict(pads=[1, 1, 1, 1], strides=[2, 2])),    # strided: DwRowSpec rows
     ((2, 5, 13, 15), dict(pads=[1, 0, 1, 2], strides=[2, 1])),
 ])
 def test_depthwise_conv(x_shape, attrs):
@@ -241,13 +241,46 @@ def test_depthwise_conv(x_shape, attrs):
     assert_matches_ort(model, feeds, tol=1e-5)
 
 
-def test_small_strided_depthwise_uses_phase_images():
+def test_strided_depthwise_reads_rows_in_place():
+    """Depthwise convs with stride 2 are one DwRowSpec call per output row (no phase images);
+    stride (2, 1) still takes the phase images on small planes."""
+    from backends.native.ukernel import DwRowSpec
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
-    for shape, families in (((1, 24, 28, 28), ["ConvPad", "Conv"]), ((1, 24, 56, 56), ["Conv"])):
-        model, _ = conv_model(shape, (24, 1, 3, 3), group=24, pads=[1, 1, 1, 1], strides=[2, 2])
+    for shape, strides, families in (((1, 24, 28, 28), [2, 2], ["Conv"]), ((1, 24, 112, 112), [2, 2], ["Conv"]),
+                                     ((1, 24, 20, 10), [2, 1], ["ConvPad", "Conv"])):
+        model, _ = conv_model(shape, (24, 1, 3, 3), group=24, pads=[1, 1, 1, 1], strides=strides)
         graph, _ = import_onnx(model)
-        assert [c.kernel.family for c in lower(graph)] == families
+        calls = lower(graph)
+        assert [c.kernel.family for c in calls] == families
+        kinds = {type(s) for s in specs_in(calls[-1].kernel.source).values()}
+        assert (kinds == {DwRowSpec}) == (strides == [2, 2])
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx512", "x86_64-avx2", "generic"])
+@pytest.mark.parametrize("x_shape,k,pads,bias,act", [
+    ((1, 8, 28, 28), 3, [1, 1, 1, 1], True, ("Clip", 0.0, 6.0)),     # MobileNetV2's 28 -> 14
+    ((2, 5, 113, 111), 3, [1, 1, 1, 1], True, ("Relu",)),            # odd sizes, 56 outputs a row, batch 2
+    ((1, 4, 17, 40), 5, [2, 2, 2, 2], False, None),                  # 5x5, no bias: 20 outputs a row
+    ((1, 3, 9, 8), 3, [0, 0, 1, 1], True, ("Clip", -0.1, float("inf"))),  # TF-style pads, one bound
+    ((1, 2, 6, 33), 3, [0, 1, 0, 1], True, None),                    # 17 outputs: one lane past a vector
+])
+def test_strided_depthwise_rows_match_ort(target, x_shape, k, pads, bias, act):
+    C = x_shape[1]
+    model, feeds = conv_model(x_shape, (C, 1, k, k), group=C, pads=pads, strides=[2, 2], bias=bias)
+    if act is not None:
+        from onnx import numpy_helper
+        y = model.graph.output[0].name
+        extra = []
+        if act[0] == "Clip":
+            extra = ["lo", ""] if act[2] == float("inf") else ["lo", "hi"]
+            model.graph.initializer.append(numpy_helper.from_array(np.array(act[1], np.float32), "lo"))
+            if act[2] != float("inf"):
+                model.graph.initializer.append(numpy_helper.from_array(np.array(act[2], np.float32), "hi"))
+        model.graph.node.append(helper.make_node(act[0], [y] + extra, ["out"]))
+        model.graph.output[0].name = "out"
+    for threads in (1, 2):
+        assert_matches_ort(model, feeds, tol=1e-5, threads=threads, target=target)
 
 
 @pytest.mark.parametrize("a_shape,b_shape,const_b", [
@@ -358,7 +391,8 @@ def test_conv_accumulates_onto_its_residual(k, case):
 def test_depthwise_conv_single_pass_with_epilogue(x_shape, attrs):
     """Depthwise conv + Clip. In the flat loop (stride 1) interior outputs are stored once as
     clip(bias + sum), the border is set to the bias, summed and clipped after (conv.py
-    _single_pass); strided ones go row by row in three passes (one pass measured slower there)."""
+    _single_pass); stride (2, 1) goes row by row in three passes (one pass measured slower there),
+    stride 2 by DwRowSpec rows with the epilogue in registers."""
     C = x_shape[1]
     model, feeds = conv_model(x_shape, (C, 1, 3, 3), group=C, **attrs)
     y = model.graph.output[0].name

@@ -102,16 +102,54 @@ class GatherSpec:
                 f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({p}, {i}, {p}, {i}, {i}))\n")
 
 
+@dataclass(frozen=True)
+class DwRowSpec:
+    """One output row of one channel of a depthwise conv with stride 2 along both axes:
+
+        y[yoff + ow] = act(bias + sum_{kh, kw} w[woff + kh*KW + kw] * x[xoff + (r0 + kh)*W + 2*ow + kw - p_l])
+
+    (bias = w[woff + KH*KW]); input rows outside [0, H) and columns outside [0, W) count as zeros.
+    Each group of L outputs loads S = ceil(KW / 2) runs of 2L inputs and takes the taps' lanes by a
+    shuffle (tap kw: lanes kw % 2, kw % 2 + 2, ... of run kw // 2): no phase images. Column masks
+    are compile-time constants (the row width is), rows are checked at run time.
+
+    Signature: i32 name(ptr x, i64 xoff, i64 r0, ptr w, i64 woff, ptr y, i64 yoff)."""
+    H: int
+    W: int
+    OW: int
+    KH: int
+    KW: int
+    p_l: int
+    act: str = ""
+    act_lo: float = 0.0
+    act_hi: float = 0.0
+    kind: str = "dwrow"
+
+    @property
+    def name(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return f"cuvil_dwrow_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+    def comment(self) -> str:
+        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
+
+    def declaration(self, var: str) -> str:
+        p, i = "_uk_types.CPointer(_uk_types.float32)", "_uk_types.int64"
+        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
+                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({p}, {i}, {i}, {p}, {i}, {p}, {i}))\n")
+
+
 _COMMENT = re.compile(r"^# cuvil-ukernel (\S+) (\{.*\})$", re.M)
+_KINDS = {"gather": lambda d: GatherSpec(**d), "dwrow": lambda d: DwRowSpec(**d)}
 
 
 def specs_in(source: str) -> dict:
-    """The micro-kernels (UKSpec) and strided copies (GatherSpec) a kernel's source declares, by name."""
+    """The micro-kernels (UKSpec, GatherSpec, DwRowSpec) a kernel's source declares, by name."""
     found = {}
     for name, blob in _COMMENT.findall(source):
         data = json.loads(blob)
-        if data.get("kind") == "gather":
-            spec = GatherSpec(**data)
+        if data.get("kind") in _KINDS:
+            spec = _KINDS[data["kind"]](data)
         else:
             data["taps"] = tuple(data.get("taps", ()))
             spec = UKSpec(**data)
@@ -143,6 +181,8 @@ def ukernel_ir(spec, vector_bits: int) -> str:
     """The LLVM IR (a module of one function named spec.name) for the target's vector width."""
     if isinstance(spec, GatherSpec):
         return gather_ir(spec, vector_bits)
+    if isinstance(spec, DwRowSpec):
+        return dwrow_ir(spec, vector_bits)
     L = min(lanes_for(vector_bits), 16)
     assert spec.nr % L == 0 and spec.nr <= 64
     V = spec.nr // L
@@ -419,6 +459,111 @@ declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)
 
 attributes #0 = {{ nounwind }}
 """
+
+
+def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
+    """See DwRowSpec."""
+    L = min(lanes_for(vector_bits), 16)
+    W2 = 2 * L
+    vt, wt = f"<{L} x float>", f"<{W2} x float>"
+    taps = spec.KH * spec.KW
+    runs = (spec.KW + 1) // 2
+    ir = _IR()
+    ir.label("entry")
+    ir("%xb = getelementptr float, ptr %x, i64 %xoff")
+    ir("%wb = getelementptr float, ptr %w, i64 %woff")
+    ir("%yb = getelementptr float, ptr %y, i64 %yoff")
+    wv = []
+    for t in range(taps + 1):
+        p = ir.tmp("wp")
+        ir(f"{p} = getelementptr float, ptr %wb, i64 {t}")
+        sc = ir.tmp("ws")
+        ir(f"{sc} = load float, ptr {p}, align 4")
+        wv.append(_broadcast(ir, sc, vt, L))
+    bias = wv.pop()
+    valid = []
+    for kh in range(spec.KH):
+        r = ir.tmp("r")
+        ir(f"{r} = add i64 %r0, {kh}")
+        lo = ir.tmp("rlo")
+        ir(f"{lo} = icmp sge i64 {r}, 0")
+        hi = ir.tmp("rhi")
+        ir(f"{hi} = icmp slt i64 {r}, {spec.H}")
+        ok = ir.tmp("rok")
+        ir(f"{ok} = and i1 {lo}, {hi}")
+        off = ir.tmp("ro")
+        ir(f"{off} = mul i64 {r}, {spec.W}")
+        row = ir.tmp("row")
+        ir(f"{row} = getelementptr float, ptr %xb, i64 {off}")
+        valid.append((ok, row))
+    const_mask = lambda bits: "<" + ", ".join(f"i1 {int(b)}" for b in bits) + ">"
+    block = "entry"
+    for c in range(-(-spec.OW // L)):
+        ow0, n = c * L, min(L, spec.OW - c * L)
+        acc = bias
+        for kh in range(spec.KH):
+            ok, row = valid[kh]
+            here, skip, join = f"c{c}r{kh}", f"c{c}s{kh}", f"c{c}j{kh}"
+            ir(f"br i1 {ok}, label %{here}, label %{skip}")
+            ir.label(here)
+            cur = acc
+            for j in range(runs):
+                start = 2 * ow0 - spec.p_l + 2 * j
+                need = 2 * (n - 1) + 1 + 1        # lanes the taps of this run read
+                bits = [i < need and 0 <= start + i < spec.W for i in range(W2)]
+                p = ir.tmp("sp")
+                ir(f"{p} = getelementptr float, ptr {row}, i64 {start}")
+                seg = ir.tmp("seg")
+                if all(bits):
+                    ir(f"{seg} = load {wt}, ptr {p}, align 4")
+                else:
+                    ir(f"{seg} = call {wt} @llvm.masked.load.v{W2}f32.p0(ptr align 4 {p}, <{W2} x i1> "
+                       f"{const_mask(bits)}, {wt} zeroinitializer)")
+                for kw in (2 * j, 2 * j + 1):
+                    if kw >= spec.KW:
+                        continue
+                    pick = ", ".join(f"i32 {kw % 2 + 2 * i}" for i in range(L))
+                    v = ir.tmp("tap")
+                    ir(f"{v} = shufflevector {wt} {seg}, {wt} poison, <{L} x i32> <{pick}>")
+                    nxt = ir.tmp("acc")
+                    ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {v}, {vt} {wv[kh * spec.KW + kw]}, {vt} {cur})")
+                    cur = nxt
+            ir(f"br label %{join}")
+            ir.label(skip)
+            ir(f"br label %{join}")
+            ir.label(join)
+            merged = ir.tmp("m")
+            ir(f"{merged} = phi {vt} [ {cur}, %{here} ], [ {acc}, %{skip} ]")
+            acc = merged
+        if spec.act == "Relu":
+            y = ir.tmp("er")
+            ir(f"{y} = call {vt} @llvm.maxnum.v{L}f32({vt} {acc}, {vt} zeroinitializer)")
+            acc = y
+        elif spec.act == "Clip":
+            for bound, fn in ((spec.act_lo, "maxnum"), (spec.act_hi, "minnum")):
+                if abs(bound) != float("inf"):
+                    y = ir.tmp("ec")
+                    splat = "<" + ", ".join([f"float {_float_ir(bound)}"] * L) + ">"
+                    ir(f"{y} = call {vt} @llvm.{fn}.v{L}f32({vt} {acc}, {vt} {splat})")
+                    acc = y
+        else:
+            assert spec.act == "", spec.act
+        p = ir.tmp("yp")
+        ir(f"{p} = getelementptr float, ptr %yb, i64 {ow0}")
+        if n == L:
+            ir(f"store {vt} {acc}, ptr {p}, align 4")
+        else:
+            ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {acc}, ptr align 4 {p}, <{L} x i1> "
+               f"{const_mask([i < n for i in range(L)])})")
+    ir("ret i32 0")
+    head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
+            f"ptr noalias %y, i64 %yoff) #0 {{")
+    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
+             f"declare {wt} @llvm.masked.load.v{W2}f32.p0(ptr, <{W2} x i1>, {wt})",
+             f"declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)",
+             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
+    return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
 def _broadcast(ir: _IR, scalar: str, vt: str, L: int) -> str:

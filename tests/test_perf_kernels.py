@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 
 import cuvil
-from backends.native.ukernel import GatherSpec, UKSpec, specs_in, ukernel_ir
+from backends.native.ukernel import DwRowSpec, GatherSpec, TSpec, UKSpec, specs_in, ukernel_ir
 from tests.helpers import assert_matches_ort, make_model, rand
 
 
@@ -215,7 +215,10 @@ def test_microkernel_ir_for_every_vector_width(bits):
                  UKSpec(mr=1, nr=32, a_packed=0, b_masked=1),
                  UKSpec(mr=6, nr=64, a_packed=1, a_panel=6, bias=1, act="Relu"),
                  UKSpec(mr=8, nr=48, a_packed=1, a_panel=8, taps=(0, 1), store="x", bias=1, act="Clip",
-                        act_lo=float("-inf"), act_hi=6.0), GatherSpec(2), GatherSpec(3)):
+                        act_lo=float("-inf"), act_hi=6.0), GatherSpec(2), GatherSpec(3),
+                 TSpec(mr=7, nr=48, taps=(0, 1, 2, 9, 10, 11), a_ks=81, c_cs=49, pf_lines=2, bias=1, act="Relu"),
+                 TSpec(mr=4, nr=64, taps=(0,), a_ks=49, c_cs=49),
+                 DwRowSpec(H=28, W=27, OW=14, KH=3, KW=3, p_l=1, act="Clip", act_lo=0.0, act_hi=6.0)):
         llvm.parse_assembly(ukernel_ir(spec, bits)).verify()
 
 
@@ -436,3 +439,49 @@ def test_conv_epilogue_in_microkernel_registers(x_shape, w_shape, attrs, act):
     specs = list(specs_in(conv.kernel.source).values())
     assert specs and all(sp.bias == 1 and sp.act == act for sp in specs)
     assert "if last:" not in conv.kernel.source
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx512", "x86_64-avx2", "generic"])
+@pytest.mark.parametrize("x_shape,w_shape,attrs,act,residual", [
+    ((1, 64, 7, 7), (96, 64, 3, 3), dict(pads=[1, 1, 1, 1]), "Relu", False),             # 7x48 tiles, 2 panels
+    ((1, 40, 7, 7), (96, 40, 1, 1), {}, None, True),                                     # 1x1 on X, residual
+    ((2, 48, 14, 14), (80, 48, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2]), "Clip", False),  # stride 2, edge panel
+    ((1, 300, 7, 7), (96, 300, 3, 3), dict(pads=[1, 1, 1, 1]), None, False),             # many passes
+    ((1, 64, 7, 7), (96, 32, 3, 3), dict(pads=[1, 1, 1, 1], group=2), "Relu", True),    # groups, residual
+    ((1, 16, 7, 7), (96, 16, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2]), None, False),  # dilation
+])
+def test_small_plane_conv_channels_in_lanes(target, x_shape, w_shape, attrs, act, residual):
+    """Convs on small planes put output channels in the vector lanes (convsmall.py, TSpec
+    micro-kernels): bias and Relu/Clip in registers, a residual after the last pass, weights in
+    several passes with the next pass prefetched, scatters into NCHW."""
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    from passes import resolve_passes, run_passes
+    model, feeds = conv_model(x_shape, w_shape, **attrs)
+    y = model.graph.output[0].name
+    out = y
+    if residual:
+        from onnx import TensorProto
+        model.graph.node.append(helper.make_node("Add", [out, "r"], ["sum"]))
+        out = "sum"
+        oh = (x_shape[2] + 2 * attrs.get("pads", [0])[0] - attrs.get("dilations", [1])[0] * (w_shape[2] - 1) - 1) \
+            // attrs.get("strides", [1])[0] + 1
+        r_shape = (x_shape[0], w_shape[0], oh, oh)
+        model.graph.input.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, r_shape))
+        feeds["r"] = rand(*r_shape, seed=9)
+    if act:
+        from onnx import numpy_helper
+        extra = []
+        if act == "Clip":
+            model.graph.initializer.extend([numpy_helper.from_array(np.array(-0.5, np.float32), "lo"),
+                                            numpy_helper.from_array(np.array(0.5, np.float32), "hi")])
+            extra = ["lo", "hi"]
+        model.graph.node.append(helper.make_node(act, [out] + extra, ["act"]))
+        out = "act"
+    model.graph.output[0].name = out
+    graph, _ = import_onnx(model)
+    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    convs = [c for c in lower(graph) if c.kernel.family == "Conv"]
+    assert len(convs) == 1 and "cuvil_ukt_" in convs[0].kernel.source
+    for threads in (1, 2):
+        assert_matches_ort(model, feeds, tol=1e-5, threads=threads, target=target)

@@ -139,12 +139,64 @@ class DwRowSpec:
                 f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({p}, {i}, {i}, {p}, {i}, {p}, {i}))\n")
 
 
+@dataclass(frozen=True)
+class TSpec:
+    """A transposed micro-kernel: output channels in the vector lanes, output positions broadcast,
+    for convolutions whose planes are too small to fill vectors of positions (7x7):
+
+        C[i, j] (+)= sum_{c < kc, t}  A[aoff + c*a_ks + taps[t] + i] * B[boff + (c*T + t)*nr + j]
+
+    i < mr positions of one output row (their inputs broadcast), j < nr output channels (weights
+    packed at build time, nr floats per k, zero padded). Between passes over the input channels
+    the tile lives in a scratch slot s[soff + i*nr + j] (plain vector loads and stores); the
+    last pass scatters it into the NCHW output, C[i, j] at c[coff + i + j*c_cs], rows i < `rows`
+    and columns j < `cols` only.
+
+    `flags` bit 0: start from the slot (else zero); bit 1: bias[biasoff + j] and the activation
+    before the output store; bit 2: store to the output (else to the slot); bit 3: prefetch
+    `pf_lines` cache lines of B per k from b[boff + pfoff] on: the caller spreads the next pass's
+    weights over the tiles of this one, so they stream from memory while the tiles compute.
+
+    Signature: i32 name(ptr a, i64 aoff, ptr b, i64 boff, ptr s, i64 soff, ptr c, i64 coff,
+                        i64 kc, i64 rows, i64 cols, i64 flags, ptr bias, i64 biasoff, i64 pfoff)."""
+    mr: int
+    nr: int
+    taps: tuple
+    a_ks: int
+    c_cs: int
+    pf_lines: int = 0
+    bias: int = 0
+    act: str = ""
+    act_lo: float = 0.0
+    act_hi: float = 0.0
+    kind: str = "t"
+
+    @property
+    def name(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return f"cuvil_ukt_{self.mr}x{self.nr}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+    def comment(self) -> str:
+        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
+
+    def declaration(self, var: str) -> str:
+        p, i = "_uk_types.CPointer(_uk_types.float32)", "_uk_types.int64"
+        sig = ", ".join([p, i, p, i, p, i, p, i, i, i, i, i, p, i, i])
+        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
+                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({sig}))\n")
+
+
+TSTORE_OUTPUT = 4   # TSpec flags bit: the tile goes to the output (else to its scratch slot)
+TPREFETCH = 8       # TSpec flags bit: prefetch B from boff + pfoff on (pf_lines lines per k)
+
+
 _COMMENT = re.compile(r"^# cuvil-ukernel (\S+) (\{.*\})$", re.M)
-_KINDS = {"gather": lambda d: GatherSpec(**d), "dwrow": lambda d: DwRowSpec(**d)}
+_KINDS = {"gather": lambda d: GatherSpec(**d), "dwrow": lambda d: DwRowSpec(**d),
+          "t": lambda d: TSpec(**{**d, "taps": tuple(d["taps"])})}
 
 
 def specs_in(source: str) -> dict:
-    """The micro-kernels (UKSpec, GatherSpec, DwRowSpec) a kernel's source declares, by name."""
+    """The micro-kernels (UKSpec, TSpec, GatherSpec, DwRowSpec) a kernel's source declares, by name."""
     found = {}
     for name, blob in _COMMENT.findall(source):
         data = json.loads(blob)
@@ -183,6 +235,8 @@ def ukernel_ir(spec, vector_bits: int) -> str:
         return gather_ir(spec, vector_bits)
     if isinstance(spec, DwRowSpec):
         return dwrow_ir(spec, vector_bits)
+    if isinstance(spec, TSpec):
+        return tkernel_ir(spec, vector_bits)
     L = min(lanes_for(vector_bits), 16)
     assert spec.nr % L == 0 and spec.nr <= 64
     V = spec.nr // L
@@ -461,6 +515,194 @@ attributes #0 = {{ nounwind }}
 """
 
 
+def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
+    """See TSpec. The columns are split in chunks so that the accumulators fit the register
+    file (each chunk runs the K loop once)."""
+    L = min(lanes_for(vector_bits), 16)
+    assert spec.nr % L == 0 and spec.nr <= 64
+    V = spec.nr // L
+    vt, mt, pt = f"<{L} x float>", f"<{L} x i1>", f"<{L} x ptr>"
+    per_chunk = max(1, min(V, MAX_ACC[L] // max(1, spec.mr)))
+    chunks = [list(range(v0, min(V, v0 + per_chunk))) for v0 in range(0, V, per_chunk)]
+    taps = spec.taps or (0,)
+    T = len(taps)
+    ir = _IR()
+    ir.label("entry")
+    for bit, name in ((LOADC_ACCUMULATE, "acc"), (LOADC_EPILOGUE, "epi"), (TSTORE_OUTPUT, "out"), (TPREFETCH, "pf")):
+        ir(f"%{name}w = and i64 %flags, {bit}")
+        ir(f"%{name} = icmp ne i64 %{name}w, 0")
+    ir("%abase = getelementptr float, ptr %a, i64 %aoff")
+    ir("%bbase = getelementptr float, ptr %b, i64 %boff")
+    ir("%pfbase = getelementptr float, ptr %bbase, i64 %pfoff")
+    ir("%sbase = getelementptr float, ptr %s, i64 %soff")
+    ir("%cbase = getelementptr float, ptr %c, i64 %coff")
+    ir(f"%colsi = insertelement <{L} x i64> poison, i64 %cols, i64 0")
+    ir(f"%colss = shufflevector <{L} x i64> %colsi, <{L} x i64> poison, <{L} x i32> zeroinitializer")
+    lanes = lambda base: "<" + ", ".join(f"i64 {base + j}" for j in range(L)) + ">"
+    colmask, slot = {}, {}
+    for v in range(V):
+        m = ir.tmp("cm")
+        ir(f"{m} = icmp slt <{L} x i64> {lanes(v * L)}, %colss")
+        colmask[v] = m
+    for i in range(spec.mr):
+        for v in range(V):
+            p = ir.tmp("sp")
+            ir(f"{p} = getelementptr float, ptr %sbase, i64 {i * spec.nr + v * L}")
+            slot[i, v] = p
+    rename = {}
+    ir("br label %chunk0")
+    for ci, vecs in enumerate(chunks):
+        ir.label(f"chunk{ci}")
+        ir(f"br i1 %acc, label %ld{ci}, label %pre{ci}")
+        ir.label(f"ld{ci}")
+        loaded = {}
+        for i in range(spec.mr):
+            for v in vecs:
+                x = ir.tmp("l")
+                ir(f"{x} = load {vt}, ptr {slot[i, v]}, align 4")
+                loaded[i, v] = x
+        ir(f"br label %pre{ci}")
+        ir.label(f"pre{ci}")
+        init = {}
+        for key, x in loaded.items():
+            ph = ir.tmp("i")
+            ir(f"{ph} = phi {vt} [ {x}, %ld{ci} ], [ zeroinitializer, %chunk{ci} ]")
+            init[key] = ph
+        ir(f"br label %loop{ci}")
+        ir.label(f"loop{ci}")
+        kv = f"%k{ci}"
+        accs = {key: f"%acc{ci}_{key[0]}_{key[1]}" for key in init}
+        latch = f"%pfd{ci}" if ci == 0 and spec.pf_lines else f"%loop{ci}"   # the block that branches back
+        ir(f"{kv} = phi i64 [ 0, %pre{ci} ], [ %kn{ci}, {latch} ]")
+        for key, acc in accs.items():
+            ir(f"{acc} = phi {vt} [ {init[key]}, %pre{ci} ], [ %accn{ci}_{key[0]}_{key[1]}, {latch} ]")
+        cur = dict(accs)
+        arow = ir.tmp("ak")
+        ir(f"{arow} = mul i64 {kv}, {spec.a_ks}")
+        ap = ir.tmp("arow")
+        ir(f"{ap} = getelementptr float, ptr %abase, i64 {arow}")
+        brow = ir.tmp("bk")
+        ir(f"{brow} = mul i64 {kv}, {T * spec.nr}")
+        bp = ir.tmp("brow")
+        ir(f"{bp} = getelementptr float, ptr %bbase, i64 {brow}")
+        if ci == 0 and spec.pf_lines:
+            ir(f"br i1 %pf, label %pfb{ci}, label %pfd{ci}")
+            ir.label(f"pfb{ci}")
+            line = ir.tmp("pl")
+            ir(f"{line} = mul i64 {kv}, {64 * spec.pf_lines}")
+            for j in range(spec.pf_lines):
+                q = ir.tmp("pq")
+                ir(f"{q} = getelementptr i8, ptr %pfbase, i64 {line}")
+                q2 = ir.tmp("pq")
+                ir(f"{q2} = getelementptr i8, ptr {q}, i64 {64 * j}")
+                ir(f"call void @llvm.prefetch.p0(ptr {q2}, i32 0, i32 3, i32 1)")
+            ir(f"br label %pfd{ci}")
+            ir.label(f"pfd{ci}")
+        for t, off in enumerate(taps):
+            bvec = {}
+            for v in vecs:
+                p = ir.tmp("bp")
+                ir(f"{p} = getelementptr float, ptr {bp}, i64 {t * spec.nr + v * L}")
+                x = ir.tmp("b")
+                ir(f"{x} = load {vt}, ptr {p}, align 4")
+                bvec[v] = x
+            for i in range(spec.mr):
+                p = ir.tmp("ap")
+                ir(f"{p} = getelementptr float, ptr {ap}, i64 {off + i}")
+                sc = ir.tmp("a")
+                ir(f"{sc} = load float, ptr {p}, align 4")
+                splat = _broadcast(ir, sc, vt, L)
+                for v in vecs:
+                    out = ir.tmp("f")
+                    ir(f"{out} = call {vt} @llvm.fma.v{L}f32({vt} {splat}, {vt} {bvec[v]}, {vt} {cur[i, v]})")
+                    cur[i, v] = out
+        for key in accs:
+            rename[f"%accn{ci}_{key[0]}_{key[1]}"] = cur[key]
+        ir(f"%kn{ci} = add i64 {kv}, 1")
+        ir(f"%kc{ci} = icmp slt i64 %kn{ci}, %kc")
+        ir(f"br i1 %kc{ci}, label %loop{ci}, label %st{ci}")
+        ir.label(f"st{ci}")
+        final = {key: f"%accn{ci}_{key[0]}_{key[1]}" for key in accs}
+        nxt = f"chunk{ci + 1}" if ci + 1 < len(chunks) else "done"
+        ir(f"br i1 %out, label %so{ci}, label %ss{ci}")
+        ir.label(f"ss{ci}")
+        for (i, v), val in final.items():
+            ir(f"store {vt} {val}, ptr {slot[i, v]}, align 4")
+        ir(f"br label %{nxt}")
+        ir.label(f"so{ci}")
+        if spec.bias or spec.act:
+            final = _column_epilogue(ir, spec, final, vecs, colmask, vt, L)
+        for (i, v), val in final.items():
+            ok = ir.tmp("rok")
+            ir(f"{ok} = icmp slt i64 {i}, %rows")
+            m = ir.tmp("mk")
+            ir(f"{m} = select i1 {ok}, {mt} {colmask[v]}, {mt} zeroinitializer")
+            idx = "<" + ", ".join(f"i64 {i + (v * L + j) * spec.c_cs}" for j in range(L)) + ">"
+            p = ir.tmp("cps")
+            ir(f"{p} = getelementptr float, ptr %cbase, <{L} x i64> {idx}")
+            ir(f"call void @llvm.masked.scatter.v{L}f32.v{L}p0({vt} {val}, {pt} align 4 {p}, {mt} {m})")
+        ir(f"br label %{nxt}")
+    ir.label("done")
+    ir("ret i32 0")
+    body = "\n".join(ir.lines)
+    for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
+        body = re.sub(re.escape(old) + r"\b", new, body)
+    head = (f"define i32 @{spec.name}(ptr noalias %a, i64 %aoff, ptr noalias %b, i64 %boff, ptr noalias %s, "
+            f"i64 %soff, ptr noalias %c, i64 %coff, i64 %kc, i64 %rows, i64 %cols, i64 %flags, ptr noalias %bias, "
+            f"i64 %biasoff, i64 %pfoff) #0 {{")
+    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
+             f"declare void @llvm.masked.scatter.v{L}f32.v{L}p0({vt}, {pt}, {mt})",
+             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, {mt}, {vt})",
+             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
+             "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
+    return head + "\n" + body + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+def _column_epilogue(ir: _IR, spec: TSpec, accs: dict, vecs: list, colmask: dict, vt: str, L: int) -> dict:
+    """act(acc + bias[column]) for a TSpec tile, selected by the epilogue bit (%epi)."""
+    bias = {}
+    if spec.bias:
+        for v in vecs:
+            idx = ir.tmp("bi")
+            ir(f"{idx} = add i64 %biasoff, {v * L}")
+            p = ir.tmp("bp")
+            ir(f"{p} = getelementptr float, ptr %bias, i64 {idx}")
+            x = ir.tmp("bv")
+            ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {colmask[v]}, {vt} zeroinitializer)")
+            bias[v] = x
+    out = {}
+    for (i, v), acc in accs.items():
+        x = acc
+        if spec.bias:
+            y = ir.tmp("eb")
+            ir(f"{y} = fadd {vt} {x}, {bias[v]}")
+            x = y
+        x = _activation(ir, spec, x, vt, L)
+        sel = ir.tmp("e")
+        ir(f"{sel} = select i1 %epi, {vt} {x}, {vt} {acc}")
+        out[i, v] = sel
+    return out
+
+
+def _activation(ir: _IR, spec, x: str, vt: str, L: int) -> str:
+    """spec.act ("" | Relu | Clip within act_lo, act_hi) applied to vector x."""
+    if spec.act == "Relu":
+        y = ir.tmp("er")
+        ir(f"{y} = call {vt} @llvm.maxnum.v{L}f32({vt} {x}, {vt} zeroinitializer)")
+        return y
+    if spec.act == "Clip":
+        for bound, fn in ((spec.act_lo, "maxnum"), (spec.act_hi, "minnum")):
+            if abs(bound) != float("inf"):
+                y = ir.tmp("ec")
+                splat = "<" + ", ".join([f"float {_float_ir(bound)}"] * L) + ">"
+                ir(f"{y} = call {vt} @llvm.{fn}.v{L}f32({vt} {x}, {vt} {splat})")
+                x = y
+        return x
+    assert spec.act == "", spec.act
+    return x
+
+
 def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
     """See DwRowSpec."""
     L = min(lanes_for(vector_bits), 16)
@@ -535,19 +777,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
             merged = ir.tmp("m")
             ir(f"{merged} = phi {vt} [ {cur}, %{here} ], [ {acc}, %{skip} ]")
             acc = merged
-        if spec.act == "Relu":
-            y = ir.tmp("er")
-            ir(f"{y} = call {vt} @llvm.maxnum.v{L}f32({vt} {acc}, {vt} zeroinitializer)")
-            acc = y
-        elif spec.act == "Clip":
-            for bound, fn in ((spec.act_lo, "maxnum"), (spec.act_hi, "minnum")):
-                if abs(bound) != float("inf"):
-                    y = ir.tmp("ec")
-                    splat = "<" + ", ".join([f"float {_float_ir(bound)}"] * L) + ">"
-                    ir(f"{y} = call {vt} @llvm.{fn}.v{L}f32({vt} {acc}, {vt} {splat})")
-                    acc = y
-        else:
-            assert spec.act == "", spec.act
+        acc = _activation(ir, spec, acc, vt, L)
         p = ir.tmp("yp")
         ir(f"{p} = getelementptr float, ptr %yb, i64 {ow0}")
         if n == L:

@@ -43,7 +43,7 @@ import numpy as np
 from backends.native.ukernel import specs_in
 from cuvil.errors import UnsupportedOpError
 
-from . import convgemm, dwstride
+from . import convgemm, convsmall, dwstride
 from .epilogue import Epilogue, epilogue_of
 from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
 from .kernel import (InPlace, Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header,
@@ -118,6 +118,11 @@ def lower_conv(node, graph) -> Lowered:
     # A residual laid out like the output, with no reader after this conv, may become the output's
     # buffer: the conv then accumulates onto it (one pass over it instead of a read and a write).
     in_place_residual = isinstance(res_arg, str) and res_strides == tuple(dims_strides(Y.shape))
+    if (B is None or B.is_const) and len(X.shape) == 4 and np.dtype(dtype) == np.float32 \
+            and (res_strides is None or len(res_strides) == 4) \
+            and convsmall.eligible(X, W, group, kernel, strides, dilations, pads, Y, pointwise):
+        return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                                  res_arg, res_strides, epilogue, pointwise))
     if dwstride.eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue):
         return Lowered([dwstride.lower_dw_stride2(node, X, W, B, Y, kernel, pads, epilogue)])
     if not pointwise and W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \

@@ -1,0 +1,197 @@
+"""Convolutions on small planes (7x7, 14x14): output channels in the vector lanes.
+
+The implicit GEMM of convgemm.py puts output positions in the vector lanes. On
+a 7x7 plane that wastes a quarter of every vector: 49 outputs (55 grid
+positions with the padding columns) fill two vectors of 32. Here the roles
+swap: a TSpec micro-kernel (backends/native/ukernel.py) keeps a tile of MR
+output positions of one row (their inputs broadcast from the phase images,
+which ConvPad lays out as for convgemm) by NR output channels (the weights,
+packed at build time as NR-float vectors), so no lane is wasted when the row
+width is a multiple of MR and the channels of NR.
+
+Per work item (image, group, panel of NR output channels, block of rows), for
+each pass over the input channels (a pass's weights, at most 32 KiB, stay in
+L1 across the item's tiles) and each tile: the partial sums go to a per-tile
+scratch slot (contiguous vectors); the last pass adds bias and activation and
+scatters the tile into the NCHW output (one scatter per accumulator per tile,
+not per pass).
+
+The weights are laid out panel by panel, pass after pass, and each tile
+prefetches its share of the next contiguous run (the next pass, or the next
+panel's first), so a layer's weights stream from memory while the tiles
+compute. Without it the first tile of every pass waited for its weights: in
+a ResNet-18 the 7x7 convs (9.4 MB of weights each, not in cache inside the
+model) ran no faster than convgemm's, 1.65 ms, though 15 % faster one-node;
+with it, 1.20 ms.
+
+1x1 convolutions take the same kernel with one tap, reading X in place.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from backends.native.ukernel import LOADC_ACCUMULATE, LOADC_EPILOGUE, TPREFETCH, TSTORE_OUTPUT, TSpec
+
+from .convgemm import _pad_kernel, _phase_geometry
+from .epilogue import Epilogue, register_epilogue
+from .gemm import UK_NR_STEP, _ceil_div, choose_tile
+from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
+from .scratch import scratch_value
+
+# (MR, NR) tiles and their speed relative to 6x64 (accumulators: 6x4 = 24, 7x3 = 21 zmm).
+TILES = {(6, 64): 1.0, (7, 48): 0.97, (8, 48): 0.99, (4, 64): 0.9}
+PASS_BYTES = 32 << 10   # weights of one pass over the input channels (stay in L1 across the tiles)
+GAIN = 1.02             # take this path when its lanes do this much more useful work (times SPEED)
+SPEED = {"taps": 1.0, "rows": 0.92}   # against the position-in-lanes kernels at equal useful lanes, measured
+
+
+def _tile(OW: int, ocg: int):
+    """The tile with the most useful lanes (row tiles never cross a row), weighted by speed."""
+    def useful(tile):
+        mr, nr = tile
+        return OW / (_ceil_div(OW, mr) * mr) * ocg / (_ceil_div(ocg, nr) * nr)
+    best = max(sorted(TILES), key=lambda t: useful(t) * TILES[t])
+    return best, useful(best)
+
+
+def _lanes_useful(OH: int, OW: int, PW: int, ocg: int, pointwise: bool) -> float:
+    """The useful fraction of the lanes and rows the position-in-lanes kernels compute: for a
+    1x1 conv the GEMM (column edge in 16-float steps), else convgemm's flat grid (columns past
+    each row's end, whole tiles of NR)."""
+    if pointwise:
+        N = OH * OW
+        mr, _ = choose_tile(ocg, N)
+        cols = N / (_ceil_div(N, UK_NR_STEP) * UK_NR_STEP)
+    else:
+        q_valid = (OH - 1) * PW + OW
+        mr, nr = choose_tile(ocg, q_valid, "taps")
+        cols = OH * OW / (_ceil_div(q_valid, nr) * nr)
+    return cols * ocg / (_ceil_div(ocg, mr) * mr)
+
+
+def eligible(X, W, group, kernel, strides, dilations, pads, Y, pointwise: bool = False) -> bool:
+    """Whether a float32 2-D conv (weights constant) gains from channels in the lanes: its tiles
+    waste fewer lanes, by more than the scatters cost."""
+    if len(X.shape) != 4 or not W.is_const or np.dtype(Y.dtype) != np.float32:
+        return False
+    OC = int(W.shape[0])
+    icg, ocg = int(X.shape[1]) // group, OC // group
+    OH, OW = (int(v) for v in Y.shape[2:])
+    if ocg < 32 or icg < 8:
+        return False
+    (mr, _), useful = _tile(OW, ocg)
+    if pointwise and OW % mr:
+        return False   # (a row's last tile would read past the end of X)
+    PW = OW if pointwise else _phase_geometry(kernel, strides, dilations, pads[1], int(X.shape[3]), OH, OW)[2]
+    return useful * SPEED["taps" if np.prod(kernel) > 1 else "rows"] >= GAIN * _lanes_useful(OH, OW, PW, ocg, pointwise)
+
+
+def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                     residual_arg=None, res_strides=None, epilogue: Epilogue | None = None,
+                     pointwise: bool = False) -> list:
+    """The kernel calls (ConvPad unless pointwise, then Conv) of a conv on a small plane."""
+    epilogue = epilogue or Epilogue()
+    N, C, H, Wd = (int(v) for v in X.shape)
+    OC = int(W.shape[0])
+    OH, OW = (int(v) for v in Y.shape[2:])
+    icg, ocg = C // group, OC // group
+    (MR, NR), _ = _tile(OW, ocg)
+    calls = []
+    if pointwise:
+        # The input as it is: position (oh, ow) of channel c at c*H*W + oh*W + ow (stride 1, no pad).
+        offsets, ldb, PW, src_name = (0,), H * Wd, Wd, X.name
+    else:
+        phases, PH, PW, ldb, offsets, left = _phase_geometry(kernel, strides, dilations, pads[1], Wd, OH, OW)
+        src_name = scratch_value(graph, node, (N * C * ldb + PW + 16,), np.float32, tag="phases")
+        pad_kernel, pad_work = _pad_kernel(C, H, Wd, strides[0], strides[1], pads[0], left, phases, PH, PW, N)
+        calls.append(KernelCall(pad_kernel, [X.name, src_name], pad_work, node.name))
+    T = len(offsets)
+
+    # Weights: [group][panel][c][tap][NR], zero padded: a panel's passes follow each other, one
+    # contiguous run per work item.
+    n_panels = _ceil_div(ocg, NR)
+    kc_max = max(1, min(icg, PASS_BYTES // (4 * T * NR)))
+    passes = _ceil_div(icg, kc_max)
+    kc_max = _ceil_div(icg, passes)
+    w = np.zeros((group, n_panels * NR, icg, T), dtype=np.float32)
+    w[:, :ocg] = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
+    packed = np.ascontiguousarray(w.reshape(group, n_panels, NR, icg, T).transpose(0, 1, 3, 4, 2).reshape(-1))
+    per_group = n_panels * NR * icg * T
+
+    # Work items: (image, group, panel, block of rows); rows split only to give threads enough items.
+    want = work_items()
+    row_blocks = min(OH, max(1, _ceil_div(want, N * group * n_panels))) if passes * OH * OW * ocg * icg * T > 1 << 21 else 1
+    rows_per = _ceil_div(OH, row_blocks)
+    row_blocks = _ceil_div(OH, rows_per)
+    tiles_per_row = _ceil_div(OW, MR)
+    slots = N * group * n_panels * row_blocks * rows_per * tiles_per_row
+    partial = scratch_value(graph, node, (slots * MR * NR,), np.float32, tag="tiles")
+    work = N * group * n_panels * row_blocks
+
+    has_bias = B is not None
+    uk_epilogue = register_epilogue(has_bias, epilogue, residual_arg is not None)
+    in_registers = uk_epilogue is not None
+    # Each tile of a pass prefetches its share of the next pass's weights (the next contiguous run:
+    # the next pass, or after the last one the next panel's first), so they stream from memory
+    # while this pass computes, not in a burst when the next pass starts.
+    tiles = rows_per * tiles_per_row
+    pass_lines = _ceil_div(4 * kc_max * T * NR, 64)
+    share = _ceil_div(pass_lines, tiles)
+    pf_lines = _ceil_div(share, kc_max)
+    spec = TSpec(mr=MR, nr=NR, taps=tuple(offsets), a_ks=ldb, c_cs=OH * OW, pf_lines=pf_lines,
+                 **(uk_epilogue or {}))
+    # Pointers: A (phases or X), W (packed), [bias], [residual], partial tiles, Y.
+    n_ptrs = 4 + has_bias + (residual_arg is not None)
+    pb = "p2" if has_bias else None
+    pr = f"p{2 + has_bias}" if residual_arg is not None else None
+    pp, py = f"p{n_ptrs - 2}", f"p{n_ptrs - 1}"
+    OHW = OH * OW
+
+    src = Source()
+    for line in spec.declaration("uk").splitlines():
+        src.line(line)
+    src.line(kernel_header(n_ptrs)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"rb = item % {row_blocks}").line(f"rest = item // {row_blocks}")
+    src.line(f"pn = rest % {n_panels}").line(f"rest = rest // {n_panels}")
+    src.line(f"g = rest % {group}").line(f"n = rest // {group}")
+    src.line(f"oc0 = g * {ocg} + pn * {NR}").line(f"cols = min({NR}, {ocg} - pn * {NR})")
+    src.line(f"r_lo = rb * {rows_per}").line(f"r_hi = min(r_lo + {rows_per}, {OH})")
+    src.line(f"slot0 = item * {rows_per * tiles_per_row}")
+    src.line(f"for c0 in range(0, {icg}, {kc_max}):").indent()
+    src.line(f"kc = min({kc_max}, {icg} - c0)")
+    src.line(f"flags = (0 if c0 == 0 else {LOADC_ACCUMULATE}) + "
+             f"({TSTORE_OUTPUT + (LOADC_EPILOGUE if in_registers else 0)} if c0 + {kc_max} >= {icg} else 0)")
+    src.line(f"boff = g * {per_group} + pn * {icg * T * NR} + c0 * {T * NR}")
+    src.line(f"abase = (n * {C} + g * {icg} + c0) * {ldb}")
+    src.line("for oh in range(r_lo, r_hi):").indent()
+    src.line(f"for ow in range(0, {OW}, {MR}):").indent()
+    src.line(f"slot = slot0 + (oh - r_lo) * {tiles_per_row} + ow // {MR}")
+    src.line(f"pfoff = kc * {T * NR} + ((oh - r_lo) * {tiles_per_row} + ow // {MR}) * {share * 16}")
+    src.line(f"uk(p0, abase + oh * {PW} + ow, p1, boff, {pp}, slot * {MR * NR}, {py}, "
+             f"(n * {OC} + oc0) * {OHW} + oh * {OW} + ow, kc, min({MR}, {OW} - ow), cols, flags + {TPREFETCH}, "
+             + (f"{pb}, oc0, pfoff)" if has_bias and in_registers else "p0, 0, pfoff)"))
+    src.dedent().dedent().dedent()
+    if not in_registers and (has_bias or residual_arg is not None or epilogue.active):
+        # Bias, residual and other activations on the item's outputs, after its last pass.
+        src.line("for j in range(cols):").indent()
+        src.line("oc = oc0 + j").line(f"ob = (n * {OC} + oc) * {OHW}")
+        terms = [f"{py}[ob + f]"]
+        if has_bias:
+            src.line(f"bias = {pb}[oc]")
+            terms.append("bias")
+        if residual_arg is not None:
+            sn, sc, sh, sw = res_strides
+            src.line(f"rb0 = n * {sn} + oc * {sc}")
+            terms.append(f"{pr}[rb0 + (f // {OW}) * {sh} + (f % {OW}) * {sw}]")
+        src.line(f"for f in range(r_lo * {OW}, r_hi * {OW}):").indent()
+        src.line(f"v = {' + '.join(terms)}")
+        src.line(f"{py}[ob + f] = {epilogue.expr('v', np.dtype(np.float32)) if epilogue.active else 'v'}")
+        src.dedent().dedent()
+    types = ["float32", "float32"] + (["float32"] if has_bias else []) + (["float32"] if residual_arg is not None else []) \
+        + ["float32", "float32"]
+    kernel = Kernel("Conv", src.text(), tuple(types))
+    args = [src_name, packed] + ([B.name] if has_bias else []) + ([residual_arg] if residual_arg is not None else []) \
+        + [partial, Y.name]
+    calls.append(KernelCall(kernel, args, work, node.name, n_outputs=2))
+    return calls

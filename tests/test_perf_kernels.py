@@ -213,7 +213,7 @@ def test_microkernel_ir_for_every_vector_width(bits):
     _init_llvm()
     for spec in (UKSpec(mr=6, nr=64, a_packed=0), UKSpec(mr=4, nr=64, a_packed=1, a_panel=6, taps=(0, 1, 9), store="x"),
                  UKSpec(mr=1, nr=32, a_packed=0, b_masked=1),
-                 UKSpec(mr=6, nr=64, a_packed=1, a_panel=6, bias=1, act="Relu"),
+                 UKSpec(mr=6, nr=64, a_packed=1, a_panel=6, bias=1, act="Relu", prefetch_c=1),
                  UKSpec(mr=8, nr=48, a_packed=1, a_panel=8, taps=(0, 1), store="x", bias=1, act="Clip",
                         act_lo=float("-inf"), act_hi=6.0), GatherSpec(2), GatherSpec(3),
                  TSpec(mr=7, nr=48, taps=(0, 1, 2, 9, 10, 11), a_ks=81, c_cs=49, pf_lines=2, bias=1, act="Relu"),

@@ -56,6 +56,8 @@ class UKSpec:
     store: str = "m"        # "m" masked positional, "x" compress
     b_masked: int = 0       # 1: B loads are masked with `mask` (B rows may end at the last valid column)
     prefetch_b: int = 1     # 0: no software prefetch of B rows (B streams from L2, which the hardware follows)
+    prefetch_c: int = 0     # 1: prefetch the C tile mr rows below (the next call's, when it accumulates onto
+                            # C in memory: a residual the conv adds onto, not in cache)
     bias: int = 0           # 1: with the epilogue bit, row i gets bias[biasoff + i] added (bias must then be a
                             # valid pointer on every call)
     act: str = ""           # with the epilogue bit: "" | "Relu" | "Clip" (bounds act_lo, act_hi; inf: no bound)
@@ -313,6 +315,16 @@ def ukernel_ir(spec, vector_bits: int) -> str:
             arow[i] = ptr
     bbase = ir.tmp("bbase")
     ir(f"{bbase} = getelementptr float, ptr %b, i64 %boff")
+    if spec.prefetch_c:
+        below = ir.tmp("cb")
+        ir(f"{below} = mul i64 %ldc, {spec.mr}")
+        for i in range(spec.mr):
+            p = ir.tmp("pc")
+            ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {below}")
+            for j in range(-(-spec.nr * 4 // 64)):
+                q = ir.tmp("pcq")
+                ir(f"{q} = getelementptr i8, ptr {p}, i64 {64 * j}")
+                ir(f"call void @llvm.prefetch.p0(ptr {q}, i32 0, i32 3, i32 1)")
 
     def c_addr(i, v):
         if spec.store == "x":

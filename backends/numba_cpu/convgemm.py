@@ -144,6 +144,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     def spec(mr):
         if mr not in specs:
             specs[mr] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR, taps=offsets, store=store,
+                                                   prefetch_c=int(accumulate),
                                                    **uk_epilogue))
         return specs[mr][0]
 

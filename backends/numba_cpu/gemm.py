@@ -360,7 +360,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
         key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)
         if key not in specs:
             specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=key[1], a_packed=a_packed, a_panel=a_panel,
-                                                    b_masked=int(key[2]), **uk_epilogue))
+                                                    b_masked=int(key[2]), prefetch_c=int(accumulate), **uk_epilogue))
         return specs[key][0]
 
     # Work items: (batch, n block, m block); blocks of whole micro-tiles.

@@ -334,14 +334,22 @@ def test_split_work_balances_two_threads(n_cols, m_tiles, a_bytes, b_bytes):
     assert _imbalance(c, n_cols, m_tiles, 2) <= 1.05
 
 
-@pytest.mark.parametrize("x_shape,w_shape,attrs", [
-    ((1, 128, 7, 7), (512, 128, 1, 1), dict()),                  # 1x1, rows split (weights >> activations)
-    ((1, 64, 7, 7), (128, 64, 3, 3), dict(pads=[1, 1, 1, 1])),   # implicit GEMM, rows split
+@pytest.mark.parametrize("x_shape,w_shape,attrs,small", [
+    ((1, 128, 7, 7), (512, 128, 1, 1), dict(), True),                   # 1x1, channels in the lanes
+    ((1, 64, 7, 7), (128, 64, 3, 3), dict(pads=[1, 1, 1, 1]), True),    # 3x3, channels in the lanes
+    ((1, 64, 28, 28), (512, 64, 3, 3), dict(pads=[1, 1, 1, 1]), False),  # implicit GEMM, rows split
+    ((1, 128, 14, 14), (512, 128, 1, 1), dict(), False),                # GEMM, rows split (weights >> activations)
 ])
-def test_conv_row_split_identical_for_any_thread_count(x_shape, w_shape, attrs):
+def test_conv_split_identical_for_any_thread_count(x_shape, w_shape, attrs, small):
+    """Splits never cut the sum over input channels: 1, 2 and 4 threads give the same bytes."""
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
     model, feeds = conv_model(x_shape, w_shape, **attrs)
-    outs = {t: assert_matches_ort(model, feeds, tol=1e-5, threads=t)[1]["y"] for t in (1, 2)}
+    graph, _ = import_onnx(model)
+    assert ("cuvil_ukt_" in lower(graph)[-1].kernel.source) == small
+    outs = {t: assert_matches_ort(model, feeds, tol=1e-5, threads=t)[1]["y"] for t in (1, 2, 4)}
     np.testing.assert_array_equal(outs[1], outs[2])
+    np.testing.assert_array_equal(outs[1], outs[4])
 
 
 def _residual_conv_model(k, own_input=False, later_reader=False):

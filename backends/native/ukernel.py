@@ -37,6 +37,7 @@ import json
 import re
 import struct
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 MAX_ACC = {16: 24, 8: 12, 4: 12}   # accumulator registers per chunk, by lanes (zmm: 32 regs, ymm/xmm: 16)
 
@@ -46,8 +47,32 @@ LOADC_ACCUMULATE = 1   # loadc bit: the tile starts from C (else from zero)
 LOADC_EPILOGUE = 2     # loadc bit: add the bias and apply the activation before storing (the last pass)
 
 
+class _Declared:
+    """Name, spec comment and Numba declaration of a micro-kernel spec (a frozen dataclass): the name
+    is `_stem()` plus a hash of the fields; `_ARGS` is the signature after the i32 result, "p" a
+    float pointer and "i" an i64."""
+    _ARGS = ""
+
+    def _stem(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return f"{self._stem()}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+    def comment(self) -> str:
+        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
+
+    def declaration(self, var: str) -> str:
+        p, i = "_uk_types.CPointer(_uk_types.float32)", "_uk_types.int64"
+        sig = ", ".join(p if c == "p" else i for c in self._ARGS)
+        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
+                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({sig}))\n")
+
+
 @dataclass(frozen=True)
-class UKSpec:
+class UKSpec(_Declared):
     mr: int                 # rows of the tile
     nr: int                 # columns of the tile (floats, multiple of 16, <= 64)
     a_packed: int           # 1: a[aoff + k*P + i] with P = a_panel; 0: a[aoff + i*lda + k]
@@ -64,25 +89,14 @@ class UKSpec:
     act_lo: float = 0.0
     act_hi: float = 0.0
 
-    @property
-    def name(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True)
-        return f"cuvil_uk_{self.mr}x{self.nr}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    _ARGS: ClassVar[str] = "".join("p" if n in _PTR_ARGS else "i" for n in ARG_TYPES)
 
-    def comment(self) -> str:
-        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
-
-    def declaration(self, var: str) -> str:
-        """Python source lines (for a kernel's module level) binding `var` to the micro-kernel."""
-        p, i = "types.CPointer(types.float32)", "types.int64"
-        sig = ", ".join(p if n in _PTR_ARGS else i for n in ARG_TYPES)
-        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
-                f"{var} = _uk_types.ExternalFunction({self.name!r}, "
-                f"_uk_types.int32({sig.replace('types.', '_uk_types.')}))\n")
+    def _stem(self) -> str:
+        return f"cuvil_uk_{self.mr}x{self.nr}"
 
 
 @dataclass(frozen=True)
-class GatherSpec:
+class GatherSpec(_Declared):
     """A strided row copy, dst[doff + j] = src[soff + j * stride] for j < n (the phase images of
     a strided conv). Numba's loop for it stays scalar (LLVM does not vectorise the strided
     loads); here each group of lanes is one wide load and a lane shuffle.
@@ -90,22 +104,14 @@ class GatherSpec:
     Signature: i32 name(ptr src, i64 soff, ptr dst, i64 doff, i64 n)."""
     stride: int
     kind: str = "gather"
+    _ARGS: ClassVar[str] = "pipii"
 
-    @property
-    def name(self) -> str:
+    def _stem(self) -> str:
         return f"cuvil_gather{self.stride}"
-
-    def comment(self) -> str:
-        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
-
-    def declaration(self, var: str) -> str:
-        p, i = "_uk_types.CPointer(_uk_types.float32)", "_uk_types.int64"
-        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
-                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({p}, {i}, {p}, {i}, {i}))\n")
 
 
 @dataclass(frozen=True)
-class DwRowSpec:
+class DwRowSpec(_Declared):
     """One output row of one channel of a depthwise conv with stride 2 along both axes:
 
         y[yoff + ow] = act(bias + sum_{kh, kw} w[woff + kh*KW + kw] * x[xoff + (r0 + kh)*W + 2*ow + kw - p_l])
@@ -126,23 +132,14 @@ class DwRowSpec:
     act_lo: float = 0.0
     act_hi: float = 0.0
     kind: str = "dwrow"
+    _ARGS: ClassVar[str] = "piipipi"
 
-    @property
-    def name(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True)
-        return f"cuvil_dwrow_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
-
-    def comment(self) -> str:
-        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
-
-    def declaration(self, var: str) -> str:
-        p, i = "_uk_types.CPointer(_uk_types.float32)", "_uk_types.int64"
-        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
-                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({p}, {i}, {i}, {p}, {i}, {p}, {i}))\n")
+    def _stem(self) -> str:
+        return "cuvil_dwrow"
 
 
 @dataclass(frozen=True)
-class TSpec:
+class TSpec(_Declared):
     """A transposed micro-kernel: output channels in the vector lanes, output positions broadcast,
     for convolutions whose planes are too small to fill vectors of positions (7x7):
 
@@ -172,20 +169,10 @@ class TSpec:
     act_lo: float = 0.0
     act_hi: float = 0.0
     kind: str = "t"
+    _ARGS: ClassVar[str] = "pipipipiiiiipii"
 
-    @property
-    def name(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True)
-        return f"cuvil_ukt_{self.mr}x{self.nr}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
-
-    def comment(self) -> str:
-        return f"# cuvil-ukernel {self.name} {json.dumps(asdict(self), sort_keys=True)}"
-
-    def declaration(self, var: str) -> str:
-        p, i = "_uk_types.CPointer(_uk_types.float32)", "_uk_types.int64"
-        sig = ", ".join([p, i, p, i, p, i, p, i, i, i, i, i, p, i, i])
-        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
-                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({sig}))\n")
+    def _stem(self) -> str:
+        return f"cuvil_ukt_{self.mr}x{self.nr}"
 
 
 TSTORE_OUTPUT = 4   # TSpec flags bit: the tile goes to the output (else to its scratch slot)
@@ -229,6 +216,48 @@ class _IR:
 
     def label(self, name):
         self.lines.append(f"{name}:")
+
+
+def _open_k_loop(ir: _IR, ci: int, init: dict, vt: str, latch: str) -> tuple[str, dict]:
+    """The K loop's header block of column chunk ci: k and the accumulators as phis (from `init`
+    on entry, from the loop's last block `latch` on the back edge)."""
+    ir.label(f"loop{ci}")
+    kv = f"%k{ci}"
+    accs = {key: f"%acc{ci}_{key[0]}_{key[1]}" for key in init}
+    ir(f"{kv} = phi i64 [ 0, %pre{ci} ], [ %kn{ci}, {latch} ]")
+    for key, acc in accs.items():
+        ir(f"{acc} = phi {vt} [ {init[key]}, %pre{ci} ], [ %accn{ci}_{key[0]}_{key[1]}, {latch} ]")
+    return kv, accs
+
+
+def _fma_broadcast(ir: _IR, ptr: str, vt: str, L: int, row: int, vecs, bvec: dict, cur: dict) -> None:
+    """cur[row, v] += (the float at ptr, broadcast) * bvec[v] for every v in vecs."""
+    s = ir.tmp("a")
+    ir(f"{s} = load float, ptr {ptr}, align 4")
+    splat = _broadcast(ir, s, vt, L)
+    for v in vecs:
+        out = ir.tmp("f")
+        ir(f"{out} = call {vt} @llvm.fma.v{L}f32({vt} {splat}, {vt} {bvec[v]}, {vt} {cur[row, v]})")
+        cur[row, v] = out
+
+
+def _close_k_loop(ir: _IR, ci: int, kv: str, accs: dict, cur: dict, rename: dict) -> dict:
+    """The back edge of chunk ci's K loop; returns the accumulators' names after the loop (block st<ci>)."""
+    for key in accs:
+        rename[f"%accn{ci}_{key[0]}_{key[1]}"] = cur[key]
+    ir(f"%kn{ci} = add i64 {kv}, 1")
+    ir(f"%kc{ci} = icmp slt i64 %kn{ci}, %kc")
+    ir(f"br i1 %kc{ci}, label %loop{ci}, label %st{ci}")
+    ir.label(f"st{ci}")
+    return {key: f"%accn{ci}_{key[0]}_{key[1]}" for key in accs}
+
+
+def _module(head: str, ir: _IR, rename: dict, decls: list) -> str:
+    """The function (its body with the loop-carried names resolved) and its declarations."""
+    body = "\n".join(ir.lines)
+    for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
+        body = re.sub(re.escape(old) + r"\b", new, body)
+    return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
 def ukernel_ir(spec, vector_bits: int) -> str:
@@ -372,13 +401,7 @@ def ukernel_ir(spec, vector_bits: int) -> str:
             init[key] = ph
         ir(f"br label %loop{ci}")
         # The K loop (over k, or over channels with T taps each).
-        ir.label(f"loop{ci}")
-        kv = f"%k{ci}"
-        accs = {key: f"%acc{ci}_{key[0]}_{key[1]}" for key in init}
-        nexts = {}
-        ir(f"{kv} = phi i64 [ 0, %pre{ci} ], [ %kn{ci}, %loop{ci} ]")
-        for key, acc in accs.items():
-            ir(f"{acc} = phi {vt} [ {init[key]}, %pre{ci} ], [ %accn{ci}_{key[0]}_{key[1]}, %loop{ci} ]")
+        kv, accs = _open_k_loop(ir, ci, init, vt, f"%loop{ci}")
         cur = dict(accs)
         steps = [(t, spec.taps[t]) for t in range(T)] if T else [(0, None)]
         # B row base for this k (or channel).
@@ -412,20 +435,8 @@ def ukernel_ir(spec, vector_bits: int) -> str:
                 else:
                     p = ir.tmp("ap")
                     ir(f"{p} = getelementptr float, ptr {arow[i]}, i64 {kk}")
-                s = ir.tmp("a")
-                ir(f"{s} = load float, ptr {p}, align 4")
-                splat = _broadcast(ir, s, vt, L)
-                for v in vecs:
-                    out = ir.tmp("f")
-                    ir(f"{out} = call {vt} @llvm.fma.v{L}f32({vt} {splat}, {vt} {bvec[v]}, {vt} {cur[i, v]})")
-                    cur[i, v] = out
-        for key in accs:
-            rename[f"%accn{ci}_{key[0]}_{key[1]}"] = cur[key]
-        ir(f"%kn{ci} = add i64 {kv}, 1")
-        ir(f"%kc{ci} = icmp slt i64 %kn{ci}, %kc")
-        ir(f"br i1 %kc{ci}, label %loop{ci}, label %st{ci}")
-        ir.label(f"st{ci}")
-        final = {key: f"%accn{ci}_{key[0]}_{key[1]}" for key in accs}
+                _fma_broadcast(ir, p, vt, L, i, vecs, bvec, cur)
+        final = _close_k_loop(ir, ci, kv, accs, cur, rename)
         if epilogue:
             final = _epilogue(ir, spec, final, vt, L)
         ir(f"br i1 {full}, label %stf{ci}, label %stm{ci}")
@@ -461,10 +472,7 @@ def ukernel_ir(spec, vector_bits: int) -> str:
         f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
         f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
     ]
-    body = "\n".join(ir.lines)
-    for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
-        body = re.sub(re.escape(old) + r"\b", new, body)
-    return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+    return _module(head, ir, rename, decls)
 
 
 def gather_ir(spec: GatherSpec, vector_bits: int) -> str:
@@ -581,13 +589,7 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
             ir(f"{ph} = phi {vt} [ {x}, %ld{ci} ], [ zeroinitializer, %chunk{ci} ]")
             init[key] = ph
         ir(f"br label %loop{ci}")
-        ir.label(f"loop{ci}")
-        kv = f"%k{ci}"
-        accs = {key: f"%acc{ci}_{key[0]}_{key[1]}" for key in init}
-        latch = f"%pfd{ci}" if ci == 0 and spec.pf_lines else f"%loop{ci}"   # the block that branches back
-        ir(f"{kv} = phi i64 [ 0, %pre{ci} ], [ %kn{ci}, {latch} ]")
-        for key, acc in accs.items():
-            ir(f"{acc} = phi {vt} [ {init[key]}, %pre{ci} ], [ %accn{ci}_{key[0]}_{key[1]}, {latch} ]")
+        kv, accs = _open_k_loop(ir, ci, init, vt, f"%pfd{ci}" if ci == 0 and spec.pf_lines else f"%loop{ci}")
         cur = dict(accs)
         arow = ir.tmp("ak")
         ir(f"{arow} = mul i64 {kv}, {spec.a_ks}")
@@ -621,20 +623,8 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
             for i in range(spec.mr):
                 p = ir.tmp("ap")
                 ir(f"{p} = getelementptr float, ptr {ap}, i64 {off + i}")
-                sc = ir.tmp("a")
-                ir(f"{sc} = load float, ptr {p}, align 4")
-                splat = _broadcast(ir, sc, vt, L)
-                for v in vecs:
-                    out = ir.tmp("f")
-                    ir(f"{out} = call {vt} @llvm.fma.v{L}f32({vt} {splat}, {vt} {bvec[v]}, {vt} {cur[i, v]})")
-                    cur[i, v] = out
-        for key in accs:
-            rename[f"%accn{ci}_{key[0]}_{key[1]}"] = cur[key]
-        ir(f"%kn{ci} = add i64 {kv}, 1")
-        ir(f"%kc{ci} = icmp slt i64 %kn{ci}, %kc")
-        ir(f"br i1 %kc{ci}, label %loop{ci}, label %st{ci}")
-        ir.label(f"st{ci}")
-        final = {key: f"%accn{ci}_{key[0]}_{key[1]}" for key in accs}
+                _fma_broadcast(ir, p, vt, L, i, vecs, bvec, cur)
+        final = _close_k_loop(ir, ci, kv, accs, cur, rename)
         nxt = f"chunk{ci + 1}" if ci + 1 < len(chunks) else "done"
         ir(f"br i1 %out, label %so{ci}, label %ss{ci}")
         ir.label(f"ss{ci}")
@@ -656,9 +646,6 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
         ir(f"br label %{nxt}")
     ir.label("done")
     ir("ret i32 0")
-    body = "\n".join(ir.lines)
-    for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
-        body = re.sub(re.escape(old) + r"\b", new, body)
     head = (f"define i32 @{spec.name}(ptr noalias %a, i64 %aoff, ptr noalias %b, i64 %boff, ptr noalias %s, "
             f"i64 %soff, ptr noalias %c, i64 %coff, i64 %kc, i64 %rows, i64 %cols, i64 %flags, ptr noalias %bias, "
             f"i64 %biasoff, i64 %pfoff) #0 {{")
@@ -668,7 +655,7 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
              f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
              "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
-    return head + "\n" + body + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+    return _module(head, ir, rename, decls)
 
 
 def _column_epilogue(ir: _IR, spec: TSpec, accs: dict, vecs: list, colmask: dict, vt: str, L: int) -> dict:

@@ -38,20 +38,27 @@ from .gemm import UK_NR_STEP, _ceil_div, choose_tile
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .scratch import scratch_value
 
-# (MR, NR) tiles and their speed relative to 6x64 (accumulators: 6x4 = 24, 7x3 = 21 zmm).
-TILES = {(6, 64): 1.0, (7, 48): 0.97, (8, 48): 0.99, (4, 64): 0.9}
+# (MR, NR) tiles and their relative speed, measured on whole convs (accumulators: 6x4 = 24 zmm,
+# 7x3 = 21, 7x2 = 14): over 9 taps 7x32 is the fastest (512 -> 512 at 7x7: 1.02 ms against
+# 1.06 with 7x48; 256 -> 256 at 14x14: 1.06 against 1.17), with one tap (1x1) it is 7x48
+# (2048 -> 512 at 7x7: 0.56 ms against 0.61 with 7x32).
+TILES = {"taps": {(7, 32): 1.0, (8, 32): 0.98, (6, 32): 0.95, (7, 48): 0.9, (6, 64): 0.85, (4, 64): 0.75},
+         "rows": {(6, 64): 1.0, (7, 48): 0.97, (8, 48): 0.99, (4, 64): 0.9}}
 PASS_BYTES = 32 << 10   # weights of one pass over the input channels (stay in L1 across the tiles)
+SLOT_BYTES = 32 << 10   # a panel's partial tiles, read and written every pass: at most this (L1). Over
+                        # it, 128 -> 128 3x3 at 28x28 (100 KB of tiles) took 1.51 ms against convgemm's 1.23
 GAIN = 1.02             # take this path when its lanes do this much more useful work (times SPEED)
 SPEED = {"taps": 1.0, "rows": 0.92}   # against the position-in-lanes kernels at equal useful lanes, measured
 
 
-def _tile(OW: int, ocg: int):
+def _tile(OW: int, ocg: int, taps: int):
     """The tile with the most useful lanes (row tiles never cross a row), weighted by speed."""
     def useful(tile):
         mr, nr = tile
         return OW / (_ceil_div(OW, mr) * mr) * ocg / (_ceil_div(ocg, nr) * nr)
-    best = max(sorted(TILES), key=lambda t: useful(t) * TILES[t])
-    return best, useful(best)
+    table = TILES["taps" if taps > 1 else "rows"]
+    best = max(sorted(table), key=lambda t: useful(t) * table[t])
+    return best, useful(best) * table[best] / max(table.values())
 
 
 def _lanes_useful(OH: int, OW: int, PW: int, ocg: int, pointwise: bool) -> float:
@@ -79,11 +86,14 @@ def eligible(X, W, group, kernel, strides, dilations, pads, Y, pointwise: bool =
     OH, OW = (int(v) for v in Y.shape[2:])
     if ocg < 32 or icg < 8:
         return False
-    (mr, _), useful = _tile(OW, ocg)
+    taps = int(np.prod(kernel))
+    (mr, nr), useful = _tile(OW, ocg, taps)
     if pointwise and OW % mr:
         return False   # (a row's last tile would read past the end of X)
+    if 4 * OH * OW * nr > SLOT_BYTES:
+        return False   # the partial tiles of a panel would not stay in L1 between passes
     PW = OW if pointwise else _phase_geometry(kernel, strides, dilations, pads[1], int(X.shape[3]), OH, OW)[2]
-    return useful * SPEED["taps" if np.prod(kernel) > 1 else "rows"] >= GAIN * _lanes_useful(OH, OW, PW, ocg, pointwise)
+    return useful * SPEED["taps" if taps > 1 else "rows"] >= GAIN * _lanes_useful(OH, OW, PW, ocg, pointwise)
 
 
 def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
@@ -95,7 +105,7 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     OC = int(W.shape[0])
     OH, OW = (int(v) for v in Y.shape[2:])
     icg, ocg = C // group, OC // group
-    (MR, NR), _ = _tile(OW, ocg)
+    (MR, NR), _ = _tile(OW, ocg, int(np.prod(kernel)))
     calls = []
     if pointwise:
         # The input as it is: position (oh, ow) of channel c at c*H*W + oh*W + ow (stride 1, no pad).

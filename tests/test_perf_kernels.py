@@ -457,6 +457,9 @@ def test_conv_epilogue_in_microkernel_registers(x_shape, w_shape, attrs, act):
     ((1, 300, 7, 7), (96, 300, 3, 3), dict(pads=[1, 1, 1, 1]), None, False),             # many passes
     ((1, 64, 7, 7), (96, 32, 3, 3), dict(pads=[1, 1, 1, 1], group=2), "Relu", True),    # groups, residual
     ((1, 16, 7, 7), (96, 16, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2]), None, False),  # dilation
+    ((1, 64, 14, 14), (96, 64, 3, 3), dict(auto_pad="SAME_UPPER", strides=[2, 2]), None, False),  # pads 0,0,1,1
+    ((1, 32, 7, 9), (96, 32, 3, 3), dict(pads=[1, 1, 1, 1]), "Relu", False),          # 9 wide: an edge tile of 2
+    ((3, 96, 7, 7), (128, 96, 1, 1), {}, "Relu", False),                                 # batch 3, 1x1
 ])
 def test_small_plane_conv_channels_in_lanes(target, x_shape, w_shape, attrs, act, residual):
     """Convs on small planes put output channels in the vector lanes (convsmall.py, TSpec

@@ -152,9 +152,9 @@ class TSpec(_Declared):
     and columns j < `cols` only.
 
     `flags` bit 0: start from the slot (else zero); bit 1: bias[biasoff + j] and the activation
-    before the output store; bit 2: store to the output (else to the slot); bit 3: prefetch
-    `pf_lines` cache lines of B per k from b[boff + pfoff] on: the caller spreads the next pass's
-    weights over the tiles of this one, so they stream from memory while the tiles compute.
+    before the output store; bit 2: store to the output (else to the slot). Each k also
+    prefetches `pf_lines` cache lines of B from b[boff + pfoff] on: the caller spreads the next
+    pass's weights over the tiles of this one, so they stream from memory while the tiles compute.
 
     Signature: i32 name(ptr a, i64 aoff, ptr b, i64 boff, ptr s, i64 soff, ptr c, i64 coff,
                         i64 kc, i64 rows, i64 cols, i64 flags, ptr bias, i64 biasoff, i64 pfoff)."""
@@ -176,7 +176,6 @@ class TSpec(_Declared):
 
 
 TSTORE_OUTPUT = 4   # TSpec flags bit: the tile goes to the output (else to its scratch slot)
-TPREFETCH = 8       # TSpec flags bit: prefetch B from boff + pfoff on (pf_lines lines per k)
 
 
 _COMMENT = re.compile(r"^# cuvil-ukernel (\S+) (\{.*\})$", re.M)
@@ -548,7 +547,7 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
     T = len(taps)
     ir = _IR()
     ir.label("entry")
-    for bit, name in ((LOADC_ACCUMULATE, "acc"), (LOADC_EPILOGUE, "epi"), (TSTORE_OUTPUT, "out"), (TPREFETCH, "pf")):
+    for bit, name in ((LOADC_ACCUMULATE, "acc"), (LOADC_EPILOGUE, "epi"), (TSTORE_OUTPUT, "out")):
         ir(f"%{name}w = and i64 %flags, {bit}")
         ir(f"%{name} = icmp ne i64 %{name}w, 0")
     ir("%abase = getelementptr float, ptr %a, i64 %aoff")
@@ -589,7 +588,7 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
             ir(f"{ph} = phi {vt} [ {x}, %ld{ci} ], [ zeroinitializer, %chunk{ci} ]")
             init[key] = ph
         ir(f"br label %loop{ci}")
-        kv, accs = _open_k_loop(ir, ci, init, vt, f"%pfd{ci}" if ci == 0 and spec.pf_lines else f"%loop{ci}")
+        kv, accs = _open_k_loop(ir, ci, init, vt, f"%loop{ci}")
         cur = dict(accs)
         arow = ir.tmp("ak")
         ir(f"{arow} = mul i64 {kv}, {spec.a_ks}")
@@ -600,8 +599,6 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
         bp = ir.tmp("brow")
         ir(f"{bp} = getelementptr float, ptr %bbase, i64 {brow}")
         if ci == 0 and spec.pf_lines:
-            ir(f"br i1 %pf, label %pfb{ci}, label %pfd{ci}")
-            ir.label(f"pfb{ci}")
             line = ir.tmp("pl")
             ir(f"{line} = mul i64 {kv}, {64 * spec.pf_lines}")
             for j in range(spec.pf_lines):
@@ -610,8 +607,6 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
                 q2 = ir.tmp("pq")
                 ir(f"{q2} = getelementptr i8, ptr {q}, i64 {64 * j}")
                 ir(f"call void @llvm.prefetch.p0(ptr {q2}, i32 0, i32 3, i32 1)")
-            ir(f"br label %pfd{ci}")
-            ir.label(f"pfd{ci}")
         for t, off in enumerate(taps):
             bvec = {}
             for v in vecs:

@@ -118,9 +118,7 @@ def lower_conv(node, graph) -> Lowered:
     # A residual laid out like the output, with no reader after this conv, may become the output's
     # buffer: the conv then accumulates onto it (one pass over it instead of a read and a write).
     in_place_residual = isinstance(res_arg, str) and res_strides == tuple(dims_strides(Y.shape))
-    if (B is None or B.is_const) and len(X.shape) == 4 and np.dtype(dtype) == np.float32 \
-            and (res_strides is None or len(res_strides) == 4) \
-            and convsmall.eligible(X, W, group, kernel, strides, dilations, pads, Y, pointwise):
+    if convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
         return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                                                   res_arg, res_strides, epilogue, pointwise))
     if dwstride.eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue):
@@ -141,9 +139,10 @@ def lower_conv(node, graph) -> Lowered:
                                                      res_strides, Y.shape[2:], epilogue, W.data)
         args[0], args[1] = (W.name if packed is None else packed), X.name  # the GEMM reads A = W, B = X
         if in_place_residual and specs_in(kernel_obj.source):
-            form, form_work, form_packed = _pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None, None,
-                                                             Y.shape[2:], epilogue, W.data, accumulate=True)
-            form_args = [W.name if form_packed is None else form_packed, X.name] + args[2:] + [Y.name]
+            # The same GEMM, accumulating onto its output: it reads the weights packed above.
+            form, form_work, _ = _pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None, None,
+                                                   Y.shape[2:], epilogue, W.data, accumulate=True, packed=packed)
+            form_args = args + [Y.name]
             call = KernelCall(kernel_obj, args + [res_arg, Y.name], work, node.name,
                               in_place=InPlace(res_arg, form, form_args, form_work))
             return Lowered([call])
@@ -170,9 +169,10 @@ def _flat_spatial(strides, dims):
 
 
 def _pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias, res_strides=None, out_spatial=(), epilogue=None,
-                      weights=None, accumulate=False):
+                      weights=None, accumulate=False, packed=None):
     """1x1 conv as a GEMM batched over (image, group): A = W[g] (OCg x ICg), B = X[n, g] (ICg x pixels).
-    Returns the kernel, its work size and the weights packed into micro-kernel panels (or None: W as is)."""
+    Returns the kernel, its work size and the weights packed into micro-kernel panels (or None: W as is);
+    `packed`: those panels from an earlier call for the same weights (not packed again)."""
     icg, ocg = C // group, OC // group
     a = Operand((0, ocg * icg), icg, 1)
     b = Operand((C * pixels, icg * pixels), pixels, 1)
@@ -184,8 +184,9 @@ def _pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias, res_strides=None
         r = Operand((sn, ocg * sc), sc, _flat_spatial(res_strides[2:], out_spatial))
     if uk_eligible(dtype, ocg, pixels, icg, a, b):
         if weights is not None:
-            packed = pack_a_panels(np.asarray(weights, dtype=np.float32).reshape(group, ocg, icg),
-                                   choose_tile(ocg, pixels)[0])
+            if packed is None:
+                packed = pack_a_panels(np.asarray(weights, dtype=np.float32).reshape(group, ocg, icg),
+                                       choose_tile(ocg, pixels)[0])
             a = Operand((0, packed[0].size), icg, 1)
             return (*uk_gemm_kernel("Conv", ocg, pixels, icg, (N, group), a, b, c, out, residual=r,
                                     epilogue=epilogue, a_panels=True, accumulate=accumulate), packed)

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.native.ukernel import LOADC_ACCUMULATE, LOADC_EPILOGUE, TPREFETCH, TSTORE_OUTPUT, TSpec
+from backends.native.ukernel import LOADC_ACCUMULATE, LOADC_EPILOGUE, TSTORE_OUTPUT, TSpec
 
 from .convgemm import _pad_kernel, _phase_geometry
 from .epilogue import Epilogue, register_epilogue
-from .gemm import UK_NR_STEP, _ceil_div, choose_tile
+from .gemm import UK_MIN_SPLIT_FLOPS, UK_NR_STEP, _ceil_div, choose_tile
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .scratch import scratch_value
 
@@ -76,10 +76,11 @@ def _lanes_useful(OH: int, OW: int, PW: int, ocg: int, pointwise: bool) -> float
     return cols * ocg / (_ceil_div(ocg, mr) * mr)
 
 
-def eligible(X, W, group, kernel, strides, dilations, pads, Y, pointwise: bool = False) -> bool:
-    """Whether a float32 2-D conv (weights constant) gains from channels in the lanes: its tiles
-    waste fewer lanes, by more than the scatters cost."""
-    if len(X.shape) != 4 or not W.is_const or np.dtype(Y.dtype) != np.float32:
+def eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides=None, pointwise: bool = False) -> bool:
+    """Whether a float32 2-D conv (weights and bias constant) gains from channels in the lanes:
+    its tiles waste fewer lanes, by more than the scatters cost."""
+    if len(X.shape) != 4 or not W.is_const or (B is not None and not B.is_const) \
+            or np.dtype(Y.dtype) != np.float32 or (res_strides is not None and len(res_strides) != 4):
         return False
     OC = int(W.shape[0])
     icg, ocg = int(X.shape[1]) // group, OC // group
@@ -130,7 +131,8 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
 
     # Work items: (image, group, panel, block of rows); rows split only to give threads enough items.
     want = work_items()
-    row_blocks = min(OH, max(1, _ceil_div(want, N * group * n_panels))) if passes * OH * OW * ocg * icg * T > 1 << 21 else 1
+    split = 2 * N * OC * OH * OW * icg * T >= UK_MIN_SPLIT_FLOPS
+    row_blocks = min(OH, max(1, _ceil_div(want, N * group * n_panels))) if split else 1
     rows_per = _ceil_div(OH, row_blocks)
     row_blocks = _ceil_div(OH, rows_per)
     tiles_per_row = _ceil_div(OW, MR)
@@ -179,7 +181,7 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     src.line(f"slot = slot0 + (oh - r_lo) * {tiles_per_row} + ow // {MR}")
     src.line(f"pfoff = kc * {T * NR} + ((oh - r_lo) * {tiles_per_row} + ow // {MR}) * {share * 16}")
     src.line(f"uk(p0, abase + oh * {PW} + ow, p1, boff, {pp}, slot * {MR * NR}, {py}, "
-             f"(n * {OC} + oc0) * {OHW} + oh * {OW} + ow, kc, min({MR}, {OW} - ow), cols, flags + {TPREFETCH}, "
+             f"(n * {OC} + oc0) * {OHW} + oh * {OW} + ow, kc, min({MR}, {OW} - ow), cols, flags, "
              + (f"{pb}, oc0, pfoff)" if has_bias and in_registers else "p0, 0, pfoff)"))
     src.dedent().dedent().dedent()
     if not in_registers and (has_bias or residual_arg is not None or epilogue.active):

@@ -13,7 +13,7 @@ import numpy as np
 
 from backends.native.ukernel import EPILOGUE_ACTIVATIONS, DwRowSpec
 
-from .epilogue import Epilogue
+from .epilogue import Epilogue, register_activation
 from .kernel import Kernel, KernelCall, Source, kernel_header
 
 MAX_OUT_WIDTH = 128   # outputs per row (the row is unrolled in groups of vector lanes)
@@ -34,9 +34,7 @@ def lower_dw_stride2(node, X, W, B, Y, kernel, pads, epilogue: Epilogue) -> Kern
     OH, OW = (int(v) for v in Y.shape[2:])
     KH, KW = kernel
     p_t, p_l = pads[:2]
-    lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
-    spec = DwRowSpec(H=H, W=Wd, OW=OW, KH=KH, KW=KW, p_l=p_l, act=epilogue.activation,
-                     act_lo=float(lo), act_hi=float(hi))
+    spec = DwRowSpec(H=H, W=Wd, OW=OW, KH=KH, KW=KW, p_l=p_l, **register_activation(epilogue))
     taps = KH * KW
     # Weights and bias per channel: [C][taps + 1].
     packed = np.zeros((C, taps + 1), dtype=np.float32)

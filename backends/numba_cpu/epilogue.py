@@ -63,8 +63,14 @@ def register_epilogue(row_bias: bool, epilogue: Epilogue, other_terms: bool = Fa
     micro-kernel cannot add; or another activation)."""
     if other_terms or epilogue.activation not in EPILOGUE_ACTIVATIONS or not (row_bias or epilogue.active):
         return None
+    return {"bias": int(row_bias), **register_activation(epilogue)}
+
+
+def register_activation(epilogue: Epilogue) -> dict:
+    """The spec fields (act, act_lo, act_hi) of a Relu or Clip computed in registers."""
+    assert epilogue.activation in EPILOGUE_ACTIVATIONS, epilogue.activation
     lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
-    return {"bias": int(row_bias), "act": epilogue.activation, "act_lo": float(lo), "act_hi": float(hi)}
+    return {"act": epilogue.activation, "act_lo": float(lo), "act_hi": float(hi)}
 
 
 def epilogue_of(node) -> tuple[Epilogue, list[str]]:

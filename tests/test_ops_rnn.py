@@ -122,15 +122,18 @@ LAYOUT1_CASES = {
     "lstm_seq_lens": ("LSTM", {"seq_lens": [3, 1, 4], "peepholes": True}),
     "gru_bidirectional_no_y": ("GRU", {"direction": "bidirectional", "outputs": ("", "Y_h"), "initial": True}),
     "rnn_clip": ("RNN", {"clip": 0.4, "direction": "reverse"}),
+    "lstm_split_halves_two_threads": ("LSTM", {"H": 72, "B": 2, "initial": True, "threads": 2}),
 }
 
 
 @pytest.mark.parametrize("case", list(LAYOUT1_CASES))
 def test_layout1(case):
     op, kwargs = LAYOUT1_CASES[case]
+    kwargs = dict(kwargs)
+    threads = kwargs.pop("threads", 1)
     batch_major, feeds = rnn_model(op, layout=1, **kwargs)
     time_major, _ = rnn_model(op, layout=0, **kwargs)
-    got = cuvil.compile(batch_major).run(feeds)
+    got = cuvil.compile(batch_major, threads=threads).run(feeds)
     to_time_major = {"X": (1, 0, 2), "initial_h": (1, 0, 2), "initial_c": (1, 0, 2)}
     want = run_ort(time_major, {k: v.transpose(to_time_major[k]) if k in to_time_major else v for k, v in feeds.items()})
     to_batch_major = {"Y": (2, 0, 1, 3), "Y_h": (1, 0, 2), "Y_c": (1, 0, 2)}
@@ -208,6 +211,50 @@ def test_micro_kernel_threads_identical():
     for name in one:
         assert np.array_equal(one[name], two[name]), name
     check(model, feeds, threads=2)
+
+
+# An LSTM whose batch is one work item runs each step in two halves of the hidden units (rnn.py's
+# _unit_split), on two threads at once when the library has them: H=128 (one panel per gate and
+# half), H=100 (the second half 36 units, a masked panel), H=192 (halves of 128 and 64 units); with
+# layout=1 in LAYOUT1_CASES.
+SPLIT_CASES = {
+    "h128": dict(H=128, B=1, T=6, I=16),
+    "h100_batch3_bidirectional_initial": dict(H=100, B=3, T=4, I=8, direction="bidirectional", initial=True),
+    "h192_reverse_peepholes_clip": dict(H=192, B=2, T=3, I=8, direction="reverse", peepholes=True, clip=3.0),
+    "h96_input_forget_only_y_h": dict(H=96, B=1, T=5, I=8, input_forget=1, outputs=("", "Y_h", "")),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_split_steps(case):
+    """Both thread counts against onnxruntime, and the same bits on one thread and on two."""
+    model, feeds = rnn_model("LSTM", **SPLIT_CASES[case])
+    _, one = check(model, feeds, threads=1)
+    _, two = check(model, feeds, threads=2)
+    for name in one:
+        assert np.array_equal(one[name], two[name]), name
+
+
+def test_split_steps_when_a_thread_is_late():
+    """A thread whose partner has not claimed the other half runs both halves (the pool's caller
+    may run both work items). Three sessions at once on a small machine make pool threads late:
+    every run still gives the bits of the single-thread library."""
+    from concurrent.futures import ThreadPoolExecutor
+    model, feeds = rnn_model("LSTM", H=128, B=1, T=8, I=16, initial=True)
+    want = cuvil.compile(model, threads=1).run(feeds)
+    lib = cuvil.compile(model, threads=2)
+
+    def runs(_):
+        session = lib.session()
+        try:
+            return [session.run(feeds) for _ in range(100)]
+        finally:
+            session.close()
+    with ThreadPoolExecutor(3) as pool:
+        results = [out for outs in pool.map(runs, range(3)) for out in outs]
+    for got in results:
+        for name in want:
+            assert np.array_equal(got[name], want[name]), name
 
 
 def test_unknown_activation_is_refused():

@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 
 import cuvil
-from backends.native.ukernel import DwRowSpec, GatherSpec, TSpec, UKSpec, specs_in, ukernel_ir
+from backends.native.ukernel import DwRowSpec, GatherSpec, SyncSpec, TSpec, UKSpec, specs_in, ukernel_ir
 from tests.helpers import assert_matches_ort, make_model, rand
 
 
@@ -218,8 +218,42 @@ def test_microkernel_ir_for_every_vector_width(bits):
                         act_lo=float("-inf"), act_hi=6.0), GatherSpec(2), GatherSpec(3),
                  TSpec(mr=7, nr=48, taps=(0, 1, 2, 9, 10, 11), a_ks=81, c_cs=49, pf_lines=2, bias=1, act="Relu"),
                  TSpec(mr=4, nr=64, taps=(0,), a_ks=49, c_cs=49),
-                 DwRowSpec(H=28, W=27, OW=14, KH=3, KW=3, p_l=1, act="Clip", act_lo=0.0, act_hi=6.0)):
+                 DwRowSpec(H=28, W=27, OW=14, KH=3, KW=3, p_l=1, act="Clip", act_lo=0.0, act_hi=6.0),
+                 *(SyncSpec(op) for op in ("claim", "adopt", "add", "wait"))):
         llvm.parse_assembly(ukernel_ir(spec, bits)).verify()
+
+
+def test_sync_counters():
+    """The counters of cooperating work items (SyncSpec), JIT-compiled and called on a buffer:
+    claim is a compare-and-swap from arg, adopt claims a flag still 0 after its wait, add adds,
+    wait returns once the counter reaches arg."""
+    import ctypes
+
+    import llvmlite.binding as llvm
+
+    from backends.native.targets import _init_llvm
+    _init_llvm()
+    machine = llvm.Target.from_default_triple().create_target_machine()
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), machine)
+    fns = {}
+    for op in ("claim", "adopt", "add", "wait"):
+        spec = SyncSpec(op)
+        engine.add_module(llvm.parse_assembly(ukernel_ir(spec, 512)))
+        engine.finalize_object()
+        fns[op] = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(
+            engine.get_function_address(spec.name))
+    words = np.zeros(4, np.int32)
+    p = words.ctypes.data
+    assert fns["claim"](p, 1, 0) == 1 and words[1] == 1
+    assert fns["claim"](p, 1, 0) == 0 and words[1] == 1     # taken
+    assert fns["claim"](p, 1, 1) == 1 and words[1] == 2     # the next step's claim
+    assert fns["adopt"](p, 2, 1000) == 1 and words[2] == 1  # still 0 after the wait: claimed
+    assert fns["adopt"](p, 2, 1000) == 0 and words[2] == 1  # already set
+    fns["add"](p, 3, 5)
+    fns["add"](p, 3, 2)
+    assert words[3] == 7
+    assert fns["wait"](p, 3, 7) == 0                         # reached: returns at once
+    assert list(words) == [0, 2, 1, 7]
 
 
 @pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])

@@ -175,16 +175,37 @@ class TSpec(_Declared):
         return f"cuvil_ukt_{self.mr}x{self.nr}"
 
 
+@dataclass(frozen=True)
+class SyncSpec(_Declared):
+    """An atomic operation on a 32-bit counter, for kernels whose work items cooperate (the halves
+    of a recurrent step, see rnn.py): the counter is word `off` of a float32 buffer.
+
+        op "claim": if counter == arg, set it to arg + 1 and return 1, else return 0 (compare-and-swap)
+        op "add":   counter += arg, return 0
+        op "wait":  return once counter >= arg (spin with `pause`, yielding the core after a while)
+        op "adopt": wait up to arg time-stamp-counter ticks for the counter to leave 0, then claim it
+                    as "claim" from 0 does (a flag another thread is about to set gets its chance)
+
+    All sequentially consistent: stores before an "add" are visible to a thread whose "wait" it
+    ends. Signature: i32 name(ptr p, i64 off, i64 arg)."""
+    op: str
+    kind: str = "sync"
+    _ARGS: ClassVar[str] = "pii"
+
+    def _stem(self) -> str:
+        return f"cuvil_sync_{self.op}"
+
+
 TSTORE_OUTPUT = 4   # TSpec flags bit: the tile goes to the output (else to its scratch slot)
 
 
 _COMMENT = re.compile(r"^# cuvil-ukernel (\S+) (\{.*\})$", re.M)
 _KINDS = {"gather": lambda d: GatherSpec(**d), "dwrow": lambda d: DwRowSpec(**d),
-          "t": lambda d: TSpec(**{**d, "taps": tuple(d["taps"])})}
+          "t": lambda d: TSpec(**{**d, "taps": tuple(d["taps"])}), "sync": lambda d: SyncSpec(**d)}
 
 
 def specs_in(source: str) -> dict:
-    """The micro-kernels (UKSpec, TSpec, GatherSpec, DwRowSpec) a kernel's source declares, by name."""
+    """The micro-kernels (UKSpec, TSpec, GatherSpec, DwRowSpec, SyncSpec) a kernel's source declares, by name."""
     found = {}
     for name, blob in _COMMENT.findall(source):
         data = json.loads(blob)
@@ -267,6 +288,8 @@ def ukernel_ir(spec, vector_bits: int) -> str:
         return dwrow_ir(spec, vector_bits)
     if isinstance(spec, TSpec):
         return tkernel_ir(spec, vector_bits)
+    if isinstance(spec, SyncSpec):
+        return sync_ir(spec)
     L = min(lanes_for(vector_bits), 16)
     assert spec.nr % L == 0 and spec.nr <= 64
     V = spec.nr // L
@@ -532,6 +555,79 @@ declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)
 
 attributes #0 = {{ nounwind }}
 """
+
+
+SYNC_YIELD_SPINS = 20000   # "wait" spins this many times, then yields the core between checks
+
+
+def sync_ir(spec: SyncSpec) -> str:
+    head = f"define i32 @{spec.name}(ptr %p, i64 %off, i64 %arg) #0 {{\nentry:\n" \
+           "  %q = getelementptr i32, ptr %p, i64 %off\n  %a = trunc i64 %arg to i32\n"
+    if spec.op == "claim":
+        body = """  %n = add i32 %a, 1
+  %r = cmpxchg ptr %q, i32 %a, i32 %n seq_cst seq_cst
+  %ok = extractvalue { i32, i1 } %r, 1
+  %z = zext i1 %ok to i32
+  ret i32 %z
+}
+"""
+    elif spec.op == "adopt":
+        body = """  %t0 = call i64 @llvm.readcyclecounter()
+  br label %check
+check:
+  %v = load atomic i32, ptr %q seq_cst, align 4
+  %set = icmp ne i32 %v, 0
+  br i1 %set, label %taken, label %time
+time:
+  %t = call i64 @llvm.readcyclecounter()
+  %dt = sub i64 %t, %t0
+  %late = icmp ugt i64 %dt, %arg
+  br i1 %late, label %claim, label %spin
+spin:
+  call void @llvm.x86.sse2.pause()
+  br label %check
+claim:
+  %r = cmpxchg ptr %q, i32 0, i32 1 seq_cst seq_cst
+  %ok = extractvalue { i32, i1 } %r, 1
+  %z = zext i1 %ok to i32
+  ret i32 %z
+taken:
+  ret i32 0
+}
+
+declare i64 @llvm.readcyclecounter()
+declare void @llvm.x86.sse2.pause()
+"""
+    elif spec.op == "add":
+        body = """  %old = atomicrmw add ptr %q, i32 %a seq_cst
+  ret i32 0
+}
+"""
+    elif spec.op == "wait":
+        body = f"""  br label %check
+check:
+  %i = phi i64 [ 0, %entry ], [ %i1, %spin ], [ %i1, %yield ]
+  %v = load atomic i32, ptr %q seq_cst, align 4
+  %ready = icmp sge i32 %v, %a
+  br i1 %ready, label %out, label %spin
+spin:
+  call void @llvm.x86.sse2.pause()
+  %i1 = add i64 %i, 1
+  %long = icmp ugt i64 %i1, {SYNC_YIELD_SPINS}
+  br i1 %long, label %yield, label %check
+yield:
+  %y = call i32 @sched_yield()
+  br label %check
+out:
+  ret i32 0
+}}
+
+declare void @llvm.x86.sse2.pause()
+declare i32 @sched_yield()
+"""
+    else:
+        raise ValueError(f"unknown sync op {spec.op!r}")
+    return head + body + "\nattributes #0 = { nounwind }\n"
 
 
 def tkernel_ir(spec: TSpec, vector_bits: int) -> str:

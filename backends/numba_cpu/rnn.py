@@ -23,7 +23,10 @@ every pre-activation. Two kinds of kernel call, as onnxruntime splits it:
 
 float32 nodes with constant weights run both products on vector micro-kernels
 over W^T and R^T packed at build time (rnn_uk.py: broadcast-FMA form, R read
-as one sequential stream per step, batch rows in tiles of 6). Otherwise
+as one sequential stream per step, batch rows in tiles of 6). An LSTM whose
+batch fits one tile (batch 1: the latency case) runs each step as two halves
+of the hidden units, which a library with threads runs on two threads at once,
+each half's R staying in its core's L2 (see _unit_split). Otherwise
 (float64, weights given at run time) they are dot products over unit-stride
 rows of W and R, each row used for every row of a block while in cache.
 
@@ -38,8 +41,10 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+from backends.native.ukernel import SyncSpec
+
 from . import rnn_uk
-from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal
+from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, session_threads
 from .scratch import scratch_value
 
 # Gates per cell, in ONNX's row order of W, R and B.
@@ -108,6 +113,31 @@ def _activations(node, cell, num_directions, dtype):
 _BATCH_BLOCK = 8
 # Input rows per pass over W in the input projection.
 _ROW_BLOCK = 4
+# Counters of a split recurrence (see _unit_split), per direction: the halves' owner flags, then
+# each half's progress on a cache line of its own (only its thread writes it).
+_SYNC_LINE = 16                                 # float32 words per cache line
+_SYNC_OWNER, _SYNC_PROGRESS = 0, _SYNC_LINE     # words of half 0's (half 1's next) owner flag; of half 0's progress
+_SYNC_WORDS = 3 * _SYNC_LINE
+# How long a thread waits for the other half's thread to claim it before running it too (time-stamp
+# counter ticks, ~3 us): a pool worker spinning for work starts its item within a microsecond.
+_ADOPT_TICKS = 10000
+
+
+def _unit_split(spec) -> int | None:
+    """An LSTM whose batch is one work item runs each step as two halves of the hidden units: the
+    first unit of the second half (None: no split). A half is its units' gate rows of R (H=128:
+    128 KB) and their update; with several threads (`spec.threaded`) the halves run on two
+    threads at once, each half's R staying in its thread's L2 (see _split_steps).
+
+    Half u's product sums h's units in its own half first, then the other's: that first part does
+    not wait for the other thread's h, and the order (fixed per unit) is the same on any thread
+    count, so results are identical for any thread count."""
+    if not (spec.uk_recurrence and spec.cell == "LSTM" and spec.seq is None and spec.B <= rnn_uk.MR):
+        return None
+    panels = rnn_uk.n_panels(spec.H)
+    if panels < 2:
+        return None
+    return rnn_uk.NR * -(-panels // 2)
 
 
 def lower_lstm(node, graph) -> Lowered:
@@ -183,6 +213,8 @@ class _Spec:
         # Sequence lengths equal to T everywhere are no lengths at all.
         if self.seq is not None and self.seq.is_const and np.all(np.asarray(self.seq.data) == self.T):
             self.seq = None
+        self.split = _unit_split(self)
+        self.threaded = bool(self.split) and session_threads() > 1
         self.bias_packed = None
         if Bv is not None and Bv.is_const:
             self.bias_packed = _pack_bias(np.asarray(Bv.data, np.float64), cell, self.D, H, self.lbr).astype(self.dtype)
@@ -190,13 +222,18 @@ class _Spec:
         self.Yc = _output(node, 2) if cell == "LSTM" else None
         # Scratch: the projections x.W + b of every step (a step adds h.R to its own, in place:
         # the pre-activations), then per (direction, batch row) GRU's r*h (or r) and the states
-        # the node has no output for.
+        # the node has no output for; a step split in unit halves keeps h in two slots (steps
+        # alternate between them) and its directions' counters last, a cache line each.
         self.proj = self.D * self.T * self.B * self.GH
-        slots = (["q"] if cell == "GRU" else []) + ([] if self.Yh else ["h"]) \
-            + (["c"] if cell == "LSTM" and not self.Yc else [])
+        h_slots = ["h", "h1"] if self.split else [] if self.Yh else ["h"]
+        slots = (["q"] if cell == "GRU" else []) + h_slots + (["c"] if cell == "LSTM" and not self.Yc else [])
         self.slot = {name: k * H for k, name in enumerate(slots)}
         self.S = len(slots) * H
-        self.scratch = scratch_value(graph, node, (self.proj + self.D * self.B * self.S,), self.dtype)
+        size = self.proj + self.D * self.B * self.S
+        self.sync = -(-size // _SYNC_LINE) * _SYNC_LINE
+        if self.threaded:
+            size = self.sync + self.D * _SYNC_WORDS
+        self.scratch = scratch_value(graph, node, (size,), self.dtype)
 
     def lit(self, v):
         return literal(v, self.dtype)
@@ -257,6 +294,29 @@ def _projection_call(spec, node) -> KernelCall:
     return _projection_dot_call(spec, node)
 
 
+def _clear_counters(spec, src, pS):
+    """The split recurrence's counters start at zero: the work item 0 of the projection clears them."""
+    if spec.threaded:
+        src.line("if begin == 0:").indent()
+        src.line(f"for w in range({spec.sync}, {spec.sync + spec.D * _SYNC_WORDS}):").indent()
+        src.line(f"{pS}[w] = {spec.lit(0)}").dedent().dedent()
+
+
+def _panel_of_item(spec, src, i):
+    """pn = the panel of 64 gate rows that projection item i (within its direction) computes. For
+    a split recurrence whose gates are whole panels, the panels of the first half's units come
+    first: with two threads, each then writes the pre-activations its half of the steps reads."""
+    Q = rnn_uk.n_panels(spec.H)
+    if not spec.split or spec.H % rnn_uk.NR:
+        src.line(f"pn = {i}")
+        return
+    q0 = spec.split // rnn_uk.NR        # panels of a gate in the first half
+    src.line(f"pi = {i}")
+    src.line(f"if pi < {spec.G * q0}:").indent().line(f"pn = (pi // {q0})*{Q} + pi % {q0}").dedent()
+    src.line("else:").indent().line(f"pn = ((pi - {spec.G * q0}) // {Q - q0})*{Q} + {q0} + (pi - {spec.G * q0}) % {Q - q0}")
+    src.dedent()
+
+
 def _projection_uk_call(spec, node) -> KernelCall:
     """scratch[d, t, b, :] = x[t, b] . W[d]^T + bias through the micro-kernel: work items are
     (direction, panel of 64 gate rows); an item writes the bias into its columns of every row,
@@ -274,9 +334,11 @@ def _projection_uk_call(spec, node) -> KernelCall:
     rows = T * B
     uk = rnn_uk.MicroKernels()
     body = Source().indent()
+    _clear_counters(spec, body, pS)
     body.line("for item in range(begin, end):").indent()
     body.line(f"d = item // {P}" if D > 1 else "d = 0")
-    body.line(f"n0 = (item % {P})*{rnn_uk.NR}")
+    _panel_of_item(spec, body, f"item % {P}")
+    body.line(f"n0 = pn*{rnn_uk.NR}")
     body.line(f"nv = min({rnn_uk.NR}, {GH} - n0)")
     body.line(f"mask = np.int64(-1) if nv >= 64 else (np.int64(1) << nv) - np.int64(1)")
     body.line(f"for r in range({rows}):").indent()
@@ -285,7 +347,7 @@ def _projection_uk_call(spec, node) -> KernelCall:
         body.line(f"for g in range(max(n0, {lo}), min(n0 + nv, {hi})):").indent()
         body.line(f"{pS}[o + g] = {bias}").dedent()
     body.dedent()
-    body.line(f"wb = d*{P * I * rnn_uk.NR} + (item % {P})*{I * rnn_uk.NR}")
+    body.line(f"wb = d*{P * I * rnn_uk.NR} + pn*{I * rnn_uk.NR}")
     # Rows with a uniform stride in X and in the scratch: all T*B (layout 0), or per batch row
     # the T steps (layout 1).
     if spec.layout == 0 or B == 1:
@@ -318,6 +380,7 @@ def _projection_dot_call(spec, node) -> KernelCall:
     rows = T * B
     nblk = -(-rows // _ROW_BLOCK)
     src = Source().line(kernel_header(len(args.values))).indent()
+    _clear_counters(spec, src, pS)
     src.line("for item in range(begin, end):").indent()
     src.line(f"d = item // {nblk}" if D > 1 else "d = 0")
     src.line(f"r0 = (item % {nblk})*{_ROW_BLOCK}")
@@ -357,12 +420,16 @@ class _Step:
         self.role = args.role
         self.reverse = spec.direction == "reverse" or d == 1
         self.pS = self.role["S"]
+        self.split = spec.split
 
     def activate(self, k, x, out):
         self.src.line(f"{out} = {self.spec.acts[self.d][k].replace('{x}', x)}")
 
     def state(self, which):
-        """(pointer, base offset) of the h or c state of row b."""
+        """(pointer, base offset) of the h or c state of row b (a split step writes h into the
+        slot of its parity, `hw`)."""
+        if which == "h" and self.split:
+            return self.pS, f"sl + {self.spec.slot['h']} + hw"
         key = {"h": "Yh", "c": "Yc"}[which]
         if key in self.role:
             return self.role[key], "st"
@@ -427,8 +494,13 @@ def _recurrence_call(spec, node, d) -> KernelCall:
     if spec.uk_recurrence:
         R = np.asarray(spec.R.data, np.float32)[d]
         packed, offsets = [], {}
-        for lo, hi, _, _ in _uk_groups(spec):
-            offsets[lo] = sum(p.size for p in packed)
+        # Panels of gate rows [lo, hi): by product group, or (split) by unit half and gate.
+        groups = _uk_groups(spec) if not spec.split else \
+            [((half, g), g * spec.H + u0, g * spec.H + u1) for half, (u0, u1) in enumerate(_halves(spec))
+             for g in range(spec.G)]
+        for group in groups:
+            key, lo, hi = (group[0], group[0], group[1]) if not spec.split else group
+            offsets[key] = sum(p.size for p in packed)
             packed.append(rnn_uk.panels(R[lo:hi]))
         args.bind("R", np.concatenate(packed), dt)
     else:
@@ -450,6 +522,16 @@ def _recurrence_call(spec, node, d) -> KernelCall:
     if spec.uk_recurrence:
         step.uk, step.panel_offsets = rnn_uk.MicroKernels(prefetch_b=False), offsets
     role, H, T, B = args.role, spec.H, spec.T, spec.B
+    if spec.split:
+        _split_steps(step)
+        head = step.uk.header()
+        for op in ("claim", "adopt", "add", "wait") if spec.threaded else ():
+            for line in SyncSpec(op).declaration(f"sync_{op}").splitlines():
+                head.line(line)
+        head.line(kernel_header(len(args.values)))
+        kernel = Kernel(spec.cell, head.text() + src.text(), tuple(args.types))
+        return KernelCall(kernel, list(args.values), 2 if spec.threaded else 1, node.name,
+                          n_outputs=len(args.values) - n_inputs)
     src.line("for blk in range(begin, end):").indent()
     src.line(f"b0 = blk*{spec.block}").line(f"nb = min({spec.block}, {B} - b0)")
     # Initial states.
@@ -483,20 +565,103 @@ def _recurrence_call(spec, node, d) -> KernelCall:
     return KernelCall(kernel, list(args.values), work, node.name, n_outputs=len(args.values) - n_inputs)
 
 
+def _halves(spec):
+    """The units of the two halves of a split step."""
+    return [(0, spec.split), (spec.split, spec.H)]
+
+
+def _split_steps(step):
+    """A split recurrence (see _unit_split). Threaded: work items 0 and 1; item i claims half i, and
+    if the other half is still unclaimed a few microseconds later (its item has not started),
+    claims it too and runs the whole recurrence alone; the late item then finds its half taken and
+    returns. Otherwise each thread runs its half: a step sums h's units of its own half, waits
+    until the other's progress counter (initial states written, then steps done) reaches s + 1,
+    sums the other half's units, updates its units and counts the step. Step s reads h from slot
+    (s+1) % 2 and writes slot s % 2: a half may finish step s while the other still reads h of
+    step s - 1, never sooner. Single-threaded: one item runs both halves, no counters."""
+    spec, src, role, pS = step.spec, step.src, step.role, step.pS
+    H, us = spec.H, spec.split
+    F = spec.sync + step.d * _SYNC_WORDS
+    progress = lambda half: f"{F + _SYNC_PROGRESS} + {_SYNC_LINE}*{half}"
+    src.line("for item in range(begin, end):").indent()
+    if spec.threaded:
+        src.line("me = item").line("other = 1 - item")
+        src.line(f"if sync_claim({pS}, {F + _SYNC_OWNER} + me, 0) == 0:").indent().line("continue").dedent()
+        src.line(f"both = sync_adopt({pS}, {F + _SYNC_OWNER} + other, {_ADOPT_TICKS})")
+    else:
+        src.line("me = 0").line("both = 1")
+    src.line("b0 = 0").line(f"nb = {spec.B}")
+    # Initial states of the units of the halves this thread runs; h of step -1 in the odd slot.
+    src.line(f"hw = {H}")
+    src.line("for half in range(2):").indent()
+    src.line("if both != 0 or half == me:").indent()
+    opened = step.for_rows(active=False)
+    for which, init in (("h", "h0"), ("c", "c0")):
+        p, base = step.state(which)
+        src.line(f"for j in range(half*{us}, {us} + half*{H - us}):").indent()
+        src.line(f"{p}[{base} + j] = {role[init] + '[st + j]' if init in role else spec.lit(0)}").dedent()
+    step.close(opened)
+    src.dedent().dedent()
+    if spec.threaded:
+        src.line("if both == 0:").indent().line(f"sync_add({pS}, {progress('me')}, 1)").dedent()
+    src.line(f"for s in range({spec.T}):").indent()
+    src.line(f"hw = (s % 2)*{H}").line(f"hr = {H} - hw")
+    src.line("for half in range(2):").indent()
+    src.line("if both != 0 or half == me:").indent()
+    halves = _halves(spec)
+    for half, units in enumerate(halves):
+        src.line("if half == 0:" if half == 0 else "else:").indent()
+        if half == 0 and not spec.threaded:
+            _split_product(step, half, units, (0, H))   # the same sums as the two parts below
+        else:
+            _split_product(step, half, units, units)
+            if spec.threaded:
+                src.line("if both == 0:").indent().line(f"sync_wait({pS}, {progress('other')}, s + 1)").dedent()
+            _split_product(step, half, units, halves[1 - half])
+        _lstm_update(step, _lstm_rows(spec), *units)
+        src.dedent()
+    src.dedent().dedent()
+    if spec.threaded:
+        src.line("if both == 0:").indent().line(f"sync_add({pS}, {progress('me')}, 1)").dedent()
+    src.dedent().dedent()
+
+
+def _split_product(step, half, units, ks):
+    """pre[gate rows of `units`] += h[ks] . R[gate rows, ks]^T for every row of the batch (one
+    block); `units` and `ks` are (first, end) ranges of the hidden units."""
+    spec, src, pS = step.spec, step.src, step.pS
+    H, NR = spec.H, rnn_uk.NR
+    (u0, u1), (k0, k1) = units, ks
+    src.line("b = b0")
+    src.line(f"sl = {spec.proj} + {step.d * spec.B}*{spec.S}")
+    src.line(f"t = {spec.T - 1} - s" if step.reverse else "t = s")
+    src.line(f"xo = ({step.d * spec.T} + t)*{spec.B * spec.GH}")
+    for g in range(spec.G):
+        base = step.panel_offsets[(half, g)]
+        for p in range(rnn_uk.n_panels(u1 - u0)):
+            n0 = p * NR
+            step.uk.tiles(src, "nb", pS, f"sl + {spec.slot['h'] + k0} + hr", spec.S, step.role["R"],
+                          base + p * H * NR + k0 * NR, pS, f"xo + {g * H + u0 + n0}", spec.GH, k1 - k0,
+                          min(NR, u1 - u0 - n0), 1, [spec.B])
+
+
 def _store_h(step, value):
-    """h[j] = value, and the step's Y row."""
+    """h[j] = value, and the step's Y row (and Y_h, when h lives in scratch slots)."""
     hp, hb = step.state("h")
     step.src.line(f"{hp}[{hb} + j] = {value}")
+    if step.split and "Yh" in step.role:
+        step.src.line(f"{step.role['Yh']}[st + j] = {value}")
     if "Y" in step.role:
         step.src.line(f"{step.role['Y']}[yo + j] = {value}")
 
 
-def _rows_for_update(step):
-    """Open the loop over active rows for an elementwise update of every unit j (it vectorises)."""
+def _rows_for_update(step, lo=0, hi=None):
+    """Open the loop over active rows for an elementwise update of units lo <= j < hi (all by
+    default; it vectorises)."""
     opened = step.for_rows()
     if "Y" in step.role:
         step.src.line(f"yo = {step.spec.y_row(step.d, 't', 'b')}")
-    step.src.line(f"for j in range({step.spec.H}):").indent()
+    step.src.line(f"for j in range({lo}, {step.spec.H if hi is None else hi}):").indent()
     return opened + 1
 
 
@@ -558,19 +723,28 @@ def _uk_product(step, lo, hi, vector, dest):
     step.close(opened)
 
 
-def _lstm_step(step):
-    spec, src, pS, role = step.spec, step.src, step.pS, step.role
-    H = spec.H
-    cp, cb = step.state("c")
-    # Gate rows in ONNX order i, o, f, c.
+def _lstm_rows(spec):
+    """The gate rows an LSTM step reads, (pre-activation variable, gate) in ONNX order i, o, f, c."""
     rows = [("ai", 0), ("ao", 1), ("af", 2), ("ac", 3)]
-    if spec.input_forget:
-        rows = [r for r in rows if r[0] != "af"]
+    return [r for r in rows if r[0] != "af"] if spec.input_forget else rows
+
+
+def _lstm_step(step):
+    spec = step.spec
+    rows = _lstm_rows(spec)
     if spec.uk_recurrence:
         _uk_product(step, *_uk_groups(spec)[0])
     else:
         _accumulate(step, rows, [step.state("h")] * len(rows))
-    opened = _rows_for_update(step)
+    _lstm_update(step, rows)
+
+
+def _lstm_update(step, rows, lo=0, hi=None):
+    """c and h of units lo <= j < hi from the step's pre-activations (gate rows `rows`)."""
+    spec, src, pS, role = step.spec, step.src, step.pS, step.role
+    H = spec.H
+    cp, cb = step.state("c")
+    opened = _rows_for_update(step, lo, hi)
     for acc, gate in rows:
         src.line(f"{acc} = {pS}[xo + {gate * H} + j]")
     src.line(f"cv = {cp}[{cb} + j]")

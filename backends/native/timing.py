@@ -2,8 +2,8 @@
 
 - `time_library`: a small C program (compiled once into $TMPDIR/cuvil-bench/)
   opens the library with dlopen, creates a session, fills the inputs with fixed
-  pseudo-random values in [-1, 1), runs a warm-up and then times each call of
-  session_run: no Python in the loop.
+  pseudo-random values in [-1, 1), runs a warm-up (calls, and at least
+  WARMUP_SECONDS) and then times each call of session_run: no Python in the loop.
 - `cuvil_py_times`: the same through the Python runtime (ctypes), in a fresh process.
 - `ort_times`: onnxruntime on the ONNX model, same thread count, in a fresh process.
 
@@ -23,6 +23,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(tempfile.gettempdir()) / "cuvil-bench"
 
+# Every timing process warms up for at least this long as well as its warm-up calls: a new
+# thread pool runs slowly until the OS has spread its threads over the cores (the first
+# milliseconds; a 0.1 ms model's 3 warm-up calls end long before).
+WARMUP_SECONDS = 0.2
+
 HARNESS = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -36,6 +41,7 @@ typedef void* (*create_fn)(void);
 typedef int (*run_fn)(void*, const void* const*, void* const*);
 typedef void (*destroy_fn)(void*);
 
+#define WARMUP_NS {warmup_ns}
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec; }
 
 int main(int argc, char** argv) {
@@ -63,7 +69,9 @@ int main(int argc, char** argv) {
     for (int i = 0; i < n_out; i++) { size_t bytes = strtoull(argv[a++], NULL, 10); outs[i] = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64); }
     void* s = create();
     if (!s) { fprintf(stderr, "session_create failed\n"); return 1; }
-    for (int i = 0; i < warmup; i++) if (run(s, (const void* const*)ins, outs)) { fprintf(stderr, "run failed\n"); return 1; }
+    double start = now();
+    for (int i = 0; i < warmup || now() - start < WARMUP_NS; i++)
+        if (run(s, (const void* const*)ins, outs)) { fprintf(stderr, "run failed\n"); return 1; }
     for (int i = 0; i < runs; i++) {
         double t = now();
         run(s, (const void* const*)ins, outs);
@@ -73,6 +81,9 @@ int main(int argc, char** argv) {
     return 0;
 }
 """
+
+
+HARNESS = HARNESS.replace("{warmup_ns}", f"{WARMUP_SECONDS * 1e9:.0f}")
 
 
 def harness() -> Path:
@@ -116,8 +127,11 @@ so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 sess = ort.InferenceSession(job["model"], so, providers=["CPUExecutionProvider"])
 feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
 names = [o.name for o in sess.get_outputs()]
-for _ in range(job["warmup"]):
+start = time.perf_counter()
+calls = 0
+while calls < job["warmup"] or time.perf_counter() - start < job["warmup_seconds"]:
     sess.run(names, feeds)
+    calls += 1
 times = []
 for _ in range(job["runs"]):
     t = time.perf_counter()
@@ -134,8 +148,11 @@ from cuvil.runtime import Library
 job = json.loads(sys.argv[1])
 session = Library(job["library"]).session()
 feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
-for _ in range(job["warmup"]):
+start = time.perf_counter()
+calls = 0
+while calls < job["warmup"] or time.perf_counter() - start < job["warmup_seconds"]:
     session.run(feeds)
+    calls += 1
 times = []
 for _ in range(job["runs"]):
     t = time.perf_counter()
@@ -153,12 +170,14 @@ def _worker(script: str, job: dict) -> list[float]:
 
 def ort_times(model_path, shapes, threads, runs, warmup=None) -> list[float]:
     return _worker(_ORT_WORKER, {"model": str(model_path), "shapes": {k: list(v) for k, v in shapes.items()},
-                                 "threads": threads, "runs": runs, "warmup": warmup or max(3, runs // 10)})
+                                 "threads": threads, "runs": runs, "warmup": warmup or max(3, runs // 10),
+                                 "warmup_seconds": WARMUP_SECONDS})
 
 
 def cuvil_py_times(library, shapes, runs, warmup=None) -> list[float]:
     return _worker(_CUVIL_WORKER, {"library": str(library), "shapes": {k: list(v) for k, v in shapes.items()},
-                                   "runs": runs, "warmup": warmup or max(3, runs // 10)})
+                                   "runs": runs, "warmup": warmup or max(3, runs // 10),
+                                   "warmup_seconds": WARMUP_SECONDS})
 
 
 def ort_time(model, threads=1, runs=20) -> float:

@@ -557,7 +557,8 @@ attributes #0 = {{ nounwind }}
 """
 
 
-SYNC_YIELD_SPINS = 20000   # "wait" spins this many times, then yields the core between checks
+SYNC_YIELD_SPINS = 1000   # "wait" spins this many times (tens of microseconds), then yields the core between
+                          # checks: a partner thread on the same core (a new pool, before the OS moves it) runs
 
 
 def sync_ir(spec: SyncSpec) -> str:

@@ -83,6 +83,16 @@ def test_gemm_threads():
         assert_matches_ort(model, feeds, threads=2)
 
 
+def test_gemv_large_weights_threads_identical():
+    """A GEMV with 576 KB of constant weights splits its columns over two threads (few FLOPs, but
+    bound by B's bytes), and its micro-kernel reads B from L2 without prefetches (the model's
+    constants fit in L2): the same bits on one thread and on two, both against onnxruntime."""
+    model, feeds = gemm_model(1, 576, 256, trans_b=1, c_shape=(576,))
+    _, one = assert_matches_ort(model, feeds, threads=1)
+    _, two = assert_matches_ort(model, feeds, threads=2)
+    assert np.array_equal(one["y"], two["y"])
+
+
 # ---------------------------------------------------------------- MatMul
 
 MATMUL_CASES = {

@@ -99,6 +99,7 @@ MATMUL_CASES = {
     # name: (A shape, B shape, B constant)
     "2d": ((5, 7), (7, 9), False),
     "2d_const_b": ((9, 16), (16, 20), True),
+    "few_rows_short_passes": ((14, 200), (200, 70), True),   # 7 < M <= 16: passes of 64 k (64, 64, 64, 8)
     "1d_2d": ((7,), (7, 5), False),
     "2d_1d": ((6, 7), (7,), False),
     "1d_1d": ((8,), (8,), False),

@@ -93,6 +93,33 @@ def test_gemv_large_weights_threads_identical():
     assert np.array_equal(one["y"], two["y"])
 
 
+@pytest.mark.parametrize("op", ["Gemm", "MatMul"])
+def test_aliasing_rows_of_a_packed_at_run_time(op, tmp_path, monkeypatch):
+    """Rows of A 4 KB apart (K = 1024) alias in an 8-way L1: on such targets the GEMM packs A into
+    panels first (an APack step), with the same bits as reading A in place, both against
+    onnxruntime; a 12-way L1 (Sapphire Rapids) reads it in place."""
+    from backends.numba_cpu import gemm
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+
+    M, N, K = 29, 260, 1024   # 5 row panels, the last partial; 5 column panels
+    if op == "Gemm":
+        model, feeds = gemm_model(M, N, K, c_shape=(N,))
+    else:
+        a, b = rand(M, K, seed=1), rand(K, N, seed=2)
+        model = make_model([helper.make_node("MatMul", ["a", "b"], ["y"])], [("a", F32, [M, K])],
+                           [("y", F32, [M, N])], {"b": b})
+        feeds = {"a": a}
+    graph, _ = import_onnx(model, {})
+    assert [c.kernel.family for c in lower(graph, 1, l1d_ways=8)][0] == "APack"
+    assert "APack" not in [c.kernel.family for c in lower(graph, 1, l1d_ways=12)]
+    # x86_64-avx2 describes an 8-way L1 whatever this machine has.
+    _, packed = assert_matches_ort(model, feeds, target="x86_64-avx2", threads=2)
+    monkeypatch.setattr(gemm, "A_ALIAS_MAX_WAYS", 0)
+    _, in_place = assert_matches_ort(model, feeds, target="x86_64-avx2", threads=2, cache_dir=tmp_path)
+    assert np.array_equal(packed["y"], in_place["y"])
+
+
 # ---------------------------------------------------------------- MatMul
 
 MATMUL_CASES = {

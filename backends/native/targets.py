@@ -19,10 +19,11 @@ class CpuTarget:
     features: str
     vector_bits: int  # preferred vector width handed to LLVM
     gcc_flags: tuple[str, ...]  # for the C driver
+    l1d_ways: int = 8  # associativity of the L1 data cache (kernels avoid reading more aliasing rows)
 
     def as_key(self) -> dict:
         return {"name": self.name, "triple": self.triple, "cpu": self.cpu, "features": self.features,
-                "vector_bits": self.vector_bits, "gcc_flags": list(self.gcc_flags)}
+                "vector_bits": self.vector_bits, "gcc_flags": list(self.gcc_flags), "l1d_ways": self.l1d_ways}
 
 
 _TRIPLE = "x86_64-unknown-linux-gnu"
@@ -40,7 +41,21 @@ def _native() -> CpuTarget:
     cpu = llvm.get_host_cpu_name()
     features = llvm.get_host_cpu_features().flatten()
     bits = 512 if "+avx512f" in features.split(",") else 256 if "+avx2" in features.split(",") else 128
-    return CpuTarget("native", _TRIPLE, cpu, features, bits, ("-march=native",))
+    return CpuTarget("native", _TRIPLE, cpu, features, bits, ("-march=native",), _host_l1d_ways())
+
+
+def _host_l1d_ways(default: int = 8) -> int:
+    """The ways of this machine's L1 data cache (Linux sysfs), or `default` when it does not say
+    (8: Haswell, Skylake and AMD Zen 4; Ice Lake and later Intel cores have 12)."""
+    from pathlib import Path
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "1" and (index / "type").read_text().strip() == "Data":
+                ways = int((index / "ways_of_associativity").read_text())
+                return ways if ways > 0 else default
+        except (OSError, ValueError):
+            continue
+    return default
 
 
 _llvm_ready = False

@@ -29,8 +29,9 @@ from cuvil.errors import UnsupportedOpError
 from backends.native.ukernel import LOADC_EPILOGUE
 
 from .epilogue import Epilogue, epilogue_of, register_epilogue
-from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
-                     session_threads, work_items)
+from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, l1d_ways,
+                     literal, session_threads, work_items)
+from .scratch import scratch_value
 
 ROW_BLOCK = 4      # output rows accumulated together (share each B load)
 K_BLOCK = 4        # k values fused in one pass over an output row (RB * KB scalars of A live in registers)
@@ -302,6 +303,59 @@ def uk_k_pass(K: int) -> int:
     """k values per pass of the micro-kernel GEMM (passes of balanced sizes, at most UK_KC)."""
     kc = min(K, UK_KC)
     return _ceil_div(K, _ceil_div(K, kc))
+
+
+# Rows of A this many bytes apart (or a multiple) map to the same L1 sets: a tile's MR rows, read
+# in place, then compete for the ways of one set, with the lines the prefetcher brings and B's,
+# and the GEMM slows by 20-30 % where L1 has 8 ways (AMD Zen 4, K = 1024, 1 thread: 128x256x1024
+# 69-81 GFLOP/s against 98-115 at K = 1040); Sapphire Rapids' 12 ways showed no such loss.
+A_ALIAS_BYTES = 4096
+A_ALIAS_MAX_WAYS = 8    # targets with this many L1 ways or fewer pack such an A
+
+
+A_PACK_MIN_PANELS = 4   # ... and the copy pays only when each row panel is read this many times
+
+
+def packs_a_at_run_time(M: int, N: int, K: int) -> bool:
+    """Whether a GEMM reading a row-major A (row stride K) in place should pack it first: its
+    rows alias in L1, and every panel of rows is read once per column panel, enough times that
+    the copy pays (100x64x2048, one column panel: 112 -> 72 GFLOP/s packed; 512x512x1024:
+    70 -> 97)."""
+    MR, NR = choose_tile(M, N)
+    return (l1d_ways() <= A_ALIAS_MAX_WAYS and M >= 2 * MR and (4 * K) % A_ALIAS_BYTES == 0
+            and _ceil_div(N, NR) >= A_PACK_MIN_PANELS)
+
+
+def pack_a_kernel(M: int, K: int, MR: int) -> tuple[Kernel, int]:
+    """The layout of `pack_a_panels`, at run time, for a row-major M x K activation.
+    Pointers: A, packed (ceil(M/MR)*MR*K floats). One work item per panel of MR rows."""
+    kc = uk_k_pass(K)
+    rows_padded = _ceil_div(M, MR) * MR
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"for k0 in range(0, {K}, {kc}):").indent()
+    src.line(f"kc = min({kc}, {K} - k0)")
+    src.line(f"base = k0 * {rows_padded} + item * {MR} * kc")
+    # Whole panels without a branch in the k loop (LLVM vectorises it as an interleaved store).
+    src.line(f"if (item + 1) * {MR} <= {M}:").indent()
+    for r in range(MR):
+        src.line(f"s{r} = (item * {MR} + {r}) * {K} + k0")
+    src.line("for k in range(kc):").indent()
+    for r in range(MR):
+        src.line(f"p1[base + k * {MR} + {r}] = p0[s{r} + k]")
+    src.dedent().dedent().line("else:").indent()
+    src.line("for k in range(kc):").indent()
+    for r in range(MR):
+        src.line(f"row = item * {MR} + {r}")
+        src.line(f"p1[base + k * {MR} + {r}] = p0[row * {K} + k0 + k] if row < {M} else np.float32(0)")
+    return Kernel("APack", src.text(), ("float32", "float32")), _ceil_div(M, MR)
+
+
+def _packed_a_calls(graph, node, A_name: str, M: int, K: int, MR: int) -> tuple[list, str]:
+    """The call packing A into a scratch value, and that value's name."""
+    packed = scratch_value(graph, node, (_ceil_div(M, MR) * MR * K,), np.float32, tag="apanels")
+    kernel, work = pack_a_kernel(M, K, MR)
+    return [KernelCall(kernel, [A_name, packed], work, node.name)], packed
 
 
 def pack_a_panels(data: np.ndarray, mr: int = UK_MR) -> np.ndarray:
@@ -651,14 +705,18 @@ def lower_gemm(node, graph) -> Lowered:
         use_uk, b_in = True, b
     else:
         b_in = None
+    pack = []
     if use_uk:
+        a_panels = b_in is None and not trans_a and packs_a_at_run_time(M, N, K)
+        if a_panels:
+            pack, args[0] = _packed_a_calls(graph, node, A.name, M, K, choose_tile(M, N)[0])
         kernel, work = uk_gemm_kernel(family, M, N, K, (), a, b_in, c_op, Operand((), N, 1), beta_left,
-                                      residual=r_op, epilogue=epilogue,
+                                      residual=r_op, epilogue=epilogue, a_panels=a_panels,
                                       b_in_l2=b_in is None and gemv_weights_in_l2(graph, M))
     else:
         kernel, work = gemm_kernel(family, dtype, M, N, K, (), a, b, c_op, Operand((), N, 1),
                                    alpha_left, beta_left, residual=r_op, epilogue=epilogue)
-    return Lowered([KernelCall(kernel, args, work, node.name)])
+    return Lowered(pack + [KernelCall(kernel, args, work, node.name)])
 
 
 def _linear(strides, dims) -> bool:
@@ -709,15 +767,20 @@ def lower_matmul(node, graph) -> Lowered:
     b_batch = tuple(s * K * N for s in b_batch)
     o_batch = tuple(s * M * N for s in dims_strides(batch)) if batch else ()
     a_op, b_op, o_op = Operand(a_batch, K, 1), Operand(b_batch, N, 1), Operand(o_batch, N, 1)
+    pack = []
     if B.is_const and not any(b_batch) and len(B.shape) >= 2 and uk_eligible(dtype, M, N, K, a_op, None):
         # Constant weights: packed into micro-kernel panels at build time.
         args[1] = pack_b_panels(np.asarray(B.data, dtype=np.float32).reshape(K, N), choose_tile(M, N)[1])
+        a_panels = not batch and packs_a_at_run_time(M, N, K)
+        if a_panels:
+            pack, args[0] = _packed_a_calls(graph, node, A.name, M, K, choose_tile(M, N)[0])
         kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, None, None, o_op,
-                                      residual=r_op, epilogue=epilogue, b_in_l2=gemv_weights_in_l2(graph, M))
+                                      residual=r_op, epilogue=epilogue, a_panels=a_panels,
+                                      b_in_l2=gemv_weights_in_l2(graph, M))
     elif uk_eligible(dtype, M, N, K, a_op, b_op):
         kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, b_op, None, o_op,
                                       residual=r_op, epilogue=epilogue)
     else:
         kernel, work = gemm_kernel("MatMul", dtype, M, N, K, batch, a_op, b_op, None, o_op,
                                    residual=r_op, epilogue=epilogue)
-    return Lowered([KernelCall(kernel, args + [Y.name], work, node.name)])
+    return Lowered(pack + [KernelCall(kernel, args + [Y.name], work, node.name)])

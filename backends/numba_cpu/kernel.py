@@ -31,12 +31,22 @@ def session_threads() -> int:
     return _THREADS.get()
 
 
+_L1D_WAYS = contextvars.ContextVar("cuvil_l1d_ways", default=8)
+
+
+def l1d_ways() -> int:
+    """The L1 data cache associativity of the target being lowered for (CpuTarget.l1d_ways)."""
+    return _L1D_WAYS.get()
+
+
 @contextlib.contextmanager
-def lowering_for(threads: int):
+def lowering_for(threads: int, l1d_ways: int = 8):
     token = _THREADS.set(max(1, int(threads)))
+    ways = _L1D_WAYS.set(max(1, int(l1d_ways)))
     try:
         yield
     finally:
+        _L1D_WAYS.reset(ways)
         _THREADS.reset(token)
 
 

@@ -154,11 +154,11 @@ def generator_for(node):
     return gen
 
 
-def lower(graph, threads: int = 1) -> list:
+def lower(graph, threads: int = 1, l1d_ways: int = 8) -> list:
     """The schedule: kernel calls and views in the graph's (topological) node order, work split
-    for a session of `threads` threads."""
+    for a session of `threads` threads, on a target whose L1 data cache has `l1d_ways` ways."""
     schedule = []
-    with lowering_for(threads):
+    with lowering_for(threads, l1d_ways):
         for node in graph.nodes:
             schedule.extend(generator_for(node)(node, graph).calls)
     return schedule

@@ -205,7 +205,7 @@ def _run_codegen(dag, graph, params):
     from backends.numba_cpu.kernel import KernelCall
     from backends.numba_cpu.registry import lower
 
-    schedule = lower(graph, params["threads"], params["target"].get("l1d_ways", 8))
+    schedule = lower(graph, params["threads"], params["target"]["l1d_ways"])
     weights, weight_offsets = _pack_weights(graph, schedule)
     external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets)
     # Without the plan_memory pass every buffer gets bytes of its own (see passes/plan_memory.py).

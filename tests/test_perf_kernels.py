@@ -238,7 +238,6 @@ def test_compressed_stores_compress_in_registers():
     assert not [line for line in asm if "(%" in line], asm
 
 
-
 def test_sync_counters():
     """The counters of cooperating work items (SyncSpec), JIT-compiled and called on a buffer:
     claim is a compare-and-swap from arg, adopt claims a flag still 0 after its wait, add adds,

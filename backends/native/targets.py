@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from cuvil.errors import CuvilError
 
 
+# L1 data cache ways of Haswell, Skylake and AMD Zen 4 (Ice Lake and later Intel cores have 12): the
+# named targets' value, and native's when the machine does not say.
+DEFAULT_L1D_WAYS = 8
+
+
 @dataclass(frozen=True)
 class CpuTarget:
     name: str
@@ -19,7 +24,7 @@ class CpuTarget:
     features: str
     vector_bits: int  # preferred vector width handed to LLVM
     gcc_flags: tuple[str, ...]  # for the C driver
-    l1d_ways: int = 8  # associativity of the L1 data cache (kernels avoid reading more aliasing rows)
+    l1d_ways: int = DEFAULT_L1D_WAYS  # associativity of the L1 data cache (kernels avoid reading more aliasing rows)
 
     def as_key(self) -> dict:
         return {"name": self.name, "triple": self.triple, "cpu": self.cpu, "features": self.features,
@@ -44,9 +49,8 @@ def _native() -> CpuTarget:
     return CpuTarget("native", _TRIPLE, cpu, features, bits, ("-march=native",), _host_l1d_ways())
 
 
-def _host_l1d_ways(default: int = 8) -> int:
-    """The ways of this machine's L1 data cache (Linux sysfs), or `default` when it does not say
-    (8: Haswell, Skylake and AMD Zen 4; Ice Lake and later Intel cores have 12)."""
+def _host_l1d_ways(default: int = DEFAULT_L1D_WAYS) -> int:
+    """The ways of this machine's L1 data cache (Linux sysfs), or `default` when it does not say."""
     from pathlib import Path
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:

@@ -204,6 +204,8 @@ def choose_tile(M: int, N: int, mode: str = "rows") -> tuple[int, int]:
         mr, nr = tile
         return UK_TILES[mode][tile] * M / (_ceil_div(M, mr) * mr) * N / (_ceil_div(N, nr) * nr)
     return max(sorted(UK_TILES[mode]), key=score)
+
+
 UK_KC_FEW_ROWS = 64  # k values per pass when 2-3 row tiles (M <= UK_FEW_ROWS) read the same B panel
 UK_FEW_ROWS = 16
 UK_KC = 256      # k values per pass (the B micro-panel kc x NR stays in L1/L2, the C tile is reloaded per pass)
@@ -311,8 +313,6 @@ def uk_k_pass(K: int) -> int:
 # 69-81 GFLOP/s against 98-115 at K = 1040); Sapphire Rapids' 12 ways showed no such loss.
 A_ALIAS_BYTES = 4096
 A_ALIAS_MAX_WAYS = 8    # targets with this many L1 ways or fewer pack such an A
-
-
 A_PACK_MIN_PANELS = 4   # ... and the copy pays only when each row panel is read this many times
 
 
@@ -351,11 +351,15 @@ def pack_a_kernel(M: int, K: int, MR: int) -> tuple[Kernel, int]:
     return Kernel("APack", src.text(), ("float32", "float32")), _ceil_div(M, MR)
 
 
-def _packed_a_calls(graph, node, A_name: str, M: int, K: int, MR: int) -> tuple[list, str]:
-    """The call packing A into a scratch value, and that value's name."""
+def _packed_a_calls(graph, node, A_name: str, M: int, N: int, K: int) -> tuple[list, str, bool]:
+    """When `packs_a_at_run_time`: the call packing A into a scratch value, that value's name and
+    True (the GEMM reads A as panels); else no call, A's own name and False."""
+    if not packs_a_at_run_time(M, N, K):
+        return [], A_name, False
+    MR = choose_tile(M, N)[0]
     packed = scratch_value(graph, node, (_ceil_div(M, MR) * MR * K,), np.float32, tag="apanels")
     kernel, work = pack_a_kernel(M, K, MR)
-    return [KernelCall(kernel, [A_name, packed], work, node.name)], packed
+    return [KernelCall(kernel, [A_name, packed], work, node.name)], packed, True
 
 
 def pack_a_panels(data: np.ndarray, mr: int = UK_MR) -> np.ndarray:
@@ -707,9 +711,9 @@ def lower_gemm(node, graph) -> Lowered:
         b_in = None
     pack = []
     if use_uk:
-        a_panels = b_in is None and not trans_a and packs_a_at_run_time(M, N, K)
-        if a_panels:
-            pack, args[0] = _packed_a_calls(graph, node, A.name, M, K, choose_tile(M, N)[0])
+        a_panels = False
+        if b_in is None and not trans_a:
+            pack, args[0], a_panels = _packed_a_calls(graph, node, A.name, M, N, K)
         kernel, work = uk_gemm_kernel(family, M, N, K, (), a, b_in, c_op, Operand((), N, 1), beta_left,
                                       residual=r_op, epilogue=epilogue, a_panels=a_panels,
                                       b_in_l2=b_in is None and gemv_weights_in_l2(graph, M))
@@ -771,9 +775,9 @@ def lower_matmul(node, graph) -> Lowered:
     if B.is_const and not any(b_batch) and len(B.shape) >= 2 and uk_eligible(dtype, M, N, K, a_op, None):
         # Constant weights: packed into micro-kernel panels at build time.
         args[1] = pack_b_panels(np.asarray(B.data, dtype=np.float32).reshape(K, N), choose_tile(M, N)[1])
-        a_panels = not batch and packs_a_at_run_time(M, N, K)
-        if a_panels:
-            pack, args[0] = _packed_a_calls(graph, node, A.name, M, K, choose_tile(M, N)[0])
+        a_panels = False
+        if not batch:
+            pack, args[0], a_panels = _packed_a_calls(graph, node, A.name, M, N, K)
         kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, None, None, o_op,
                                       residual=r_op, epilogue=epilogue, a_panels=a_panels,
                                       b_in_l2=gemv_weights_in_l2(graph, M))

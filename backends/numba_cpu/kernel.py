@@ -19,6 +19,7 @@ from functools import cached_property
 
 import numpy as np
 
+from backends.native.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
 
 
@@ -31,7 +32,7 @@ def session_threads() -> int:
     return _THREADS.get()
 
 
-_L1D_WAYS = contextvars.ContextVar("cuvil_l1d_ways", default=8)
+_L1D_WAYS = contextvars.ContextVar("cuvil_l1d_ways", default=DEFAULT_L1D_WAYS)
 
 
 def l1d_ways() -> int:
@@ -40,7 +41,7 @@ def l1d_ways() -> int:
 
 
 @contextlib.contextmanager
-def lowering_for(threads: int, l1d_ways: int = 8):
+def lowering_for(threads: int, l1d_ways: int = DEFAULT_L1D_WAYS):
     token = _THREADS.set(max(1, int(threads)))
     ways = _L1D_WAYS.set(max(1, int(l1d_ways)))
     try:

@@ -5,6 +5,7 @@ here is a CuvilError naming the op, the node and this list.
 """
 from __future__ import annotations
 
+from backends.native.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
 
 from . import batchnorm, concat, conv, elementwise as ew, gemm, pool, softmax, transpose
@@ -154,7 +155,7 @@ def generator_for(node):
     return gen
 
 
-def lower(graph, threads: int = 1, l1d_ways: int = 8) -> list:
+def lower(graph, threads: int = 1, l1d_ways: int = DEFAULT_L1D_WAYS) -> list:
     """The schedule: kernel calls and views in the graph's (topological) node order, work split
     for a session of `threads` threads, on a target whose L1 data cache has `l1d_ways` ways."""
     schedule = []

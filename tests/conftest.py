@@ -9,3 +9,16 @@ if str(ROOT) not in sys.path:
 # Kernel objects are content-addressed: sharing them across the tests (and
 # across local runs) is safe and keeps the suite fast.
 os.environ.setdefault("CUVIL_CACHE_DIR", str(ROOT / ".cuvil-cache" / "tests"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def direct_convs(monkeypatch):
+    """Compile options for tests of the direct conv paths (convgemm.py, convsmall.py) on shapes
+    Winograd would take: Winograd off, and a cache of their own (the lowering differs from the
+    default cache's builds while the code, which keys the steps, does not)."""
+    from backends.numba_cpu import winograd
+    monkeypatch.setattr(winograd, "MIN_CHANNELS", 1 << 30)
+    return {"cache_dir": str(ROOT / ".cuvil-cache" / "tests-direct-convs")}

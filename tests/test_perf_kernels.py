@@ -82,7 +82,7 @@ def test_conv_implicit_gemm(x_shape, w_shape, attrs):
     compiled, _ = assert_matches_ort(model, feeds, tol=1e-5)
 
 
-def test_conv_implicit_gemm_is_used():
+def test_conv_implicit_gemm_is_used(direct_convs):
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
     model, _ = conv_model((1, 16, 14, 14), (24, 16, 3, 3), pads=[1, 1, 1, 1])
@@ -389,14 +389,15 @@ def test_split_work_balances_two_threads(n_cols, m_tiles, a_bytes, b_bytes):
     ((1, 64, 28, 28), (512, 64, 3, 3), dict(pads=[1, 1, 1, 1]), False),  # implicit GEMM, rows split
     ((1, 128, 14, 14), (512, 128, 1, 1), dict(), False),                # GEMM, rows split (weights >> activations)
 ])
-def test_conv_split_identical_for_any_thread_count(x_shape, w_shape, attrs, small):
-    """Splits never cut the sum over input channels: 1, 2 and 4 threads give the same bytes."""
+def test_conv_split_identical_for_any_thread_count(x_shape, w_shape, attrs, small, direct_convs):
+    """Splits never cut the sum over input channels: 1, 2 and 4 threads give the same bytes
+    (direct convs: test_winograd.py has Winograd's)."""
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
     model, feeds = conv_model(x_shape, w_shape, **attrs)
     graph, _ = import_onnx(model)
     assert ("cuvil_ukt_" in lower(graph)[-1].kernel.source) == small
-    outs = {t: assert_matches_ort(model, feeds, tol=1e-5, threads=t)[1]["y"] for t in (1, 2, 4)}
+    outs = {t: assert_matches_ort(model, feeds, tol=1e-5, threads=t, **direct_convs)[1]["y"] for t in (1, 2, 4)}
     np.testing.assert_array_equal(outs[1], outs[2])
     np.testing.assert_array_equal(outs[1], outs[4])
 
@@ -470,7 +471,7 @@ def test_depthwise_conv_single_pass_with_epilogue(x_shape, attrs):
     ((1, 300, 9, 9), (14, 300, 3, 3), dict(pads=[1, 1, 1, 1]), "Clip"),       # 3x3, several passes over k
     ((1, 24, 10, 10), (30, 24, 3, 3), dict(strides=[2, 2]), ""),             # bias only
 ])
-def test_conv_epilogue_in_microkernel_registers(x_shape, w_shape, attrs, act):
+def test_conv_epilogue_in_microkernel_registers(x_shape, w_shape, attrs, act, direct_convs):
     """Bias and Relu/Clip run on the micro-kernel's accumulators on the last pass over k (no loop
     reads the tile back): the spec carries them, and results match onnxruntime."""
     from backends.numba_cpu.registry import lower
@@ -489,7 +490,7 @@ def test_conv_epilogue_in_microkernel_registers(x_shape, w_shape, attrs, act):
     # tol is relative to the largest output: the Clip bound (0.25) is far below the sums it clips,
     # whose float32 rounding (same before the epilogue moved into registers) is ~1e-5.
     for threads in (1, 2):
-        assert_matches_ort(model, feeds, tol=1e-4 if act == "Clip" else 1e-5, threads=threads)
+        assert_matches_ort(model, feeds, tol=1e-4 if act == "Clip" else 1e-5, threads=threads, **direct_convs)
     graph, _ = import_onnx(model)
     graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
     conv = [c for c in lower(graph) if c.kernel.family == "Conv"][-1]
@@ -510,7 +511,7 @@ def test_conv_epilogue_in_microkernel_registers(x_shape, w_shape, attrs, act):
     ((1, 32, 7, 9), (96, 32, 3, 3), dict(pads=[1, 1, 1, 1]), "Relu", False),          # 9 wide: an edge tile of 2
     ((3, 96, 7, 7), (128, 96, 1, 1), {}, "Relu", False),                                 # batch 3, 1x1
 ])
-def test_small_plane_conv_channels_in_lanes(target, x_shape, w_shape, attrs, act, residual):
+def test_small_plane_conv_channels_in_lanes(target, x_shape, w_shape, attrs, act, residual, direct_convs):
     """Convs on small planes put output channels in the vector lanes (convsmall.py, TSpec
     micro-kernels): bias and Relu/Clip in registers, a residual after the last pass, weights in
     several passes with the next pass prefetched, scatters into NCHW."""
@@ -544,4 +545,4 @@ def test_small_plane_conv_channels_in_lanes(target, x_shape, w_shape, attrs, act
     convs = [c for c in lower(graph) if c.kernel.family == "Conv"]
     assert len(convs) == 1 and "cuvil_ukt_" in convs[0].kernel.source
     for threads in (1, 2):
-        assert_matches_ort(model, feeds, tol=1e-5, threads=threads, target=target)
+        assert_matches_ort(model, feeds, tol=1e-5, threads=threads, target=target, **direct_convs)

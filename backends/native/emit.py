@@ -75,7 +75,21 @@ def kernel_ir(source: str, arg_types: tuple[str, ...], in_place: bool = False) -
     exec(compile(source, "<cuvil kernel>", "exec"), namespace)
     sig = types.void(*_numba_types(arg_types), types.int64, types.int64)
     compiled = cfunc(sig, nopython=True, fastmath=True, error_model="numpy", cache=False)(namespace["kernel"])
-    return compiled.inspect_llvm()
+    ir = compiled.inspect_llvm()
+    return noalias_pointers(ir) if NOALIAS_MARK in source else ir
+
+
+# A kernel whose source has this line promises that its pointer arguments never overlap (no
+# in-place form; distinct arena buffers or constants). Without it LLVM vectorises a loop only
+# behind run-time overlap checks, one per pair of load and store streams, and gives up when
+# there are many (Winograd's transforms: 36 of each).
+NOALIAS_MARK = "# cuvil: pointers do not alias"
+
+
+def noalias_pointers(ir: str) -> str:
+    """Mark the kernel body's pointer parameters (Numba names them %arg.p<i>) noalias."""
+    return re.sub(r"^define [^\n]*$",
+                  lambda m: re.sub(r"\bptr %arg\.p(\d+)\b", r"ptr noalias %arg.p\1", m.group(0)), ir, flags=re.M)
 
 
 _PLACEHOLDER = None
@@ -129,6 +143,9 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     target's vector width and linked into the module first."""
     import llvmlite.binding as llvm
     _init_llvm()
+    # Numba's cfunc wrapper calls the kernel body through a noinline call site; the body is
+    # inlined instead (see alwaysinline below).
+    ir = re.sub(r"^(attributes #\d+ = \{.*?)\bnoinline\b", r"\1 nounwind", ir, flags=re.M)
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source).items()):
         module.link_in(llvm.parse_assembly(ukernel_ir(spec, target.vector_bits)))
@@ -142,6 +159,11 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
         else:
             fn.name = f"{symbol}__impl{helpers}"
             fn.linkage = "internal"
+            # Inlined into the cfunc wrapper, whose error path (it reports an exception status
+            # through the Python C API) then folds away. Left to IPSCCP, a large body (a
+            # Winograd output transform) kept that path, and with it references to
+            # numba_gil_ensure and Py* functions that made the library fail to load.
+            fn.add_function_attribute("alwaysinline")
             helpers += 1
     for i, gv in enumerate(module.global_variables):
         if not gv.is_declaration:

@@ -1,124 +1,175 @@
-"""3x3 stride-1 convolutions by Winograd's minimal filtering F(2x2, 3x3).
+"""3x3 stride-1 convolutions by Winograd's minimal filtering, F(4x4, 3x3) or F(2x2, 3x3).
 
-A 2x2 block of outputs (a *tile*) of output channel oc comes from the 4x4 input
-patches d_c under it:
+An m x m block of outputs (a *tile*) of output channel oc comes from the a x a input
+patches d_c under it (a = m + 2):
 
     Y_tile = A^T ( sum_c  U[oc, c] * (B^T d_c B) ) A,     U[oc, c] = G W[oc, c] G^T
 
-(`*` elementwise over the 4x4 positions xi). The sum over the channels is, for each
-of the 16 positions, a GEMM: M[xi] (OC x tiles) = U[xi] (OC x C) @ V[xi] (C x tiles),
-16 * C multiply-adds per tile and output channel instead of the direct conv's 36:
-2.25x fewer FLOPs. The transforms cost a few adds per input and output value.
+(`*` elementwise over the a x a positions xi). The sum over the channels is, for each
+position, a GEMM: M[xi] (OC x tiles) = U[xi] (OC x C) @ V[xi] (C x tiles). Per output and
+channel pair that is a*a/m^2 multiply-adds instead of the direct conv's 9: 2.25 for F(4x4, 3x3)
+(4x fewer), 4 for F(2x2, 3x3) (2.25x fewer). The transforms cost a few adds per value.
+F(4x4, 3x3) is taken when the output has at least MIN_TILES 4x4 tiles, else F(2x2, 3x3).
 
 Four kernel calls per conv:
 
-1. `ConvPad` (convgemm.py) lays the input out zero-padded as four phase images per
-   channel (even/odd rows x even/odd columns), so that each of the 16 values of the
-   tiles' patches is a contiguous run along a row of tiles;
-2. `WinoIn` computes V[n, xi, c, t] = (B^T d B)[xi] for every tile t of channel c;
-3. `WinoGemm`: the 16 GEMMs per image on the micro-kernels (gemm.uk_gemm_kernel,
-   batched over (image, xi)), U transformed and packed into panels at build time;
+1. `ConvPad` (convgemm.py) lays the input out zero-padded as m * m phase images per
+   channel (rows and columns by their index mod m): the patches are the taps of an a x a
+   conv with stride m over the tile grid, so each patch value is a contiguous run along a
+   row of tiles;
+2. `WinoIn` computes V[n, xi, c, tile] = (B^T d B)[xi] for every tile of channel c;
+3. `WinoGemm`: the a*a GEMMs per image on the micro-kernels (gemm.uk_gemm_kernel, batched
+   over (image, xi)), U transformed and packed into panels at build time;
 4. `WinoOut` computes A^T M A per tile, adds the bias and residual, applies the
    activation and writes the NCHW output.
 
-Tiles run row-major over ceil(OH/2) x ceil(OW/2); with an odd output size the last
-tile row or column computes one extra row or column (from zero padding) that is not stored.
+Tiles past the output's last row or column are computed from zero padding and not stored.
 
-Numerics: the transforms' constants are 0, +-1 and 1/2; a ResNet-50 end to end stays within
-1.4e-6 of onnxruntime (relative to the largest output), and tests compare at the usual 1e-4.
-Results do not depend on the thread count (no split cuts a sum over channels).
+Numerics: F(2x2, 3x3)'s constants are 0, +-1 and 1/2; F(4x4, 3x3)'s (points 0, +-1, +-2)
+lose a little more: one conv of 256 channels in float32, 7e-6 of the largest output
+(float64 reference). Tests compare with onnxruntime at the usual 1e-4. Results do not
+depend on the thread count (no split cuts a sum over channels).
 
-Cost: U holds 16/9 of W's floats, so the library grows by 7/9 of these convs' weights.
+Cost: U holds a*a/9 of W's floats (4x for F(4x4, 3x3)), so a library grows by 3x these
+convs' weights (F(2x2, 3x3): 7/9); V and M take a*a/m^2 times the conv's input and output in
+the arena while it runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from backends.native.emit import NOALIAS_MARK
 from cuvil.ir import Value
 
 from . import convgemm
 from .epilogue import Epilogue
 from .gemm import Operand, choose_tile, pack_a_panels, uk_eligible, uk_gemm_kernel
-from .kernel import Kernel, KernelCall, Source, kernel_header
+from .kernel import Kernel, KernelCall, Source, kernel_header, literal
 
-# Input transform B^T d B: rows of B^T as (index, sign) terms.
-_BT = (((0, 1), (2, -1)), ((1, 1), (2, 1)), ((2, 1), (1, -1)), ((1, 1), (3, -1)))
-# Output transform A^T m A: rows of A^T.
-_AT = (((0, 1), (1, 1), (2, 1)), ((1, 1), (2, -1), (3, -1)))
-_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+@dataclass(frozen=True)
+class Transform:
+    """F(m x m, 3 x 3): an m x m tile of outputs from an a x a input patch (a = m + 2), rows of
+    B^T (a x a), A^T (m x a) and G (a x 3). B^T and A^T rows are (index, coefficient) terms."""
+    m: int
+    BT: tuple
+    AT: tuple
+    G: tuple
+
+    @property
+    def a(self) -> int:
+        return self.m + 2
+
+
+def _terms(matrix) -> tuple:
+    return tuple(tuple((j, c) for j, c in enumerate(row) if c) for row in matrix)
+
+
+# Interpolation points 0, 1, -1 (and infinity).
+F2 = Transform(2, _terms([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]]),
+               _terms([[1, 1, 1, 0], [0, 1, -1, -1]]),
+               ((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1)))
+# Points 0, 1, -1, 2, -2 (and infinity).
+F4 = Transform(4, _terms([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
+                          [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]]),
+               _terms([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]]),
+               ((1 / 4, 0, 0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6), (1 / 24, 1 / 12, 1 / 6),
+                (1 / 24, -1 / 12, 1 / 6), (0, 0, 1)))
 
 MIN_CHANNELS = 8    # fewer input or output channels: the transforms cost more than the GEMMs save
-MIN_TILES = 16      # fewer 2x2 tiles per image: the GEMMs are too narrow for the micro-kernel
+MIN_TILES = 16      # fewer output tiles per image: the GEMMs are too narrow for the micro-kernel
+FLAT_MIN_TW = 14    # rows of this many tiles (or more) take the grid layout whatever it adds (<= 7 %)
 XI_SKEW = 16        # floats between the end of one position's matrix and the start of the next (see below)
 
 
-def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
+def _tiles(OH, OW, m) -> int:
+    return -(-OH // m) * -(-OW // m)
+
+
+def choose(dtype, X, W, group, kernel, strides, dilations, Y) -> Transform | None:
+    """The Winograd transform a conv runs with, or None (the direct kernels)."""
     if np.dtype(dtype) != np.float32 or len(X.shape) != 4 or group != 1:
-        return False
+        return None
     if tuple(kernel) != (3, 3) or tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
-        return False
+        return None
     C, OC = int(X.shape[1]), int(W.shape[0])
     OH, OW = (int(v) for v in Y.shape[2:])
-    T = -(-OH // 2) * -(-OW // 2)
-    return min(C, OC) >= MIN_CHANNELS and T >= MIN_TILES \
-        and uk_eligible(np.float32, OC, T, C, Operand((0, 0), C, 1), Operand((0, 0), T, 1))
+    if min(C, OC) < MIN_CHANNELS:
+        return None
+    for t in (F4, F2):   # the larger tile when it leaves enough tiles
+        T = _tiles(OH, OW, t.m)
+        if T >= MIN_TILES and uk_eligible(np.float32, OC, T, C, Operand((0, 0), C, 1), Operand((0, 0), T, 1)):
+            return t
+    return None
 
 
-def transform_weights(W: np.ndarray) -> np.ndarray:
-    """W (OC, C, 3, 3) -> U (16, OC, C): U[xi] = (G W[oc, c] G^T) at position xi = 4a + b."""
+def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
+    return choose(dtype, X, W, group, kernel, strides, dilations, Y) is not None
+
+
+def transform_weights(W: np.ndarray, t: Transform = F2) -> np.ndarray:
+    """W (OC, C, 3, 3) -> U (a*a, OC, C): U[xi] = (G W[oc, c] G^T) at position xi = a*i + j."""
     w = np.asarray(W, dtype=np.float64)
-    u = np.einsum("ai,ocij,bj->aboc", _G, w, _G)
-    return np.ascontiguousarray(u.reshape(16, *w.shape[:2]), dtype=np.float32)
+    G = np.array(t.G, dtype=np.float64)
+    u = np.einsum("ai,ocij,bj->aboc", G, w, G)
+    return np.ascontiguousarray(u.reshape(t.a * t.a, *w.shape[:2]), dtype=np.float32)
 
 
-def _combine(rows, values: dict, key) -> str:
-    """sum of sign * values[key(index)] over one row of a transform matrix, as source."""
+def _combine(row, name) -> str:
+    """sum of coefficient * name(index) over one row of a transform matrix, as source."""
     text = ""
-    for index, sign in rows:
-        v = values[key(index)]
-        text += (v if not text else f" + {v}") if sign > 0 else f" - {v}" if text else f"-{v}"
+    for index, c in row:
+        v = name(index)
+        if abs(c) != 1:
+            v = f"{literal(abs(c), np.float32)} * {v}"
+        text += (f" + {v}" if text else v) if c > 0 else (f" - {v}" if text else f"-{v}")
     return text
 
 
-def _in_kernel(N, C, T, TH, TW, PW, ldb, offsets, xs) -> Kernel:
-    """Phase images (ConvPad) -> V[n, xi, c, t]; a work item is one (image, channel) plane. Patch
-    value d[k][l] of tile (ti, tj) is at offsets[4k + l] + ti * PW + tj of the channel's phases:
-    every load runs contiguously along the tile row."""
+def _in_kernel(t: Transform, N, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Kernel:
+    """Phase images (ConvPad) -> V[n, xi, c, ti * pitch + tj]; a work item is one (image, channel)
+    plane. Patch value d[k][l] of tile (ti, tj) is at offsets[a*k + l] + ti * PW + tj of the
+    channel's phases. With pitch == PW (= TW + 1) one loop runs over the whole grid, every load
+    and store contiguous along it (position TW of a row is no tile: its values are computed, then
+    never stored as outputs); with pitch == TW, a loop per row of tiles."""
+    a = t.a
     src = Source()
-    src.line(kernel_header(2)).indent()
+    src.line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {C}").line(f"c = item - n * {C}")
-    src.line(f"sb = item * {ldb}").line(f"vb = n * {16 * xs} + c * {T}")
-    src.line(f"for ti in range({TH}):").indent()
-    src.line(f"r = sb + ti * {PW}").line(f"o = vb + ti * {TW}")
-    src.line(f"for tj in range({TW}):").indent()
-    d = {}
-    for k in range(4):
-        for l in range(4):
-            d[k, l] = f"d{k}{l}"
-            src.line(f"d{k}{l} = p0[r + tj + {offsets[4 * k + l]}]")
-    e = {}
-    for a, rows in enumerate(_BT):          # along the columns of the patch
-        for l in range(4):
-            e[a, l] = f"e{a}{l}"
-            src.line(f"e{a}{l} = {_combine(rows, d, lambda k: (k, l))}")
-    for a in range(4):
-        for b, rows in enumerate(_BT):      # along its rows
-            src.line(f"p1[o + tj + {(4 * a + b) * xs}] = {_combine(rows, e, lambda l: (a, l))}")
+    src.line(f"sb = item * {ldb}").line(f"vb = n * {a * a * xs} + c * {T}")
+    if pitch == PW:
+        src.line("r = sb").line("o = vb").line(f"for q in range({T}):").indent()
+    else:
+        src.line(f"for ti in range({TH}):").indent()
+        src.line(f"r = sb + ti * {PW}").line(f"o = vb + ti * {pitch}")
+        src.line(f"for q in range({TW}):").indent()
+    for k in range(a):
+        for l in range(a):
+            src.line(f"d{k}_{l} = p0[r + q + {offsets[a * k + l]}]")
+    for i, row in enumerate(t.BT):          # along the columns of the patch
+        for l in range(a):
+            src.line(f"e{i}_{l} = {_combine(row, lambda k: f'd{k}_{l}')}")
+    for i in range(a):
+        for j, row in enumerate(t.BT):      # along its rows
+            src.line(f"p1[o + q + {(a * i + j) * xs}] = {_combine(row, lambda l: f'e{i}_{l}')}")
     return Kernel("WinoIn", src.text(), ("float32", "float32"))
 
 
-def _out_kernel(N, OC, T, TH, TW, OH, OW, xs, has_bias, res_strides, epilogue: Epilogue, dtype) -> Kernel:
+def _out_kernel(t: Transform, N, OC, T, TH, pitch, OH, OW, xs, has_bias, res_strides, epilogue: Epilogue,
+                dtype) -> Kernel:
     """M[n, xi, oc, t] -> Y (+ bias, + residual, activation); a work item is one (image, channel) plane."""
+    a, m = t.a, t.m
     n_ptrs = 2 + has_bias + (res_strides is not None)
     pb = "p1" if has_bias else None
     pr = f"p{1 + has_bias}" if res_strides is not None else None
     py = f"p{n_ptrs - 1}"
     src = Source()
-    src.line(kernel_header(n_ptrs)).indent()
+    src.line(NOALIAS_MARK).line(kernel_header(n_ptrs)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
-    src.line(f"mb = n * {16 * xs} + oc * {T}").line(f"yb = item * {OH * OW}")
+    src.line(f"mb = n * {a * a * xs} + oc * {T}").line(f"yb = item * {OH * OW}")
     if has_bias:
         src.line(f"bias = {pb}[oc]")
     if pr is not None:
@@ -126,37 +177,36 @@ def _out_kernel(N, OC, T, TH, TW, OH, OW, xs, has_bias, res_strides, epilogue: E
         src.line(f"rb = n * {sn} + oc * {sc}")
 
     def tile(rows: int, cols: int, tj: str):
-        m = {}
-        for a in range(4):
-            for b in range(4 if cols == 2 else 3):
-                m[a, b] = f"m{a}{b}"
-                src.line(f"m{a}{b} = p0[o + {tj} + {(4 * a + b) * xs}]")
-        s = {}
-        for i in range(rows):
-            for b in range(4 if cols == 2 else 3):
-                s[i, b] = f"s{i}{b}"
-                src.line(f"s{i}{b} = {_combine(_AT[i], m, lambda a: (a, b))}")
-        for i in range(rows):
-            for j in range(cols):
-                terms = [_combine(_AT[j], s, lambda b: (i, b))]
+        # Only the positions the stored outputs depend on are loaded (A^T's last columns feed the
+        # last outputs alone).
+        used = sorted({j for i in range(cols) for j, _ in t.AT[i]})
+        for i in range(a):
+            for j in used:
+                src.line(f"m{i}_{j} = p0[o + {tj} + {(a * i + j) * xs}]")
+        for r in range(rows):
+            for j in used:
+                src.line(f"s{r}_{j} = {_combine(t.AT[r], lambda i: f'm{i}_{j}')}")
+        for r in range(rows):
+            for q in range(cols):
+                terms = [_combine(t.AT[q], lambda j: f's{r}_{j}')]
                 if has_bias:
                     terms.append("bias")
                 if pr is not None:
-                    terms.append(f"{pr}[rb + (2 * ti + {i}) * {sh} + (2 * {tj} + {j}) * {sw}]")
-                src.line(f"v = {' + '.join(f'({t})' if k == 0 and len(terms) > 1 else t for k, t in enumerate(terms))}")
-                src.line(f"{py}[yb + (2 * ti + {i}) * {OW} + 2 * {tj} + {j}] = {epilogue.expr('v', dtype)}")
+                    terms.append(f"{pr}[rb + ({m} * ti + {r}) * {sh} + ({m} * {tj} + {q}) * {sw}]")
+                src.line(f"v = {' + '.join(f'({x})' if k == 0 and len(terms) > 1 else x for k, x in enumerate(terms))}")
+                src.line(f"{py}[yb + ({m} * ti + {r}) * {OW} + {m} * {tj} + {q}] = {epilogue.expr('v', dtype)}")
 
-    for rows, lo, hi in ((2, 0, OH // 2), (1, OH // 2, TH)):
+    for rows, lo, hi in ((m, 0, OH // m), (OH % m, OH // m, TH)):
         if hi <= lo:
             continue
         src.line(f"for ti in range({lo}, {hi}):").indent()
-        src.line(f"o = mb + ti * {TW}")
-        if OW // 2:
-            src.line(f"for tj in range({OW // 2}):").indent()
-            tile(rows, 2, "tj")
+        src.line(f"o = mb + ti * {pitch}")
+        if OW // m:
+            src.line(f"for tj in range({OW // m}):").indent()
+            tile(rows, m, "tj")
             src.dedent()
-        if OW % 2:
-            tile(rows, 1, str(OW // 2))
+        if OW % m:
+            tile(rows, OW % m, str(OW // m))
         src.dedent()
     types = ["float32"] + (["float32"] if has_bias else []) + (["float32"] if res_strides is not None else []) \
         + ["float32"]
@@ -168,41 +218,46 @@ def lower_winograd(node, graph, X, W, B, Y, pads, residual_arg=None, res_strides
     """The kernel calls of a Winograd conv (see the module docstring)."""
     epilogue = epilogue or Epilogue()
     dtype = np.dtype(np.float32)
+    t = choose(dtype, X, W, 1, (3, 3), (1, 1), (1, 1), Y)
+    a, P = t.a, t.a * t.a
     N, C, H, Wd = (int(v) for v in X.shape)
     OC = int(W.shape[0])
     OH, OW = (int(v) for v in Y.shape[2:])
     p_t, p_l = pads[:2]
-    TH, TW = -(-OH // 2), -(-OW // 2)
-    T = TH * TW
+    TH, TW = -(-OH // t.m), -(-OW // t.m)
 
-    # The 4x4 patches of the tiles are the taps of a 4x4 conv with stride 2 over the tile grid:
-    # its four phase images (even/odd rows x even/odd columns, zero padded) make every patch
-    # value a contiguous run along a tile row.
-    phases, PH, PW, ldb, offsets, left = convgemm._phase_geometry((4, 4), (2, 2), (1, 1), p_l, Wd, TH, TW)
+    # The a x a patches of the tiles are the taps of an a x a conv with stride m over the tile
+    # grid: its m * m phase images (zero padded) make every patch value a contiguous run along a
+    # tile row.
+    phases, PH, PW, ldb, offsets, left = convgemm._phase_geometry((a, a), (t.m, t.m), (1, 1), p_l, Wd, TH, TW)
+    # GEMM columns: the tile grid with its extra column (PW = TW + 1), so that WinoIn is one long
+    # loop, unless that takes more vectors of columns (a 7x7 output: 4 x 5 = 20 positions for 16
+    # tiles).
+    pitch = PW if (-(-TH * PW // 16) == -(-TH * TW // 16) or TW >= FLAT_MIN_TW) else TW
+    T = TH * pitch
     # V[n, xi] and M[n, xi] are C x T and OC x T matrices; each xi's starts one cache line further
-    # than a plain layout would put it, so that the transforms' 16 streams (one per xi) do not
-    # fall in one L1 set when C * T is a multiple of 1024 floats (a 64-channel 56x56 input:
-    # WinoIn 0.45 -> 0.10 ms, WinoOut 0.20 -> 0.09).
+    # than a plain layout would put it, so that the transforms' streams (one per xi) do not fall
+    # in one L1 set when C * T is a multiple of 1024 floats (F(2x2, 3x3) on a 64-channel 56x56
+    # input: WinoIn 0.45 -> 0.10 ms, WinoOut 0.20 -> 0.09).
     xs_in, xs_out = C * T + XI_SKEW, OC * T + XI_SKEW
     names = {}
-    for tag, size in (("winopad", N * C * ldb), ("winov", N * 16 * xs_in), ("winom", N * 16 * xs_out)):
+    # (the grid's last position reads one float past the last channel's phases: slack)
+    for tag, size in (("winopad", N * C * ldb + 16), ("winov", N * P * xs_in), ("winom", N * P * xs_out)):
         names[tag] = graph.unique_name(f"{Y.name}__{tag}")
         graph.values[names[tag]] = Value(names[tag], dtype, (size,))
-    pad_kernel, pad_work = convgemm._pad_kernel(C, H, Wd, 2, 2, p_t, left, phases, PH, PW, N)
+    pad_kernel, pad_work = convgemm._pad_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N)
 
-    U = transform_weights(W.data)
-    packed = pack_a_panels(U, choose_tile(OC, T)[0])
-    a = Operand((0, packed[0].size), C, 1)
-    b = Operand((16 * xs_in, xs_in), T, 1)
-    m = Operand((16 * xs_out, xs_out), T, 1)
-    assert uk_eligible(dtype, OC, T, C, a, b)
-    gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, T, C, (N, 16), a, b, None, m, a_panels=True)
+    packed = pack_a_panels(transform_weights(W.data, t), choose_tile(OC, T)[0])
+    a_op = Operand((0, packed[0].size), C, 1)
+    b_op = Operand((P * xs_in, xs_in), T, 1)
+    m_op = Operand((P * xs_out, xs_out), T, 1)
+    gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, T, C, (N, P), a_op, b_op, None, m_op, a_panels=True)
 
-    out = _out_kernel(N, OC, T, TH, TW, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
+    out = _out_kernel(t, N, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
     out_args = [names["winom"]] + ([B.name] if B is not None else []) \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
     return [KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name),
-            KernelCall(_in_kernel(N, C, T, TH, TW, PW, ldb, offsets, xs_in), [names["winopad"], names["winov"]],
+            KernelCall(_in_kernel(t, N, C, T, TH, TW, PW, pitch, ldb, offsets, xs_in), [names["winopad"], names["winov"]],
                        N * C, node.name),
             KernelCall(gemm, [packed, names["winov"], names["winom"]], gemm_work, node.name),
             KernelCall(out, out_args, N * OC, node.name)]

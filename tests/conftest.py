@@ -15,10 +15,7 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture
-def direct_convs(monkeypatch):
+def direct_convs():
     """Compile options for tests of the direct conv paths (convgemm.py, convsmall.py) on shapes
-    Winograd would take: Winograd off, and a cache of their own (the lowering differs from the
-    default cache's builds while the code, which keys the steps, does not)."""
-    from backends.numba_cpu import winograd
-    monkeypatch.setattr(winograd, "MIN_CHANNELS", 1 << 30)
-    return {"cache_dir": str(ROOT / ".cuvil-cache" / "tests-direct-convs")}
+    Winograd would take: without the pass that marks convs for it."""
+    return {"disable_passes": ("winograd",)}

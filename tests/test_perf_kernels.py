@@ -492,7 +492,8 @@ def test_conv_epilogue_in_microkernel_registers(x_shape, w_shape, attrs, act, di
     for threads in (1, 2):
         assert_matches_ort(model, feeds, tol=1e-4 if act == "Clip" else 1e-5, threads=threads, **direct_convs)
     graph, _ = import_onnx(model)
-    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    names = resolve_passes(2, disable=direct_convs["disable_passes"])
+    graph = run_passes(graph, [p for p in names if p != "plan_memory"])
     conv = [c for c in lower(graph) if c.kernel.family == "Conv"][-1]
     specs = list(specs_in(conv.kernel.source).values())
     assert specs and all(sp.bias == 1 and sp.act == act for sp in specs)
@@ -541,7 +542,8 @@ def test_small_plane_conv_channels_in_lanes(target, x_shape, w_shape, attrs, act
         out = "act"
     model.graph.output[0].name = out
     graph, _ = import_onnx(model)
-    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    names = resolve_passes(2, disable=direct_convs["disable_passes"])
+    graph = run_passes(graph, [p for p in names if p != "plan_memory"])
     convs = [c for c in lower(graph) if c.kernel.family == "Conv"]
     assert len(convs) == 1 and "cuvil_ukt_" in convs[0].kernel.source
     for threads in (1, 2):

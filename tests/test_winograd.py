@@ -5,6 +5,8 @@ Each case first checks which transform the conv takes (or, for the ineligible sh
 takes none), then compares: even and odd output sizes (a last tile row or column half used),
 asymmetric and large pads, no padding, batch 2, fused epilogues (bias, residual broadcast or
 not, activations), two threads."""
+import os
+
 import numpy as np
 import onnx
 import pytest
@@ -105,7 +107,7 @@ def test_winograd_threads_identical():
     ("few output channels", (1, 16, 16, 16), 4, {"pads": [1, 1, 1, 1]}),
     ("few tiles", (1, 16, 6, 6), 16, {"pads": [1, 1, 1, 1]}),
 ])
-def test_direct_where_winograd_does_not_pay(why, x_shape, oc, attrs):
+def test_direct_where_winograd_does_not_pay_or_is_not_marked(why, x_shape, oc, attrs):
     if "group" in attrs:
         inits = {"w": rand(oc, x_shape[1] // attrs["group"], 3, 3, seed=1)}
         node = helper.make_node("Conv", ["x", "w"], ["y"], **attrs)
@@ -116,6 +118,36 @@ def test_direct_where_winograd_does_not_pay(why, x_shape, oc, attrs):
         model, feeds = conv_model(x_shape, oc, **attrs)
     assert "WinoIn" not in families(model), why
     assert_matches_ort(model, feeds)
+
+
+def test_pass_marks_only_3x3_stride_1_convs_with_constant_weights():
+    from passes.winograd import winograd as mark
+    inits = {"w3": rand(8, 8, 3, 3), "w5": rand(8, 8, 5, 5)}
+    nodes = [helper.make_node("Conv", ["x", "w3"], ["a"], name="same", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["a", "w3"], ["b"], name="stride2", strides=[2, 2]),
+             helper.make_node("Conv", ["x", "w5"], ["c"], name="k5"),
+             helper.make_node("Conv", ["x", "wr"], ["d"], name="runtime_w", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "w3"], ["e"], name="dilated", dilations=[2, 2]),
+             helper.make_node("Conv", ["x", "w3"], ["f"], name="same_upper", auto_pad="SAME_UPPER")]
+    model = make_model(nodes, [("x", F32, [1, 8, 12, 12]), ("wr", F32, [8, 8, 3, 3])],
+                       [(y, F32, None) for y in "bcdef"], inits)
+    graph, _ = import_onnx(model, {})
+    after = mark(graph)
+    assert {n.name for n in after.nodes if n.attr("winograd", 0)} == {"same", "same_upper"}
+    assert not any(n.attr("winograd", 0) for n in graph.nodes)   # the input graph is left as it was
+
+
+def test_disabling_the_pass_keeps_convs_direct():
+    """`disable_passes: [winograd]`: the direct kernels, and their results, for a user who wants
+    the smaller library or the direct sum's rounding."""
+    model, feeds = conv_model((1, 64, 28, 28), 64, pads=[1, 1, 1, 1])
+    graph, _ = import_onnx(model, {})
+    graph = run_passes(graph, [p for p in resolve_passes(2, disable=("winograd",)) if p != "plan_memory"])
+    assert "WinoIn" not in [c.kernel.family for c in lower(graph, 1) if hasattr(c, "kernel")]
+    wino, _ = assert_matches_ort(model, feeds)
+    direct, _ = assert_matches_ort(model, feeds, disable_passes=("winograd",))
+    size = lambda compiled: os.path.getsize(compiled.artifacts.library)
+    assert size(direct) < size(wino)
 
 
 @pytest.mark.parametrize("t", [winograd.F2, winograd.F4], ids=["F2", "F4"])

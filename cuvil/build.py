@@ -201,16 +201,18 @@ def _pack_weights(graph, schedule):
 
 def _run_codegen(dag, graph, params):
     from backends.native import driver as c_driver
-    from backends.native.memory import plan_memory
+    from backends.native.memory import place_session_values, plan_memory, session_values
     from backends.numba_cpu.kernel import KernelCall
     from backends.numba_cpu.registry import lower
 
     schedule = lower(graph, params["threads"], params["target"]["l1d_ways"])
     weights, weight_offsets = _pack_weights(graph, schedule)
-    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets)
+    persistent = session_values(schedule)
+    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(persistent)
     # Without the plan_memory pass every buffer gets bytes of its own (see passes/plan_memory.py).
     memory = params.get("memory") or {"strategy": "none", "in_place": False}
     plan = plan_memory(graph, schedule, external, strategy=memory["strategy"], in_place=memory["in_place"])
+    place_session_values(plan, graph, persistent)
     limit = params["max_arena_mb"] << 20
     if plan.arena_bytes > limit:
         raise CuvilError(f"model '{params['name']}': a session would need {plan.arena_bytes / 2**20:.1f} MiB of working "

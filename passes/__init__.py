@@ -13,8 +13,8 @@ prints. It reads the two graphs only, so passes stay pure.
     opt 2  + folding and fusion into ops the kernels already have: BatchNormalization
            into Conv, MatMul + bias into Gemm, exporters' decompositions into one op,
            activations and residual adds into Conv/Gemm/MatMul epilogues; 3x3
-           stride-1 convs marked for Winograd (`winograd`: fewer multiply-adds,
-           larger libraries and slightly different rounding; disable it to keep them direct)
+           stride-1 convs marked for Winograd (`winograd`: fewer multiply-adds, more
+           session memory and slightly different rounding; disable it to keep them direct)
     opt 3  + fusion that generates new kernels: elementwise chains into one loop
            (FusedElementwise), then the clean-ups once more
 

@@ -6,8 +6,8 @@ dilation 1, constant weights) runs as F(4x4, 3x3) or F(2x2, 3x3) when its shape 
 That needs 2.25-4x fewer multiply-adds than the direct kernels, at three costs a user may
 not want, which disabling this pass (`disable_passes: [winograd]`) avoids:
 
-- the library holds the transformed weights, 16/9 or 4 times the marked convs' weights;
-- a session's working memory holds the transformed inputs and outputs while the conv runs;
+- each session holds the transformed weights, 16/9 or 4 times the marked convs' weights,
+  computed when it is created, and the transformed inputs and outputs while a conv runs;
 - rounding: F(4x4, 3x3) computes through the points 0, +-1, +-2, a few times the direct
   sum's error (a 256-channel conv in float32: ~7e-6 of the largest output).
 """

@@ -15,6 +15,7 @@ from onnx import helper
 from backends.numba_cpu import winograd
 from backends.numba_cpu.registry import lower
 from cuvil.frontends.onnx import import_onnx
+from cuvil.runtime import Library
 from passes import resolve_passes, run_passes
 
 from tests.helpers import assert_matches_ort, make_model, rand
@@ -139,15 +140,38 @@ def test_pass_marks_only_3x3_stride_1_convs_with_constant_weights():
 
 def test_disabling_the_pass_keeps_convs_direct():
     """`disable_passes: [winograd]`: the direct kernels, and their results, for a user who wants
-    the smaller library or the direct sum's rounding."""
+    the direct sum's rounding or a smaller session."""
     model, feeds = conv_model((1, 64, 28, 28), 64, pads=[1, 1, 1, 1])
     graph, _ = import_onnx(model, {})
     graph = run_passes(graph, [p for p in resolve_passes(2, disable=("winograd",)) if p != "plan_memory"])
     assert "WinoIn" not in [c.kernel.family for c in lower(graph, 1) if hasattr(c, "kernel")]
-    wino, _ = assert_matches_ort(model, feeds)
+    assert_matches_ort(model, feeds, disable_passes=("winograd",))
+
+
+def test_transformed_weights_are_made_by_the_session_not_stored():
+    """U (36/9 of W's floats for F(4x4, 3x3)) is computed when a session is created into the
+    session's memory (a run-once call): the library holds W, as the direct build does. Two
+    Winograd convs and a residual add: every run and a second session give the same bytes, so
+    the arena's reused part never overlaps the transformed weights."""
+    C = 256
+    inits = {"w1": rand(C, C, 3, 3, seed=1) * 0.05, "w2": rand(C, C, 3, 3, seed=2) * 0.05, "b": rand(C, seed=3)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c2", "x"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    model = make_model(nodes, [("x", F32, [1, C, 14, 14])], [("y", F32, None)], inits)
+    feeds = {"x": rand(1, C, 14, 14, seed=4)}
+    assert chosen(model).m == 4
+    wino, first = assert_matches_ort(model, feeds)
     direct, _ = assert_matches_ort(model, feeds, disable_passes=("winograd",))
+    u_bytes = 2 * 36 * C * C * 4
     size = lambda compiled: os.path.getsize(compiled.artifacts.library)
-    assert size(direct) < size(wino)
+    assert size(wino) < size(direct) + u_bytes / 8
+    assert wino.info["memory"]["arena_bytes"] >= u_bytes
+    for _ in range(3):
+        np.testing.assert_array_equal(wino.run(feeds)["y"], first["y"])
+    again = Library(wino.artifacts.library)
+    np.testing.assert_array_equal(again.run(feeds)["y"], first["y"])
 
 
 @pytest.mark.parametrize("t", [winograd.F2, winograd.F4], ids=["F2", "F4"])

@@ -51,6 +51,23 @@ class MemoryPlan:
     strategy: str = "greedy_by_size"
 
 
+def session_values(schedule) -> list[str]:
+    """The values run-once calls (KernelCall.once) write: they live in the session for good."""
+    from backends.numba_cpu.kernel import KernelCall
+    return [a for c in schedule if isinstance(c, KernelCall) and c.once for a in c.args[len(c.args) - c.n_outputs:]]
+
+
+def place_session_values(plan: MemoryPlan, graph, names) -> MemoryPlan:
+    """Give `names` (planned as external: never reused) their own bytes after the arena's
+    reused part; the driver allocates both in one block per session."""
+    offset = _align(plan.arena_bytes)
+    for name in names:
+        plan.offsets[name] = offset
+        offset += _align(graph.values[name].nbytes)
+    plan.arena_bytes = offset
+    return plan
+
+
 def plan_memory(graph, schedule, external: set[str], strategy: str = "greedy_by_size",
                 in_place: bool = True) -> MemoryPlan:
     """external: values that live outside the arena (graph inputs, outputs, constants). A call

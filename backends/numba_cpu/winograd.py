@@ -11,7 +11,9 @@ channel pair that is a*a/m^2 multiply-adds instead of the direct conv's 9: 2.25 
 (4x fewer), 4 for F(2x2, 3x3) (2.25x fewer). The transforms cost a few adds per value.
 F(4x4, 3x3) is taken when the output has at least MIN_TILES 4x4 tiles, else F(2x2, 3x3).
 
-Four kernel calls per conv:
+A run-once call (KernelCall.once), when a session is created: `WinoPrep` computes U from W
+into the session's memory, packed into micro-kernel panels (the library stores W, not U,
+which is a*a/9 times larger). Then four kernel calls per conv and run:
 
 1. `ConvPad` (convgemm.py) lays the input out zero-padded as m * m phase images per
    channel (rows and columns by their index mod m): the patches are the taps of an a x a
@@ -19,7 +21,7 @@ Four kernel calls per conv:
    row of tiles;
 2. `WinoIn` computes V[n, xi, c, tile] = (B^T d B)[xi] for every tile of channel c;
 3. `WinoGemm`: the a*a GEMMs per image on the micro-kernels (gemm.uk_gemm_kernel, batched
-   over (image, xi)), U transformed and packed into panels at build time;
+   over (image, xi)), A = U;
 4. `WinoOut` computes A^T M A per tile, adds the bias and residual, applies the
    activation and writes the NCHW output.
 
@@ -30,9 +32,8 @@ lose a little more: one conv of 256 channels in float32, 7e-6 of the largest out
 (float64 reference). Tests compare with onnxruntime at the usual 1e-4. Results do not
 depend on the thread count (no split cuts a sum over channels).
 
-Cost: U holds a*a/9 of W's floats (4x for F(4x4, 3x3)), so a library grows by 3x these
-convs' weights (F(2x2, 3x3): 7/9); V and M take a*a/m^2 times the conv's input and output in
-the arena while it runs.
+Cost: a session holds U, a*a/9 of W's floats (4x for F(4x4, 3x3)), and V and M, a*a/m^2
+times the conv's input and output, while a conv runs; creating a session computes U.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from cuvil.ir import Value
 
 from . import convgemm
 from .epilogue import Epilogue
-from .gemm import Operand, choose_tile, pack_a_panels, uk_eligible, uk_gemm_kernel
+from .gemm import Operand, choose_tile, uk_eligible, uk_gemm_kernel, uk_k_pass
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal
 
 @dataclass(frozen=True)
@@ -114,6 +115,44 @@ def transform_weights(W: np.ndarray, t: Transform = F2) -> np.ndarray:
     G = np.array(t.G, dtype=np.float64)
     u = np.einsum("ai,ocij,bj->aboc", G, w, G)
     return np.ascontiguousarray(u.reshape(t.a * t.a, *w.shape[:2]), dtype=np.float32)
+
+
+def _prep_kernel(t: Transform, OC, C, MR, kc) -> Kernel:
+    """W (OC, C, 3, 3) -> U in micro-kernel panels, the layout gemm.pack_a_panels gives
+    transform_weights(W) (a row panel of MR output channels, passes of kc channels; each
+    position's panels XI_SKEW floats after the previous position's): run once
+    when a session is created (KernelCall.once), so the library stores W, not U. A work item is
+    one row of the panels (rows past OC are zeros). Sums in float64, like transform_weights."""
+    a = t.a
+    rows = -(-OC // MR) * MR
+    lead = rows * C + XI_SKEW              # floats per position (skewed: 36 store streams, see XI_SKEW)
+    F = lambda v: literal(v, np.float64)
+    src = Source()
+    src.line(kernel_header(2)).indent()
+    src.line("for row in range(begin, end):").indent()
+    src.line(f"pi = row // {MR}").line(f"r = row - pi * {MR}")
+    src.line(f"for c in range({C}):").indent()
+    src.line(f"k0 = (c // {kc}) * {kc}").line(f"kcur = min({kc}, {C} - k0)")
+    src.line(f"o = {rows} * k0 + pi * kcur * {MR} + (c - k0) * {MR} + r")
+    src.line(f"if row < {OC}:").indent()
+    src.line(f"wb = (row * {C} + c) * 9")
+    for k in range(3):
+        for j in range(3):
+            src.line(f"g{k}{j} = np.float64(p0[wb + {3 * k + j}])")
+
+    def dot(coefficients, names):
+        terms = [f"{F(c)} * {n}" for c, n in zip(coefficients, names) if c]
+        return " + ".join(terms) if terms else F(0)
+
+    for i, gi in enumerate(t.G):           # G g: a x 3
+        for j in range(3):
+            src.line(f"h{i}_{j} = {dot(gi, [f'g{k}{j}' for k in range(3)])}")
+    for i in range(a):                     # (G g) G^T: a x a
+        for l, gl in enumerate(t.G):
+            src.line(f"p1[o + {(a * i + l) * lead}] = np.float32({dot(gl, [f'h{i}_{j}' for j in range(3)])})")
+    src.dedent().line("else:").indent()
+    src.line(f"for xi in range({a * a}):").indent().line(f"p1[o + xi * {lead}] = np.float32(0.0)")
+    return Kernel("WinoPrep", src.text(), ("float32", "float32"))
 
 
 def _combine(row, name) -> str:
@@ -247,8 +286,14 @@ def lower_winograd(node, graph, X, W, B, Y, pads, residual_arg=None, res_strides
         graph.values[names[tag]] = Value(names[tag], dtype, (size,))
     pad_kernel, pad_work = convgemm._pad_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N)
 
-    packed = pack_a_panels(transform_weights(W.data, t), choose_tile(OC, T)[0])
-    a_op = Operand((0, packed[0].size), C, 1)
+    # U, packed into panels, is computed from W when a session is created (the library holds W:
+    # U is a*a/9 times larger).
+    MR = choose_tile(OC, T)[0]
+    rows = -(-OC // MR) * MR
+    names["winou"] = graph.unique_name(f"{Y.name}__winou")
+    graph.values[names["winou"]] = Value(names["winou"], dtype, (P * (rows * C + XI_SKEW),))
+    prep = KernelCall(_prep_kernel(t, OC, C, MR, uk_k_pass(C)), [W.name, names["winou"]], rows, node.name, once=True)
+    a_op = Operand((0, rows * C + XI_SKEW), C, 1)
     b_op = Operand((P * xs_in, xs_in), T, 1)
     m_op = Operand((P * xs_out, xs_out), T, 1)
     gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, T, C, (N, P), a_op, b_op, None, m_op, a_panels=True)
@@ -256,8 +301,8 @@ def lower_winograd(node, graph, X, W, B, Y, pads, residual_arg=None, res_strides
     out = _out_kernel(t, N, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
     out_args = [names["winom"]] + ([B.name] if B is not None else []) \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
-    return [KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name),
+    return [prep, KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name),
             KernelCall(_in_kernel(t, N, C, T, TH, TW, PW, pitch, ldb, offsets, xs_in), [names["winopad"], names["winov"]],
                        N * C, node.name),
-            KernelCall(gemm, [packed, names["winov"], names["winom"]], gemm_work, node.name),
+            KernelCall(gemm, [names["winou"], names["winov"], names["winom"]], gemm_work, node.name),
             KernelCall(out, out_args, N * OC, node.name)]

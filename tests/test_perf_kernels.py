@@ -82,7 +82,7 @@ def test_conv_implicit_gemm(x_shape, w_shape, attrs):
     compiled, _ = assert_matches_ort(model, feeds, tol=1e-5)
 
 
-def test_conv_implicit_gemm_is_used(direct_convs):
+def test_conv_implicit_gemm_is_used():
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
     model, _ = conv_model((1, 16, 14, 14), (24, 16, 3, 3), pads=[1, 1, 1, 1])

@@ -25,7 +25,7 @@ F32 = np.float32
 
 def conv_model(x_shape, oc, pads=(0, 0, 0, 0), bias=True, residual=None, act=None, **attrs):
     """Conv(x, w[, b]) [+ r] [-> act]; `residual`: the shape of r (broadcast onto the output)."""
-    inits = {"w": rand(oc, x_shape[1], 3, 3, seed=1) * 0.3}
+    inits = {"w": rand(oc, x_shape[1] // attrs.get("group", 1), 3, 3, seed=1) * 0.3}
     if bias:
         inits["b"] = rand(oc, seed=2)
     nodes = [helper.make_node("Conv", ["x", "w"] + (["b"] if bias else []), ["c"], pads=list(pads), **attrs)]
@@ -116,14 +116,7 @@ def test_winograd_threads_identical():
     ("few tiles", (1, 16, 6, 6), 16, {"pads": [1, 1, 1, 1]}),
 ])
 def test_direct_where_winograd_does_not_pay_or_is_not_marked(why, x_shape, oc, attrs):
-    if "group" in attrs:
-        inits = {"w": rand(oc, x_shape[1] // attrs["group"], 3, 3, seed=1)}
-        node = helper.make_node("Conv", ["x", "w"], ["y"], **attrs)
-        model = onnx.shape_inference.infer_shapes(make_model([node], [("x", F32, list(x_shape))],
-                                                             [("y", F32, None)], inits))
-        feeds = {"x": rand(*x_shape, seed=3)}
-    else:
-        model, feeds = conv_model(x_shape, oc, **attrs)
+    model, feeds = conv_model(x_shape, oc, **attrs)
     assert "WinoIn" not in families(model), why
     assert_matches_ort(model, feeds)
 
@@ -183,7 +176,8 @@ def test_transformed_weights_are_made_by_the_session_not_stored():
 
 @pytest.mark.parametrize("t", [winograd.F2, winograd.F4], ids=["F2", "F4"])
 def test_transforms_match_direct_sums(t):
-    """A^T (U * V) A over one tile equals the direct 3x3 sums (float64 but U, to float32 rounding)."""
+    """The tables: A^T (U * V) A over one tile, U = G w G^T and V = B^T d B, equals the direct 3x3
+    sums (float64)."""
     rng = np.random.default_rng(0)
     a = t.a
     w = rng.standard_normal((2, 3, 3, 3))
@@ -195,7 +189,8 @@ def test_transforms_match_direct_sums(t):
     for i, row in enumerate(t.AT):
         for j, c in row:
             AT[i, j] = c
-    U = winograd.transform_weights(w, t).astype(np.float64).reshape(a, a, 2, 3)
+    G = np.array(t.G, dtype=np.float64)
+    U = np.einsum("ai,ocij,bj->aboc", G, w, G)
     V = np.einsum("ai,cij,bj->abc", BT, d, BT)
     for oc in range(2):
         M = np.einsum("abc,abc->ab", U[:, :, oc], V)
@@ -204,23 +199,21 @@ def test_transforms_match_direct_sums(t):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_output_transform_vectorises():
+def test_output_transform_vectorises(tmp_path):
     """WinoOut loads one stream per position (36 for F(4x4, 3x3)): LLVM vectorises that loop only
     when told the pointers do not alias (emit.NOALIAS_MARK); behind run-time overlap checks it
     stayed scalar (56x56x64 on Zen 4: 0.20 -> 0.14 ms)."""
     import subprocess
-    import tempfile
-    from pathlib import Path
 
     from backends.native.emit import NOALIAS_MARK, emit_object, kernel_ir
     from backends.native.targets import resolve_target
     from backends.numba_cpu.epilogue import Epilogue
     t, T = winograd.F4, 14 * 15
-    kernel = winograd._out_kernel(t, 1, 64, T, 14, 15, 56, 56, 64 * T + winograd.XI_SKEW, True, None,
+    kernel = winograd._out_kernel(t, 64, T, 14, 15, 56, 56, 64 * T + winograd.XI_SKEW, True, None,
                                   Epilogue("Relu"), np.float32)
     for source, vector in ((kernel.source, True), (kernel.source.replace(NOALIAS_MARK, ""), False)):
         obj = emit_object(kernel_ir(source, kernel.arg_types), "k", resolve_target("x86_64-avx512"), source)
-        path = Path(tempfile.mkdtemp()) / "k.o"
+        path = tmp_path / "k.o"
         path.write_bytes(obj)
         asm = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
         assert ("zmm" in asm) == vector

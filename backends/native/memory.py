@@ -53,7 +53,6 @@ class MemoryPlan:
 
 def session_values(schedule) -> list[str]:
     """The values run-once calls (KernelCall.once) write: they live in the session for good."""
-    from backends.numba_cpu.kernel import KernelCall
     return [a for c in schedule if isinstance(c, KernelCall) and c.once for a in c.args[len(c.args) - c.n_outputs:]]
 
 

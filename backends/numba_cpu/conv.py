@@ -118,9 +118,11 @@ def lower_conv(node, graph) -> Lowered:
     # A residual laid out like the output, with no reader after this conv, may become the output's
     # buffer: the conv then accumulates onto it (one pass over it instead of a read and a write).
     in_place_residual = isinstance(res_arg, str) and res_strides == tuple(dims_strides(Y.shape))
-    if W.is_const and node.attr("winograd", 0) and winograd.eligible(dtype, X, W, group, kernel, strides, dilations,
-                                                                      Y):
-        return Lowered(winograd.lower_winograd(node, graph, X, W, B, Y, pads, res_arg, res_strides, epilogue))
+    transform = winograd.choose(dtype, X, W, group, kernel, strides, dilations, Y) \
+        if W.is_const and node.attr("winograd", 0) else None
+    if transform is not None:
+        return Lowered(winograd.lower_winograd(node, graph, transform, X, W, B, Y, pads, res_arg, res_strides,
+                                               epilogue))
     if convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
         return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                                                   res_arg, res_strides, epilogue, pointwise))

@@ -105,27 +105,13 @@ def choose(dtype, X, W, group, kernel, strides, dilations, Y) -> Transform | Non
     return None
 
 
-def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
-    return choose(dtype, X, W, group, kernel, strides, dilations, Y) is not None
-
-
-def transform_weights(W: np.ndarray, t: Transform = F2) -> np.ndarray:
-    """W (OC, C, 3, 3) -> U (a*a, OC, C): U[xi] = (G W[oc, c] G^T) at position xi = a*i + j."""
-    w = np.asarray(W, dtype=np.float64)
-    G = np.array(t.G, dtype=np.float64)
-    u = np.einsum("ai,ocij,bj->aboc", G, w, G)
-    return np.ascontiguousarray(u.reshape(t.a * t.a, *w.shape[:2]), dtype=np.float32)
-
-
-def _prep_kernel(t: Transform, OC, C, MR, kc) -> Kernel:
-    """W (OC, C, 3, 3) -> U in micro-kernel panels, the layout gemm.pack_a_panels gives
-    transform_weights(W) (a row panel of MR output channels, passes of kc channels; each
-    position's panels XI_SKEW floats after the previous position's): run once
-    when a session is created (KernelCall.once), so the library stores W, not U. A work item is
-    one row of the panels (rows past OC are zeros). Sums in float64, like transform_weights."""
+def _prep_kernel(t: Transform, OC, C, MR, kc, rows, lead) -> Kernel:
+    """W (OC, C, 3, 3) -> U[xi] = G W[oc, c] G^T in micro-kernel panels, the layout
+    gemm.pack_a_panels gives (a row panel of MR output channels, passes of kc channels) with
+    `lead` floats per position (rows * C and an XI_SKEW: 36 store streams): run once when a
+    session is created (KernelCall.once), so the library stores W, not U. A work item is one
+    row of the panels (rows past OC are zeros). Sums in float64."""
     a = t.a
-    rows = -(-OC // MR) * MR
-    lead = rows * C + XI_SKEW              # floats per position (skewed: 36 store streams, see XI_SKEW)
     F = lambda v: literal(v, np.float64)
     src = Source()
     src.line(kernel_header(2)).indent()
@@ -166,7 +152,7 @@ def _combine(row, name) -> str:
     return text
 
 
-def _in_kernel(t: Transform, N, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Kernel:
+def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Kernel:
     """Phase images (ConvPad) -> V[n, xi, c, ti * pitch + tj]; a work item is one (image, channel)
     plane. Patch value d[k][l] of tile (ti, tj) is at offsets[a*k + l] + ti * PW + tj of the
     channel's phases. With pitch == PW (= TW + 1) one loop runs over the whole grid, every load
@@ -196,7 +182,7 @@ def _in_kernel(t: Transform, N, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Ke
     return Kernel("WinoIn", src.text(), ("float32", "float32"))
 
 
-def _out_kernel(t: Transform, N, OC, T, TH, pitch, OH, OW, xs, has_bias, res_strides, epilogue: Epilogue,
+def _out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_strides, epilogue: Epilogue,
                 dtype) -> Kernel:
     """M[n, xi, oc, t] -> Y (+ bias, + residual, activation); a work item is one (image, channel) plane."""
     a, m = t.a, t.m
@@ -252,12 +238,11 @@ def _out_kernel(t: Transform, N, OC, T, TH, pitch, OH, OW, xs, has_bias, res_str
     return Kernel("WinoOut", src.text(), tuple(types))
 
 
-def lower_winograd(node, graph, X, W, B, Y, pads, residual_arg=None, res_strides=None,
+def lower_winograd(node, graph, t: Transform, X, W, B, Y, pads, residual_arg=None, res_strides=None,
                    epilogue: Epilogue | None = None) -> list:
-    """The kernel calls of a Winograd conv (see the module docstring)."""
+    """The kernel calls of a Winograd conv with transform `t` (see `choose` and the module docstring)."""
     epilogue = epilogue or Epilogue()
     dtype = np.dtype(np.float32)
-    t = choose(dtype, X, W, 1, (3, 3), (1, 1), (1, 1), Y)
     a, P = t.a, t.a * t.a
     N, C, H, Wd = (int(v) for v in X.shape)
     OC = int(W.shape[0])
@@ -290,19 +275,21 @@ def lower_winograd(node, graph, X, W, B, Y, pads, residual_arg=None, res_strides
     # U is a*a/9 times larger).
     MR = choose_tile(OC, T)[0]
     rows = -(-OC // MR) * MR
+    lead = rows * C + XI_SKEW
     names["winou"] = graph.unique_name(f"{Y.name}__winou")
-    graph.values[names["winou"]] = Value(names["winou"], dtype, (P * (rows * C + XI_SKEW),))
-    prep = KernelCall(_prep_kernel(t, OC, C, MR, uk_k_pass(C)), [W.name, names["winou"]], rows, node.name, once=True)
-    a_op = Operand((0, rows * C + XI_SKEW), C, 1)
+    graph.values[names["winou"]] = Value(names["winou"], dtype, (P * lead,))
+    prep = KernelCall(_prep_kernel(t, OC, C, MR, uk_k_pass(C), rows, lead), [W.name, names["winou"]], rows, node.name,
+                      once=True)
+    a_op = Operand((0, lead), C, 1)
     b_op = Operand((P * xs_in, xs_in), T, 1)
     m_op = Operand((P * xs_out, xs_out), T, 1)
     gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, T, C, (N, P), a_op, b_op, None, m_op, a_panels=True)
 
-    out = _out_kernel(t, N, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
+    out = _out_kernel(t, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
     out_args = [names["winom"]] + ([B.name] if B is not None else []) \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
     return [prep, KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name),
-            KernelCall(_in_kernel(t, N, C, T, TH, TW, PW, pitch, ldb, offsets, xs_in), [names["winopad"], names["winov"]],
+            KernelCall(_in_kernel(t, C, T, TH, TW, PW, pitch, ldb, offsets, xs_in), [names["winopad"], names["winov"]],
                        N * C, node.name),
             KernelCall(gemm, [names["winou"], names["winov"], names["winom"]], gemm_work, node.name),
             KernelCall(out, out_args, N * OC, node.name)]

@@ -25,7 +25,8 @@ which is a*a/9 times larger). Then four kernel calls per conv and run:
 4. `WinoOut` computes A^T M A per tile, adds the bias and residual, applies the
    activation and writes the NCHW output.
 
-Tiles past the output's last row or column are computed from zero padding and not stored.
+Tiles past the output's last row or column are computed from zero padding and not stored
+(`WinoOut` runs the partial tiles of the last row and column through one guarded body).
 
 Numerics: F(2x2, 3x3)'s constants are 0, +-1 and 1/2; F(4x4, 3x3)'s (points 0, +-1, +-2)
 lose a little more: one conv of 256 channels in float32, 7e-6 of the largest output

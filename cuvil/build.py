@@ -201,18 +201,18 @@ def _pack_weights(graph, schedule):
 
 def _run_codegen(dag, graph, params):
     from backends.native import driver as c_driver
-    from backends.native.memory import place_session_values, plan_memory, session_values
+    from backends.native.memory import place_shared_values, plan_memory, shared_values
     from backends.numba_cpu.kernel import KernelCall
     from backends.numba_cpu.registry import lower
 
     schedule = lower(graph, params["threads"], params["target"]["l1d_ways"])
     weights, weight_offsets = _pack_weights(graph, schedule)
-    persistent = session_values(schedule)
-    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(persistent)
+    shared = shared_values(schedule)
+    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(shared)
     # Without the plan_memory pass every buffer gets bytes of its own (see passes/plan_memory.py).
     memory = params.get("memory") or {"strategy": "none", "in_place": False}
     plan = plan_memory(graph, schedule, external, strategy=memory["strategy"], in_place=memory["in_place"])
-    place_session_values(plan, graph, persistent)
+    place_shared_values(plan, graph, shared)
     limit = params["max_arena_mb"] << 20
     if plan.arena_bytes > limit:
         raise CuvilError(f"model '{params['name']}': a session would need {plan.arena_bytes / 2**20:.1f} MiB of working "
@@ -240,7 +240,8 @@ def _run_codegen(dag, graph, params):
         "versions": {k: v for k, v in dag.versions.items() if k != "code"},
         "source_sha256": params["source_sha256"],
         "spec_hash": params["spec_hash"],
-        "memory": {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes, "weights_bytes": len(weights)},
+        "memory": {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes, "weights_bytes": len(weights),
+                   "shared_bytes": plan.shared_bytes},
         "kernels": len(kernels),
         "steps": sum(1 for c in schedule if isinstance(c, KernelCall)),
     }

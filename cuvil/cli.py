@@ -201,8 +201,10 @@ def cmd_build(args) -> int:
         info = artifacts.info
         print(f"{info['name']}/{info['target']}: {_shown(artifacts.library)}")
         unchanged = "" if getattr(artifacts, "changed", True) else " (unchanged)"
+        shared = info["memory"].get("shared_bytes", 0)
         print(f"    {artifacts.kernels} kernels, arena {_bytes(info['memory']['arena_bytes'])}, "
-              f"weights {_bytes(info['memory']['weights_bytes'])}, {artifacts.seconds:.1f} s{unchanged}")
+              f"weights {_bytes(info['memory']['weights_bytes'])}"
+              f"{f', shared by the sessions {_bytes(shared)}' if shared else ''}, {artifacts.seconds:.1f} s{unchanged}")
     print(f"{len(built)} variant{'s' if len(built) != 1 else ''}: {result.dag.summary()} steps "
           f"in {result.seconds:.2f} s (cache: {_shown(spec.cache.dir)})")
     if getattr(args, "explain", False):
@@ -420,8 +422,10 @@ def cmd_inspect(args) -> int:
             print(f"    {tensor['name']:<{width}}  {tensor['dtype']} {tensor['shape']}")
     memory = info.get("memory", {})
     if memory:
+        shared = memory.get("shared_bytes", 0)
         print(f"  memory     arena {_bytes(memory.get('arena_bytes', 0))} "
-              f"(unplanned {_bytes(memory.get('naive_bytes', 0))}), weights {_bytes(memory.get('weights_bytes', 0))}")
+              f"(unplanned {_bytes(memory.get('naive_bytes', 0))}), weights {_bytes(memory.get('weights_bytes', 0))}"
+              + (f", made by the first session {_bytes(shared)} (shared)" if shared else ""))
     if "kernels" in info:
         print(f"  kernels    {info['kernels']}")
     print(f"  passes     {', '.join(info.get('passes') or []) or '(none)'}")

@@ -3,11 +3,12 @@
 A marked Conv or FusedConv (attribute `winograd` = 1: group 1, 3x3 kernel, stride 1,
 dilation 1, constant weights) runs as F(4x4, 3x3) or F(2x2, 3x3) when its shape pays
 (enough channels and output tiles; backends/numba_cpu/winograd.py), else as before.
-That needs 2.25-4x fewer multiply-adds than the direct kernels, at three costs a user may
+That needs 2.25-4x fewer multiply-adds than the direct kernels, at two costs a user may
 not want, which disabling this pass (`disable_passes: [winograd]`) avoids:
 
-- each session holds the transformed weights, 16/9 or 4 times the marked convs' weights,
-  computed when it is created, and the transformed inputs and outputs while a conv runs;
+- memory: the loaded library holds the transformed weights, 16/9 or 4 times the marked convs'
+  weights, computed by its first session_create and shared by its sessions, and each session
+  the transformed inputs and outputs while a conv runs;
 - rounding: F(4x4, 3x3) computes through the points 0, +-1, +-2, a few times the direct
   sum's error (a 256-channel conv in float32: ~7e-6 of the largest output).
 """

@@ -148,11 +148,12 @@ def test_disabling_the_pass_keeps_convs_direct():
     assert_matches_ort(model, feeds, disable_passes=("winograd",))
 
 
-def test_transformed_weights_are_made_by_the_session_not_stored():
-    """U (36/9 of W's floats for F(4x4, 3x3)) is computed when a session is created into the
-    session's memory (a run-once call): the library holds W, as the direct build does. Two
-    Winograd convs and a residual add: every run and a second session give the same bytes, so
-    the arena's reused part never overlaps the transformed weights."""
+def test_transformed_weights_are_made_once_shared_by_the_sessions_not_stored():
+    """U (36/9 of W's floats for F(4x4, 3x3)) is computed by a run-once call when the first
+    session of the loaded library is created, into a block every session shares and the last
+    one frees: the library holds W, as the direct build does, and a session's arena does not
+    hold U. Two Winograd convs and a residual add: every run, other sessions, and a session
+    made after all were closed (U made again) give the same bytes."""
     C = 256
     inits = {"w1": rand(C, C, 3, 3, seed=1) * 0.05, "w2": rand(C, C, 3, 3, seed=2) * 0.05, "b": rand(C, seed=3)}
     nodes = [helper.make_node("Conv", ["x", "w1", "b"], ["c1"], pads=[1, 1, 1, 1]),
@@ -167,11 +168,19 @@ def test_transformed_weights_are_made_by_the_session_not_stored():
     u_bytes = 2 * 36 * C * C * 4
     size = lambda compiled: os.path.getsize(compiled.artifacts.library)
     assert size(wino) < size(direct) + u_bytes / 8
-    assert wino.info["memory"]["arena_bytes"] >= u_bytes
+    memory = wino.info["memory"]
+    assert memory["shared_bytes"] >= u_bytes > memory["arena_bytes"]
+    assert direct.info["memory"]["shared_bytes"] == 0
     for _ in range(3):
         np.testing.assert_array_equal(wino.run(feeds)["y"], first["y"])
-    again = Library(wino.artifacts.library)
-    np.testing.assert_array_equal(again.run(feeds)["y"], first["y"])
+    library = Library(wino.artifacts.library)
+    sessions = [library.session() for _ in range(3)]
+    for s in sessions:
+        np.testing.assert_array_equal(s.run(feeds)["y"], first["y"])
+    wino.close()
+    for s in sessions:
+        s.close()
+    np.testing.assert_array_equal(library.session().run(feeds)["y"], first["y"])
 
 
 @pytest.mark.parametrize("t", [winograd.F2, winograd.F4], ids=["F2", "F4"])

@@ -49,21 +49,23 @@ class MemoryPlan:
     in_place: dict[str, str] = field(default_factory=dict)  # output -> the input whose buffer it took over
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # root -> (first step, last step)
     strategy: str = "greedy_by_size"
+    shared: dict[str, int] = field(default_factory=dict)  # value -> offset in the block the sessions share
+    shared_bytes: int = 0
 
 
-def session_values(schedule) -> list[str]:
-    """The values run-once calls (KernelCall.once) write: they live in the session for good."""
+def shared_values(schedule) -> list[str]:
+    """The values run-once calls (KernelCall.once) write: made once, shared by every session."""
     return [a for c in schedule if isinstance(c, KernelCall) and c.once for a in c.args[len(c.args) - c.n_outputs:]]
 
 
-def place_session_values(plan: MemoryPlan, graph, names) -> MemoryPlan:
-    """Give `names` (planned as external: never reused) their own bytes after the arena's
-    reused part; the driver allocates both in one block per session."""
-    offset = _align(plan.arena_bytes)
+def place_shared_values(plan: MemoryPlan, graph, names) -> MemoryPlan:
+    """Give `names` (planned as external: never reused) their bytes in the shared block, which
+    the first session of a loaded library allocates and fills and the last one frees."""
+    offset = 0
     for name in names:
-        plan.offsets[name] = offset
+        plan.shared[name] = offset
         offset += _align(graph.values[name].nbytes)
-    plan.arena_bytes = offset
+    plan.shared_bytes = offset
     return plan
 
 

@@ -95,9 +95,10 @@ class KernelCall:
     node: str = ""  # the CIR node(s) it implements, for messages and `explain`
     n_outputs: int = 1  # the trailing n_outputs args are written, the rest only read
     in_place: InPlace | None = None  # see InPlace
-    # Runs once, when a session is created, not on every run: its inputs are constants and its
-    # outputs persist in the session for the other calls to read (weights transformed for a
-    # kernel, which the library then need not store transformed: see winograd.py).
+    # Runs once, when the first session of the loaded library is created, not on every run: its
+    # inputs are constants and its outputs persist, shared by every session, for the other calls
+    # to read (weights transformed for a kernel, which the library then need not store
+    # transformed: see winograd.py).
     once: bool = False
 
 

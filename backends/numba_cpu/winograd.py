@@ -11,9 +11,9 @@ channel pair that is a*a/m^2 multiply-adds instead of the direct conv's 9: 2.25 
 (4x fewer), 4 for F(2x2, 3x3) (2.25x fewer). The transforms cost a few adds per value.
 F(4x4, 3x3) is taken when the output has at least MIN_TILES 4x4 tiles, else F(2x2, 3x3).
 
-A run-once call (KernelCall.once), when a session is created: `WinoPrep` computes U from W
-into the session's memory, packed into micro-kernel panels (the library stores W, not U,
-which is a*a/9 times larger). Then four kernel calls per conv and run:
+A run-once call (KernelCall.once), when the first session of the loaded library is created:
+`WinoPrep` computes U from W, packed into micro-kernel panels, into a block all its sessions
+share (the library stores W, not U, which is a*a/9 times larger). Then four kernel calls per conv and run:
 
 1. `ConvPad` (convgemm.py) lays the input out zero-padded as m * m phase images per
    channel (rows and columns by their index mod m): the patches are the taps of an a x a
@@ -33,8 +33,9 @@ lose a little more: one conv of 256 channels in float32, 7e-6 of the largest out
 (float64 reference). Tests compare with onnxruntime at the usual 1e-4. Results do not
 depend on the thread count (no split cuts a sum over channels).
 
-Cost: a session holds U, a*a/9 of W's floats (4x for F(4x4, 3x3)), and V and M, a*a/m^2
-times the conv's input and output, while a conv runs; creating a session computes U.
+Cost: the loaded library holds U, a*a/9 of W's floats (4x for F(4x4, 3x3)), made by its first
+session; each session's arena holds V and M, a*a/m^2 times the conv's input and output, while a
+conv runs.
 """
 from __future__ import annotations
 
@@ -297,8 +298,8 @@ def lower_winograd(node, graph, t: Transform, X, W, B, Y, pads, residual_arg=Non
         graph.values[names[tag]] = Value(names[tag], dtype, (size,))
     pad_kernel, pad_work = convgemm._pad_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N)
 
-    # U, packed into panels, is computed from W when a session is created (the library holds W:
-    # U is a*a/9 times larger).
+    # U, packed into panels, is computed from W by the library's first session (the library
+    # holds W: U is a*a/9 times larger).
     MR = choose_tile(OC, T)[0]
     rows = -(-OC // MR) * MR
     lead = rows * C + XI_SKEW

@@ -106,6 +106,29 @@ def test_inspect_prints_the_model_info(built, capsys):
     assert set(info["memory"]) >= {"arena_bytes", "weights_bytes"}
 
 
+def test_bench_times_every_engine_and_compares_with_onnxruntime(built, capsys):
+    """`cuvil bench` on a library: each engine in its own processes; the ratio compares each
+    engine's best process median (no figure is asserted: these machines are shared)."""
+    folder, library, _ = built
+    model = folder / "examples" / "models" / "tiny_cnn.onnx"
+    assert main(["bench", str(library), "--vs", "onnxruntime", "--onnx", str(model), "--runs", "3", "--rounds", "2",
+                 "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert set(results) == {"cuvil (C)", "cuvil (Python)", "onnxruntime"}
+    for r in results.values():
+        assert r["runs"] == 6
+        assert 0 < r["min_ms"] <= r["process_median_ms"] <= r["p90_ms"] and r["min_ms"] <= r["median_ms"] <= r["p90_ms"]
+    for key in ("cuvil (C)", "cuvil (Python)"):
+        want = results[key]["process_median_ms"] / results["onnxruntime"]["process_median_ms"]
+        assert results[key]["ratio"] == pytest.approx(want)
+
+    assert main(["bench", str(library), "--vs", "onnxruntime"]) == 2
+    assert "--onnx FILE.onnx" in capsys.readouterr().err
+    assert main(["bench", str(model)]) == 2  # its batch dim is symbolic
+    err = capsys.readouterr().err
+    assert "symbolic dims" in err and "--shape NAME=D1,D2" in err
+
+
 def test_run_matches_onnxruntime(built, tmp_path, capsys):
     folder, library, _ = built
     x = np.random.default_rng(7).standard_normal((1, 3, 32, 32)).astype(np.float32)

@@ -13,14 +13,10 @@ after the other and repeated `--rounds` times:
 A spinning thread pool of one engine would slow the other on a small
 machine, so they never run at the same time. Each process does a warm-up and
 `--runs` timed calls; an engine's figure is the lowest of its processes'
-medians. On a small shared VM a process's threads keep for its whole life
-whatever placement the host gives them (at 2 threads the same library ran
-4.3 ms in one process and 7.0 ms in the next, onnxruntime alike), so the
-median over all calls of a few rounds says more about the placements drawn
-than about the engines; each engine's best process compares both at the
-machine's best (the JSON also has every process's median and the ratio of
-the medians over all calls). ratio = cuvil (Python) / onnxruntime: < 1 means
-cuvil is faster (the C figure shows the call overhead Python adds).
+medians (`timing.best_process_median` says why; the JSON also has every
+process's median and the ratio of the medians over all calls). ratio =
+cuvil (Python) / onnxruntime: < 1 means cuvil is faster (the C figure shows
+the call overhead Python adds).
 
     python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--runs 50] [--rounds 5]
 """
@@ -163,20 +159,18 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool):
     compiled.save(lib_dir)
     library = lib_dir / compiled.artifacts.library.name
     err = check_outputs(library, model_path, shapes)
-    per_round = {"c": [], "py": [], "ort": []}  # each process's median
-    every = {"c": [], "py": [], "ort": []}
+    processes = {"c": [], "py": [], "ort": []}  # each engine: one list of call times per process
     warm = max(3, runs // 10)
     for _ in range(rounds):
-        for key, times in (("c", ctime.time_library(library, runs=runs, warmup=warm, info=compiled.info)),
-                           ("py", cuvil_py_times(library, shapes, runs, warm)),
-                           ("ort", ort_times(model_path, shapes, threads, runs, warm))):
-            per_round[key].append(statistics.median(times))
-            every[key] += times
-    c, p, o = (min(per_round[k]) for k in ("c", "py", "ort"))
-    ms = lambda v: [round(t * 1e3, 4) for t in v]
+        processes["c"].append(ctime.time_library(library, runs=runs, warmup=warm, info=compiled.info))
+        processes["py"].append(cuvil_py_times(library, shapes, runs, warm))
+        processes["ort"].append(ort_times(model_path, shapes, threads, runs, warm))
+    c, p, o = (ctime.best_process_median(processes[k]) for k in ("c", "py", "ort"))
+    all_calls = lambda k: statistics.median([t for times in processes[k] for t in times])
+    round_medians = {k: [round(statistics.median(times) * 1e3, 4) for times in v] for k, v in processes.items()}
     return {"model": name, "threads": threads, "cuvil_c_ms": c * 1e3, "cuvil_py_ms": p * 1e3, "ort_ms": o * 1e3,
-            "ratio": p / o, "ratio_c": c / o, "round_medians_ms": {k: ms(v) for k, v in per_round.items()},
-            "all_calls_median_ratio": statistics.median(every["py"]) / statistics.median(every["ort"]),
+            "ratio": p / o, "ratio_c": c / o, "round_medians_ms": round_medians,
+            "all_calls_median_ratio": all_calls("py") / all_calls("ort"),
             "rel_err": err, "build_s": build_s, "cold": cold,
             "kernels": compiled.info["kernels"], "arena_bytes": compiled.info["memory"]["arena_bytes"]}
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 import traceback
 from pathlib import Path
 
 from . import __version__
-from .errors import CuvilError, ShapeError
+from .errors import CuvilError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -428,7 +427,7 @@ def cmd_inspect(args) -> int:
         shared = memory.get("shared_bytes", 0)
         print(f"  memory     arena {_bytes(memory.get('arena_bytes', 0))} "
               f"(unplanned {_bytes(memory.get('naive_bytes', 0))}), weights {_bytes(memory.get('weights_bytes', 0))}"
-              + (f", made by the first session {_bytes(shared)} (shared)" if shared else ""))
+              + (f", shared by the sessions {_bytes(shared)}" if shared else ""))
     if "kernels" in info:
         print(f"  kernels    {info['kernels']}")
     print(f"  passes     {', '.join(info.get('passes') or []) or '(none)'}")
@@ -465,13 +464,7 @@ def cmd_bench(args) -> int:
         else:
             from .api import compile as compile_model
             onnx_path = onnx_path or target
-            try:
-                compiled = compile_model(str(target), input_shapes=shapes or None, threads=args.threads)
-            except ShapeError as exc:  # the frontend's hint names cuvil.yaml and the API, not this command
-                if "symbolic dims" not in exc.message and "has no shape" not in exc.message:
-                    raise
-                raise ShapeError(exc.message, hint="give every input's shape with --shape NAME=D1,D2,... "
-                                                   "(e.g. --shape input=1,3,224,224)") from None
+            compiled = compile_model(str(target), input_shapes=shapes or None, threads=args.threads)
             library_path = compiled.save(Path(tmp) / "lib")
             info = compiled.info
         if args.vs and onnx_path is None:
@@ -479,19 +472,19 @@ def cmd_bench(args) -> int:
         in_shapes = {t["name"]: t["shape"] for t in info["inputs"]}
         warmup = max(3, args.runs // 10)
         rows = {"cuvil (C)": [], "cuvil (Python)": [], "onnxruntime": []}  # one list of times per process
+        threads = int(info.get("threads", args.threads))
         for _ in range(args.rounds):
             rows["cuvil (C)"].append(timing.time_library(library_path, args.runs, warmup, info))
             rows["cuvil (Python)"].append(timing.cuvil_py_times(library_path, in_shapes, args.runs, warmup))
             if args.vs:
-                threads = int(info.get("threads", args.threads))
                 rows["onnxruntime"].append(timing.ort_times(onnx_path, in_shapes, threads, args.runs, warmup))
-    # An engine's figure is its best process's median (a process keeps the thread placement it
-    # got for its whole life; see benchmarks/bench.py); with one round, the median.
+    # An engine's figure is its best process's median (see timing.best_process_median); with one
+    # round, the median.
     results = {}
     for key, processes in rows.items():
         if processes:
             results[key] = timing.summary([t for times in processes for t in times])
-            results[key]["process_median_ms"] = min(statistics.median(times) for times in processes) * 1e3
+            results[key]["process_median_ms"] = timing.best_process_median(processes) * 1e3
     if args.vs:
         ort_ms = results["onnxruntime"]["process_median_ms"]
         for key in ("cuvil (C)", "cuvil (Python)"):

@@ -126,7 +126,7 @@ def test_bench_times_every_engine_and_compares_with_onnxruntime(built, capsys):
     assert "--onnx FILE.onnx" in capsys.readouterr().err
     assert main(["bench", str(model)]) == 2  # its batch dim is symbolic
     err = capsys.readouterr().err
-    assert "symbolic dims" in err and "--shape NAME=D1,D2" in err
+    assert "symbolic dims" in err and "--shape input=D1,D2" in err
 
 
 def test_run_matches_onnxruntime(built, tmp_path, capsys):

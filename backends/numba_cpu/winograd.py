@@ -110,8 +110,8 @@ def choose(dtype, X, W, group, kernel, strides, dilations, Y) -> Transform | Non
 def _prep_kernel(t: Transform, OC, C, MR, kc, rows, lead) -> Kernel:
     """W (OC, C, 3, 3) -> U[xi] = G W[oc, c] G^T in micro-kernel panels, the layout
     gemm.pack_a_panels gives (a row panel of MR output channels, passes of kc channels) with
-    `lead` floats per position (rows * C and an XI_SKEW: 36 store streams): run once when a
-    session is created (KernelCall.once), so the library stores W, not U. A work item is one
+    `lead` floats per position (rows * C and an XI_SKEW: 36 store streams): run once, by the
+    loaded library's first session (KernelCall.once), so the library stores W, not U. A work item is one
     row of the panels (rows past OC are zeros). Sums in float64."""
     a = t.a
     F = lambda v: literal(v, np.float64)

@@ -122,12 +122,14 @@ def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...]
             if d.HasField("dim_value") and d.dim_value != s:
                 raise ShapeError(f"input '{vi.name}': dim {i} is {d.dim_value} in the model but {s} was given")
         return shape, dtype
+    # Every way of giving a shape: cuvil.yaml, the Python API, `cuvil bench`.
+    give = (f"give its static shape: inputs: {{{vi.name}: [...]}} in cuvil.yaml, input_shapes= in Python, "
+            f"--shape {vi.name}=D1,D2,... with cuvil bench")
     if dims is None:
-        raise ShapeError(f"input '{vi.name}' has no shape in the model", hint=f"give it in inputs: {{{vi.name}: [...]}}")
+        raise ShapeError(f"input '{vi.name}' has no shape in the model", hint=give)
     symbolic = [d.dim_param or "?" for d in dims if not d.HasField("dim_value")]
     if symbolic:
-        raise ShapeError(f"input '{vi.name}' has symbolic dims {symbolic}",
-                         hint=f"give its static shape in inputs: {{{vi.name}: [...]}} (cuvil.yaml) or input_shapes= (Python)")
+        raise ShapeError(f"input '{vi.name}' has symbolic dims {symbolic}", hint=give)
     return tuple(d.dim_value for d in dims), dtype
 
 

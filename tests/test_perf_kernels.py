@@ -219,6 +219,7 @@ def test_microkernel_ir_for_every_vector_width(bits):
                  TSpec(mr=7, nr=48, taps=(0, 1, 2, 9, 10, 11), a_ks=81, c_cs=49, pf_lines=2, bias=1, act="Relu"),
                  TSpec(mr=4, nr=64, taps=(0,), a_ks=49, c_cs=49),
                  DwRowSpec(H=28, W=27, OW=14, KH=3, KW=3, p_l=1, act="Clip", act_lo=0.0, act_hi=6.0),
+                 DwRowSpec(H=20, W=21, OW=19, KH=5, KW=5, p_l=1, stride=1, rows=2, act="Relu"),
                  *(SyncSpec(op) for op in ("claim", "adopt", "add", "wait"))):
         llvm.parse_assembly(ukernel_ir(spec, bits)).verify()
 
@@ -293,20 +294,25 @@ def test_depthwise_conv(x_shape, attrs):
     assert_matches_ort(model, feeds, tol=1e-5)
 
 
-def test_strided_depthwise_reads_rows_in_place():
-    """Depthwise convs with stride 2 are one DwRowSpec call per output row (no phase images);
-    stride (2, 1) still takes the phase images on small planes."""
+def test_depthwise_reads_rows_in_place():
+    """Depthwise convs with stride 2 are one DwRowSpec call per output row (no phase images), with
+    stride 1 one call per pair of rows when the rows are wide enough; stride (2, 1) still takes
+    the phase images on small planes, and 7-wide stride-1 rows the direct kernel."""
     from backends.native.ukernel import DwRowSpec
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
-    for shape, strides, families in (((1, 24, 28, 28), [2, 2], ["Conv"]), ((1, 24, 112, 112), [2, 2], ["Conv"]),
-                                     ((1, 24, 20, 10), [2, 1], ["ConvPad", "Conv"])):
+    for shape, strides, families, rows in (((1, 24, 28, 28), [2, 2], ["Conv"], {1}),
+                                           ((1, 24, 112, 112), [2, 2], ["Conv"], {1}),
+                                           ((1, 24, 14, 14), [1, 1], ["Conv"], {1, 2}),
+                                           ((1, 24, 7, 7), [1, 1], ["Conv"], set()),
+                                           ((1, 24, 20, 10), [2, 1], ["ConvPad", "Conv"], set())):
         model, _ = conv_model(shape, (24, 1, 3, 3), group=24, pads=[1, 1, 1, 1], strides=strides)
         graph, _ = import_onnx(model)
         calls = lower(graph)
         assert [c.kernel.family for c in calls] == families
-        kinds = {type(s) for s in specs_in(calls[-1].kernel.source).values()}
-        assert (kinds == {DwRowSpec}) == (strides == [2, 2])
+        specs = specs_in(calls[-1].kernel.source).values()
+        assert {s.rows for s in specs if isinstance(s, DwRowSpec)} == rows
+        assert all(s.stride == strides[0] for s in specs if isinstance(s, DwRowSpec))
 
 
 @pytest.mark.parametrize("target", ["x86_64-avx512", "x86_64-avx2", "generic"])
@@ -317,9 +323,12 @@ def test_strided_depthwise_reads_rows_in_place():
     ((1, 3, 9, 8), 3, [0, 0, 1, 1], True, ("Clip", -0.1, float("inf"))),  # TF-style pads, one bound
     ((1, 2, 6, 33), 3, [0, 1, 0, 1], True, None),                    # 17 outputs: one lane past a vector
 ])
-def test_strided_depthwise_rows_match_ort(target, x_shape, k, pads, bias, act):
+@pytest.mark.parametrize("stride", [2, 1])
+def test_depthwise_rows_match_ort(target, x_shape, k, pads, bias, act, stride):
+    """DwRowSpec rows, stride 2 (one row a call) and 1 (two rows a call: even and odd row counts,
+    the last one alone), against onnxruntime."""
     C = x_shape[1]
-    model, feeds = conv_model(x_shape, (C, 1, k, k), group=C, pads=pads, strides=[2, 2], bias=bias)
+    model, feeds = conv_model(x_shape, (C, 1, k, k), group=C, pads=pads, strides=[stride, stride], bias=bias)
     if act is not None:
         from onnx import numpy_helper
         y = model.graph.output[0].name
@@ -444,13 +453,14 @@ def test_conv_accumulates_onto_its_residual(k, case):
 
 
 @pytest.mark.parametrize("x_shape,attrs", [
-    ((1, 4, 20, 20), dict(pads=[1, 1, 1, 1])),                   # flat loop, 4 channels: rows split in items
+    ((1, 4, 20, 8), dict(pads=[1, 1, 1, 1])),                    # flat loop, 4 channels: rows split in items
     ((1, 6, 17, 19), dict(pads=[1, 1, 1, 1], strides=[2, 2])),   # row by row
     ((1, 4, 21, 16), dict(pads=[0, 2, 1, 0], strides=[2, 1])),   # asymmetric pads
     ((1, 3, 9, 9), dict(pads=[0, 0, 0, 0])),                     # every row interior
 ])
 def test_depthwise_conv_single_pass_with_epilogue(x_shape, attrs):
-    """Depthwise conv + Clip. In the flat loop (stride 1) interior outputs are stored once as
+    """Depthwise conv + Clip, with rows too narrow for DwRowSpec (stride 1) or stride (2, 1), so
+    the direct kernel computes them. In the flat loop (stride 1) interior outputs are stored once as
     clip(bias + sum), the border is set to the bias, summed and clipped after (conv.py
     _single_pass); stride (2, 1) goes row by row in three passes (one pass measured slower there),
     stride 2 by DwRowSpec rows with the epilogue in registers."""

@@ -112,14 +112,17 @@ class GatherSpec(_Declared):
 
 @dataclass(frozen=True)
 class DwRowSpec(_Declared):
-    """One output row of one channel of a depthwise conv with stride 2 along both axes:
+    """One output row of one channel of a depthwise conv with the same stride s (1 or 2) along both axes:
 
-        y[yoff + ow] = act(bias + sum_{kh, kw} w[woff + kh*KW + kw] * x[xoff + (r0 + kh)*W + 2*ow + kw - p_l])
+        y[yoff + ow] = act(bias + sum_{kh, kw} w[woff + kh*KW + kw] * x[xoff + (r0 + kh)*W + s*ow + kw - p_l])
 
     (bias = w[woff + KH*KW]); input rows outside [0, H) and columns outside [0, W) count as zeros.
-    Each group of L outputs loads S = ceil(KW / 2) runs of 2L inputs and takes the taps' lanes by a
-    shuffle (tap kw: lanes kw % 2, kw % 2 + 2, ... of run kw // 2): no phase images. Column masks
-    are compile-time constants (the row width is), rows are checked at run time.
+    Stride 2: each group of L outputs loads S = ceil(KW / 2) runs of 2L inputs and takes the taps'
+    lanes by a shuffle (tap kw: lanes kw % 2, kw % 2 + 2, ... of run kw // 2): no phase images.
+    Stride 1: one load of L inputs per tap; with `rows` = 2 the call also computes the next output
+    row (input rows from r0 + 1, output at yoff + OW), and each input row loaded feeds both (KH + 1
+    rows of loads for two output rows instead of 2 KH). Column masks are compile-time constants
+    (the row width is), rows are checked at run time.
 
     Signature: i32 name(ptr x, i64 xoff, i64 r0, ptr w, i64 woff, ptr y, i64 yoff)."""
     H: int
@@ -131,6 +134,8 @@ class DwRowSpec(_Declared):
     act: str = ""
     act_lo: float = 0.0
     act_hi: float = 0.0
+    stride: int = 2
+    rows: int = 1           # output rows per call (stride 1: 2 rows read KH + 1 input rows, not 2 KH)
     kind: str = "dwrow"
     _ARGS: ClassVar[str] = "piipipi"
 
@@ -827,8 +832,9 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
         ir(f"{sc} = load float, ptr {p}, align 4")
         wv.append(_broadcast(ir, sc, vt, L))
     bias = wv.pop()
+    rows = spec.rows
     valid = []
-    for kh in range(spec.KH):
+    for kh in range(spec.KH + rows - 1):
         r = ir.tmp("r")
         ir(f"{r} = add i64 %r0, {kh}")
         lo = ir.tmp("rlo")
@@ -843,20 +849,41 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
         ir(f"{row} = getelementptr float, ptr %xb, i64 {off}")
         valid.append((ok, row))
     const_mask = lambda bits: "<" + ", ".join(f"i1 {int(b)}" for b in bits) + ">"
-    block = "entry"
     for c in range(-(-spec.OW // L)):
         ow0, n = c * L, min(L, spec.OW - c * L)
-        acc = bias
-        for kh in range(spec.KH):
-            ok, row = valid[kh]
-            here, skip, join = f"c{c}r{kh}", f"c{c}s{kh}", f"c{c}j{kh}"
+        accs = [bias] * rows
+        # Input row i (of r0 + i) feeds output row q through kernel row i - q.
+        for i in range(spec.KH + rows - 1):
+            ok, row = valid[i]
+            here, skip, join = f"c{c}r{i}", f"c{c}s{i}", f"c{c}j{i}"
             ir(f"br i1 {ok}, label %{here}, label %{skip}")
             ir.label(here)
-            cur = acc
-            for j in range(runs):
+            cur = list(accs)
+
+            def fma(v, kw):
+                for q in range(rows):
+                    if 0 <= i - q < spec.KH:
+                        nxt = ir.tmp("acc")
+                        ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {v}, {vt} {wv[(i - q) * spec.KW + kw]}, "
+                           f"{vt} {cur[q]})")
+                        cur[q] = nxt
+            if spec.stride == 1:
+                for kw in range(spec.KW):
+                    start = ow0 - spec.p_l + kw
+                    bits = [j < n and 0 <= start + j < spec.W for j in range(L)]
+                    p = ir.tmp("sp")
+                    ir(f"{p} = getelementptr float, ptr {row}, i64 {start}")
+                    v = ir.tmp("tap")
+                    if all(bits):
+                        ir(f"{v} = load {vt}, ptr {p}, align 4")
+                    else:
+                        ir(f"{v} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> "
+                           f"{const_mask(bits)}, {vt} zeroinitializer)")
+                    fma(v, kw)
+            for j in range(runs if spec.stride == 2 else 0):
                 start = 2 * ow0 - spec.p_l + 2 * j
                 need = 2 * (n - 1) + 1 + 1        # lanes the taps of this run read
-                bits = [i < need and 0 <= start + i < spec.W for i in range(W2)]
+                bits = [k < need and 0 <= start + k < spec.W for k in range(W2)]
                 p = ir.tmp("sp")
                 ir(f"{p} = getelementptr float, ptr {row}, i64 {start}")
                 seg = ir.tmp("seg")
@@ -868,32 +895,34 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
                 for kw in (2 * j, 2 * j + 1):
                     if kw >= spec.KW:
                         continue
-                    pick = ", ".join(f"i32 {kw % 2 + 2 * i}" for i in range(L))
+                    pick = ", ".join(f"i32 {kw % 2 + 2 * k}" for k in range(L))
                     v = ir.tmp("tap")
                     ir(f"{v} = shufflevector {wt} {seg}, {wt} poison, <{L} x i32> <{pick}>")
-                    nxt = ir.tmp("acc")
-                    ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {v}, {vt} {wv[kh * spec.KW + kw]}, {vt} {cur})")
-                    cur = nxt
+                    fma(v, kw)
             ir(f"br label %{join}")
             ir.label(skip)
             ir(f"br label %{join}")
             ir.label(join)
-            merged = ir.tmp("m")
-            ir(f"{merged} = phi {vt} [ {cur}, %{here} ], [ {acc}, %{skip} ]")
-            acc = merged
-        acc = _activation(ir, spec, acc, vt, L)
-        p = ir.tmp("yp")
-        ir(f"{p} = getelementptr float, ptr %yb, i64 {ow0}")
-        if n == L:
-            ir(f"store {vt} {acc}, ptr {p}, align 4")
-        else:
-            ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {acc}, ptr align 4 {p}, <{L} x i1> "
-               f"{const_mask([i < n for i in range(L)])})")
+            for q in range(rows):
+                if cur[q] is not accs[q]:
+                    merged = ir.tmp("m")
+                    ir(f"{merged} = phi {vt} [ {cur[q]}, %{here} ], [ {accs[q]}, %{skip} ]")
+                    accs[q] = merged
+        for q in range(rows):
+            acc = _activation(ir, spec, accs[q], vt, L)
+            p = ir.tmp("yp")
+            ir(f"{p} = getelementptr float, ptr %yb, i64 {q * spec.OW + ow0}")
+            if n == L:
+                ir(f"store {vt} {acc}, ptr {p}, align 4")
+            else:
+                ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {acc}, ptr align 4 {p}, <{L} x i1> "
+                   f"{const_mask([j < n for j in range(L)])})")
     ir("ret i32 0")
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
             f"ptr noalias %y, i64 %yoff) #0 {{")
     decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
              f"declare {wt} @llvm.masked.load.v{W2}f32.p0(ptr, <{W2} x i1>, {wt})",
+             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
              f"declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)",
              f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]

@@ -127,7 +127,7 @@ def lower_conv(node, graph) -> Lowered:
         return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                                                   res_arg, res_strides, epilogue, pointwise))
     if dwstride.eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue):
-        return Lowered([dwstride.lower_dw_stride2(node, X, W, B, Y, kernel, pads, epilogue)])
+        return Lowered([dwstride.lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue)])
     if not pointwise and W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
             and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:])):
         calls = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,

@@ -15,8 +15,8 @@ prints. It reads the two graphs only, so passes stay pure.
            activations and residual adds into Conv/Gemm/MatMul epilogues; 3x3
            stride-1 convs marked for Winograd (`winograd`: fewer multiply-adds, more
            session memory and slightly different rounding; disable it to keep them direct);
-           a 1x1 conv and the depthwise conv reading it into one ExpandDepthwise when the
-           tensor between them is large (`fuse_expand_depthwise`)
+           a depthwise conv and the 1x1 convs before and after it into one DepthwiseBlock
+           when the tensors between them are large (`fuse_depthwise_block`)
     opt 3  + fusion that generates new kernels: elementwise chains into one loop
            (FusedElementwise), then the clean-ups once more
 
@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from cuvil.errors import ConfigError
 
 from . import (eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fuse_activation,
-               fuse_elementwise, fuse_expand_depthwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes, winograd)
+               fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes, winograd)
 
 _MODULES = {
     "fold_constants": fold_constants,
@@ -42,7 +42,7 @@ _MODULES = {
     "fuse_patterns": fuse_patterns,
     "fuse_activation": fuse_activation,
     "winograd": winograd,
-    "fuse_expand_depthwise": fuse_expand_depthwise,
+    "fuse_depthwise_block": fuse_depthwise_block,
     "merge_matmuls": merge_matmuls,
     "fuse_elementwise": fuse_elementwise,
     "eliminate_dead": eliminate_dead,
@@ -56,7 +56,7 @@ PASS_OPTIONS = {name: module.Options for name, module in _MODULES.items() if has
 
 _BASIC = ["fold_constants", "eliminate_identity", "simplify_shapes", "eliminate_common", "eliminate_dead"]
 _FUSION = ["fold_constants", "eliminate_identity", "simplify_shapes", "fold_batchnorm", "fuse_gemm", "fuse_patterns",
-           "fuse_activation", "winograd", "fuse_expand_depthwise", "eliminate_common", "eliminate_dead"]
+           "fuse_activation", "winograd", "fuse_depthwise_block", "eliminate_common", "eliminate_dead"]
 OPT_LEVELS = {
     0: [],
     1: _BASIC + ["plan_memory"],

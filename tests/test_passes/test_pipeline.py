@@ -36,7 +36,7 @@ def test_unknown_passes_and_options_are_errors_naming_what_exists():
         resolve_pass_options(["fold_batchnorm"], {"fold_batchnorm": {"x": 1}})
     assert resolve_pass_options(["eliminate_dead", "plan_memory"], {"plan_memory": {"strategy": "best_fit"}}) == {
         "eliminate_dead": {}, "plan_memory": {"strategy": "best_fit", "in_place": True, "reorder": True}}
-    assert set(PASS_OPTIONS) == {"fuse_activation", "fuse_elementwise", "fuse_expand_depthwise", "fuse_patterns",
+    assert set(PASS_OPTIONS) == {"fuse_activation", "fuse_elementwise", "fuse_depthwise_block", "fuse_patterns",
                                  "plan_memory"}
 
 

@@ -1,0 +1,210 @@
+"""DepthwiseBlock (domain "cuvil", made by passes/fuse_depthwise_block.py): a depthwise conv with
+the 1x1 conv before it ("expand") and/or after it ("project"), in bands of rows that stay in L2.
+
+    t = act1(W1 @ x + b1)                       expanded channels (C1 = W1's rows); absent: t = x
+    u[c] = act2(b2[c] + dw(t[c], w2[c]))        stride s (1 or 2), kernel KH x KW
+    y = act3(W3 @ u + b3) [+ r]                 projected channels; absent: y = u
+
+One band is R output rows of every channel. Its input rows, (R - 1)*s + KH of t,
+are computed into scratch laid out [C1][band rows][W] by the GEMM micro-kernels
+(bias and activation in registers, like a pointwise conv's); the depthwise
+conv reads them from there with the DwRowSpec micro-kernel (one call per output
+row, or pair of rows with stride 1, and channel) and writes the band of u into
+scratch [C1][R][OW], which the project GEMM reads as its B (channels are its
+k). Each piece of scratch is written and read back while it is in L2: t and u
+never exist as a whole. The KH - s rows of t two bands share stay in the
+scratch: each band moves them to the top and computes only its new rows.
+
+Work items are (image, run of consecutive bands), each with scratch of its own
+(one for all when the library runs on one thread), so the results do not
+depend on which thread computes what.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from backends.native.ukernel import LOADC_EPILOGUE, DwRowSpec, UKSpec
+from cuvil.ir import Node
+
+from .epilogue import Epilogue, epilogue_of, register_activation, register_epilogue
+from .gemm import _ceil_div, choose_tile, pack_a_panels, uk_k_pass
+from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, session_threads, work_items
+from .scratch import scratch_value
+
+BAND_BYTES = 256 << 10   # a band's scratch (t's rows and u's) stays well inside a 1-2 MiB L2
+MIN_BANDS = 4
+
+
+def _epilogue(node, prefix: str) -> Epilogue:
+    """The node's `{prefix}activation` as an Epilogue (checked like a FusedConv's)."""
+    attrs = {"activation": node.attr(f"{prefix}activation", ""),
+             "activation_params": node.attr(f"{prefix}activation_params", [])}
+    return epilogue_of(Node("FusedConv", node.name, [], [], attrs, domain="cuvil"))[0]
+
+
+class _Gemm:
+    """out[M x npx] = act(A @ B + bias) for one band, A packed at build time (M x K), B rows `ldb`
+    apart, out rows `ldc` apart: the loop over column tiles, passes over k and row panels, and the
+    micro-kernels it declares."""
+
+    def __init__(self, tag: str, weights: np.ndarray, bias_name: str, graph, epilogue: Epilogue, n_typical: int):
+        self.tag = tag
+        self.M, self.K = weights.shape
+        self.MR, self.NR = choose_tile(self.M, n_typical)
+        self.kc = uk_k_pass(self.K)
+        self.panels = pack_a_panels(weights, self.MR)
+        self.bias = np.zeros(_ceil_div(self.M, self.MR) * self.MR, dtype=np.float32)
+        if bias_name:   # (none: zeros, which the micro-kernel's epilogue adds)
+            self.bias[:self.M] = np.asarray(graph.values[bias_name].data, dtype=np.float32).reshape(self.M)
+        fields = register_epilogue(True, epilogue)
+        self.specs = {(mr, masked): (f"{tag}{i}", UKSpec(mr=mr, nr=self.NR, a_packed=1, a_panel=self.MR,
+                                                          b_masked=masked, **fields))
+                      for i, (mr, masked) in enumerate((mr, masked) for mr in sorted({self.MR, self.M % self.MR} - {0})
+                                                       for masked in (0, 1))}
+
+    def declare(self, src: Source) -> None:
+        for name, spec in self.specs.values():
+            for line in spec.declaration(name).splitlines():
+                src.line(line)
+
+    def emit(self, src: Source, pa, pb, boff, ldb, pc, coff, ldc, pbias, npx) -> None:
+        t, M, MR, NR, K, kc = self.tag, self.M, self.MR, self.NR, self.K, self.kc
+        src.line(f"for {t}n0 in range(0, {npx}, {NR}):").indent()
+        src.line(f"{t}nv = min({NR}, {npx} - {t}n0)")
+        src.line(f"{t}mask = np.int64(-1) if {t}nv >= {NR} else (np.int64(1) << {t}nv) - np.int64(1)")
+        src.line(f"for {t}k0 in range(0, {K}, {kc}):").indent()
+        src.line(f"{t}kc = min({kc}, {K} - {t}k0)")
+        src.line(f"{t}flags = min({t}k0, 1) + {LOADC_EPILOGUE} * ({t}k0 + {kc} >= {K})")
+        panels = _ceil_div(M, MR) * MR
+
+        def call(mr, m, masked):
+            name = self.specs[(mr, masked)][0]
+            src.line(f"{name}({pa}, {t}k0 * {panels} + {m} * {t}kc, 0, {pb}, {boff} + {t}k0 * {ldb} + {t}n0, {ldb}, "
+                     f"{pc}, {coff} + {m} * {ldc} + {t}n0, {ldc}, {t}kc, {t}mask, {t}flags, {pbias}, {m})")
+        for masked, test in ((0, f"if {t}nv == {NR}:"), (1, "else:")):
+            src.line(test).indent()
+            src.line(f"for {t}m in range(0, {M - M % MR}, {MR}):").indent()
+            call(MR, f"{t}m", masked)
+            src.dedent()
+            if M % MR:
+                call(M % MR, M - M % MR, masked)
+            src.dedent()
+        src.dedent().dedent()
+
+
+def lower_depthwise_block(node, graph) -> Lowered:
+    x_name, w1_name, b1_name, w2_name, b2_name, w3_name, b3_name, r_name = node.inputs
+    X, W2, Y = (graph.values[n] for n in (x_name, w2_name, node.outputs[0]))
+    N, C0, H, Wd = (int(v) for v in X.shape)
+    C1 = int(W2.shape[0])
+    C2 = int(Y.shape[1])
+    KH, KW = (int(v) for v in W2.shape[2:])
+    OH, OW = (int(v) for v in Y.shape[2:])
+    s = int(node.attr("strides")[0])
+    p_t, p_l = (int(v) for v in node.attr("pads")[:2])
+    expand, project = bool(w1_name), bool(w3_name)
+
+    # Bands of R output rows: t's rows of a band (BR of them) and u's fit BAND_BYTES; at least
+    # MIN_BANDS bands (and on several threads at least one per work item).
+    one_slot = session_threads() == 1
+    row_bytes = 4 * C1 * ((s * Wd if expand else 0) + (OW if project else 0))
+    fixed_bytes = 4 * C1 * (KH - s) * Wd if expand else 0
+    R = max(1, min(_ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
+                   (BAND_BYTES - fixed_bytes) // row_bytes))
+    BR = (R - 1) * s + KH
+    n_bands = _ceil_div(OH, R)
+    runs = 1 if one_slot else min(n_bands, max(1, _ceil_div(work_items(), N)))
+    work = N * runs
+    t_floats = C1 * BR * Wd if expand else 0
+    slot = t_floats + (C1 * R * OW if project else 0)
+    scratch = scratch_value(graph, node, ((1 if one_slot else work) * slot,), np.float32, tag="bands")
+
+    # Pointers, in order: x, [expand panels, bias], depthwise weights, [project panels, bias],
+    # [residual], scratch, y.
+    ptrs = {"x": x_name}
+    if expand:
+        gx = _Gemm("ex", np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0), b1_name, graph,
+                   _epilogue(node, "expand_"), R * s * Wd)
+        ptrs.update(a1=gx.panels, b1=gx.bias)
+    taps = KH * KW
+    w2 = np.zeros((C1, taps + 1), dtype=np.float32)   # per channel: taps, bias
+    w2[:, :taps] = np.asarray(W2.data, dtype=np.float32).reshape(C1, taps)
+    if b2_name:
+        w2[:, taps] = np.asarray(graph.values[b2_name].data, dtype=np.float32).reshape(C1)
+    ptrs["w2"] = w2
+    if project:
+        gp = _Gemm("pj", np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1), b3_name, graph,
+                   _epilogue(node, "project_"), R * OW)
+        ptrs.update(a3=gp.panels, b3=gp.bias)
+        if r_name:
+            ptrs["r"] = r_name
+    ptrs.update(scratch=scratch, y=node.outputs[0])
+    p = {key: f"p{i}" for i, key in enumerate(ptrs)}
+
+    dw_epilogue = _epilogue(node, "")
+    row = DwRowSpec(H=H, W=Wd, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=s, **register_activation(dw_epilogue))
+    pair = DwRowSpec(H=H, W=Wd, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=s, rows=2, **register_activation(dw_epilogue))
+
+    src = Source()
+    for line in row.declaration("dwrow").splitlines() + (pair.declaration("dwrows2").splitlines() if s == 1 else []):
+        src.line(line)
+    if expand:
+        gx.declare(src)
+    if project:
+        gp.declare(src)
+    src.line(kernel_header(len(ptrs))).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {runs}").line(f"run = item % {runs}")
+    src.line("so = 0" if one_slot else f"so = item * {slot}")
+    src.line(f"su = so + {t_floats}")
+    src.line(f"b_lo = run * {n_bands} // {runs}").line(f"b_hi = (run + 1) * {n_bands} // {runs}")
+    src.line("base = 0").line("have_lo = 0").line("have_hi = 0")
+    src.line("for band in range(b_lo, b_hi):").indent()
+    src.line(f"oh0 = band * {R}").line(f"oh1 = min(oh0 + {R}, {OH})")
+    src.line(f"top = oh0 * {s} - {p_t}")
+    if expand:
+        src.line("lo = max(top, 0)").line(f"hi = min((oh1 - 1) * {s} - {p_t} + {KH}, {H})")
+        # The rows this band shares with the last one move to the top of t's scratch (forward: top > base).
+        src.line("keep = max(lo, have_lo)").line("new = lo")
+        src.line("if keep < have_hi:").indent()
+        src.line("new = have_hi")
+        src.line("if top != base:").indent()
+        src.line(f"for c in range({C1}):").indent()
+        src.line(f"src = so + c * {BR * Wd} + (keep - base) * {Wd}")
+        src.line(f"dst = so + c * {BR * Wd} + (keep - top) * {Wd}")
+        src.line(f"for j in range((have_hi - keep) * {Wd}):").indent()
+        src.line(f"{p['scratch']}[dst + j] = {p['scratch']}[src + j]")
+        src.dedent().dedent().dedent().dedent()
+        # The new rows: t[C1 x pixels] = W1 @ x[C0 x pixels], pixels the flat run of rows [new, hi).
+        src.line("if new < hi:").indent()
+        gx.emit(src, p["a1"], p["x"], f"n * {C0 * H * Wd} + new * {Wd}", H * Wd, p["scratch"],
+                f"so + (new - top) * {Wd}", BR * Wd, p["b1"], f"(hi - new) * {Wd}")
+        src.dedent()
+        src.line("base = top").line("have_lo = lo").line("have_hi = hi")
+    # The depthwise conv over the band: input row r of channel c at xo + r*W, output row oh at yo + oh*OW.
+    src.line(f"for c in range({C1}):").indent()
+    src.line(f"xo = so + c * {BR * Wd} - top * {Wd}" if expand else f"xo = (n * {C1} + c) * {H * Wd}")
+    src.line(f"yo = su + c * {R * OW} - oh0 * {OW}" if project else f"yo = (n * {C1} + c) * {OH * OW}")
+    xp, yp, wo = (p["scratch"] if expand else p["x"]), (p["scratch"] if project else p["y"]), f"c * {taps + 1}"
+    if s == 1:   # pairs of rows (the input rows loaded feed both), then the last one
+        src.line("for oh in range(oh0, oh1 - 1, 2):").indent()
+        src.line(f"dwrows2({xp}, xo, oh - {p_t}, {p['w2']}, {wo}, {yp}, yo + oh * {OW})").dedent()
+        src.line("if (oh1 - oh0) % 2:").indent()
+        src.line(f"dwrow({xp}, xo, oh1 - 1 - {p_t}, {p['w2']}, {wo}, {yp}, yo + (oh1 - 1) * {OW})").dedent()
+    else:
+        src.line("for oh in range(oh0, oh1):").indent()
+        src.line(f"dwrow({xp}, xo, oh * {s} - {p_t}, {p['w2']}, {wo}, {yp}, yo + oh * {OW})").dedent()
+    src.dedent()
+    if project:
+        # y[:, band rows] = W3 @ u (channels of u are k, its R*OW pixels apart), then the residual.
+        src.line(f"npx = (oh1 - oh0) * {OW}")
+        gp.emit(src, p["a3"], p["scratch"], "su", R * OW, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
+                p["b3"], "npx")
+        if r_name:
+            src.line(f"for c in range({C2}):").indent()
+            src.line(f"yb = (n * {C2} + c) * {OH * OW} + oh0 * {OW}")
+            src.line("for j in range(npx):").indent()
+            src.line(f"{p['y']}[yb + j] += {p['r']}[yb + j]")
+            src.dedent().dedent()
+    kernel = Kernel("DepthwiseBlock", src.text(), ("float32",) * len(ptrs))
+    return Lowered([KernelCall(kernel, list(ptrs.values()), work, node.name, n_outputs=2)])

@@ -33,7 +33,8 @@ def conv_layers(name):
     from passes import resolve_passes, run_passes
     module, shapes = MODELS[name]()
     graph, _ = import_onnx(zoo.export(module, shapes), shapes)
-    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    # Every conv on its own: a DepthwiseBlock's convs are timed apart too.
+    graph = run_passes(graph, [p for p in resolve_passes(2, disable=["fuse_depthwise_block"]) if p != "plan_memory"])
     layers = {}
     for node in graph.nodes:
         if node.op not in ("Conv", "FusedConv"):

@@ -47,9 +47,12 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--disable", action="append", default=[], metavar="PASS",
+                        help="build without this pass (repeatable): where the time goes without it")
     args = parser.parse_args(argv)
     module, shapes = MODELS[args.model]()
-    compiled = cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=args.threads, jobs=2)
+    compiled = cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=args.threads, jobs=2,
+                              disable_passes=args.disable)
     total, steps = profile_library(compiled.artifacts.library, compiled.info, args.runs)
     print(f"# {args.model}, threads={args.threads}: {total:.3f} ms per run (sum of steps), {len(steps)} steps")
     families = defaultdict(float)

@@ -60,6 +60,16 @@ def computes(node) -> str:
         if node.attr("activation"):
             parts.append(str(node.attr("activation")))
         return " + ".join(parts)
+    if node.domain == "cuvil" and node.op == "DepthwiseBlock":
+        def conv(what, prefix, residual=False):
+            act = node.attr(f"{prefix}activation")
+            return " + ".join([what] + (["Add(residual)"] if residual else []) + ([str(act)] if act else []))
+        kh, kw = node.attr("kernel_shape")
+        parts = [conv("Conv1x1", "expand_")] if node.inputs[1] else []
+        parts.append(conv(f"DepthwiseConv{kh}x{kw}/{node.attr('strides')[0]}", ""))
+        if node.inputs[5]:
+            parts.append(conv("Conv1x1", "project_", bool(node.inputs[7])))
+        return "DepthwiseBlock[" + " -> ".join(parts) + "]"
     if node.domain == "cuvil" and node.op == "FusedElementwise":
         return f"FusedElementwise[{', '.join(step.split()[0] for step in node.attr('program') or [])}]"
     return node.op

@@ -171,3 +171,13 @@ def test_pass_does_not_fire(kwargs, expected, why):
     graph, _ = lowered(model)
     assert ops(graph) == expected, why
     assert_matches_ort(model, feeds, tol=1e-5, pass_options=ALWAYS)
+
+
+def test_explain_names_the_fused_convs():
+    from cuvil.explain import computes
+    model, _ = block(16, 32, 12, 12, s=2, project=16)
+    graph, _ = lowered(model)
+    assert computes(graph.nodes[0]) == "DepthwiseBlock[Conv1x1 + Clip -> DepthwiseConv3x3/2 + Clip -> Conv1x1]"
+    model, _ = block(16, 16, 12, 12, expand=False, project=16, residual="x", acts=("", "Relu", ""))
+    graph, _ = lowered(model)
+    assert computes(graph.nodes[0]) == "DepthwiseBlock[DepthwiseConv3x3/1 + Relu -> Conv1x1 + Add(residual)]"

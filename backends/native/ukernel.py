@@ -867,31 +867,24 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
                         ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {v}, {vt} {wv[(i - q) * spec.KW + kw]}, "
                            f"{vt} {cur[q]})")
                         cur[q] = nxt
+            def load(start, lanes, need):
+                """`lanes` floats of the row from column `start` (the first `need` lanes that
+                fall inside the row; zeros elsewhere)."""
+                bits = [k < need and 0 <= start + k < spec.W for k in range(lanes)]
+                p, v, t = ir.tmp("sp"), ir.tmp("seg"), f"<{lanes} x float>"
+                ir(f"{p} = getelementptr float, ptr {row}, i64 {start}")
+                if all(bits):
+                    ir(f"{v} = load {t}, ptr {p}, align 4")
+                else:
+                    ir(f"{v} = call {t} @llvm.masked.load.v{lanes}f32.p0(ptr align 4 {p}, <{lanes} x i1> "
+                       f"{const_mask(bits)}, {t} zeroinitializer)")
+                return v
             if spec.stride == 1:
                 for kw in range(spec.KW):
-                    start = ow0 - spec.p_l + kw
-                    bits = [j < n and 0 <= start + j < spec.W for j in range(L)]
-                    p = ir.tmp("sp")
-                    ir(f"{p} = getelementptr float, ptr {row}, i64 {start}")
-                    v = ir.tmp("tap")
-                    if all(bits):
-                        ir(f"{v} = load {vt}, ptr {p}, align 4")
-                    else:
-                        ir(f"{v} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> "
-                           f"{const_mask(bits)}, {vt} zeroinitializer)")
-                    fma(v, kw)
+                    fma(load(ow0 - spec.p_l + kw, L, n), kw)
             for j in range(runs if spec.stride == 2 else 0):
-                start = 2 * ow0 - spec.p_l + 2 * j
-                need = 2 * (n - 1) + 1 + 1        # lanes the taps of this run read
-                bits = [k < need and 0 <= start + k < spec.W for k in range(W2)]
-                p = ir.tmp("sp")
-                ir(f"{p} = getelementptr float, ptr {row}, i64 {start}")
-                seg = ir.tmp("seg")
-                if all(bits):
-                    ir(f"{seg} = load {wt}, ptr {p}, align 4")
-                else:
-                    ir(f"{seg} = call {wt} @llvm.masked.load.v{W2}f32.p0(ptr align 4 {p}, <{W2} x i1> "
-                       f"{const_mask(bits)}, {wt} zeroinitializer)")
+                # the taps of this run read lanes [0, 2n)
+                seg = load(2 * ow0 - spec.p_l + 2 * j, W2, 2 * n)
                 for kw in (2 * j, 2 * j + 1):
                     if kw >= spec.KW:
                         continue

@@ -181,3 +181,11 @@ def test_explain_names_the_fused_convs():
     model, _ = block(16, 16, 12, 12, expand=False, project=16, residual="x", acts=("", "Relu", ""))
     graph, _ = lowered(model)
     assert computes(graph.nodes[0]) == "DepthwiseBlock[DepthwiseConv3x3/1 + Relu -> Conv1x1 + Add(residual)]"
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])
+def test_narrower_targets_compute_the_same(target):
+    """8- and 4-wide vectors: the same micro-kernels split in narrower chunks."""
+    for kwargs in ({"s": 2, "project": 12}, {"project": 16, "residual": "x"}):
+        model, feeds = block(16, 40, 15, 21, **kwargs)
+        assert_matches_ort(model, feeds, tol=1e-5, target=target, pass_options=ALWAYS)

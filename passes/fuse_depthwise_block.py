@@ -159,8 +159,7 @@ def fuse_depthwise_block(graph: Graph, options: Options = Options()) -> Graph:
         return graph
     result = graph.copy()
     # The block takes the place of its last conv: its inputs (a residual too) exist there.
-    last = {(project or dw_name): dw_name for dw_name, (_, project) in
-            ((k, (e, p.name if p else None)) for k, (e, p) in plans.items())}
+    last = {(project.name if project else dw_name): dw_name for dw_name, (_, project) in plans.items()}
     doomed = {n.name for expand, project in plans.values() for n in (expand, project) if n is not None} | set(plans)
     by_name = {n.name: n for n in result.nodes}
     nodes = []

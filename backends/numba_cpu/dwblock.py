@@ -57,10 +57,10 @@ class _Gemm:
         if bias_name:   # (none: zeros, which the micro-kernel's epilogue adds)
             self.bias[:self.M] = np.asarray(graph.values[bias_name].data, dtype=np.float32).reshape(self.M)
         fields = register_epilogue(True, epilogue)
+        keys = [(mr, masked) for mr in sorted({self.MR, self.M % self.MR} - {0}) for masked in (0, 1)]
         self.specs = {(mr, masked): (f"{tag}{i}", UKSpec(mr=mr, nr=self.NR, a_packed=1, a_panel=self.MR,
                                                           b_masked=masked, **fields))
-                      for i, (mr, masked) in enumerate((mr, masked) for mr in sorted({self.MR, self.M % self.MR} - {0})
-                                                       for masked in (0, 1))}
+                      for i, (mr, masked) in enumerate(keys)}
 
     def declare(self, src: Source) -> None:
         for name, spec in self.specs.values():

@@ -32,6 +32,8 @@ from cuvil.ir import Graph, Node
 
 from ._rewrite import drop_unused_values, only_reader
 
+# The kernels' limits (passes do not import the backend): the activations the micro-kernels apply in
+# registers (ukernel.EPILOGUE_ACTIVATIONS) and the depthwise rows' kernel and row sizes (dwstride.py).
 ACTIVATIONS = ("", "Relu", "Clip")
 MAX_KERNEL = 7
 MAX_OUT_WIDTH = 128
@@ -121,11 +123,11 @@ def _plan(graph: Graph, dw: Node, producers, consumers, min_bytes: int):
 
 
 def _part(node: Node | None, prefix: str) -> dict:
+    """The conv's activation as the block's `{prefix}activation` attributes."""
     if node is None:
         return {}
     params = node.attr("activation_params") if node.domain == "cuvil" else None
-    return {f"{prefix}activation": _activation(node), f"{prefix}activation_params": [float(v) for v in (params or [])],
-            f"{prefix}node": node.name}
+    return {f"{prefix}activation": _activation(node), f"{prefix}activation_params": [float(v) for v in (params or [])]}
 
 
 def _fused(expand: Node | None, dw: Node, project: Node | None, graph: Graph) -> Node:
@@ -141,7 +143,6 @@ def _fused(expand: Node | None, dw: Node, project: Node | None, graph: Graph) ->
     attrs = {**_part(expand, "expand_"), **_part(dw, ""), **_part(project, "project_"),
              "kernel_shape": list(graph.values[dw.inputs[1]].shape[2:]), "strides": _ints(dw, "strides", [1, 1]),
              "pads": _ints(dw, "pads", [0, 0, 0, 0])}
-    del attrs["node"]
     return Node("DepthwiseBlock", dw.name, inputs, [(project or dw).outputs[0]], attrs, domain="cuvil")
 
 

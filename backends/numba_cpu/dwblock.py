@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.native.ukernel import LOADC_EPILOGUE, DwRowSpec, UKSpec
+from backends.native.ukernel import LOADC_EPILOGUE, UKSpec
 from cuvil.ir import Node
 
-from .epilogue import Epilogue, epilogue_of, register_activation, register_epilogue
+from .dwstride import RowCalls, packed_weights
+from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .gemm import _ceil_div, choose_tile, pack_a_panels, uk_k_pass
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, session_threads, work_items
 from .scratch import scratch_value
@@ -126,12 +127,7 @@ def lower_depthwise_block(node, graph) -> Lowered:
         gx = _Gemm("ex", np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0), b1_name, graph,
                    _epilogue(node, "expand_"), R * s * Wd)
         ptrs.update(a1=gx.panels, b1=gx.bias)
-    taps = KH * KW
-    w2 = np.zeros((C1, taps + 1), dtype=np.float32)   # per channel: taps, bias
-    w2[:, :taps] = np.asarray(W2.data, dtype=np.float32).reshape(C1, taps)
-    if b2_name:
-        w2[:, taps] = np.asarray(graph.values[b2_name].data, dtype=np.float32).reshape(C1)
-    ptrs["w2"] = w2
+    ptrs["w2"] = packed_weights(W2.data, graph.values[b2_name].data if b2_name else None, C1)
     if project:
         gp = _Gemm("pj", np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1), b3_name, graph,
                    _epilogue(node, "project_"), R * OW)
@@ -141,13 +137,10 @@ def lower_depthwise_block(node, graph) -> Lowered:
     ptrs.update(scratch=scratch, y=node.outputs[0])
     p = {key: f"p{i}" for i, key in enumerate(ptrs)}
 
-    dw_epilogue = _epilogue(node, "")
-    row = DwRowSpec(H=H, W=Wd, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=s, **register_activation(dw_epilogue))
-    pair = DwRowSpec(H=H, W=Wd, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=s, rows=2, **register_activation(dw_epilogue))
+    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""))
 
     src = Source()
-    for line in row.declaration("dwrow").splitlines() + (pair.declaration("dwrows2").splitlines() if s == 1 else []):
-        src.line(line)
+    rows.declare(src)
     if expand:
         gx.declare(src)
     if project:
@@ -156,44 +149,39 @@ def lower_depthwise_block(node, graph) -> Lowered:
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {runs}").line(f"run = item % {runs}")
     src.line("so = 0" if one_slot else f"so = item * {slot}")
-    src.line(f"su = so + {t_floats}")
+    if project:
+        src.line(f"su = so + {t_floats}")   # u's scratch
     src.line(f"b_lo = run * {n_bands} // {runs}").line(f"b_hi = (run + 1) * {n_bands} // {runs}")
-    src.line("base = 0").line("have_lo = 0").line("have_hi = 0")
+    if expand:   # t's scratch holds its rows [base, have_hi) from its top on
+        src.line("base = 0").line("have_hi = 0")
     src.line("for band in range(b_lo, b_hi):").indent()
     src.line(f"oh0 = band * {R}").line(f"oh1 = min(oh0 + {R}, {OH})")
-    src.line(f"top = oh0 * {s} - {p_t}")
     if expand:
+        src.line(f"top = oh0 * {s} - {p_t}")
         src.line("lo = max(top, 0)").line(f"hi = min((oh1 - 1) * {s} - {p_t} + {KH}, {H})")
-        # The rows this band shares with the last one move to the top of t's scratch (forward: top > base).
-        src.line("keep = max(lo, have_lo)").line("new = lo")
-        src.line("if keep < have_hi:").indent()
+        # The rows [lo, have_hi) this band shares with the last one (rows from `base` on) move to
+        # the top of t's scratch: forward, as top > base.
+        src.line("new = lo")
+        src.line("if lo < have_hi:").indent()
         src.line("new = have_hi")
-        src.line("if top != base:").indent()
         src.line(f"for c in range({C1}):").indent()
-        src.line(f"src = so + c * {BR * Wd} + (keep - base) * {Wd}")
-        src.line(f"dst = so + c * {BR * Wd} + (keep - top) * {Wd}")
-        src.line(f"for j in range((have_hi - keep) * {Wd}):").indent()
+        src.line(f"src = so + c * {BR * Wd} + (lo - base) * {Wd}")
+        src.line(f"dst = so + c * {BR * Wd} + (lo - top) * {Wd}")
+        src.line(f"for j in range((have_hi - lo) * {Wd}):").indent()
         src.line(f"{p['scratch']}[dst + j] = {p['scratch']}[src + j]")
-        src.dedent().dedent().dedent().dedent()
+        src.dedent().dedent().dedent()
         # The new rows: t[C1 x pixels] = W1 @ x[C0 x pixels], pixels the flat run of rows [new, hi).
         src.line("if new < hi:").indent()
         gx.emit(src, p["a1"], p["x"], f"n * {C0 * H * Wd} + new * {Wd}", H * Wd, p["scratch"],
                 f"so + (new - top) * {Wd}", BR * Wd, p["b1"], f"(hi - new) * {Wd}")
         src.dedent()
-        src.line("base = top").line("have_lo = lo").line("have_hi = hi")
+        src.line("base = top").line("have_hi = hi")
     # The depthwise conv over the band: input row r of channel c at xo + r*W, output row oh at yo + oh*OW.
     src.line(f"for c in range({C1}):").indent()
     src.line(f"xo = so + c * {BR * Wd} - top * {Wd}" if expand else f"xo = (n * {C1} + c) * {H * Wd}")
     src.line(f"yo = su + c * {R * OW} - oh0 * {OW}" if project else f"yo = (n * {C1} + c) * {OH * OW}")
-    xp, yp, wo = (p["scratch"] if expand else p["x"]), (p["scratch"] if project else p["y"]), f"c * {taps + 1}"
-    if s == 1:   # pairs of rows (the input rows loaded feed both), then the last one
-        src.line("for oh in range(oh0, oh1 - 1, 2):").indent()
-        src.line(f"dwrows2({xp}, xo, oh - {p_t}, {p['w2']}, {wo}, {yp}, yo + oh * {OW})").dedent()
-        src.line("if (oh1 - oh0) % 2:").indent()
-        src.line(f"dwrow({xp}, xo, oh1 - 1 - {p_t}, {p['w2']}, {wo}, {yp}, yo + (oh1 - 1) * {OW})").dedent()
-    else:
-        src.line("for oh in range(oh0, oh1):").indent()
-        src.line(f"dwrow({xp}, xo, oh * {s} - {p_t}, {p['w2']}, {wo}, {yp}, yo + oh * {OW})").dedent()
+    rows.emit(src, p["scratch"] if expand else p["x"], "xo", p["w2"], f"c * {KH * KW + 1}",
+              p["scratch"] if project else p["y"], "yo", "oh0", "oh1")
     src.dedent()
     if project:
         # y[:, band rows] = W3 @ u (channels of u are k, its R*OW pixels apart), then the residual.

@@ -37,34 +37,59 @@ def eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue: Epi
             and epilogue.residual is None and epilogue.activation in EPILOGUE_ACTIVATIONS)
 
 
+def packed_weights(W, B, C: int) -> np.ndarray:
+    """Depthwise weights (C, 1, KH, KW) and bias (C or None) as DwRowSpec reads them: [C][taps, bias]."""
+    w = np.asarray(W, dtype=np.float32).reshape(C, -1)
+    packed = np.zeros((C, w.shape[1] + 1), dtype=np.float32)
+    packed[:, :-1] = w
+    if B is not None:
+        packed[:, -1] = np.asarray(B, dtype=np.float32).reshape(C)
+    return packed
+
+
+class RowCalls:
+    """The DwRowSpec micro-kernels of one depthwise conv and the calls computing its output rows
+    [lo, hi) of one channel: row by row (stride 2), or in pairs and then the last one (stride 1)."""
+
+    def __init__(self, H, W, OW, KH, KW, p_t, p_l, stride, epilogue: Epilogue):
+        fields = dict(H=H, W=W, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=stride, **register_activation(epilogue))
+        self.row, self.pair = DwRowSpec(**fields), DwRowSpec(rows=2, **fields)
+        self.p_t, self.s, self.OW = p_t, stride, OW
+
+    def declare(self, src: Source) -> None:
+        lines = self.row.declaration("dwrow").splitlines()
+        if self.s == 1:
+            lines += self.pair.declaration("dwrows2").splitlines()
+        for line in lines:
+            src.line(line)
+
+    def emit(self, src: Source, x, xo, w, wo, y, yo, lo, hi) -> None:
+        """Rows lo..hi (expressions) of the channel whose input plane starts at x[xo] (its row r at
+        xo + r*W), weights at w[wo], output plane at y[yo]."""
+        p_t, OW = self.p_t, self.OW
+        if self.s == 1:   # pairs of rows (the input rows loaded feed both), then the last one
+            src.line(f"for oh in range({lo}, {hi} - 1, 2):").indent()
+            src.line(f"dwrows2({x}, {xo}, oh - {p_t}, {w}, {wo}, {y}, {yo} + oh * {OW})").dedent()
+            src.line(f"if ({hi} - {lo}) % 2:").indent()
+            src.line(f"dwrow({x}, {xo}, {hi} - 1 - {p_t}, {w}, {wo}, {y}, {yo} + ({hi} - 1) * {OW})").dedent()
+        else:
+            src.line(f"for oh in range({lo}, {hi}):").indent()
+            src.line(f"dwrow({x}, {xo}, oh * {self.s} - {p_t}, {w}, {wo}, {y}, {yo} + oh * {OW})").dedent()
+
+
 def lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue: Epilogue) -> KernelCall:
     N, C, H, Wd = (int(v) for v in X.shape)
     OH, OW = (int(v) for v in Y.shape[2:])
     KH, KW = kernel
     p_t, p_l = pads[:2]
-    s = int(strides[0])
-    spec = DwRowSpec(H=H, W=Wd, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=s, **register_activation(epilogue))
-    pair = DwRowSpec(H=H, W=Wd, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=s, rows=2, **register_activation(epilogue))
-    taps = KH * KW
-    # Weights and bias per channel: [C][taps + 1].
-    packed = np.zeros((C, taps + 1), dtype=np.float32)
-    packed[:, :taps] = np.asarray(W.data, dtype=np.float32).reshape(C, taps)
-    if B is not None:
-        packed[:, taps] = np.asarray(B.data, dtype=np.float32).reshape(C)
+    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, int(strides[0]), epilogue)
+    packed = packed_weights(W.data, None if B is None else B.data, C)
     src = Source()
-    for line in spec.declaration("row").splitlines() + (pair.declaration("rows2").splitlines() if s == 1 else []):
-        src.line(line)
+    rows.declare(src)
     src.line(kernel_header(3)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"c = item % {C}")
-    src.line(f"xo = item * {H * Wd}").line(f"yo = item * {OH * OW}").line(f"wo = c * {taps + 1}")
-    if s == 1:   # pairs of rows, then the last one
-        src.line(f"for oh in range(0, {OH - OH % 2}, 2):").indent()
-        src.line(f"rows2(p0, xo, oh - {p_t}, p1, wo, p2, yo + oh * {OW})").dedent()
-        if OH % 2:
-            src.line(f"row(p0, xo, {OH - 1 - p_t}, p1, wo, p2, yo + {(OH - 1) * OW})")
-    else:
-        src.line(f"for oh in range({OH}):").indent()
-        src.line(f"row(p0, xo, oh * {s} - {p_t}, p1, wo, p2, yo + oh * {OW})")
+    src.line(f"xo = item * {H * Wd}").line(f"yo = item * {OH * OW}").line(f"wo = c * {KH * KW + 1}")
+    rows.emit(src, "p0", "xo", "p1", "wo", "p2", "yo", 0, OH)
     kernel_obj = Kernel("Conv", src.text(), ("float32", "float32", "float32"))
     return KernelCall(kernel_obj, [X.name, packed, Y.name], N * C, node.name)

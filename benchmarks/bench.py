@@ -8,7 +8,10 @@ after the other and repeated `--rounds` times:
                   (benchmarks/ctime.py): no Python in the loop;
   cuvil (Python)  `cuvil.load(lib).session().run(feeds)` (ctypes);
   onnxruntime     `InferenceSession.run` with the same inputs and thread count
-                  (intra_op_num_threads = threads, all graph optimisations).
+                  (intra_op_num_threads = threads, all graph optimisations);
+  OpenVINO        when it is installed (`pip install openvino`, or the `bench`
+                  extra): its CPU plugin on the same ONNX model, float32
+                  inference, one stream of `threads` threads, latency mode.
 
 A spinning thread pool of one engine would slow the other on a small
 machine, so they never run at the same time. Each process does a warm-up and
@@ -16,7 +19,8 @@ machine, so they never run at the same time. Each process does a warm-up and
 medians (`timing.best_process_median` says why; the JSON also has every
 process's median and the ratio of the medians over all calls). ratio =
 cuvil (Python) / onnxruntime: < 1 means cuvil is faster (the C figure shows
-the call overhead Python adds).
+the call overhead Python adds); vs ov = cuvil (Python) / OpenVINO. The rel
+err columns compare cuvil's and OpenVINO's first output with onnxruntime's.
 
     python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--runs 50] [--rounds 5]
 """
@@ -120,23 +124,28 @@ def sample_feeds(shapes: dict) -> dict:
     return {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
-from backends.native.timing import cuvil_py_times, ort_time, ort_times  # noqa: E402,F401
+from backends.native.timing import cuvil_py_times, openvino_times, openvino_version, ort_time, ort_times  # noqa: E402,F401,E501
 
 
-def check_outputs(library, model_path, shapes) -> float:
-    """max |cuvil - onnxruntime| / max |onnxruntime| over the first output."""
+def reference_output(model_path, shapes) -> np.ndarray:
+    """onnxruntime's first output on `sample_feeds`."""
     import onnxruntime as ort
-
-    from cuvil.runtime import Library
-    feeds = sample_feeds(shapes)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
-    name = sess.get_outputs()[0].name
-    ref = sess.run([name], feeds)[0]
-    lib = Library(library)
-    got = lib.run(feeds)[lib.output_names[0]]
+    return sess.run([sess.get_outputs()[0].name], sample_feeds(shapes))[0]
+
+
+def rel_err(got, ref) -> float:
+    """max |got - ref| / max |ref|."""
     return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-6))
+
+
+def check_outputs(library, model_path, shapes) -> float:
+    """cuvil's first output against onnxruntime's (`rel_err`)."""
+    from cuvil.runtime import Library
+    lib = Library(library)
+    return rel_err(lib.run(sample_feeds(shapes))[lib.output_names[0]], reference_output(model_path, shapes))
 
 
 def build(name, model_path, shapes, threads, cache_dir, jobs):
@@ -147,7 +156,7 @@ def build(name, model_path, shapes, threads, cache_dir, jobs):
     return compiled, time.perf_counter() - t
 
 
-def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool):
+def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, openvino: bool = False):
     from backends.native import timing as ctime
     module, shapes = MODELS[name]()
     model = _zoo().export(module, shapes)
@@ -160,19 +169,30 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool):
     library = lib_dir / compiled.artifacts.library.name
     err = check_outputs(library, model_path, shapes)
     processes = {"c": [], "py": [], "ort": []}  # each engine: one list of call times per process
+    if openvino:
+        processes["ov"] = []
+    ov_output = workdir / f"{name}-t{threads}-openvino.npy"
     warm = max(3, runs // 10)
-    for _ in range(rounds):
+    for round_ in range(rounds):
         processes["c"].append(ctime.time_library(library, runs=runs, warmup=warm, info=compiled.info))
         processes["py"].append(cuvil_py_times(library, shapes, runs, warm))
         processes["ort"].append(ort_times(model_path, shapes, threads, runs, warm))
-    c, p, o = (ctime.best_process_median(processes[k]) for k in ("c", "py", "ort"))
+        if openvino:
+            processes["ov"].append(openvino_times(model_path, shapes, threads, runs, warm,
+                                                  save_output=ov_output if round_ == 0 else None))
+    best = {k: ctime.best_process_median(v) for k, v in processes.items()}
+    c, p, o = best["c"], best["py"], best["ort"]
     all_calls = lambda k: statistics.median([t for times in processes[k] for t in times])
     round_medians = {k: [round(statistics.median(times) * 1e3, 4) for times in v] for k, v in processes.items()}
-    return {"model": name, "threads": threads, "cuvil_c_ms": c * 1e3, "cuvil_py_ms": p * 1e3, "ort_ms": o * 1e3,
-            "ratio": p / o, "ratio_c": c / o, "round_medians_ms": round_medians,
-            "all_calls_median_ratio": all_calls("py") / all_calls("ort"),
-            "rel_err": err, "build_s": build_s, "cold": cold,
-            "kernels": compiled.info["kernels"], "arena_bytes": compiled.info["memory"]["arena_bytes"]}
+    result = {"model": name, "threads": threads, "cuvil_c_ms": c * 1e3, "cuvil_py_ms": p * 1e3, "ort_ms": o * 1e3,
+              "ratio": p / o, "ratio_c": c / o, "round_medians_ms": round_medians,
+              "all_calls_median_ratio": all_calls("py") / all_calls("ort"),
+              "rel_err": err, "build_s": build_s, "cold": cold,
+              "kernels": compiled.info["kernels"], "arena_bytes": compiled.info["memory"]["arena_bytes"]}
+    if openvino:
+        result.update(openvino_ms=best["ov"] * 1e3, ratio_openvino=p / best["ov"],
+                      openvino_rel_err=rel_err(np.load(ov_output), reference_output(model_path, shapes)))
+    return result
 
 
 def main(argv=None):
@@ -187,27 +207,32 @@ def main(argv=None):
     parser.add_argument("-j", "--jobs", type=int, default=2, help="parallel kernel compiles")
     parser.add_argument("--cold", action="store_true", help="build every model with an empty cache (cold build time)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--no-openvino", action="store_true", help="leave OpenVINO out even when it is installed")
     args = parser.parse_args(argv)
+    ov_version = None if args.no_openvino else openvino_version()
     flags = set(cpu_flags())
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                        "amx_tile") if f in flags]
     print(f"# {cpu_name()} ({os.cpu_count()} cores; {' '.join(isa)}), onnxruntime {ort.__version__}, "
-          f"cuvil {cuvil.__version__}")
+          + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}")
     print(f"{'model':<14}{'thr':>4}{'cuvil C ms':>12}{'cuvil py ms':>13}{'ort ms':>10}{'ratio':>7}{'rel err':>9}"
-          f"{'build s':>9}")
+          + (f"{'ov ms':>10}{'vs ov':>7}{'ov err':>9}" if ov_version else "") + f"{'build s':>9}")
     results = []
     workdir = Path(tempfile.mkdtemp(prefix="cuvil-bench-"))
     try:
         for name in args.models.split(","):
             for threads in (int(t) for t in args.threads.split(",")):
-                r = bench_model(name, threads, args.runs, args.rounds, args.jobs, workdir, args.cold)
+                r = bench_model(name, threads, args.runs, args.rounds, args.jobs, workdir, args.cold, bool(ov_version))
                 results.append(r)
+                ov = (f"{r['openvino_ms']:>10.3f}{r['ratio_openvino']:>7.2f}{r['openvino_rel_err']:>9.1e}"
+                      if ov_version else "")
                 print(f"{name:<14}{threads:>4}{r['cuvil_c_ms']:>12.3f}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
-                      f"{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{r['build_s']:>9.1f}", flush=True)
+                      f"{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{ov}{r['build_s']:>9.1f}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "results": results}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "openvino": ov_version, "results": results},
+                                              indent=2) + "\n")
     return results
 
 

@@ -21,6 +21,9 @@ from .errors import CuvilError
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
+VS_ENGINES = ["onnxruntime", "openvino"]  # what `cuvil bench --vs` times besides cuvil
+
+
 def main(argv=None) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -151,15 +154,17 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Time a built library (LIB.so) or build and time a model "
                                             "(an .onnx file). Each engine runs in its own process: the library "
                                             "from C (no Python in the loop) and through the Python runtime, "
-                                            "onnxruntime with the same thread count. Prints median, min and "
-                                            "p90 per call and the ratio cuvil/onnxruntime of the medians "
-                                            "(with --rounds N, of each engine's best process).")
+                                            "onnxruntime and OpenVINO (--vs) with the same thread count. Prints "
+                                            "median, min and p90 per call and the ratios cuvil/engine of the "
+                                            "medians (with --rounds N, of each engine's best process).")
     bench.add_argument("target", type=Path, metavar="LIB|MODEL", help="a lib<model>.so, or an .onnx model")
-    bench.add_argument("--vs", choices=["onnxruntime"], help="also time onnxruntime on the same inputs")
+    bench.add_argument("--vs", action="append", choices=VS_ENGINES, default=[],
+                       help="also time this engine on the same inputs (repeat for both); openvino: its CPU "
+                            "plugin in float32, when installed (pip install openvino)")
     bench.add_argument("--onnx", type=Path, metavar="FILE.onnx",
-                       help="the ONNX model of LIB, for --vs onnxruntime when timing a library")
+                       help="the ONNX model of LIB, for --vs when timing a library")
     bench.add_argument("--threads", type=_positive_int, default=1, metavar="N",
-                       help="threads of the build and of onnxruntime (default 1; a LIB keeps its own)")
+                       help="threads of the build and of the other engines (default 1; a LIB keeps its own)")
     bench.add_argument("--runs", type=_positive_int, default=100, metavar="N", help="timed calls per process")
     bench.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
                        help="processes per engine (alternating); the ratio compares each engine's best process")
@@ -448,6 +453,10 @@ def cmd_bench(args) -> int:
     target = args.target
     if not target.is_file():
         raise CuvilError(f"file not found: {target}")
+    vs = list(dict.fromkeys(args.vs))
+    if "openvino" in vs and timing.openvino_version() is None:
+        raise CuvilError("--vs openvino: OpenVINO is not installed",
+                         hint="pip install openvino (or this project's bench extra), or leave --vs openvino out")
     shapes = {}
     for spec in args.shape:
         name, _, dims = spec.partition("=")
@@ -468,27 +477,28 @@ def cmd_bench(args) -> int:
             library_path = compiled.save(Path(tmp) / "lib")
             info = compiled.info
         if args.vs and onnx_path is None:
-            raise CuvilError("--vs onnxruntime needs the ONNX model of the library", hint="pass --onnx FILE.onnx")
+            raise CuvilError(f"--vs {args.vs[0]} needs the ONNX model of the library", hint="pass --onnx FILE.onnx")
         in_shapes = {t["name"]: t["shape"] for t in info["inputs"]}
         warmup = max(3, args.runs // 10)
-        rows = {"cuvil (C)": [], "cuvil (Python)": [], "onnxruntime": []}  # one list of times per process
+        rows = {"cuvil (C)": [], "cuvil (Python)": []} | {engine: [] for engine in vs}  # lists of times per process
         threads = int(info.get("threads", args.threads))
         for _ in range(args.rounds):
             rows["cuvil (C)"].append(timing.time_library(library_path, args.runs, warmup, info))
             rows["cuvil (Python)"].append(timing.cuvil_py_times(library_path, in_shapes, args.runs, warmup))
-            if args.vs:
+            if "onnxruntime" in vs:
                 rows["onnxruntime"].append(timing.ort_times(onnx_path, in_shapes, threads, args.runs, warmup))
+            if "openvino" in vs:
+                rows["openvino"].append(timing.openvino_times(onnx_path, in_shapes, threads, args.runs, warmup))
     # An engine's figure is its best process's median (see timing.best_process_median); with one
     # round, the median.
     results = {}
     for key, processes in rows.items():
-        if processes:
-            results[key] = timing.summary([t for times in processes for t in times])
-            results[key]["process_median_ms"] = timing.best_process_median(processes) * 1e3
-    if args.vs:
-        ort_ms = results["onnxruntime"]["process_median_ms"]
+        results[key] = timing.summary([t for times in processes for t in times])
+        results[key]["process_median_ms"] = timing.best_process_median(processes) * 1e3
+    for engine in vs:  # "ratio": against onnxruntime; "ratio_openvino": against OpenVINO
+        ratio_key = "ratio" if engine == "onnxruntime" else f"ratio_{engine}"
         for key in ("cuvil (C)", "cuvil (Python)"):
-            results[key]["ratio"] = results[key]["process_median_ms"] / ort_ms
+            results[key][ratio_key] = results[key]["process_median_ms"] / results[engine]["process_median_ms"]
     if args.json:
         print(json.dumps({"library": str(library_path) if target.suffix == ".so" else None, "model": info.get("name"),
                           "threads": info.get("threads"), "results": results}, indent=2))
@@ -496,12 +506,13 @@ def cmd_bench(args) -> int:
     print(f"{_shown(target)}: model {info.get('name', '?')}, target {info.get('target', '?')}, "
           f"threads {info.get('threads', '?')}")
     best = args.rounds > 1
+    ratio_keys = [("ratio" if engine == "onnxruntime" else f"ratio_{engine}", f"vs {engine}") for engine in vs]
     print(f"  {'engine':<16}{'median ms':>11}{'min ms':>10}{'p90 ms':>10}"
-          + (f"{'best process':>14}" if best else "") + f"{'ratio':>8}")
+          + (f"{'best process':>14}" if best else "") + "".join(f"{title:>17}" for _, title in ratio_keys))
     for key, r in results.items():
-        ratio = f"{r['ratio']:>8.2f}" if "ratio" in r else ""
+        ratios = "".join(f"{r[k]:>17.2f}" if k in r else " " * 17 for k, _ in ratio_keys)
         process = f"{r['process_median_ms']:>14.3f}" if best else ""
-        print(f"  {key:<16}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['p90_ms']:>10.3f}{process}{ratio}")
+        print(f"  {key:<16}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['p90_ms']:>10.3f}{process}{ratios}".rstrip())
     if best:
         print(f"  (median, min, p90: over all {args.rounds} processes' calls; best process: the lowest of their "
               f"medians, which the ratio compares)")

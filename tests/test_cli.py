@@ -129,6 +129,46 @@ def test_bench_times_every_engine_and_compares_with_onnxruntime(built, capsys):
     assert "symbolic dims" in err and "--shape input=D1,D2" in err
 
 
+def test_bench_vs_openvino(built, capsys, monkeypatch):
+    """`--vs openvino` times OpenVINO's CPU plugin as a third engine (the test extra installs it)
+    and gives each cuvil figure its ratio against it; without OpenVINO the flag is a clear error."""
+    folder, library, _ = built
+    model = folder / "examples" / "models" / "tiny_cnn.onnx"
+    assert main(["bench", str(library), "--vs", "onnxruntime", "--vs", "openvino", "--onnx", str(model),
+                 "--runs", "3", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert set(results) == {"cuvil (C)", "cuvil (Python)", "onnxruntime", "openvino"}
+    for key in ("cuvil (C)", "cuvil (Python)"):
+        for engine, ratio in (("onnxruntime", "ratio"), ("openvino", "ratio_openvino")):
+            want = results[key]["process_median_ms"] / results[engine]["process_median_ms"]
+            assert results[key][ratio] == pytest.approx(want)
+
+    assert main(["bench", str(library), "--vs", "openvino", "--onnx", str(model), "--runs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "vs openvino" in out and "vs onnxruntime" not in out
+    assert out.splitlines()[-1].split()[0] == "openvino"
+
+    from backends.native import timing
+    monkeypatch.setattr(timing, "openvino_version", lambda: None)
+    assert main(["bench", str(library), "--vs", "openvino", "--onnx", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "OpenVINO is not installed" in err and "pip install openvino" in err
+
+
+def test_openvino_worker_computes_in_float32(built, tmp_path):
+    """OpenVINO's CPU plugin infers in bfloat16 by default on CPUs with AVX512_BF16 (this machine):
+    the bench's worker asks for float32, so its output matches onnxruntime's on the same inputs
+    to float32 rounding (bfloat16 would differ by ~1e-2)."""
+    from backends.native import timing
+    folder, _, _ = built
+    model = folder / "examples" / "models" / "tiny_cnn.onnx"
+    saved = tmp_path / "openvino.npy"
+    times = timing.openvino_times(model, {"input": [1, 3, 32, 32]}, threads=1, runs=2, save_output=saved)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)  # the worker's inputs
+    np.testing.assert_allclose(np.load(saved), run_ort(model, {"input": x})["probs"], rtol=1e-5, atol=1e-6)
+
+
 def test_run_matches_onnxruntime(built, tmp_path, capsys):
     folder, library, _ = built
     x = np.random.default_rng(7).standard_normal((1, 3, 32, 32)).astype(np.float32)

@@ -6,6 +6,8 @@
   WARMUP_SECONDS) and then times each call of session_run: no Python in the loop.
 - `cuvil_py_times`: the same through the Python runtime (ctypes), in a fresh process.
 - `ort_times`: onnxruntime on the ONNX model, same thread count, in a fresh process.
+- `openvino_times`: OpenVINO's CPU plugin on the ONNX model, when it is installed
+  (`openvino_version`), same thread count, float32 inference, in a fresh process.
 
 Used by `cuvil bench` and by benchmarks/ (bench.py, gemm.py, convs.py).
 """
@@ -162,6 +164,38 @@ print(json.dumps(times))
 """
 
 
+# OpenVINO's CPU plugin infers in bfloat16 by default on CPUs with AVX512_BF16 or AMX: the
+# precision hint keeps it in float32 like the other engines. One stream of `threads` threads,
+# latency mode. The inputs are shared with the request (no copy per call); the outputs come
+# back as new arrays, as onnxruntime's and cuvil's do.
+_OV_WORKER = r"""
+import json, sys, time
+import numpy as np
+import openvino as ov
+job = json.loads(sys.argv[1])
+core = ov.Core()
+model = core.read_model(job["model"])
+model.reshape({name: ov.PartialShape(shape) for name, shape in job["shapes"].items()})
+config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": 1,
+          "INFERENCE_NUM_THREADS": job["threads"]}
+request = core.compile_model(model, "CPU", config).create_infer_request()
+feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
+if job.get("save_output"):
+    np.save(job["save_output"], request.infer(feeds)[0])
+start = time.perf_counter()
+calls = 0
+while calls < job["warmup"] or time.perf_counter() - start < job["warmup_seconds"]:
+    request.infer(feeds, share_inputs=True)
+    calls += 1
+times = []
+for _ in range(job["runs"]):
+    t = time.perf_counter()
+    request.infer(feeds, share_inputs=True)
+    times.append(time.perf_counter() - t)
+print(json.dumps(times))
+"""
+
+
 def _worker(script: str, job: dict) -> list[float]:
     out = subprocess.run([sys.executable, "-c", script, json.dumps(job), str(ROOT)], check=True,
                          capture_output=True, text=True)
@@ -172,6 +206,24 @@ def ort_times(model_path, shapes, threads, runs, warmup=None) -> list[float]:
     return _worker(_ORT_WORKER, {"model": str(model_path), "shapes": {k: list(v) for k, v in shapes.items()},
                                  "threads": threads, "runs": runs, "warmup": warmup or max(3, runs // 10),
                                  "warmup_seconds": WARMUP_SECONDS})
+
+
+def openvino_version() -> str | None:
+    """OpenVINO's version when it is installed, else None (it is an optional engine)."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("openvino")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def openvino_times(model_path, shapes, threads, runs, warmup=None, save_output=None) -> list[float]:
+    """Seconds per call of OpenVINO's CPU plugin (float32) on the ONNX model, in a fresh process;
+    `save_output`: a .npy path for the model's first output on the same inputs (to check it)."""
+    return _worker(_OV_WORKER, {"model": str(model_path), "shapes": {k: list(v) for k, v in shapes.items()},
+                                "threads": threads, "runs": runs, "warmup": warmup or max(3, runs // 10),
+                                "warmup_seconds": WARMUP_SECONDS,
+                                "save_output": str(save_output) if save_output else None})
 
 
 def cuvil_py_times(library, shapes, runs, warmup=None) -> list[float]:

@@ -119,6 +119,43 @@ def test_softmax_and_gelu_chain_in_place():
     assert_matches_ort(model, {"x": x}, tol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("shape", [(4, 128, 128), (3, 1), (2, 17), (2, 3, 40)])
+def test_softmax_rows_match_ort(op, shape):
+    """Rows of any length (one, shorter than a vector, a vector and a tail) with the row maximum
+    anywhere, including first and last: the max reduction (vmax) then vexp."""
+    x = rand(*shape, seed=len(shape) + shape[-1]) * 6
+    x[..., 0] += 9.0                   # the maximum first in these rows...
+    x.reshape(-1, shape[-1])[1::2, -1] += 20.0   # ...and last in every other row
+    model = make_model([helper.make_node(op, ["x"], ["y"], axis=-1)], [("x", np.float32, x.shape)],
+                       [("y", np.float32, None)])
+    assert_matches_ort(model, {"x": x}, tol=1e-5)
+
+
+@pytest.mark.parametrize("form, vector", [("m = vmax(m, p0[i])", True), ("v = p0[i]\n        m = v if v > m else m", False)])
+def test_vmax_reduction_vectorises(tmp_path, form, vector):
+    """A max over a row written with vmax (llvm.maxnum) vectorises on AVX-512; Numba's select form
+    stays a scalar vmaxss chain (Softmax over 4 x 128 x 128 on Zen 4: 0.052 -> 0.022 ms)."""
+    import subprocess
+
+    from backends.native.emit import emit_object, kernel_ir
+    from backends.native.targets import resolve_target
+    from backends.numba_cpu.kernel import Source, kernel_header
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for r in range(begin, end):").indent()
+    src.line("m = p0[r * 128]")
+    src.line("for i in range(r * 128, r * 128 + 128):").indent()
+    for line in form.split("\n"):
+        src.line(line.strip())
+    src.dedent().line("p1[r] = m")
+    source = src.text()
+    obj = emit_object(kernel_ir(source, ("float32", "float32")), "k", resolve_target("x86_64-avx512"), source)
+    path = tmp_path / "k.o"
+    path.write_bytes(obj)
+    asm = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    assert ("vmaxps" in asm and "zmm" in asm) == vector, asm
+
+
 def resnetish():
     """Conv stem, a residual block (3x3 convs, 1x1 downsample) and a Gemm head."""
     nodes = [

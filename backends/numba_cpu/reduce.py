@@ -283,7 +283,7 @@ def lower_log_softmax(node, graph) -> Lowered:
     src.line("for w in range(begin, end):").indent()
     src.line(f"base = (w // {inner}) * {n * inner} + w % {inner}" if inner > 1 else f"base = w * {n}")
     src.line("m = p0[base]")
-    src.line(f"for i in range(1, {n}):").indent().line(f"v = p0[base + i * {inner}]").line("m = v if v > m else m").dedent()
+    src.line(f"for i in range({n}):").indent().line(f"m = vmax(m, p0[base + i * {inner}])").dedent()
     src.line(f"s = {literal(0, t)}")
     src.line(f"for i in range({n}):").indent().line(f"s += math.exp(p0[base + i * {inner}] - m)").dedent()
     src.line("ls = math.log(s) + m")

@@ -45,7 +45,7 @@ def _rows_kernel(n: int, dtype) -> Kernel:
     src.line("for r in range(begin, end):").indent()
     src.line(f"base = r * {n}")
     src.line("m = p0[base]")
-    src.line(f"for i in range(1, {n}):").indent().line("v = p0[base + i]").line("m = v if v > m else m").dedent()
+    src.line(f"for i in range({n}):").indent().line("m = vmax(m, p0[base + i])").dedent()
     src.line(f"s = {zero}")
     src.line(f"for i in range({n}):").indent()
     src.line("e = vexp(p0[base + i] - m)").line("p1[base + i] = e").line("s += e").dedent()

@@ -7,7 +7,8 @@ built from its bits): inlined in a loop, the loop vectoriser turns them into
 16-wide AVX-512 code. For float64 arguments they are the libm functions.
 
 Kernel source calls them by name: `vexp(a)`, `vsigmoid(a)`, `vtanh(a)`,
-`verf(a)` (emit.py puts them in every kernel's namespace).
+`verf(a)`, and `vmax(a, b)` for a max reduction that vectorises (emit.py puts
+them in every kernel's namespace).
 
 Accuracy (float32): exp and sigmoid within a few ulp (inputs below -87 give
 e^-87 ~ 1.6e-38 rather than a smaller number); tanh within 4e-7 and erf
@@ -144,6 +145,30 @@ def _dispatch(py_fn, f32_impl, generic):
         return generic
 
 
+@intrinsic
+def _max32(typingctx, a, b):
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _call(builder, "llvm.maxnum.f32", *args)
+    return types.float32(types.float32, types.float32), codegen
+
+
+def vmax(a, b):
+    return max(a, b)
+
+
+@overload(vmax, inline="always")
+def _vmax(a, b):
+    """max as llvm.maxnum for float32: a loop reducing with it vectorises (the select `a if a > b
+    else b` that Numba makes of max() stays a scalar chain of vmaxss); either argument when one
+    is NaN (the kernels' inputs are finite: fastmath already assumes so)."""
+    if a == types.float32 and b == types.float32:
+        return lambda a, b: _max32(a, b)
+    return lambda a, b: max(a, b)
+
+
 _dispatch(vexp, _exp32, lambda x: math.exp(x))
 _dispatch(vsigmoid, _sigmoid32, lambda x: 1.0 / (1.0 + math.exp(-x)))
 _dispatch(vtanh, _tanh32, lambda x: math.tanh(x))
@@ -161,4 +186,4 @@ def same_buffer(typingctx, a, b):
     return types.boolean(a, b), codegen
 
 
-NAMESPACE = {"vexp": vexp, "vsigmoid": vsigmoid, "vtanh": vtanh, "verf": verf, "same_buffer": same_buffer}
+NAMESPACE = {"vexp": vexp, "vsigmoid": vsigmoid, "vtanh": vtanh, "verf": verf, "vmax": vmax, "same_buffer": same_buffer}

@@ -70,6 +70,9 @@ def computes(node) -> str:
         if node.inputs[5]:
             parts.append(conv("Conv1x1", "project_", bool(node.inputs[7])))
         return "DepthwiseBlock[" + " -> ".join(parts) + "]"
+    if node.domain == "cuvil" and node.op == "Attention":
+        scale = [node.attr("scale_op")] if node.attr("scale_op") else []
+        return "Attention[" + " -> ".join(["MatMul"] + scale + ["Softmax", "MatMul"]) + "]"
     if node.domain == "cuvil" and node.op == "FusedElementwise":
         return f"FusedElementwise[{', '.join(step.split()[0] for step in node.attr('program') or [])}]"
     return node.op

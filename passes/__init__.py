@@ -16,7 +16,9 @@ prints. It reads the two graphs only, so passes stay pure.
            stride-1 convs marked for Winograd (`winograd`: fewer multiply-adds, more
            session memory and slightly different rounding; disable it to keep them direct);
            a depthwise conv and the 1x1 convs before and after it into one DepthwiseBlock
-           when the tensors between them are large (`fuse_depthwise_block`)
+           when the tensors between them are large (`fuse_depthwise_block`); attention's
+           MatMul -> scale -> Softmax -> MatMul (and the Transposes around it) into one
+           Attention (`fuse_attention`)
     opt 3  + fusion that generates new kernels: elementwise chains into one loop
            (FusedElementwise), then the clean-ups once more
 
@@ -30,7 +32,7 @@ from pydantic import ValidationError
 from cuvil.errors import ConfigError
 
 from . import (eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fuse_activation,
-               fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes, winograd)
+               fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes, winograd)
 
 _MODULES = {
     "fold_constants": fold_constants,
@@ -40,6 +42,7 @@ _MODULES = {
     "fold_batchnorm": fold_batchnorm,
     "fuse_gemm": fuse_gemm,
     "fuse_patterns": fuse_patterns,
+    "fuse_attention": fuse_attention,
     "fuse_activation": fuse_activation,
     "winograd": winograd,
     "fuse_depthwise_block": fuse_depthwise_block,
@@ -56,7 +59,7 @@ PASS_OPTIONS = {name: module.Options for name, module in _MODULES.items() if has
 
 _BASIC = ["fold_constants", "eliminate_identity", "simplify_shapes", "eliminate_common", "eliminate_dead"]
 _FUSION = ["fold_constants", "eliminate_identity", "simplify_shapes", "fold_batchnorm", "fuse_gemm", "fuse_patterns",
-           "fuse_activation", "winograd", "fuse_depthwise_block", "eliminate_common", "eliminate_dead"]
+           "fuse_attention", "fuse_activation", "winograd", "fuse_depthwise_block", "eliminate_common", "eliminate_dead"]
 OPT_LEVELS = {
     0: [],
     1: _BASIC + ["plan_memory"],

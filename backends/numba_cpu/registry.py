@@ -8,7 +8,7 @@ from __future__ import annotations
 from backends.native.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
 
-from . import batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
+from . import attention, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
 from .kernel import lowering_for
 from .views import lower_view
 
@@ -46,6 +46,7 @@ GENERATORS = {
     "FusedMatMul": gemm.lower_matmul,
     "FusedConv": conv.lower_conv,
     "DepthwiseBlock": dwblock.lower_depthwise_block,
+    "Attention": attention.lower_attention,
     # fused elementwise loops, domain "cuvil" (fused.py)
     "FusedElementwise": fused.lower_fused_elementwise,
     # normalisation, pooling, layout (batchnorm.py, pool.py, softmax.py, transpose.py, concat.py)
@@ -140,7 +141,7 @@ def supported_ops() -> list[str]:
 
 
 # Ops of cuvil's own domain "cuvil" (graph passes make them; no ONNX model contains them).
-CUVIL_DOMAIN_OPS = {"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock"}
+CUVIL_DOMAIN_OPS = {"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock", "Attention"}
 
 
 def generator_for(node):

@@ -156,6 +156,8 @@ def test_attention_block_matches_onnxruntime_and_the_unmerged_build(t):
 
 def test_merges_in_the_attention_block_after_the_fusions():
     report = explain_model(_attention(), passes=_with_merge())
-    # q, k and v: one Gemm and a Split; the output projection took the residual (FusedGemm).
+    # q, k and v: one Gemm and a Split; the output projection took the residual (FusedGemm); the
+    # scores, softmax and weighted sum are one Attention (fuse_attention).
     after = report.op_counts_after
-    assert (after["Gemm"], after["Split"], after["FusedGemm"], after["MatMul"]) == (1, 1, 1, 2)
+    assert (after["Gemm"], after["Split"], after["FusedGemm"], after["Attention"]) == (1, 1, 1, 1)
+    assert "MatMul" not in after

@@ -1,0 +1,197 @@
+"""Attention (domain "cuvil", made by passes/fuse_attention.py): softmax(Q K^T * scale) V in one kernel.
+
+    S = Q @ Kt                      Q [.., T, D], Kt [.., D, S]  (Kt: K already transposed, as MatMul reads it)
+    P = softmax(S * scale)          over the last axis ("Div": S / scale)
+    O = P @ V                       V [.., S, Dv], O [.., T, Dv]
+
+The leading axes are batch axes (batch x heads), the same for all four. Each
+operand is a tensor read (or written) through a permutation: `q_perm` says
+Q = transpose(q, q_perm), likewise `k_perm` (for Kt) and `v_perm`, and the
+output is transpose(O, out_perm): the head-splitting Transposes around an
+attention become strides here and never run. Q, V and O need unit stride
+along their last axis (the micro-kernels' A rows, B rows and C rows); Kt is
+packed per batch into scratch [D][S] (from any strides).
+
+A work item is (batch, run of consecutive blocks of query rows); its scratch
+holds the batch's packed Kt and one block's rows of S and P (RB x S, about
+BLOCK_BYTES, so they stay in L2 between the two products). Per block: S by
+the GEMM micro-kernel with A = Q's rows in place, the softmax in place over
+each row (scale, vmax, vexp, sum, 1/sum, as the Softmax kernel computes it),
+then O's rows by the micro-kernel with A = P, B = V's rows in place, C = the
+output rows in place. With one thread there is one run per batch and one
+scratch slot; with more, the runs are as many as the threads want (blocks
+get smaller when there are fewer than threads) and each item has a slot of
+its own, so no result depends on which thread ran what.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from backends.native.ukernel import UKSpec
+
+from .gemm import _ceil_div, choose_tile, uk_k_pass
+from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, session_threads, work_items
+from .scratch import scratch_value
+
+BLOCK_BYTES = 64 << 10   # a block's rows of S (then P): L2-resident between the products
+PAD = 16                 # rows of S and packed Kt are a multiple of this many floats apart
+
+
+def _strides(shape) -> list[int]:
+    out, step = [], 1
+    for d in reversed([int(v) for v in shape]):
+        out.append(step)
+        step *= d
+    return out[::-1]
+
+
+def operand(shape, perm):
+    """(logical shape, logical strides) of transpose(tensor of `shape`, perm)."""
+    strides = _strides(shape)
+    return [int(shape[p]) for p in perm], [strides[p] for p in perm]
+
+
+def output_strides(shape, out_perm) -> list[int]:
+    """Strides of O's logical axes when the output tensor (of `shape`) is transpose(O, out_perm)."""
+    strides, logical = _strides(shape), [0] * len(shape)
+    for k, p in enumerate(out_perm):
+        logical[p] = strides[k]
+    return logical
+
+
+class _Product:
+    """C[rows x N] = A[rows x K] @ B[K x N] on the micro-kernel, A rows `lda` apart in place, B rows
+    `ldb` apart, C rows `ldc` apart; rows a multiple of MR except `rem` (compile time) at the end."""
+
+    def __init__(self, tag: str, tile: tuple[int, int], N: int, K: int, rem_rows: int):
+        self.tag, self.N, self.K = tag, N, K
+        self.MR, self.NR = tile
+        self.kc = uk_k_pass(K)
+        self.rem = rem_rows
+        keys = [(mr, masked) for mr in sorted({self.MR, rem_rows} - {0}) for masked in (0, 1)]
+        self.specs = {key: (f"{tag}{i}", UKSpec(mr=key[0], nr=self.NR, a_packed=0, b_masked=key[1]))
+                      for i, key in enumerate(keys)}
+
+    def declare(self, src: Source) -> None:
+        for name, spec in self.specs.values():
+            for line in spec.declaration(name).splitlines():
+                src.line(line)
+
+    def emit(self, src: Source, rows, a, aoff, lda, b, boff, ldb, c, coff, ldc) -> None:
+        t, MR, NR, N, K, kc = self.tag, self.MR, self.NR, self.N, self.K, self.kc
+        src.line(f"{t}full = {rows} - {rows} % {MR}")
+        src.line(f"for {t}n0 in range(0, {N}, {NR}):").indent()
+        src.line(f"{t}nv = min({NR}, {N} - {t}n0)")
+        src.line(f"{t}mask = np.int64(-1) if {t}nv >= {NR} else (np.int64(1) << {t}nv) - np.int64(1)")
+        src.line(f"for {t}k0 in range(0, {K}, {kc}):").indent()
+        src.line(f"{t}kc = min({kc}, {K} - {t}k0)")
+        src.line(f"{t}flags = min({t}k0, 1)")
+
+        def call(mr, m, masked):
+            name = self.specs[(mr, masked)][0]
+            src.line(f"{name}({a}, {aoff} + {m} * {lda} + {t}k0, {lda}, {b}, {boff} + {t}k0 * {ldb} + {t}n0, {ldb}, "
+                     f"{c}, {coff} + {m} * {ldc} + {t}n0, {ldc}, {t}kc, {t}mask, {t}flags, {c}, 0)")
+        for masked, test in ((0, f"if {t}nv == {NR}:"), (1, "else:")):
+            src.line(test).indent()
+            src.line(f"for {t}m in range(0, {t}full, {MR}):").indent()
+            call(MR, f"{t}m", masked)
+            src.dedent()
+            if self.rem:
+                src.line(f"if {t}full < {rows}:").indent()
+                call(self.rem, f"{t}full", masked)
+                src.dedent()
+            src.dedent()
+        src.dedent().dedent()
+
+
+def lower_attention(node, graph) -> Lowered:
+    q_name, k_name, v_name = node.inputs
+    out_name = node.outputs[0]
+    q, k, v, out = (graph.values[n] for n in (q_name, k_name, v_name, out_name))
+    (qshape, qs), (kshape, ks), (vshape, vs) = (operand(x.shape, node.attr(f"{p}_perm"))
+                                                 for x, p in ((q, "q"), (k, "k"), (v, "v")))
+    os_ = output_strides(out.shape, node.attr("out_perm"))
+    T, D = qshape[-2:]
+    S, Dv = kshape[-1], vshape[-1]
+    batch = qshape[:-2]
+    nb = math.prod(batch)
+    assert qs[-1] == 1 and vs[-1] == 1 and os_[-1] == 1, "fuse_attention checks the unit strides"
+
+    SP = _ceil_div(S, PAD) * PAD
+    s_tile, o_tile = choose_tile(T, S), choose_tile(T, Dv)
+    step = math.lcm(s_tile[0], o_tile[0])               # blocks of whole tiles of both products
+    RB = max(step, BLOCK_BYTES // (4 * SP) // step * step)
+    one_slot = session_threads() == 1
+    if not one_slot and nb * _ceil_div(T, RB) < work_items():   # smaller blocks: something for every thread
+        RB = max(step, _ceil_div(_ceil_div(T, _ceil_div(work_items(), nb)), step) * step)
+    RB = min(RB, _ceil_div(T, step) * step)
+    n_blocks = _ceil_div(T, RB)
+    # Work items: (batch, run of consecutive blocks); one run per batch on one thread, else as many
+    # as the threads want (each item packs its batch's Kt once, into a slot of its own).
+    runs = 1 if one_slot else min(n_blocks, _ceil_div(work_items(), nb))
+    work = nb * runs
+    slot = D * SP + RB * SP
+    scratch = scratch_value(graph, node, ((1 if one_slot else work) * slot,), np.float32, tag="attention")
+
+    # Every block but the last has RB rows (whole tiles of both products); the last may end in a partial tile.
+    last_rows = T - (n_blocks - 1) * RB
+    prod_s = _Product("us", s_tile, S, D, last_rows % s_tile[0])
+    prod_o = _Product("uo", o_tile, Dv, S, last_rows % o_tile[0])
+
+    scale = float(node.attr("scale", 1.0))
+    scale_op = node.attr("scale_op", "")
+    F = lambda x: literal(x, np.float32)
+
+    src = Source()
+    prod_s.declare(src)
+    prod_o.declare(src)
+    src.line(kernel_header(5)).indent()     # p0 q, p1 k, p2 v, p3 scratch, p4 out
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {runs}").line(f"run = item % {runs}")
+    src.line("so = 0" if one_slot else f"so = item * {slot}")
+    # The batch axes' offsets of each operand.
+    for name in ("qb", "kb", "vb", "ob"):
+        src.line(f"{name} = 0")
+    if batch:
+        src.line("rest = n")
+        for axis in reversed(range(len(batch))):
+            src.line(f"i{axis} = rest % {batch[axis]}").line(f"rest = rest // {batch[axis]}")
+            for name, strides in (("qb", qs), ("kb", ks), ("vb", vs), ("ob", os_)):
+                if strides[axis]:
+                    src.line(f"{name} += i{axis} * {strides[axis]}")
+    # Kt [D][S] of this batch into the slot's first D*SP floats.
+    ks_d, ks_s = ks[-2], ks[-1]
+    if ks_s == 1:   # rows of Kt are contiguous already: copy them
+        src.line(f"for d in range({D}):").indent().line(f"for s in range({S}):").indent()
+    else:           # read along d (contiguous when K is [.., S, D] in memory), write along s
+        src.line(f"for s in range({S}):").indent().line(f"for d in range({D}):").indent()
+    src.line(f"p3[so + d * {SP} + s] = p1[kb + d * {ks_d} + s * {ks_s}]")
+    src.dedent().dedent()
+    src.line(f"for blk in range(run * {n_blocks} // {runs}, (run + 1) * {n_blocks} // {runs}):").indent()
+    src.line(f"r0 = blk * {RB}").line(f"rows = min({RB}, {T} - r0)")
+    src.line(f"sb = so + {D * SP}")
+    # S = Q[r0:r0+rows] @ Kt
+    prod_s.emit(src, "rows", "p0", f"qb + r0 * {qs[-2]}", qs[-2], "p3", "so", SP, "p3", "sb", SP)
+    # P = softmax(S * scale) row by row
+    src.line("for i in range(rows):").indent()
+    src.line(f"ro = sb + i * {SP}")
+    scaled = {"Mul": f"p3[ro + j] * {F(scale)}", "Div": f"p3[ro + j] / {F(scale)}", "": "p3[ro + j]"}[scale_op]
+    src.line("j = 0").line(f"m = {scaled}")
+    src.line(f"for j in range({S}):").indent()
+    if scale_op:
+        src.line(f"x = {scaled}").line("p3[ro + j] = x").line("m = vmax(m, x)")
+    else:
+        src.line("m = vmax(m, p3[ro + j])")
+    src.dedent()
+    src.line(f"total = {F(0)}")
+    src.line(f"for j in range({S}):").indent()
+    src.line("e = vexp(p3[ro + j] - m)").line("p3[ro + j] = e").line("total += e").dedent()
+    src.line(f"inv = {F(1)} / total")
+    src.line(f"for j in range({S}):").indent().line("p3[ro + j] = p3[ro + j] * inv").dedent()
+    src.dedent()
+    # O[r0:r0+rows] = P @ V
+    prod_o.emit(src, "rows", "p3", "sb", SP, "p2", "vb", vs[-2], "p4", f"ob + r0 * {os_[-2]}", os_[-2])
+    kernel = Kernel("Attention", src.text(), ("float32",) * 5)
+    return Lowered([KernelCall(kernel, [q_name, k_name, v_name, scratch, out_name], work, node.name, n_outputs=2)])

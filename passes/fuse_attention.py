@@ -1,0 +1,146 @@
+"""fuse_attention: MatMul -> [Mul|Div by a scalar] -> Softmax -> MatMul becomes one Attention op.
+
+    Attention(q, k, v)        (domain "cuvil"; backends/numba_cpu/attention.py)
+        O = softmax(Q @ Kt * scale) @ V
+
+Scaled dot-product attention as exporters write it: the scores S = Q K^T of
+every head, a scale, a softmax over the keys, the weighted sum of V. Apart,
+each step writes its whole tensor (batch x heads x T x S scores) and the next
+reads it back, and the head-splitting Transposes around them copy Q, K, V and
+the output once more. The fused kernel computes a block of query rows at a
+time with the scores in scratch that stays in L2, and reads Q, K and V (and
+writes O) through strides, so a Transpose that feeds Q, K or V (or reads O)
+and nothing else is absorbed too.
+
+Fires when: the first MatMul's output is read by the scale or the Softmax
+alone, and the Softmax's by the second MatMul alone (as its A), none of them
+a graph output; the Softmax runs over the last axis; the scale is a Mul or
+Div by a float constant with one element; all tensors are float32 with the
+same batch axes (no broadcasting) and Q, K and V have rank >= 3. An additive
+mask (or anything else between the MatMul and the Softmax) leaves the chain
+as it is.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuvil.ir import Graph, Node
+
+from ._rewrite import drop_unused_values
+
+
+def _only_reader(name: str, graph: Graph, consumers) -> Node | None:
+    readers = consumers.get(name, [])
+    if len(readers) != 1 or name in graph.outputs:
+        return None
+    return readers[0]
+
+
+def _plain(node: Node | None, op: str) -> bool:
+    return node is not None and node.op == op and node.domain in ("", "ai.onnx")
+
+
+def _scalar(graph: Graph, name: str) -> float | None:
+    value = graph.values.get(name)
+    if value is None or not value.is_const or value.size != 1 or np.dtype(value.dtype) != np.float32:
+        return None
+    return float(np.asarray(value.data).reshape(()))
+
+
+def _absorbed_input(graph: Graph, name: str, reader: Node, producers, consumers, unit_last: bool):
+    """(tensor, perm, the Transpose node or None): a Transpose read by `reader` alone becomes a perm;
+    with unit_last, only one that keeps the last axis last (unit stride along it)."""
+    rank = len(graph.values[name].shape)
+    node = producers.get(name)
+    if _plain(node, "Transpose") and _only_reader(name, graph, consumers) is reader:
+        perm = [int(p) for p in node.attr("perm", list(reversed(range(rank))))]
+        if not unit_last or perm[-1] == rank - 1:
+            return node.inputs[0], perm, node
+    return name, list(range(rank)), None
+
+
+def _match(graph: Graph, softmax: Node, producers, consumers):
+    """The nodes and attributes of one attention around `softmax`, or None."""
+    x = graph.values[softmax.inputs[0]]
+    rank = len(x.shape)
+    axis = int(softmax.attr("axis", -1 if graph.opset >= 13 else 1))
+    if rank < 3 or axis % rank != rank - 1 or np.dtype(x.dtype) != np.float32:
+        return None
+    second = _only_reader(softmax.outputs[0], graph, consumers)
+    if not _plain(second, "MatMul") or second.inputs[0] != softmax.outputs[0]:
+        return None
+    scale_node, scale, scale_op = producers.get(softmax.inputs[0]), 1.0, ""
+    first = scale_node
+    if _plain(scale_node, "Mul") or _plain(scale_node, "Div"):
+        if _only_reader(scale_node.outputs[0], graph, consumers) is not softmax:
+            return None
+        a, b = scale_node.inputs
+        c = _scalar(graph, b)
+        if c is None and scale_node.op == "Mul":
+            a, c = b, _scalar(graph, a)
+        if c is None:
+            return None
+        scale, scale_op, first = c, scale_node.op, producers.get(a)
+        if first is None or _only_reader(first.outputs[0], graph, consumers) is not scale_node:
+            return None
+    else:
+        scale_node = None
+        if first is None or _only_reader(first.outputs[0], graph, consumers) is not softmax:
+            return None
+    if not _plain(first, "MatMul"):
+        return None
+    shapes = [graph.values[n].shape for n in (*first.inputs, second.inputs[1], second.outputs[0])]
+    if any(len(s) != rank for s in shapes) or len({tuple(s[:-2]) for s in shapes}) != 1:
+        return None
+    if any(np.dtype(graph.values[n].dtype) != np.float32 for n in (*first.inputs, second.inputs[1])):
+        return None
+    q, q_perm, tq = _absorbed_input(graph, first.inputs[0], first, producers, consumers, True)
+    k, k_perm, tk = _absorbed_input(graph, first.inputs[1], first, producers, consumers, False)
+    v, v_perm, tv = _absorbed_input(graph, second.inputs[1], second, producers, consumers, True)
+    out, out_perm, tout = second.outputs[0], list(range(rank)), None
+    reader = _only_reader(out, graph, consumers)
+    if _plain(reader, "Transpose"):
+        perm = [int(p) for p in reader.attr("perm", list(reversed(range(rank))))]
+        if perm[-1] == rank - 1:
+            out, out_perm, tout = reader.outputs[0], perm, reader
+    nodes = [n for n in (tq, tk, tv, first, scale_node, softmax, second, tout) if n is not None]
+    attrs = {"scale": scale, "scale_op": scale_op, "q_perm": q_perm, "k_perm": k_perm, "v_perm": v_perm,
+             "out_perm": out_perm}
+    return Node("Attention", softmax.name, [q, k, v], [out], attrs, domain="cuvil"), nodes
+
+
+def fuse_attention(graph: Graph) -> Graph:
+    producers, consumers = graph.producers(), graph.consumers()
+    fused = {}   # name of the last node of a chain -> (Attention node, names of the chain's nodes)
+    claimed = set()
+    for node in graph.nodes:
+        if not _plain(node, "Softmax"):
+            continue
+        match = _match(graph, node, producers, consumers)
+        if match is None or any(n.name in claimed for n in match[1]):
+            continue
+        attention, chain = match
+        claimed.update(n.name for n in chain)
+        order = {n.name: i for i, n in enumerate(graph.nodes)}
+        last = max(chain, key=lambda n: order[n.name])
+        fused[last.name] = attention
+    if not fused:
+        return graph
+    result = graph.copy()
+    nodes = []
+    for node in result.nodes:
+        if node.name in fused:
+            nodes.append(fused[node.name])
+        elif node.name not in claimed:
+            nodes.append(node)
+    result.nodes = nodes
+    return drop_unused_values(result)
+
+
+def describe(before: Graph, after: Graph) -> str:
+    fused = [n for n in after.nodes if n.op == "Attention" and n.domain == "cuvil"]
+    if not fused:
+        return ""
+    transposes = sum(1 for n in before.nodes if n.op == "Transpose") - sum(1 for n in after.nodes if n.op == "Transpose")
+    return (f"{len(fused)} MatMul -> Softmax -> MatMul chain{'s' if len(fused) != 1 else ''} into Attention"
+            + (f" ({transposes} Transpose{'s' if transposes != 1 else ''} absorbed as strides)" if transposes else ""))

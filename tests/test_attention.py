@@ -1,0 +1,152 @@
+"""Attention: MatMul -> scale -> Softmax -> MatMul (and the head Transposes around it), fused by the
+pass fuse_attention and computed a block of query rows at a time (backends/numba_cpu/attention.py),
+against onnxruntime (relative tolerance 1e-5); and where the pass must not fire."""
+import numpy as np
+import pytest
+from onnx import helper
+
+import cuvil
+from backends.numba_cpu.registry import lower
+from cuvil.frontends.onnx import import_onnx
+from passes import resolve_passes, run_passes
+
+from tests.helpers import assert_matches_ort, make_model, rand
+
+F32 = np.float32
+
+
+def heads(B=1, T=16, S=None, H=4, D=64, Dv=None, scale="Mul", k_layout="bshd", out_transpose=True,
+          q_transpose=True, v_transpose=True, between=None, also_output=None, axis=-1):
+    """Multi-head attention as torch exports it: q [B, T, H, D], k and v [B, S, H, D(v)] -> Transposes to
+    [B, H, ., .] -> MatMul(q, k^T) -> Mul/Div by a scalar -> Softmax -> MatMul(., v) -> Transpose back.
+    k_layout "bhds": k is given as [B, H, D, S] already (no Transpose); `between`: an op put between
+    the scale and the Softmax ("Add": an additive mask); `also_output`: a tensor that is a graph output too."""
+    S = S or T
+    Dv = Dv or D
+    feeds = {"q": rand(B, T, H, D, seed=1), "v": rand(B, S, H, Dv, seed=3)}
+    feeds["k"] = rand(B, H, D, S, seed=2) if k_layout == "bhds" else rand(B, S, H, D, seed=2)
+    inits = {"c": np.float32(D ** -0.5 if scale == "Mul" else D ** 0.5)}
+    nodes = []
+    q = "q"
+    if q_transpose:
+        nodes.append(helper.make_node("Transpose", ["q"], ["qt"], perm=[0, 2, 1, 3]))
+        q = "qt"
+    else:
+        feeds["q"] = feeds["q"].transpose(0, 2, 1, 3).copy()
+    k = "k"
+    if k_layout == "bshd":
+        nodes.append(helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]))
+        k = "kt"
+    v = "v"
+    if v_transpose:
+        nodes.append(helper.make_node("Transpose", ["v"], ["vt"], perm=[0, 2, 1, 3]))
+        v = "vt"
+    else:
+        feeds["v"] = feeds["v"].transpose(0, 2, 1, 3).copy()
+    nodes.append(helper.make_node("MatMul", [q, k], ["s"]))
+    scores = "s"
+    if scale:
+        nodes.append(helper.make_node(scale, ["s", "c"], ["ss"]))
+        scores = "ss"
+    if between == "Add":
+        inits["mask"] = rand(1, 1, T, S, seed=9)
+        nodes.append(helper.make_node("Add", [scores, "mask"], ["sm"]))
+        scores = "sm"
+    nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=axis))
+    nodes.append(helper.make_node("MatMul", ["p", v], ["o"]))
+    out = "o"
+    if out_transpose:
+        nodes.append(helper.make_node("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3]))
+        out = "y"
+    inputs = [(name, F32, list(feeds[name].shape)) for name in ("q", "k", "v")]
+    outputs = [(out, F32, None)] + ([(also_output, F32, None)] if also_output else [])
+    return make_model(nodes, inputs, outputs, inits), feeds
+
+
+def lowered(model, threads=1):
+    graph, _ = import_onnx(model, {})
+    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    return graph, [c for c in lower(graph, threads) if hasattr(c, "kernel")]
+
+
+def ops(graph):
+    return [n.op for n in graph.nodes if n.op != "Identity"]
+
+
+CASES = {
+    "encoder_heads": {},
+    "div_scale": {"scale": "Div"},
+    "no_scale": {"scale": None},
+    "cross_attention_S_ne_T": {"T": 5, "S": 33},
+    "head_dims_not_a_vector_multiple": {"D": 20, "Dv": 12, "H": 3},
+    "batch_2_row_blocks": {"B": 2, "T": 200, "S": 150, "H": 2, "D": 32},
+    "k_given_transposed": {"k_layout": "bhds", "T": 24},
+    "no_transposes": {"q_transpose": False, "v_transpose": False, "out_transpose": False, "T": 7, "S": 40},
+    "one_query_row": {"T": 1, "S": 64},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_attention_matches_ort(case):
+    model, feeds = heads(**CASES[case])
+    graph, calls = lowered(model)
+    # The Transposes became strides (with T = 1 the one of q is a Reshape, a view, before the pass)
+    assert [op for op in ops(graph) if op != "Reshape"] == ["Attention"], ops(graph)
+    assert_matches_ort(model, feeds, tol=1e-5)
+
+
+def test_rank_3_attention():
+    """[N, T, D] operands, no heads axis: a plain batched attention."""
+    feeds = {"q": rand(3, 9, 16, seed=1), "k": rand(3, 16, 21, seed=2), "v": rand(3, 21, 8, seed=3)}
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=2),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    model = make_model(nodes, [(n, F32, list(feeds[n].shape)) for n in ("q", "k", "v")], [("y", F32, None)])
+    assert ops(lowered(model)[0]) == ["Attention"]
+    assert_matches_ort(model, feeds, tol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_results_identical_for_any_thread_count(threads):
+    """Row blocks split over the threads, each with scratch of its own: the same bits as one thread."""
+    model, feeds = heads(B=1, T=96, S=80, H=2, D=32)
+    one = cuvil.compile(model, threads=1).run(feeds)
+    many = cuvil.compile(model, threads=threads).run(feeds)
+    np.testing.assert_array_equal(one["y"], many["y"])
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])
+def test_narrower_targets_compute_the_same(target):
+    model, feeds = heads(T=19, S=23, H=2, D=20)
+    assert_matches_ort(model, feeds, tol=1e-5, target=target)
+
+
+@pytest.mark.parametrize("kwargs, left", [
+    ({"between": "Add"}, {"Add", "Softmax", "MatMul"}),                 # an additive mask: not this pattern
+    ({"also_output": "p"}, {"Softmax", "MatMul"}),                     # the probabilities are read elsewhere
+    ({"also_output": "s"}, {"Softmax", "MatMul"}),                     # so are the scores
+    ({"axis": 2}, {"Softmax", "MatMul"}),                              # softmax over the queries
+])
+def test_pass_leaves_other_chains_alone(kwargs, left):
+    model, feeds = heads(T=12, **kwargs)
+    graph, _ = lowered(model)
+    assert "Attention" not in ops(graph) and left <= set(ops(graph)), ops(graph)
+    assert_matches_ort(model, feeds, tol=1e-5)
+
+
+def test_transpose_read_elsewhere_stays():
+    """A head Transpose that something else reads too runs as before; the attention reads its output."""
+    model, feeds = heads(T=10, also_output="qt")
+    graph, _ = lowered(model)
+    assert ops(graph).count("Transpose") == 1 and "Attention" in ops(graph)
+    assert_matches_ort(model, feeds, tol=1e-5)
+
+
+def test_explain_and_describe():
+    from cuvil.explain import computes
+    from passes import describe
+    model, _ = heads(T=8)
+    graph, _ = lowered(model)
+    assert computes(graph.nodes[-1]) == "Attention[MatMul -> Mul -> Softmax -> MatMul]"
+    before, _ = import_onnx(model, {})
+    assert describe("fuse_attention", before, graph) == (
+        "1 MatMul -> Softmax -> MatMul chain into Attention (4 Transposes absorbed as strides)")

@@ -72,7 +72,8 @@ def computes(node) -> str:
         return "DepthwiseBlock[" + " -> ".join(parts) + "]"
     if node.domain == "cuvil" and node.op == "Attention":
         scale = [node.attr("scale_op")] if node.attr("scale_op") else []
-        return "Attention[" + " -> ".join(["MatMul"] + scale + ["Softmax", "MatMul"]) + "]"
+        mask = ["Add(mask)"] if len(node.inputs) > 3 and node.inputs[3] else []
+        return "Attention[" + " -> ".join(["MatMul"] + scale + mask + ["Softmax", "MatMul"]) + "]"
     if node.domain == "cuvil" and node.op == "FusedElementwise":
         return f"FusedElementwise[{', '.join(step.split()[0] for step in node.attr('program') or [])}]"
     return node.op

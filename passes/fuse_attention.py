@@ -1,7 +1,7 @@
 """fuse_attention: MatMul -> [Mul|Div by a scalar] -> Softmax -> MatMul becomes one Attention op.
 
-    Attention(q, k, v)        (domain "cuvil"; backends/numba_cpu/attention.py)
-        O = softmax(Q @ Kt * scale) @ V
+    Attention(q, k, v[, mask])        (domain "cuvil"; backends/numba_cpu/attention.py)
+        O = softmax(Q @ Kt * scale [+ mask]) @ V
 
 Scaled dot-product attention as exporters write it: the scores S = Q K^T of
 every head, a scale, a softmax over the keys, the weighted sum of V. Apart,
@@ -12,13 +12,15 @@ time with the scores in scratch that stays in L2, and reads Q, K and V (and
 writes O) through strides, so a Transpose that feeds Q, K or V (or reads O)
 and nothing else is absorbed too.
 
-Fires when: the first MatMul's output is read by the scale or the Softmax
-alone, and the Softmax's by the second MatMul alone (as its A), none of them
-a graph output; the Softmax runs over the last axis; the scale is a Mul or
-Div by a float constant with one element; all tensors are float32 with the
-same batch axes (no broadcasting) and Q, K and V have rank >= 3. An additive
-mask (or anything else between the MatMul and the Softmax) leaves the chain
-as it is.
+Fires when: each tensor of the chain MatMul -> [scale] -> [mask] -> Softmax
+is read by the next node alone, and the Softmax's by the second MatMul alone
+(as its A), none of them a graph output; the Softmax runs over the last
+axis; the scale is a Mul or Div by a float constant with one element; the
+mask is an Add of a float32 tensor that broadcasts to the scores' shape
+(BERT's [B, 1, 1, S] padding mask, a [T, S] causal one: a constant or not);
+all tensors are float32 with the same batch axes (no broadcasting) and Q, K
+and V have rank >= 3. Anything else between the MatMul and the Softmax
+(GPT-2's Where, a second Add) leaves the chain as it is.
 """
 from __future__ import annotations
 
@@ -47,6 +49,13 @@ def _scalar(graph: Graph, name: str) -> float | None:
     return float(np.asarray(value.data).reshape(()))
 
 
+def _broadcasts_to(value, shape) -> bool:
+    """Whether `value` broadcasts (numpy rules) to `shape` without changing it."""
+    if len(value.shape) > len(shape):
+        return False
+    return all(d in (1, t) for d, t in zip(reversed(value.shape), reversed(shape)))
+
+
 def _absorbed_input(graph: Graph, name: str, reader: Node, producers, consumers, unit_last: bool):
     """(tensor, perm, the Transpose node or None): a Transpose read by `reader` alone becomes a perm;
     with unit_last, only one that keeps the last axis last (unit stride along it)."""
@@ -59,6 +68,26 @@ def _absorbed_input(graph: Graph, name: str, reader: Node, producers, consumers,
     return name, list(range(rank)), None
 
 
+def _scores(graph: Graph, value: str, reader: Node, producers, consumers):
+    """(MatMul, scale node or None, scale, "Mul" | "Div" | "") when `value` is MatMul [-> Mul|Div by a
+    scalar], each read by the next alone and the last by `reader`; else None."""
+    node = producers.get(value)
+    if _only_reader(value, graph, consumers) is not reader or node is None:
+        return None
+    if _plain(node, "MatMul"):
+        return node, None, 1.0, ""
+    if not (_plain(node, "Mul") or _plain(node, "Div")):
+        return None
+    a, b = node.inputs
+    c = _scalar(graph, b)
+    if c is None and node.op == "Mul":
+        a, c = b, _scalar(graph, a)
+    first = producers.get(a)
+    if c is None or not _plain(first, "MatMul") or _only_reader(a, graph, consumers) is not node:
+        return None
+    return first, node, c, node.op
+
+
 def _match(graph: Graph, softmax: Node, producers, consumers):
     """The nodes and attributes of one attention around `softmax`, or None."""
     x = graph.values[softmax.inputs[0]]
@@ -69,24 +98,22 @@ def _match(graph: Graph, softmax: Node, producers, consumers):
     second = _only_reader(softmax.outputs[0], graph, consumers)
     if not _plain(second, "MatMul") or second.inputs[0] != softmax.outputs[0]:
         return None
-    scale_node, scale, scale_op = producers.get(softmax.inputs[0]), 1.0, ""
-    first = scale_node
-    if _plain(scale_node, "Mul") or _plain(scale_node, "Div"):
-        if _only_reader(scale_node.outputs[0], graph, consumers) is not softmax:
+    # Walk back from the Softmax: [Add mask] <- [Mul|Div scale] <- MatMul, each read by the next alone.
+    mask_node, mask = None, ""
+    scores = _scores(graph, softmax.inputs[0], softmax, producers, consumers)
+    node = producers.get(softmax.inputs[0])
+    if scores is None and _plain(node, "Add") and _only_reader(softmax.inputs[0], graph, consumers) is softmax:
+        for inner, other in (node.inputs, node.inputs[::-1]):
+            scores = _scores(graph, inner, node, producers, consumers)
+            if scores is not None:
+                mask_node, mask = node, other
+                break
+        if mask_node is None or not _broadcasts_to(graph.values[mask], x.shape) \
+                or np.dtype(graph.values[mask].dtype) != np.float32:
             return None
-        a, b = scale_node.inputs
-        c = _scalar(graph, b)
-        if c is None and scale_node.op == "Mul":
-            a, c = b, _scalar(graph, a)
-        if c is None:
-            return None
-        scale, scale_op, first = c, scale_node.op, producers.get(a)
-        if first is None or _only_reader(first.outputs[0], graph, consumers) is not scale_node:
-            return None
-    else:
-        scale_node = None
-        if first is None or _only_reader(first.outputs[0], graph, consumers) is not softmax:
-            return None
+    if scores is None:
+        return None
+    first, scale_node, scale, scale_op = scores
     if not _plain(first, "MatMul"):
         return None
     shapes = [graph.values[n].shape for n in (*first.inputs, second.inputs[1], second.outputs[0])]
@@ -103,10 +130,10 @@ def _match(graph: Graph, softmax: Node, producers, consumers):
         perm = [int(p) for p in reader.attr("perm", list(reversed(range(rank))))]
         if perm[-1] == rank - 1:
             out, out_perm, tout = reader.outputs[0], perm, reader
-    nodes = [n for n in (tq, tk, tv, first, scale_node, softmax, second, tout) if n is not None]
+    nodes = [n for n in (tq, tk, tv, first, scale_node, mask_node, softmax, second, tout) if n is not None]
     attrs = {"scale": scale, "scale_op": scale_op, "q_perm": q_perm, "k_perm": k_perm, "v_perm": v_perm,
              "out_perm": out_perm}
-    return Node("Attention", softmax.name, [q, k, v], [out], attrs, domain="cuvil"), nodes
+    return Node("Attention", softmax.name, [q, k, v] + ([mask] if mask else []), [out], attrs, domain="cuvil"), nodes
 
 
 def fuse_attention(graph: Graph) -> Graph:

@@ -16,11 +16,13 @@ F32 = np.float32
 
 
 def heads(B=1, T=16, S=None, H=4, D=64, Dv=None, scale="Mul", k_layout="bshd", out_transpose=True,
-          q_transpose=True, v_transpose=True, between=None, also_output=None, axis=-1):
+          q_transpose=True, v_transpose=True, between=None, also_output=None, axis=-1, mask=None, mask_input=False):
     """Multi-head attention as torch exports it: q [B, T, H, D], k and v [B, S, H, D(v)] -> Transposes to
     [B, H, ., .] -> MatMul(q, k^T) -> Mul/Div by a scalar -> Softmax -> MatMul(., v) -> Transpose back.
-    k_layout "bhds": k is given as [B, H, D, S] already (no Transpose); `between`: an op put between
-    the scale and the Softmax ("Add": an additive mask); `also_output`: a tensor that is a graph output too."""
+    k_layout "bhds": k is given as [B, H, D, S] already (no Transpose); `mask`: the shape of an additive
+    mask (a constant, or with mask_input an input of the graph) added after the scale; `between`: an op
+    put between the scale and the Softmax ("Where": a mask as GPT-2 exports it; "Add2": two masks);
+    `also_output`: a tensor that is a graph output too."""
     S = S or T
     Dv = Dv or D
     feeds = {"q": rand(B, T, H, D, seed=1), "v": rand(B, S, H, Dv, seed=3)}
@@ -48,17 +50,31 @@ def heads(B=1, T=16, S=None, H=4, D=64, Dv=None, scale="Mul", k_layout="bshd", o
     if scale:
         nodes.append(helper.make_node(scale, ["s", "c"], ["ss"]))
         scores = "ss"
-    if between == "Add":
-        inits["mask"] = rand(1, 1, T, S, seed=9)
-        nodes.append(helper.make_node("Add", [scores, "mask"], ["sm"]))
+    if mask is not None:
+        m = np.where(rand(*mask, seed=9) > 0.5, -1e4, 0).astype(F32) + rand(*mask, seed=10)
+        if mask_input:
+            feeds["mask"] = m
+        else:
+            inits["mask"] = m
+        nodes.append(helper.make_node("Add", ["mask", scores], ["sm"]))   # the mask first, as some exporters do
         scores = "sm"
+    if between == "Where":
+        inits["keep"] = np.tril(np.ones((T, S), bool))
+        inits["minus"] = np.float32(-1e9)
+        nodes.append(helper.make_node("Where", ["keep", scores, "minus"], ["sw"]))
+        scores = "sw"
+    if between == "Add2":
+        inits["m1"], inits["m2"] = rand(T, S, seed=11), rand(1, S, seed=12)
+        nodes.append(helper.make_node("Add", [scores, "m1"], ["sa"]))
+        nodes.append(helper.make_node("Add", ["sa", "m2"], ["sb"]))
+        scores = "sb"
     nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=axis))
     nodes.append(helper.make_node("MatMul", ["p", v], ["o"]))
     out = "o"
     if out_transpose:
         nodes.append(helper.make_node("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3]))
         out = "y"
-    inputs = [(name, F32, list(feeds[name].shape)) for name in ("q", "k", "v")]
+    inputs = [(name, F32, list(feeds[name].shape)) for name in ("q", "k", "v", "mask") if name in feeds]
     outputs = [(out, F32, None)] + ([(also_output, F32, None)] if also_output else [])
     return make_model(nodes, inputs, outputs, inits), feeds
 
@@ -83,6 +99,9 @@ CASES = {
     "k_given_transposed": {"k_layout": "bhds", "T": 24},
     "no_transposes": {"q_transpose": False, "v_transpose": False, "out_transpose": False, "T": 7, "S": 40},
     "one_query_row": {"T": 1, "S": 64},
+    "padding_mask_input": {"B": 2, "T": 11, "S": 11, "H": 3, "D": 16, "mask": (2, 1, 1, 11), "mask_input": True},
+    "causal_mask_constant": {"T": 20, "mask": (20, 20)},
+    "full_mask_per_head": {"T": 9, "S": 17, "H": 2, "D": 8, "mask": (1, 2, 9, 17), "scale": "Div"},
 }
 
 
@@ -121,7 +140,8 @@ def test_narrower_targets_compute_the_same(target):
 
 
 @pytest.mark.parametrize("kwargs, left", [
-    ({"between": "Add"}, {"Add", "Softmax", "MatMul"}),                 # an additive mask: not this pattern
+    ({"between": "Where"}, {"Where", "Softmax", "MatMul"}),             # GPT-2's masking: not this pattern
+    ({"between": "Add2"}, {"Add", "Softmax", "MatMul"}),                # two masks
     ({"also_output": "p"}, {"Softmax", "MatMul"}),                     # the probabilities are read elsewhere
     ({"also_output": "s"}, {"Softmax", "MatMul"}),                     # so are the scores
     ({"axis": 2}, {"Softmax", "MatMul"}),                              # softmax over the queries
@@ -147,6 +167,8 @@ def test_explain_and_describe():
     model, _ = heads(T=8)
     graph, _ = lowered(model)
     assert computes(graph.nodes[-1]) == "Attention[MatMul -> Mul -> Softmax -> MatMul]"
+    masked, _ = heads(T=8, scale="Div", mask=(8, 8))
+    assert computes(lowered(masked)[0].nodes[-1]) == "Attention[MatMul -> Div -> Add(mask) -> Softmax -> MatMul]"
     before, _ = import_onnx(model, {})
     assert describe("fuse_attention", before, graph) == (
         "1 MatMul -> Softmax -> MatMul chain into Attention (4 Transposes absorbed as strides)")

@@ -1,7 +1,7 @@
-"""Attention (domain "cuvil", made by passes/fuse_attention.py): softmax(Q K^T * scale) V in one kernel.
+"""Attention (domain "cuvil", made by passes/fuse_attention.py): softmax(Q K^T * scale + mask) V in one kernel.
 
     S = Q @ Kt                      Q [.., T, D], Kt [.., D, S]  (Kt: K already transposed, as MatMul reads it)
-    P = softmax(S * scale)          over the last axis ("Div": S / scale)
+    P = softmax(S * scale + M)      over the last axis ("Div": S / scale); M (optional) broadcasts to S
     O = P @ V                       V [.., S, Dv], O [.., T, Dv]
 
 The leading axes are batch axes (batch x heads), the same for all four. Each
@@ -51,6 +51,14 @@ def operand(shape, perm):
     """(logical shape, logical strides) of transpose(tensor of `shape`, perm)."""
     strides = _strides(shape)
     return [int(shape[p]) for p in perm], [strides[p] for p in perm]
+
+
+def mask_strides(shape, rank: int) -> list[int]:
+    """Strides of a mask that broadcasts (numpy rules) to rank `rank`, per axis of the result: 0 where
+    it has no such axis or a 1."""
+    strides = _strides(shape)
+    lead = rank - len(shape)
+    return [0 if i < lead or shape[i - lead] == 1 else strides[i - lead] for i in range(rank)]
 
 
 def output_strides(shape, out_perm) -> list[int]:
@@ -107,7 +115,8 @@ class _Product:
 
 
 def lower_attention(node, graph) -> Lowered:
-    q_name, k_name, v_name = node.inputs
+    q_name, k_name, v_name = node.inputs[:3]
+    mask_name = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3] else ""
     out_name = node.outputs[0]
     q, k, v, out = (graph.values[n] for n in (q_name, k_name, v_name, out_name))
     (qshape, qs), (kshape, ks), (vshape, vs) = (operand(x.shape, node.attr(f"{p}_perm"))
@@ -117,6 +126,8 @@ def lower_attention(node, graph) -> Lowered:
     S, Dv = kshape[-1], vshape[-1]
     batch = qshape[:-2]
     nb = math.prod(batch)
+    # The mask's strides along the scores' axes [.., T, S]: 0 where it broadcasts.
+    ms = mask_strides(graph.values[mask_name].shape, len(qshape)) if mask_name else None
     assert qs[-1] == 1 and vs[-1] == 1 and os_[-1] == 1, "fuse_attention checks the unit strides"
 
     SP = _ceil_div(S, PAD) * PAD
@@ -147,18 +158,21 @@ def lower_attention(node, graph) -> Lowered:
     src = Source()
     prod_s.declare(src)
     prod_o.declare(src)
-    src.line(kernel_header(5)).indent()     # p0 q, p1 k, p2 v, p3 scratch, p4 out
+    # Pointers: p0 q, p1 k, p2 v, [mask], scratch, out (what the kernel writes comes last)
+    MK, SC, OUT = ("p3", "p4", "p5") if mask_name else ("", "p3", "p4")
+    src.line(kernel_header(6 if mask_name else 5)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {runs}").line(f"run = item % {runs}")
     src.line("so = 0" if one_slot else f"so = item * {slot}")
     # The batch axes' offsets of each operand.
-    for name in ("qb", "kb", "vb", "ob"):
+    operands = [("qb", qs), ("kb", ks), ("vb", vs), ("ob", os_)] + ([("mb", ms)] if mask_name else [])
+    for name, _ in operands:
         src.line(f"{name} = 0")
     if batch:
         src.line("rest = n")
         for axis in reversed(range(len(batch))):
             src.line(f"i{axis} = rest % {batch[axis]}").line(f"rest = rest // {batch[axis]}")
-            for name, strides in (("qb", qs), ("kb", ks), ("vb", vs), ("ob", os_)):
+            for name, strides in operands:
                 if strides[axis]:
                     src.line(f"{name} += i{axis} * {strides[axis]}")
     # Kt [D][S] of this batch into the slot's first D*SP floats.
@@ -167,31 +181,36 @@ def lower_attention(node, graph) -> Lowered:
         src.line(f"for d in range({D}):").indent().line(f"for s in range({S}):").indent()
     else:           # read along d (contiguous when K is [.., S, D] in memory), write along s
         src.line(f"for s in range({S}):").indent().line(f"for d in range({D}):").indent()
-    src.line(f"p3[so + d * {SP} + s] = p1[kb + d * {ks_d} + s * {ks_s}]")
+    src.line(f"{SC}[so + d * {SP} + s] = p1[kb + d * {ks_d} + s * {ks_s}]")
     src.dedent().dedent()
     src.line(f"for blk in range(run * {n_blocks} // {runs}, (run + 1) * {n_blocks} // {runs}):").indent()
     src.line(f"r0 = blk * {RB}").line(f"rows = min({RB}, {T} - r0)")
     src.line(f"sb = so + {D * SP}")
     # S = Q[r0:r0+rows] @ Kt
-    prod_s.emit(src, "rows", "p0", f"qb + r0 * {qs[-2]}", qs[-2], "p3", "so", SP, "p3", "sb", SP)
-    # P = softmax(S * scale) row by row
+    prod_s.emit(src, "rows", "p0", f"qb + r0 * {qs[-2]}", qs[-2], SC, "so", SP, SC, "sb", SP)
+    # P = softmax(S * scale + mask) row by row
     src.line("for i in range(rows):").indent()
     src.line(f"ro = sb + i * {SP}")
-    scaled = {"Mul": f"p3[ro + j] * {F(scale)}", "Div": f"p3[ro + j] / {F(scale)}", "": "p3[ro + j]"}[scale_op]
+    sj = f"{SC}[ro + j]"
+    scaled = {"Mul": f"{sj} * {F(scale)}", "Div": f"{sj} / {F(scale)}", "": sj}[scale_op]
+    if mask_name:
+        src.line(f"mo = mb + (r0 + i) * {ms[-2]}")
+        scaled += f" + {MK}[mo + j * {ms[-1]}]"
     src.line("j = 0").line(f"m = {scaled}")
     src.line(f"for j in range({S}):").indent()
-    if scale_op:
-        src.line(f"x = {scaled}").line("p3[ro + j] = x").line("m = vmax(m, x)")
+    if scale_op or mask_name:
+        src.line(f"x = {scaled}").line(f"{sj} = x").line("m = vmax(m, x)")
     else:
-        src.line("m = vmax(m, p3[ro + j])")
+        src.line(f"m = vmax(m, {sj})")
     src.dedent()
     src.line(f"total = {F(0)}")
     src.line(f"for j in range({S}):").indent()
-    src.line("e = vexp(p3[ro + j] - m)").line("p3[ro + j] = e").line("total += e").dedent()
+    src.line(f"e = vexp({sj} - m)").line(f"{sj} = e").line("total += e").dedent()
     src.line(f"inv = {F(1)} / total")
-    src.line(f"for j in range({S}):").indent().line("p3[ro + j] = p3[ro + j] * inv").dedent()
+    src.line(f"for j in range({S}):").indent().line(f"{sj} = {sj} * inv").dedent()
     src.dedent()
     # O[r0:r0+rows] = P @ V
-    prod_o.emit(src, "rows", "p3", "sb", SP, "p2", "vb", vs[-2], "p4", f"ob + r0 * {os_[-2]}", os_[-2])
-    kernel = Kernel("Attention", src.text(), ("float32",) * 5)
-    return Lowered([KernelCall(kernel, [q_name, k_name, v_name, scratch, out_name], work, node.name, n_outputs=2)])
+    prod_o.emit(src, "rows", SC, "sb", SP, "p2", "vb", vs[-2], OUT, f"ob + r0 * {os_[-2]}", os_[-2])
+    args = [q_name, k_name, v_name] + ([mask_name] if mask_name else []) + [scratch, out_name]
+    kernel = Kernel("Attention", src.text(), ("float32",) * len(args))
+    return Lowered([KernelCall(kernel, args, work, node.name, n_outputs=2)])

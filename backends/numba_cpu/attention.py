@@ -31,7 +31,7 @@ import numpy as np
 
 from backends.native.ukernel import UKSpec
 
-from .gemm import _ceil_div, choose_tile, uk_k_pass
+from .gemm import TileLoops, _ceil_div, choose_tile
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, session_threads, work_items
 from .scratch import scratch_value
 
@@ -69,49 +69,25 @@ def output_strides(shape, out_perm) -> list[int]:
     return logical
 
 
-class _Product:
+class _Product(TileLoops):
     """C[rows x N] = A[rows x K] @ B[K x N] on the micro-kernel, A rows `lda` apart in place, B rows
     `ldb` apart, C rows `ldc` apart; rows a multiple of MR except `rem` (compile time) at the end."""
 
     def __init__(self, tag: str, tile: tuple[int, int], N: int, K: int, rem_rows: int):
-        self.tag, self.N, self.K = tag, N, K
-        self.MR, self.NR = tile
-        self.kc = uk_k_pass(K)
-        self.rem = rem_rows
-        keys = [(mr, masked) for mr in sorted({self.MR, rem_rows} - {0}) for masked in (0, 1)]
-        self.specs = {key: (f"{tag}{i}", UKSpec(mr=key[0], nr=self.NR, a_packed=0, b_masked=key[1]))
-                      for i, key in enumerate(keys)}
-
-    def declare(self, src: Source) -> None:
-        for name, spec in self.specs.values():
-            for line in spec.declaration(name).splitlines():
-                src.line(line)
+        MR, NR = tile
+        self.N, self.rem = N, rem_rows
+        keys = [(mr, masked) for mr in sorted({MR, rem_rows} - {0}) for masked in (0, 1)]
+        super().__init__(tag, MR, NR, K, {key: (f"{tag}{i}", UKSpec(mr=key[0], nr=NR, a_packed=0, b_masked=key[1]))
+                                          for i, key in enumerate(keys)})
 
     def emit(self, src: Source, rows, a, aoff, lda, b, boff, ldb, c, coff, ldc) -> None:
-        t, MR, NR, N, K, kc = self.tag, self.MR, self.NR, self.N, self.K, self.kc
-        src.line(f"{t}full = {rows} - {rows} % {MR}")
-        src.line(f"for {t}n0 in range(0, {N}, {NR}):").indent()
-        src.line(f"{t}nv = min({NR}, {N} - {t}n0)")
-        src.line(f"{t}mask = np.int64(-1) if {t}nv >= {NR} else (np.int64(1) << {t}nv) - np.int64(1)")
-        src.line(f"for {t}k0 in range(0, {K}, {kc}):").indent()
-        src.line(f"{t}kc = min({kc}, {K} - {t}k0)")
-        src.line(f"{t}flags = min({t}k0, 1)")
+        t = self.tag
 
         def call(mr, m, masked):
             name = self.specs[(mr, masked)][0]
             src.line(f"{name}({a}, {aoff} + {m} * {lda} + {t}k0, {lda}, {b}, {boff} + {t}k0 * {ldb} + {t}n0, {ldb}, "
                      f"{c}, {coff} + {m} * {ldc} + {t}n0, {ldc}, {t}kc, {t}mask, {t}flags, {c}, 0)")
-        for masked, test in ((0, f"if {t}nv == {NR}:"), (1, "else:")):
-            src.line(test).indent()
-            src.line(f"for {t}m in range(0, {t}full, {MR}):").indent()
-            call(MR, f"{t}m", masked)
-            src.dedent()
-            if self.rem:
-                src.line(f"if {t}full < {rows}:").indent()
-                call(self.rem, f"{t}full", masked)
-                src.dedent()
-            src.dedent()
-        src.dedent().dedent()
+        self.loops(src, self.N, rows, self.rem, f"min({t}k0, 1)", call)
 
 
 def lower_attention(node, graph) -> Lowered:

@@ -28,7 +28,7 @@ from cuvil.ir import Node
 
 from .dwstride import RowCalls, packed_weights
 from .epilogue import Epilogue, epilogue_of, register_epilogue
-from .gemm import _ceil_div, choose_tile, pack_a_panels, uk_k_pass
+from .gemm import TileLoops, _ceil_div, choose_tile, pack_a_panels
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, session_threads, work_items
 from .scratch import scratch_value
 
@@ -43,54 +43,32 @@ def _epilogue(node, prefix: str) -> Epilogue:
     return epilogue_of(Node("FusedConv", node.name, [], [], attrs, domain="cuvil"))[0]
 
 
-class _Gemm:
+class _Gemm(TileLoops):
     """out[M x npx] = act(A @ B + bias) for one band, A packed at build time (M x K), B rows `ldb`
-    apart, out rows `ldc` apart: the loop over column tiles, passes over k and row panels, and the
-    micro-kernels it declares."""
+    apart, out rows `ldc` apart, bias and activation in the last pass's epilogue."""
 
     def __init__(self, tag: str, weights: np.ndarray, bias_name: str, graph, epilogue: Epilogue, n_typical: int):
-        self.tag = tag
-        self.M, self.K = weights.shape
-        self.MR, self.NR = choose_tile(self.M, n_typical)
-        self.kc = uk_k_pass(self.K)
-        self.panels = pack_a_panels(weights, self.MR)
-        self.bias = np.zeros(_ceil_div(self.M, self.MR) * self.MR, dtype=np.float32)
+        self.M, K = weights.shape
+        MR, NR = choose_tile(self.M, n_typical)
+        self.panels = pack_a_panels(weights, MR)
+        self.bias = np.zeros(_ceil_div(self.M, MR) * MR, dtype=np.float32)
         if bias_name:   # (none: zeros, which the micro-kernel's epilogue adds)
             self.bias[:self.M] = np.asarray(graph.values[bias_name].data, dtype=np.float32).reshape(self.M)
         fields = register_epilogue(True, epilogue)
-        keys = [(mr, masked) for mr in sorted({self.MR, self.M % self.MR} - {0}) for masked in (0, 1)]
-        self.specs = {(mr, masked): (f"{tag}{i}", UKSpec(mr=mr, nr=self.NR, a_packed=1, a_panel=self.MR,
-                                                          b_masked=masked, **fields))
-                      for i, (mr, masked) in enumerate(keys)}
-
-    def declare(self, src: Source) -> None:
-        for name, spec in self.specs.values():
-            for line in spec.declaration(name).splitlines():
-                src.line(line)
+        keys = [(mr, masked) for mr in sorted({MR, self.M % MR} - {0}) for masked in (0, 1)]
+        super().__init__(tag, MR, NR, K, {(mr, masked): (f"{tag}{i}", UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR,
+                                                                             b_masked=masked, **fields))
+                                          for i, (mr, masked) in enumerate(keys)})
 
     def emit(self, src: Source, pa, pb, boff, ldb, pc, coff, ldc, pbias, npx) -> None:
-        t, M, MR, NR, K, kc = self.tag, self.M, self.MR, self.NR, self.K, self.kc
-        src.line(f"for {t}n0 in range(0, {npx}, {NR}):").indent()
-        src.line(f"{t}nv = min({NR}, {npx} - {t}n0)")
-        src.line(f"{t}mask = np.int64(-1) if {t}nv >= {NR} else (np.int64(1) << {t}nv) - np.int64(1)")
-        src.line(f"for {t}k0 in range(0, {K}, {kc}):").indent()
-        src.line(f"{t}kc = min({kc}, {K} - {t}k0)")
-        src.line(f"{t}flags = min({t}k0, 1) + {LOADC_EPILOGUE} * ({t}k0 + {kc} >= {K})")
-        panels = _ceil_div(M, MR) * MR
+        t, panels = self.tag, _ceil_div(self.M, self.MR) * self.MR
 
         def call(mr, m, masked):
             name = self.specs[(mr, masked)][0]
             src.line(f"{name}({pa}, {t}k0 * {panels} + {m} * {t}kc, 0, {pb}, {boff} + {t}k0 * {ldb} + {t}n0, {ldb}, "
                      f"{pc}, {coff} + {m} * {ldc} + {t}n0, {ldc}, {t}kc, {t}mask, {t}flags, {pbias}, {m})")
-        for masked, test in ((0, f"if {t}nv == {NR}:"), (1, "else:")):
-            src.line(test).indent()
-            src.line(f"for {t}m in range(0, {M - M % MR}, {MR}):").indent()
-            call(MR, f"{t}m", masked)
-            src.dedent()
-            if M % MR:
-                call(M % MR, M - M % MR, masked)
-            src.dedent()
-        src.dedent().dedent()
+        self.loops(src, npx, self.M, self.M % self.MR,
+                   f"min({t}k0, 1) + {LOADC_EPILOGUE} * ({t}k0 + {self.kc} >= {self.K})", call)
 
 
 def lower_depthwise_block(node, graph) -> Lowered:

@@ -307,6 +307,49 @@ def uk_k_pass(K: int) -> int:
     return _ceil_div(K, _ceil_div(K, kc))
 
 
+class TileLoops:
+    """The loops of a GEMM on micro-tiles inside a fused kernel's source (DepthwiseBlock's 1x1
+    convs, Attention's two products): column tiles of NR (the last one masked), passes over k,
+    tiles of MR rows and a partial tile of `rem` rows at the end. `specs`: {(mr, b_masked):
+    (name, UKSpec)}, the micro-kernels the loops call; `call(mr, m, masked)` writes one call."""
+
+    def __init__(self, tag: str, MR: int, NR: int, K: int, specs: dict):
+        self.tag, self.MR, self.NR, self.K, self.specs = tag, MR, NR, K, specs
+        self.kc = uk_k_pass(K)
+
+    def declare(self, src: Source) -> None:
+        for name, spec in self.specs.values():
+            for line in spec.declaration(name).splitlines():
+                src.line(line)
+
+    def loops(self, src: Source, N, rows, rem: int, flags: str, call) -> None:
+        """`rows`: an int, or an expression whose value less `rem` is a multiple of MR; `flags`: the
+        micro-kernel's loadc argument (an expression of {tag}k0)."""
+        t, MR, NR, K, kc = self.tag, self.MR, self.NR, self.K, self.kc
+        full = rows - rem if isinstance(rows, int) else f"{t}full"
+        if not isinstance(rows, int):
+            src.line(f"{t}full = {rows} - {rows} % {MR}")
+        src.line(f"for {t}n0 in range(0, {N}, {NR}):").indent()
+        src.line(f"{t}nv = min({NR}, {N} - {t}n0)")
+        src.line(f"{t}mask = np.int64(-1) if {t}nv >= {NR} else (np.int64(1) << {t}nv) - np.int64(1)")
+        src.line(f"for {t}k0 in range(0, {K}, {kc}):").indent()
+        src.line(f"{t}kc = min({kc}, {K} - {t}k0)")
+        src.line(f"{t}flags = {flags}")
+        for masked, test in ((0, f"if {t}nv == {NR}:"), (1, "else:")):
+            src.line(test).indent()
+            src.line(f"for {t}m in range(0, {full}, {MR}):").indent()
+            call(MR, f"{t}m", masked)
+            src.dedent()
+            if rem and isinstance(rows, int):
+                call(rem, full, masked)
+            elif rem:
+                src.line(f"if {t}full < {rows}:").indent()
+                call(rem, f"{t}full", masked)
+                src.dedent()
+            src.dedent()
+        src.dedent().dedent()
+
+
 # Rows of A this many bytes apart (or a multiple) map to the same L1 sets: a tile's MR rows, read
 # in place, then compete for the ways of one set, with the lines the prefetcher brings and B's,
 # and the GEMM slows by 20-30 % where L1 has 8 ways (AMD Zen 4, K = 1024, 1 thread: 128x256x1024

@@ -28,23 +28,17 @@ def heads(B=1, T=16, S=None, H=4, D=64, Dv=None, scale="Mul", k_layout="bshd", o
     feeds = {"q": rand(B, T, H, D, seed=1), "v": rand(B, S, H, Dv, seed=3)}
     feeds["k"] = rand(B, H, D, S, seed=2) if k_layout == "bhds" else rand(B, S, H, D, seed=2)
     inits = {"c": np.float32(D ** -0.5 if scale == "Mul" else D ** 0.5)}
-    nodes = []
-    q = "q"
-    if q_transpose:
-        nodes.append(helper.make_node("Transpose", ["q"], ["qt"], perm=[0, 2, 1, 3]))
-        q = "qt"
-    else:
-        feeds["q"] = feeds["q"].transpose(0, 2, 1, 3).copy()
-    k = "k"
+    nodes, read = [], {}
+    for name, transpose in (("q", q_transpose), ("v", v_transpose)):   # [B, H, ., .] from [B, ., H, .]
+        read[name] = name + "t" if transpose else name
+        if transpose:
+            nodes.append(helper.make_node("Transpose", [name], [read[name]], perm=[0, 2, 1, 3]))
+        else:
+            feeds[name] = feeds[name].transpose(0, 2, 1, 3).copy()
+    q, v, k = read["q"], read["v"], "k"
     if k_layout == "bshd":
         nodes.append(helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]))
         k = "kt"
-    v = "v"
-    if v_transpose:
-        nodes.append(helper.make_node("Transpose", ["v"], ["vt"], perm=[0, 2, 1, 3]))
-        v = "vt"
-    else:
-        feeds["v"] = feeds["v"].transpose(0, 2, 1, 3).copy()
     nodes.append(helper.make_node("MatMul", [q, k], ["s"]))
     scores = "s"
     if scale:

@@ -70,10 +70,10 @@ def computes(node) -> str:
         if node.inputs[5]:
             parts.append(conv("Conv1x1", "project_", bool(node.inputs[7])))
         return "DepthwiseBlock[" + " -> ".join(parts) + "]"
-    if node.domain == "cuvil" and node.op == "Attention":
+    if node.domain == "cuvil" and node.op == "FusedAttention":
         scale = [node.attr("scale_op")] if node.attr("scale_op") else []
         mask = ["Add(mask)"] if len(node.inputs) > 3 and node.inputs[3] else []
-        return "Attention[" + " -> ".join(["MatMul"] + scale + mask + ["Softmax", "MatMul"]) + "]"
+        return "FusedAttention[" + " -> ".join(["MatMul"] + scale + mask + ["Softmax", "MatMul"]) + "]"
     if node.domain == "cuvil" and node.op == "FusedElementwise":
         return f"FusedElementwise[{', '.join(step.split()[0] for step in node.attr('program') or [])}]"
     return node.op

@@ -18,7 +18,7 @@ prints. It reads the two graphs only, so passes stay pure.
            a depthwise conv and the 1x1 convs before and after it into one DepthwiseBlock
            when the tensors between them are large (`fuse_depthwise_block`); attention's
            MatMul -> scale -> Softmax -> MatMul (and the Transposes around it) into one
-           Attention (`fuse_attention`)
+           FusedAttention (`fuse_attention`)
     opt 3  + fusion that generates new kernels: elementwise chains into one loop
            (FusedElementwise), then the clean-ups once more
 

@@ -1,6 +1,7 @@
-"""fuse_attention: MatMul -> [Mul|Div by a scalar] -> Softmax -> MatMul becomes one Attention op.
+"""fuse_attention: MatMul -> [Mul|Div by a scalar] -> Softmax -> MatMul becomes one FusedAttention op.
 
-    Attention(q, k, v[, mask])        (domain "cuvil"; backends/numba_cpu/attention.py)
+    FusedAttention(q, k, v[, mask])   (domain "cuvil"; backends/numba_cpu/attention.py; not ONNX's
+                                       opset-23 Attention, which the frontend expands into these ops)
         O = softmax(Q @ Kt * scale [+ mask]) @ V
 
 Scaled dot-product attention as exporters write it: the scores S = Q K^T of
@@ -133,12 +134,12 @@ def _match(graph: Graph, softmax: Node, producers, consumers):
     nodes = [n for n in (tq, tk, tv, first, scale_node, mask_node, softmax, second, tout) if n is not None]
     attrs = {"scale": scale, "scale_op": scale_op, "q_perm": q_perm, "k_perm": k_perm, "v_perm": v_perm,
              "out_perm": out_perm}
-    return Node("Attention", softmax.name, [q, k, v] + ([mask] if mask else []), [out], attrs, domain="cuvil"), nodes
+    return Node("FusedAttention", softmax.name, [q, k, v] + ([mask] if mask else []), [out], attrs, domain="cuvil"), nodes
 
 
 def fuse_attention(graph: Graph) -> Graph:
     producers, consumers = graph.producers(), graph.consumers()
-    fused = {}   # name of the last node of a chain -> (Attention node, names of the chain's nodes)
+    fused = {}   # name of the last node of a chain -> (FusedAttention node, names of the chain's nodes)
     claimed = set()
     for node in graph.nodes:
         if not _plain(node, "Softmax"):
@@ -165,9 +166,9 @@ def fuse_attention(graph: Graph) -> Graph:
 
 
 def describe(before: Graph, after: Graph) -> str:
-    fused = [n for n in after.nodes if n.op == "Attention" and n.domain == "cuvil"]
+    fused = [n for n in after.nodes if n.op == "FusedAttention" and n.domain == "cuvil"]
     if not fused:
         return ""
     transposes = sum(1 for n in before.nodes if n.op == "Transpose") - sum(1 for n in after.nodes if n.op == "Transpose")
-    return (f"{len(fused)} MatMul -> Softmax -> MatMul chain{'s' if len(fused) != 1 else ''} into Attention"
+    return (f"{len(fused)} MatMul -> Softmax -> MatMul chain{'s' if len(fused) != 1 else ''} into FusedAttention"
             + (f" ({transposes} Transpose{'s' if transposes != 1 else ''} absorbed as strides)" if transposes else ""))

@@ -104,7 +104,7 @@ def test_fused_attention_matches_ort(case):
     model, feeds = heads(**CASES[case])
     graph, calls = lowered(model)
     # The Transposes became strides (with T = 1 the one of q is a Reshape, a view, before the pass)
-    assert [op for op in ops(graph) if op != "Reshape"] == ["Attention"], ops(graph)
+    assert [op for op in ops(graph) if op != "Reshape"] == ["FusedAttention"], ops(graph)
     assert_matches_ort(model, feeds, tol=1e-5)
 
 
@@ -114,7 +114,7 @@ def test_rank_3_attention():
     nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=2),
              helper.make_node("MatMul", ["p", "v"], ["y"])]
     model = make_model(nodes, [(n, F32, list(feeds[n].shape)) for n in ("q", "k", "v")], [("y", F32, None)])
-    assert ops(lowered(model)[0]) == ["Attention"]
+    assert ops(lowered(model)[0]) == ["FusedAttention"]
     assert_matches_ort(model, feeds, tol=1e-5)
 
 
@@ -143,7 +143,7 @@ def test_narrower_targets_compute_the_same(target):
 def test_pass_leaves_other_chains_alone(kwargs, left):
     model, feeds = heads(T=12, **kwargs)
     graph, _ = lowered(model)
-    assert "Attention" not in ops(graph) and left <= set(ops(graph)), ops(graph)
+    assert "FusedAttention" not in ops(graph) and left <= set(ops(graph)), ops(graph)
     assert_matches_ort(model, feeds, tol=1e-5)
 
 
@@ -151,7 +151,7 @@ def test_transpose_read_elsewhere_stays():
     """A head Transpose that something else reads too runs as before; the attention reads its output."""
     model, feeds = heads(T=10, also_output="qt")
     graph, _ = lowered(model)
-    assert ops(graph).count("Transpose") == 1 and "Attention" in ops(graph)
+    assert ops(graph).count("Transpose") == 1 and "FusedAttention" in ops(graph)
     assert_matches_ort(model, feeds, tol=1e-5)
 
 
@@ -160,9 +160,9 @@ def test_explain_and_describe():
     from passes import describe
     model, _ = heads(T=8)
     graph, _ = lowered(model)
-    assert computes(graph.nodes[-1]) == "Attention[MatMul -> Mul -> Softmax -> MatMul]"
+    assert computes(graph.nodes[-1]) == "FusedAttention[MatMul -> Mul -> Softmax -> MatMul]"
     masked, _ = heads(T=8, scale="Div", mask=(8, 8))
-    assert computes(lowered(masked)[0].nodes[-1]) == "Attention[MatMul -> Div -> Add(mask) -> Softmax -> MatMul]"
+    assert computes(lowered(masked)[0].nodes[-1]) == "FusedAttention[MatMul -> Div -> Add(mask) -> Softmax -> MatMul]"
     before, _ = import_onnx(model, {})
     assert describe("fuse_attention", before, graph) == (
-        "1 MatMul -> Softmax -> MatMul chain into Attention (4 Transposes absorbed as strides)")
+        "1 MatMul -> Softmax -> MatMul chain into FusedAttention (4 Transposes absorbed as strides)")

@@ -1,4 +1,4 @@
-"""Attention (domain "cuvil", made by passes/fuse_attention.py): softmax(Q K^T * scale + mask) V in one kernel.
+"""FusedAttention (domain "cuvil", made by passes/fuse_attention.py): softmax(Q K^T * scale + mask) V in one kernel.
 
     S = Q @ Kt                      Q [.., T, D], Kt [.., D, S]  (Kt: K already transposed, as MatMul reads it)
     P = softmax(S * scale + M)      over the last axis ("Div": S / scale); M (optional) broadcasts to S
@@ -188,5 +188,5 @@ def lower_attention(node, graph) -> Lowered:
     # O[r0:r0+rows] = P @ V
     prod_o.emit(src, "rows", SC, "sb", SP, "p2", "vb", vs[-2], OUT, f"ob + r0 * {os_[-2]}", os_[-2])
     args = [q_name, k_name, v_name] + ([mask_name] if mask_name else []) + [scratch, out_name]
-    kernel = Kernel("Attention", src.text(), ("float32",) * len(args))
+    kernel = Kernel("FusedAttention", src.text(), ("float32",) * len(args))
     return Lowered([KernelCall(kernel, args, work, node.name, n_outputs=2)])

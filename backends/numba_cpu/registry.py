@@ -46,7 +46,7 @@ GENERATORS = {
     "FusedMatMul": gemm.lower_matmul,
     "FusedConv": conv.lower_conv,
     "DepthwiseBlock": dwblock.lower_depthwise_block,
-    "Attention": attention.lower_attention,
+    "FusedAttention": attention.lower_attention,
     # fused elementwise loops, domain "cuvil" (fused.py)
     "FusedElementwise": fused.lower_fused_elementwise,
     # normalisation, pooling, layout (batchnorm.py, pool.py, softmax.py, transpose.py, concat.py)
@@ -141,7 +141,7 @@ def supported_ops() -> list[str]:
 
 
 # Ops of cuvil's own domain "cuvil" (graph passes make them; no ONNX model contains them).
-CUVIL_DOMAIN_OPS = {"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock", "Attention"}
+CUVIL_DOMAIN_OPS = {"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock", "FusedAttention"}
 
 
 def generator_for(node):

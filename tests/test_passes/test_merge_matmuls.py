@@ -159,5 +159,5 @@ def test_merges_in_the_attention_block_after_the_fusions():
     # q, k and v: one Gemm and a Split; the output projection took the residual (FusedGemm); the
     # scores, softmax and weighted sum are one Attention (fuse_attention).
     after = report.op_counts_after
-    assert (after["Gemm"], after["Split"], after["FusedGemm"], after["Attention"]) == (1, 1, 1, 1)
+    assert (after["Gemm"], after["Split"], after["FusedGemm"], after["FusedAttention"]) == (1, 1, 1, 1)
     assert "MatMul" not in after

@@ -141,11 +141,11 @@ def rel_err(got, ref) -> float:
     return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-6))
 
 
-def check_outputs(library, model_path, shapes) -> float:
-    """cuvil's first output against onnxruntime's (`rel_err`)."""
+def check_outputs(library, shapes, ref) -> float:
+    """cuvil's first output against onnxruntime's, `ref` (`rel_err`)."""
     from cuvil.runtime import Library
     lib = Library(library)
-    return rel_err(lib.run(sample_feeds(shapes))[lib.output_names[0]], reference_output(model_path, shapes))
+    return rel_err(lib.run(sample_feeds(shapes))[lib.output_names[0]], ref)
 
 
 def build(name, model_path, shapes, threads, cache_dir, jobs):
@@ -167,7 +167,8 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
     lib_dir = workdir / f"{name}-t{threads}"
     compiled.save(lib_dir)
     library = lib_dir / compiled.artifacts.library.name
-    err = check_outputs(library, model_path, shapes)
+    ref = reference_output(model_path, shapes)
+    err = check_outputs(library, shapes, ref)
     processes = {"c": [], "py": [], "ort": []}  # each engine: one list of call times per process
     if openvino:
         processes["ov"] = []
@@ -191,7 +192,7 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
               "kernels": compiled.info["kernels"], "arena_bytes": compiled.info["memory"]["arena_bytes"]}
     if openvino:
         result.update(openvino_ms=best["ov"] * 1e3, ratio_openvino=p / best["ov"],
-                      openvino_rel_err=rel_err(np.load(ov_output), reference_output(model_path, shapes)))
+                      openvino_rel_err=rel_err(np.load(ov_output), ref))
     return result
 
 

@@ -29,25 +29,11 @@ import numpy as np
 
 from cuvil.ir import Graph, Node
 
-from ._rewrite import drop_unused_values
-
-
-def _only_reader(name: str, graph: Graph, consumers) -> Node | None:
-    readers = consumers.get(name, [])
-    if len(readers) != 1 or name in graph.outputs:
-        return None
-    return readers[0]
+from ._rewrite import drop_unused_values, only_reader, scalar
 
 
 def _plain(node: Node | None, op: str) -> bool:
     return node is not None and node.op == op and node.domain in ("", "ai.onnx")
-
-
-def _scalar(graph: Graph, name: str) -> float | None:
-    value = graph.values.get(name)
-    if value is None or not value.is_const or value.size != 1 or np.dtype(value.dtype) != np.float32:
-        return None
-    return float(np.asarray(value.data).reshape(()))
 
 
 def _broadcasts_to(value, shape) -> bool:
@@ -62,7 +48,7 @@ def _absorbed_input(graph: Graph, name: str, reader: Node, producers, consumers,
     with unit_last, only one that keeps the last axis last (unit stride along it)."""
     rank = len(graph.values[name].shape)
     node = producers.get(name)
-    if _plain(node, "Transpose") and _only_reader(name, graph, consumers) is reader:
+    if _plain(node, "Transpose") and only_reader(graph, consumers, name) is reader:
         perm = [int(p) for p in node.attr("perm", list(reversed(range(rank))))]
         if not unit_last or perm[-1] == rank - 1:
             return node.inputs[0], perm, node
@@ -73,18 +59,18 @@ def _scores(graph: Graph, value: str, reader: Node, producers, consumers):
     """(MatMul, scale node or None, scale, "Mul" | "Div" | "") when `value` is MatMul [-> Mul|Div by a
     scalar], each read by the next alone and the last by `reader`; else None."""
     node = producers.get(value)
-    if _only_reader(value, graph, consumers) is not reader or node is None:
+    if only_reader(graph, consumers, value) is not reader or node is None:
         return None
     if _plain(node, "MatMul"):
         return node, None, 1.0, ""
     if not (_plain(node, "Mul") or _plain(node, "Div")):
         return None
     a, b = node.inputs
-    c = _scalar(graph, b)
+    c = scalar(graph, b)
     if c is None and node.op == "Mul":
-        a, c = b, _scalar(graph, a)
+        a, c = b, scalar(graph, a)
     first = producers.get(a)
-    if c is None or not _plain(first, "MatMul") or _only_reader(a, graph, consumers) is not node:
+    if c is None or not _plain(first, "MatMul") or only_reader(graph, consumers, a) is not node:
         return None
     return first, node, c, node.op
 
@@ -96,14 +82,14 @@ def _match(graph: Graph, softmax: Node, producers, consumers):
     axis = int(softmax.attr("axis", -1 if graph.opset >= 13 else 1))
     if rank < 3 or axis % rank != rank - 1 or np.dtype(x.dtype) != np.float32:
         return None
-    second = _only_reader(softmax.outputs[0], graph, consumers)
+    second = only_reader(graph, consumers, softmax.outputs[0])
     if not _plain(second, "MatMul") or second.inputs[0] != softmax.outputs[0]:
         return None
     # Walk back from the Softmax: [Add mask] <- [Mul|Div scale] <- MatMul, each read by the next alone.
     mask_node, mask = None, ""
     scores = _scores(graph, softmax.inputs[0], softmax, producers, consumers)
     node = producers.get(softmax.inputs[0])
-    if scores is None and _plain(node, "Add") and _only_reader(softmax.inputs[0], graph, consumers) is softmax:
+    if scores is None and _plain(node, "Add") and only_reader(graph, consumers, softmax.inputs[0]) is softmax:
         for inner, other in (node.inputs, node.inputs[::-1]):
             scores = _scores(graph, inner, node, producers, consumers)
             if scores is not None:
@@ -126,7 +112,7 @@ def _match(graph: Graph, softmax: Node, producers, consumers):
     k, k_perm, tk = _absorbed_input(graph, first.inputs[1], first, producers, consumers, False)
     v, v_perm, tv = _absorbed_input(graph, second.inputs[1], second, producers, consumers, True)
     out, out_perm, tout = second.outputs[0], list(range(rank)), None
-    reader = _only_reader(out, graph, consumers)
+    reader = only_reader(graph, consumers, out)
     if _plain(reader, "Transpose"):
         perm = [int(p) for p in reader.attr("perm", list(reversed(range(rank))))]
         if perm[-1] == rank - 1:

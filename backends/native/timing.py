@@ -116,51 +116,44 @@ def time_library(lib, runs: int = 100, warmup: int = 10, info: dict | None = Non
     return [float(line) * 1e-9 for line in out.split()]
 
 
-# The timing processes: each reads a JSON job on argv, prints a JSON list of seconds.
-_ORT_WORKER = r"""
-import json, sys, time
+# The timing processes: each reads a JSON job on argv, prints a JSON list of seconds. A worker
+# is _PRELUDE (the job, the inputs), an engine's part, which binds `run` to one call of the engine
+# on `feeds` (functools.partial: no Python frame of ours around the call), then _TIMED_CALLS.
+_PRELUDE = r"""
+import functools, json, sys, time
 import numpy as np
-import onnxruntime as ort
 job = json.loads(sys.argv[1])
+feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
+"""
+
+_TIMED_CALLS = r"""
+start = time.perf_counter()
+calls = 0
+while calls < job["warmup"] or time.perf_counter() - start < job["warmup_seconds"]:
+    run()
+    calls += 1
+times = []
+for _ in range(job["runs"]):
+    t = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - t)
+print(json.dumps(times))
+"""
+
+_ORT_WORKER = r"""
+import onnxruntime as ort
 so = ort.SessionOptions()
 so.intra_op_num_threads = job["threads"]
 so.inter_op_num_threads = 1
 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 sess = ort.InferenceSession(job["model"], so, providers=["CPUExecutionProvider"])
-feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
-names = [o.name for o in sess.get_outputs()]
-start = time.perf_counter()
-calls = 0
-while calls < job["warmup"] or time.perf_counter() - start < job["warmup_seconds"]:
-    sess.run(names, feeds)
-    calls += 1
-times = []
-for _ in range(job["runs"]):
-    t = time.perf_counter()
-    sess.run(names, feeds)
-    times.append(time.perf_counter() - t)
-print(json.dumps(times))
+run = functools.partial(sess.run, [o.name for o in sess.get_outputs()], feeds)
 """
 
 _CUVIL_WORKER = r"""
-import json, sys, time
-import numpy as np
 sys.path.insert(0, sys.argv[2])
 from cuvil.runtime import Library
-job = json.loads(sys.argv[1])
-session = Library(job["library"]).session()
-feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
-start = time.perf_counter()
-calls = 0
-while calls < job["warmup"] or time.perf_counter() - start < job["warmup_seconds"]:
-    session.run(feeds)
-    calls += 1
-times = []
-for _ in range(job["runs"]):
-    t = time.perf_counter()
-    session.run(feeds)
-    times.append(time.perf_counter() - t)
-print(json.dumps(times))
+run = functools.partial(Library(job["library"]).session().run, feeds)
 """
 
 
@@ -169,36 +162,22 @@ print(json.dumps(times))
 # latency mode. The inputs are shared with the request (no copy per call); the outputs come
 # back as new arrays, as onnxruntime's and cuvil's do.
 _OV_WORKER = r"""
-import json, sys, time
-import numpy as np
 import openvino as ov
-job = json.loads(sys.argv[1])
 core = ov.Core()
 model = core.read_model(job["model"])
 model.reshape({name: ov.PartialShape(shape) for name, shape in job["shapes"].items()})
 config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": 1,
           "INFERENCE_NUM_THREADS": job["threads"]}
 request = core.compile_model(model, "CPU", config).create_infer_request()
-feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
 if job.get("save_output"):
     np.save(job["save_output"], request.infer(feeds)[0])
-start = time.perf_counter()
-calls = 0
-while calls < job["warmup"] or time.perf_counter() - start < job["warmup_seconds"]:
-    request.infer(feeds, share_inputs=True)
-    calls += 1
-times = []
-for _ in range(job["runs"]):
-    t = time.perf_counter()
-    request.infer(feeds, share_inputs=True)
-    times.append(time.perf_counter() - t)
-print(json.dumps(times))
+run = functools.partial(request.infer, feeds, share_inputs=True)
 """
 
 
 def _worker(script: str, job: dict) -> list[float]:
-    out = subprocess.run([sys.executable, "-c", script, json.dumps(job), str(ROOT)], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _PRELUDE + script + _TIMED_CALLS, json.dumps(job), str(ROOT)],
+                         check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

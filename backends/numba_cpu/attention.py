@@ -32,38 +32,23 @@ import numpy as np
 from backends.native.ukernel import UKSpec
 
 from .gemm import TileLoops, _ceil_div, choose_tile
-from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, session_threads, work_items
+from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
+                     session_threads, work_items)
 from .scratch import scratch_value
 
 BLOCK_BYTES = 64 << 10   # a block's rows of S (then P): L2-resident between the products
 PAD = 16                 # rows of S and packed Kt are a multiple of this many floats apart
 
 
-def _strides(shape) -> list[int]:
-    out, step = [], 1
-    for d in reversed([int(v) for v in shape]):
-        out.append(step)
-        step *= d
-    return out[::-1]
-
-
 def operand(shape, perm):
     """(logical shape, logical strides) of transpose(tensor of `shape`, perm)."""
-    strides = _strides(shape)
+    strides = dims_strides(shape)
     return [int(shape[p]) for p in perm], [strides[p] for p in perm]
-
-
-def mask_strides(shape, rank: int) -> list[int]:
-    """Strides of a mask that broadcasts (numpy rules) to rank `rank`, per axis of the result: 0 where
-    it has no such axis or a 1."""
-    strides = _strides(shape)
-    lead = rank - len(shape)
-    return [0 if i < lead or shape[i - lead] == 1 else strides[i - lead] for i in range(rank)]
 
 
 def output_strides(shape, out_perm) -> list[int]:
     """Strides of O's logical axes when the output tensor (of `shape`) is transpose(O, out_perm)."""
-    strides, logical = _strides(shape), [0] * len(shape)
+    strides, logical = dims_strides(shape), [0] * len(shape)
     for k, p in enumerate(out_perm):
         logical[p] = strides[k]
     return logical
@@ -103,7 +88,7 @@ def lower_attention(node, graph) -> Lowered:
     batch = qshape[:-2]
     nb = math.prod(batch)
     # The mask's strides along the scores' axes [.., T, S]: 0 where it broadcasts.
-    ms = mask_strides(graph.values[mask_name].shape, len(qshape)) if mask_name else None
+    ms = broadcast_strides(graph.values[mask_name].shape, batch + [T, S]) if mask_name else None
     assert qs[-1] == 1 and vs[-1] == 1 and os_[-1] == 1, "fuse_attention checks the unit strides"
 
     SP = _ceil_div(S, PAD) * PAD

@@ -16,7 +16,7 @@ after the other and repeated `--rounds` times:
 A spinning thread pool of one engine would slow the other on a small
 machine, so they never run at the same time. Each process does a warm-up and
 `--runs` timed calls; an engine's figure is the lowest of its processes'
-medians (`timing.best_process_median` says why; the JSON also has every
+medians (`cuvil.bench.best_process_median` says why; the JSON also has every
 process's median and the ratio of the medians over all calls). ratio =
 cuvil (Python) / onnxruntime: < 1 means cuvil is faster (the C figure shows
 the call overhead Python adds); vs ov = cuvil (Python) / OpenVINO. The rel
@@ -124,7 +124,7 @@ def sample_feeds(shapes: dict) -> dict:
     return {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
-from backends.native.timing import cuvil_py_times, openvino_times, openvino_version, ort_time, ort_times  # noqa: E402,F401,E501
+from cuvil.bench import cuvil_py_times, openvino_times, openvino_version, ort_time, ort_times  # noqa: E402,F401,E501
 
 
 def reference_output(model_path, shapes) -> np.ndarray:
@@ -157,7 +157,7 @@ def build(name, model_path, shapes, threads, cache_dir, jobs):
 
 
 def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, openvino: bool = False):
-    from backends.native import timing as ctime
+    from cuvil import bench as ctime
     module, shapes = MODELS[name]()
     model = _zoo().export(module, shapes)
     model_path = workdir / f"{name}.onnx"

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from onnx import helper  # noqa: E402
 
 import cuvil  # noqa: E402
-from backends.native import timing as ctime  # noqa: E402
+from cuvil import bench as ctime  # noqa: E402
 from benchmarks import peak  # noqa: E402
 from benchmarks.bench import MODELS, ort_time  # noqa: E402
 from tests import zoo  # noqa: E402

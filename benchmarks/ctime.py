@@ -1,5 +1,5 @@
 """Time a built cuvil library from C: no Python in the loop (see
-backends/native/timing.py for the harness).
+cuvil/bench.py for the harness).
 
     python benchmarks/ctime.py LIB.so [--runs 100] [--warmup 10]
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.native.timing import harness, time_library  # noqa: E402,F401
+from cuvil.bench import harness, time_library  # noqa: E402,F401
 
 
 def main(argv=None):

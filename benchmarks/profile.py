@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def profile_library(library, info, runs=30, warmup=3):
-    from backends.native import timing as ctime
+    from cuvil import bench as ctime
     import numpy as np
     size = lambda v: int(np.prod(v["shape"], dtype=np.int64)) * np.dtype(v["dtype"]).itemsize
     args = [str(ctime.harness()), str(library), info.get("symbol_prefix", "cuvil_"), str(runs), str(warmup)]

@@ -1,6 +1,7 @@
 """Variants (model x target x precision) as steps of one build graph.
 
-For each variant `plan_variant` adds, in pipeline order:
+For each variant `plan_variant` adds, in pipeline order, one cached step per
+function of the pipeline (pipeline.py):
 
     [export] -> import -> pass:<name> ... -> codegen -> link (-> kernel:<symbol> ...)
 
@@ -24,12 +25,10 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from . import __version__
+from . import __version__, pipeline
 from .cache import Cache
 from .dag import Step, StepGraph, pack_files, unpack_files
 from .errors import CuvilError
-
-PRECISIONS_SUPPORTED = ("fp32",)
 
 
 @dataclass
@@ -78,7 +77,7 @@ def code_fingerprint() -> str:
 
 # The modules of cuvil/ that shape what a step produces (the CLI, the config
 # loader, the runtime loader and the cache do not).
-_OUTPUT_AFFECTING = ("__init__.py", "build.py", "dag.py", "ir.py", "ir_io.py", "errors.py")
+_OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py")
 
 
 @lru_cache(maxsize=None)
@@ -102,133 +101,20 @@ def compiler_version() -> str:
         raise CuvilError(f"the C compiler '{cc}' cannot be run", hint="install gcc or set CC") from None
 
 
-# -- the source model -------------------------------------------------------------------
-
-def _source_bytes(source) -> tuple[bytes, str]:
-    """The model's bytes and its kind ('onnx' or 'torchscript')."""
-    if isinstance(source, bytes):
-        return source, "onnx"
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise CuvilError(f"model file not found: {path}")
-        kind = "torchscript" if path.suffix in (".pt", ".pth") else "onnx"
-        return path.read_bytes(), kind
-    import onnx
-    if isinstance(source, onnx.ModelProto):
-        return source.SerializeToString(), "onnx"
-    raise CuvilError(f"cannot build a model from {type(source).__name__}")
-
-
-# -- step bodies ----------------------------------------------------------------------------
+# -- step bodies: each wraps one function of the pipeline (pipeline.py) ----------------------
 
 def _graph_codec(cache):
     from . import ir_io
     return (lambda g: ir_io.dumps(g, store=cache)), (lambda data: ir_io.loads(data, store=cache))
 
 
-def _run_export(dag, source, input_shapes):
-    from .frontends.torch import to_onnx_proto
-    return to_onnx_proto(source, input_shapes).SerializeToString()
-
-
-def has_kernel(domain: str, op: str) -> bool:
-    """Whether cuvil compiles the op as it is; the import expands the others into
-    their ONNX function bodies where they have one (frontends/expand.py)."""
-    from backends.numba_cpu.registry import CUVIL_DOMAIN_OPS, GENERATORS
-    if domain == "cuvil":
-        return op in CUVIL_DOMAIN_OPS
-    return domain in ("", "ai.onnx") and op in GENERATORS
-
-
-def _run_import(dag, source, input_shapes, model_bytes=None):
-    from .frontends.onnx import import_onnx
-    graph, _ = import_onnx(model_bytes if model_bytes is not None else source, input_shapes, has_kernel=has_kernel)
-    return graph
-
-
-def _run_pass(dag, graph, name, options):
-    from passes import run_pass
-    return run_pass(name, graph, options)
-
-
-def _io(graph, names):
-    import numpy as np
-    return [{"name": n, "dtype": np.dtype(graph.values[n].dtype).name, "shape": list(graph.values[n].shape)}
-            for n in names]
-
-
-def _pack_weights(graph, schedule):
-    """Every constant a kernel reads (and every build-time packed array) in one
-    blob, each 64-byte aligned, identical arrays once; packed arrays in the
-    schedule are replaced by the names they get here."""
-    import numpy as np
-
-    from backends.numba_cpu.kernel import KernelCall
-    blob = bytearray()
-    offsets: dict[str, int] = {}
-    by_digest: dict[str, str] = {}
-
-    def place(name, arr):
-        arr = np.ascontiguousarray(arr)
-        digest = hashlib.sha256(arr.dtype.str.encode() + arr.tobytes()).hexdigest()
-        if digest in by_digest:
-            offsets[name] = offsets[by_digest[digest]]
-            return
-        by_digest[digest] = name
-        blob.extend(b"\0" * (-len(blob) % 64))
-        offsets[name] = len(blob)
-        blob.extend(arr.tobytes())
-
-    packed = 0
-    for call in schedule:
-        if not isinstance(call, KernelCall):
-            continue
-        for args in [call.args] + ([call.in_place.args] if call.in_place else []):
-            for i, arg in enumerate(args):
-                if isinstance(arg, np.ndarray):
-                    name = f"__packed_{packed}"
-                    packed += 1
-                    place(name, arg)
-                    args[i] = name
-                elif arg not in offsets and graph.values[arg].is_const:
-                    place(arg, graph.values[arg].data)
-    for name in graph.outputs:
-        if name not in offsets and graph.values[name].is_const:
-            place(name, graph.values[name].data)
-    return bytes(blob), offsets
-
-
 def _run_codegen(dag, graph, params):
-    from backends.native import driver as c_driver
-    from backends.native.memory import place_shared_values, plan_memory, shared_values
-    from backends.numba_cpu.kernel import KernelCall
-    from backends.numba_cpu.registry import lower
-
-    schedule = lower(graph, params["threads"], params["target"]["l1d_ways"])
-    weights, weight_offsets = _pack_weights(graph, schedule)
-    shared = shared_values(schedule)
-    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(shared)
-    # Without the plan_memory pass every buffer gets bytes of its own (see passes/plan_memory.py).
-    memory = params.get("memory") or {"strategy": "none", "in_place": False}
-    plan = plan_memory(graph, schedule, external, strategy=memory["strategy"], in_place=memory["in_place"])
-    place_shared_values(plan, graph, shared)
-    limit = params["max_arena_mb"] << 20
-    if plan.arena_bytes > limit:
-        raise CuvilError(f"model '{params['name']}': a session would need {plan.arena_bytes / 2**20:.1f} MiB of working "
-                         f"memory, over the limit of {params['max_arena_mb']} MiB",
-                         hint="check the input shapes, or raise max_arena_mb in cuvil.yaml")
-    kernels = {}
-    for call in schedule:
-        if isinstance(call, KernelCall):
-            k = call.kernel
-            kernels[k.symbol] = {"symbol": k.symbol, "family": k.family, "source": k.source,
-                                 "arg_types": list(k.arg_types)}
-    info = {
-        "abi_version": c_driver.ABI_VERSION,
+    from backends.targets import CpuTarget
+    variant = pipeline.VariantParams(params["name"], CpuTarget.from_key(params["target"]), params["threads"],
+                                     params["memory"], params["max_arena_mb"])
+    planned = pipeline.plan(graph, variant)
+    provenance = {
         "name": params["name"],
-        "inputs": _io(graph, graph.inputs),
-        "outputs": _io(graph, graph.outputs),
         "target": params["target_name"],
         "cpu": params["target"]["cpu"],
         "precision": params["precision"],
@@ -240,46 +126,38 @@ def _run_codegen(dag, graph, params):
         "versions": {k: v for k, v in dag.versions.items() if k != "code"},
         "source_sha256": params["source_sha256"],
         "spec_hash": params["spec_hash"],
-        "memory": {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes, "weights_bytes": len(weights),
-                   "shared_bytes": plan.shared_bytes},
-        "kernels": len(kernels),
-        "steps": sum(1 for c in schedule if isinstance(c, KernelCall)),
     }
-    driver_c = c_driver.generate(graph, schedule, plan, weight_offsets, info, params["symbol_prefix"], params["threads"])
-    header = c_driver.header(params["symbol_prefix"], params["name"], info)
-    return {"driver.c": driver_c.encode(), "weights.bin": weights, "header.h": header.encode(),
-            "info.json": json.dumps(info, sort_keys=True).encode(),
-            "kernels.json": json.dumps(sorted(kernels.values(), key=lambda k: k["symbol"])).encode()}
+    info = pipeline.describe(planned, provenance)
+    return pipeline.generate(planned, info, params["symbol_prefix"], params["threads"])
 
 
-def _kernel_step(target, spec: dict) -> Step:
-    from backends.numba_cpu.kernel import Kernel
-
-    def run(dag):
-        from backends.native.objects import compile_object
-        return compile_object(Kernel(spec["family"], spec["source"], tuple(spec["arg_types"])), target)
-
+def kernel_step(target, spec: dict) -> Step:
+    """The cached step that compiles one kernel (a kernels.json entry) for `target`: shared by
+    every variant and model that has the same kernel."""
     return Step(name=f"kernel:{spec['symbol']}@{target.name}", kind="kernel",
-                params={"source": spec["source"], "arg_types": spec["arg_types"], "symbol": spec["symbol"],
-                        "target": target.as_key()},
-                deps=[], run=run, encode=bytes, decode=bytes, parallel=True)
+                params={**{k: spec[k] for k in ("source", "arg_types", "symbol", "in_place")}, "target": target.as_key()},
+                deps=[], run=lambda dag: pipeline.compile_kernel(spec, target), encode=bytes, decode=bytes,
+                parallel=True)
 
 
-def _run_link(dag, bundle, params, target):
-    from backends.native.link import run_scons, write_link_inputs
-    kernels = json.loads(bundle["kernels.json"])
-    steps = [dag.add(_kernel_step(target, k)) for k in kernels]
+def add_kernel_steps(dag, link_step: str, bundle: dict) -> list[str]:
+    """Add the kernel steps of a codegen bundle as dependencies of its link step."""
+    from backends.targets import CpuTarget
+    target = CpuTarget.from_key(dag.step(link_step).params["target"])
+    steps = [dag.add(kernel_step(target, k)) for k in json.loads(bundle["kernels.json"])]
     for name in steps:
-        dag.g.add_edge(name, params["link_step"])
+        dag.g.add_edge(name, link_step)
+    return steps
+
+
+def _run_link(dag, bundle, params):
+    kernels = json.loads(bundle["kernels.json"])
+    steps = add_kernel_steps(dag, params["link_step"], bundle)
     objects = dict(zip([k["symbol"] for k in kernels], dag.get_many(steps)))
     name = params["name"]
     library = f"lib{name}.so"
-    with tempfile.TemporaryDirectory(prefix="cuvil-link-") as tmp:
-        tmp = Path(tmp)
-        write_link_inputs(tmp, params["symbol_prefix"], bundle["driver.c"].decode(), bundle["weights.bin"], objects,
-                          library, sanitize=params["sanitize"])
-        run_scons(tmp)
-        lib_bytes = (tmp / library).read_bytes()
+    lib_bytes = pipeline.link(name, params["symbol_prefix"], bundle["driver.c"], bundle["weights.bin"], objects,
+                              sanitize=params["sanitize"])
     info = json.loads(bundle["info.json"])
     if params["sanitize"]:
         info["sanitize"] = ["address", "undefined"]
@@ -316,32 +194,25 @@ def spec_hash(model_sha: str, spec: VariantSpec, pass_names) -> str:
 def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
     """Add the steps of one variant; returns the name of its link step."""
     from backends.native.link import CFLAGS, LDFLAGS
-    from backends.native.targets import resolve_target
-    from passes import resolve_pass_options, resolve_passes
 
-    if spec.precision not in PRECISIONS_SUPPORTED:
-        raise CuvilError(f"model '{spec.name}': precision '{spec.precision}' is not supported yet",
-                         hint=f"supported: {', '.join(PRECISIONS_SUPPORTED)}")
-    target = resolve_target(spec.target)
-    pass_names = resolve_passes(spec.opt_level, spec.passes, spec.disable_passes)
-    pass_options = resolve_pass_options(pass_names, spec.pass_options)
-    model_bytes, kind = _source_bytes(spec.source)
+    target = pipeline.resolve_variant_target(spec.target, spec.precision)
+    pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options)
+    model_bytes, kind = pipeline.read_source(spec.source)
     model_sha = hashlib.sha256(model_bytes).hexdigest()
     shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}
     base = f"{spec.name}/{spec.target}"
     encode_graph, decode_graph = _graph_codec(dag.cache)
 
-    source_for_import = spec.source
     deps = []
     if kind == "torchscript":
         export = dag.add(Step(f"{base}/export", "export", {"model_sha256": model_sha, "inputs": shapes}, [],
-                              lambda d: _run_export(d, spec.source, shapes), bytes, bytes))
+                              lambda d: pipeline.export_onnx(spec.source, shapes), bytes, bytes))
         deps = [export]
-        importer = lambda d, onnx_bytes: _run_import(d, None, shapes, onnx_bytes)
+        importer = lambda d, onnx_bytes: pipeline.import_model(onnx_bytes, shapes)
     elif isinstance(spec.source, (str, os.PathLike)):
-        importer = lambda d: _run_import(d, source_for_import, shapes)
+        importer = lambda d: pipeline.import_model(spec.source, shapes)
     else:
-        importer = lambda d: _run_import(d, None, shapes, model_bytes)
+        importer = lambda d: pipeline.import_model(model_bytes, shapes)
     last = dag.add(Step(f"{base}/import", "import", {"model_sha256": model_sha, "inputs": shapes}, deps,
                         importer, encode_graph, decode_graph))
     for k, name in enumerate(pass_names):
@@ -350,17 +221,14 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
         repeat = pass_names[:k].count(name)
         step_name = f"{base}/pass:{name}" + (f"#{repeat + 1}" if repeat else "")
         last = dag.add(Step(step_name, "pass", {"pass": name, "options": options}, [last],
-                            lambda d, g, name=name, options=options: _run_pass(d, g, name, options),
+                            lambda d, g, name=name, options=options: pipeline.run_pass(g, name, options),
                             encode_graph, decode_graph))
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
               "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
               "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names),
-              "max_arena_mb": spec.max_arena_mb}
+              "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options)}
     if spec.pass_options:
         params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
-    if "plan_memory" in pass_names:
-        memory = pass_options["plan_memory"]
-        params["memory"] = {"strategy": memory["strategy"], "in_place": memory["in_place"]}
     codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
                            lambda d, g: _run_codegen(d, g, params), pack_files, unpack_files))
     link_name = f"{base}/link"
@@ -368,8 +236,16 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
                    "sanitize": spec.sanitize, "cc": compiler_version(), "target": target.as_key(),
                    "link_step": link_name}
     dag.add(Step(link_name, "link", link_params, [codegen],
-                 lambda d, bundle: _run_link(d, bundle, link_params, target), pack_files, unpack_files))
+                 lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files))
     return link_name
+
+
+def variant_params(dag: StepGraph, link_step: str) -> pipeline.VariantParams:
+    """The lowering and planning parameters of a planned variant, as its codegen step runs them."""
+    from backends.targets import CpuTarget
+    params = dag.step(dag.step(link_step).deps[0]).params
+    return pipeline.VariantParams(params["name"], CpuTarget.from_key(params["target"]), params["threads"],
+                                  params["memory"], params["max_arena_mb"])
 
 
 def install(files: dict[str, bytes], out_dir: Path) -> bool:
@@ -411,7 +287,7 @@ def install(files: dict[str, bytes], out_dir: Path) -> bool:
     return changed
 
 
-def _artifacts(files, out_dir, seconds, changed) -> Artifacts:
+def artifacts_of(files, out_dir, seconds, changed) -> Artifacts:
     lib = next(n for n in files if n.endswith(".so"))
     header = next(n for n in files if n.endswith(".h"))
     info = json.loads(files["manifest.json"])
@@ -432,7 +308,7 @@ def build_variants(variants: list[tuple[VariantSpec, Path]], cache: Cache, jobs:
         start = time.perf_counter()
         files = dag.get(link)
         changed = install(files, Path(out_dir))
-        results.append(_artifacts(files, Path(out_dir), time.perf_counter() - start, changed))
+        results.append(artifacts_of(files, Path(out_dir), time.perf_counter() - start, changed))
     return results, dag
 
 

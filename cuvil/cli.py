@@ -21,9 +21,6 @@ from .errors import CuvilError
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
-VS_ENGINES = ["onnxruntime", "openvino"]  # what `cuvil bench --vs` times besides cuvil
-
-
 def main(argv=None) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -158,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
                                             "median, min and p90 per call and the ratios cuvil/engine of the "
                                             "medians (with --rounds N, of each engine's best process).")
     bench.add_argument("target", type=Path, metavar="LIB|MODEL", help="a lib<model>.so, or an .onnx model")
-    bench.add_argument("--vs", action="append", choices=VS_ENGINES, default=[],
+    bench.add_argument("--vs", action="append", choices=("onnxruntime", "openvino"), default=[],
                        help="also time this engine on the same inputs (repeat for both); openvino: its CPU "
                             "plugin in float32, when installed (pip install openvino)")
     bench.add_argument("--onnx", type=Path, metavar="FILE.onnx",
@@ -208,10 +205,7 @@ def cmd_build(args) -> int:
         info = artifacts.info
         print(f"{info['name']}/{info['target']}: {_shown(artifacts.library)}")
         unchanged = "" if getattr(artifacts, "changed", True) else " (unchanged)"
-        shared = info["memory"].get("shared_bytes", 0)
-        print(f"    {artifacts.kernels} kernels, arena {_bytes(info['memory']['arena_bytes'])}, "
-              f"weights {_bytes(info['memory']['weights_bytes'])}"
-              f"{f', shared by the sessions {_bytes(shared)}' if shared else ''}, {artifacts.seconds:.1f} s{unchanged}")
+        print(f"    {_figures(artifacts.kernels, info['memory'])}, {artifacts.seconds:.1f} s{unchanged}")
     print(f"{len(built)} variant{'s' if len(built) != 1 else ''}: {result.dag.summary()} steps "
           f"in {result.seconds:.2f} s (cache: {_shown(spec.cache.dir)})")
     if getattr(args, "explain", False):
@@ -252,22 +246,11 @@ def cmd_graph(args) -> int:
     spec = load_config(args.file)
     dag, planned = plan_project(spec, args.models or None, progress=None)
     if args.expand:
+        from .build import add_kernel_steps
         for _, _, _, link in planned:
-            dag.get(dag.step(link).deps[0])  # the codegen step says which kernels exist
-            _expand_kernels(dag, link)
+            add_kernel_steps(dag, link, dag.get(dag.step(link).deps[0]))  # codegen says which kernels exist
     print(dag.render(args.format))
     return EXIT_OK
-
-
-def _expand_kernels(dag, link):
-    from backends.native.targets import CpuTarget
-
-    from .build import _kernel_step
-    bundle = dag.get(dag.step(link).deps[0])
-    target_key = dag.step(link).params["target"]
-    target = CpuTarget(**{**target_key, "gcc_flags": tuple(target_key["gcc_flags"])})
-    for kernel in json.loads(bundle["kernels.json"]):
-        dag.g.add_edge(dag.add(_kernel_step(target, kernel)), link)
 
 
 def cmd_verify(args) -> int:
@@ -446,70 +429,20 @@ def cmd_inspect(args) -> int:
 # --- bench
 
 def cmd_bench(args) -> int:
-    import tempfile
+    from . import bench
 
-    from backends.native import timing
-
-    target = args.target
-    if not target.is_file():
-        raise CuvilError(f"file not found: {target}")
-    vs = list(dict.fromkeys(args.vs))
-    if "openvino" in vs and timing.openvino_version() is None:
-        raise CuvilError("--vs openvino: OpenVINO is not installed",
-                         hint="pip install openvino (or this project's bench extra), or leave --vs openvino out")
-    shapes = {}
-    for spec in args.shape:
-        name, _, dims = spec.partition("=")
-        try:
-            shapes[name] = [int(d) for d in dims.split(",")]
-        except ValueError:
-            raise CuvilError(f"--shape {spec!r}: expected NAME=D1,D2,...") from None
-    onnx_path = args.onnx
-    with tempfile.TemporaryDirectory(prefix="cuvil-bench-") as tmp:
-        if target.suffix == ".so":
-            from .runtime import load
-            library_path = target
-            info = load(target).info
-        else:
-            from .api import compile as compile_model
-            onnx_path = onnx_path or target
-            compiled = compile_model(str(target), input_shapes=shapes or None, threads=args.threads)
-            library_path = compiled.save(Path(tmp) / "lib")
-            info = compiled.info
-        if args.vs and onnx_path is None:
-            raise CuvilError(f"--vs {args.vs[0]} needs the ONNX model of the library", hint="pass --onnx FILE.onnx")
-        in_shapes = {t["name"]: t["shape"] for t in info["inputs"]}
-        warmup = max(3, args.runs // 10)
-        rows = {"cuvil (C)": [], "cuvil (Python)": []} | {engine: [] for engine in vs}  # lists of times per process
-        threads = int(info.get("threads", args.threads))
-        for _ in range(args.rounds):
-            rows["cuvil (C)"].append(timing.time_library(library_path, args.runs, warmup, info))
-            rows["cuvil (Python)"].append(timing.cuvil_py_times(library_path, in_shapes, args.runs, warmup))
-            if "onnxruntime" in vs:
-                rows["onnxruntime"].append(timing.ort_times(onnx_path, in_shapes, threads, args.runs, warmup))
-            if "openvino" in vs:
-                rows["openvino"].append(timing.openvino_times(onnx_path, in_shapes, threads, args.runs, warmup))
-    # An engine's figure is its best process's median (see timing.best_process_median); with one
-    # round, the median.
-    results = {}
-    for key, processes in rows.items():
-        results[key] = timing.summary([t for times in processes for t in times])
-        results[key]["process_median_ms"] = timing.best_process_median(processes) * 1e3
-    for engine in vs:  # "ratio": against onnxruntime; "ratio_openvino": against OpenVINO
-        ratio_key = "ratio" if engine == "onnxruntime" else f"ratio_{engine}"
-        for key in ("cuvil (C)", "cuvil (Python)"):
-            results[key][ratio_key] = results[key]["process_median_ms"] / results[engine]["process_median_ms"]
+    report = bench.run_bench(args.target, args.vs, args.onnx, args.threads, args.runs, args.rounds,
+                             bench.parse_shapes(args.shape))
     if args.json:
-        print(json.dumps({"library": str(library_path) if target.suffix == ".so" else None, "model": info.get("name"),
-                          "threads": info.get("threads"), "results": results}, indent=2))
+        print(json.dumps({k: report[k] for k in ("library", "model", "threads", "results")}, indent=2))
         return EXIT_OK
-    print(f"{_shown(target)}: model {info.get('name', '?')}, target {info.get('target', '?')}, "
-          f"threads {info.get('threads', '?')}")
+    print(f"{_shown(args.target)}: model {report['model'] or '?'}, target {report['target'] or '?'}, "
+          f"threads {report['threads'] or '?'}")
     best = args.rounds > 1
-    ratio_keys = [("ratio" if engine == "onnxruntime" else f"ratio_{engine}", f"vs {engine}") for engine in vs]
+    ratio_keys = [(bench.ratio_name(engine), f"vs {engine}") for engine in report["vs"]]
     print(f"  {'engine':<16}{'median ms':>11}{'min ms':>10}{'p90 ms':>10}"
           + (f"{'best process':>14}" if best else "") + "".join(f"{title:>17}" for _, title in ratio_keys))
-    for key, r in results.items():
+    for key, r in report["results"].items():
         ratios = "".join(f"{r[k]:>17.2f}" if k in r else " " * 17 for k, _ in ratio_keys)
         process = f"{r['process_median_ms']:>14.3f}" if best else ""
         print(f"  {key:<16}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['p90_ms']:>10.3f}{process}{ratios}".rstrip())
@@ -538,17 +471,26 @@ def cmd_check(args) -> int:
         total = sum(report.op_counts.values())
         ops = ", ".join(f"{op} {n}" for op, n in report.op_counts.items())
         print(f"  ops     {total} node{'s' if total != 1 else ''}: {ops or '(none)'}")
+        for target, variant in report.variants.items():
+            print(f"  {target}: {_figures(variant['kernels'], variant['memory'])}")
         for problem in report.unsupported:
             print(f"  unsupported: {problem}")
         unsupported += len(report.unsupported)
     if unsupported:
         print(f"\n{unsupported} node{'s' if unsupported != 1 else ''} cannot be compiled yet")
         return EXIT_PROBLEMS
-    print("\nall ops supported")
+    print("\nall ops, targets and precisions supported")
     return EXIT_OK
 
 
 # --- formatting
+
+def _figures(kernels: int, memory: dict) -> str:
+    """What a variant's library holds, as `cuvil build` and `cuvil check` print it."""
+    shared = memory.get("shared_bytes", 0)
+    return (f"{kernels} kernels, arena {_bytes(memory['arena_bytes'])}, weights {_bytes(memory['weights_bytes'])}"
+            + (f", shared by the sessions {_bytes(shared)}" if shared else ""))
+
 
 def _shown(path) -> str:
     """A path relative to the working directory when it is below it, else absolute."""

@@ -11,6 +11,8 @@ lifetime.
 
 `explain_graphs` works on graphs already made (the build's cached pass
 steps, see `explain_variant`); `explain_model` runs import and passes itself.
+Both lower and plan through `pipeline.plan` with the variant's parameters, so
+the kernels, arena and weights shown are those of the library the build makes.
 """
 from __future__ import annotations
 
@@ -79,66 +81,54 @@ def computes(node) -> str:
     return node.op
 
 
-def _kernel_calls(graph):
-    from backends.numba_cpu.kernel import KernelCall
-    from backends.numba_cpu.registry import lower
-    schedule = lower(graph)
-    return schedule, [c for c in schedule if isinstance(c, KernelCall)]
-
-
-def explain_graphs(model: str, stages: list[tuple[str, object]], memory_options: dict | None) -> Explanation:
-    """stages: [("import", graph), (pass name, graph after it), ...]; memory_options: plan_memory's
-    (strategy, in_place), or None when plan_memory is not run (every buffer apart)."""
-    from backends.native.memory import plan_memory
+def explain_graphs(model: str, stages: list[tuple[str, object]], params) -> Explanation:
+    """stages: [("import", graph), (pass name, graph after it), ...]; params: the variant's
+    pipeline.VariantParams, so the kernels, arena and weights are the ones its build makes."""
+    from backends.schedule import kernel_calls
     from passes import describe
 
-    from .build import _pack_weights
+    from . import pipeline
 
     records = []
     for (_, before), (name, after) in zip(stages, stages[1:]):
         records.append(PassRecord(name, len(before.nodes), len(after.nodes), describe(name, before, after)))
     first, final = stages[0][1], stages[-1][1]
-    _, before_calls = _kernel_calls(first)
-    schedule, calls = _kernel_calls(final)
+    before_calls = len(kernel_calls(pipeline.lower(first, params.target, params.threads)))
+    planned = pipeline.plan(final, params)
     nodes = {n.name: n for n in final.nodes}
     kernels = []
-    for call in calls:
+    for call in planned.calls:
         node = nodes.get(call.node)
         out = call.args[-1] if isinstance(call.args[-1], str) else ""
         shape = tuple(final.values[out].shape) if out in final.values else ()
         kernels.append(KernelRecord(call.node, node.op if node else "?", computes(node) if node else "?",
                                     call.kernel.symbol, shape))
-    # As codegen does it, so the figures are the manifest's.
-    blob, weight_offsets = _pack_weights(final, schedule)
-    external = set(final.inputs) | set(final.outputs) | set(weight_offsets)
-    memory = memory_options or {"strategy": "none", "in_place": False}
-    plan = plan_memory(final, schedule, external, strategy=memory["strategy"], in_place=memory["in_place"])
-    weights = len(blob)
-    buffers = sorted((plan.offsets[r], final.values[r].nbytes, *plan.lifetimes[r], r) for r in plan.offsets)
-    return Explanation(model, records, kernels, len(before_calls), len(schedule) - len(calls),
-                       {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes, "weights_bytes": weights,
-                        "in_place": len(plan.in_place), "strategy": plan.strategy},
+    arena = planned.arena
+    buffers = sorted((arena.offsets[r], final.values[r].nbytes, *arena.lifetimes[r], r) for r in arena.offsets)
+    return Explanation(model, records, kernels, before_calls, len(planned.schedule) - len(planned.calls),
+                       {**planned.figures(), "in_place": len(arena.in_place), "strategy": arena.strategy},
                        buffers, first.op_counts(), final.op_counts())
 
 
 def explain_model(source, input_shapes=None, opt_level=2, passes=None, disable_passes=(), pass_options=None,
-                  name="model") -> Explanation:
+                  name="model", target="native", threads=1) -> Explanation:
     """Import a model (path, bytes or onnx.ModelProto) and run its passes here, uncached."""
-    from passes import resolve_pass_options, resolve_passes, run_passes
+    from . import pipeline
 
-    from .build import has_kernel
-    from .frontends.onnx import import_onnx
-    graph, _ = import_onnx(source, input_shapes or {}, has_kernel=has_kernel)
-    names = resolve_passes(opt_level, passes, disable_passes)
-    options = resolve_pass_options(names, pass_options)
+    graph = pipeline.import_model(source, input_shapes or {})
+    names, options = pipeline.pass_list(opt_level, passes, disable_passes, pass_options)
     stages = [("import", graph)]
-    run_passes(graph, names, on_pass=lambda n, b, a: stages.append((n, a)), options=pass_options)
-    return explain_graphs(name, stages, options.get("plan_memory"))
+    pipeline.run_passes(graph, names, options, on_pass=lambda n, b, a: stages.append((n, a)))
+    params = pipeline.VariantParams(name, pipeline.resolve_variant_target(target, "fp32"), threads,
+                                    pipeline.memory_options(names, options))
+    return explain_graphs(name, stages, params)
 
 
 def explain_variant(dag, link_step: str, model: str) -> Explanation:
     """Explain one planned variant from its build steps: the import and pass steps are read from
     the step cache (or run and cached), so explaining after a build costs no pass run."""
+    from .build import variant_params
+
     codegen = dag.step(link_step).deps[0]
     chain, name = [], dag.step(codegen).deps[0]
     while True:
@@ -150,7 +140,7 @@ def explain_variant(dag, link_step: str, model: str) -> Explanation:
     chain.reverse()
     stages = [("import", dag.get(chain[0].name))]
     stages += [(step.params["pass"], dag.get(step.name)) for step in chain[1:]]
-    return explain_graphs(model, stages, dag.step(codegen).params.get("memory"))
+    return explain_graphs(model, stages, variant_params(dag, link_step))
 
 
 # -- text -----------------------------------------------------------------------------------
@@ -182,9 +172,10 @@ def render(report: Explanation, max_buffers: int = 24) -> str:
         lines.append(f"  {k.node[:width]:<{width}}  {k.computes:<36} -> {shape}")
     m = report.memory
     ratio = m["arena_bytes"] / m["naive_bytes"] if m["naive_bytes"] else 0.0
+    shared = f", shared by the sessions {_size(m['shared_bytes'])}" if m.get("shared_bytes") else ""
     lines.append(f"arena  {_size(m['arena_bytes'])} for {_size(m['naive_bytes'])} of intermediates "
                  f"({ratio:.1%}; strategy {m['strategy']}, {m['in_place']} in place); "
-                 f"weights {_size(m['weights_bytes'])}")
+                 f"weights {_size(m['weights_bytes'])}{shared}")
     shown = sorted(report.buffers, key=lambda b: (-b[1], b[0]))[:max_buffers]
     for offset, size, first, last, value in sorted(shown):
         lines.append(f"  @{offset:<10d} {_size(size):>10}  steps {first:>3}-{last:<3} {value}")

@@ -2,10 +2,12 @@
 
 `build_project` turns each (model, target) pair of a `BuildSpec` into a
 `VariantSpec` and builds it into `<output_dir>/<model>/<target>/`, all
-variants sharing one step cache. `check_project` imports each model (TorchScript
-files are exported to ONNX first, as the build does) and lowers it to kernel
-calls without compiling anything, so an unsupported op is found in seconds
-instead of after a long build.
+variants sharing one step cache. `check_project` runs the same pipeline
+(pipeline.py) up to the memory plan for each model and target (TorchScript
+files are exported to ONNX first, as the build does) without compiling
+anything, so an unsupported op, target or precision is found in seconds
+instead of after a long build, with the kernels, arena and weights the build
+would make.
 
 An error from one model is re-raised with the config file and line of that
 model's entry in front (`cuvil.yaml:12: model 'resnet': ...`), so the user
@@ -23,18 +25,18 @@ from .cache import Cache
 from .config import BuildSpec, ModelConfig
 from .errors import CuvilError, UnsupportedOpError
 
-TORCHSCRIPT_SUFFIXES = (".pt", ".pth")
-
 
 @dataclass
 class ModelReport:
-    """What `check` knows of one model after importing it: tensors, ops, and what cannot be compiled."""
+    """What `check` knows of one model: tensors, ops, what cannot be compiled, and per target
+    the kernels, arena and weights the build would make."""
     name: str
     source: Path
     inputs: list[dict]          # {"name", "dtype", "shape"}
     outputs: list[dict]
     op_counts: dict[str, int]   # the imported graph's ops (constant subgraphs already folded)
-    unsupported: list[str] = field(default_factory=list)  # one line per node that has no kernel
+    unsupported: list[str] = field(default_factory=list)  # one line per node, target or precision refused
+    variants: dict[str, dict] = field(default_factory=dict)  # target -> {"kernels", "steps", "memory"}
 
 
 def select_models(spec: BuildSpec, names: list[str] | None = None) -> list[ModelConfig]:
@@ -89,7 +91,7 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
     """Build each selected model for each of its targets into <output_dir>/<model>/<target>/."""
     import time
 
-    from .build import _artifacts, install
+    from .build import artifacts_of, install
 
     start = time.perf_counter()
     say = progress or (lambda message: None)
@@ -102,7 +104,7 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
             t0 = time.perf_counter()
             files = dag.get(link)
             changed = install(files, out_dir)
-            built.append(_artifacts(files, out_dir, time.perf_counter() - t0, changed))
+            built.append(artifacts_of(files, out_dir, time.perf_counter() - t0, changed))
             say(f"[{model.name}/{target}] {'built' if changed else 'up to date'}: {_relative(out_dir)}")
     return ProjectBuild(built, dag, time.perf_counter() - start)
 
@@ -116,55 +118,40 @@ def open_project_cache(spec: BuildSpec):
 
 
 def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
-    """Import one model, run its passes and lower each node, compiling nothing."""
-    from backends.numba_cpu import registry
-    from passes import resolve_passes, run_passes
-
-    from .build import has_kernel
-    from .frontends.onnx import import_onnx
+    """Run one model through the pipeline up to the memory plan for each of its targets,
+    compiling nothing: what cannot be built (nodes, targets, precision), and what would be."""
+    from . import pipeline
 
     with _located(spec, model):
-        source = model.source
-        if source.suffix.lower() in TORCHSCRIPT_SUFFIXES:  # the build's export step, run here uncached
-            from .frontends.torch import to_onnx_proto
-            source = to_onnx_proto(source, dict(model.inputs))
-        graph, _ = import_onnx(source, dict(model.inputs), has_kernel=has_kernel)
+        graph = pipeline.import_any(model.source, dict(model.inputs))
         report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
                              _tensors(graph, graph.outputs), graph.op_counts())
-        graph = run_passes(graph, resolve_passes(model.opt_level, model.passes, model.disable_passes),
-                           options=model.pass_options)
-        for node in graph.nodes:
-            problem = _lowering_problem(registry, node, graph)
-            if problem:
-                report.unsupported.append(f"node '{node.name}' ({node.op}): {problem}")
+        names, options = pipeline.pass_list(model.opt_level, model.passes, model.disable_passes, model.pass_options)
+        graph = pipeline.run_passes(graph, names, options)
+        report.unsupported.extend(pipeline.lowering_problems(graph))
+        for target_name in model.targets:
+            try:
+                target = pipeline.resolve_variant_target(target_name, model.precision)
+            except CuvilError as error:
+                report.unsupported.append(f"target '{target_name}', precision '{model.precision}': {error.message}")
+                continue
+            if report.unsupported:
+                continue
+            params = pipeline.VariantParams(model.name, target, model.threads,
+                                            pipeline.memory_options(names, options), model.max_arena_mb)
+            planned = pipeline.plan(graph, params)
+            report.variants[target_name] = {"kernels": len(planned.kernels), "steps": len(planned.calls),
+                                            "memory": planned.figures()}
     return report
 
 
 def check_project(spec: BuildSpec, models: list[str] | None = None) -> list[str]:
-    """Every node of every selected model that cannot be compiled, each prefixed with its model's location."""
+    """Everything in the selected models that cannot be built, each prefixed with its model's location."""
     problems = []
     for model in select_models(spec, models):
         report = check_model(spec, model)
         problems.extend(f"{_where(spec, model)}{line}" for line in report.unsupported)
     return problems
-
-
-def _lowering_problem(registry, node, graph) -> str | None:
-    """Why `node` cannot be lowered, or None. Lowering only writes kernel source, so it is cheap."""
-    # The "cuvil" domain holds the ops the fusion passes make (FusedConv, FusedElementwise...).
-    cuvil_op = node.domain == "cuvil" and node.op in getattr(registry, "CUVIL_DOMAIN_OPS", ())
-    if node.domain not in ("", "ai.onnx") and not cuvil_op:
-        return f"op {node.domain}::{node.op} is outside the default ONNX domain"
-    generator = registry.GENERATORS.get(node.op)
-    if generator is None:
-        return f"no kernel generator for op {node.op}"
-    try:
-        generator(node, graph)
-    except NotImplementedError:
-        return f"the kernel generator for {node.op} is not written yet"
-    except UnsupportedOpError as error:  # an attribute or dtype the generator does not cover
-        return error.message
-    return None
 
 
 def _tensors(graph, names) -> list[dict]:

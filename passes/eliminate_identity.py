@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from cuvil.ir import Graph
+from cuvil.ops import RESHAPE_OPS
 
 from ._rewrite import drop_unused_values, replace_uses
 
-_SAME_SHAPE_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
 
 
 def _is_identity(node, graph: Graph, producers) -> bool:
@@ -26,7 +26,7 @@ def _is_identity(node, graph: Graph, producers) -> bool:
     if node.op == "Dropout":
         mask_used = len(node.outputs) > 1 and node.outputs[1]
         return not mask_used
-    if node.op in _SAME_SHAPE_OPS:
+    if node.op in RESHAPE_OPS:
         return tuple(src.shape) == tuple(dst.shape)
     if node.op == "Transpose":
         perm = node.attr("perm")

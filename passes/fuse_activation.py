@@ -32,13 +32,13 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from cuvil.ir import Graph, Node
+from cuvil.ops import EPILOGUE_ACTIVATIONS, EPILOGUE_ANCHORS, RESHAPE_OPS
 
 from ._rewrite import (add_constant, add_value, const_data, drop_unused_values, is_float, node_names, only_reader,
                        unique_node_name)
 
-ANCHORS = {"Conv": "FusedConv", "Gemm": "FusedGemm", "MatMul": "FusedMatMul"}
-VIEW_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
-ACTIVATIONS = ("Relu", "Clip", "Sigmoid", "HardSwish", "HardSigmoid", "LeakyRelu", "Tanh")
+ANCHORS = EPILOGUE_ANCHORS
+ACTIVATIONS = EPILOGUE_ACTIVATIONS
 
 
 def _known_activations(names):
@@ -89,7 +89,7 @@ def _plan(graph: Graph, anchor: Node, consumers, options: Options) -> _Plan | No
     nxt = only_reader(graph, consumers, anchor.outputs[0])
     # A view between them (a linear layer on (batch, seq, d) is Reshape -> Gemm -> Reshape) is
     # looked through: the epilogue works on the anchor's shape, the view moves after it.
-    if nxt is not None and nxt.op in VIEW_OPS and not nxt.domain:
+    if nxt is not None and nxt.op in RESHAPE_OPS and not nxt.domain:
         plan.view, nxt = nxt, only_reader(graph, consumers, nxt.outputs[0])
     shape = tuple(graph.values[(plan.view or anchor).outputs[0]].shape)
     last = (plan.view or anchor).outputs[0]

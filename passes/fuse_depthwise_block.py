@@ -29,12 +29,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from cuvil.ir import Graph, Node
+from cuvil.ops import REGISTER_ACTIVATIONS
 
 from ._rewrite import drop_unused_values, only_reader
 
 # The kernels' limits (passes do not import the backend): the activations the micro-kernels apply in
 # registers (ukernel.EPILOGUE_ACTIVATIONS) and the depthwise rows' kernel and row sizes (dwstride.py).
-ACTIVATIONS = ("", "Relu", "Clip")
+ACTIVATIONS = ("",) + REGISTER_ACTIVATIONS
 MAX_KERNEL = 7
 MAX_OUT_WIDTH = 128
 

@@ -27,19 +27,15 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from cuvil.ir import Graph, Node
+from cuvil.ops import FUSIBLE, FUSIBLE_BINARY, FUSIBLE_UNARY, FUSIBLE_WITH_ATTRS
 
 from ._rewrite import drop_unused_values, scalar
 
 DOMAIN = "cuvil"
 OP = "FusedElementwise"
 
-UNARY = {"Relu", "Neg", "Abs", "Sqrt", "Exp", "Log", "Tanh", "Erf", "Sigmoid", "Reciprocal", "Floor", "Ceil",
-         "Sin", "Cos", "Softplus", "Softsign", "Identity", "HardSwish", "Silu"}
-BINARY = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "PRelu"}
-# Ops with attributes, and the attributes the program keeps (with ONNX's defaults).
-WITH_ATTRS = {"LeakyRelu": {"alpha": 0.01}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5},
-              "Elu": {"alpha": 1.0}, "Gelu": {"approximate": "none"}, "Clip": {}}
-FUSIBLE = UNARY | BINARY | set(WITH_ATTRS)
+# The ops a program computes, and the attributes it keeps for those with some: cuvil/ops.py.
+UNARY, BINARY, WITH_ATTRS = FUSIBLE_UNARY, FUSIBLE_BINARY, FUSIBLE_WITH_ATTRS
 
 
 class Options(BaseModel):

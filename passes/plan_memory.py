@@ -6,7 +6,7 @@ ready it runs the one that frees the most bytes and allocates the fewest
 (ties keep the original order), and keeps the new order only if its peak of
 live bytes is lower. The other half, offsets in one arena, needs the kernel
 schedule (views, in-place reuse), so codegen does it with
-`backends/native/memory.py`, using this pass's options:
+`backends/native/memory.py` (`plan_arena`), using this pass's options:
 
     strategy   greedy_by_size | best_fit | none    (none: no reuse at all)
     in_place   an elementwise kernel may overwrite an input it reads last
@@ -22,9 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from cuvil.ir import Graph
-
-# Ops whose output shares the input's bytes (backends/numba_cpu/views.py).
-VIEW_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Dropout"}
+from cuvil.ops import VIEW_OPS  # their output shares the input's bytes (backends/numba_cpu/views.py)
 
 
 class Options(BaseModel):

@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from cuvil.ir import Graph, Node
+from cuvil.ops import RESHAPE_OPS
 
 from ._rewrite import add_constant, drop_unused_values, replace_uses
 
-SHAPE_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
 
 
 def _moves_only_unit_dims(shape, perm) -> bool:
@@ -33,7 +33,7 @@ def _moves_only_unit_dims(shape, perm) -> bool:
 def _is_view(node: Node, graph: Graph) -> bool:
     if node.domain:
         return False
-    if node.op in SHAPE_OPS:
+    if node.op in RESHAPE_OPS:
         return True
     if node.op == "Transpose":
         shape = graph.values[node.inputs[0]].shape
@@ -86,7 +86,7 @@ def simplify_shapes(graph: Graph) -> Graph:
 
 
 def describe(before: Graph, after: Graph) -> str:
-    ops = lambda g: sum(1 for n in g.nodes if n.op in SHAPE_OPS | {"Transpose"})
+    ops = lambda g: sum(1 for n in g.nodes if n.op in RESHAPE_OPS | {"Transpose"})
     removed = ops(before) - ops(after)
     turned = sum(1 for n in before.nodes if n.op == "Transpose") - sum(1 for n in after.nodes if n.op == "Transpose")
     parts = [f"{removed} shape ops removed"] if removed > 0 else []

@@ -148,8 +148,8 @@ def test_bench_vs_openvino(built, capsys, monkeypatch):
     assert "vs openvino" in out and "vs onnxruntime" not in out
     assert out.splitlines()[-1].split()[0] == "openvino"
 
-    from backends.native import timing
-    monkeypatch.setattr(timing, "openvino_version", lambda: None)
+    from cuvil import bench
+    monkeypatch.setattr(bench, "openvino_version", lambda: None)
     assert main(["bench", str(library), "--vs", "openvino", "--onnx", str(model)]) == 2
     err = capsys.readouterr().err
     assert "OpenVINO is not installed" in err and "pip install openvino" in err
@@ -159,11 +159,11 @@ def test_openvino_worker_computes_in_float32(built, tmp_path):
     """OpenVINO's CPU plugin infers in bfloat16 by default on CPUs with AVX512_BF16 (this machine):
     the bench's worker asks for float32, so its output matches onnxruntime's on the same inputs
     to float32 rounding (bfloat16 would differ by ~1e-2)."""
-    from backends.native import timing
+    from cuvil import bench
     folder, _, _ = built
     model = folder / "examples" / "models" / "tiny_cnn.onnx"
     saved = tmp_path / "openvino.npy"
-    times = timing.openvino_times(model, {"input": [1, 3, 32, 32]}, threads=1, runs=2, save_output=saved)
+    times = bench.openvino_times(model, {"input": [1, 3, 32, 32]}, threads=1, runs=2, save_output=saved)
     assert len(times) == 2 and all(t > 0 for t in times)
     x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)  # the worker's inputs
     np.testing.assert_allclose(np.load(saved), run_ort(model, {"input": x})["probs"], rtol=1e-5, atol=1e-6)
@@ -203,7 +203,7 @@ def test_check_lists_ops_and_passes_a_supported_model(built, capsys):
     assert main(["check", "-f", str(folder / "cuvil.yaml")]) == 0
     out = capsys.readouterr().out
     assert "input   input: float32 [1, 3, 32, 32]" in out
-    assert "all ops supported" in out and "unsupported" not in out
+    assert "all ops, targets and precisions supported" in out and "unsupported" not in out
 
 
 def _unsupported_op() -> str:
@@ -272,7 +272,7 @@ def test_check_exports_a_torchscript_source(tmp_path, capsys):
                                          "    inputs: {x: [2, 8]}\n")
     assert main(["check", "-f", str(tmp_path / "cuvil.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "input   x: float32 [2, 8]" in out and "Relu 1" in out and "all ops supported" in out
+    assert "input   x: float32 [2, 8]" in out and "Relu 1" in out and "all ops, targets and precisions supported" in out
 
     (tmp_path / "broken.pt").write_bytes(b"not a TorchScript archive")
     (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: broken\n    source: broken.pt\n"

@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from backends.native.ukernel import DwRowSpec, specs_in
+from backends.numba_cpu.ukernel import DwRowSpec, specs_in
 from backends.numba_cpu import dwblock
 from backends.numba_cpu.registry import lower
 from cuvil.frontends.onnx import import_onnx

@@ -8,7 +8,7 @@ import pytest
 from onnx import helper
 
 import cuvil
-from cuvil.build import has_kernel
+from cuvil.pipeline import has_kernel
 from cuvil.errors import UnsupportedOpError
 from cuvil.frontends import expand
 from cuvil.frontends.expand import expand_functions

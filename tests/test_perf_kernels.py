@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 
 import cuvil
-from backends.native.ukernel import DwRowSpec, GatherSpec, SyncSpec, TSpec, UKSpec, specs_in, ukernel_ir
+from backends.numba_cpu.ukernel import DwRowSpec, GatherSpec, SyncSpec, TSpec, UKSpec, specs_in, ukernel_ir
 from tests.helpers import assert_matches_ort, make_model, rand
 
 
@@ -138,8 +138,8 @@ def test_vmax_reduction_vectorises(tmp_path, form, vector):
     stays a scalar vmaxss chain (Softmax over 4 x 128 x 128 on Zen 4: 0.052 -> 0.022 ms)."""
     import subprocess
 
-    from backends.native.emit import emit_object, kernel_ir
-    from backends.native.targets import resolve_target
+    from backends.numba_cpu.emit import emit_object, kernel_ir
+    from backends.targets import resolve_target
     from backends.numba_cpu.kernel import Source, kernel_header
     src = Source().line(kernel_header(2)).indent()
     src.line("for r in range(begin, end):").indent()
@@ -229,7 +229,7 @@ def test_more_threads_than_items_identical():
 def test_strided_conv_phase_images_by_wide_loads(target, width):
     """A stride-2 conv's phase images are copied by GatherSpec (wide loads and a shuffle; the last
     group of each row masked), for every vector width and row widths around the group size."""
-    from backends.native.ukernel import GatherSpec
+    from backends.numba_cpu.ukernel import GatherSpec
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
     model, feeds = conv_model((1, 4, 9, width), (8, 4, 3, 3), pads=[1, 1, 1, 1], strides=[2, 2])
@@ -246,8 +246,8 @@ def test_microkernel_ir_for_every_vector_width(bits):
     column chunks so its accumulators fit the register file)."""
     import llvmlite.binding as llvm
 
-    from backends.native.targets import _init_llvm
-    _init_llvm()
+    from backends.targets import init_llvm
+    init_llvm()
     for spec in (UKSpec(mr=6, nr=64, a_packed=0), UKSpec(mr=4, nr=64, a_packed=1, a_panel=6, taps=(0, 1, 9), store="x"),
                  UKSpec(mr=1, nr=32, a_packed=0, b_masked=1),
                  UKSpec(mr=6, nr=64, a_packed=1, a_panel=6, bias=1, act="Relu", prefetch_c=1),
@@ -266,8 +266,8 @@ def test_compressed_stores_compress_in_registers():
     the memory form of vcompressps is microcoded on AMD Zen 4 (~80 cycles a store)."""
     import llvmlite.binding as llvm
 
-    from backends.native.targets import _init_llvm
-    _init_llvm()
+    from backends.targets import init_llvm
+    init_llvm()
     spec = UKSpec(mr=6, nr=64, a_packed=1, a_panel=6, taps=(0, 1, 2), store="x")
     module = llvm.parse_assembly(ukernel_ir(spec, 512))
     machine = llvm.Target.from_default_triple().create_target_machine(cpu="skylake-avx512", opt=3)
@@ -284,8 +284,8 @@ def test_sync_counters():
 
     import llvmlite.binding as llvm
 
-    from backends.native.targets import _init_llvm
-    _init_llvm()
+    from backends.targets import init_llvm
+    init_llvm()
     machine = llvm.Target.from_default_triple().create_target_machine()
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), machine)
     fns = {}
@@ -335,7 +335,7 @@ def test_depthwise_reads_rows_in_place():
     """Depthwise convs with stride 2 are one DwRowSpec call per output row (no phase images), with
     stride 1 one call per pair of rows when the rows are wide enough; stride (2, 1) still takes
     the phase images on small planes, and 7-wide stride-1 rows the direct kernel."""
-    from backends.native.ukernel import DwRowSpec
+    from backends.numba_cpu.ukernel import DwRowSpec
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
     for shape, strides, families, rows in (((1, 24, 28, 28), [2, 2], ["Conv"], {1}),
@@ -472,7 +472,7 @@ def test_conv_accumulates_onto_its_residual(k, case):
     """A residual with no later reader becomes the conv's output buffer, and the conv accumulates
     onto it (KernelCall.in_place); not when it is read later, nor when the conv reads it as its
     input (a 1x1 conv; a 3x3 conv reads the phase images ConvPad made of it, one step before)."""
-    from backends.native.memory import plan_memory
+    from backends.native.memory import plan_arena
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
     from passes import resolve_passes, run_passes
@@ -484,7 +484,7 @@ def test_conv_accumulates_onto_its_residual(k, case):
     schedule = lower(graph)
     conv = next(c for c in schedule if c.kernel.family == "Conv")
     assert conv.in_place is not None
-    plan = plan_memory(graph, schedule, set(graph.inputs) | set(graph.outputs))
+    plan = plan_arena(graph, schedule, set(graph.inputs) | set(graph.outputs))
     taken = [out for out, value in plan.in_place.items() if value == "r"]
     expected = case == "in_place" or (case == "own_input" and k == 3)
     assert (len(taken) == 1) == expected

@@ -214,8 +214,8 @@ def test_output_transform_vectorises(tmp_path):
     stayed scalar (56x56x64 on Zen 4: 0.20 -> 0.14 ms)."""
     import subprocess
 
-    from backends.native.emit import NOALIAS_MARK, emit_object, kernel_ir
-    from backends.native.targets import resolve_target
+    from backends.numba_cpu.emit import NOALIAS_MARK, emit_object, kernel_ir
+    from backends.targets import resolve_target
     from backends.numba_cpu.epilogue import Epilogue
     t, T = winograd.F4, 14 * 15
     kernel = winograd._out_kernel(t, 64, T, 14, 15, 56, 56, 64 * T + winograd.XI_SKEW, True, None,

@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 
-from backends.numba_cpu.kernel import KernelCall, View
+from backends.schedule import KernelCall, View
 
 ABI_VERSION = 1
 
@@ -147,7 +147,7 @@ def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, th
             # A GEMM's or conv's few items (gemm.split_work balances them) are taken one at a time;
             # many small items (a depthwise conv's channels) in chunks, or the threads would pass
             # the counter's cache line back and forth for each.
-            grain = 1 if call.kernel.family in _SELF_SIZED and call.work <= ONE_BY_ONE_ITEMS else 0
+            grain = 1 if call.kernel.self_sized and call.work <= ONE_BY_ONE_ITEMS else 0
             body.append(f"    parallel_for(s, {fn}, inputs, outputs, {call.work}, {grain}); /* {_comment(call.node)} */")
         body.append(f"    PROF_END({k});")
     # Graph outputs that are graph inputs or constants (no node writes them) are copied.
@@ -311,9 +311,8 @@ EXPORT int {P}session_run({P}session* s, const void* const* inputs, void* const*
 """
 
 
-# Kernels that size their own work ranges by their arithmetic (gemm.py, conv.py, convgemm.py):
-# always handed to the pool (a tiny one has a work range of 1 and runs on the caller).
-_SELF_SIZED = {"Gemm", "MatMul", "Conv"}
+# Kernels that size their own work ranges by their arithmetic (Kernel.self_sized: gemm.py, conv.py,
+# convgemm.py) are always handed to the pool (a tiny one has a work range of 1 and runs on the caller).
 # Other kernels touching fewer bytes than this run on the calling thread: handing them to
 # the pool would cost more than the work (a 1-layer encoder at T=16, 2 threads, from C: 32 KB
 # 113 us, 64 KB 107 us: its 16 KB Transposes and LayerNorms ran 2-3 us on the pool, 1-1.5 us alone).
@@ -323,7 +322,7 @@ ONE_BY_ONE_ITEMS = 64
 
 
 def _serial(call, graph) -> bool:
-    if call.kernel.family in _SELF_SIZED:
+    if call.kernel.self_sized:
         return False
     nbytes = sum(graph.values[a].nbytes for a in call.args if isinstance(a, str) and a in graph.values)
     return nbytes < SERIAL_BYTES

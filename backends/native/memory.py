@@ -22,18 +22,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends.numba_cpu.kernel import KernelCall, View
+from backends.schedule import KernelCall, View
 
 ALIGN = 64
 STRATEGIES = ("greedy_by_size", "best_fit", "none")
 
-# Kernel families whose kernels read input element i only in the iteration that
-# writes output element i (elementwise.py, fused.py and norm.py's Gelu).
-IN_PLACE_FAMILIES = frozenset({
-    "Relu", "Neg", "Abs", "Sqrt", "Exp", "Log", "Tanh", "Erf", "Sigmoid", "Reciprocal", "Floor", "Ceil",
-    "Sin", "Cos", "Softplus", "Softsign", "Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "PRelu", "Sum",
-    "Mean", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Gelu", "FusedElementwise",
-})
 
 
 def _align(n: int) -> int:
@@ -69,7 +62,7 @@ def place_shared_values(plan: MemoryPlan, graph, names) -> MemoryPlan:
     return plan
 
 
-def plan_memory(graph, schedule, external: set[str], strategy: str = "greedy_by_size",
+def plan_arena(graph, schedule, external: set[str], strategy: str = "greedy_by_size",
                 in_place: bool = True) -> MemoryPlan:
     """external: values that live outside the arena (graph inputs, outputs, constants). A call
     whose output takes over an input's buffer in its in-place form (KernelCall.in_place) is
@@ -126,7 +119,7 @@ def _reuse_in_place(graph, schedule, steps, external, alias, root, first, last) 
     for step, call in enumerate(schedule):
         if not isinstance(call, KernelCall) or call.n_outputs != 1:
             continue
-        if call.kernel.family in IN_PLACE_FAMILIES:
+        if call.kernel.in_place:
             candidates = steps[step][1]
         elif call.in_place is not None:
             # Not when the call reads the same buffer through another argument (a conv whose

@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from backends.native.ukernel import UKSpec
+from .ukernel import UKSpec
 
 from .gemm import TileLoops, _ceil_div, choose_tile
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,

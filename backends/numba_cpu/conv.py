@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.native.ukernel import specs_in
+from .ukernel import specs_in
 from cuvil.errors import UnsupportedOpError
 
 from . import convgemm, convsmall, dwstride, winograd
@@ -329,7 +329,7 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
                 src.line(f"v = {_py(g)}[o_base + f]")
                 src.line(f"{_py(g)}[o_base + f] = {g.epilogue.expr('v', g.dtype)}").dedent()
     mask = g.column_masks() if g.masked_kw else None
-    return Kernel("Conv", src.text(), tuple([g.dtype.name] * n_ptrs)), items * splits, mask
+    return Kernel("Conv", src.text(), tuple([g.dtype.name] * n_ptrs), self_sized=True), items * splits, mask
 
 
 _PX, _PW, _PB = "p0", "p1", "p2"

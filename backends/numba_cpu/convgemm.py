@@ -1,4 +1,4 @@
-"""2-D convolution as an implicit GEMM on the micro-kernels (backends/native/ukernel.py).
+"""2-D convolution as an implicit GEMM on the micro-kernels (backends/numba_cpu/ukernel.py).
 
     Y[n, oc, oh, ow] = sum_{c, kh, kw} W[oc, c, kh, kw] * Xpad[n, c, oh*s + kh*d, ow*s + kw*d]
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from cuvil.ir import Value
 
-from backends.native.ukernel import LOADC_EPILOGUE
+from .ukernel import LOADC_EPILOGUE
 
 from .epilogue import Epilogue, register_epilogue
 from .gemm import _ceil_div, choose_tile, split_work
@@ -61,7 +61,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
                     accumulate: bool = False, scratch: str | None = None) -> list:
     """The ConvPad and Conv kernel calls of a 2-D conv (see the module docstring). With
     `accumulate`, the conv adds onto its output (which holds the residual: see kernel.InPlace)."""
-    from backends.native.ukernel import UKSpec
+    from .ukernel import UKSpec
     epilogue = epilogue or Epilogue()
     dtype = np.dtype(np.float32)
     N, C, H, Wd = (int(v) for v in X.shape)
@@ -207,7 +207,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     head.line(kernel_header(n_ptrs))
     types = ["float32", "float32"] + (["float32"] if has_bias else []) + ["int64"] \
         + (["float32"] if residual_arg is not None else []) + ["float32"]
-    conv_kernel = Kernel("Conv", head.text() + body.text(), tuple(types))
+    conv_kernel = Kernel("Conv", head.text() + body.text(), tuple(types), self_sized=True)
     args = [scratch, packed] + ([B.name] if has_bias else []) + [table] \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
     return [KernelCall(pad_kernel, [X.name, scratch], pad_work, node.name),
@@ -261,7 +261,7 @@ def _pad_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel,
     blocks = _ceil_div(PH, rows)
     src = Source()
     if s_w > 1:   # the strided column copies: wide loads and a lane shuffle (see GatherSpec)
-        from backends.native.ukernel import GatherSpec
+        from .ukernel import GatherSpec
         for line in GatherSpec(s_w).declaration("gather").splitlines():
             src.line(line)
     src.line(kernel_header(2)).indent()

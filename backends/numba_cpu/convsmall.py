@@ -3,7 +3,7 @@
 The implicit GEMM of convgemm.py puts output positions in the vector lanes. On
 a 7x7 plane that wastes a quarter of every vector: 49 outputs (55 grid
 positions with the padding columns) fill two vectors of 32. Here the roles
-swap: a TSpec micro-kernel (backends/native/ukernel.py) keeps a tile of MR
+swap: a TSpec micro-kernel (backends/numba_cpu/ukernel.py) keeps a tile of MR
 output positions of one row (their inputs broadcast from the phase images,
 which ConvPad lays out as for convgemm) by NR output channels (the weights,
 packed at build time as NR-float vectors), so no lane is wasted when the row
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.native.ukernel import LOADC_ACCUMULATE, LOADC_EPILOGUE, TSTORE_OUTPUT, TSpec
+from .ukernel import LOADC_ACCUMULATE, LOADC_EPILOGUE, TSTORE_OUTPUT, TSpec
 
 from .convgemm import _pad_kernel, _phase_geometry
 from .epilogue import Epilogue, register_epilogue
@@ -202,7 +202,7 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
         src.dedent().dedent()
     types = ["float32", "float32"] + (["float32"] if has_bias else []) + (["float32"] if residual_arg is not None else []) \
         + ["float32", "float32"]
-    kernel = Kernel("Conv", src.text(), tuple(types))
+    kernel = Kernel("Conv", src.text(), tuple(types), self_sized=True)
     args = [src_name, packed] + ([B.name] if has_bias else []) + ([residual_arg] if residual_arg is not None else []) \
         + [partial, Y.name]
     calls.append(KernelCall(kernel, args, work, node.name, n_outputs=2))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.native.ukernel import LOADC_EPILOGUE, UKSpec
+from .ukernel import LOADC_EPILOGUE, UKSpec
 from cuvil.ir import Node
 
 from .dwstride import RowCalls, packed_weights

@@ -4,7 +4,7 @@ or pair of rows (stride 1).
 The direct kernel's stride-2 loads do not vectorise, and the phase images the
 implicit GEMM reads cost a copy of the input (most of the time of such a conv in
 MobileNetV2). Here each output row of a channel is one call of a DwRowSpec
-micro-kernel (backends/native/ukernel.py), which reads the input rows in
+micro-kernel (backends/numba_cpu/ukernel.py), which reads the input rows in
 place: wide loads, the taps' lanes picked by shuffles, bias and Relu/Clip in
 registers. With stride 1 a call computes two output rows, and each input row
 it loads feeds both (MobileNetV2's 3x3 depthwise convs at 112x112 to 14x14:
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.native.ukernel import EPILOGUE_ACTIVATIONS, DwRowSpec
+from .ukernel import EPILOGUE_ACTIVATIONS, DwRowSpec
 
 from .epilogue import Epilogue, register_activation
 from .kernel import Kernel, KernelCall, Source, kernel_header
@@ -91,5 +91,5 @@ def lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue: Epilogue) -
     src.line(f"c = item % {C}")
     src.line(f"xo = item * {H * Wd}").line(f"yo = item * {OH * OW}").line(f"wo = c * {KH * KW + 1}")
     rows.emit(src, "p0", "xo", "p1", "wo", "p2", "yo", 0, OH)
-    kernel_obj = Kernel("Conv", src.text(), ("float32", "float32", "float32"))
+    kernel_obj = Kernel("Conv", src.text(), ("float32", "float32", "float32"), self_sized=True)
     return KernelCall(kernel_obj, [X.name, packed, Y.name], N * C, node.name)

@@ -10,6 +10,7 @@ import re
 import numpy as np
 
 from cuvil.errors import UnsupportedOpError
+from cuvil.ops import IN_PLACE_OPS
 
 # Element types kernels reach only through load/store (bool, float16, float8, int4...): narrow.py.
 from .narrow import (BIT_HELPERS, SMALL_FLOATS, SMALL_INTS, compute_type, is_narrow, load,  # noqa: F401
@@ -186,7 +187,8 @@ def elementwise_kernel(family: str, expr: str, in_shapes, in_dtypes, out_shape, 
     out = len(in_shapes)
     src.line(store(f"p{out}", indices[-1], render(expr, compute_type(out_dtype)), out_dtype, saturate, value_dtype,
                    round_mode))
-    kernel = Kernel(family, with_helpers(src.text()), tuple(pointer_type(d) for d in list(in_dtypes) + [out_dtype]))
+    kernel = Kernel(family, with_helpers(src.text()), tuple(pointer_type(d) for d in list(in_dtypes) + [out_dtype]),
+                    in_place=family in IN_PLACE_OPS)
     return kernel, work
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backends.native.ukernel import EPILOGUE_ACTIVATIONS
 from cuvil.errors import UnsupportedOpError
+from cuvil.ops import EPILOGUE_ACTIVATIONS as _FUSED_ACTIVATIONS, REGISTER_ACTIVATIONS
 
 from .kernel import literal
 
-ACTIVATIONS = ("", "Relu", "Clip", "Sigmoid", "HardSwish", "HardSigmoid", "LeakyRelu", "Tanh")
+ACTIVATIONS = ("",) + _FUSED_ACTIVATIONS
+EPILOGUE_ACTIVATIONS = ("",) + REGISTER_ACTIVATIONS   # what the micro-kernel computes in registers
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Epilogue:
 
 
 def register_epilogue(row_bias: bool, epilogue: Epilogue, other_terms: bool = False) -> dict | None:
-    """The micro-kernel spec fields (backends/native/ukernel.py UKSpec) that compute the epilogue
+    """The micro-kernel spec fields (backends/numba_cpu/ukernel.py UKSpec) that compute the epilogue
     in registers on the last pass: a per-row bias and a Relu or Clip. None when there is nothing
     to compute or it needs the loop over the stored tile (`other_terms`: a residual, a bias the
     micro-kernel cannot add; or another activation)."""

@@ -101,5 +101,5 @@ def lower_fused_elementwise(node, graph) -> Lowered:
             src.line(f"{name} = {value}")
         src.line(f"t{j} = {render(_expression(node, op, operands, attrs), dtype)}")
     src.line(f"p{len(ins)}[{indices[-1]}] = np.{dtype.name}(t{len(program) - 1})")
-    kernel = Kernel("FusedElementwise", src.text(), tuple(dtype.name for _ in range(len(ins) + 1)))
+    kernel = Kernel("FusedElementwise", src.text(), tuple(dtype.name for _ in range(len(ins) + 1)), in_place=True)
     return Lowered([KernelCall(kernel, [v.name for v in ins] + [out.name], work, node.name)])

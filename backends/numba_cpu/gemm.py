@@ -26,7 +26,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from backends.native.ukernel import LOADC_EPILOGUE
+from .ukernel import LOADC_EPILOGUE
 
 from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, l1d_ways,
@@ -180,10 +180,10 @@ def gemm_kernel(family: str, dtype, M: int, N: int, K: int, batch_shape, a: Oper
             _axpy_body(src, M % rb, K, pa, pb, po, a, b, out, off, scale_a, c_value, M, act)
             src.dedent()
     types = [dtype.name] * n_ptrs
-    return Kernel(family, src.text(), tuple(types)), work
+    return Kernel(family, src.text(), tuple(types), self_sized=True), work
 
 
-# -- micro-kernel GEMM (backends/native/ukernel.py) -------------------------------------------------
+# -- micro-kernel GEMM (backends/numba_cpu/ukernel.py) -------------------------------------------------
 
 UK_MR = 6        # rows of a micro-tile (the default tile; see choose_tile)
 UK_NR = 64       # columns of a micro-tile (4 zmm vectors on AVX-512)
@@ -422,7 +422,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
                    c: Operand | None, out: Operand, beta: float = 1.0, residual: Operand | None = None,
                    epilogue: Epilogue | None = None, threads_hint: int | None = None,
                    a_panels: bool = False, tile: tuple[int, int] | None = None,
-                   accumulate: bool = False, b_in_l2: bool = False) -> tuple[Kernel, int]:
+                   accumulate: bool = False, b_in_l2: bool = False, self_sized: bool = True) -> tuple[Kernel, int]:
     """out = act(A @ B (+ beta*C) (+ R)) through LLVM-IR micro-kernels; with `accumulate`,
     out = act(out + A @ B (+ beta*C)): the output holds a residual on entry (see kernel.InPlace).
 
@@ -431,8 +431,9 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     `a[i*a.rows + k*a.cols]` with a.cols == 1 (rows) or a.rows == 1 (columns); with `a_panels`, A is
     packed at build time by `pack_a_panels` and `a` gives its batch strides and rows = K.
     `b_in_l2`: B comes from L2 (see gemv_weights_in_l2): no software prefetches of it, which only
-    compete with the loads there."""
-    from backends.native.ukernel import UKSpec
+    compete with the loads there. `self_sized`: the work items are sized for the threads (see
+    split_work), so the driver hands each out alone (schedule.Kernel.self_sized)."""
+    from .ukernel import UKSpec
     assert out.cols == 1
     dtype = np.dtype(np.float32)
     epilogue = epilogue or Epilogue()
@@ -582,7 +583,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
             head.line(line)
     head.line(kernel_header(n_ptrs))
     text = head.text() + body.text()
-    return Kernel(family, text, tuple([dtype.name] * n_ptrs)), work
+    return Kernel(family, text, tuple([dtype.name] * n_ptrs), self_sized=self_sized), work
 
 
 def _axpy_body(src, rows, K, pa, pb, po, a, b, out, off, scale_a, c_value, M, act=None):

@@ -1,25 +1,16 @@
-"""What a kernel generator returns, and small helpers for writing kernel source.
-
-A Kernel is Python source specialised to static shapes that defines
-`kernel(p0, p1, ..., begin, end)`: raw pointers (inputs first, then outputs)
-and the work range `[begin, end)` of its outer loop, so the driver can split
-it across threads. Its identity is its source and pointer types: two nodes
-with the same op, shapes and attributes produce the same Kernel and share one
-compiled object.
+"""The generators' toolkit: the schedule types they return (backends/schedule.py),
+the lowering context (session threads, the target's L1 ways) and small helpers
+for writing kernel source.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
-import json
-import re
-from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
-from backends.native.targets import DEFAULT_L1D_WAYS
+from backends.schedule import InPlace, Kernel, KernelCall, Lowered, View  # noqa: F401  (the generators' types)
+from backends.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
 
 
@@ -55,65 +46,6 @@ def work_items() -> int:
     """Work items a large GEMM or convolution aims for: at least 8 (measured: 1, 2, 4 or 8 items
     run a ResNet-18 equally fast on one thread), and four per thread beyond two threads."""
     return max(8, 4 * session_threads())
-
-
-@dataclass(frozen=True)
-class Kernel:
-    family: str                # short op-family name, used in the symbol
-    source: str                # defines `def kernel(p0, ..., begin, end):`
-    arg_types: tuple[str, ...]  # numpy dtype name of each pointer argument
-
-    @cached_property
-    def key(self) -> str:
-        blob = json.dumps([self.family, self.source, list(self.arg_types)], sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()
-
-    @property
-    def symbol(self) -> str:
-        family = re.sub(r"[^A-Za-z0-9]", "_", self.family).lower()
-        return f"cuvilk_{family}_{self.key[:16]}"
-
-
-@dataclass
-class InPlace:
-    """The form a call takes when its output takes over the buffer of input `value` (the memory
-    planner decides, when `value` has no later reader): `kernel` then finds that input's values
-    in its output (a GEMM or conv accumulates onto its residual instead of reading it apart)."""
-    value: str
-    kernel: Kernel
-    args: list
-    work: int
-
-
-@dataclass
-class KernelCall:
-    """One call of a kernel in the schedule: which values (or build-time packed
-    constants) its pointers bind to, and the size of its work range."""
-    kernel: Kernel
-    args: list  # value names (str) or np.ndarray constants packed at build time
-    work: int
-    node: str = ""  # the CIR node(s) it implements, for messages and `explain`
-    n_outputs: int = 1  # the trailing n_outputs args are written, the rest only read
-    in_place: InPlace | None = None  # see InPlace
-    # Runs once, when the first session of the loaded library is created, not on every run: its
-    # inputs are constants and its outputs persist, shared by every session, for the other calls
-    # to read (weights transformed for a kernel, which the library then need not store
-    # transformed: see winograd.py).
-    once: bool = False
-
-
-@dataclass
-class View:
-    """The output is the input's bytes under another shape (Reshape, Flatten...)."""
-    src: str
-    dst: str
-    node: str = ""
-
-
-@dataclass
-class Lowered:
-    """What a generator returns for one node."""
-    calls: list = field(default_factory=list)  # KernelCall | View
 
 
 def const_input(node, graph, pos, what, default=None):

@@ -235,5 +235,5 @@ def lower_gelu(node, graph) -> Lowered:
         src.line(f"yy = {lit(2 * math.sqrt(2 / math.pi))} * (a + {lit(0.044715)} * a * a * a)")
         src.line(f"v = a / ({lit(1)} + math.exp(-yy))")
     src.line(f"p1[{yi}] = v")
-    kernel = Kernel("Gelu", src.text(), (dtype.name, dtype.name))
+    kernel = Kernel("Gelu", src.text(), (dtype.name, dtype.name), in_place=True)
     return Lowered([KernelCall(kernel, [x.name, y.name], work, node.name)])

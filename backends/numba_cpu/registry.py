@@ -5,8 +5,9 @@ here is a CuvilError naming the op, the node and this list.
 """
 from __future__ import annotations
 
-from backends.native.targets import DEFAULT_L1D_WAYS
+from backends.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
+from cuvil.ops import FUSED_DOMAIN, FUSED_OPS
 
 from . import attention, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
 from .kernel import lowering_for
@@ -140,12 +141,10 @@ def supported_ops() -> list[str]:
     return sorted(GENERATORS)
 
 
-# Ops of cuvil's own domain "cuvil" (graph passes make them; no ONNX model contains them).
-CUVIL_DOMAIN_OPS = {"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock", "FusedAttention"}
 
 
 def generator_for(node):
-    if node.domain == "cuvil" and node.op in CUVIL_DOMAIN_OPS:
+    if node.domain == FUSED_DOMAIN and node.op in FUSED_OPS:
         return GENERATORS[node.op]
     if node.domain not in ("", "ai.onnx"):
         raise UnsupportedOpError(f"node '{node.name}': op {node.domain}::{node.op} is not supported",

@@ -41,7 +41,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from backends.native.ukernel import SyncSpec
+from .ukernel import SyncSpec
 
 from . import rnn_uk
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, session_threads

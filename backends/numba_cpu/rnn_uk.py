@@ -61,7 +61,7 @@ class MicroKernels:
         self.prefetch_b = int(prefetch_b)
 
     def name(self, mr: int) -> str:
-        from backends.native.ukernel import UKSpec
+        from .ukernel import UKSpec
         if mr not in self.specs:
             self.specs[mr] = (f"uk{mr}", UKSpec(mr=mr, nr=NR, a_packed=0, prefetch_b=self.prefetch_b))
         return self.specs[mr][0]

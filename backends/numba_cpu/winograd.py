@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.native.emit import NOALIAS_MARK
+from .emit import NOALIAS_MARK
 from cuvil.ir import Value
 
 from . import convgemm
@@ -310,7 +310,9 @@ def lower_winograd(node, graph, t: Transform, X, W, B, Y, pads, residual_arg=Non
     a_op = Operand((0, lead), C, 1)
     b_op = Operand((P * xs_in, xs_in), T, 1)
     m_op = Operand((P * xs_out, xs_out), T, 1)
-    gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, T, C, (N, P), a_op, b_op, None, m_op, a_panels=True)
+    # Its work is N x P planes, handed out like any other kernel's (not sized by split_work).
+    gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, T, C, (N, P), a_op, b_op, None, m_op, a_panels=True,
+                                     self_sized=False)
 
     out = _out_kernel(t, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
     out_args = [names["winom"]] + ([B.name] if B is not None else []) \

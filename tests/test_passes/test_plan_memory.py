@@ -1,10 +1,10 @@
 """plan_memory: a schedule with a lower peak, and the arena planner's options
-(in-place reuse, greedy_by_size / best_fit / none) in backends/native/memory.py."""
+(in-place reuse, greedy_by_size / best_fit / none): backends/native/memory.py plan_arena."""
 import numpy as np
 import pytest
 
 import cuvil
-from backends.native.memory import plan_memory as place_buffers
+from backends.native.memory import plan_arena as place_buffers
 from backends.numba_cpu.registry import lower
 from cuvil.frontends.onnx import import_onnx
 from passes.plan_memory import Options, peak_bytes, plan_memory

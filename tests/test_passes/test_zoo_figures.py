@@ -8,12 +8,13 @@ with its BatchNormalization nodes kept, which fold_batchnorm must then fold."""
 import pytest
 
 from cuvil.explain import explain_model
+from cuvil.ops import EPILOGUE_ACTIVATIONS
 from tests import zoo
 from tests.test_passes.common import export_keeping_batchnorm
 
 torch = pytest.importorskip("torch")
 
-ACTIVATIONS = {"Relu", "Clip", "Sigmoid", "HardSwish", "HardSigmoid", "LeakyRelu", "Tanh"}
+ACTIVATIONS = set(EPILOGUE_ACTIVATIONS)
 NETWORKS = {"resnet50": lambda: zoo.resnet((3, 4, 6, 3), bottleneck=True), "mobilenet_v2": zoo.mobilenet_v2}
 SHAPES = {"input": (1, 3, 224, 224)}
 

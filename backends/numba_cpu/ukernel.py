@@ -39,6 +39,8 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+from cuvil.ops import REGISTER_ACTIVATIONS
+
 MAX_ACC = {16: 24, 8: 12, 4: 12}   # accumulator registers per chunk, by lanes (zmm: 32 regs, ymm/xmm: 16)
 
 ARG_TYPES = ("a", "aoff", "lda", "b", "boff", "ldb", "c", "coff", "ldc", "kc", "mask", "loadc", "bias", "biasoff")
@@ -980,7 +982,7 @@ def _float_ir(value: float) -> str:
     return "0x" + struct.pack(">d", as_f32).hex().upper()
 
 
-EPILOGUE_ACTIVATIONS = ("", "Relu", "Clip")   # what the micro-kernel's epilogue computes in registers
+EPILOGUE_ACTIVATIONS = ("",) + REGISTER_ACTIVATIONS   # what the micro-kernel's epilogue computes in registers
 
 
 PREFETCH_A_BYTES = 2048   # packed A (weights, streamed from L3/DRAM): this far ahead

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import re
 
-from .targets import CpuTarget, _init_llvm
+from backends.schedule import Kernel
+from backends.targets import CpuTarget, init_llvm
+
 from .ukernel import specs_in, ukernel_ir
 
 def _numba_types(arg_types):
@@ -69,7 +71,7 @@ def kernel_ir(source: str, arg_types: tuple[str, ...], in_place: bool = False) -
     import numpy as np
     from numba import cfunc, types
     _declare_ukernels(source)
-    from backends.numba_cpu.vmath import NAMESPACE as vmath
+    from .vmath import NAMESPACE as vmath
     from numba import njit
     namespace = {"__name__": "cuvil_kernel", "math": math, "np": np, "_numba_njit": njit, **vmath}
     exec(compile(source, "<cuvil kernel>", "exec"), namespace)
@@ -142,7 +144,7 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     The micro-kernels `source` declares (see ukernel.py) are generated for the
     target's vector width and linked into the module first."""
     import llvmlite.binding as llvm
-    _init_llvm()
+    init_llvm()
     # Numba's cfunc wrapper calls the kernel body through a noinline call site; the body is
     # inlined instead (see alwaysinline below).
     ir = re.sub(r"^(attributes #\d+ = \{.*?)\bnoinline\b", r"\1 nounwind", ir, flags=re.M)
@@ -186,14 +188,7 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     return machine.emit_object(module)
 
 
-def build_kernel_object(job: tuple) -> bytes:
-    """Worker entry point: (source, arg_types, symbol, target) -> object bytes."""
-    source, arg_types, symbol, target = job
-    return emit_object(kernel_ir(source, arg_types, in_place=_in_place_family(symbol)), symbol, target, source)
-
-
-def _in_place_family(symbol: str) -> bool:
-    """Whether the kernel's family (in its symbol, `cuvilk_<family>_<hash>`) may run in place."""
-    from .memory import IN_PLACE_FAMILIES
-    family = symbol[len("cuvilk_"):].rsplit("_", 1)[0] if symbol.startswith("cuvilk_") else ""
-    return family in {re.sub(r"[^A-Za-z0-9]", "_", f).lower() for f in IN_PLACE_FAMILIES}
+def build_kernel_object(kernel: Kernel, target: CpuTarget) -> bytes:
+    """Worker entry point: a kernel's object file for the target."""
+    ir = kernel_ir(kernel.source, kernel.arg_types, in_place=kernel.in_place)
+    return emit_object(ir, kernel.symbol, target, kernel.source)

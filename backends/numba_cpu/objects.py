@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import atexit
 import base64
-import concurrent.futures as cf
 import json
 import os
 import subprocess
 import sys
 import threading
-from importlib import metadata
 
-from cuvil.cache import Cache, step_key
+from backends.targets import CpuTarget
 from cuvil.errors import BuildError
-
-from .targets import CpuTarget
-
-
-def tool_versions() -> dict:
-    from cuvil import __version__
-    return {"cuvil": __version__, "numba": metadata.version("numba"), "llvmlite": metadata.version("llvmlite")}
 
 
 class _Worker:
@@ -28,14 +19,12 @@ class _Worker:
 
     def __init__(self):
         env = dict(os.environ, NUMBA_OPT="0", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "backends.native.worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "backends.numba_cpu.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         self.lock = threading.Lock()
 
     def compile(self, kernel, target: CpuTarget) -> bytes:
-        job = {"source": kernel.source, "arg_types": list(kernel.arg_types), "symbol": kernel.symbol,
-               "target": {"name": target.name, "triple": target.triple, "cpu": target.cpu, "features": target.features,
-                          "vector_bits": target.vector_bits, "gcc_flags": list(target.gcc_flags)}}
+        job = {"kernel": kernel.as_spec(), "target": target.as_key()}
         with self.lock:
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()

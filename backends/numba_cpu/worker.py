@@ -1,6 +1,6 @@
 """A kernel compile worker: reads one JSON job per line on stdin, answers one
 JSON line on stdout. Started by `objects.py` as `python -m
-backends.native.worker` with NUMBA_OPT=0, so it never re-imports the caller's
+backends.numba_cpu.worker` with NUMBA_OPT=0, so it never re-imports the caller's
 main module (as multiprocessing's spawn would) and never inherits a Numba
 configured for something else (as fork would)."""
 from __future__ import annotations
@@ -12,15 +12,17 @@ import traceback
 
 
 def main() -> None:
+    from backends.schedule import Kernel
+    from backends.targets import CpuTarget
+
     from .emit import build_kernel_object
-    from .targets import CpuTarget
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing but answers on the protocol stream
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            target = CpuTarget(**{**job["target"], "gcc_flags": tuple(job["target"]["gcc_flags"])})
-            data = build_kernel_object((job["source"], tuple(job["arg_types"]), job["symbol"], target))
+            target = CpuTarget.from_key(job["target"])
+            data = build_kernel_object(Kernel.from_spec(job["kernel"]), target)
             answer = {"ok": base64.b64encode(data).decode()}
         except Exception as exc:
             answer = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

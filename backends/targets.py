@@ -30,6 +30,10 @@ class CpuTarget:
         return {"name": self.name, "triple": self.triple, "cpu": self.cpu, "features": self.features,
                 "vector_bits": self.vector_bits, "gcc_flags": list(self.gcc_flags), "l1d_ways": self.l1d_ways}
 
+    @classmethod
+    def from_key(cls, key: dict) -> CpuTarget:
+        return cls(**{**key, "gcc_flags": tuple(key["gcc_flags"])})
+
 
 _TRIPLE = "x86_64-unknown-linux-gnu"
 
@@ -42,7 +46,7 @@ TARGETS = {
 
 def _native() -> CpuTarget:
     import llvmlite.binding as llvm
-    _init_llvm()
+    init_llvm()
     cpu = llvm.get_host_cpu_name()
     features = llvm.get_host_cpu_features().flatten()
     bits = 512 if "+avx512f" in features.split(",") else 256 if "+avx2" in features.split(",") else 128
@@ -65,7 +69,7 @@ def _host_l1d_ways(default: int = DEFAULT_L1D_WAYS) -> int:
 _llvm_ready = False
 
 
-def _init_llvm():
+def init_llvm():
     global _llvm_ready
     if not _llvm_ready:
         import llvmlite.binding as llvm

@@ -9,11 +9,14 @@
 - `openvino_times`: OpenVINO's CPU plugin on the ONNX model, when it is installed
   (`openvino_version`), same thread count, float32 inference, in a fresh process.
 
-Used by `cuvil bench` and by benchmarks/ (bench.py, gemm.py, convs.py).
+`run_bench` is `cuvil bench`: it builds a model when given one, times each engine
+in rounds of processes and compares their best process medians. benchmarks/
+(bench.py, gemm.py, convs.py) use the timing functions directly.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+from .errors import CuvilError
+
+ROOT = Path(__file__).resolve().parents[1]
 BUILD = Path(tempfile.gettempdir()) / "cuvil-bench"
 
 # Every timing process warms up for at least this long as well as its warm-up calls: a new
@@ -89,13 +94,19 @@ HARNESS = HARNESS.replace("{warmup_ns}", f"{WARMUP_SECONDS * 1e9:.0f}")
 
 
 def harness() -> Path:
-    """The C timing program, compiled on first use."""
+    """The C timing program, compiled on first use with $CC (default gcc)."""
     BUILD.mkdir(exist_ok=True)
     exe = BUILD / "ctime"
     src = BUILD / "ctime.c"
     if not exe.exists() or not src.exists() or src.read_text() != HARNESS:
         src.write_text(HARNESS)
-        subprocess.run(["gcc", "-O2", "-o", str(exe), str(src), "-ldl"], check=True)
+        cc = os.environ.get("CC", "gcc")
+        try:
+            subprocess.run([cc, "-O2", "-o", str(exe), str(src), "-ldl"], check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", "") or str(error)
+            raise CuvilError(f"cannot compile the timing program with '{cc}': {detail.strip()}",
+                             hint="install gcc or set CC to a working C compiler") from None
     return exe
 
 
@@ -236,3 +247,71 @@ def summary(times: list[float]) -> dict:
     s = sorted(times)
     return {"median_ms": statistics.median(s) * 1e3, "min_ms": s[0] * 1e3,
             "p90_ms": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e3, "runs": len(s)}
+
+
+VS_ENGINES = ("onnxruntime", "openvino")  # what `cuvil bench --vs` times besides cuvil
+
+
+def parse_shapes(specs: list[str]) -> dict:
+    """`NAME=D1,D2,...` strings (cuvil bench --shape) as {name: [dims]}."""
+    shapes = {}
+    for spec in specs:
+        name, _, dims = spec.partition("=")
+        try:
+            shapes[name] = [int(d) for d in dims.split(",")]
+        except ValueError:
+            raise CuvilError(f"--shape {spec!r}: expected NAME=D1,D2,...") from None
+    return shapes
+
+
+def run_bench(target: Path, vs=(), onnx_path: Path | None = None, threads: int = 1, runs: int = 100,
+              rounds: int = 1, shapes: dict | None = None) -> dict:
+    """`cuvil bench`: time a built library (.so) or build and time an ONNX model, from C and
+    through the Python runtime, and each engine of `vs` on the same model, in `rounds` rounds of
+    one process per engine. An engine's figure is its best process's median (best_process_median);
+    "ratio" compares cuvil with onnxruntime, "ratio_<engine>" with the others."""
+    target = Path(target)
+    if not target.is_file():
+        raise CuvilError(f"file not found: {target}")
+    vs = list(dict.fromkeys(vs))
+    if "openvino" in vs and openvino_version() is None:
+        raise CuvilError("--vs openvino: OpenVINO is not installed",
+                         hint="pip install openvino (or this project's bench extra), or leave --vs openvino out")
+    with tempfile.TemporaryDirectory(prefix="cuvil-bench-") as tmp:
+        if target.suffix == ".so":
+            from .runtime import load
+            library_path = target
+            info = load(target).info
+        else:
+            from .api import compile as compile_model
+            onnx_path = onnx_path or target
+            compiled = compile_model(str(target), input_shapes=shapes or None, threads=threads)
+            library_path = compiled.save(Path(tmp) / "lib")
+            info = compiled.info
+        if vs and onnx_path is None:
+            raise CuvilError(f"--vs {vs[0]} needs the ONNX model of the library", hint="pass --onnx FILE.onnx")
+        in_shapes = {t["name"]: t["shape"] for t in info["inputs"]}
+        warmup = max(3, runs // 10)
+        rows = {"cuvil (C)": [], "cuvil (Python)": []} | {engine: [] for engine in vs}  # times per process
+        threads = int(info.get("threads", threads))
+        for _ in range(rounds):
+            rows["cuvil (C)"].append(time_library(library_path, runs, warmup, info))
+            rows["cuvil (Python)"].append(cuvil_py_times(library_path, in_shapes, runs, warmup))
+            if "onnxruntime" in vs:
+                rows["onnxruntime"].append(ort_times(onnx_path, in_shapes, threads, runs, warmup))
+            if "openvino" in vs:
+                rows["openvino"].append(openvino_times(onnx_path, in_shapes, threads, runs, warmup))
+    results = {}
+    for key, processes in rows.items():
+        results[key] = summary([t for times in processes for t in times])
+        results[key]["process_median_ms"] = best_process_median(processes) * 1e3
+    for engine in vs:
+        for key in ("cuvil (C)", "cuvil (Python)"):
+            results[key][ratio_name(engine)] = results[key]["process_median_ms"] / results[engine]["process_median_ms"]
+    return {"library": str(library_path) if target.suffix == ".so" else None, "model": info.get("name"),
+            "target": info.get("target"), "threads": info.get("threads"), "vs": vs, "results": results}
+
+
+def ratio_name(engine: str) -> str:
+    """The results key of cuvil's ratio to `engine`: "ratio" for onnxruntime, else "ratio_<engine>"."""
+    return "ratio" if engine == "onnxruntime" else f"ratio_{engine}"

@@ -1,0 +1,100 @@
+"""The schedule: what a kernel generator hands the driver, the memory planner and the link.
+
+Both backends read these types and neither owns them: `numba_cpu` makes
+Kernels and KernelCalls (one generator per op family), `native` plans the
+arena over them and writes the C driver that calls them.
+
+A Kernel is Python source specialised to static shapes that defines
+`kernel(p0, p1, ..., begin, end)`: raw pointers (inputs first, then outputs)
+and the work range `[begin, end)` of its outer loop, so the driver can split
+it across threads. Its identity is what its compiled object depends on (its
+source, pointer types and whether it has an in-place form): two nodes with
+the same op, shapes and attributes produce the same Kernel and share one
+compiled object.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class Kernel:
+    family: str                 # short op-family name, used in the symbol
+    source: str                 # defines `def kernel(p0, ..., begin, end):`
+    arg_types: tuple[str, ...]  # numpy dtype name of each pointer argument
+    # Reads input element i only in the iteration that writes output element i, so its output
+    # may take over an input's buffer (the memory planner decides; the object then carries a
+    # version for equal pointers: numba_cpu/emit.py `in_place_versions`).
+    in_place: bool = False
+    # Sizes its own work items by its arithmetic (a GEMM's or conv's few balanced items): the
+    # driver always hands it to the pool, however few bytes it touches, one item at a time.
+    self_sized: bool = False
+
+    @cached_property
+    def key(self) -> str:
+        blob = json.dumps([self.family, self.source, list(self.arg_types), self.in_place], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    @property
+    def symbol(self) -> str:
+        family = re.sub(r"[^A-Za-z0-9]", "_", self.family).lower()
+        return f"cuvilk_{family}_{self.key[:16]}"
+
+    def as_spec(self) -> dict:
+        """What compiling the kernel needs, as JSON (the codegen step's kernels.json)."""
+        return {"symbol": self.symbol, "family": self.family, "source": self.source,
+                "arg_types": list(self.arg_types), "in_place": self.in_place}
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> Kernel:
+        return cls(spec["family"], spec["source"], tuple(spec["arg_types"]), in_place=spec["in_place"])
+
+
+@dataclass
+class InPlace:
+    """The form a call takes when its output takes over the buffer of input `value` (the memory
+    planner decides, when `value` has no later reader): `kernel` then finds that input's values
+    in its output (a GEMM or conv accumulates onto its residual instead of reading it apart)."""
+    value: str
+    kernel: Kernel
+    args: list
+    work: int
+
+
+@dataclass
+class KernelCall:
+    """One call of a kernel in the schedule: which values (or build-time packed
+    constants) its pointers bind to, and the size of its work range."""
+    kernel: Kernel
+    args: list  # value names (str) or np.ndarray constants packed at build time
+    work: int
+    node: str = ""  # the CIR node(s) it implements, for messages and `explain`
+    n_outputs: int = 1  # the trailing n_outputs args are written, the rest only read
+    in_place: InPlace | None = None  # see InPlace
+    # Runs once, when the first session of the loaded library is created, not on every run: its
+    # inputs are constants and its outputs persist, shared by every session, for the other calls
+    # to read (weights transformed for a kernel, which the library then need not store
+    # transformed: see numba_cpu/winograd.py).
+    once: bool = False
+
+
+@dataclass
+class View:
+    """The output is the input's bytes under another shape (Reshape, Flatten...)."""
+    src: str
+    dst: str
+    node: str = ""
+
+
+@dataclass
+class Lowered:
+    """What a generator returns for one node."""
+    calls: list = field(default_factory=list)  # KernelCall | View
+
+
+def kernel_calls(schedule) -> list[KernelCall]:
+    return [c for c in schedule if isinstance(c, KernelCall)]

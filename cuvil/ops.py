@@ -1,0 +1,45 @@
+"""The op vocabulary: each family of ops that a pass, a generator or the planner
+means, named once. Import a family from here wherever it is meant; a new op
+joins a family by being added here, and every user of the family follows.
+
+ONNX op names are kept as they are; FUSED_OPS are cuvil's own domain "cuvil"
+(the fusion passes make them; no ONNX model contains them).
+"""
+from __future__ import annotations
+
+# Ops whose output is the input's bytes under another shape (no code runs).
+RESHAPE_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+# Ops whose output shares the input's storage in inference: the reshapes, Identity, and Dropout
+# (an identity when not training).
+VIEW_OPS = RESHAPE_OPS | {"Identity", "Dropout"}
+
+# cuvil's own domain: what the fusion passes make.
+FUSED_DOMAIN = "cuvil"
+FUSED_OPS = frozenset({"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock",
+                       "FusedAttention"})
+# The products an activation (and a residual Add) can fuse into, and the fused op each becomes.
+EPILOGUE_ANCHORS = {"Conv": "FusedConv", "Gemm": "FusedGemm", "MatMul": "FusedMatMul"}
+# Activations a fused product's epilogue computes (FusedConv/FusedGemm/FusedMatMul `activation`).
+EPILOGUE_ACTIVATIONS = ("Relu", "Clip", "Sigmoid", "HardSwish", "HardSigmoid", "LeakyRelu", "Tanh")
+# Of those, what the GEMM micro-kernel computes on its accumulators in registers
+# (numba_cpu/ukernel.py); the others run in the kernel's output loop.
+REGISTER_ACTIVATIONS = ("Relu", "Clip")
+
+# Elementwise ops one FusedElementwise program computes (passes/fuse_elementwise.py makes the
+# program, numba_cpu/fused.py compiles it), and the attributes kept for those that have some
+# (with ONNX's defaults).
+FUSIBLE_UNARY = frozenset({"Relu", "Neg", "Abs", "Sqrt", "Exp", "Log", "Tanh", "Erf", "Sigmoid", "Reciprocal",
+                           "Floor", "Ceil", "Sin", "Cos", "Softplus", "Softsign", "Identity", "HardSwish", "Silu"})
+FUSIBLE_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "PRelu"})
+FUSIBLE_WITH_ATTRS = {"LeakyRelu": {"alpha": 0.01}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5},
+                      "Elu": {"alpha": 1.0}, "Gelu": {"approximate": "none"}, "Clip": {}}
+FUSIBLE = FUSIBLE_UNARY | FUSIBLE_BINARY | set(FUSIBLE_WITH_ATTRS)
+
+# Elementwise ops whose kernels read input element i only in the iteration that writes output
+# element i (numba_cpu/elementwise.py, fused.py, norm.py's Gelu): their output may take over an
+# input's buffer (Kernel.in_place).
+IN_PLACE_OPS = frozenset({
+    "Relu", "Neg", "Abs", "Sqrt", "Exp", "Log", "Tanh", "Erf", "Sigmoid", "Reciprocal", "Floor", "Ceil",
+    "Sin", "Cos", "Softplus", "Softsign", "Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "PRelu", "Sum",
+    "Mean", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Gelu", "FusedElementwise",
+})

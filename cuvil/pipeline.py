@@ -1,0 +1,253 @@
+"""The one path from a model to a library. Every caller goes through it.
+
+    model file  --read_source / export_onnx-->  ONNX bytes           (TorchScript is exported first)
+                --import_model-->               CIR Graph            cuvil/frontends/
+                --run_pass, in order-->         rewritten Graph      passes/
+                --plan-->                       Planned: kernel calls, weights blob, arena plan
+                                                                     backends/numba_cpu lowers, backends/native plans
+                --generate-->                   driver.c, header, info (the manifest's figures)
+    each kernel --compile_kernel-->             object file          backends/numba_cpu/
+                --link-->                       lib<name>.so         backends/native/link.py (SCons)
+
+`cuvil build` runs each arrow as one cached step (build.py); `cuvil explain`,
+`cuvil check` and `cuvil graph` call these same functions with the same
+parameters (`VariantParams`), so what they report is what the build makes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CuvilError, UnsupportedOpError
+
+# What the compiler computes in today; config.PRECISIONS are the values cuvil.yaml may name.
+PRECISIONS_SUPPORTED = ("fp32",)
+
+TORCHSCRIPT_SUFFIXES = (".pt", ".pth")
+
+
+# -- the source --------------------------------------------------------------------------------
+
+def read_source(source) -> tuple[bytes, str]:
+    """The model's bytes and its kind ('onnx' or 'torchscript'): a path, bytes or an onnx.ModelProto."""
+    if isinstance(source, bytes):
+        return source, "onnx"
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise CuvilError(f"model file not found: {path}")
+        kind = "torchscript" if path.suffix.lower() in TORCHSCRIPT_SUFFIXES else "onnx"
+        return path.read_bytes(), kind
+    import onnx
+    if isinstance(source, onnx.ModelProto):
+        return source.SerializeToString(), "onnx"
+    raise CuvilError(f"cannot build a model from {type(source).__name__}")
+
+
+def export_onnx(source, input_shapes: dict) -> bytes:
+    """A TorchScript file (or a torch module) as ONNX bytes (cuvil/frontends/torch.py)."""
+    from .frontends.torch import to_onnx_proto
+    return to_onnx_proto(source, input_shapes).SerializeToString()
+
+
+def has_kernel(domain: str, op: str) -> bool:
+    """Whether cuvil compiles the op as it is; the import expands the others into
+    their ONNX function bodies where they have one (frontends/expand.py)."""
+    from backends.numba_cpu.registry import GENERATORS
+
+    from .ops import FUSED_DOMAIN, FUSED_OPS
+    if domain == FUSED_DOMAIN:
+        return op in FUSED_OPS
+    return domain in ("", "ai.onnx") and op in GENERATORS
+
+
+def import_model(source, input_shapes: dict):
+    """CIR of an ONNX model (a path, bytes or onnx.ModelProto), shapes made static."""
+    from .frontends.onnx import import_onnx
+    graph, _ = import_onnx(source, input_shapes, has_kernel=has_kernel)
+    return graph
+
+
+def import_any(source, input_shapes: dict):
+    """CIR of any source a variant may name: TorchScript files are exported to ONNX first."""
+    if isinstance(source, (str, os.PathLike)) and Path(source).suffix.lower() in TORCHSCRIPT_SUFFIXES:
+        return import_model(export_onnx(source, input_shapes), input_shapes)
+    return import_model(source, input_shapes)
+
+
+# -- passes ------------------------------------------------------------------------------------
+
+def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None) -> tuple[list[str], dict]:
+    """The passes a variant runs, in order, and each one's options (defaults filled in)."""
+    from passes import resolve_pass_options, resolve_passes
+    names = resolve_passes(opt_level, passes, disable_passes)
+    return names, resolve_pass_options(names, pass_options)
+
+
+def run_pass(graph, name: str, options: dict):
+    from passes import run_pass as run
+    return run(name, graph, options)
+
+
+def run_passes(graph, names: list[str], options: dict, on_pass=None):
+    """Each pass in turn; `on_pass(name, before, after)` sees every stage (explain)."""
+    from passes import run_passes as run
+    return run(graph, names, on_pass=on_pass, options=options)
+
+
+def memory_options(names: list[str], options: dict) -> dict:
+    """How codegen places buffers: the plan_memory pass's options, or every buffer apart
+    without that pass (see passes/plan_memory.py)."""
+    if "plan_memory" in names:
+        return {"strategy": options["plan_memory"]["strategy"], "in_place": options["plan_memory"]["in_place"]}
+    return {"strategy": "none", "in_place": False}
+
+
+# -- the variant -------------------------------------------------------------------------------
+
+def resolve_variant_target(target: str, precision: str):
+    """The CpuTarget a (target, precision) builds for, or the CuvilError that `cuvil build` and
+    `cuvil check` both give for what cannot be built yet (CUDA targets, reduced precision)."""
+    from backends.targets import resolve_target
+    if precision not in PRECISIONS_SUPPORTED:
+        raise UnsupportedOpError(f"precision '{precision}' is not supported yet",
+                                 hint=f"supported: {', '.join(PRECISIONS_SUPPORTED)}")
+    return resolve_target(target)
+
+
+@dataclass(frozen=True)
+class VariantParams:
+    """Everything lowering and planning depend on (the codegen step's parameters)."""
+    name: str
+    target: object                 # backends.targets.CpuTarget
+    threads: int = 1
+    memory: dict = field(default_factory=lambda: {"strategy": "none", "in_place": False})
+    max_arena_mb: int | None = None  # None: no limit (a build sets one)
+
+
+@dataclass
+class Planned:
+    """A graph lowered to kernel calls, with its weights packed and its arena planned."""
+    graph: object
+    schedule: list                 # KernelCall | View, in run order
+    weights: bytes
+    weight_offsets: dict[str, int]
+    arena: object                  # backends.native.memory.MemoryPlan
+
+    @property
+    def calls(self) -> list:
+        from backends.schedule import kernel_calls
+        return kernel_calls(self.schedule)
+
+    @property
+    def kernels(self) -> dict:
+        """symbol -> Kernel, each distinct kernel once."""
+        return {call.kernel.symbol: call.kernel for call in self.calls}
+
+    def figures(self) -> dict:
+        """The memory figures the manifest, `cuvil inspect`, `explain` and `check` all show."""
+        return {"arena_bytes": self.arena.arena_bytes, "naive_bytes": self.arena.naive_bytes,
+                "weights_bytes": len(self.weights), "shared_bytes": self.arena.shared_bytes}
+
+
+def lower(graph, target, threads: int = 1) -> list:
+    """The graph's kernel calls and views for a session of `threads` threads on `target`."""
+    from backends.numba_cpu.registry import lower as lower_graph
+    return lower_graph(graph, threads, target.l1d_ways)
+
+
+def plan(graph, params: VariantParams) -> Planned:
+    """Lower the graph, pack the weights and plan the arena: what codegen generates the driver
+    from, and what explain and check report."""
+    from backends.native.memory import place_shared_values, plan_arena, shared_values
+    from backends.native.weights import pack_weights
+
+    schedule = lower(graph, params.target, params.threads)
+    weights, weight_offsets = pack_weights(graph, schedule)
+    shared = shared_values(schedule)
+    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(shared)
+    arena = plan_arena(graph, schedule, external, strategy=params.memory["strategy"],
+                       in_place=params.memory["in_place"])
+    place_shared_values(arena, graph, shared)
+    if params.max_arena_mb is not None and arena.arena_bytes > params.max_arena_mb << 20:
+        raise CuvilError(f"model '{params.name}': a session would need {arena.arena_bytes / 2**20:.1f} MiB of working "
+                         f"memory, over the limit of {params.max_arena_mb} MiB",
+                         hint="check the input shapes, or raise max_arena_mb in cuvil.yaml")
+    return Planned(graph, schedule, weights, weight_offsets, arena)
+
+
+def _io(graph, names) -> list[dict]:
+    import numpy as np
+    return [{"name": n, "dtype": np.dtype(graph.values[n].dtype).name, "shape": list(graph.values[n].shape)}
+            for n in names]
+
+
+def describe(planned: Planned, provenance: dict) -> dict:
+    """The library's description (its info JSON and manifest): tensors, figures, and the
+    provenance the caller gives (name, target, precision, passes, versions, hashes...)."""
+    from backends.native.driver import ABI_VERSION
+    graph = planned.graph
+    return {"abi_version": ABI_VERSION, **provenance,
+            "inputs": _io(graph, graph.inputs), "outputs": _io(graph, graph.outputs),
+            "memory": planned.figures(), "kernels": len(planned.kernels), "steps": len(planned.calls)}
+
+
+def generate(planned: Planned, info: dict, symbol_prefix: str, threads: int) -> dict[str, bytes]:
+    """The C driver, the weights blob, the header, the info and the kernel list to compile."""
+    from backends.native import driver
+    driver_c = driver.generate(planned.graph, planned.schedule, planned.arena, planned.weight_offsets, info,
+                               symbol_prefix, threads)
+    kernels = sorted((k.as_spec() for k in planned.kernels.values()), key=lambda k: k["symbol"])
+    return {"driver.c": driver_c.encode(), "weights.bin": planned.weights,
+            "header.h": driver.header(symbol_prefix, info["name"], info).encode(),
+            "info.json": json.dumps(info, sort_keys=True).encode(), "kernels.json": json.dumps(kernels).encode()}
+
+
+def compile_kernel(spec: dict, target) -> bytes:
+    """One kernel (a kernels.json entry) as an object file for the target."""
+    from backends.numba_cpu.objects import compile_object
+    from backends.schedule import Kernel
+    return compile_object(Kernel.from_spec(spec), target)
+
+
+def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects: dict[str, bytes],
+         sanitize: bool = False) -> bytes:
+    """The library's bytes: the driver, the weights and the kernel objects linked by SCons."""
+    import tempfile
+
+    from backends.native.link import run_scons, write_link_inputs
+    library = f"lib{name}.so"
+    with tempfile.TemporaryDirectory(prefix="cuvil-link-") as tmp:
+        tmp = Path(tmp)
+        write_link_inputs(tmp, symbol_prefix, driver_c.decode(), weights, objects, library, sanitize=sanitize)
+        run_scons(tmp)
+        return (tmp / library).read_bytes()
+
+
+# -- check -------------------------------------------------------------------------------------
+
+def lowering_problems(graph) -> list[str]:
+    """One line per node that cannot be lowered to kernels (lowering only writes kernel source,
+    so this is cheap), naming the node, its op and why."""
+    from backends.numba_cpu.registry import GENERATORS
+
+    from .ops import FUSED_DOMAIN, FUSED_OPS
+    problems = []
+    for node in graph.nodes:
+        problem = None
+        if node.domain not in ("", "ai.onnx") and not (node.domain == FUSED_DOMAIN and node.op in FUSED_OPS):
+            problem = f"op {node.domain}::{node.op} is outside the default ONNX domain"
+        elif node.op not in GENERATORS:
+            problem = f"no kernel generator for op {node.op}"
+        else:
+            try:
+                GENERATORS[node.op](node, graph)
+            except NotImplementedError:
+                problem = f"the kernel generator for {node.op} is not written yet"
+            except UnsupportedOpError as error:  # an attribute or dtype the generator does not cover
+                problem = error.message
+        if problem:
+            problems.append(f"node '{node.name}' ({node.op}): {problem}")
+    return problems

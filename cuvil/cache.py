@@ -52,8 +52,15 @@ def default_cache_dir() -> Path:
 
 
 def step_key(payload) -> str:
-    """sha256 of the canonical JSON (sorted keys, no spaces) of what a step depends on."""
-    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    """sha256 of the canonical JSON (sorted keys, no spaces) of what a step depends on.
+
+    Only JSON values have a canonical form: anything else (a Path, a set, an object whose
+    str() holds an address or depends on the process) is a TypeError, never a string that
+    could make two different steps share a key or one step miss its own."""
+    def refuse(value):
+        raise TypeError(f"a step parameter of type {type(value).__name__} ({value!r:.60}) has no canonical JSON "
+                        f"form: convert it to str, int, float, bool, None, a list or a dict first")
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=refuse)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

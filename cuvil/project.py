@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache import Cache
 from .config import BuildSpec, ModelConfig
 from .errors import CuvilError, UnsupportedOpError
 

@@ -553,3 +553,12 @@ def test_s3_unreachable_endpoint_is_a_miss(s3_url, tmp_path, monkeypatch, caplog
         cache.put(KEY, b"still cached locally")
     assert cache.get(KEY) == b"still cached locally"
     assert "could not" in caplog.text
+
+
+def test_step_key_refuses_values_without_canonical_json():
+    """Key order does not matter; a value JSON cannot write canonically (a Path, a set, an object whose
+    str() holds an address) is an error, never a string standing in for it."""
+    assert step_key({"a": [1, 2], "b": {"c": None}}) == step_key({"b": {"c": None}, "a": [1, 2]})
+    for value in (Path("model.onnx"), {1, 2}, object()):
+        with pytest.raises(TypeError, match="no canonical JSON form"):
+            step_key({"kind": "test", "params": {"value": value}})

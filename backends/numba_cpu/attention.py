@@ -31,7 +31,7 @@ import numpy as np
 
 from .ukernel import UKSpec
 
-from .gemm import TileLoops, _ceil_div, choose_tile
+from .gemm import TileLoops, ceil_div, choose_tile
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
                      session_threads, work_items)
 from .scratch import scratch_value
@@ -91,18 +91,18 @@ def lower_attention(node, graph) -> Lowered:
     ms = broadcast_strides(graph.values[mask_name].shape, batch + [T, S]) if mask_name else None
     assert qs[-1] == 1 and vs[-1] == 1 and os_[-1] == 1, "fuse_attention checks the unit strides"
 
-    SP = _ceil_div(S, PAD) * PAD
+    SP = ceil_div(S, PAD) * PAD
     s_tile, o_tile = choose_tile(T, S), choose_tile(T, Dv)
     step = math.lcm(s_tile[0], o_tile[0])               # blocks of whole tiles of both products
     RB = max(step, BLOCK_BYTES // (4 * SP) // step * step)
     one_slot = session_threads() == 1
-    if not one_slot and nb * _ceil_div(T, RB) < work_items():   # smaller blocks: something for every thread
-        RB = max(step, _ceil_div(_ceil_div(T, _ceil_div(work_items(), nb)), step) * step)
-    RB = min(RB, _ceil_div(T, step) * step)
-    n_blocks = _ceil_div(T, RB)
+    if not one_slot and nb * ceil_div(T, RB) < work_items():   # smaller blocks: something for every thread
+        RB = max(step, ceil_div(ceil_div(T, ceil_div(work_items(), nb)), step) * step)
+    RB = min(RB, ceil_div(T, step) * step)
+    n_blocks = ceil_div(T, RB)
     # Work items: (batch, run of consecutive blocks); one run per batch on one thread, else as many
     # as the threads want (each item packs its batch's Kt once, into a slot of its own).
-    runs = 1 if one_slot else min(n_blocks, _ceil_div(work_items(), nb))
+    runs = 1 if one_slot else min(n_blocks, ceil_div(work_items(), nb))
     work = nb * runs
     slot = D * SP + RB * SP
     scratch = scratch_value(graph, node, ((1 if one_slot else work) * slot,), np.float32, tag="attention")

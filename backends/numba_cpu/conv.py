@@ -55,7 +55,7 @@ FUSED_EDGE_ROWS = 4  # at most this many top/bottom padding rows get their own f
 MIN_ITEMS = 16    # when the (image, channel block) items are fewer, rows are split too
 
 
-def _ceil_div(a, b):
+def ceil_div(a, b):
     return -(-a // b)
 
 
@@ -73,7 +73,7 @@ def conv_geometry(node, x_spatial, w_spatial):
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         pads = []
         for i, k, st, d in zip(x_spatial, kernel, strides, dilations):
-            out = _ceil_div(i, st)
+            out = ceil_div(i, st)
             total = max(0, (out - 1) * st + (k - 1) * d + 1 - i)
             pads.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
     elif auto_pad == "VALID":
@@ -229,7 +229,7 @@ class _Geometry:
         self.IW, self.OW = self.in_spatial[-1], self.out_spatial[-1]
         self.KW, self.SW, self.DW, self.PW = self.kernel[-1], self.strides[-1], self.dilations[-1], self.pads[-1]
         # Columns where tap kw reads inside the input: ow in [col_lo[kw], col_hi[kw]).
-        self.col_lo = [max(0, _ceil_div(self.PW - kw * self.DW, self.SW)) for kw in range(self.KW)]
+        self.col_lo = [max(0, ceil_div(self.PW - kw * self.DW, self.SW)) for kw in range(self.KW)]
         self.col_hi = [min(self.OW, (self.IW - 1 + self.PW - kw * self.DW) // self.SW + 1) for kw in range(self.KW)]
         self.inner_lo, self.inner_hi = max(self.col_lo), min(self.col_hi)
         if self.inner_lo >= self.inner_hi:
@@ -240,7 +240,7 @@ class _Geometry:
         # Leading output indices whose whole kernel window is inside the input: [lo, hi) per dim.
         self.interior = []
         for d in self.lead:
-            lo = _ceil_div(self.pads[d], self.strides[d])
+            lo = ceil_div(self.pads[d], self.strides[d])
             hi = min(self.out_spatial[d],
                      (self.in_spatial[d] - 1 + self.pads[d] - (self.kernel[d] - 1) * self.dilations[d]) // self.strides[d] + 1)
             self.interior.append((lo, max(lo, hi)))
@@ -286,9 +286,9 @@ def direct_conv_kernel(dtype, N, C, OC, group, in_spatial, out_spatial, kernel, 
                   tuple(res_strides) if res_strides is not None else None, epilogue)
     rows_total = int(np.prod(g.out_spatial[:-1])) if g.lead else 1
     items = N * OC // g.ocb
-    splits = min(rows_total, _ceil_div(MIN_ITEMS, items)) if items < MIN_ITEMS else 1
-    rows_per_split = _ceil_div(rows_total, splits)
-    splits = _ceil_div(rows_total, rows_per_split)
+    splits = min(rows_total, ceil_div(MIN_ITEMS, items)) if items < MIN_ITEMS else 1
+    rows_per_split = ceil_div(rows_total, splits)
+    splits = ceil_div(rows_total, rows_per_split)
 
     n_ptrs = 3 + has_bias + bool(g.masked_kw) + (g.res_strides is not None)
     src = Source().line(kernel_header(n_ptrs)).indent()

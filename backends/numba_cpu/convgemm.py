@@ -30,7 +30,7 @@ from cuvil.ir import Value
 from .ukernel import LOADC_EPILOGUE
 
 from .epilogue import Epilogue, register_epilogue
-from .gemm import _ceil_div, choose_tile, split_work
+from .gemm import ceil_div, choose_tile, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
@@ -72,7 +72,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     icg, ocg = C // group, OC // group
 
     # Phases read by the taps, the phase-image extents and each tap's offset in a channel's phases.
-    phases, PH, PW, ldb, offsets, left = _phase_geometry(kernel, strides, dilations, p_l, Wd, OH, OW)
+    phases, PH, PW, ldb, offsets, left = phase_geometry(kernel, strides, dilations, p_l, Wd, OH, OW)
     T = len(offsets)
     q_valid = (OH - 1) * PW + OW
     MR, NR = choose_tile(ocg, q_valid, "taps")
@@ -81,15 +81,15 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         scratch = graph.unique_name(f"{Y.name}__phases")
         graph.values[scratch] = Value(scratch, np.dtype(np.float32), (scratch_floats,))
 
-    pad_kernel, pad_work = _pad_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
+    pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
 
     # Channels per pass over the channels (balanced).
     kc_max = max(1, min(icg, K_PER_PASS // T))
-    passes = _ceil_div(icg, kc_max)
-    kc_max = _ceil_div(icg, passes)
+    passes = ceil_div(icg, kc_max)
+    kc_max = ceil_div(icg, passes)
     # Weights: [group][pass][panel][c in pass][tap][MR], zero padded: the micro-kernel calls of one
     # pass read one contiguous run of weights, panel after panel (a stream prefetchers follow).
-    n_panels = _ceil_div(ocg, MR)
+    n_panels = ceil_div(ocg, MR)
     w = np.zeros((group, n_panels * MR, icg, T), dtype=np.float32)
     w[:, :ocg] = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
     w = w.reshape(group, n_panels, MR, icg, T)
@@ -98,7 +98,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
          for c0 in range(0, icg, kc_max)], axis=1))
 
     # Tiles of the flat grid: (mask, first output index, count).
-    n_tiles = _ceil_div(q_valid, NR)
+    n_tiles = ceil_div(q_valid, NR)
     table = np.zeros((n_tiles, 3), dtype=np.int64)
     for t in range(n_tiles):
         q = np.arange(t * NR, t * NR + NR)
@@ -214,7 +214,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             KernelCall(conv_kernel, args, work, node.name)]
 
 
-def _phase_geometry(kernel, strides, dilations, p_l, W, OH, OW):
+def phase_geometry(kernel, strides, dilations, p_l, W, OH, OW):
     """The phases the taps read, the phase-image extents, the floats per channel, each tap's offset,
     and the left padding the phase images are laid out with.
 
@@ -250,15 +250,15 @@ def flat_residual(res_strides, out_spatial) -> bool:
     return (sh == 0 and sw == 0) or sh == sw * out_spatial[1]
 
 
-def _pad_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
+def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
     """X (N, C, H, W) -> phase images, and the work size. A work item is one channel's plane or,
     with few planes (a network's first conv: 3 channels), a block of rows of one, so that
     threads share the work evenly; blocks run top rows first, like the conv's output tiles."""
     zero = literal(0, np.float32)
     ldb = len(phases) * PH * PW
     blocks = min(PH, ROW_BLOCKS) if N * C < FEW_PLANES else 1
-    rows = _ceil_div(PH, blocks)
-    blocks = _ceil_div(PH, rows)
+    rows = ceil_div(PH, blocks)
+    blocks = ceil_div(PH, rows)
     src = Source()
     if s_w > 1:   # the strided column copies: wide loads and a lane shuffle (see GatherSpec)
         from .ukernel import GatherSpec
@@ -274,7 +274,7 @@ def _pad_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel,
     src.line(f"xb = plane * {H * W}").line(f"sb = plane * {ldb}")
     for k, (a, b) in enumerate(phases):
         # Columns j with 0 <= j*s_w + b - p_l < W: [j_lo, j_hi).
-        j_lo = max(0, _ceil_div(p_l - b, s_w))
+        j_lo = max(0, ceil_div(p_l - b, s_w))
         j_hi = min(PW, max(j_lo, (W - 1 + p_l - b) // s_w + 1))
         src.line("for i in range(i_lo, i_hi):").indent()
         src.line(f"o = sb + {k * PH * PW} + i * {PW}")

@@ -32,9 +32,9 @@ import numpy as np
 
 from .ukernel import LOADC_ACCUMULATE, LOADC_EPILOGUE, TSTORE_OUTPUT, TSpec
 
-from .convgemm import _pad_kernel, _phase_geometry
+from .convgemm import padded_input_kernel, phase_geometry
 from .epilogue import Epilogue, register_epilogue
-from .gemm import UK_MIN_SPLIT_FLOPS, UK_NR_STEP, _ceil_div, choose_tile
+from .gemm import UK_MIN_SPLIT_FLOPS, UK_NR_STEP, ceil_div, choose_tile
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .scratch import scratch_value
 
@@ -55,7 +55,7 @@ def _tile(OW: int, ocg: int, taps: int):
     """The tile with the most useful lanes (row tiles never cross a row), weighted by speed."""
     def useful(tile):
         mr, nr = tile
-        return OW / (_ceil_div(OW, mr) * mr) * ocg / (_ceil_div(ocg, nr) * nr)
+        return OW / (ceil_div(OW, mr) * mr) * ocg / (ceil_div(ocg, nr) * nr)
     table = TILES["taps" if taps > 1 else "rows"]
     best = max(sorted(table), key=lambda t: useful(t) * table[t])
     return best, useful(best) * table[best] / max(table.values())
@@ -68,12 +68,12 @@ def _lanes_useful(OH: int, OW: int, PW: int, ocg: int, pointwise: bool) -> float
     if pointwise:
         N = OH * OW
         mr, _ = choose_tile(ocg, N)
-        cols = N / (_ceil_div(N, UK_NR_STEP) * UK_NR_STEP)
+        cols = N / (ceil_div(N, UK_NR_STEP) * UK_NR_STEP)
     else:
         q_valid = (OH - 1) * PW + OW
         mr, nr = choose_tile(ocg, q_valid, "taps")
-        cols = OH * OW / (_ceil_div(q_valid, nr) * nr)
-    return cols * ocg / (_ceil_div(ocg, mr) * mr)
+        cols = OH * OW / (ceil_div(q_valid, nr) * nr)
+    return cols * ocg / (ceil_div(ocg, mr) * mr)
 
 
 def eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides=None, pointwise: bool = False) -> bool:
@@ -93,7 +93,7 @@ def eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides=No
         return False   # (a row's last tile would read past the end of X)
     if 4 * OH * OW * nr > SLOT_BYTES:
         return False   # the partial tiles of a panel would not stay in L1 between passes
-    PW = OW if pointwise else _phase_geometry(kernel, strides, dilations, pads[1], int(X.shape[3]), OH, OW)[2]
+    PW = OW if pointwise else phase_geometry(kernel, strides, dilations, pads[1], int(X.shape[3]), OH, OW)[2]
     return useful * SPEED["taps" if taps > 1 else "rows"] >= GAIN * _lanes_useful(OH, OW, PW, ocg, pointwise)
 
 
@@ -112,18 +112,18 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
         # The input as it is: position (oh, ow) of channel c at c*H*W + oh*W + ow (stride 1, no pad).
         offsets, ldb, PW, src_name = (0,), H * Wd, Wd, X.name
     else:
-        phases, PH, PW, ldb, offsets, left = _phase_geometry(kernel, strides, dilations, pads[1], Wd, OH, OW)
+        phases, PH, PW, ldb, offsets, left = phase_geometry(kernel, strides, dilations, pads[1], Wd, OH, OW)
         src_name = scratch_value(graph, node, (N * C * ldb + PW + 16,), np.float32, tag="phases")
-        pad_kernel, pad_work = _pad_kernel(C, H, Wd, strides[0], strides[1], pads[0], left, phases, PH, PW, N)
+        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, strides[0], strides[1], pads[0], left, phases, PH, PW, N)
         calls.append(KernelCall(pad_kernel, [X.name, src_name], pad_work, node.name))
     T = len(offsets)
 
     # Weights: [group][panel][c][tap][NR], zero padded: a panel's passes follow each other, one
     # contiguous run per work item.
-    n_panels = _ceil_div(ocg, NR)
+    n_panels = ceil_div(ocg, NR)
     kc_max = max(1, min(icg, PASS_BYTES // (4 * T * NR)))
-    passes = _ceil_div(icg, kc_max)
-    kc_max = _ceil_div(icg, passes)
+    passes = ceil_div(icg, kc_max)
+    kc_max = ceil_div(icg, passes)
     w = np.zeros((group, n_panels * NR, icg, T), dtype=np.float32)
     w[:, :ocg] = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
     packed = np.ascontiguousarray(w.reshape(group, n_panels, NR, icg, T).transpose(0, 1, 3, 4, 2).reshape(-1))
@@ -132,10 +132,10 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     # Work items: (image, group, panel, block of rows); rows split only to give threads enough items.
     want = work_items()
     split = 2 * N * OC * OH * OW * icg * T >= UK_MIN_SPLIT_FLOPS
-    row_blocks = min(OH, max(1, _ceil_div(want, N * group * n_panels))) if split else 1
-    rows_per = _ceil_div(OH, row_blocks)
-    row_blocks = _ceil_div(OH, rows_per)
-    tiles_per_row = _ceil_div(OW, MR)
+    row_blocks = min(OH, max(1, ceil_div(want, N * group * n_panels))) if split else 1
+    rows_per = ceil_div(OH, row_blocks)
+    row_blocks = ceil_div(OH, rows_per)
+    tiles_per_row = ceil_div(OW, MR)
     slots = N * group * n_panels * row_blocks * rows_per * tiles_per_row
     partial = scratch_value(graph, node, (slots * MR * NR,), np.float32, tag="tiles")
     work = N * group * n_panels * row_blocks
@@ -147,9 +147,9 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     # the next pass, or after the last one the next panel's first), so they stream from memory
     # while this pass computes, not in a burst when the next pass starts.
     tiles = rows_per * tiles_per_row
-    pass_lines = _ceil_div(4 * kc_max * T * NR, 64)
-    share = _ceil_div(pass_lines, tiles)
-    pf_lines = _ceil_div(share, kc_max)
+    pass_lines = ceil_div(4 * kc_max * T * NR, 64)
+    share = ceil_div(pass_lines, tiles)
+    pf_lines = ceil_div(share, kc_max)
     spec = TSpec(mr=MR, nr=NR, taps=tuple(offsets), a_ks=ldb, c_cs=OH * OW, pf_lines=pf_lines,
                  **(uk_epilogue or {}))
     # Pointers: A (phases or X), W (packed), [bias], [residual], partial tiles, Y.

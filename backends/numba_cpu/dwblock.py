@@ -28,7 +28,7 @@ from cuvil.ir import Node
 
 from .dwstride import RowCalls, packed_weights
 from .epilogue import Epilogue, epilogue_of, register_epilogue
-from .gemm import TileLoops, _ceil_div, choose_tile, pack_a_panels
+from .gemm import TileLoops, ceil_div, choose_tile, pack_a_panels
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, session_threads, work_items
 from .scratch import scratch_value
 
@@ -51,7 +51,7 @@ class _Gemm(TileLoops):
         self.M, K = weights.shape
         MR, NR = choose_tile(self.M, n_typical)
         self.panels = pack_a_panels(weights, MR)
-        self.bias = np.zeros(_ceil_div(self.M, MR) * MR, dtype=np.float32)
+        self.bias = np.zeros(ceil_div(self.M, MR) * MR, dtype=np.float32)
         if bias_name:   # (none: zeros, which the micro-kernel's epilogue adds)
             self.bias[:self.M] = np.asarray(graph.values[bias_name].data, dtype=np.float32).reshape(self.M)
         fields = register_epilogue(True, epilogue)
@@ -61,7 +61,7 @@ class _Gemm(TileLoops):
                                           for i, (mr, masked) in enumerate(keys)})
 
     def emit(self, src: Source, pa, pb, boff, ldb, pc, coff, ldc, pbias, npx) -> None:
-        t, panels = self.tag, _ceil_div(self.M, self.MR) * self.MR
+        t, panels = self.tag, ceil_div(self.M, self.MR) * self.MR
 
         def call(mr, m, masked):
             name = self.specs[(mr, masked)][0]
@@ -88,11 +88,11 @@ def lower_depthwise_block(node, graph) -> Lowered:
     one_slot = session_threads() == 1
     row_bytes = 4 * C1 * ((s * Wd if expand else 0) + (OW if project else 0))
     fixed_bytes = 4 * C1 * (KH - s) * Wd if expand else 0
-    R = max(1, min(_ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
+    R = max(1, min(ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
                    (BAND_BYTES - fixed_bytes) // row_bytes))
     BR = (R - 1) * s + KH
-    n_bands = _ceil_div(OH, R)
-    runs = 1 if one_slot else min(n_bands, max(1, _ceil_div(work_items(), N)))
+    n_bands = ceil_div(OH, R)
+    runs = 1 if one_slot else min(n_bands, max(1, ceil_div(work_items(), N)))
     work = N * runs
     t_floats = C1 * BR * Wd if expand else 0
     slot = t_floats + (C1 * R * OW if project else 0)

@@ -61,7 +61,7 @@ def _sum(*terms) -> str:
     return " + ".join(kept) if kept else "0"
 
 
-def _ceil_div(a, b):
+def ceil_div(a, b):
     return -(-a // b)
 
 
@@ -118,10 +118,10 @@ def gemm_kernel(family: str, dtype, M: int, N: int, K: int, batch_shape, a: Oper
         if M == 1:
             n_block = min(N, N_BLOCK_GEMV)
         else:
-            tiles = _ceil_div(N, N_TILE)
-            n_block = N if tiles == 1 else _ceil_div(_ceil_div(N, tiles), 16) * 16
-    row_blocks = _ceil_div(M, rb)
-    n_blocks = _ceil_div(N, n_block)
+            tiles = ceil_div(N, N_TILE)
+            n_block = N if tiles == 1 else ceil_div(ceil_div(N, tiles), 16) * 16
+    row_blocks = ceil_div(M, rb)
+    n_blocks = ceil_div(N, n_block)
     work = n_batch * n_blocks * row_blocks
 
     # Decode the item: ((batch * n_blocks) + nb) * row_blocks + blk.
@@ -202,7 +202,7 @@ def choose_tile(M: int, N: int, mode: str = "rows") -> tuple[int, int]:
 
     def score(tile):
         mr, nr = tile
-        return UK_TILES[mode][tile] * M / (_ceil_div(M, mr) * mr) * N / (_ceil_div(N, nr) * nr)
+        return UK_TILES[mode][tile] * M / (ceil_div(M, mr) * mr) * N / (ceil_div(N, nr) * nr)
     return max(sorted(UK_TILES[mode]), key=score)
 
 
@@ -232,11 +232,11 @@ def split_work(want: int, n_cols: int, m_tiles: int, a_bytes: int, b_bytes: int)
     out, is chosen.
     Blocks only group whole tiles, so results do not depend on the split."""
     def split(n_try, m_try=None):
-        per_n = _ceil_div(n_cols, n_try)
-        n_blocks = _ceil_div(n_cols, per_n)
-        m_blocks = min(m_tiles, _ceil_div(want, n_blocks) if m_try is None else m_try)
-        per_m = _ceil_div(m_tiles, m_blocks)
-        return n_blocks, per_n, _ceil_div(m_tiles, per_m), per_m
+        per_n = ceil_div(n_cols, n_try)
+        n_blocks = ceil_div(n_cols, per_n)
+        m_blocks = min(m_tiles, ceil_div(want, n_blocks) if m_try is None else m_try)
+        per_m = ceil_div(m_tiles, m_blocks)
+        return n_blocks, per_n, ceil_div(m_tiles, per_m), per_m
 
     def traffic(c):
         return c[0] * a_bytes + c[2] * b_bytes
@@ -295,7 +295,7 @@ def uk_eligible(dtype, M, N, K, a: Operand, b: Operand | None) -> bool:
 def pack_b_panels(data: np.ndarray, nr: int = UK_NR) -> np.ndarray:
     """[K, N] -> [ceil(N/nr), K, nr] panels, zero padded: the layout micro-kernels read B in."""
     K, N = data.shape
-    n_panels = _ceil_div(N, nr)
+    n_panels = ceil_div(N, nr)
     padded = np.zeros((K, n_panels * nr), dtype=np.float32)
     padded[:, :N] = data
     return np.ascontiguousarray(padded.reshape(K, n_panels, nr).transpose(1, 0, 2))
@@ -304,7 +304,7 @@ def pack_b_panels(data: np.ndarray, nr: int = UK_NR) -> np.ndarray:
 def uk_k_pass(K: int) -> int:
     """k values per pass of the micro-kernel GEMM (passes of balanced sizes, at most UK_KC)."""
     kc = min(K, UK_KC)
-    return _ceil_div(K, _ceil_div(K, kc))
+    return ceil_div(K, ceil_div(K, kc))
 
 
 class TileLoops:
@@ -366,14 +366,14 @@ def packs_a_at_run_time(M: int, N: int, K: int) -> bool:
     70 -> 97)."""
     MR, NR = choose_tile(M, N)
     return (l1d_ways() <= A_ALIAS_MAX_WAYS and M >= 2 * MR and (4 * K) % A_ALIAS_BYTES == 0
-            and _ceil_div(N, NR) >= A_PACK_MIN_PANELS)
+            and ceil_div(N, NR) >= A_PACK_MIN_PANELS)
 
 
 def pack_a_kernel(M: int, K: int, MR: int) -> tuple[Kernel, int]:
     """The layout of `pack_a_panels`, at run time, for a row-major M x K activation.
     Pointers: A, packed (ceil(M/MR)*MR*K floats). One work item per panel of MR rows."""
     kc = uk_k_pass(K)
-    rows_padded = _ceil_div(M, MR) * MR
+    rows_padded = ceil_div(M, MR) * MR
     src = Source().line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"for k0 in range(0, {K}, {kc}):").indent()
@@ -391,7 +391,7 @@ def pack_a_kernel(M: int, K: int, MR: int) -> tuple[Kernel, int]:
     for r in range(MR):
         src.line(f"row = item * {MR} + {r}")
         src.line(f"p1[base + k * {MR} + {r}] = p0[row * {K} + k0 + k] if row < {M} else np.float32(0)")
-    return Kernel("APack", src.text(), ("float32", "float32")), _ceil_div(M, MR)
+    return Kernel("APack", src.text(), ("float32", "float32")), ceil_div(M, MR)
 
 
 def _packed_a_calls(graph, node, A_name: str, M: int, N: int, K: int) -> tuple[list, str, bool]:
@@ -400,7 +400,7 @@ def _packed_a_calls(graph, node, A_name: str, M: int, N: int, K: int) -> tuple[l
     if not packs_a_at_run_time(M, N, K):
         return [], A_name, False
     MR = choose_tile(M, N)[0]
-    packed = scratch_value(graph, node, (_ceil_div(M, MR) * MR * K,), np.float32, tag="apanels")
+    packed = scratch_value(graph, node, (ceil_div(M, MR) * MR * K,), np.float32, tag="apanels")
     kernel, work = pack_a_kernel(M, K, MR)
     return [KernelCall(kernel, [A_name, packed], work, node.name)], packed, True
 
@@ -409,7 +409,7 @@ def pack_a_panels(data: np.ndarray, mr: int = UK_MR) -> np.ndarray:
     """[..., M, K] -> [..., pass over k, ceil(M/mr) panels, k in pass, mr], zero padded: the
     micro-kernel calls of one pass read one contiguous run of A, panel after panel."""
     *lead, M, K = data.shape
-    n_panels = _ceil_div(M, mr)
+    n_panels = ceil_div(M, mr)
     kc = uk_k_pass(K)
     padded = np.zeros((*lead, n_panels * mr, K), dtype=np.float32)
     padded[..., :M, :] = data
@@ -456,7 +456,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     specs = {}
 
     # The last column panel is computed by a kernel only as wide as its columns need (whole vectors).
-    edge_nr = min(NR, _ceil_div(N % NR, UK_NR_STEP) * UK_NR_STEP) if N % NR else NR
+    edge_nr = min(NR, ceil_div(N % NR, UK_NR_STEP) * UK_NR_STEP) if N % NR else NR
 
     # The epilogue runs in the micro-kernel's registers when it is a per-row bias (a conv's) and a
     # Relu or Clip: the last pass stores final values once, no loop reads the tile back.
@@ -474,11 +474,11 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
         return specs[key][0]
 
     # Work items: (batch, n block, m block); blocks of whole micro-tiles.
-    n_panels = _ceil_div(N, NR)
-    m_tiles = _ceil_div(M, MR)
+    n_panels = ceil_div(N, NR)
+    m_tiles = ceil_div(M, MR)
     threads_hint = work_items() if threads_hint is None else threads_hint
     gemv_split = M == 1 and session_threads() > 1 and 4 * K * N >= GEMV_SPLIT_BYTES
-    want = max(1, _ceil_div(threads_hint, n_batch)) if 2 * M * N * K >= UK_MIN_SPLIT_FLOPS or gemv_split else 1
+    want = max(1, ceil_div(threads_hint, n_batch)) if 2 * M * N * K >= UK_MIN_SPLIT_FLOPS or gemv_split else 1
     n_blocks, ppb, m_blocks, tpb = split_work(want, n_panels, m_tiles, 4 * M * K, 4 * K * N)
     work = n_batch * n_blocks * m_blocks
     # A few row tiles (a 16-token encoder) share each B panel: in short passes the panel's part
@@ -529,7 +529,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     def call(mr, edge_n):
         name = spec(mr, edge_n)
         if a_panels:   # pass k0 starts at k0 * (rows of panels); panel m // MR of it at m * kc
-            a_off = _sum(off["a"], _term("k0", _ceil_div(M, MR) * MR), "m*kc")
+            a_off = _sum(off["a"], _term("k0", ceil_div(M, MR) * MR), "m*kc")
         else:
             a_off = _sum(off["a"], _term("m", a.rows), _term("k0", a_k))
         loadc, bias = "lc", "p0, 0"

@@ -280,7 +280,7 @@ def lower_winograd(node, graph, t: Transform, X, W, B, Y, pads, residual_arg=Non
     # The a x a patches of the tiles are the taps of an a x a conv with stride m over the tile
     # grid: its m * m phase images (zero padded) make every patch value a contiguous run along a
     # tile row.
-    phases, PH, PW, ldb, offsets, left = convgemm._phase_geometry((a, a), (t.m, t.m), (1, 1), p_l, Wd, TH, TW)
+    phases, PH, PW, ldb, offsets, left = convgemm.phase_geometry((a, a), (t.m, t.m), (1, 1), p_l, Wd, TH, TW)
     # GEMM columns: the tile grid with its extra column (PW = TW + 1), so that WinoIn is one long
     # loop, unless that takes more vectors of columns (a 7x7 output: 4 x 5 = 20 positions for 16
     # tiles).
@@ -296,7 +296,7 @@ def lower_winograd(node, graph, t: Transform, X, W, B, Y, pads, residual_arg=Non
     for tag, size in (("winopad", N * C * ldb + 16), ("winov", N * P * xs_in), ("winom", N * P * xs_out)):
         names[tag] = graph.unique_name(f"{Y.name}__{tag}")
         graph.values[names[tag]] = Value(names[tag], dtype, (size,))
-    pad_kernel, pad_work = convgemm._pad_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N)
+    pad_kernel, pad_work = convgemm.padded_input_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N)
 
     # U, packed into panels, is computed from W by the library's first session (the library
     # holds W: U is a*a/9 times larger).

@@ -234,6 +234,24 @@ def test_check_reports_an_unsupported_op(tmp_path, capsys):
                                                        f"no kernel generator for op {op}")
 
 
+@pytest.mark.parametrize("key, value, refused", [
+    ("targets", "[native, cuda-sm90]", "target 'cuda-sm90', precision 'fp32': target 'cuda-sm90': CUDA targets"),
+    ("precision", "bf16", "target 'native', precision 'bf16': precision 'bf16' is not supported yet"),
+])
+def test_check_refuses_what_build_refuses(tmp_path, capsys, key, value, refused):
+    """cuvil.yaml accepts every target and precision the project plans; what `cuvil build` cannot
+    build yet, `cuvil check` reports (exit 1), with the build's own reason."""
+    config = write_example_project(tmp_path)
+    config.write_text(config.read_text().replace(f"    {key}: " + ("[native]" if key == "targets" else "fp32"),
+                                                 f"    {key}: {value}", 1))
+    assert main(["check", "-f", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert f"unsupported: {refused}" in out
+    assert main(["build", "-f", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert refused.split(": ", 1)[1] in err and "Traceback" not in err
+
+
 def test_a_config_error_is_located_and_has_no_traceback(tmp_path):
     config = write_example_project(tmp_path)
     config.write_text(config.read_text().replace("  opt_level: 2", "  opt_levle: 2"))

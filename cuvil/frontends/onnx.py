@@ -91,7 +91,9 @@ def _attrs(node: onnx.NodeProto) -> dict:
     for attr in node.attribute:
         if attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
             raise UnsupportedOpError(f"node '{node.name}' ({node.op_type}) has a subgraph attribute '{attr.name}'; "
-                                     "control flow is not supported yet")
+                                     "only If, Loop and Scan take subgraphs here",
+                                     hint="If, Loop and Scan are inlined when their control is known at build "
+                                          "time (frontends/control_flow.py); other ops with subgraphs are not")
         value = helper.get_attribute_value(attr)
         if isinstance(value, bytes):
             value = value.decode("utf-8", "replace")

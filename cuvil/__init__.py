@@ -1,5 +1,7 @@
 """Cuvil: compile ONNX and TorchScript models ahead of time into standalone
-shared libraries with a plain C ABI.
+shared libraries with a plain C ABI. This package owns the front and the top:
+config, CIR and the op vocabulary, frontends, the pipeline and its cached build
+steps, the runtime loader, the API and the CLI (passes/ and backends/ do the rest).
 
 `cuvil.load` needs only numpy and ctypes; `cuvil.compile` imports the
 compiler (onnx, numba, llvmlite) when first called.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from backends.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
-from cuvil.ops import FUSED_DOMAIN, FUSED_OPS
+from cuvil.ops import FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
 
 from . import attention, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
 from .kernel import lowering_for
@@ -31,12 +31,8 @@ GENERATORS = {
     "HardSigmoid": ew.lower_hard_sigmoid,
     "HardSwish": ew.lower_hard_swish,
     "Where": ew.lower_where,
-    # views: the output shares the input's bytes (views.py)
-    "Identity": lower_view,
-    "Reshape": lower_view,
-    "Flatten": lower_view,
-    "Squeeze": lower_view,
-    "Unsqueeze": lower_view,
+    # views: the output shares the input's bytes (views.py); Dropout also writes its mask when asked
+    **{op: lower_view for op in sorted(VIEW_OPS - {"Dropout"})},
     "Dropout": indexing.lower_dropout,
     # dense linear algebra (gemm.py, conv.py)
     "Gemm": gemm.lower_gemm,

@@ -15,6 +15,7 @@ in rounds of processes and compares their best process medians. benchmarks/
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -94,19 +95,25 @@ HARNESS = HARNESS.replace("{warmup_ns}", f"{WARMUP_SECONDS * 1e9:.0f}")
 
 
 def harness() -> Path:
-    """The C timing program, compiled on first use with $CC (default gcc)."""
+    """The C timing program, compiled on first use with $CC (default gcc). Its name holds a hash of
+    its source and the compiler, and it is compiled under a temporary name and renamed, so
+    processes timing at the same time never run a half-written or stale program."""
+    cc = os.environ.get("CC", "gcc")
+    digest = hashlib.sha256(f"{cc}\n{HARNESS}".encode()).hexdigest()[:16]
+    exe = BUILD / f"ctime-{digest}"
+    if exe.exists():
+        return exe
     BUILD.mkdir(exist_ok=True)
-    exe = BUILD / "ctime"
-    src = BUILD / "ctime.c"
-    if not exe.exists() or not src.exists() or src.read_text() != HARNESS:
+    with tempfile.TemporaryDirectory(dir=BUILD) as tmp:
+        src, built = Path(tmp) / "ctime.c", Path(tmp) / "ctime"
         src.write_text(HARNESS)
-        cc = os.environ.get("CC", "gcc")
         try:
-            subprocess.run([cc, "-O2", "-o", str(exe), str(src), "-ldl"], check=True, capture_output=True, text=True)
+            subprocess.run([cc, "-O2", "-o", str(built), str(src), "-ldl"], check=True, capture_output=True, text=True)
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", "") or str(error)
             raise CuvilError(f"cannot compile the timing program with '{cc}': {detail.strip()}",
                              hint="install gcc or set CC to a working C compiler") from None
+        os.replace(built, exe)
     return exe
 
 

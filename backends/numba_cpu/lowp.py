@@ -1,0 +1,243 @@
+"""Conversions between float32 and the 16-bit float formats, as micro-kernels (LLVM vector IR).
+
+bfloat16 is the top half of a float32 (sign, 8 exponent bits, 7 mantissa bits); float16 (IEEE
+binary16) has 5 exponent bits and 10 mantissa bits. Widening is exact; narrowing rounds to
+nearest, ties to even (RNE). In float32 bits x:
+
+    bf16(x) = (x + 0x7fff + ((x >> 16) & 1)) >> 16             x not NaN (a carry into the
+                                                                exponent rounds up to inf)
+            = (x >> 16) | 0x0040                                x NaN (kept NaN, made quiet)
+    f32(b)  = b << 16
+
+    f16(x): |x| >= 2^16 (as bits >= 0x47800000): inf, or NaN as sign | 0x7e00 | (x >> 13) & 0x3ff
+            |x| <  2^-14: a subnormal: the bits of (|x| + 0.5) - 0x3f000000 (the float addition
+                          rounds at 2^-24, the unit of a float16 subnormal, by RNE)
+            otherwise:    (|x| - (112 << 23) + 0xfff + ((x >> 13) & 1)) >> 13, values in
+                          [65520, 65536) carrying into the exponent: inf
+            | the sign >> 16
+    f32(h): exponent 0: subnormal (h * 2^-24, exact); 31: inf or NaN (NaN made quiet); else
+            rebias by 112 << 23.
+
+Methods (CvtSpec.method):
+- "exact": the integer formulas above, on every target (SSE2 upwards). Bit-exact against
+  ml_dtypes/numpy for every non-NaN input.
+- "hw": the instruction: `vcvtneps2bf16` (AVX512-BF16) for float32 -> bf16, F16C `vcvtps2ph` /
+  `vcvtph2ps` for float16. F16C is IEEE-exact (and equals "exact", NaNs included); `vcvtneps2bf16`
+  treats float32 subnormal inputs (|x| < 2^-126) as zero (measured on AMD Zen 4, as Intel documents
+  it: DAZ, MXCSR not consulted): ±0 where "exact" gives the nearest bf16 subnormal.
+  Widening bf16 is a shift on every target (no instruction is needed).
+
+NaNs: narrowing keeps a NaN a NaN, quiet, with its sign and its top payload bits (the
+instructions' result; ml_dtypes instead writes the canonical 0x7fc0 for bf16 and numpy keeps a
+signalling float16 NaN signalling). Widening float16 quiets a NaN as `vcvtph2ps` does; widening
+bf16 keeps every bit (a signalling NaN stays signalling, as in ml_dtypes).
+
+Signature: i32 name(ptr src, i64 soff, ptr dst, i64 doff, i64 n) converts dst[doff + i] =
+convert(src[soff + i]) for i < n (offsets in elements of each side's type), L lanes per step with
+a masked last step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from backends.native.lowp_targets import has_feature
+from backends.native.targets import CpuTarget
+from backends.native.ukernel import _Declared, _IR, _float_ir, lanes_for
+
+FORMATS = ("f32", "bf16", "f16")
+STORAGE = {"f32": "i32", "bf16": "i16", "f16": "i16"}   # how each format is loaded and stored
+_NUMBA_POINTER = {"f32": "float32", "bf16": "uint16", "f16": "uint16"}
+
+
+@dataclass(frozen=True)
+class CvtSpec(_Declared):
+    """dst = convert(src) elementwise; src and dst are "f32", "bf16" or "f16" (one of them "f32")."""
+    src: str
+    dst: str
+    method: str = "exact"   # "exact" (integer formulas, any target) | "hw" (see the module docstring)
+    kind: str = "cvt"
+    _ARGS: ClassVar[str] = "pipii"
+
+    def __post_init__(self):
+        assert {self.src, self.dst} in ({"f32", "bf16"}, {"f32", "f16"}), (self.src, self.dst)
+        assert self.method in ("exact", "hw"), self.method
+
+    def _stem(self) -> str:
+        return f"cuvil_cvt_{self.src}_{self.dst}_{self.method}"
+
+    def declaration(self, var: str) -> str:
+        """As _Declared's, with uint16 pointers on the 16-bit side (a Numba kernel holds bf16/f16
+        buffers as uint16)."""
+        src, dst = (f"_uk_types.CPointer(_uk_types.{_NUMBA_POINTER[f]})" for f in (self.src, self.dst))
+        i = "_uk_types.int64"
+        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
+                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({src}, {i}, {dst}, {i}, {i}))\n")
+
+
+def best_method(src: str, dst: str, target: CpuTarget) -> str:
+    """"hw" where the instruction exists and is bit-exact (F16C), else "exact". float32 -> bf16
+    stays "exact" by default: `vcvtneps2bf16` flushes float32 subnormals (ask for "hw" to take it)."""
+    if "f16" in (src, dst) and has_feature(target, "f16c"):
+        return "hw"
+    return "exact"
+
+
+def _splat(L: int, value: int, elem: str = "i32") -> str:
+    return "<" + ", ".join([f"{elem} {value}"] * L) + ">"
+
+
+def _op(ir: _IR, text: str, base: str = "v") -> str:
+    """One instruction `%t = text`; returns %t."""
+    out = ir.tmp(base)
+    ir(f"{out} = {text}")
+    return out
+
+
+def f32_to_bf16(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
+    """<L x i16> bf16 bits of the <L x i32> float32 bits `bits` (RNE, NaN quiet)."""
+    vi, vh = f"<{L} x i32>", f"<{L} x i16>"
+    if method == "hw":
+        x = _op(ir, f"bitcast {vi} {bits} to <{L} x float>")
+        y = _op(ir, f"fptrunc <{L} x float> {x} to <{L} x bfloat>")
+        return _op(ir, f"bitcast <{L} x bfloat> {y} to {vh}")
+    high = _op(ir, f"lshr {vi} {bits}, {_splat(L, 16)}")
+    lsb = _op(ir, f"and {vi} {high}, {_splat(L, 1)}")
+    biased = _op(ir, f"add {vi} {bits}, {_splat(L, 0x7FFF)}")
+    rounded = _op(ir, f"add {vi} {biased}, {lsb}")
+    result = _op(ir, f"lshr {vi} {rounded}, {_splat(L, 16)}")
+    magnitude = _op(ir, f"and {vi} {bits}, {_splat(L, 0x7FFFFFFF)}")
+    is_nan = _op(ir, f"icmp ugt {vi} {magnitude}, {_splat(L, 0x7F800000)}")
+    quiet = _op(ir, f"or {vi} {high}, {_splat(L, 0x40)}")
+    chosen = _op(ir, f"select <{L} x i1> {is_nan}, {vi} {quiet}, {vi} {result}")
+    return _op(ir, f"trunc {vi} {chosen} to {vh}")
+
+
+def bf16_to_f32(ir: _IR, bits: str, L: int) -> str:
+    """<L x i32> float32 bits of the <L x i16> bf16 bits `bits` (exact)."""
+    wide = _op(ir, f"zext <{L} x i16> {bits} to <{L} x i32>")
+    return _op(ir, f"shl <{L} x i32> {wide}, {_splat(L, 16)}")
+
+
+def f32_to_f16(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
+    """<L x i16> float16 bits of the <L x i32> float32 bits `bits` (RNE, overflow to inf,
+    subnormals, NaN quiet)."""
+    vi, vf, vh, vb = f"<{L} x i32>", f"<{L} x float>", f"<{L} x i16>", f"<{L} x i1>"
+    if method == "hw":
+        x = _op(ir, f"bitcast {vi} {bits} to {vf}")
+        y = _op(ir, f"fptrunc {vf} {x} to <{L} x half>")
+        return _op(ir, f"bitcast <{L} x half> {y} to {vh}")
+    sign = _op(ir, f"and {vi} {bits}, {_splat(L, 0x80000000 - (1 << 32))}")
+    magnitude = _op(ir, f"and {vi} {bits}, {_splat(L, 0x7FFFFFFF)}")
+    mantissa_top = _op(ir, f"lshr {vi} {magnitude}, {_splat(L, 13)}")
+    # |x| >= 2^16: inf, or a quiet NaN keeping the top of the payload
+    is_nan = _op(ir, f"icmp ugt {vi} {magnitude}, {_splat(L, 0x7F800000)}")
+    payload = _op(ir, f"and {vi} {mantissa_top}, {_splat(L, 0x3FF)}")
+    nan = _op(ir, f"or {vi} {payload}, {_splat(L, 0x7E00)}")
+    big = _op(ir, f"select {vb} {is_nan}, {vi} {nan}, {vi} {_splat(L, 0x7C00)}")
+    # |x| < 2^-14: the float addition of 0.5 rounds at the float16 subnormal unit
+    as_float = _op(ir, f"bitcast {vi} {magnitude} to {vf}")
+    half = "<" + ", ".join([f"float {_float_ir(0.5)}"] * L) + ">"
+    shifted = _op(ir, f"fadd {vf} {as_float}, {half}")
+    shifted_bits = _op(ir, f"bitcast {vf} {shifted} to {vi}")
+    small = _op(ir, f"sub {vi} {shifted_bits}, {_splat(L, 0x3F000000)}")
+    # normal: rebias the exponent, round the 13 dropped bits to nearest even
+    odd = _op(ir, f"and {vi} {mantissa_top}, {_splat(L, 1)}")
+    rebiased = _op(ir, f"add {vi} {magnitude}, {_splat(L, 0xFFF - (112 << 23))}")
+    rounded = _op(ir, f"add {vi} {rebiased}, {odd}")
+    normal = _op(ir, f"lshr {vi} {rounded}, {_splat(L, 13)}")
+    is_small = _op(ir, f"icmp ult {vi} {magnitude}, {_splat(L, 0x38800000)}")
+    finite = _op(ir, f"select {vb} {is_small}, {vi} {small}, {vi} {normal}")
+    is_big = _op(ir, f"icmp uge {vi} {magnitude}, {_splat(L, 0x47800000)}")
+    unsigned = _op(ir, f"select {vb} {is_big}, {vi} {big}, {vi} {finite}")
+    sign16 = _op(ir, f"lshr {vi} {sign}, {_splat(L, 16)}")
+    signed = _op(ir, f"or {vi} {unsigned}, {sign16}")
+    return _op(ir, f"trunc {vi} {signed} to {vh}")
+
+
+def f16_to_f32(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
+    """<L x i32> float32 bits of the <L x i16> float16 bits `bits` (exact; NaN quiet)."""
+    vi, vf, vb = f"<{L} x i32>", f"<{L} x float>", f"<{L} x i1>"
+    if method == "hw":
+        x = _op(ir, f"bitcast <{L} x i16> {bits} to <{L} x half>")
+        y = _op(ir, f"fpext <{L} x half> {x} to {vf}")
+        return _op(ir, f"bitcast {vf} {y} to {vi}")
+    wide = _op(ir, f"zext <{L} x i16> {bits} to {vi}")
+    body = _op(ir, f"and {vi} {wide}, {_splat(L, 0x7FFF)}")
+    shifted = _op(ir, f"shl {vi} {body}, {_splat(L, 13)}")
+    exponent = _op(ir, f"and {vi} {shifted}, {_splat(L, 0x0F800000)}")
+    normal = _op(ir, f"add {vi} {shifted}, {_splat(L, 112 << 23)}")
+    # exponent 31: inf or NaN (the NaN quiet)
+    is_special = _op(ir, f"icmp eq {vi} {exponent}, {_splat(L, 0x0F800000)}")
+    special = _op(ir, f"add {vi} {normal}, {_splat(L, 112 << 23)}")
+    has_payload = _op(ir, f"icmp ugt {vi} {body}, {_splat(L, 0x7C00)}")
+    quiet_bit = _op(ir, f"select {vb} {has_payload}, {vi} {_splat(L, 0x00400000)}, {vi} zeroinitializer")
+    special = _op(ir, f"or {vi} {special}, {quiet_bit}")
+    # exponent 0: m * 2^-24 as (2^-14 + m * 2^-24) - 2^-14, exact
+    is_subnormal = _op(ir, f"icmp eq {vi} {exponent}, zeroinitializer")
+    offset = _op(ir, f"add {vi} {normal}, {_splat(L, 1 << 23)}")
+    offset_float = _op(ir, f"bitcast {vi} {offset} to {vf}")
+    magic = "<" + ", ".join([f"float {_float_ir(2.0 ** -14)}"] * L) + ">"
+    subnormal_float = _op(ir, f"fsub {vf} {offset_float}, {magic}")
+    subnormal = _op(ir, f"bitcast {vf} {subnormal_float} to {vi}")
+    chosen = _op(ir, f"select {vb} {is_subnormal}, {vi} {subnormal}, {vi} {normal}")
+    chosen = _op(ir, f"select {vb} {is_special}, {vi} {special}, {vi} {chosen}")
+    sign = _op(ir, f"and {vi} {wide}, {_splat(L, 0x8000)}")
+    sign32 = _op(ir, f"shl {vi} {sign}, {_splat(L, 16)}")
+    return _op(ir, f"or {vi} {chosen}, {sign32}")
+
+
+def convert(ir: _IR, spec: CvtSpec, bits: str, L: int) -> str:
+    """The converted bits (dst's storage type) of the <L x ...> src bits."""
+    if spec.src == "bf16":
+        return bf16_to_f32(ir, bits, L)
+    if spec.src == "f16":
+        return f16_to_f32(ir, bits, L, spec.method)
+    if spec.dst == "bf16":
+        return f32_to_bf16(ir, bits, L, spec.method)
+    return f32_to_f16(ir, bits, L, spec.method)
+
+
+def cvt_ir(spec: CvtSpec, vector_bits: int) -> str:
+    """The conversion micro-kernel's module (see CvtSpec and the module docstring)."""
+    L = min(lanes_for(vector_bits), 16)
+    st, dt = STORAGE[spec.src], STORAGE[spec.dst]
+    vs, vd, vm = f"<{L} x {st}>", f"<{L} x {dt}>", f"<{L} x i1>"
+    lane_ids = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
+    ir = _IR()
+    ir.label("entry")
+    ir(f"%s0 = getelementptr {st}, ptr %src, i64 %soff")
+    ir(f"%d0 = getelementptr {dt}, ptr %dst, i64 %doff")
+    ir("br label %head")
+    ir.label("head")
+    ir("%i = phi i64 [ 0, %entry ], [ %inext, %body ]")
+    ir(f"%inext = add i64 %i, {L}")
+    ir("%whole = icmp sle i64 %inext, %n")
+    ir("br i1 %whole, label %body, label %tail")
+    ir.label("body")
+    ir(f"%sp = getelementptr {st}, ptr %s0, i64 %i")
+    ir(f"%x = load {vs}, ptr %sp, align 2")
+    y = convert(ir, spec, "%x", L)
+    ir(f"%dp = getelementptr {dt}, ptr %d0, i64 %i")
+    ir(f"store {vd} {y}, ptr %dp, align 2")
+    ir("br label %head")
+    ir.label("tail")
+    ir("%rest = sub i64 %n, %i")
+    ir("%some = icmp sgt i64 %rest, 0")
+    ir("br i1 %some, label %last, label %done")
+    ir.label("last")
+    ir(f"%restv0 = insertelement <{L} x i64> poison, i64 %rest, i64 0")
+    ir(f"%restv = shufflevector <{L} x i64> %restv0, <{L} x i64> poison, <{L} x i32> zeroinitializer")
+    ir(f"%m = icmp slt <{L} x i64> {lane_ids}, %restv")
+    ir(f"%lsp = getelementptr {st}, ptr %s0, i64 %i")
+    ir(f"%lx = call {vs} @llvm.masked.load.v{L}{st}.p0(ptr align 2 %lsp, {vm} %m, {vs} zeroinitializer)")
+    ly = convert(ir, spec, "%lx", L)
+    ir(f"%ldp = getelementptr {dt}, ptr %d0, i64 %i")
+    ir(f"call void @llvm.masked.store.v{L}{dt}.p0({vd} {ly}, ptr align 2 %ldp, {vm} %m)")
+    ir("br label %done")
+    ir.label("done")
+    ir("ret i32 0")
+    head = f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, ptr noalias %dst, i64 %doff, i64 %n) #0 {{"
+    decls = [f"declare {vs} @llvm.masked.load.v{L}{st}.p0(ptr, {vm}, {vs})",
+             f"declare void @llvm.masked.store.v{L}{dt}.p0({vd}, ptr, {vm})"]
+    return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"

@@ -143,3 +143,142 @@ def test_round_trip_of_every_16_bit_value(fmt):
     back = run_conversion(CvtSpec("f32", fmt), "znver4", wide)
     quiet = 0x40 if fmt == "bf16" else 0x200
     assert (back == np.where(is_nan16(bits, fmt), bits | quiet, bits)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-kernels: C (+)= A B with bf16 / float16 A and B and float32 accumulation.
+
+from backends.native.ukernel_lowp import LowpUKSpec, lowp_ukernel_ir  # noqa: E402
+from backends.numba_cpu.lowp_pack import (bf16_bits, f16_bits, pack_a_pairs, pack_a_panel,  # noqa: E402
+                                          pack_b_pairs)
+
+U32 = 2.0 ** -24     # unit roundoff of float32
+U16 = 2.0 ** -11     # of float16
+
+
+def gamma(n: int, u: float = U32) -> float:
+    return n * u / (1 - n * u)
+
+
+def error_bound(spec: LowpUKSpec, k_steps: int, magnitude: np.ndarray, emulated_fp16: bool = False) -> np.ndarray:
+    """The bound on |kernel - exact| derived in ukernel_lowp.py's docstring. `magnitude` is
+    |C0| + sum_k |A(i,k) B(k,j)| + |bias(i)| (what every rounding is relative to), `k_steps` the
+    products the k loop adds (padding zeros included: adding an exact zero does not round).
+
+    float32 accumulation: the k loop is a recursive sum of K + 1 terms (C0 and K exact products),
+    |error| <= gamma(K) * sum |terms|; the bias adds one more rounding: gamma(K + 1).
+    "fp16": each chunk of c products is summed in float16 from zero (c roundings, gamma_16(c)), the
+    chunk sums then join a float32 recursive sum of K/c + 1 terms and the bias:
+    gamma_16(c) + gamma(K/c + 1) (1 + gamma_16(c)). Emulated float16 (LLVM computes each float16 FMA
+    in float32 and rounds to float16: a double rounding) has unit 2^-11 + 2^-24 + 2^-35.
+    The float64 reference adds at most (K + 2) 2^-53 of the magnitude."""
+    reference = (k_steps + 2) * 2.0 ** -53
+    if spec.method != "fp16":
+        return (gamma(k_steps + 1) + reference) * magnitude
+    c = spec.fp16_chunk
+    u = U16 + U32 + 2.0 ** -35 if emulated_fp16 else U16
+    per_chunk = gamma(c, u)
+    return (per_chunk + gamma(k_steps // c + 1) * (1 + per_chunk) + reference) * magnitude
+
+
+def run_tile(spec: LowpUKSpec, cpu: str, K: int, valid: int, loadc: int, seed: int = 0):
+    """The kernel's C on random inputs, the float64 reference of the same rounded inputs, the bound."""
+    rng = np.random.default_rng(seed)
+    mr, nr = spec.mr, spec.nr
+    a = rng.standard_normal((mr, K)).astype(np.float32)
+    b = rng.standard_normal((K, valid)).astype(np.float32)
+    to_bits, to_value = ((bf16_bits, ml_dtypes.bfloat16) if spec.dtype == "bf16" else (f16_bits, np.float16))
+    a16, b16 = to_bits(a), to_bits(b)
+    k_steps = K
+    if spec.k_pairs:
+        k_steps = 2 * (-(-K // 2))
+        kc = k_steps // 2
+        bpack = pack_b_pairs(b16, nr)[0]
+        ldb = 2 * nr
+        if spec.a_packed:
+            apack, lda = pack_a_pairs(a16, spec.a_panel)[0], 0
+        else:
+            lda = k_steps + 6                       # a row-major matrix wider than K (even: pairs stay aligned)
+            apack = np.zeros((mr, lda), np.uint16)
+            apack[:, :K] = a16
+    else:
+        kc = K
+        ldb = nr + 32
+        bpack = np.zeros((K, ldb), np.uint16)
+        bpack[:, :valid] = b16
+        if spec.a_packed:
+            apack, lda = pack_a_panel(a16, spec.a_panel)[0], 0
+        else:
+            lda = K + 3
+            apack = np.zeros((mr, lda), np.uint16)
+            apack[:, :K] = a16
+    aoff, boff, coff, biasoff = 2, 4, 1, 1
+    a_buf = np.concatenate([np.zeros(aoff, np.uint16), apack.ravel()])
+    b_buf = np.concatenate([np.zeros(boff, np.uint16), bpack.ravel()])
+    ldc = nr + 5
+    c_buf = rng.standard_normal(coff + mr * ldc + 8).astype(np.float32)
+    c0 = c_buf.copy()
+    bias = rng.standard_normal(mr + biasoff).astype(np.float32)
+    jit = jit_for(cpu)
+    try:
+        fn = jit.function(spec.name, ctypes.c_int32, *([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3,
+                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    except AssertionError:
+        jit.add(lowp_ukernel_ir(spec, CPUS[cpu]))
+        fn = jit.function(spec.name, ctypes.c_int32, *([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3,
+                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    mask = (1 << valid) - 1 if valid < 64 else -1
+    fn(a_buf.ctypes.data, aoff, lda, b_buf.ctypes.data, boff, ldb, c_buf.ctypes.data, coff, ldc, kc, mask, loadc,
+       bias.ctypes.data, biasoff)
+    a64 = a16.view(to_value).astype(np.float64)
+    b64 = b16.view(to_value).astype(np.float64)
+    tile = lambda buf: buf[coff:coff + mr * ldc].reshape(mr, ldc)
+    start = tile(c0)[:, :valid].astype(np.float64) if loadc & 1 else np.zeros((mr, valid))
+    ref = start + a64 @ b64
+    magnitude = np.abs(start) + np.abs(a64) @ np.abs(b64)
+    if loadc & 2:
+        if spec.bias:
+            ref += bias[biasoff:biasoff + mr, None]
+            magnitude += np.abs(bias[biasoff:biasoff + mr, None])
+        if spec.act == "Relu":
+            ref = np.maximum(ref, 0)
+        elif spec.act == "Clip":
+            ref = np.clip(ref, spec.act_lo, spec.act_hi)
+    got = tile(c_buf)
+    # columns past the mask and everything outside the tile are left as they were
+    untouched = np.ones(c_buf.shape, bool)
+    untouched[coff:coff + mr * ldc].reshape(mr, ldc)[:, :valid] = False
+    assert (c_buf[untouched] == c0[untouched]).all(), "the kernel wrote outside its masked tile"
+    return got[:, :valid].astype(np.float64), ref, error_bound(spec, k_steps, magnitude, cpu != "sapphirerapids")
+
+
+def assert_within_bound(got, ref, bound):
+    err = np.abs(got - ref)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), f"|err| {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+    return float((err / np.maximum(bound, 1e-300)).max())
+
+
+# (method, cpu) of every path that runs here; fp16 runs emulated (see error_bound).
+RUNNABLE = [("bf16", "dpbf16", "znver4"), ("bf16", "widen", "znver4"), ("bf16", "widen", "haswell"),
+            ("bf16", "widen", "x86-64"), ("f16", "f16c", "znver4"), ("f16", "f16c", "haswell")]
+TILES = [  # mr, nr, a_packed, K, valid columns, loadc
+    (6, 64, 1, 256, 64, 0), (6, 64, 0, 255, 64, 1), (4, 32, 1, 7, 19, 1), (1, 16, 0, 1, 1, 0),
+    (12, 32, 1, 64, 32, 3), (3, 48, 0, 33, 40, 3)]
+
+
+def _spec(dtype, method, mr, nr, a_packed, cpu, **epilogue):
+    lanes = 16 if method == "dpbf16" else CPUS[cpu] // 32
+    nr = -(-nr // lanes) * lanes
+    return LowpUKSpec(mr=mr, nr=nr, dtype=dtype, method=method, a_packed=a_packed,
+                      a_panel=mr + 2 if a_packed else 0, **epilogue), nr
+
+
+@pytest.mark.parametrize("dtype,method,cpu", RUNNABLE)
+@pytest.mark.parametrize("mr,nr,a_packed,K,valid,loadc", TILES)
+def test_lowp_microkernel_matches_float64(dtype, method, cpu, mr, nr, a_packed, K, valid, loadc):
+    epilogue = dict(bias=1, act="Relu") if loadc == 3 and mr == 12 else dict(bias=1, act="Clip", act_lo=-0.5,
+                                                                               act_hi=2.0) if loadc == 3 else {}
+    spec, nr = _spec(dtype, method, mr, nr, a_packed, cpu, **epilogue)
+    got, ref, bound = run_tile(spec, cpu, K, min(valid, nr), loadc)
+    assert_within_bound(got, ref, bound)

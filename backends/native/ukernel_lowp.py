@@ -1,0 +1,332 @@
+"""GEMM micro-kernels over bf16 / float16 operands with float32 accumulation, as LLVM vector IR.
+
+The same tile and call as UKSpec (ukernel.py), with A and B in a 16-bit format and C in float32:
+
+    C[i, j] (+)= sum_k  A(i, k) * B(k, j)      i < mr, j < nr (nr <= 64), float32 accumulators
+
+bf16 (methods "dpbf16", "widen", "amx") works on k pairs: K is padded to even (a zero column of A,
+a zero row of B) and `kc` counts pairs. Units of offsets and strides are 16-bit elements.
+- A packed panel (a_packed=1): a[aoff + kp*2P + 2i + h] = A(i, 2kp + h), P = a_panel >= mr: for each
+  pair, P rows of one 32-bit word (A(i, 2kp), A(i, 2kp + 1)).
+  A rows (a_packed=0): a[aoff + i*lda + 2kp + h], a row-major bf16 matrix (lda even).
+- B in the VNNI pair layout: b[boff + kp*ldb + 2j + h] = B(2kp + h, j), ldb >= 2 nr: one 64-byte
+  vector holds columns j..j+15 of both k of a pair, the operand order `vdpbf16ps` and AMX
+  `tdpbf16ps` read.
+- "dpbf16" (AVX512-BF16): acc(i, j) += A(i,2kp)B(2kp,j) + A(i,2kp+1)B(2kp+1,j), one
+  `vdpbf16ps` per 16 columns with the A word broadcast.
+  "widen" (any target): the pair split into two float32 vectors (bf16 -> f32 is a 16-bit shift:
+  `word << 16` is the even element, `word & 0xffff0000` the odd one) and two `llvm.fma`.
+  "amx" (AMX-BF16): see amx_ir; A in rows, kc a multiple of 16, mr and nr 16 or 32.
+float16 (methods "f16c", "fp16") works on single k, as UKSpec: A packed a[aoff + k*P + i] or rows
+a[aoff + i*lda + k]; B rows b[boff + k*ldb + j]; `kc` counts k.
+- "f16c" (F16C): each B row vector and A scalar widened (`vcvtph2ps`), float32 `llvm.fma`.
+- "fp16" (AVX512-FP16): `fp16_chunk` products accumulated in float16 lanes (`vfmadd231ph`, 32
+  columns a vector), the partial sums then widened and added to the float32 accumulators; kc a
+  multiple of fp16_chunk. Half the instructions of "f16c" per product, with a float16 rounding
+  error on each chunk (see the error bound in tests/test_lowp_kernels.py).
+
+C rows are c[coff + i*ldc + j] (float32); `mask` (i64) has bit j set for valid columns: C loads and
+stores are masked, A and B are read in full (pad B's columns to nr with zeros when packing).
+`loadc` bit 0 accumulates onto C, bit 1 runs the epilogue (spec.bias: bias[biasoff + i] added to
+row i; spec.act: "" | "Relu" | "Clip"), as in UKSpec.
+
+Signature (as UKSpec's, pointers untyped):
+    i32 name(ptr a, i64 aoff, i64 lda, ptr b, i64 boff, i64 ldb,
+             ptr c, i64 coff, i64 ldc, i64 kc, i64 mask, i64 loadc, ptr bias, i64 biasoff)
+
+Rounding: products of two bf16 (8-bit significands) or two float16 (11 bits) are exact in float32;
+every accumulation step rounds once (vdpbf16ps: twice per pair, one per product, as Intel
+specifies it), so a k loop of K products has |error| <= gamma(K) * sum_k |A(i,k) B(k,j)| with
+gamma(n) = n u / (1 - n u), u = 2^-24. vdpbf16ps and AMX treat subnormal inputs and results as zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .ukernel import (_IR, ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, _broadcast, _close_k_loop,
+                      _Declared, _epilogue, _module, _open_k_loop, lanes_for)
+
+METHODS = {"bf16": ("dpbf16", "widen", "amx"), "f16": ("f16c", "fp16")}
+FEATURES = {"dpbf16": "avx512bf16", "widen": "", "amx": "amx-bf16", "f16c": "f16c", "fp16": "avx512fp16"}
+
+
+@dataclass(frozen=True)
+class LowpUKSpec(_Declared):
+    mr: int                 # rows of the tile
+    nr: int                 # columns (multiple of the vector lanes, <= 64; "fp16": of 32; "amx": 16 or 32)
+    dtype: str = "bf16"     # "bf16" | "f16": the format of A and B
+    method: str = "widen"   # see METHODS / the module docstring; FEATURES says what the target needs
+    a_packed: int = 1       # 1: packed panel of P = a_panel rows; 0: rows with stride lda
+    a_panel: int = 0
+    bias: int = 0           # as UKSpec: with the epilogue bit, row i gets bias[biasoff + i] (float32)
+    act: str = ""           # "" | "Relu" | "Clip" (act_lo, act_hi)
+    act_lo: float = 0.0
+    act_hi: float = 0.0
+    fp16_chunk: int = 4     # "fp16": products summed in float16 before they join the float32 sums
+    kind: str = "lowp"
+    _ARGS: ClassVar[str] = "".join("p" if n in ("a", "b", "c", "bias") else "i" for n in ARG_TYPES)
+
+    def __post_init__(self):
+        assert self.method in METHODS[self.dtype], (self.dtype, self.method)
+        assert self.a_packed == 0 or self.a_panel >= self.mr, "a packed panel holds at least mr rows"
+        assert self.method != "amx" or (self.mr in (16, 32) and self.nr in (16, 32) and not self.a_packed)
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}"
+
+    @property
+    def k_pairs(self) -> bool:
+        """Whether kc counts k pairs (bf16) or single k (f16)."""
+        return self.dtype == "bf16"
+
+
+def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
+    """The LLVM IR (a module of one function named spec.name) for the target's vector width."""
+    if spec.method == "amx":
+        from .ukernel_amx import amx_ir
+        return amx_ir(spec)
+    L = 16 if spec.method in ("dpbf16", "fp16") else min(lanes_for(vector_bits), 16)
+    assert spec.nr % L == 0 and spec.nr <= 64, (spec.nr, L)
+    V = spec.nr // L
+    vt = f"<{L} x float>"
+    ir = _IR()
+    ir.label("entry")
+    ir(f"%accw = and i64 %loadc, {LOADC_ACCUMULATE}")
+    ir("%acc = icmp ne i64 %accw, 0")
+    ir(f"%epiw = and i64 %loadc, {LOADC_EPILOGUE}")
+    ir("%epi = icmp ne i64 %epiw, 0")
+    masks = _column_masks(ir, V, L)
+    crow = {i: _element_ptr(ir, "float", "%c", f"%coff", i, "%ldc") for i in range(spec.mr)}
+    abase = _element_ptr(ir, "i16", "%a", "%aoff", 0, "%lda")
+    arow = {i: _element_ptr(ir, "i16", "%a", "%aoff", i, "%lda") for i in range(spec.mr)} if not spec.a_packed else {}
+    ir("%bbase = getelementptr i16, ptr %b, i64 %boff")
+    step = _STEPS[spec.method]
+    budget = MAX_ACC[L] - (4 if spec.method in ("widen", "f16c") else 0)   # widened B pairs take registers
+    per_chunk = max(1, min(V, budget // spec.mr))
+    if spec.method == "fp16":   # whole 32-column float16 vectors per chunk; their partial sums take registers too
+        assert spec.nr % 32 == 0, spec.nr
+        per_chunk = max(2, min(V, (2 * MAX_ACC[L] // 3) // spec.mr) // 2 * 2)
+    chunks = [list(range(v0, min(V, v0 + per_chunk))) for v0 in range(0, V, per_chunk)]
+    rename = {}
+    ir("br label %chunk0")
+    for ci, vecs in enumerate(chunks):
+        ir.label(f"chunk{ci}")
+        ir(f"br i1 %acc, label %ld{ci}, label %pre{ci}")
+        ir.label(f"ld{ci}")
+        loaded = {}
+        for i in range(spec.mr):
+            for v in vecs:
+                p = ir.tmp("cp")
+                ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
+                x = ir.tmp("c")
+                ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
+                   f"{vt} zeroinitializer)")
+                loaded[i, v] = x
+        ir(f"br label %pre{ci}")
+        ir.label(f"pre{ci}")
+        init = {}
+        for key, x in loaded.items():
+            init[key] = ir.tmp("i")
+            ir(f"{init[key]} = phi {vt} [ {x}, %ld{ci} ], [ zeroinitializer, %chunk{ci} ]")
+        ir(f"br label %loop{ci}")
+        kv, accs = _open_k_loop(ir, ci, init, vt, f"%loop{ci}")
+        cur = dict(accs)
+        step(ir, spec, kv, vecs, L, abase, arow, cur)
+        final = _close_k_loop(ir, ci, kv, accs, cur, rename)
+        if spec.bias or spec.act:
+            final = _epilogue(ir, spec, final, vt, L)
+        for (i, v), val in final.items():
+            p = ir.tmp("cp")
+            ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
+            ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {val}, ptr align 4 {p}, <{L} x i1> {masks[v]})")
+        ir(f"br label %{f'chunk{ci + 1}' if ci + 1 < len(chunks) else 'done'}")
+    ir.label("done")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr {'' if n == 'c' else 'noalias '}%{n}" if n in ("a", "b", "c", "bias") else f"i64 %{n}"
+                     for n in ARG_TYPES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
+             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
+             f"declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)",
+             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
+             "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
+             "declare <32 x half> @llvm.fma.v32f16(<32 x half>, <32 x half>, <32 x half>)"]
+    return _module(head, ir, rename, decls)
+
+
+def _column_masks(ir: _IR, V: int, L: int) -> dict:
+    """<L x i1> lane masks of the column vectors from the i64 %mask."""
+    masks = {}
+    for v in range(V):
+        shifted = ir.tmp("ms")
+        ir(f"{shifted} = lshr i64 %mask, {v * L}")
+        bits = ir.tmp("mb")
+        ir(f"{bits} = trunc i64 {shifted} to i{L}")
+        masks[v] = ir.tmp("m")
+        ir(f"{masks[v]} = bitcast i{L} {bits} to <{L} x i1>")
+    return masks
+
+
+def _element_ptr(ir: _IR, elem: str, base: str, offset: str, row: int, stride: str) -> str:
+    """&base[offset + row * stride] for elements of type `elem`."""
+    idx = ir.tmp("ri")
+    ir(f"{idx} = mul i64 {stride}, {row}")
+    idx2 = ir.tmp("ri")
+    ir(f"{idx2} = add i64 {offset}, {idx}")
+    ptr = ir.tmp("row")
+    ir(f"{ptr} = getelementptr {elem}, ptr {base}, i64 {idx2}")
+    return ptr
+
+
+def _a_address(ir: _IR, spec: LowpUKSpec, kv: str, i: int, abase: str, arow: dict) -> str:
+    """The address of A(i, k) (f16) or of the pair word A(i, 2kp..2kp+1) (bf16) for loop index kv."""
+    per_k = 2 if spec.k_pairs else 1
+    idx = ir.tmp("ai")
+    if spec.a_packed:
+        ir(f"{idx} = mul i64 {kv}, {per_k * spec.a_panel}")
+        idx2 = ir.tmp("ai")
+        ir(f"{idx2} = add i64 {idx}, {per_k * i}")
+        p = ir.tmp("ap")
+        ir(f"{p} = getelementptr i16, ptr {abase}, i64 {idx2}")
+        return p
+    ir(f"{idx} = mul i64 {kv}, {per_k}")
+    p = ir.tmp("ap")
+    ir(f"{p} = getelementptr i16, ptr {arow[i]}, i64 {idx}")
+    return p
+
+
+def _b_row(ir: _IR, kv: str) -> str:
+    idx = ir.tmp("bk")
+    ir(f"{idx} = mul i64 {kv}, %ldb")
+    p = ir.tmp("brow")
+    ir(f"{p} = getelementptr i16, ptr %bbase, i64 {idx}")
+    return p
+
+
+def _load(ir: _IR, ptr: str, offset: int, vtype: str) -> str:
+    p = ir.tmp("bp")
+    ir(f"{p} = getelementptr i16, ptr {ptr}, i64 {offset}")
+    x = ir.tmp("b")
+    ir(f"{x} = load {vtype}, ptr {p}, align 2")
+    return x
+
+
+def _splat_word(ir: _IR, ptr: str, L: int) -> str:
+    """<L x i32> of the 32-bit word at ptr (a bf16 pair of A)."""
+    w = ir.tmp("aw")
+    ir(f"{w} = load i32, ptr {ptr}, align 2")
+    ins = ir.tmp("ins")
+    ir(f"{ins} = insertelement <{L} x i32> poison, i32 {w}, i64 0")
+    out = ir.tmp("aws")
+    ir(f"{out} = shufflevector <{L} x i32> {ins}, <{L} x i32> poison, <{L} x i32> zeroinitializer")
+    return out
+
+
+def _fma(ir: _IR, L: int, a: str, b: str, acc: str) -> str:
+    out = ir.tmp("f")
+    ir(f"{out} = call <{L} x float> @llvm.fma.v{L}f32(<{L} x float> {a}, <{L} x float> {b}, <{L} x float> {acc})")
+    return out
+
+
+def _step_dpbf16(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
+    """One k pair: vdpbf16ps of each row's broadcast pair word with each B vector."""
+    brow = _b_row(ir, kv)
+    bvec = {}
+    for v in vecs:
+        bvec[v] = _load(ir, brow, 2 * v * L, "<32 x bfloat>")
+    for i in range(spec.mr):
+        word = _splat_word(ir, _a_address(ir, spec, kv, i, abase, arow), 16)
+        pair = ir.tmp("ab")
+        ir(f"{pair} = bitcast <16 x i32> {word} to <32 x bfloat>")
+        for v in vecs:
+            out = ir.tmp("d")
+            ir(f"{out} = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> {cur[i, v]}, "
+               f"<32 x bfloat> {pair}, <32 x bfloat> {bvec[v]})")
+            cur[i, v] = out
+
+
+def _split_pairs(ir: _IR, words: str, L: int) -> tuple[str, str]:
+    """The float32 vectors of the even and odd bf16 of <L x i32> pair words."""
+    vi = f"<{L} x i32>"
+    even = ir.tmp("ev")
+    ir(f"{even} = shl {vi} {words}, <{', '.join(['i32 16'] * L)}>")
+    odd = ir.tmp("od")
+    ir(f"{odd} = and {vi} {words}, <{', '.join(['i32 -65536'] * L)}>")
+    out = []
+    for x in (even, odd):
+        f = ir.tmp("wf")
+        ir(f"{f} = bitcast {vi} {x} to <{L} x float>")
+        out.append(f)
+    return out[0], out[1]
+
+
+def _step_widen(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
+    """One k pair: B's pairs and each row's A pair split into float32 (shifts), two FMAs."""
+    brow = _b_row(ir, kv)
+    bpair = {v: _split_pairs(ir, _load(ir, brow, 2 * v * L, f"<{L} x i32>"), L) for v in vecs}
+    for i in range(spec.mr):
+        a_even, a_odd = _split_pairs(ir, _splat_word(ir, _a_address(ir, spec, kv, i, abase, arow), L), L)
+        for v in vecs:
+            cur[i, v] = _fma(ir, L, a_odd, bpair[v][1], _fma(ir, L, a_even, bpair[v][0], cur[i, v]))
+
+
+def _step_f16c(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
+    """One k: B's row widened by vcvtph2ps, each row's A widened and broadcast, FMAs."""
+    brow = _b_row(ir, kv)
+    bvec = {}
+    for v in vecs:
+        h = _load(ir, brow, v * L, f"<{L} x half>")
+        bvec[v] = ir.tmp("bw")
+        ir(f"{bvec[v]} = fpext <{L} x half> {h} to <{L} x float>")
+    for i in range(spec.mr):
+        s = ir.tmp("ah")
+        ir(f"{s} = load half, ptr {_a_address(ir, spec, kv, i, abase, arow)}, align 2")
+        f = ir.tmp("af")
+        ir(f"{f} = fpext half {s} to float")
+        splat = _broadcast(ir, f, f"<{L} x float>", L)
+        for v in vecs:
+            cur[i, v] = _fma(ir, L, splat, bvec[v], cur[i, v])
+
+
+def _step_fp16(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
+    """fp16_chunk k (the loop index counts chunks): float16 FMAs on 32 columns a vector, then the
+    partial sums widened to float32 and added. vecs index 16-column float32 accumulators."""
+    halves = sorted({v // 2 for v in vecs})
+    partial = {(i, h): "zeroinitializer" for i in range(spec.mr) for h in halves}
+    for step in range(spec.fp16_chunk):
+        k = ir.tmp("k")
+        ir(f"{k} = mul i64 {kv}, {spec.fp16_chunk}")
+        kk = ir.tmp("k")
+        ir(f"{kk} = add i64 {k}, {step}")
+        brow = _b_row(ir, kk)
+        bvec = {h: _load(ir, brow, 32 * h, "<32 x half>") for h in halves}
+        for i in range(spec.mr):
+            s = ir.tmp("ah")
+            ir(f"{s} = load half, ptr {_a_address(ir, spec, kk, i, abase, arow)}, align 2")
+            ins = ir.tmp("ins")
+            ir(f"{ins} = insertelement <32 x half> poison, half {s}, i64 0")
+            splat = ir.tmp("hs")
+            ir(f"{splat} = shufflevector <32 x half> {ins}, <32 x half> poison, <32 x i32> zeroinitializer")
+            for h in halves:
+                out = ir.tmp("hf")
+                ir(f"{out} = call <32 x half> @llvm.fma.v32f16(<32 x half> {splat}, <32 x half> {bvec[h]}, "
+                   f"<32 x half> {partial[i, h]})")
+                partial[i, h] = out
+    for (i, h), sums in partial.items():
+        for part in (0, 1):
+            v = 2 * h + part
+            if v not in vecs:
+                continue
+            lanes = ", ".join(f"i32 {16 * part + j}" for j in range(16))
+            piece = ir.tmp("hp")
+            ir(f"{piece} = shufflevector <32 x half> {sums}, <32 x half> poison, <16 x i32> <{lanes}>")
+            wide = ir.tmp("hw")
+            ir(f"{wide} = fpext <16 x half> {piece} to <16 x float>")
+            out = ir.tmp("s")
+            ir(f"{out} = fadd <16 x float> {cur[i, v]}, {wide}")
+            cur[i, v] = out
+
+
+_STEPS = {"dpbf16": _step_dpbf16, "widen": _step_widen, "f16c": _step_f16c, "fp16": _step_fp16}

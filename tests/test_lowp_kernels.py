@@ -20,8 +20,17 @@ CPUS = {"znver4": 512, "haswell": 256, "x86-64": 128}
 _jits = {}
 
 
+def _bind_libgcc_half_rounding() -> None:
+    """LLVM emulates float16 arithmetic on a CPU without AVX512-FP16 (the "fp16" micro-kernel run on
+    znver4) in double, rounded to float16 by libgcc's `__truncdfhf2`: bind it for the JIT."""
+    import llvmlite.binding as llvm
+    libgcc = ctypes.CDLL("libgcc_s.so.1")
+    llvm.add_symbol("__truncdfhf2", ctypes.cast(libgcc.__truncdfhf2, ctypes.c_void_p).value)
+
+
 def jit_for(cpu: str) -> HostJit:
     if cpu not in _jits:
+        _bind_libgcc_half_rounding()
         _jits[cpu] = HostJit(cpu, vector_bits=CPUS[cpu])
     return _jits[cpu]
 
@@ -170,13 +179,13 @@ def error_bound(spec: LowpUKSpec, k_steps: int, magnitude: np.ndarray, emulated_
     "fp16": each chunk of c products is summed in float16 from zero (c roundings, gamma_16(c)), the
     chunk sums then join a float32 recursive sum of K/c + 1 terms and the bias:
     gamma_16(c) + gamma(K/c + 1) (1 + gamma_16(c)). Emulated float16 (LLVM computes each float16 FMA
-    in float32 and rounds to float16: a double rounding) has unit 2^-11 + 2^-24 + 2^-35.
+    in double and rounds it to float16: a double rounding) has unit 2^-11 + 2^-53 + 2^-64.
     The float64 reference adds at most (K + 2) 2^-53 of the magnitude."""
     reference = (k_steps + 2) * 2.0 ** -53
     if spec.method != "fp16":
         return (gamma(k_steps + 1) + reference) * magnitude
     c = spec.fp16_chunk
-    u = U16 + U32 + 2.0 ** -35 if emulated_fp16 else U16
+    u = U16 + 2.0 ** -53 + 2.0 ** -64 if emulated_fp16 else U16
     per_chunk = gamma(c, u)
     return (per_chunk + gamma(k_steps // c + 1) * (1 + per_chunk) + reference) * magnitude
 
@@ -282,3 +291,61 @@ def test_lowp_microkernel_matches_float64(dtype, method, cpu, mr, nr, a_packed, 
     spec, nr = _spec(dtype, method, mr, nr, a_packed, cpu, **epilogue)
     got, ref, bound = run_tile(spec, cpu, K, min(valid, nr), loadc)
     assert_within_bound(got, ref, bound)
+
+
+@pytest.mark.parametrize("mr,nr,a_packed,K,valid,loadc", TILES[:3] + TILES[4:5])
+def test_fp16_microkernel_emulated(mr, nr, a_packed, K, valid, loadc):
+    """The AVX512-FP16 kernel's IR (float16 FMAs in chunks of 4, float32 sums of the chunks), run here
+    through LLVM's emulation of float16 arithmetic (no AVX512-FP16 on this machine): checks the
+    layout, chunking and epilogue against the float16 error bound; the instructions are checked
+    below by assembling for Sapphire Rapids."""
+    K = -(-K // 4) * 4                           # kc is a multiple of fp16_chunk
+    nr = -(-nr // 32) * 32
+    epilogue = dict(bias=1, act="Relu") if loadc == 3 else {}
+    spec = LowpUKSpec(mr=mr, nr=nr, dtype="f16", method="fp16", a_packed=a_packed,
+                      a_panel=mr + 2 if a_packed else 0, **epilogue)
+    got, ref, bound = run_tile(spec, "znver4", K, min(valid, nr), loadc)
+    assert_within_bound(got, ref, bound)
+
+
+def _instructions(ir: str, cpu: str, tmp_path) -> set:
+    """The mnemonics of the object `ir` makes for `cpu` (objdump)."""
+    import subprocess
+
+    from backends.native.hostjit import object_code
+    path = tmp_path / "k.o"
+    path.write_bytes(object_code(ir, cpu, vector_bits=512))
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    return {line.split()[1] for line in listing.splitlines() if line.startswith(" ") and len(line.split()) > 1}
+
+
+@pytest.mark.parametrize("mr,nr", [(16, 16), (32, 32), (16, 32)])
+def test_amx_microkernel_assembles(mr, nr, tmp_path):
+    """AMX-BF16 (never run: no AMX here): the object configures tiles and multiplies in them, the C
+    tiles staying in tile registers through the k loop (one tdpbf16ps per C tile per step)."""
+    spec = LowpUKSpec(mr=mr, nr=nr, dtype="bf16", method="amx", a_packed=0, bias=1, act="Clip", act_lo=0.0,
+                      act_hi=6.0)
+    found = _instructions(lowp_ukernel_ir(spec, 512), "sapphirerapids", tmp_path)
+    assert {"ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"} <= found
+
+
+def test_fp16_microkernel_assembles(tmp_path):
+    """AVX512-FP16 (never run here): float16 FMAs on 32 lanes, widened into float32 sums."""
+    spec = LowpUKSpec(mr=6, nr=64, dtype="f16", method="fp16", a_packed=1, a_panel=6)
+    found = _instructions(lowp_ukernel_ir(spec, 512), "sapphirerapids", tmp_path)
+    assert {"vfmadd231ph", "vcvtph2psx"} <= found
+
+
+def test_dpbf16_microkernel_uses_vdpbf16ps(tmp_path):
+    found = _instructions(lowp_ukernel_ir(LowpUKSpec(mr=6, nr=64, method="dpbf16", a_panel=6), 512), "znver4",
+                          tmp_path)
+    assert "vdpbf16ps" in found
+
+
+def test_amx_permission_follows_the_cpu():
+    """arch_prctl(ARCH_REQ_XCOMP_PERM) succeeds exactly where the CPU has AMX tiles."""
+    from pathlib import Path
+
+    from backends.native.ukernel_amx import request_amx_permission
+    assert request_amx_permission() == ("amx_tile" in Path("/proc/cpuinfo").read_text())

@@ -92,6 +92,8 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     vt = f"<{L} x float>"
     ir = _IR()
     ir.label("entry")
+    if spec.method == "fp16":   # the k loop counts chunks of fp16_chunk k
+        ir(f"%kc = sdiv i64 %k_total, {spec.fp16_chunk}")
     ir(f"%accw = and i64 %loadc, {LOADC_ACCUMULATE}")
     ir("%acc = icmp ne i64 %accw, 0")
     ir(f"%epiw = and i64 %loadc, {LOADC_EPILOGUE}")
@@ -145,6 +147,8 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir("ret i32 0")
     args = ", ".join(f"ptr {'' if n == 'c' else 'noalias '}%{n}" if n in ("a", "b", "c", "bias") else f"i64 %{n}"
                      for n in ARG_TYPES)
+    if spec.method == "fp16":
+        args = args.replace("i64 %kc,", "i64 %k_total,")
     head = f"define i32 @{spec.name}({args}) #0 {{"
     decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
              f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",

@@ -32,21 +32,16 @@ def _module(lanes: int, accs: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure(seconds: float = 0.3, repeats: int = 5) -> dict:
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    cpu = llvm.get_host_cpu_name()
-    features = llvm.get_host_cpu_features().flatten()
-    lanes = 16 if "+avx512f" in features.split(",") else 8 if "+avx2" in features.split(",") else 4
-    accs = 24 if lanes == 16 else 12
-    ir = _module(lanes, accs) + (f'attributes #0 = {{ "target-cpu"="{cpu}" "target-features"="{features}" '
-                                 f'"prefer-vector-width"="{lanes * 32}" }}\n')
+def time_loop(ir: str, flops_per_iteration: int, cpu: str, features: str, seconds: float = 0.3,
+              repeats: int = 5) -> float:
+    """GFLOP/s of `i64 @peak(i64 n, ptr out)` (n iterations of flops_per_iteration), JIT-compiled for
+    cpu/features: n doubled until one call takes seconds/4, then the best of `repeats` calls."""
     mod = llvm.parse_assembly(ir)
     tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features, opt=2)
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
     fn = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)(engine.get_function_address("peak"))
-    out = (ctypes.c_float * lanes)()
+    out = (ctypes.c_float * 16)()
     n = 1 << 16
     while True:
         t = time.perf_counter()
@@ -59,7 +54,24 @@ def measure(seconds: float = 0.3, repeats: int = 5) -> dict:
         t = time.perf_counter()
         fn(n, out)
         dt = time.perf_counter() - t
-        best = max(best, 2 * lanes * accs * n / dt / 1e9)
+        best = max(best, flops_per_iteration * n / dt / 1e9)
+    return best
+
+
+def host_cpu() -> tuple[str, str]:
+    """LLVM's name and feature string of this machine's CPU."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    return llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+
+
+def measure(seconds: float = 0.3, repeats: int = 5) -> dict:
+    cpu, features = host_cpu()
+    lanes = 16 if "+avx512f" in features.split(",") else 8 if "+avx2" in features.split(",") else 4
+    accs = 24 if lanes == 16 else 12
+    ir = _module(lanes, accs) + (f'attributes #0 = {{ "target-cpu"="{cpu}" "target-features"="{features}" '
+                                 f'"prefer-vector-width"="{lanes * 32}" }}\n')
+    best = time_loop(ir, 2 * lanes * accs, cpu, features, seconds, repeats)
     return {"gflops": best, "lanes": lanes, "cpu": cpu}
 
 

@@ -62,11 +62,15 @@ def optimise(module, machine) -> None:
     module.verify()
 
 
-def object_code(ir: str, cpu: str, features: str = "", vector_bits: int = 0) -> bytes:
-    """An ELF object of `ir` for `cpu` (for objdump checks of code this machine cannot run)."""
+def object_code(ir, cpu: str, features: str = "", vector_bits: int = 0) -> bytes:
+    """An ELF object (PIC) of `ir` (one module's text, or a list of them, linked) for `cpu`: for
+    objdump checks of code this machine cannot run, and for benchmark harnesses linked by gcc."""
     import llvmlite.binding as llvm
     _init_llvm()
-    module = llvm.parse_assembly(with_target_attributes(ir, cpu, features, vector_bits))
+    texts = [ir] if isinstance(ir, str) else list(ir)
+    module = llvm.parse_assembly(with_target_attributes(texts[0], cpu, features, vector_bits))
+    for text in texts[1:]:
+        module.link_in(llvm.parse_assembly(with_target_attributes(text, cpu, features, vector_bits)))
     module.verify()
     machine = llvm.Target.from_triple("x86_64-unknown-linux-gnu").create_target_machine(
         cpu=cpu, features=features, opt=3, reloc="pic")

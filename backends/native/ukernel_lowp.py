@@ -104,7 +104,7 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     arow = {i: _element_ptr(ir, "i16", "%a", "%aoff", i, "%lda") for i in range(spec.mr)} if not spec.a_packed else {}
     ir("%bbase = getelementptr i16, ptr %b, i64 %boff")
     step = _STEPS[spec.method]
-    budget = MAX_ACC[L] - (4 if spec.method in ("widen", "f16c") else 0)   # widened B pairs take registers
+    budget = MAX_ACC[L] - (4 if spec.method == "widen" else 0)   # B pairs widened to two vectors take registers
     per_chunk = max(1, min(V, budget // spec.mr))
     if spec.method == "fp16":   # whole 32-column float16 vectors per chunk; their partial sums take registers too
         assert spec.nr % 32 == 0, spec.nr
@@ -287,9 +287,13 @@ def _step_f16c(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, aro
     for i in range(spec.mr):
         s = ir.tmp("ah")
         ir(f"{s} = load half, ptr {_a_address(ir, spec, kv, i, abase, arow)}, align 2")
-        f = ir.tmp("af")
-        ir(f"{f} = fpext half {s} to float")
-        splat = _broadcast(ir, f, f"<{L} x float>", L)
+        # broadcast, then widen: vpbroadcastw + vcvtph2ps (a scalar widening then vbroadcastss is one more)
+        ins = ir.tmp("ins")
+        ir(f"{ins} = insertelement <{L} x half> poison, half {s}, i64 0")
+        halves = ir.tmp("ahs")
+        ir(f"{halves} = shufflevector <{L} x half> {ins}, <{L} x half> poison, <{L} x i32> zeroinitializer")
+        splat = ir.tmp("af")
+        ir(f"{splat} = fpext <{L} x half> {halves} to <{L} x float>")
         for v in vecs:
             cur[i, v] = _fma(ir, L, splat, bvec[v], cur[i, v])
 

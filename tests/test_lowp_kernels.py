@@ -349,3 +349,67 @@ def test_amx_permission_follows_the_cpu():
 
     from backends.native.ukernel_amx import request_amx_permission
     assert request_amx_permission() == ("amx_tile" in Path("/proc/cpuinfo").read_text())
+
+
+def test_default_methods_follow_the_target_features():
+    from backends.native.lowp_targets import LOWP_TARGETS
+    from backends.native.targets import TARGETS
+    from backends.native.ukernel_lowp import method_for
+    from backends.numba_cpu.lowp import best_method
+    got = {name: (method_for("bf16", t), method_for("f16", t), best_method("f32", "f16", t))
+           for name, t in {**TARGETS, **LOWP_TARGETS}.items()}
+    assert got == {"generic": ("widen", None, "exact"), "x86_64-avx2": ("widen", "f16c", "hw"),
+                   "x86_64-avx512": ("widen", "f16c", "hw"), "x86_64-znver4": ("dpbf16", "f16c", "hw"),
+                   "x86_64-sapphirerapids": ("dpbf16", "f16c", "hw")}
+
+
+def test_specs_round_trip_through_their_comment_lines():
+    """What ukernel.specs_in needs to find these kernels in a kernel's source: kind -> spec, same name."""
+    import json
+
+    from backends.native.ukernel_lowp import kinds, ukernel_lowp_ir
+    for spec in (LowpUKSpec(mr=6, nr=64, method="dpbf16", a_panel=6, bias=1, act="Relu"), CvtSpec("f32", "bf16")):
+        name, blob = spec.comment().split(" ", 3)[2:]
+        again = kinds()[json.loads(blob)["kind"]](json.loads(blob))
+        assert again == spec and again.name == name and f"@{name}(" in ukernel_lowp_ir(again, 512)
+
+
+def test_numba_kernel_calls_the_lowp_kernels():
+    """A generated Numba kernel calls the micro-kernels through their declarations (uint16 pointers
+    for bf16 data), as the GEMM drivers call UKSpec: here it converts float32 X into bf16 rows and
+    multiplies them by VNNI-packed W. Compiled by Numba, linked with the kernels' IR, run."""
+    import llvmlite.binding as llvm
+    from numba import cfunc, types
+    M, K, N = 7, 64, 64
+    cvt = CvtSpec("f32", "bf16")
+    main, edge = (LowpUKSpec(mr=mr, nr=N, method="dpbf16", a_packed=0) for mr in (6, 1))
+    source = cvt.declaration("cvt") + main.declaration("uk6") + edge.declaration("uk1") + f"""
+def kernel(x, w, a16, y, begin, end):
+    cvt(x, 0, a16, 0, {M * K})
+    for i in range(0, {M - M % 6}, 6):
+        uk6(a16, i * {K}, {K}, w, 0, {2 * N}, y, i * {N}, {N}, {K // 2}, -1, 0, y, 0)
+    uk1(a16, {(M - 1) * K}, {K}, w, 0, {2 * N}, y, {(M - 1) * N}, {N}, {K // 2}, -1, 0, y, 0)
+"""
+    placeholder = ctypes.CFUNCTYPE(ctypes.c_int32)(lambda: 0)
+    for spec in (cvt, main, edge):
+        llvm.add_symbol(spec.name, ctypes.cast(placeholder, ctypes.c_void_p).value)
+    namespace = {}
+    exec(source, namespace)
+    p = lambda t: types.CPointer(t)
+    compiled = cfunc(types.void(p(types.float32), p(types.uint16), p(types.uint16), p(types.float32), types.int64,
+                                types.int64), nopython=True, error_model="numpy")(namespace["kernel"])
+    jit = HostJit("znver4", vector_bits=512)
+    for spec in (cvt, main, edge):
+        jit.add(cvt_ir(spec, 512) if spec is cvt else lowp_ukernel_ir(spec, 512))
+    jit.add(compiled.inspect_llvm())
+    run = jit.function(compiled.native_name, None, *[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_int64)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    packed = pack_b_pairs(bf16_bits(w), N)
+    a16 = np.zeros(M * K, np.uint16)
+    y = np.zeros((M, N), np.float32)
+    run(x.ctypes.data, packed.ctypes.data, a16.ctypes.data, y.ctypes.data, 0, 1)
+    x64, w64 = (v.astype(ml_dtypes.bfloat16).astype(np.float64) for v in (x, w))
+    assert (a16 == bf16_bits(x).ravel()).all()
+    assert_within_bound(y.astype(np.float64), x64 @ w64, gamma(K + 1) * (np.abs(x64) @ np.abs(w64)))

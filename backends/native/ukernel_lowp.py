@@ -47,6 +47,15 @@ from typing import ClassVar
 from .ukernel import (_IR, ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, _broadcast, _close_k_loop,
                       _Declared, _epilogue, _module, _open_k_loop, lanes_for)
 
+def typed_declaration(spec: _Declared, var: str, pointers: dict) -> str:
+    """_Declared.declaration with each pointer argument's Numba element type from `pointers` (by its
+    index in spec._ARGS; float32 when absent): a kernel holds bf16 / float16 buffers as uint16."""
+    args = [f"_uk_types.CPointer(_uk_types.{pointers.get(n, 'float32')})" if c == "p" else "_uk_types.int64"
+            for n, c in enumerate(spec._ARGS)]
+    return (f"{spec.comment()}\nfrom numba import types as _uk_types\n"
+            f"{var} = _uk_types.ExternalFunction({spec.name!r}, _uk_types.int32({', '.join(args)}))\n")
+
+
 METHODS = {"bf16": ("dpbf16", "widen", "amx"), "f16": ("f16c", "fp16")}
 FEATURES = {"dpbf16": "avx512bf16", "widen": "", "amx": "amx-bf16", "f16c": "f16c", "fp16": "avx512fp16"}
 
@@ -74,6 +83,10 @@ class LowpUKSpec(_Declared):
 
     def _stem(self) -> str:
         return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}"
+
+    def declaration(self, var: str) -> str:
+        """A and B as uint16 pointers, C and bias as float32 ones."""
+        return typed_declaration(self, var, {ARG_TYPES.index("a"): "uint16", ARG_TYPES.index("b"): "uint16"})
 
     @property
     def k_pairs(self) -> bool:
@@ -338,3 +351,26 @@ def _step_fp16(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, aro
 
 
 _STEPS = {"dpbf16": _step_dpbf16, "widen": _step_widen, "f16c": _step_f16c, "fp16": _step_fp16}
+
+
+def method_for(dtype: str, target) -> str | None:
+    """The default method of a CpuTarget (lowp_targets.has_feature decides): bf16 "dpbf16" with
+    AVX512-BF16, else "widen"; float16 "f16c" with F16C, else None (widen the operands to float32
+    and use UKSpec). "amx" and "fp16" are never chosen by default: neither has run on hardware yet."""
+    from .lowp_targets import has_feature
+    if dtype == "bf16":
+        return "dpbf16" if has_feature(target, "avx512bf16") and target.vector_bits >= 512 else "widen"
+    return "f16c" if has_feature(target, "f16c") else None
+
+
+def kinds() -> dict:
+    """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
+    (ukernel_lowp_ir dispatches their IR)."""
+    from backends.numba_cpu.lowp import CvtSpec
+    return {"lowp": lambda d: LowpUKSpec(**d), "cvt": lambda d: CvtSpec(**d)}
+
+
+def ukernel_lowp_ir(spec, vector_bits: int) -> str:
+    """The IR of a LowpUKSpec or CvtSpec (what ukernel.ukernel_ir would call for these kinds)."""
+    from backends.numba_cpu.lowp import cvt_ir
+    return cvt_ir(spec, vector_bits) if spec.kind == "cvt" else lowp_ukernel_ir(spec, vector_bits)

@@ -44,6 +44,7 @@ from typing import ClassVar
 from backends.native.lowp_targets import has_feature
 from backends.native.targets import CpuTarget
 from backends.native.ukernel import _Declared, _IR, _float_ir, lanes_for
+from backends.native.ukernel_lowp import typed_declaration
 
 FORMATS = ("f32", "bf16", "f16")
 STORAGE = {"f32": "i32", "bf16": "i16", "f16": "i16"}   # how each format is loaded and stored
@@ -67,12 +68,8 @@ class CvtSpec(_Declared):
         return f"cuvil_cvt_{self.src}_{self.dst}_{self.method}"
 
     def declaration(self, var: str) -> str:
-        """As _Declared's, with uint16 pointers on the 16-bit side (a Numba kernel holds bf16/f16
-        buffers as uint16)."""
-        src, dst = (f"_uk_types.CPointer(_uk_types.{_NUMBA_POINTER[f]})" for f in (self.src, self.dst))
-        i = "_uk_types.int64"
-        return (f"{self.comment()}\nfrom numba import types as _uk_types\n"
-                f"{var} = _uk_types.ExternalFunction({self.name!r}, _uk_types.int32({src}, {i}, {dst}, {i}, {i}))\n")
+        """The 16-bit side as a uint16 pointer (a Numba kernel holds bf16/f16 buffers as uint16)."""
+        return typed_declaration(self, var, {0: _NUMBA_POINTER[self.src], 2: _NUMBA_POINTER[self.dst]})
 
 
 def best_method(src: str, dst: str, target: CpuTarget) -> str:

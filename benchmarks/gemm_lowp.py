@@ -1,4 +1,4 @@
-"""GEMM throughput of the reduced-precision micro-kernels (backends/native/ukernel_lowp.py) in a
+"""GEMM throughput of the reduced-precision micro-kernels (backends/numba_cpu/ukernel_lowp.py) in a
 standalone blocked driver, as GFLOP/s and as a fraction of this machine's measured bf16 and
 float32 peaks (benchmarks/peak_lowp.py, peak.py), with float32 alongside: cuvil's own MatMul
 (benchmarks/gemm.py) and float32 UKSpec in this same driver.
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from backends.native.hostjit import object_code  # noqa: E402
-from backends.native.ukernel import UKSpec, ukernel_ir  # noqa: E402
-from backends.native.ukernel_lowp import LowpUKSpec, lowp_ukernel_ir  # noqa: E402
+from backends.numba_cpu.hostjit import object_code  # noqa: E402
+from backends.numba_cpu.ukernel import UKSpec, ukernel_ir  # noqa: E402
+from backends.numba_cpu.ukernel_lowp import LowpUKSpec, lowp_ukernel_ir  # noqa: E402
 from backends.numba_cpu.lowp import CvtSpec, cvt_ir  # noqa: E402
 from backends.numba_cpu.lowp_pack import bf16_bits, f16_bits, pack_a_panel, pack_b_pairs  # noqa: E402
 from benchmarks import peak, peak_lowp  # noqa: E402

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from backends.native.hostjit import HostJit
+from backends.numba_cpu.hostjit import HostJit
 from backends.numba_cpu.lowp import CvtSpec, cvt_ir
 
 # (cpu, vector bits) of each path's target: znver4 has AVX512-BF16 and F16C, haswell F16C, x86-64 neither.
@@ -157,7 +157,7 @@ def test_round_trip_of_every_16_bit_value(fmt):
 # ---------------------------------------------------------------------------------------------
 # Micro-kernels: C (+)= A B with bf16 / float16 A and B and float32 accumulation.
 
-from backends.native.ukernel_lowp import LowpUKSpec, lowp_ukernel_ir  # noqa: E402
+from backends.numba_cpu.ukernel_lowp import LowpUKSpec, lowp_ukernel_ir  # noqa: E402
 from backends.numba_cpu.lowp_pack import (bf16_bits, f16_bits, pack_a_pairs, pack_a_panel,  # noqa: E402
                                           pack_b_pairs)
 
@@ -312,7 +312,7 @@ def _instructions(ir: str, cpu: str, tmp_path) -> set:
     """The mnemonics of the object `ir` makes for `cpu` (objdump)."""
     import subprocess
 
-    from backends.native.hostjit import object_code
+    from backends.numba_cpu.hostjit import object_code
     path = tmp_path / "k.o"
     path.write_bytes(object_code(ir, cpu, vector_bits=512))
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
@@ -347,14 +347,14 @@ def test_amx_permission_follows_the_cpu():
     """arch_prctl(ARCH_REQ_XCOMP_PERM) succeeds exactly where the CPU has AMX tiles."""
     from pathlib import Path
 
-    from backends.native.ukernel_amx import request_amx_permission
+    from backends.numba_cpu.ukernel_amx import request_amx_permission
     assert request_amx_permission() == ("amx_tile" in Path("/proc/cpuinfo").read_text())
 
 
 def test_default_methods_follow_the_target_features():
-    from backends.native.lowp_targets import LOWP_TARGETS
-    from backends.native.targets import TARGETS
-    from backends.native.ukernel_lowp import method_for
+    from backends.numba_cpu.lowp_targets import LOWP_TARGETS
+    from backends.targets import TARGETS
+    from backends.numba_cpu.ukernel_lowp import method_for
     from backends.numba_cpu.lowp import best_method
     got = {name: (method_for("bf16", t), method_for("f16", t), best_method("f32", "f16", t))
            for name, t in {**TARGETS, **LOWP_TARGETS}.items()}
@@ -367,7 +367,7 @@ def test_specs_round_trip_through_their_comment_lines():
     """What ukernel.specs_in needs to find these kernels in a kernel's source: kind -> spec, same name."""
     import json
 
-    from backends.native.ukernel_lowp import kinds, ukernel_lowp_ir
+    from backends.numba_cpu.ukernel_lowp import kinds, ukernel_lowp_ir
     for spec in (LowpUKSpec(mr=6, nr=64, method="dpbf16", a_panel=6, bias=1, act="Relu"), CvtSpec("f32", "bf16")):
         name, blob = spec.comment().split(" ", 3)[2:]
         again = kinds()[json.loads(blob)["kind"]](json.loads(blob))

@@ -32,6 +32,9 @@ instructions' result; ml_dtypes instead writes the canonical 0x7fc0 for bf16 and
 signalling float16 NaN signalling). Widening float16 quiets a NaN as `vcvtph2ps` does; widening
 bf16 keeps every bit (a signalling NaN stays signalling, as in ml_dtypes).
 
+Also here: the IR pieces the reduced-precision micro-kernels (ukernel_lowp.py, ukernel_amx.py)
+share with these kernels (typed_declaration, column_masks).
+
 Signature: i32 name(ptr src, i64 soff, ptr dst, i64 doff, i64 n) converts dst[doff + i] =
 convert(src[soff + i]) for i < n (offsets in elements of each side's type), L lanes per step with
 a masked last step.
@@ -41,10 +44,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from backends.native.lowp_targets import has_feature
-from backends.native.targets import CpuTarget
-from backends.native.ukernel import _Declared, _IR, _float_ir, lanes_for
-from backends.native.ukernel_lowp import typed_declaration
+from backends.targets import CpuTarget
+
+from .lowp_targets import has_feature
+from .ukernel import Declared, IRBuilder, float_ir, lanes_for
 
 FORMATS = ("f32", "bf16", "f16")
 STORAGE = {"f32": "i32", "bf16": "i16", "f16": "i16"}   # how each format is loaded and stored
@@ -52,7 +55,7 @@ _NUMBA_POINTER = {"f32": "float32", "bf16": "uint16", "f16": "uint16"}
 
 
 @dataclass(frozen=True)
-class CvtSpec(_Declared):
+class CvtSpec(Declared):
     """dst = convert(src) elementwise; src and dst are "f32", "bf16" or "f16" (one of them "f32")."""
     src: str
     dst: str
@@ -72,6 +75,28 @@ class CvtSpec(_Declared):
         return typed_declaration(self, var, {0: _NUMBA_POINTER[self.src], 2: _NUMBA_POINTER[self.dst]})
 
 
+def typed_declaration(spec: Declared, var: str, pointers: dict) -> str:
+    """Declared.declaration with each pointer argument's Numba element type from `pointers` (by its
+    index in spec._ARGS; float32 when absent): a kernel holds bf16 / float16 buffers as uint16."""
+    args = [f"_uk_types.CPointer(_uk_types.{pointers.get(n, 'float32')})" if c == "p" else "_uk_types.int64"
+            for n, c in enumerate(spec._ARGS)]
+    return (f"{spec.comment()}\nfrom numba import types as _uk_types\n"
+            f"{var} = _uk_types.ExternalFunction({spec.name!r}, _uk_types.int32({', '.join(args)}))\n")
+
+
+def column_masks(ir: IRBuilder, V: int, L: int) -> dict:
+    """<L x i1> lane masks of the column vectors from the i64 %mask."""
+    masks = {}
+    for v in range(V):
+        shifted = ir.tmp("ms")
+        ir(f"{shifted} = lshr i64 %mask, {v * L}")
+        bits = ir.tmp("mb")
+        ir(f"{bits} = trunc i64 {shifted} to i{L}")
+        masks[v] = ir.tmp("m")
+        ir(f"{masks[v]} = bitcast i{L} {bits} to <{L} x i1>")
+    return masks
+
+
 def best_method(src: str, dst: str, target: CpuTarget) -> str:
     """"hw" where the instruction exists and is bit-exact (F16C), else "exact". float32 -> bf16
     stays "exact" by default: `vcvtneps2bf16` flushes float32 subnormals (ask for "hw" to take it)."""
@@ -84,14 +109,14 @@ def _splat(L: int, value: int, elem: str = "i32") -> str:
     return "<" + ", ".join([f"{elem} {value}"] * L) + ">"
 
 
-def _op(ir: _IR, text: str, base: str = "v") -> str:
+def _op(ir: IRBuilder, text: str, base: str = "v") -> str:
     """One instruction `%t = text`; returns %t."""
     out = ir.tmp(base)
     ir(f"{out} = {text}")
     return out
 
 
-def f32_to_bf16(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
+def f32_to_bf16(ir: IRBuilder, bits: str, L: int, method: str = "exact") -> str:
     """<L x i16> bf16 bits of the <L x i32> float32 bits `bits` (RNE, NaN quiet)."""
     vi, vh = f"<{L} x i32>", f"<{L} x i16>"
     if method == "hw":
@@ -110,13 +135,13 @@ def f32_to_bf16(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
     return _op(ir, f"trunc {vi} {chosen} to {vh}")
 
 
-def bf16_to_f32(ir: _IR, bits: str, L: int) -> str:
+def bf16_to_f32(ir: IRBuilder, bits: str, L: int) -> str:
     """<L x i32> float32 bits of the <L x i16> bf16 bits `bits` (exact)."""
     wide = _op(ir, f"zext <{L} x i16> {bits} to <{L} x i32>")
     return _op(ir, f"shl <{L} x i32> {wide}, {_splat(L, 16)}")
 
 
-def f32_to_f16(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
+def f32_to_f16(ir: IRBuilder, bits: str, L: int, method: str = "exact") -> str:
     """<L x i16> float16 bits of the <L x i32> float32 bits `bits` (RNE, overflow to inf,
     subnormals, NaN quiet)."""
     vi, vf, vh, vb = f"<{L} x i32>", f"<{L} x float>", f"<{L} x i16>", f"<{L} x i1>"
@@ -134,7 +159,7 @@ def f32_to_f16(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
     big = _op(ir, f"select {vb} {is_nan}, {vi} {nan}, {vi} {_splat(L, 0x7C00)}")
     # |x| < 2^-14: the float addition of 0.5 rounds at the float16 subnormal unit
     as_float = _op(ir, f"bitcast {vi} {magnitude} to {vf}")
-    half = "<" + ", ".join([f"float {_float_ir(0.5)}"] * L) + ">"
+    half = "<" + ", ".join([f"float {float_ir(0.5)}"] * L) + ">"
     shifted = _op(ir, f"fadd {vf} {as_float}, {half}")
     shifted_bits = _op(ir, f"bitcast {vf} {shifted} to {vi}")
     small = _op(ir, f"sub {vi} {shifted_bits}, {_splat(L, 0x3F000000)}")
@@ -152,7 +177,7 @@ def f32_to_f16(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
     return _op(ir, f"trunc {vi} {signed} to {vh}")
 
 
-def f16_to_f32(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
+def f16_to_f32(ir: IRBuilder, bits: str, L: int, method: str = "exact") -> str:
     """<L x i32> float32 bits of the <L x i16> float16 bits `bits` (exact; NaN quiet)."""
     vi, vf, vb = f"<{L} x i32>", f"<{L} x float>", f"<{L} x i1>"
     if method == "hw":
@@ -174,7 +199,7 @@ def f16_to_f32(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
     is_subnormal = _op(ir, f"icmp eq {vi} {exponent}, zeroinitializer")
     offset = _op(ir, f"add {vi} {normal}, {_splat(L, 1 << 23)}")
     offset_float = _op(ir, f"bitcast {vi} {offset} to {vf}")
-    magic = "<" + ", ".join([f"float {_float_ir(2.0 ** -14)}"] * L) + ">"
+    magic = "<" + ", ".join([f"float {float_ir(2.0 ** -14)}"] * L) + ">"
     subnormal_float = _op(ir, f"fsub {vf} {offset_float}, {magic}")
     subnormal = _op(ir, f"bitcast {vf} {subnormal_float} to {vi}")
     chosen = _op(ir, f"select {vb} {is_subnormal}, {vi} {subnormal}, {vi} {normal}")
@@ -184,7 +209,7 @@ def f16_to_f32(ir: _IR, bits: str, L: int, method: str = "exact") -> str:
     return _op(ir, f"or {vi} {chosen}, {sign32}")
 
 
-def convert(ir: _IR, spec: CvtSpec, bits: str, L: int) -> str:
+def convert(ir: IRBuilder, spec: CvtSpec, bits: str, L: int) -> str:
     """The converted bits (dst's storage type) of the <L x ...> src bits."""
     if spec.src == "bf16":
         return bf16_to_f32(ir, bits, L)
@@ -201,7 +226,7 @@ def cvt_ir(spec: CvtSpec, vector_bits: int) -> str:
     st, dt = STORAGE[spec.src], STORAGE[spec.dst]
     vs, vd, vm = f"<{L} x {st}>", f"<{L} x {dt}>", f"<{L} x i1>"
     lane_ids = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
-    ir = _IR()
+    ir = IRBuilder()
     ir.label("entry")
     ir(f"%s0 = getelementptr {st}, ptr %src, i64 %soff")
     ir(f"%d0 = getelementptr {dt}, ptr %dst, i64 %doff")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import re
 
-from .targets import _init_llvm
+from backends.targets import init_llvm
 
 
 def with_target_attributes(ir: str, cpu: str, features: str = "", vector_bits: int = 0) -> str:
@@ -30,7 +30,7 @@ class HostJit:
 
     def __init__(self, cpu: str, features: str = "", vector_bits: int = 0, opt: int = 3):
         import llvmlite.binding as llvm
-        _init_llvm()
+        init_llvm()
         self.cpu, self.features, self.vector_bits = cpu, features, vector_bits
         self.machine = llvm.Target.from_default_triple().create_target_machine(
             cpu=cpu, features=features, opt=opt, codemodel="jitdefault")
@@ -66,7 +66,7 @@ def object_code(ir, cpu: str, features: str = "", vector_bits: int = 0) -> bytes
     """An ELF object (PIC) of `ir` (one module's text, or a list of them, linked) for `cpu`: for
     objdump checks of code this machine cannot run, and for benchmark harnesses linked by gcc."""
     import llvmlite.binding as llvm
-    _init_llvm()
+    init_llvm()
     texts = [ir] if isinstance(ir, str) else list(ir)
     module = llvm.parse_assembly(with_target_attributes(texts[0], cpu, features, vector_bits))
     for text in texts[1:]:

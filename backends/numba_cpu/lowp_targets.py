@@ -7,7 +7,9 @@ lists the host's) count as well.
 """
 from __future__ import annotations
 
-from .targets import _TRIPLE, CpuTarget
+from backends.targets import TARGETS, CpuTarget
+
+_TRIPLE = TARGETS["generic"].triple
 
 _F16C_CPUS = {"haswell", "broadwell", "skylake", "skylake-avx512", "cascadelake", "icelake-server",
               "icelake-client", "tigerlake", "rocketlake", "alderlake", "x86-64-v3", "x86-64-v4",

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import ctypes
 
-from .ukernel import _IR, ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, _epilogue
+from .lowp import column_masks
+from .ukernel import ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, IRBuilder, row_epilogue
 
 TILE_ROWS = 16          # rows of a tile
 TILE_BYTES = 64         # bytes of a tile row
@@ -41,19 +42,18 @@ def request_amx_permission() -> bool:
 
 def amx_ir(spec) -> str:
     """The module of one function named spec.name (see the module docstring)."""
-    from .ukernel_lowp import _column_masks
     mr, nr = spec.mr, spec.nr
     row_tiles, col_tiles = mr // TILE_ROWS, nr // 16
     V = nr // 16
     vt, mt = "<16 x float>", "<16 x i1>"
-    ir = _IR()
+    ir = IRBuilder()
     ir.label("entry")
     ir(f"%scratch = alloca [{mr * nr} x float], align 64")
     ir(f"%accw = and i64 %loadc, {LOADC_ACCUMULATE}")
     ir("%acc = icmp ne i64 %accw, 0")
     ir(f"%epiw = and i64 %loadc, {LOADC_EPILOGUE}")
     ir("%epi = icmp ne i64 %epiw, 0")
-    masks = _column_masks(ir, V, 16)
+    masks = column_masks(ir, V, 16)
     ir("%cbase = getelementptr float, ptr %c, i64 %coff")
     ir("%abase = getelementptr i16, ptr %a, i64 %aoff")
     ir("%bbase = getelementptr i16, ptr %b, i64 %boff")
@@ -147,7 +147,7 @@ def amx_ir(spec) -> str:
             vectors[i, v] = ir.tmp("s")
             ir(f"{vectors[i, v]} = load {vt}, ptr {scratch_vector(i, v)}, align 64")
     if spec.bias or spec.act:
-        vectors = _epilogue(ir, spec, vectors, vt, 16)
+        vectors = row_epilogue(ir, spec, vectors, vt, 16)
     for (i, v), x in vectors.items():
         ir(f"call void @llvm.masked.store.v16f32.p0({vt} {x}, ptr align 4 {c_vector(i, v)}, {mt} {masks[v]})")
     ir("ret i32 0")

@@ -44,16 +44,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .ukernel import (_IR, ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, _broadcast, _close_k_loop,
-                      _Declared, _epilogue, _module, _open_k_loop, lanes_for)
-
-def typed_declaration(spec: _Declared, var: str, pointers: dict) -> str:
-    """_Declared.declaration with each pointer argument's Numba element type from `pointers` (by its
-    index in spec._ARGS; float32 when absent): a kernel holds bf16 / float16 buffers as uint16."""
-    args = [f"_uk_types.CPointer(_uk_types.{pointers.get(n, 'float32')})" if c == "p" else "_uk_types.int64"
-            for n, c in enumerate(spec._ARGS)]
-    return (f"{spec.comment()}\nfrom numba import types as _uk_types\n"
-            f"{var} = _uk_types.ExternalFunction({spec.name!r}, _uk_types.int32({', '.join(args)}))\n")
+from .lowp import CvtSpec, column_masks, cvt_ir, typed_declaration
+from .lowp_targets import has_feature
+from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, IRBuilder, broadcast,
+                      close_k_loop, function_module, lanes_for, open_k_loop, row_epilogue)
+from .ukernel_amx import amx_ir
 
 
 METHODS = {"bf16": ("dpbf16", "widen", "amx"), "f16": ("f16c", "fp16")}
@@ -61,7 +56,7 @@ FEATURES = {"dpbf16": "avx512bf16", "widen": "", "amx": "amx-bf16", "f16c": "f16
 
 
 @dataclass(frozen=True)
-class LowpUKSpec(_Declared):
+class LowpUKSpec(Declared):
     mr: int                 # rows of the tile
     nr: int                 # columns (multiple of the vector lanes, <= 64; "fp16": of 32; "amx": 16 or 32)
     dtype: str = "bf16"     # "bf16" | "f16": the format of A and B
@@ -97,13 +92,12 @@ class LowpUKSpec(_Declared):
 def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     """The LLVM IR (a module of one function named spec.name) for the target's vector width."""
     if spec.method == "amx":
-        from .ukernel_amx import amx_ir
         return amx_ir(spec)
     L = 16 if spec.method in ("dpbf16", "fp16") else min(lanes_for(vector_bits), 16)
     assert spec.nr % L == 0 and spec.nr <= 64, (spec.nr, L)
     V = spec.nr // L
     vt = f"<{L} x float>"
-    ir = _IR()
+    ir = IRBuilder()
     ir.label("entry")
     if spec.method == "fp16":   # the k loop counts chunks of fp16_chunk k
         ir(f"%kc = sdiv i64 %k_total, {spec.fp16_chunk}")
@@ -111,7 +105,7 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir("%acc = icmp ne i64 %accw, 0")
     ir(f"%epiw = and i64 %loadc, {LOADC_EPILOGUE}")
     ir("%epi = icmp ne i64 %epiw, 0")
-    masks = _column_masks(ir, V, L)
+    masks = column_masks(ir, V, L)
     crow = {i: _element_ptr(ir, "float", "%c", f"%coff", i, "%ldc") for i in range(spec.mr)}
     abase = _element_ptr(ir, "i16", "%a", "%aoff", 0, "%lda")
     arow = {i: _element_ptr(ir, "i16", "%a", "%aoff", i, "%lda") for i in range(spec.mr)} if not spec.a_packed else {}
@@ -145,12 +139,12 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
             init[key] = ir.tmp("i")
             ir(f"{init[key]} = phi {vt} [ {x}, %ld{ci} ], [ zeroinitializer, %chunk{ci} ]")
         ir(f"br label %loop{ci}")
-        kv, accs = _open_k_loop(ir, ci, init, vt, f"%loop{ci}")
+        kv, accs = open_k_loop(ir, ci, init, vt, f"%loop{ci}")
         cur = dict(accs)
         step(ir, spec, kv, vecs, L, abase, arow, cur)
-        final = _close_k_loop(ir, ci, kv, accs, cur, rename)
+        final = close_k_loop(ir, ci, kv, accs, cur, rename)
         if spec.bias or spec.act:
-            final = _epilogue(ir, spec, final, vt, L)
+            final = row_epilogue(ir, spec, final, vt, L)
         for (i, v), val in final.items():
             p = ir.tmp("cp")
             ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
@@ -170,23 +164,10 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
              "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
              "declare <32 x half> @llvm.fma.v32f16(<32 x half>, <32 x half>, <32 x half>)"]
-    return _module(head, ir, rename, decls)
+    return function_module(head, ir, rename, decls)
 
 
-def _column_masks(ir: _IR, V: int, L: int) -> dict:
-    """<L x i1> lane masks of the column vectors from the i64 %mask."""
-    masks = {}
-    for v in range(V):
-        shifted = ir.tmp("ms")
-        ir(f"{shifted} = lshr i64 %mask, {v * L}")
-        bits = ir.tmp("mb")
-        ir(f"{bits} = trunc i64 {shifted} to i{L}")
-        masks[v] = ir.tmp("m")
-        ir(f"{masks[v]} = bitcast i{L} {bits} to <{L} x i1>")
-    return masks
-
-
-def _element_ptr(ir: _IR, elem: str, base: str, offset: str, row: int, stride: str) -> str:
+def _element_ptr(ir: IRBuilder, elem: str, base: str, offset: str, row: int, stride: str) -> str:
     """&base[offset + row * stride] for elements of type `elem`."""
     idx = ir.tmp("ri")
     ir(f"{idx} = mul i64 {stride}, {row}")
@@ -197,7 +178,7 @@ def _element_ptr(ir: _IR, elem: str, base: str, offset: str, row: int, stride: s
     return ptr
 
 
-def _a_address(ir: _IR, spec: LowpUKSpec, kv: str, i: int, abase: str, arow: dict) -> str:
+def _a_address(ir: IRBuilder, spec: LowpUKSpec, kv: str, i: int, abase: str, arow: dict) -> str:
     """The address of A(i, k) (f16) or of the pair word A(i, 2kp..2kp+1) (bf16) for loop index kv."""
     per_k = 2 if spec.k_pairs else 1
     idx = ir.tmp("ai")
@@ -214,7 +195,7 @@ def _a_address(ir: _IR, spec: LowpUKSpec, kv: str, i: int, abase: str, arow: dic
     return p
 
 
-def _b_row(ir: _IR, kv: str) -> str:
+def _b_row(ir: IRBuilder, kv: str) -> str:
     idx = ir.tmp("bk")
     ir(f"{idx} = mul i64 {kv}, %ldb")
     p = ir.tmp("brow")
@@ -222,7 +203,7 @@ def _b_row(ir: _IR, kv: str) -> str:
     return p
 
 
-def _load(ir: _IR, ptr: str, offset: int, vtype: str) -> str:
+def _load(ir: IRBuilder, ptr: str, offset: int, vtype: str) -> str:
     p = ir.tmp("bp")
     ir(f"{p} = getelementptr i16, ptr {ptr}, i64 {offset}")
     x = ir.tmp("b")
@@ -230,7 +211,7 @@ def _load(ir: _IR, ptr: str, offset: int, vtype: str) -> str:
     return x
 
 
-def _splat_word(ir: _IR, ptr: str, L: int) -> str:
+def _splat_word(ir: IRBuilder, ptr: str, L: int) -> str:
     """<L x i32> of the 32-bit word at ptr (a bf16 pair of A)."""
     w = ir.tmp("aw")
     ir(f"{w} = load i32, ptr {ptr}, align 2")
@@ -241,13 +222,13 @@ def _splat_word(ir: _IR, ptr: str, L: int) -> str:
     return out
 
 
-def _fma(ir: _IR, L: int, a: str, b: str, acc: str) -> str:
+def _fma(ir: IRBuilder, L: int, a: str, b: str, acc: str) -> str:
     out = ir.tmp("f")
     ir(f"{out} = call <{L} x float> @llvm.fma.v{L}f32(<{L} x float> {a}, <{L} x float> {b}, <{L} x float> {acc})")
     return out
 
 
-def _step_dpbf16(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
+def _step_dpbf16(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
     """One k pair: vdpbf16ps of each row's broadcast pair word with each B vector."""
     brow = _b_row(ir, kv)
     bvec = {}
@@ -264,7 +245,7 @@ def _step_dpbf16(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, a
             cur[i, v] = out
 
 
-def _split_pairs(ir: _IR, words: str, L: int) -> tuple[str, str]:
+def _split_pairs(ir: IRBuilder, words: str, L: int) -> tuple[str, str]:
     """The float32 vectors of the even and odd bf16 of <L x i32> pair words."""
     vi = f"<{L} x i32>"
     even = ir.tmp("ev")
@@ -279,7 +260,7 @@ def _split_pairs(ir: _IR, words: str, L: int) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def _step_widen(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
+def _step_widen(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
     """One k pair: B's pairs and each row's A pair split into float32 (shifts), two FMAs."""
     brow = _b_row(ir, kv)
     bpair = {v: _split_pairs(ir, _load(ir, brow, 2 * v * L, f"<{L} x i32>"), L) for v in vecs}
@@ -289,7 +270,7 @@ def _step_widen(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, ar
             cur[i, v] = _fma(ir, L, a_odd, bpair[v][1], _fma(ir, L, a_even, bpair[v][0], cur[i, v]))
 
 
-def _step_f16c(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
+def _step_f16c(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
     """One k: B's row widened by vcvtph2ps, each row's A widened and broadcast, FMAs."""
     brow = _b_row(ir, kv)
     bvec = {}
@@ -311,7 +292,7 @@ def _step_f16c(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, aro
             cur[i, v] = _fma(ir, L, splat, bvec[v], cur[i, v])
 
 
-def _step_fp16(ir: _IR, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
+def _step_fp16(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
     """fp16_chunk k (the loop index counts chunks): float16 FMAs on 32 columns a vector, then the
     partial sums widened to float32 and added. vecs index 16-column float32 accumulators."""
     halves = sorted({v // 2 for v in vecs})
@@ -357,7 +338,6 @@ def method_for(dtype: str, target) -> str | None:
     """The default method of a CpuTarget (lowp_targets.has_feature decides): bf16 "dpbf16" with
     AVX512-BF16, else "widen"; float16 "f16c" with F16C, else None (widen the operands to float32
     and use UKSpec). "amx" and "fp16" are never chosen by default: neither has run on hardware yet."""
-    from .lowp_targets import has_feature
     if dtype == "bf16":
         return "dpbf16" if has_feature(target, "avx512bf16") and target.vector_bits >= 512 else "widen"
     return "f16c" if has_feature(target, "f16c") else None
@@ -366,11 +346,9 @@ def method_for(dtype: str, target) -> str | None:
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
     (ukernel_lowp_ir dispatches their IR)."""
-    from backends.numba_cpu.lowp import CvtSpec
     return {"lowp": lambda d: LowpUKSpec(**d), "cvt": lambda d: CvtSpec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
     """The IR of a LowpUKSpec or CvtSpec (what ukernel.ukernel_ir would call for these kinds)."""
-    from backends.numba_cpu.lowp import cvt_ir
     return cvt_ir(spec, vector_bits) if spec.kind == "cvt" else lowp_ukernel_ir(spec, vector_bits)

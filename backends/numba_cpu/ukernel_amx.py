@@ -101,33 +101,23 @@ def amx_ir(spec) -> str:
     ir("%kb = phi i64 [ 0, %tiles ], [ %kbn, %loop ]")
     for key in init:
         ir(f"%acc_{key[0]}_{key[1]} = phi x86_amx [ {init[key]}, %tiles ], [ %accn_{key[0]}_{key[1]}, %loop ]")
-    a_tiles, b_tiles = {}, {}
-    for r in range(row_tiles):
-        # rows r*16.., k from kb*32: element (r*16)*lda + kb*32
-        rows = ir.tmp("ar")
-        ir(f"{rows} = mul i64 %lda, {r * TILE_ROWS}")
-        ks = ir.tmp("ak")
-        ir(f"{ks} = mul i64 %kb, {2 * TILE_ROWS}")
-        idx = ir.tmp("ai")
-        ir(f"{idx} = add i64 {rows}, {ks}")
-        p = ir.tmp("ap")
-        ir(f"{p} = getelementptr i16, ptr %abase, i64 {idx}")
-        a_tiles[r] = ir.tmp("ta")
-        ir(f"{a_tiles[r]} = call x86_amx @llvm.x86.tileloadd64.internal(i16 {TILE_ROWS}, i16 {TILE_BYTES}, "
-           f"ptr {p}, i64 %astride)")
-    for q in range(col_tiles):
-        # k pairs from kb*16, columns q*16..: element (kb*16)*ldb + 2*q*16
-        pairs = ir.tmp("bk")
-        ir(f"{pairs} = mul i64 %kb, {TILE_ROWS}")
-        rows = ir.tmp("bk")
-        ir(f"{rows} = mul i64 {pairs}, %ldb")
-        idx = ir.tmp("bi")
-        ir(f"{idx} = add i64 {rows}, {2 * 16 * q}")
-        p = ir.tmp("bp")
-        ir(f"{p} = getelementptr i16, ptr %bbase, i64 {idx}")
-        b_tiles[q] = ir.tmp("tb")
-        ir(f"{b_tiles[q]} = call x86_amx @llvm.x86.tileloadd64.internal(i16 {TILE_ROWS}, i16 {TILE_BYTES}, "
-           f"ptr {p}, i64 %bstride)")
+    def load_tile(base: str, row_step: str, row: str, column: str, stride: str) -> str:
+        """The tile of 16 rows from element row * row_step + column of base (i16 elements)."""
+        start = ir.tmp("tr")
+        ir(f"{start} = mul i64 {row_step}, {row}")
+        idx = ir.tmp("ti")
+        ir(f"{idx} = add i64 {start}, {column}")
+        p = ir.tmp("tp")
+        ir(f"{p} = getelementptr i16, ptr {base}, i64 {idx}")
+        tile = ir.tmp("tile")
+        ir(f"{tile} = call x86_amx @llvm.x86.tileloadd64.internal(i16 {TILE_ROWS}, i16 {TILE_BYTES}, ptr {p}, "
+           f"i64 {stride})")
+        return tile
+
+    ir(f"%kfirst = mul i64 %kb, {2 * TILE_ROWS}")   # A: k from kb*32
+    ir(f"%pfirst = mul i64 %kb, {TILE_ROWS}")       # B: k pairs from kb*16
+    a_tiles = {r: load_tile("%abase", "%lda", str(r * TILE_ROWS), "%kfirst", "%astride") for r in range(row_tiles)}
+    b_tiles = {q: load_tile("%bbase", "%ldb", "%pfirst", str(2 * 16 * q), "%bstride") for q in range(col_tiles)}
     for (r, q) in init:
         ir(f"%accn_{r}_{q} = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 {TILE_ROWS}, i16 {TILE_BYTES}, "
            f"i16 {TILE_BYTES}, x86_amx %acc_{r}_{q}, x86_amx {a_tiles[r]}, x86_amx {b_tiles[q]})")

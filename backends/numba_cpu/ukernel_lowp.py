@@ -222,6 +222,17 @@ def _splat_word(ir: IRBuilder, ptr: str, L: int) -> str:
     return out
 
 
+def _splat_half(ir: IRBuilder, ptr: str, lanes: int) -> str:
+    """<lanes x half> with every lane the float16 at ptr."""
+    s = ir.tmp("ah")
+    ir(f"{s} = load half, ptr {ptr}, align 2")
+    ins = ir.tmp("ins")
+    ir(f"{ins} = insertelement <{lanes} x half> poison, half {s}, i64 0")
+    out = ir.tmp("hs")
+    ir(f"{out} = shufflevector <{lanes} x half> {ins}, <{lanes} x half> poison, <{lanes} x i32> zeroinitializer")
+    return out
+
+
 def _fma(ir: IRBuilder, L: int, a: str, b: str, acc: str) -> str:
     out = ir.tmp("f")
     ir(f"{out} = call <{L} x float> @llvm.fma.v{L}f32(<{L} x float> {a}, <{L} x float> {b}, <{L} x float> {acc})")
@@ -279,13 +290,8 @@ def _step_f16c(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: st
         bvec[v] = ir.tmp("bw")
         ir(f"{bvec[v]} = fpext <{L} x half> {h} to <{L} x float>")
     for i in range(spec.mr):
-        s = ir.tmp("ah")
-        ir(f"{s} = load half, ptr {_a_address(ir, spec, kv, i, abase, arow)}, align 2")
         # broadcast, then widen: vpbroadcastw + vcvtph2ps (a scalar widening then vbroadcastss is one more)
-        ins = ir.tmp("ins")
-        ir(f"{ins} = insertelement <{L} x half> poison, half {s}, i64 0")
-        halves = ir.tmp("ahs")
-        ir(f"{halves} = shufflevector <{L} x half> {ins}, <{L} x half> poison, <{L} x i32> zeroinitializer")
+        halves = _splat_half(ir, _a_address(ir, spec, kv, i, abase, arow), L)
         splat = ir.tmp("af")
         ir(f"{splat} = fpext <{L} x half> {halves} to <{L} x float>")
         for v in vecs:
@@ -305,12 +311,7 @@ def _step_fp16(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: st
         brow = _b_row(ir, kk)
         bvec = {h: _load(ir, brow, 32 * h, "<32 x half>") for h in halves}
         for i in range(spec.mr):
-            s = ir.tmp("ah")
-            ir(f"{s} = load half, ptr {_a_address(ir, spec, kk, i, abase, arow)}, align 2")
-            ins = ir.tmp("ins")
-            ir(f"{ins} = insertelement <32 x half> poison, half {s}, i64 0")
-            splat = ir.tmp("hs")
-            ir(f"{splat} = shufflevector <32 x half> {ins}, <32 x half> poison, <32 x i32> zeroinitializer")
+            splat = _splat_half(ir, _a_address(ir, spec, kk, i, abase, arow), 32)
             for h in halves:
                 out = ir.tmp("hf")
                 ir(f"{out} = call <32 x half> @llvm.fma.v32f16(<32 x half> {splat}, <32 x half> {bvec[h]}, "

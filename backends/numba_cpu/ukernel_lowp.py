@@ -211,25 +211,14 @@ def _load(ir: IRBuilder, ptr: str, offset: int, vtype: str) -> str:
     return x
 
 
-def _splat_word(ir: IRBuilder, ptr: str, L: int) -> str:
-    """<L x i32> of the 32-bit word at ptr (a bf16 pair of A)."""
-    w = ir.tmp("aw")
-    ir(f"{w} = load i32, ptr {ptr}, align 2")
+def _splat(ir: IRBuilder, ptr: str, elem: str, lanes: int) -> str:
+    """<lanes x elem> with every lane the scalar at ptr (an A value, or an A pair as an i32 word)."""
+    s = ir.tmp("as")
+    ir(f"{s} = load {elem}, ptr {ptr}, align 2")
     ins = ir.tmp("ins")
-    ir(f"{ins} = insertelement <{L} x i32> poison, i32 {w}, i64 0")
-    out = ir.tmp("aws")
-    ir(f"{out} = shufflevector <{L} x i32> {ins}, <{L} x i32> poison, <{L} x i32> zeroinitializer")
-    return out
-
-
-def _splat_half(ir: IRBuilder, ptr: str, lanes: int) -> str:
-    """<lanes x half> with every lane the float16 at ptr."""
-    s = ir.tmp("ah")
-    ir(f"{s} = load half, ptr {ptr}, align 2")
-    ins = ir.tmp("ins")
-    ir(f"{ins} = insertelement <{lanes} x half> poison, half {s}, i64 0")
-    out = ir.tmp("hs")
-    ir(f"{out} = shufflevector <{lanes} x half> {ins}, <{lanes} x half> poison, <{lanes} x i32> zeroinitializer")
+    ir(f"{ins} = insertelement <{lanes} x {elem}> poison, {elem} {s}, i64 0")
+    out = ir.tmp("asp")
+    ir(f"{out} = shufflevector <{lanes} x {elem}> {ins}, <{lanes} x {elem}> poison, <{lanes} x i32> zeroinitializer")
     return out
 
 
@@ -246,7 +235,7 @@ def _step_dpbf16(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: 
     for v in vecs:
         bvec[v] = _load(ir, brow, 2 * v * L, "<32 x bfloat>")
     for i in range(spec.mr):
-        word = _splat_word(ir, _a_address(ir, spec, kv, i, abase, arow), 16)
+        word = _splat(ir, _a_address(ir, spec, kv, i, abase, arow), "i32", 16)
         pair = ir.tmp("ab")
         ir(f"{pair} = bitcast <16 x i32> {word} to <32 x bfloat>")
         for v in vecs:
@@ -276,7 +265,7 @@ def _step_widen(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: s
     brow = _b_row(ir, kv)
     bpair = {v: _split_pairs(ir, _load(ir, brow, 2 * v * L, f"<{L} x i32>"), L) for v in vecs}
     for i in range(spec.mr):
-        a_even, a_odd = _split_pairs(ir, _splat_word(ir, _a_address(ir, spec, kv, i, abase, arow), L), L)
+        a_even, a_odd = _split_pairs(ir, _splat(ir, _a_address(ir, spec, kv, i, abase, arow), "i32", L), L)
         for v in vecs:
             cur[i, v] = _fma(ir, L, a_odd, bpair[v][1], _fma(ir, L, a_even, bpair[v][0], cur[i, v]))
 
@@ -291,7 +280,7 @@ def _step_f16c(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: st
         ir(f"{bvec[v]} = fpext <{L} x half> {h} to <{L} x float>")
     for i in range(spec.mr):
         # broadcast, then widen: vpbroadcastw + vcvtph2ps (a scalar widening then vbroadcastss is one more)
-        halves = _splat_half(ir, _a_address(ir, spec, kv, i, abase, arow), L)
+        halves = _splat(ir, _a_address(ir, spec, kv, i, abase, arow), "half", L)
         splat = ir.tmp("af")
         ir(f"{splat} = fpext <{L} x half> {halves} to <{L} x float>")
         for v in vecs:
@@ -311,7 +300,7 @@ def _step_fp16(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: st
         brow = _b_row(ir, kk)
         bvec = {h: _load(ir, brow, 32 * h, "<32 x half>") for h in halves}
         for i in range(spec.mr):
-            splat = _splat_half(ir, _a_address(ir, spec, kk, i, abase, arow), 32)
+            splat = _splat(ir, _a_address(ir, spec, kk, i, abase, arow), "half", 32)
             for h in halves:
                 out = ir.tmp("hf")
                 ir(f"{out} = call <32 x half> @llvm.fma.v32f16(<32 x half> {splat}, <32 x half> {bvec[h]}, "

@@ -1,8 +1,11 @@
 """Reduced-precision kernels (bf16, fp16): conversions bit-exact against ml_dtypes / numpy, and the
 micro-kernels against float64 products of the same rounded inputs within a derived bound.
 
-Every path runs here, on an AVX-512 BF16 machine: code built for `haswell` (AVX2, F16C) and
-`x86-64` (SSE2) runs too. AMX and AVX512-FP16 code is only assembled (no such hardware here)."""
+Paths: code for this machine's CPU (BF16: it must have AVX512-BF16, as AMD Zen 4 and Intel Sapphire
+Rapids do), and code built for `haswell` (AVX2, F16C) and `x86-64` (SSE2), which any x86-64 machine
+with AVX2 runs. The AVX512-FP16 kernel runs on the host's CPU: for real where it has AVX512-FP16,
+through LLVM's float16 emulation elsewhere (the bound says which). AMX runs only where the CPU
+and kernel grant tile state (skipped elsewhere: not run on Zen 4); its object is checked anywhere."""
 from __future__ import annotations
 
 import ctypes
@@ -14,8 +17,29 @@ import pytest
 from backends.numba_cpu.hostjit import HostJit
 from backends.numba_cpu.lowp import CvtSpec, cvt_ir
 
-# (cpu, vector bits) of each path's target: znver4 has AVX512-BF16 and F16C, haswell F16C, x86-64 neither.
-CPUS = {"znver4": 512, "haswell": 256, "x86-64": 128}
+BF16 = "host-avx512bf16"   # the path of code for this machine's CPU (which needs AVX512-BF16 and F16C)
+# vector bits of each path's code: haswell has F16C, x86-64 neither.
+CPUS = {BF16: 512, "haswell": 256, "x86-64": 128}
+
+
+def _host() -> tuple[str, set]:
+    from backends.targets import init_llvm
+    import llvmlite.binding as llvm
+    init_llvm()
+    features = llvm.get_host_cpu_features().flatten()
+    return llvm.get_host_cpu_name(), {f[1:] for f in features.split(",") if f.startswith("+")}
+
+
+HOST_CPU, HOST_FEATURES = _host()
+
+
+def cpu_for(path: str) -> tuple[str, str]:
+    """(LLVM cpu, features) of a path; the host path is skipped on a CPU without AVX512-BF16."""
+    if path != BF16:
+        return path, ""
+    if "avx512bf16" not in HOST_FEATURES:
+        pytest.skip(f"{HOST_CPU} has no AVX512-BF16")
+    return HOST_CPU, ",".join(f"+{f}" for f in sorted(HOST_FEATURES))
 
 _jits = {}
 
@@ -31,7 +55,7 @@ def _bind_libgcc_half_rounding() -> None:
 def jit_for(cpu: str) -> HostJit:
     if cpu not in _jits:
         _bind_libgcc_half_rounding()
-        _jits[cpu] = HostJit(cpu, vector_bits=CPUS[cpu])
+        _jits[cpu] = HostJit(*cpu_for(cpu), vector_bits=CPUS[cpu])
     return _jits[cpu]
 
 
@@ -104,7 +128,7 @@ def expected_widening(bits: np.ndarray, fmt: str) -> np.ndarray:
 
 
 NARROWING = [(fmt, method, cpu) for fmt in ("bf16", "f16") for cpu in CPUS for method in ("exact", "hw")
-             if method == "exact" or (cpu == "znver4" if fmt == "bf16" else cpu != "x86-64")]
+             if method == "exact" or (cpu == BF16 if fmt == "bf16" else cpu != "x86-64")]
 
 
 @pytest.mark.parametrize("fmt,method,cpu", NARROWING)
@@ -123,8 +147,8 @@ def test_f32_narrowing_bit_exact(fmt, method, cpu):
 def test_vcvtneps2bf16_flushes_only_subnormal_inputs():
     """The instruction path differs from the exact one exactly on float32 subnormals (|x| < 2^-126)."""
     bits = random_f32_bits()
-    exact = run_conversion(CvtSpec("f32", "bf16", "exact"), "znver4", bits)
-    hw = run_conversion(CvtSpec("f32", "bf16", "hw"), "znver4", bits)
+    exact = run_conversion(CvtSpec("f32", "bf16", "exact"), BF16, bits)
+    hw = run_conversion(CvtSpec("f32", "bf16", "hw"), BF16, bits)
     differs = exact != hw
     subnormal = ((bits & 0x7F800000) == 0) & ((bits & 0x7FFFFF) != 0)
     assert differs.any() and (subnormal >= differs).all()
@@ -148,8 +172,8 @@ def test_widening_to_f32_bit_exact_for_all_inputs(fmt, method, cpu):
 def test_round_trip_of_every_16_bit_value(fmt):
     """Narrowing a widened value gives it back (NaNs: quiet)."""
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    wide = run_conversion(CvtSpec(fmt, "f32"), "znver4", bits)
-    back = run_conversion(CvtSpec("f32", fmt), "znver4", wide)
+    wide = run_conversion(CvtSpec(fmt, "f32"), BF16, bits)
+    back = run_conversion(CvtSpec("f32", fmt), BF16, wide)
     quiet = 0x40 if fmt == "bf16" else 0x200
     assert (back == np.where(is_nan16(bits, fmt), bits | quiet, bits)).all()
 
@@ -258,7 +282,8 @@ def run_tile(spec: LowpUKSpec, cpu: str, K: int, valid: int, loadc: int, seed: i
     untouched = np.ones(c_buf.shape, bool)
     untouched[coff:coff + mr * ldc].reshape(mr, ldc)[:, :valid] = False
     assert (c_buf[untouched] == c0[untouched]).all(), "the kernel wrote outside its masked tile"
-    return got[:, :valid].astype(np.float64), ref, error_bound(spec, k_steps, magnitude, cpu != "sapphirerapids")
+    return got[:, :valid].astype(np.float64), ref, error_bound(spec, k_steps, magnitude,
+                                                                  "avx512fp16" not in HOST_FEATURES)
 
 
 def assert_within_bound(got, ref, bound):
@@ -269,8 +294,8 @@ def assert_within_bound(got, ref, bound):
 
 
 # (method, cpu) of every path that runs here; fp16 runs emulated (see error_bound).
-RUNNABLE = [("bf16", "dpbf16", "znver4"), ("bf16", "widen", "znver4"), ("bf16", "widen", "haswell"),
-            ("bf16", "widen", "x86-64"), ("f16", "f16c", "znver4"), ("f16", "f16c", "haswell")]
+RUNNABLE = [("bf16", "dpbf16", BF16), ("bf16", "widen", BF16), ("bf16", "widen", "haswell"),
+            ("bf16", "widen", "x86-64"), ("f16", "f16c", BF16), ("f16", "f16c", "haswell")]
 TILES = [  # mr, nr, a_packed, K, valid columns, loadc
     (6, 64, 1, 256, 64, 0), (6, 64, 0, 255, 64, 1), (4, 32, 1, 7, 19, 1), (1, 16, 0, 1, 1, 0),
     (12, 32, 1, 64, 32, 3), (3, 48, 0, 33, 40, 3)]
@@ -295,16 +320,16 @@ def test_lowp_microkernel_matches_float64(dtype, method, cpu, mr, nr, a_packed, 
 
 @pytest.mark.parametrize("mr,nr,a_packed,K,valid,loadc", TILES[:3] + TILES[4:5])
 def test_fp16_microkernel_emulated(mr, nr, a_packed, K, valid, loadc):
-    """The AVX512-FP16 kernel's IR (float16 FMAs in chunks of 4, float32 sums of the chunks), run here
-    through LLVM's emulation of float16 arithmetic (no AVX512-FP16 on this machine): checks the
-    layout, chunking and epilogue against the float16 error bound; the instructions are checked
-    below by assembling for Sapphire Rapids."""
+    """The AVX512-FP16 kernel (float16 FMAs in chunks of 4, float32 sums of the chunks) against the
+    float16 error bound: on a CPU with AVX512-FP16 its instructions, elsewhere (AMD Zen 4) LLVM's
+    emulation of float16 arithmetic, which checks the layout, chunking and epilogue; the instructions
+    are checked below by assembling for Sapphire Rapids."""
     K = -(-K // 4) * 4                           # kc is a multiple of fp16_chunk
     nr = -(-nr // 32) * 32
     epilogue = dict(bias=1, act="Relu") if loadc == 3 else {}
     spec = LowpUKSpec(mr=mr, nr=nr, dtype="f16", method="fp16", a_packed=a_packed,
                       a_panel=mr + 2 if a_packed else 0, **epilogue)
-    got, ref, bound = run_tile(spec, "znver4", K, min(valid, nr), loadc)
+    got, ref, bound = run_tile(spec, BF16, K, min(valid, nr), loadc)
     assert_within_bound(got, ref, bound)
 
 
@@ -328,6 +353,19 @@ def test_amx_microkernel_assembles(mr, nr, tmp_path):
                       act_hi=6.0)
     found = _instructions(lowp_ukernel_ir(spec, 512), "sapphirerapids", tmp_path)
     assert {"ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"} <= found
+
+
+@pytest.mark.parametrize("mr,nr,K,valid,loadc", [(16, 16, 64, 16, 0), (32, 32, 256, 29, 1), (16, 32, 32, 32, 3)])
+def test_amx_microkernel_matches_float64(mr, nr, K, valid, loadc):
+    """AMX-BF16 against the same bound as the other methods (tdpbf16ps: products exact, one rounding
+    per addition). Runs only where the CPU has AMX and Linux grants the tile state."""
+    from backends.numba_cpu.ukernel_amx import request_amx_permission
+    if "amx-bf16" not in HOST_FEATURES or not request_amx_permission():
+        pytest.skip(f"{HOST_CPU}: no AMX tile state for this process")
+    epilogue = dict(bias=1, act="Relu") if loadc == 3 else {}
+    spec = LowpUKSpec(mr=mr, nr=nr, method="amx", a_packed=0, **epilogue)
+    got, ref, bound = run_tile(spec, BF16, K, valid, loadc)
+    assert_within_bound(got, ref, bound)
 
 
 def test_fp16_microkernel_assembles(tmp_path):
@@ -398,7 +436,7 @@ def kernel(x, w, a16, y, begin, end):
     p = lambda t: types.CPointer(t)
     compiled = cfunc(types.void(p(types.float32), p(types.uint16), p(types.uint16), p(types.float32), types.int64,
                                 types.int64), nopython=True, error_model="numpy")(namespace["kernel"])
-    jit = HostJit("znver4", vector_bits=512)
+    jit = HostJit(*cpu_for(BF16), vector_bits=512)
     for spec in (cvt, main, edge):
         jit.add(cvt_ir(spec, 512) if spec is cvt else lowp_ukernel_ir(spec, 512))
     jit.add(compiled.inspect_llvm())

@@ -1,7 +1,9 @@
 """Single-core bf16 peak of this machine next to the float32 one (benchmarks/peak.py): an LLVM IR
 loop of independent `vdpbf16ps` (AVX512-BF16; 16 float32 lanes, each adding two bf16 products:
 64 FLOP an instruction), 24 accumulators, no memory traffic, JIT-compiled by llvmlite for the
-host CPU, timed as peak.py times its FMA loop (best of several ~0.3 s runs).
+host CPU, timed as peak.py times its FMA loop (best of several ~0.3 s runs). Every instruction
+reads the same two bf16 vectors: with a constant per accumulator the constants took the registers
+and the loop reloaded them (a "peak" of 150-180 GFLOP/s on Zen 4 against 231).
 
     python benchmarks/peak_lowp.py       # prints both peaks in GFLOP/s
 """
@@ -24,7 +26,7 @@ def _module(accs: int, cpu: str, features: str) -> str:
     lines = ["define i64 @peak(i64 %n, ptr %out) #0 {", "entry:", "  br label %loop", "loop:",
              "  %i = phi i64 [ 0, %entry ], [ %i.next, %loop ]"]
     lines += [f"  %a{a} = phi {vt} [ zeroinitializer, %entry ], [ %b{a}, %loop ]" for a in range(accs)]
-    lines += [f"  %b{a} = call {vt} @llvm.x86.avx512bf16.dpbf16ps.512({vt} %a{a}, {bt} {splat(0x3F80 + a)}, "
+    lines += [f"  %b{a} = call {vt} @llvm.x86.avx512bf16.dpbf16ps.512({vt} %a{a}, {bt} {splat(0x3F80)}, "
               f"{bt} {splat(0x3580)})" for a in range(accs)]
     lines += ["  %i.next = add i64 %i, 1", "  %c = icmp slt i64 %i.next, %n", "  br i1 %c, label %loop, label %done",
               "done:"]

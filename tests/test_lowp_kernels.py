@@ -169,6 +169,15 @@ def test_widening_to_f32_bit_exact_for_all_inputs(fmt, method, cpu):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_numpy_packing_rounds_as_the_kernels(fmt):
+    """lowp_pack's build-time rounding (weights) gives the bits of the "exact" kernels, NaNs included."""
+    from backends.numba_cpu.lowp_pack import bf16_bits, f16_bits
+    bits = random_f32_bits()
+    got = (bf16_bits if fmt == "bf16" else f16_bits)(bits.view(np.float32))
+    assert (got == expected_narrowing(bits, fmt)).all()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
 def test_round_trip_of_every_16_bit_value(fmt):
     """Narrowing a widened value gives it back (NaNs: quiet)."""
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)

@@ -1024,4 +1024,4 @@ def ir_mul(ir: _IR, var: str, factor: int) -> str:
 # The IR builders the other micro-kernel generators (ukernel_lowp.py, ukernel_amx.py, lowp.py) share.
 IRBuilder, Declared = _IR, _Declared
 open_k_loop, close_k_loop, function_module = _open_k_loop, _close_k_loop, _module
-broadcast, row_epilogue, float_ir = _broadcast, _epilogue, _float_ir
+row_epilogue, float_ir = _epilogue, _float_ir

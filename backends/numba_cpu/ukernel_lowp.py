@@ -46,7 +46,7 @@ from typing import ClassVar
 
 from .lowp import CvtSpec, column_masks, cvt_ir, typed_declaration
 from .lowp_targets import has_feature
-from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, IRBuilder, broadcast,
+from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, IRBuilder,
                       close_k_loop, function_module, lanes_for, open_k_loop, row_epilogue)
 from .ukernel_amx import amx_ir
 
@@ -106,7 +106,7 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir(f"%epiw = and i64 %loadc, {LOADC_EPILOGUE}")
     ir("%epi = icmp ne i64 %epiw, 0")
     masks = column_masks(ir, V, L)
-    crow = {i: _element_ptr(ir, "float", "%c", f"%coff", i, "%ldc") for i in range(spec.mr)}
+    crow = {i: _element_ptr(ir, "float", "%c", "%coff", i, "%ldc") for i in range(spec.mr)}
     abase = _element_ptr(ir, "i16", "%a", "%aoff", 0, "%lda")
     arow = {i: _element_ptr(ir, "i16", "%a", "%aoff", i, "%lda") for i in range(spec.mr)} if not spec.a_packed else {}
     ir("%bbase = getelementptr i16, ptr %b, i64 %boff")
@@ -329,8 +329,8 @@ def method_for(dtype: str, target) -> str | None:
     AVX512-BF16, else "widen"; float16 "f16c" with F16C, else None (widen the operands to float32
     and use UKSpec). "amx" and "fp16" are never chosen by default: neither has run on hardware yet."""
     if dtype == "bf16":
-        return "dpbf16" if has_feature(target, "avx512bf16") and target.vector_bits >= 512 else "widen"
-    return "f16c" if has_feature(target, "f16c") else None
+        return "dpbf16" if has_feature(target, FEATURES["dpbf16"]) and target.vector_bits >= 512 else "widen"
+    return "f16c" if has_feature(target, FEATURES["f16c"]) else None
 
 
 def kinds() -> dict:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from backends.numba_cpu.hostjit import HostJit
-from backends.numba_cpu.lowp import CvtSpec, cvt_ir
+from backends.numba_cpu.lowp import CvtSpec, PairCvtSpec, cvt_ir, pair_cvt_ir
 
 BF16 = "host-avx512bf16"   # the path of code for this machine's CPU (which needs AVX512-BF16 and F16C)
 # vector bits of each path's code: haswell has F16C, x86-64 neither.
@@ -166,6 +166,31 @@ def test_widening_to_f32_bit_exact_for_all_inputs(fmt, method, cpu):
     want = expected_widening(bits, fmt)
     bad = np.flatnonzero(got != want)
     assert not len(bad), [(hex(bits[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
+@pytest.mark.parametrize("n", [1, 37, 1000])
+def test_pair_rows_conversion_is_the_vnni_packing(cpu, n):
+    """Two float32 rows (k = 2kp, 2kp + 1) into one row of bf16 pairs: the bits pack_b_pairs gives."""
+    from backends.numba_cpu.lowp_pack import pack_b_pairs
+    jit = jit_for(cpu)
+    spec = PairCvtSpec("hw" if cpu == BF16 else "exact")
+    try:
+        fn = jit.function(spec.name, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                          ctypes.c_int64, ctypes.c_int64)
+    except AssertionError:
+        jit.add(pair_cvt_ir(spec, CPUS[cpu]))
+        fn = jit.function(spec.name, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                          ctypes.c_int64, ctypes.c_int64)
+    stride = n + 5
+    rows = np.random.default_rng(n).standard_normal(1 + 2 * stride).astype(np.float32)
+    rows[1:1 + min(n, len(F32_SPECIALS))] = F32_SPECIALS[:n].view(np.float32)
+    dst = np.full(2 * n + 4, 0xABCD, np.uint16)
+    fn(rows.ctypes.data, 1, stride, dst.ctypes.data, 2, n)
+    pair = np.stack([rows[1:1 + n], rows[1 + stride:1 + stride + n]]).view(np.uint32)
+    flush = spec.method == "hw"   # vcvtneps2bf16: float32 subnormals as zero
+    want = pack_b_pairs(expected_narrowing(pair.ravel(), "bf16", flush).reshape(2, n), n)[0, 0]
+    assert (dst[2:-2] == want).all() and (dst[:2] == 0xABCD).all() and (dst[-2:] == 0xABCD).all()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "f16"])
@@ -415,7 +440,8 @@ def test_specs_round_trip_through_their_comment_lines():
     import json
 
     from backends.numba_cpu.ukernel_lowp import kinds, ukernel_lowp_ir
-    for spec in (LowpUKSpec(mr=6, nr=64, method="dpbf16", a_panel=6, bias=1, act="Relu"), CvtSpec("f32", "bf16")):
+    for spec in (LowpUKSpec(mr=6, nr=64, method="dpbf16", a_panel=6, bias=1, act="Relu"), CvtSpec("f32", "bf16"),
+                 PairCvtSpec("hw")):
         name, blob = spec.comment().split(" ", 3)[2:]
         again = kinds()[json.loads(blob)["kind"]](json.loads(blob))
         assert again == spec and again.name == name and f"@{name}(" in ukernel_lowp_ir(again, 512)

@@ -220,16 +220,10 @@ def convert(ir: IRBuilder, spec: CvtSpec, bits: str, L: int) -> str:
     return f32_to_f16(ir, bits, L, spec.method)
 
 
-def cvt_ir(spec: CvtSpec, vector_bits: int) -> str:
-    """The conversion micro-kernel's module (see CvtSpec and the module docstring)."""
-    L = min(lanes_for(vector_bits), 16)
-    st, dt = STORAGE[spec.src], STORAGE[spec.dst]
-    vs, vd, vm = f"<{L} x {st}>", f"<{L} x {dt}>", f"<{L} x i1>"
+def _strip_loop(ir: IRBuilder, L: int, step) -> None:
+    """for i in 0, L, 2L, ... < n: step(ir, "%i", None) on whole groups of L elements, then
+    step(ir, "%i", mask) once on the last 1..L-1 (mask: <L x i1>, lanes below n - i)."""
     lane_ids = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
-    ir = IRBuilder()
-    ir.label("entry")
-    ir(f"%s0 = getelementptr {st}, ptr %src, i64 %soff")
-    ir(f"%d0 = getelementptr {dt}, ptr %dst, i64 %doff")
     ir("br label %head")
     ir.label("head")
     ir("%i = phi i64 [ 0, %entry ], [ %inext, %body ]")
@@ -237,11 +231,7 @@ def cvt_ir(spec: CvtSpec, vector_bits: int) -> str:
     ir("%whole = icmp sle i64 %inext, %n")
     ir("br i1 %whole, label %body, label %tail")
     ir.label("body")
-    ir(f"%sp = getelementptr {st}, ptr %s0, i64 %i")
-    ir(f"%x = load {vs}, ptr %sp, align 2")
-    y = convert(ir, spec, "%x", L)
-    ir(f"%dp = getelementptr {dt}, ptr %d0, i64 %i")
-    ir(f"store {vd} {y}, ptr %dp, align 2")
+    step(ir, "%i", None)
     ir("br label %head")
     ir.label("tail")
     ir("%rest = sub i64 %n, %i")
@@ -251,15 +241,94 @@ def cvt_ir(spec: CvtSpec, vector_bits: int) -> str:
     ir(f"%restv0 = insertelement <{L} x i64> poison, i64 %rest, i64 0")
     ir(f"%restv = shufflevector <{L} x i64> %restv0, <{L} x i64> poison, <{L} x i32> zeroinitializer")
     ir(f"%m = icmp slt <{L} x i64> {lane_ids}, %restv")
-    ir(f"%lsp = getelementptr {st}, ptr %s0, i64 %i")
-    ir(f"%lx = call {vs} @llvm.masked.load.v{L}{st}.p0(ptr align 2 %lsp, {vm} %m, {vs} zeroinitializer)")
-    ly = convert(ir, spec, "%lx", L)
-    ir(f"%ldp = getelementptr {dt}, ptr %d0, i64 %i")
-    ir(f"call void @llvm.masked.store.v{L}{dt}.p0({vd} {ly}, ptr align 2 %ldp, {vm} %m)")
+    step(ir, "%i", "%m")
     ir("br label %done")
     ir.label("done")
     ir("ret i32 0")
-    head = f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, ptr noalias %dst, i64 %doff, i64 %n) #0 {{"
-    decls = [f"declare {vs} @llvm.masked.load.v{L}{st}.p0(ptr, {vm}, {vs})",
-             f"declare void @llvm.masked.store.v{L}{dt}.p0({vd}, ptr, {vm})"]
+
+
+def _load_lanes(ir: IRBuilder, base: str, index: str, elem: str, L: int, mask) -> str:
+    """<L x elem> from base[index ...] (masked, zeros elsewhere, when mask is given)."""
+    p = _op(ir, f"getelementptr {elem}, ptr {base}, i64 {index}", "sp")
+    if mask is None:
+        return _op(ir, f"load <{L} x {elem}>, ptr {p}, align 2")
+    return _op(ir, f"call <{L} x {elem}> @llvm.masked.load.v{L}{elem}.p0(ptr align 2 {p}, <{L} x i1> {mask}, "
+                   f"<{L} x {elem}> zeroinitializer)")
+
+
+def _store_lanes(ir: IRBuilder, value: str, base: str, index: str, elem: str, L: int, mask) -> None:
+    p = _op(ir, f"getelementptr {elem}, ptr {base}, i64 {index}", "dp")
+    if mask is None:
+        ir(f"store <{L} x {elem}> {value}, ptr {p}, align 2")
+    else:
+        ir(f"call void @llvm.masked.store.v{L}{elem}.p0(<{L} x {elem}> {value}, ptr align 2 {p}, <{L} x i1> {mask})")
+
+
+def _masked_decls(*typed_lanes) -> list:
+    return [decl for elem, L in typed_lanes for decl in (
+        f"declare <{L} x {elem}> @llvm.masked.load.v{L}{elem}.p0(ptr, <{L} x i1>, <{L} x {elem}>)",
+        f"declare void @llvm.masked.store.v{L}{elem}.p0(<{L} x {elem}>, ptr, <{L} x i1>)")]
+
+
+def _kernel_module(head: str, ir: IRBuilder, decls: list) -> str:
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+def cvt_ir(spec: CvtSpec, vector_bits: int) -> str:
+    """The conversion micro-kernel's module (see CvtSpec and the module docstring)."""
+    L = min(lanes_for(vector_bits), 16)
+    st, dt = STORAGE[spec.src], STORAGE[spec.dst]
+    ir = IRBuilder()
+    ir.label("entry")
+    ir(f"%s0 = getelementptr {st}, ptr %src, i64 %soff")
+    ir(f"%d0 = getelementptr {dt}, ptr %dst, i64 %doff")
+
+    def step(ir, i, mask):
+        y = convert(ir, spec, _load_lanes(ir, "%s0", i, st, L, mask), L)
+        _store_lanes(ir, y, "%d0", i, dt, L, mask)
+    _strip_loop(ir, L, step)
+    head = f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, ptr noalias %dst, i64 %doff, i64 %n) #0 {{"
+    return _kernel_module(head, ir, _masked_decls((st, L), (dt, L)))
+
+
+@dataclass(frozen=True)
+class PairCvtSpec(Declared):
+    """Two float32 rows into one row of bf16 pairs, the VNNI layout ukernel_lowp's B is read in
+    (k = 2kp, 2kp + 1 -> row kp), at run time (B made of activations):
+
+        dst[doff + 2j + h] = bf16(src[soff + h*sstride + j])     j < n, h in {0, 1}
+
+    Signature: i32 name(ptr src, i64 soff, i64 sstride, ptr dst, i64 doff, i64 n)."""
+    method: str = "exact"   # as CvtSpec's float32 -> bf16
+    kind: str = "cvtpairs"
+    _ARGS: ClassVar[str] = "piipii"
+
+    def _stem(self) -> str:
+        return f"cuvil_cvtpairs_bf16_{self.method}"
+
+    def declaration(self, var: str) -> str:
+        return typed_declaration(self, var, {3: "uint16"})
+
+
+def pair_cvt_ir(spec: PairCvtSpec, vector_bits: int) -> str:
+    """See PairCvtSpec: each group of L columns of both rows converted, then interleaved by a shuffle."""
+    L = min(lanes_for(vector_bits), 16)
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("%s0 = getelementptr i32, ptr %src, i64 %soff")
+    ir("%s1 = getelementptr i32, ptr %s0, i64 %sstride")
+    ir("%d0 = getelementptr i16, ptr %dst, i64 %doff")
+    interleave = "<" + ", ".join(f"i32 {j // 2 + (j % 2) * L}" for j in range(2 * L)) + ">"
+    doubled = "<" + ", ".join(f"i32 {j // 2}" for j in range(2 * L)) + ">"
+
+    def step(ir, i, mask):
+        even, odd = (f32_to_bf16(ir, _load_lanes(ir, row, i, "i32", L, mask), L, spec.method) for row in ("%s0", "%s1"))
+        pairs = _op(ir, f"shufflevector <{L} x i16> {even}, <{L} x i16> {odd}, <{2 * L} x i32> {interleave}")
+        pair_mask = None if mask is None else _op(
+            ir, f"shufflevector <{L} x i1> {mask}, <{L} x i1> poison, <{2 * L} x i32> {doubled}")
+        at = _op(ir, f"shl i64 {i}, 1")
+        _store_lanes(ir, pairs, "%d0", at, "i16", 2 * L, pair_mask)
+    _strip_loop(ir, L, step)
+    head = (f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, i64 %sstride, ptr noalias %dst, i64 %doff, "
+            f"i64 %n) #0 {{")
+    return _kernel_module(head, ir, _masked_decls(("i32", L), ("i16", 2 * L)))

@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .lowp import CvtSpec, column_masks, cvt_ir, typed_declaration
+from .lowp import CvtSpec, PairCvtSpec, column_masks, cvt_ir, pair_cvt_ir, typed_declaration
 from .lowp_targets import has_feature
 from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, IRBuilder,
                       close_k_loop, function_module, lanes_for, open_k_loop, row_epilogue)
@@ -336,9 +336,10 @@ def method_for(dtype: str, target) -> str | None:
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
     (ukernel_lowp_ir dispatches their IR)."""
-    return {"lowp": lambda d: LowpUKSpec(**d), "cvt": lambda d: CvtSpec(**d)}
+    return {"lowp": lambda d: LowpUKSpec(**d), "cvt": lambda d: CvtSpec(**d), "cvtpairs": lambda d: PairCvtSpec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
-    """The IR of a LowpUKSpec or CvtSpec (what ukernel.ukernel_ir would call for these kinds)."""
-    return cvt_ir(spec, vector_bits) if spec.kind == "cvt" else lowp_ukernel_ir(spec, vector_bits)
+    """The IR of a LowpUKSpec, CvtSpec or PairCvtSpec (what ukernel.ukernel_ir would call for these kinds)."""
+    generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir}.get(spec.kind, lowp_ukernel_ir)
+    return generate(spec, vector_bits)

@@ -486,3 +486,51 @@ def kernel(x, w, a16, y, begin, end):
     x64, w64 = (v.astype(ml_dtypes.bfloat16).astype(np.float64) for v in (x, w))
     assert (a16 == bf16_bits(x).ravel()).all()
     assert_within_bound(y.astype(np.float64), x64 @ w64, gamma(K + 1) * (np.abs(x64) @ np.abs(w64)))
+
+
+@pytest.mark.parametrize("dtype,method,cpu", [("bf16", "dpbf16", BF16), ("bf16", "widen", "haswell"),
+                                              ("bf16", "widen", "x86-64"), ("f16", "f16c", BF16)])
+def test_lowp_microkernel_conv_taps(dtype, method, cpu):
+    """A 3x3 conv's taps over a padded input (as UKSpec's taps): bf16 activations with channel pairs
+    interleaved, 5 channels (the sixth a zero pad), C (+)= sum_{c, t} W(i, c, t) X(c, off[t] + j)."""
+    rng = np.random.default_rng(7)
+    mr, C, Wp, valid = 4, 5, 40, 29
+    lanes = 16 if method == "dpbf16" else CPUS[cpu] // 32
+    nr = -(-32 // lanes) * lanes
+    taps = tuple(dy * Wp + dx for dy in range(3) for dx in range(3))
+    T, P, plane = len(taps), mr + 2, 3 * Wp + nr
+    to_bits, to_value = (bf16_bits, ml_dtypes.bfloat16) if dtype == "bf16" else (f16_bits, np.float16)
+    x16 = to_bits(rng.standard_normal((C, plane)).astype(np.float32))
+    w16 = to_bits(rng.standard_normal((mr, C, T)).astype(np.float32))
+    x64, w64 = x16.view(to_value).astype(np.float64), w16.view(to_value).astype(np.float64)
+    if dtype == "bf16":
+        C2 = -(-C // 2)
+        xp = np.zeros((2 * C2, plane), np.uint16)
+        xp[:C] = x16
+        b = np.ascontiguousarray(xp.reshape(C2, 2, plane).transpose(0, 2, 1)).ravel()     # (C/2, plane, 2)
+        wp = np.zeros((P, 2 * C2, T), np.uint16)
+        wp[:mr, :C] = w16
+        a = np.ascontiguousarray(wp.reshape(P, C2, 2, T).transpose(1, 3, 0, 2)).ravel()  # [cp, t, i, h]
+        kc, ldb, k_steps = C2, 2 * plane, 2 * C2 * T
+    else:
+        b = x16.ravel()
+        wp = np.zeros((P, C, T), np.uint16)
+        wp[:mr] = w16
+        a = np.ascontiguousarray(wp.transpose(1, 2, 0)).ravel()                          # [c, t, i]
+        kc, ldb, k_steps = C, plane, C * T
+    spec = LowpUKSpec(mr=mr, nr=nr, dtype=dtype, method=method, a_packed=1, a_panel=P, taps=taps, bias=1,
+                      act="Relu")
+    jit = jit_for(cpu)
+    jit.add(lowp_ukernel_ir(spec, CPUS[cpu]))
+    fn = jit.function(spec.name, ctypes.c_int32, *([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3,
+                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    c = rng.standard_normal((mr, nr)).astype(np.float32)
+    c0 = c.astype(np.float64)
+    bias = rng.standard_normal(mr).astype(np.float32)
+    fn(a.ctypes.data, 0, 0, b.ctypes.data, 0, ldb, c.ctypes.data, 0, nr, kc, (1 << valid) - 1, 3,
+       bias.ctypes.data, 0)
+    windows = np.stack([x64[:, off:off + valid] for off in taps], axis=1)             # (C, T, valid)
+    exact = c0[:, :valid] + np.einsum("ict,ctj->ij", w64, windows) + bias[:, None]
+    magnitude = np.abs(c0[:, :valid]) + np.einsum("ict,ctj->ij", np.abs(w64), np.abs(windows)) + np.abs(bias[:, None])
+    assert_within_bound(c[:, :valid].astype(np.float64), np.maximum(exact, 0), error_bound(spec, k_steps, magnitude))
+    assert (c[:, valid:] == c0[:, valid:]).all()

@@ -17,6 +17,12 @@ a zero row of B) and `kc` counts pairs. Units of offsets and strides are 16-bit 
   "widen" (any target): the pair split into two float32 vectors (bf16 -> f32 is a 16-bit shift:
   `word << 16` is the even element, `word & 0xffff0000` the odd one) and two `llvm.fma`.
   "amx" (AMX-BF16): see amx_ir; A in rows, kc a multiple of 16, mr and nr 16 or 32.
+Taps (a conv over a padded input, as UKSpec's; methods dpbf16, widen, f16c; A packed): the k loop
+runs over channels (bf16: channel pairs cp) and each has T taps with compile-time offsets off[t]:
+bf16 reads B(channels 2cp + h, pixel off[t] + j) at b[boff + cp*ldb + 2 off[t] + 2j + h] (the
+activations stored with channel pairs interleaved: (C/2, H, W, 2), see lowp.PairCvtSpec) and
+A(i, 2cp + h, t) at a[aoff + (cp*T + t)*2P + 2i + h]; float16 reads b[boff + c*ldb + off[t] + j]
+and a[aoff + (c*T + t)*P + i].
 float16 (methods "f16c", "fp16") works on single k, as UKSpec: A packed a[aoff + k*P + i] or rows
 a[aoff + i*lda + k]; B rows b[boff + k*ldb + j]; `kc` counts k.
 - "f16c" (F16C): each B row vector and A scalar widened (`vcvtph2ps`), float32 `llvm.fma`.
@@ -47,7 +53,7 @@ from typing import ClassVar
 from .lowp import CvtSpec, PairCvtSpec, column_masks, cvt_ir, pair_cvt_ir, typed_declaration
 from .lowp_targets import has_feature
 from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, IRBuilder,
-                      close_k_loop, function_module, lanes_for, open_k_loop, row_epilogue)
+                      close_k_loop, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
 from .ukernel_amx import amx_ir
 
 
@@ -63,6 +69,7 @@ class LowpUKSpec(Declared):
     method: str = "widen"   # see METHODS / the module docstring; FEATURES says what the target needs
     a_packed: int = 1       # 1: packed panel of P = a_panel rows; 0: rows with stride lda
     a_panel: int = 0
+    taps: tuple = ()        # () rows of B; else compile-time tap offsets (pixels) of a conv, the k loop over channels
     bias: int = 0           # as UKSpec: with the epilogue bit, row i gets bias[biasoff + i] (float32)
     act: str = ""           # "" | "Relu" | "Clip" (act_lo, act_hi)
     act_lo: float = 0.0
@@ -75,6 +82,7 @@ class LowpUKSpec(Declared):
         assert self.method in METHODS[self.dtype], (self.dtype, self.method)
         assert self.a_packed == 0 or self.a_panel >= self.mr, "a packed panel holds at least mr rows"
         assert self.method != "amx" or (self.mr in (16, 32) and self.nr in (16, 32) and not self.a_packed)
+        assert not self.taps or (self.a_packed and self.method not in ("amx", "fp16")), "taps: packed A, not amx/fp16"
 
     def _stem(self) -> str:
         return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}"
@@ -141,7 +149,14 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         ir(f"br label %loop{ci}")
         kv, accs = open_k_loop(ir, ci, init, vt, f"%loop{ci}")
         cur = dict(accs)
-        step(ir, spec, kv, vecs, L, abase, arow, cur)
+        brow = _b_row(ir, kv) if spec.method != "fp16" else None
+        per_k = 2 if spec.k_pairs else 1
+        for t, off in enumerate(spec.taps or (0,)):
+            ka = kv
+            if spec.taps:   # A's k index: channel (pair) kv, tap t
+                ka = ir.tmp("ka")
+                ir(f"{ka} = add i64 {ir_mul(ir, kv, len(spec.taps))}, {t}")
+            step(ir, spec, ka, brow, per_k * off, vecs, L, abase, arow, cur)
         final = close_k_loop(ir, ci, kv, accs, cur, rename)
         if spec.bias or spec.act:
             final = row_epilogue(ir, spec, final, vt, L)
@@ -228,14 +243,12 @@ def _fma(ir: IRBuilder, L: int, a: str, b: str, acc: str) -> str:
     return out
 
 
-def _step_dpbf16(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
-    """One k pair: vdpbf16ps of each row's broadcast pair word with each B vector."""
-    brow = _b_row(ir, kv)
-    bvec = {}
-    for v in vecs:
-        bvec[v] = _load(ir, brow, 2 * v * L, "<32 x bfloat>")
+def _step_dpbf16(ir: IRBuilder, spec: LowpUKSpec, ka: str, brow: str, tap: int, vecs, L: int, abase: str, arow: dict,
+                 cur: dict) -> None:
+    """One k pair (one tap): vdpbf16ps of each row's broadcast pair word with each B vector."""
+    bvec = {v: _load(ir, brow, tap + 2 * v * L, "<32 x bfloat>") for v in vecs}
     for i in range(spec.mr):
-        word = _splat(ir, _a_address(ir, spec, kv, i, abase, arow), "i32", 16)
+        word = _splat(ir, _a_address(ir, spec, ka, i, abase, arow), "i32", 16)
         pair = ir.tmp("ab")
         ir(f"{pair} = bitcast <16 x i32> {word} to <32 x bfloat>")
         for v in vecs:
@@ -260,41 +273,43 @@ def _split_pairs(ir: IRBuilder, words: str, L: int) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def _step_widen(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
-    """One k pair: B's pairs and each row's A pair split into float32 (shifts), two FMAs."""
-    brow = _b_row(ir, kv)
-    bpair = {v: _split_pairs(ir, _load(ir, brow, 2 * v * L, f"<{L} x i32>"), L) for v in vecs}
+def _step_widen(ir: IRBuilder, spec: LowpUKSpec, ka: str, brow: str, tap: int, vecs, L: int, abase: str, arow: dict,
+                cur: dict) -> None:
+    """One k pair (one tap): B's pairs and each row's A pair split into float32 (shifts), two FMAs."""
+    bpair = {v: _split_pairs(ir, _load(ir, brow, tap + 2 * v * L, f"<{L} x i32>"), L) for v in vecs}
     for i in range(spec.mr):
-        a_even, a_odd = _split_pairs(ir, _splat(ir, _a_address(ir, spec, kv, i, abase, arow), "i32", L), L)
+        a_even, a_odd = _split_pairs(ir, _splat(ir, _a_address(ir, spec, ka, i, abase, arow), "i32", L), L)
         for v in vecs:
             cur[i, v] = _fma(ir, L, a_odd, bpair[v][1], _fma(ir, L, a_even, bpair[v][0], cur[i, v]))
 
 
-def _step_f16c(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
-    """One k: B's row widened by vcvtph2ps, each row's A widened and broadcast, FMAs."""
-    brow = _b_row(ir, kv)
+def _step_f16c(ir: IRBuilder, spec: LowpUKSpec, ka: str, brow: str, tap: int, vecs, L: int, abase: str, arow: dict,
+               cur: dict) -> None:
+    """One k (one tap): B's row widened by vcvtph2ps, each row's A widened and broadcast, FMAs."""
     bvec = {}
     for v in vecs:
-        h = _load(ir, brow, v * L, f"<{L} x half>")
+        h = _load(ir, brow, tap + v * L, f"<{L} x half>")
         bvec[v] = ir.tmp("bw")
         ir(f"{bvec[v]} = fpext <{L} x half> {h} to <{L} x float>")
     for i in range(spec.mr):
         # broadcast, then widen: vpbroadcastw + vcvtph2ps (a scalar widening then vbroadcastss is one more)
-        halves = _splat(ir, _a_address(ir, spec, kv, i, abase, arow), "half", L)
+        halves = _splat(ir, _a_address(ir, spec, ka, i, abase, arow), "half", L)
         splat = ir.tmp("af")
         ir(f"{splat} = fpext <{L} x half> {halves} to <{L} x float>")
         for v in vecs:
             cur[i, v] = _fma(ir, L, splat, bvec[v], cur[i, v])
 
 
-def _step_fp16(ir: IRBuilder, spec: LowpUKSpec, kv: str, vecs, L: int, abase: str, arow: dict, cur: dict) -> None:
-    """fp16_chunk k (the loop index counts chunks): float16 FMAs on 32 columns a vector, then the
-    partial sums widened to float32 and added. vecs index 16-column float32 accumulators."""
+def _step_fp16(ir: IRBuilder, spec: LowpUKSpec, ka: str, brow: str, tap: int, vecs, L: int, abase: str, arow: dict,
+               cur: dict) -> None:
+    """fp16_chunk k (the loop index ka counts chunks; no taps, brow unused): float16 FMAs on 32 columns
+    a vector, then the partial sums widened to float32 and added. vecs index 16-column float32
+    accumulators."""
     halves = sorted({v // 2 for v in vecs})
     partial = {(i, h): "zeroinitializer" for i in range(spec.mr) for h in halves}
     for step in range(spec.fp16_chunk):
         k = ir.tmp("k")
-        ir(f"{k} = mul i64 {kv}, {spec.fp16_chunk}")
+        ir(f"{k} = mul i64 {ka}, {spec.fp16_chunk}")
         kk = ir.tmp("k")
         ir(f"{kk} = add i64 {k}, {step}")
         brow = _b_row(ir, kk)
@@ -336,7 +351,7 @@ def method_for(dtype: str, target) -> str | None:
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
     (ukernel_lowp_ir dispatches their IR)."""
-    return {"lowp": lambda d: LowpUKSpec(**d), "cvt": lambda d: CvtSpec(**d), "cvtpairs": lambda d: PairCvtSpec(**d)}
+    return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d), "cvtpairs": lambda d: PairCvtSpec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:

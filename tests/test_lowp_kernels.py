@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from backends.numba_cpu.hostjit import HostJit
-from backends.numba_cpu.lowp import CvtSpec, PairCvtSpec, cvt_ir, pair_cvt_ir
+from backends.numba_cpu.lowp import CvtSpec, PairCvtSpec, cvt_ir
 
 BF16 = "host-avx512bf16"   # the path of code for this machine's CPU (which needs AVX512-BF16 and F16C)
 # vector bits of each path's code: haswell has F16C, x86-64 neither.
@@ -40,6 +40,7 @@ def cpu_for(path: str) -> tuple[str, str]:
     if "avx512bf16" not in HOST_FEATURES:
         pytest.skip(f"{HOST_CPU} has no AVX512-BF16")
     return HOST_CPU, ",".join(f"+{f}" for f in sorted(HOST_FEATURES))
+
 
 _jits = {}
 
@@ -66,16 +67,18 @@ def jit_for(cpu: str) -> HostJit:
     return _jits[cpu]
 
 
+def kernel(spec, cpu: str):
+    """spec's kernel (LowpUKSpec, CvtSpec, PairCvtSpec) compiled for a path, callable through ctypes."""
+    from backends.numba_cpu.ukernel_lowp import ukernel_lowp_ir
+    jit = jit_for(cpu)
+    if not jit.has(spec.name):
+        jit.add(ukernel_lowp_ir(spec, CPUS[cpu]))
+    return jit.function(spec.name, ctypes.c_int32, *(ctypes.c_void_p if c == "p" else ctypes.c_int64 for c in spec._ARGS))
+
+
 def run_conversion(spec: CvtSpec, cpu: str, src: np.ndarray, soff: int = 0) -> np.ndarray:
     """dst (uint16 or uint32 bits) of the conversion kernel over src[soff:], one guard element past the end."""
-    jit = jit_for(cpu)
-    try:
-        fn = jit.function(spec.name, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                          ctypes.c_int64, ctypes.c_int64)
-    except AssertionError:
-        jit.add(cvt_ir(spec, CPUS[cpu]))
-        fn = jit.function(spec.name, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                          ctypes.c_int64, ctypes.c_int64)
+    fn = kernel(spec, cpu)
     n = len(src) - soff
     guard = 0xABCD
     dst = np.full(n + 3, guard, np.uint32 if spec.dst == "f32" else np.uint16)
@@ -180,15 +183,8 @@ def test_widening_to_f32_bit_exact_for_all_inputs(fmt, method, cpu):
 def test_pair_rows_conversion_is_the_vnni_packing(cpu, n):
     """Two float32 rows (k = 2kp, 2kp + 1) into one row of bf16 pairs: the bits pack_b_pairs gives."""
     from backends.numba_cpu.lowp_pack import pack_b_pairs
-    jit = jit_for(cpu)
     spec = PairCvtSpec("hw" if cpu == BF16 else "exact")
-    try:
-        fn = jit.function(spec.name, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                          ctypes.c_int64, ctypes.c_int64)
-    except AssertionError:
-        jit.add(pair_cvt_ir(spec, CPUS[cpu]))
-        fn = jit.function(spec.name, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                          ctypes.c_int64, ctypes.c_int64)
+    fn = kernel(spec, cpu)
     stride = n + 5
     rows = np.random.default_rng(n).standard_normal(1 + 2 * stride).astype(np.float32)
     rows[1:1 + min(n, len(F32_SPECIALS))] = F32_SPECIALS[:n].view(np.float32)
@@ -293,14 +289,7 @@ def run_tile(spec: LowpUKSpec, cpu: str, K: int, valid: int, loadc: int, seed: i
     c_buf = rng.standard_normal(coff + mr * ldc + 8).astype(np.float32)
     c0 = c_buf.copy()
     bias = rng.standard_normal(mr + biasoff).astype(np.float32)
-    jit = jit_for(cpu)
-    try:
-        fn = jit.function(spec.name, ctypes.c_int32, *([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3,
-                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
-    except AssertionError:
-        jit.add(lowp_ukernel_ir(spec, CPUS[cpu]))
-        fn = jit.function(spec.name, ctypes.c_int32, *([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3,
-                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    fn = kernel(spec, cpu)
     mask = (1 << valid) - 1 if valid < 64 else -1
     fn(a_buf.ctypes.data, aoff, lda, b_buf.ctypes.data, boff, ldb, c_buf.ctypes.data, coff, ldc, kc, mask, loadc,
        bias.ctypes.data, biasoff)
@@ -529,10 +518,7 @@ def test_lowp_microkernel_conv_taps(dtype, method, cpu):
         kc, ldb, k_steps = C, plane, C * T
     spec = LowpUKSpec(mr=mr, nr=nr, dtype=dtype, method=method, a_packed=1, a_panel=P, taps=taps, bias=1,
                       act="Relu")
-    jit = jit_for(cpu)
-    jit.add(lowp_ukernel_ir(spec, CPUS[cpu]))
-    fn = jit.function(spec.name, ctypes.c_int32, *([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3,
-                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    fn = kernel(spec, cpu)
     c = rng.standard_normal((mr, nr)).astype(np.float32)
     c0 = c.astype(np.float64)
     bias = rng.standard_normal(mr).astype(np.float32)

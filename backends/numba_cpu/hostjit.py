@@ -46,6 +46,9 @@ class HostJit:
         self.engine.finalize_object()
         self.modules.append(module)
 
+    def has(self, name: str) -> bool:
+        return bool(self.engine.get_function_address(name))
+
     def function(self, name: str, restype, *argtypes):
         address = self.engine.get_function_address(name)
         assert address, f"no function {name} in the JIT"

@@ -529,3 +529,15 @@ def test_lowp_microkernel_conv_taps(dtype, method, cpu):
     magnitude = np.abs(c0[:, :valid]) + np.einsum("ict,ctj->ij", np.abs(w64), np.abs(windows)) + np.abs(bias[:, None])
     assert_within_bound(c[:, :valid].astype(np.float64), np.maximum(exact, 0), error_bound(spec, k_steps, magnitude))
     assert (c[:, valid:] == c0[:, valid:]).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,method,cpu", RUNNABLE)
+def test_lowp_microkernel_every_tile_shape(dtype, method, cpu):
+    """Every mr 1..12 with every nr the lanes allow (the accumulator chunking differs for each), K = 4096."""
+    lanes = 16 if method == "dpbf16" else CPUS[cpu] // 32
+    for mr in range(1, 13):
+        for nr in range(lanes, 65, lanes):
+            spec = LowpUKSpec(mr=mr, nr=nr, dtype=dtype, method=method, a_packed=mr % 2, a_panel=mr if mr % 2 else 0)
+            got, ref, bound = run_tile(spec, cpu, 4096 if mr == 6 else 65, nr - 1, 1, seed=mr * 100 + nr)
+            assert_within_bound(got, ref, bound)

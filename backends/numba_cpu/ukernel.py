@@ -49,7 +49,7 @@ LOADC_ACCUMULATE = 1   # loadc bit: the tile starts from C (else from zero)
 LOADC_EPILOGUE = 2     # loadc bit: add the bias and apply the activation before storing (the last pass)
 
 
-class _Declared:
+class Declared:
     """Name, spec comment and Numba declaration of a micro-kernel spec (a frozen dataclass): the name
     is `_stem()` plus a hash of the fields; `_ARGS` is the signature after the i32 result, "p" a
     float pointer and "i" an i64."""
@@ -74,7 +74,7 @@ class _Declared:
 
 
 @dataclass(frozen=True)
-class UKSpec(_Declared):
+class UKSpec(Declared):
     mr: int                 # rows of the tile
     nr: int                 # columns of the tile (floats, multiple of 16, <= 64)
     a_packed: int           # 1: a[aoff + k*P + i] with P = a_panel; 0: a[aoff + i*lda + k]
@@ -98,7 +98,7 @@ class UKSpec(_Declared):
 
 
 @dataclass(frozen=True)
-class GatherSpec(_Declared):
+class GatherSpec(Declared):
     """A strided row copy, dst[doff + j] = src[soff + j * stride] for j < n (the phase images of
     a strided conv). Numba's loop for it stays scalar (LLVM does not vectorise the strided
     loads); here each group of lanes is one wide load and a lane shuffle.
@@ -113,7 +113,7 @@ class GatherSpec(_Declared):
 
 
 @dataclass(frozen=True)
-class DwRowSpec(_Declared):
+class DwRowSpec(Declared):
     """One output row of one channel of a depthwise conv with the same stride s (1 or 2) along both axes:
 
         y[yoff + ow] = act(bias + sum_{kh, kw} w[woff + kh*KW + kw] * x[xoff + (r0 + kh)*W + s*ow + kw - p_l])
@@ -146,7 +146,7 @@ class DwRowSpec(_Declared):
 
 
 @dataclass(frozen=True)
-class TSpec(_Declared):
+class TSpec(Declared):
     """A transposed micro-kernel: output channels in the vector lanes, output positions broadcast,
     for convolutions whose planes are too small to fill vectors of positions (7x7):
 
@@ -183,7 +183,7 @@ class TSpec(_Declared):
 
 
 @dataclass(frozen=True)
-class SyncSpec(_Declared):
+class SyncSpec(Declared):
     """An atomic operation on a 32-bit counter, for kernels whose work items cooperate (the halves
     of a recurrent step, see rnn.py): the counter is word `off` of a float32 buffer.
 
@@ -230,7 +230,7 @@ def lanes_for(vector_bits: int) -> int:
     return max(4, vector_bits // 32)
 
 
-class _IR:
+class IRBuilder:
     def __init__(self):
         self.lines, self.n = [], 0
 
@@ -245,7 +245,7 @@ class _IR:
         self.lines.append(f"{name}:")
 
 
-def _open_k_loop(ir: _IR, ci: int, init: dict, vt: str, latch: str) -> tuple[str, dict]:
+def open_k_loop(ir: IRBuilder, ci: int, init: dict, vt: str, latch: str) -> tuple[str, dict]:
     """The K loop's header block of column chunk ci: k and the accumulators as phis (from `init`
     on entry, from the loop's last block `latch` on the back edge)."""
     ir.label(f"loop{ci}")
@@ -257,7 +257,7 @@ def _open_k_loop(ir: _IR, ci: int, init: dict, vt: str, latch: str) -> tuple[str
     return kv, accs
 
 
-def _fma_broadcast(ir: _IR, ptr: str, vt: str, L: int, row: int, vecs, bvec: dict, cur: dict) -> None:
+def _fma_broadcast(ir: IRBuilder, ptr: str, vt: str, L: int, row: int, vecs, bvec: dict, cur: dict) -> None:
     """cur[row, v] += (the float at ptr, broadcast) * bvec[v] for every v in vecs."""
     s = ir.tmp("a")
     ir(f"{s} = load float, ptr {ptr}, align 4")
@@ -268,7 +268,7 @@ def _fma_broadcast(ir: _IR, ptr: str, vt: str, L: int, row: int, vecs, bvec: dic
         cur[row, v] = out
 
 
-def _close_k_loop(ir: _IR, ci: int, kv: str, accs: dict, cur: dict, rename: dict) -> dict:
+def close_k_loop(ir: IRBuilder, ci: int, kv: str, accs: dict, cur: dict, rename: dict) -> dict:
     """The back edge of chunk ci's K loop; returns the accumulators' names after the loop (block st<ci>)."""
     for key in accs:
         rename[f"%accn{ci}_{key[0]}_{key[1]}"] = cur[key]
@@ -279,7 +279,7 @@ def _close_k_loop(ir: _IR, ci: int, kv: str, accs: dict, cur: dict, rename: dict
     return {key: f"%accn{ci}_{key[0]}_{key[1]}" for key in accs}
 
 
-def _module(head: str, ir: _IR, rename: dict, decls: list) -> str:
+def function_module(head: str, ir: IRBuilder, rename: dict, decls: list) -> str:
     """The function (its body with the loop-carried names resolved) and its declarations."""
     body = "\n".join(ir.lines)
     for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
@@ -305,7 +305,7 @@ def ukernel_ir(spec, vector_bits: int) -> str:
     # Column chunks: vectors per chunk so that mr * chunk <= the accumulator budget.
     per_chunk = max(1, min(V, MAX_ACC[L] // max(1, spec.mr)))
     chunks = [list(range(v0, min(V, v0 + per_chunk))) for v0 in range(0, V, per_chunk)]
-    ir = _IR()
+    ir = IRBuilder()
     T = len(spec.taps)
     P = spec.a_panel
     need_mask = True
@@ -439,7 +439,7 @@ def ukernel_ir(spec, vector_bits: int) -> str:
             init[key] = ph
         ir(f"br label %loop{ci}")
         # The K loop (over k, or over channels with T taps each).
-        kv, accs = _open_k_loop(ir, ci, init, vt, f"%loop{ci}")
+        kv, accs = open_k_loop(ir, ci, init, vt, f"%loop{ci}")
         cur = dict(accs)
         steps = [(t, spec.taps[t]) for t in range(T)] if T else [(0, None)]
         # B row base for this k (or channel).
@@ -474,9 +474,9 @@ def ukernel_ir(spec, vector_bits: int) -> str:
                     p = ir.tmp("ap")
                     ir(f"{p} = getelementptr float, ptr {arow[i]}, i64 {kk}")
                 _fma_broadcast(ir, p, vt, L, i, vecs, bvec, cur)
-        final = _close_k_loop(ir, ci, kv, accs, cur, rename)
+        final = close_k_loop(ir, ci, kv, accs, cur, rename)
         if epilogue:
-            final = _epilogue(ir, spec, final, vt, L)
+            final = row_epilogue(ir, spec, final, vt, L)
         ir(f"br i1 {full}, label %stf{ci}, label %stm{ci}")
         nxt = f"chunk{ci + 1}" if ci + 1 < len(chunks) else "done"
         for kind in ("f", "m"):
@@ -514,7 +514,7 @@ def ukernel_ir(spec, vector_bits: int) -> str:
         f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
         f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
     ]
-    return _module(head, ir, rename, decls)
+    return function_module(head, ir, rename, decls)
 
 
 def gather_ir(spec: GatherSpec, vector_bits: int) -> str:
@@ -662,7 +662,7 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
     chunks = [list(range(v0, min(V, v0 + per_chunk))) for v0 in range(0, V, per_chunk)]
     taps = spec.taps or (0,)
     T = len(taps)
-    ir = _IR()
+    ir = IRBuilder()
     ir.label("entry")
     for bit, name in ((LOADC_ACCUMULATE, "acc"), (LOADC_EPILOGUE, "epi"), (TSTORE_OUTPUT, "out")):
         ir(f"%{name}w = and i64 %flags, {bit}")
@@ -705,7 +705,7 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
             ir(f"{ph} = phi {vt} [ {x}, %ld{ci} ], [ zeroinitializer, %chunk{ci} ]")
             init[key] = ph
         ir(f"br label %loop{ci}")
-        kv, accs = _open_k_loop(ir, ci, init, vt, f"%loop{ci}")
+        kv, accs = open_k_loop(ir, ci, init, vt, f"%loop{ci}")
         cur = dict(accs)
         arow = ir.tmp("ak")
         ir(f"{arow} = mul i64 {kv}, {spec.a_ks}")
@@ -736,7 +736,7 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
                 p = ir.tmp("ap")
                 ir(f"{p} = getelementptr float, ptr {ap}, i64 {off + i}")
                 _fma_broadcast(ir, p, vt, L, i, vecs, bvec, cur)
-        final = _close_k_loop(ir, ci, kv, accs, cur, rename)
+        final = close_k_loop(ir, ci, kv, accs, cur, rename)
         nxt = f"chunk{ci + 1}" if ci + 1 < len(chunks) else "done"
         ir(f"br i1 %out, label %so{ci}, label %ss{ci}")
         ir.label(f"ss{ci}")
@@ -767,10 +767,10 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
              f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
              "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
-    return _module(head, ir, rename, decls)
+    return function_module(head, ir, rename, decls)
 
 
-def _column_epilogue(ir: _IR, spec: TSpec, accs: dict, vecs: list, colmask: dict, vt: str, L: int) -> dict:
+def _column_epilogue(ir: IRBuilder, spec: TSpec, accs: dict, vecs: list, colmask: dict, vt: str, L: int) -> dict:
     """act(acc + bias[column]) for a TSpec tile, selected by the epilogue bit (%epi)."""
     bias = {}
     if spec.bias:
@@ -796,7 +796,7 @@ def _column_epilogue(ir: _IR, spec: TSpec, accs: dict, vecs: list, colmask: dict
     return out
 
 
-def _activation(ir: _IR, spec, x: str, vt: str, L: int) -> str:
+def _activation(ir: IRBuilder, spec, x: str, vt: str, L: int) -> str:
     """spec.act ("" | Relu | Clip within act_lo, act_hi) applied to vector x."""
     if spec.act == "Relu":
         y = ir.tmp("er")
@@ -806,7 +806,7 @@ def _activation(ir: _IR, spec, x: str, vt: str, L: int) -> str:
         for bound, fn in ((spec.act_lo, "maxnum"), (spec.act_hi, "minnum")):
             if abs(bound) != float("inf"):
                 y = ir.tmp("ec")
-                splat = "<" + ", ".join([f"float {_float_ir(bound)}"] * L) + ">"
+                splat = "<" + ", ".join([f"float {float_ir(bound)}"] * L) + ">"
                 ir(f"{y} = call {vt} @llvm.{fn}.v{L}f32({vt} {x}, {vt} {splat})")
                 x = y
         return x
@@ -821,7 +821,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
     vt, wt = f"<{L} x float>", f"<{W2} x float>"
     taps = spec.KH * spec.KW
     runs = (spec.KW + 1) // 2
-    ir = _IR()
+    ir = IRBuilder()
     ir.label("entry")
     ir("%xb = getelementptr float, ptr %x, i64 %xoff")
     ir("%wb = getelementptr float, ptr %w, i64 %woff")
@@ -924,7 +924,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
-def _broadcast(ir: _IR, scalar: str, vt: str, L: int) -> str:
+def _broadcast(ir: IRBuilder, scalar: str, vt: str, L: int) -> str:
     """A vector with every lane the float `scalar`."""
     ins = ir.tmp("ins")
     ir(f"{ins} = insertelement {vt} poison, float {scalar}, i64 0")
@@ -933,7 +933,7 @@ def _broadcast(ir: _IR, scalar: str, vt: str, L: int) -> str:
     return splat
 
 
-def _epilogue(ir: _IR, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
+def row_epilogue(ir: IRBuilder, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
     """act(acc + bias[row]) for every accumulator, selected by the epilogue bit (%epi)."""
     out = {}
     bias = {}
@@ -948,7 +948,7 @@ def _epilogue(ir: _IR, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
             bias[i] = _broadcast(ir, sc, vt, L)
 
     def splat(value: float) -> str:
-        return f"<{', '.join([f'float {_float_ir(value)}'] * L)}>"
+        return f"<{', '.join([f'float {float_ir(value)}'] * L)}>"
     for (i, v), acc in accs.items():
         x = acc
         if spec.bias:
@@ -976,7 +976,7 @@ def _epilogue(ir: _IR, spec: UKSpec, accs: dict, vt: str, L: int) -> dict:
     return out
 
 
-def _float_ir(value: float) -> str:
+def float_ir(value: float) -> str:
     """A float32 constant as LLVM IR writes it: the double with the same value, in hex."""
     as_f32 = struct.unpack("f", struct.pack("f", value))[0]
     return "0x" + struct.pack(">d", as_f32).hex().upper()
@@ -989,7 +989,7 @@ PREFETCH_A_BYTES = 2048   # packed A (weights, streamed from L3/DRAM): this far 
 PREFETCH_B_ROWS = 8       # B rows read in place (rows mode): this many k ahead
 
 
-def _prefetches(ir: _IR, spec: UKSpec, kv: str, arow: dict, brow: str, T: int, P: int) -> None:
+def _prefetches(ir: IRBuilder, spec: UKSpec, kv: str, arow: dict, brow: str, T: int, P: int) -> None:
     """Software prefetches in the K loop (first column chunk only): hardware prefetchers stop at
     4 KiB pages, and weights in a library's read-only data live in 4 KiB pages."""
     if spec.a_packed:
@@ -1013,15 +1013,10 @@ def _prefetches(ir: _IR, spec: UKSpec, kv: str, arow: dict, brow: str, T: int, P
             ir(f"call void @llvm.prefetch.p0(ptr {q}, i32 0, i32 3, i32 1)")
 
 
-def ir_mul(ir: _IR, var: str, factor: int) -> str:
+def ir_mul(ir: IRBuilder, var: str, factor: int) -> str:
     if factor == 1:
         return var
     t = ir.tmp("mul")
     ir(f"{t} = mul i64 {var}, {factor}")
     return t
 
-
-# The IR builders the other micro-kernel generators (ukernel_lowp.py, ukernel_amx.py, lowp.py) share.
-IRBuilder, Declared = _IR, _Declared
-open_k_loop, close_k_loop, function_module = _open_k_loop, _close_k_loop, _module
-row_epilogue, float_ir = _epilogue, _float_ir

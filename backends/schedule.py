@@ -80,6 +80,9 @@ class KernelCall:
     # to read (weights transformed for a kernel, which the library then need not store
     # transformed: see numba_cpu/winograd.py).
     once: bool = False
+    # The reduced precision the call computes in and how ("bf16 (dpbf16)": see numba_cpu/gemm.py
+    # lowp_product); "" for float32.
+    precision: str = ""
 
 
 @dataclass

@@ -10,8 +10,10 @@ after the other and repeated `--rounds` times:
   onnxruntime     `InferenceSession.run` with the same inputs and thread count
                   (intra_op_num_threads = threads, all graph optimisations);
   OpenVINO        when it is installed (`pip install openvino`, or the `bench`
-                  extra): its CPU plugin on the same ONNX model, float32
-                  inference, one stream of `threads` threads, latency mode.
+                  extra): its CPU plugin on the same ONNX model, inferring in
+                  the precision cuvil is built in (`--precision fp32,bf16,fp16`:
+                  one row each; onnxruntime always float32), one stream of
+                  `threads` threads, latency mode.
 
 A spinning thread pool of one engine would slow the other on a small
 machine, so they never run at the same time. Each process does a warm-up and
@@ -22,7 +24,7 @@ cuvil (Python) / onnxruntime: < 1 means cuvil is faster (the C figure shows
 the call overhead Python adds); vs ov = cuvil (Python) / OpenVINO. The rel
 err columns compare cuvil's and OpenVINO's first output with onnxruntime's.
 
-    python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--runs 50] [--rounds 5]
+    python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--precision fp32,bf16] [--runs 50] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -148,23 +150,24 @@ def check_outputs(library, shapes, ref) -> float:
     return rel_err(lib.run(sample_feeds(shapes))[lib.output_names[0]], ref)
 
 
-def build(name, model_path, shapes, threads, cache_dir, jobs):
+def build(name, model_path, shapes, threads, cache_dir, jobs, precision="fp32"):
     import cuvil
     t = time.perf_counter()
     compiled = cuvil.compile(str(model_path), input_shapes=shapes, threads=threads, cache_dir=cache_dir, jobs=jobs,
-                             name=name)
+                             name=name, precision=precision)
     return compiled, time.perf_counter() - t
 
 
-def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, openvino: bool = False):
+def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, openvino: bool = False,
+                precision: str = "fp32"):
     from cuvil import bench as ctime
     module, shapes = MODELS[name]()
     model = _zoo().export(module, shapes)
     model_path = workdir / f"{name}.onnx"
     model_path.write_bytes(model.SerializeToString())
     cache_dir = workdir / f"cache-{name}-{threads}" if cold else None
-    compiled, build_s = build(name, model_path, shapes, threads, cache_dir, jobs)
-    lib_dir = workdir / f"{name}-t{threads}"
+    compiled, build_s = build(name, model_path, shapes, threads, cache_dir, jobs, precision)
+    lib_dir = workdir / f"{name}-t{threads}-{precision}"
     compiled.save(lib_dir)
     library = lib_dir / compiled.artifacts.library.name
     ref = reference_output(model_path, shapes)
@@ -172,7 +175,7 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
     processes = {"c": [], "py": [], "ort": []}  # each engine: one list of call times per process
     if openvino:
         processes["ov"] = []
-    ov_output = workdir / f"{name}-t{threads}-openvino.npy"
+    ov_output = workdir / f"{name}-t{threads}-{precision}-openvino.npy"
     warm = max(3, runs // 10)
     for round_ in range(rounds):
         processes["c"].append(ctime.time_library(library, runs=runs, warmup=warm, info=compiled.info))
@@ -180,12 +183,12 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
         processes["ort"].append(ort_times(model_path, shapes, threads, runs, warm))
         if openvino:
             processes["ov"].append(openvino_times(model_path, shapes, threads, runs, warm,
-                                                  save_output=ov_output if round_ == 0 else None))
+                                                  save_output=ov_output if round_ == 0 else None, precision=precision))
     best = {k: ctime.best_process_median(v) for k, v in processes.items()}
     c, p, o = best["c"], best["py"], best["ort"]
     all_calls = lambda k: statistics.median([t for times in processes[k] for t in times])
     round_medians = {k: [round(statistics.median(times) * 1e3, 4) for times in v] for k, v in processes.items()}
-    result = {"model": name, "threads": threads, "cuvil_c_ms": c * 1e3, "cuvil_py_ms": p * 1e3, "ort_ms": o * 1e3,
+    result = {"model": name, "threads": threads, "precision": precision, "cuvil_c_ms": c * 1e3, "cuvil_py_ms": p * 1e3, "ort_ms": o * 1e3,
               "ratio": p / o, "ratio_c": c / o, "round_medians_ms": round_medians,
               "all_calls_median_ratio": all_calls("py") / all_calls("ort"),
               "rel_err": err, "build_s": build_s, "cold": cold,
@@ -209,6 +212,8 @@ def main(argv=None):
     parser.add_argument("--cold", action="store_true", help="build every model with an empty cache (cold build time)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--no-openvino", action="store_true", help="leave OpenVINO out even when it is installed")
+    parser.add_argument("--precision", default="fp32",
+                        help="cuvil's (and OpenVINO's) precisions, comma separated (fp32,bf16,fp16); onnxruntime: fp32")
     args = parser.parse_args(argv)
     ov_version = None if args.no_openvino else openvino_version()
     flags = set(cpu_flags())
@@ -216,18 +221,19 @@ def main(argv=None):
                        "amx_tile") if f in flags]
     print(f"# {cpu_name()} ({os.cpu_count()} cores; {' '.join(isa)}), onnxruntime {ort.__version__}, "
           + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}")
-    print(f"{'model':<14}{'thr':>4}{'cuvil C ms':>12}{'cuvil py ms':>13}{'ort ms':>10}{'ratio':>7}{'rel err':>9}"
+    print(f"{'model':<14}{'thr':>4}{'prec':>5}{'cuvil C ms':>12}{'cuvil py ms':>13}{'ort ms':>10}{'ratio':>7}{'rel err':>9}"
           + (f"{'ov ms':>10}{'vs ov':>7}{'ov err':>9}" if ov_version else "") + f"{'build s':>9}")
     results = []
     workdir = Path(tempfile.mkdtemp(prefix="cuvil-bench-"))
     try:
         for name in args.models.split(","):
-            for threads in (int(t) for t in args.threads.split(",")):
-                r = bench_model(name, threads, args.runs, args.rounds, args.jobs, workdir, args.cold, bool(ov_version))
+            for threads, precision in ((int(t), p) for t in args.threads.split(",") for p in args.precision.split(",")):
+                r = bench_model(name, threads, args.runs, args.rounds, args.jobs, workdir, args.cold, bool(ov_version),
+                                precision)
                 results.append(r)
                 ov = (f"{r['openvino_ms']:>10.3f}{r['ratio_openvino']:>7.2f}{r['openvino_rel_err']:>9.1e}"
                       if ov_version else "")
-                print(f"{name:<14}{threads:>4}{r['cuvil_c_ms']:>12.3f}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
+                print(f"{name:<14}{threads:>4}{precision:>5}{r['cuvil_c_ms']:>12.3f}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
                       f"{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{ov}{r['build_s']:>9.1f}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

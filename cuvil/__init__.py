@@ -11,10 +11,14 @@ from .errors import CuvilError
 __version__ = "0.1.0"
 
 
-def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, **options):
-    """Compile a model (path, onnx.ModelProto, or torch module) into a loaded CompiledModel."""
+def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
+            **options):
+    """Compile a model (path, onnx.ModelProto, or torch module) into a loaded CompiledModel.
+    `precision`: "fp32", "bf16" or "fp16" (the weight products compute in it, with float32 sums;
+    inputs and outputs stay float32); `enable_fp16=True` is precision="fp16"."""
     from .api import compile as _compile
-    return _compile(model, input_shapes=input_shapes, target=target, precision=precision, threads=threads, **options)
+    return _compile(model, input_shapes=input_shapes, target=target, precision=precision, threads=threads,
+                    enable_fp16=enable_fp16, **options)
 
 
 def load(path, prefix=None):

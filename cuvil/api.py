@@ -40,10 +40,15 @@ def _model_name(model) -> str:
     return "model"
 
 
-def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None,
+def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False) -> CompiledModel:
     from .build import VariantSpec, build_variant
+    if enable_fp16:
+        if precision not in ("fp32", "fp16"):
+            raise CuvilError(f"enable_fp16=True asks for fp16, but precision={precision!r} was given too",
+                             hint="give one of them: enable_fp16=True is precision='fp16'")
+        precision = "fp16"
     threads = 1 if threads is None else int(threads)
     if threads < 1:
         raise CuvilError(f"threads must be >= 1, got {threads}")

@@ -176,7 +176,7 @@ run = functools.partial(Library(job["library"]).session().run, feeds)
 
 
 # OpenVINO's CPU plugin infers in bfloat16 by default on CPUs with AVX512_BF16 or AMX: the
-# precision hint keeps it in float32 like the other engines. One stream of `threads` threads,
+# precision hint keeps it in the precision cuvil is timed in (float32 unless asked). One stream of `threads` threads,
 # latency mode. The inputs are shared with the request (no copy per call); the outputs come
 # back as new arrays, as onnxruntime's and cuvil's do.
 _OV_WORKER = r"""
@@ -184,7 +184,7 @@ import openvino as ov
 core = ov.Core()
 model = core.read_model(job["model"])
 model.reshape({name: ov.PartialShape(shape) for name, shape in job["shapes"].items()})
-config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": 1,
+config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": job["hint"], "NUM_STREAMS": 1,
           "INFERENCE_NUM_THREADS": job["threads"]}
 request = core.compile_model(model, "CPU", config).create_infer_request()
 if job.get("save_output"):
@@ -214,10 +214,16 @@ def openvino_version() -> str | None:
         return None
 
 
-def openvino_times(model_path, shapes, threads, runs, warmup=None, save_output=None) -> list[float]:
-    """Seconds per call of OpenVINO's CPU plugin (float32) on the ONNX model, in a fresh process;
-    `save_output`: a .npy path for the model's first output on the same inputs (to check it)."""
+OPENVINO_HINTS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}   # INFERENCE_PRECISION_HINT by cuvil precision
+
+
+def openvino_times(model_path, shapes, threads, runs, warmup=None, save_output=None,
+                   precision: str = "fp32") -> list[float]:
+    """Seconds per call of OpenVINO's CPU plugin on the ONNX model, inferring in `precision`
+    (OPENVINO_HINTS), in a fresh process; `save_output`: a .npy path for the model's first output
+    on the same inputs (to check it)."""
     return _worker(_OV_WORKER, {"model": str(model_path), "shapes": {k: list(v) for k, v in shapes.items()},
+                                "hint": OPENVINO_HINTS[precision],
                                 "threads": threads, "runs": runs, "warmup": warmup or max(3, runs // 10),
                                 "warmup_seconds": WARMUP_SECONDS,
                                 "save_output": str(save_output) if save_output else None})
@@ -272,11 +278,13 @@ def parse_shapes(specs: list[str]) -> dict:
 
 
 def run_bench(target: Path, vs=(), onnx_path: Path | None = None, threads: int = 1, runs: int = 100,
-              rounds: int = 1, shapes: dict | None = None) -> dict:
+              rounds: int = 1, shapes: dict | None = None, precision: str | None = None) -> dict:
     """`cuvil bench`: time a built library (.so) or build and time an ONNX model, from C and
     through the Python runtime, and each engine of `vs` on the same model, in `rounds` rounds of
     one process per engine. An engine's figure is its best process's median (best_process_median);
-    "ratio" compares cuvil with onnxruntime, "ratio_<engine>" with the others."""
+    "ratio" compares cuvil with onnxruntime, "ratio_<engine>" with the others. `precision`: the
+    model's build precision (a library has its own); OpenVINO infers in the same one,
+    onnxruntime in float32."""
     target = Path(target)
     if not target.is_file():
         raise CuvilError(f"file not found: {target}")
@@ -289,10 +297,14 @@ def run_bench(target: Path, vs=(), onnx_path: Path | None = None, threads: int =
             from .runtime import load
             library_path = target
             info = load(target).info
+            if precision and precision != info.get("precision"):
+                raise CuvilError(f"--precision {precision}: {target} was built in {info.get('precision')}",
+                                 hint="time a model file with --precision, or leave it out for a library")
         else:
             from .api import compile as compile_model
             onnx_path = onnx_path or target
-            compiled = compile_model(str(target), input_shapes=shapes or None, threads=threads)
+            compiled = compile_model(str(target), input_shapes=shapes or None, threads=threads,
+                                     precision=precision or "fp32")
             library_path = compiled.save(Path(tmp) / "lib")
             info = compiled.info
         if vs and onnx_path is None:
@@ -307,7 +319,8 @@ def run_bench(target: Path, vs=(), onnx_path: Path | None = None, threads: int =
             if "onnxruntime" in vs:
                 rows["onnxruntime"].append(ort_times(onnx_path, in_shapes, threads, runs, warmup))
             if "openvino" in vs:
-                rows["openvino"].append(openvino_times(onnx_path, in_shapes, threads, runs, warmup))
+                rows["openvino"].append(openvino_times(onnx_path, in_shapes, threads, runs, warmup,
+                                                       precision=info.get("precision", "fp32")))
     results = {}
     for key, processes in rows.items():
         results[key] = summary([t for times in processes for t in times])
@@ -316,7 +329,8 @@ def run_bench(target: Path, vs=(), onnx_path: Path | None = None, threads: int =
         for key in ("cuvil (C)", "cuvil (Python)"):
             results[key][ratio_name(engine)] = results[key]["process_median_ms"] / results[engine]["process_median_ms"]
     return {"library": str(library_path) if target.suffix == ".so" else None, "model": info.get("name"),
-            "target": info.get("target"), "threads": info.get("threads"), "vs": vs, "results": results}
+            "target": info.get("target"), "threads": info.get("threads"), "precision": info.get("precision"),
+            "vs": vs, "results": results}
 
 
 def ratio_name(engine: str) -> str:

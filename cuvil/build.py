@@ -196,7 +196,8 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
     from backends.native.link import CFLAGS, LDFLAGS
 
     target = pipeline.resolve_variant_target(spec.target, spec.precision)
-    pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options)
+    pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options,
+                                                  spec.precision)
     model_bytes, kind = pipeline.read_source(spec.source)
     model_sha = hashlib.sha256(model_bytes).hexdigest()
     shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}

@@ -167,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="processes per engine (alternating); the ratio compares each engine's best process")
     bench.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2,...",
                        help="an input shape for a model with symbolic dims (repeat per input)")
+    bench.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                       help="build the MODEL in this precision (default fp32; a LIB has its own); OpenVINO "
+                            "infers in the same one, onnxruntime in float32")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.set_defaults(command=cmd_bench)
     return parser
@@ -432,12 +435,12 @@ def cmd_bench(args) -> int:
     from . import bench
 
     report = bench.run_bench(args.target, args.vs, args.onnx, args.threads, args.runs, args.rounds,
-                             bench.parse_shapes(args.shape))
+                             bench.parse_shapes(args.shape), args.precision)
     if args.json:
-        print(json.dumps({k: report[k] for k in ("library", "model", "threads", "results")}, indent=2))
+        print(json.dumps({k: report[k] for k in ("library", "model", "threads", "precision", "results")}, indent=2))
         return EXIT_OK
     print(f"{_shown(args.target)}: model {report['model'] or '?'}, target {report['target'] or '?'}, "
-          f"threads {report['threads'] or '?'}")
+          f"threads {report['threads'] or '?'}, precision {report['precision'] or '?'}")
     best = args.rounds > 1
     ratio_keys = [(bench.ratio_name(engine), f"vs {engine}") for engine in report["vs"]]
     print(f"  {'engine':<16}{'median ms':>11}{'min ms':>10}{'p90 ms':>10}"

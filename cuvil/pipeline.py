@@ -23,7 +23,8 @@ from pathlib import Path
 from .errors import CuvilError, UnsupportedOpError
 
 # What the compiler computes in today; config.PRECISIONS are the values cuvil.yaml may name.
-PRECISIONS_SUPPORTED = ("fp32",)
+# bf16 and fp16: the weight products compute in that precision (passes/assign_precision.py).
+PRECISIONS_SUPPORTED = ("fp32", "bf16", "fp16")
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth")
 
@@ -79,11 +80,18 @@ def import_any(source, input_shapes: dict):
 
 # -- passes ------------------------------------------------------------------------------------
 
-def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None) -> tuple[list[str], dict]:
-    """The passes a variant runs, in order, and each one's options (defaults filled in)."""
+def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
+              precision: str = "fp32") -> tuple[list[str], dict]:
+    """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
+    precision adds assign_precision at the end, with the precision among its options."""
     from passes import resolve_pass_options, resolve_passes
     names = resolve_passes(opt_level, passes, disable_passes)
-    return names, resolve_pass_options(names, pass_options)
+    options = dict(pass_options or {})
+    if precision != "fp32" and "assign_precision" not in names:
+        names.append("assign_precision")
+    if "assign_precision" in names:
+        options["assign_precision"] = {**options.get("assign_precision", {}), "precision": precision}
+    return names, resolve_pass_options(names, options)
 
 
 def run_pass(graph, name: str, options: dict):
@@ -155,7 +163,7 @@ class Planned:
 def lower(graph, target, threads: int = 1) -> list:
     """The graph's kernel calls and views for a session of `threads` threads on `target`."""
     from backends.numba_cpu.registry import lower as lower_graph
-    return lower_graph(graph, threads, target.l1d_ways)
+    return lower_graph(graph, threads, target=target)
 
 
 def plan(graph, params: VariantParams) -> Planned:

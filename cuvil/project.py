@@ -125,7 +125,10 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
         graph = pipeline.import_any(model.source, dict(model.inputs))
         report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
                              _tensors(graph, graph.outputs), graph.op_counts())
-        names, options = pipeline.pass_list(model.opt_level, model.passes, model.disable_passes, model.pass_options)
+        # A precision not built yet is reported per target below (as the build refuses it).
+        precision = model.precision if model.precision in pipeline.PRECISIONS_SUPPORTED else "fp32"
+        names, options = pipeline.pass_list(model.opt_level, model.passes, model.disable_passes, model.pass_options,
+                                            precision)
         graph = pipeline.run_passes(graph, names, options)
         report.unsupported.extend(pipeline.lowering_problems(graph))
         for target_name in model.targets:

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from cuvil.errors import ConfigError
 
-from . import (eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fuse_activation,
+from . import (assign_precision, eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fuse_activation,
                fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes, winograd)
 
 _MODULES = {
@@ -50,6 +50,8 @@ _MODULES = {
     "fuse_elementwise": fuse_elementwise,
     "eliminate_dead": eliminate_dead,
     "plan_memory": plan_memory,
+    # added by the pipeline, with the variant's precision, when it is not fp32
+    "assign_precision": assign_precision,
 }
 
 PASSES = {name: getattr(module, name) for name, module in _MODULES.items()}

@@ -38,10 +38,10 @@ import json
 import numpy as np
 
 from cuvil.ir import Graph, Node
+from cuvil.ops import PRODUCTS
 
 from ._rewrite import add_constant, add_value, const_data, drop_unused_values, is_float, node_names, unique_node_name
 
-PRODUCTS = {("", "MatMul"), ("", "Gemm"), ("cuvil", "FusedMatMul"), ("cuvil", "FusedGemm")}
 
 
 def _weight(graph: Graph, node: Node) -> np.ndarray | None:

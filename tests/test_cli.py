@@ -236,7 +236,7 @@ def test_check_reports_an_unsupported_op(tmp_path, capsys):
 
 @pytest.mark.parametrize("key, value, refused", [
     ("targets", "[native, cuda-sm90]", "target 'cuda-sm90', precision 'fp32': target 'cuda-sm90': CUDA targets"),
-    ("precision", "bf16", "target 'native', precision 'bf16': precision 'bf16' is not supported yet"),
+    ("precision", "int8", "target 'native', precision 'int8': precision 'int8' is not supported yet"),
 ])
 def test_check_refuses_what_build_refuses(tmp_path, capsys, key, value, refused):
     """cuvil.yaml accepts every target and precision the project plans; what `cuvil build` cannot

@@ -15,6 +15,9 @@ from backends.schedule import Kernel
 from backends.targets import CpuTarget, init_llvm
 
 from .ukernel import specs_in, ukernel_ir
+from .ukernel_lowp import kinds as lowp_kinds, ukernel_lowp_ir
+
+LOWP_KINDS = lowp_kinds()   # the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py)
 
 def _numba_types(arg_types):
     import numba
@@ -105,7 +108,7 @@ def _declare_ukernels(source: str) -> None:
     import ctypes
 
     import llvmlite.binding as llvm
-    names = specs_in(source)
+    names = specs_in(source, LOWP_KINDS)
     if not names:
         return
     if _PLACEHOLDER is None:
@@ -149,8 +152,9 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     # inlined instead (see alwaysinline below).
     ir = re.sub(r"^(attributes #\d+ = \{.*?)\bnoinline\b", r"\1 nounwind", ir, flags=re.M)
     module = llvm.parse_assembly(ir)
-    for name, spec in sorted(specs_in(source).items()):
-        module.link_in(llvm.parse_assembly(ukernel_ir(spec, target.vector_bits)))
+    for name, spec in sorted(specs_in(source, LOWP_KINDS).items()):
+        generate = ukernel_lowp_ir if getattr(spec, "kind", "") in LOWP_KINDS else ukernel_ir
+        module.link_in(llvm.parse_assembly(generate(spec, target.vector_bits)))
     helpers = 0
     for fn in module.functions:
         if fn.is_declaration:

@@ -394,6 +394,71 @@ def pack_a_kernel(M: int, K: int, MR: int) -> tuple[Kernel, int]:
     return Kernel("APack", src.text(), ("float32", "float32")), ceil_div(M, MR)
 
 
+# -- reduced precision: the products assign_precision marks (bf16 / fp16 operands, float32 sums) --
+
+LOWP_FORMATS = {"bf16": "bf16", "fp16": "f16"}   # a node's `precision` -> the micro-kernels' format
+
+
+def lowp_product(node) -> tuple[str, str] | None:
+    """(format, method) for a product marked with a reduced `precision`, or None: unmarked, or the
+    target has no method for it (fp16 without F16C), so it computes in float32."""
+    from .kernel import lowering_target
+    from .ukernel_lowp import method_for
+    fmt = LOWP_FORMATS.get(node.attr("precision"))
+    if fmt is None:
+        return None
+    target = lowering_target()
+    if target is None:
+        return (fmt, "widen") if fmt == "bf16" else None
+    method = method_for(fmt, target)
+    return (fmt, method) if method else None
+
+
+def lowp_label(lowp: tuple[str, str] | None) -> str:
+    """How a call computes, for `cuvil explain`: "bf16 (dpbf16)", "fp16 (f16c)"; "" for float32."""
+    if lowp is None:
+        return ""
+    return f"{'fp16' if lowp[0] == 'f16' else lowp[0]} ({lowp[1]})"
+
+
+def lowp_k(K: int, fmt: str) -> int:
+    """K as the micro-kernels read it: bf16 in whole pairs (a zero column of A, a zero row of B)."""
+    return K + K % 2 if fmt == "bf16" else K
+
+
+def pack_b_lowp(data: np.ndarray, nr: int, fmt: str) -> np.ndarray:
+    """[K, N] float weights -> 16-bit panels (uint16 bits, rounded to nearest even): bf16 in the VNNI
+    pair layout [ceil(N/nr), K/2, 2 nr], float16 as pack_b_panels' [ceil(N/nr), K, nr]."""
+    from .lowp_pack import bf16_bits, f16_bits, pack_b_pairs
+    if fmt == "bf16":
+        return pack_b_pairs(bf16_bits(data.astype(np.float32)), nr)
+    bits = f16_bits(data.astype(np.float32))
+    K, N = bits.shape
+    padded = np.zeros((K, ceil_div(N, nr) * nr), np.uint16)
+    padded[:, :N] = bits
+    return np.ascontiguousarray(padded.reshape(K, -1, nr).transpose(1, 0, 2))
+
+
+def lowp_a_calls(graph, node, A_name: str, M: int, K: int, fmt: str) -> tuple[list, str, Operand]:
+    """The call converting A's M rows of K float32 to the 16-bit format (rounded to nearest even;
+    bf16 rows padded with a zero to whole pairs) into a scratch value, its name, and how the GEMM
+    reads it."""
+    from .lowp import CvtSpec
+    Kp = lowp_k(K, fmt)
+    converted = scratch_value(graph, node, (M, Kp), np.uint16, tag=f"{fmt}_a")
+    src = Source()
+    for line in CvtSpec("f32", fmt).declaration("cvt").splitlines():
+        src.line(line)
+    src.line(kernel_header(2)).indent()
+    src.line("for m in range(begin, end):").indent()
+    src.line(f"cvt(p0, m * {K}, p1, m * {Kp}, {K})")
+    if Kp != K:
+        src.line(f"p1[m * {Kp} + {K}] = np.uint16(0)")
+    kernel = Kernel(f"Cvt_{fmt}", src.text(), ("float32", "uint16"))
+    label = f"{'fp16' if fmt == 'f16' else fmt} (A converted)"
+    return [KernelCall(kernel, [A_name, converted], M, node.name, precision=label)], converted, Operand((), Kp, 1)
+
+
 def _packed_a_calls(graph, node, A_name: str, M: int, N: int, K: int) -> tuple[list, str, bool]:
     """When `packs_a_at_run_time`: the call packing A into a scratch value, that value's name and
     True (the GEMM reads A as panels); else no call, A's own name and False."""
@@ -422,7 +487,8 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
                    c: Operand | None, out: Operand, beta: float = 1.0, residual: Operand | None = None,
                    epilogue: Epilogue | None = None, threads_hint: int | None = None,
                    a_panels: bool = False, tile: tuple[int, int] | None = None,
-                   accumulate: bool = False, b_in_l2: bool = False, self_sized: bool = True) -> tuple[Kernel, int]:
+                   accumulate: bool = False, b_in_l2: bool = False, self_sized: bool = True,
+                   lowp: tuple[str, str] | None = None) -> tuple[Kernel, int]:
     """out = act(A @ B (+ beta*C) (+ R)) through LLVM-IR micro-kernels; with `accumulate`,
     out = act(out + A @ B (+ beta*C)): the output holds a residual on entry (see kernel.InPlace).
 
@@ -432,8 +498,15 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     packed at build time by `pack_a_panels` and `a` gives its batch strides and rows = K.
     `b_in_l2`: B comes from L2 (see gemv_weights_in_l2): no software prefetches of it, which only
     compete with the loads there. `self_sized`: the work items are sized for the threads (see
-    split_work), so the driver hands each out alone (schedule.Kernel.self_sized)."""
+    split_work), so the driver hands each out alone (schedule.Kernel.self_sized).
+
+    `lowp` = (format, method): A and B are 16-bit ("bf16" | "f16", ukernel_lowp.LowpUKSpec), B packed
+    at build time by `pack_b_lowp`, A read by rows from a buffer of K_pad columns (lowp_k(K)), C
+    and the sums in float32."""
     from .ukernel import UKSpec
+    from .ukernel_lowp import LowpUKSpec
+    assert lowp is None or (b is None and not a_panels and not batch_shape and a.cols == 1)
+    Kp = lowp_k(K, lowp[0]) if lowp else K
     assert out.cols == 1
     dtype = np.dtype(np.float32)
     epilogue = epilogue or Epilogue()
@@ -453,6 +526,8 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     else:
         a_packed, a_panel, lda, a_k = 1, a.cols, 0, a.cols
     ldb = NR if b is None else b.rows
+    if lowp and lowp[0] == "bf16":
+        ldb = 2 * NR   # k pairs: each packed row holds two k of NR columns
     specs = {}
 
     # The last column panel is computed by a kernel only as wide as its columns need (whole vectors).
@@ -467,7 +542,10 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
 
     def spec(mr, edge_n):
         key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)
-        if key not in specs:
+        if key not in specs and lowp:
+            specs[key] = (f"uk{len(specs)}", LowpUKSpec(mr=mr, nr=key[1], dtype=lowp[0], method=lowp[1],
+                                                        a_packed=a_packed, a_panel=a_panel, **uk_epilogue))
+        elif key not in specs:
             specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=key[1], a_packed=a_packed, a_panel=a_panel,
                                                     b_masked=int(key[2]), prefetch_b=int(not b_in_l2),
                                                     prefetch_c=int(accumulate), **uk_epilogue))
@@ -483,7 +561,9 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     work = n_batch * n_blocks * m_blocks
     # A few row tiles (a 16-token encoder) share each B panel: in short passes the panel's part
     # stays in L1 from one tile to the next (T=16 encoder, 1 thread: 171.6 -> 163.7 us at 64 k).
-    kc_max = uk_k_pass(K) if a_panels or not MR < M <= UK_FEW_ROWS else min(K, UK_KC_FEW_ROWS)
+    kc_max = uk_k_pass(Kp) if a_panels or not MR < M <= UK_FEW_ROWS else min(Kp, UK_KC_FEW_ROWS)
+    if Kp != K or (lowp and lowp[0] == "bf16"):
+        kc_max = max(2, kc_max // 2 * 2)   # whole k pairs a pass
 
     body = Source().indent()
     body.line("for item in range(begin, end):").indent()
@@ -505,10 +585,12 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
         off = {"a": "0", "b": "0", "o": "0", "c": "0", "r": "0"}
     body.line(f"m_lo = mb * {tpb * MR}").line(f"m_hi = min(m_lo + {tpb * MR}, {M})")
     body.line(f"p_lo = nb * {ppb}").line(f"p_hi = min(p_lo + {ppb}, {n_panels})")
-    body.line(f"for k0 in range(0, {K}, {kc_max}):").indent()
-    body.line(f"kc = min({kc_max}, {K} - k0)")
+    body.line(f"for k0 in range(0, {Kp}, {kc_max}):").indent()
+    body.line(f"kc = min({kc_max}, {Kp} - k0)")
+    # bf16 micro-kernels count k pairs
+    k_arg = "kc >> 1" if lowp and lowp[0] == "bf16" else "kc"
     body.line("lc = 1" if accumulate else "lc = min(k0, 1)")
-    body.line(f"last = 1 if k0 + {kc_max} >= {K} else 0")
+    body.line(f"last = 1 if k0 + {kc_max} >= {Kp} else 0")
     # Rows in blocks whose A (rows x kc) stays in L2 while the item's panels go by.
     mc = max(MR, UK_A_BLOCK_BYTES // (kc_max * 4) // MR * MR)
     body.line(f"for mb0 in range(m_lo, m_hi, {mc}):").indent()
@@ -518,7 +600,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     body.line(f"nv = min({NR}, {N} - n0)")
     body.line(f"mask = np.int64(-1) if nv >= {NR} else (np.int64(1) << nv) - np.int64(1)")
     if b is None:
-        body.line(f"boff = pn * {K * NR} + k0 * {NR}")
+        body.line(f"boff = pn * {Kp * NR} + k0 * {NR}")
     else:
         body.line(f"boff = {_sum(off['b'], _term('k0', b.rows))} + n0")
 
@@ -532,13 +614,13 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
             a_off = _sum(off["a"], _term("k0", ceil_div(M, MR) * MR), "m*kc")
         else:
             a_off = _sum(off["a"], _term("m", a.rows), _term("k0", a_k))
-        loadc, bias = "lc", "p0, 0"
+        loadc, bias = "lc", f"{po}, 0" if lowp else "p0, 0"   # no bias: any float32 pointer
         if in_registers:
             loadc = f"lc + {LOADC_EPILOGUE} * last"
             if c is not None:
                 bias = f"{pc}, {_sum(off['c'], 'm')}"
         body.line(f"{name}(p0, {a_off}, {lda}, p1, boff, {ldb}, {po}, {_sum(off['o'], _term('m', out.rows))} + n0, "
-                  f"{out.rows}, kc, mask, {loadc}, {bias})")
+                  f"{out.rows}, {k_arg}, mask, {loadc}, {bias})")
         if has_epi:
             body.line("if last:").indent()
             body.line(f"for r in range(m, m + {mr}):").indent()
@@ -583,7 +665,8 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
             head.line(line)
     head.line(kernel_header(n_ptrs))
     text = head.text() + body.text()
-    return Kernel(family, text, tuple([dtype.name] * n_ptrs), self_sized=self_sized), work
+    types = ["uint16", "uint16"] * bool(lowp) + [dtype.name] * (n_ptrs - 2 * bool(lowp))
+    return Kernel(family, text, tuple(types), self_sized=self_sized), work
 
 
 def _axpy_body(src, rows, K, pa, pb, po, a, b, out, off, scale_a, c_value, M, act=None):
@@ -717,12 +800,16 @@ def lower_gemm(node, graph) -> Lowered:
     K = A.shape[0] if trans_a else A.shape[1]
     a = Operand((), 1, M) if trans_a else Operand((), K, 1)
     args: list = [A.name]
-    use_uk = False
+    use_uk, lowp = False, None
     if B.is_const:
         packed = np.asarray(B.data.T if trans_b else B.data, dtype=np.float64) * alpha
         use_uk = uk_eligible(dtype, M, N, K, a, None)
-        args.append(pack_b_panels(packed.astype(dtype), choose_tile(M, N)[1]) if use_uk
-                    else np.ascontiguousarray(packed.astype(dtype)))
+        lowp = lowp_product(node) if use_uk and not trans_a else None
+        if lowp:
+            args.append(pack_b_lowp(packed, choose_tile(M, N)[1], lowp[0]))
+        else:
+            args.append(pack_b_panels(packed.astype(dtype), choose_tile(M, N)[1]) if use_uk
+                        else np.ascontiguousarray(packed.astype(dtype)))
         b, alpha_left = Operand((), N, 1), 1.0
     else:
         args.append(B.name)
@@ -756,15 +843,17 @@ def lower_gemm(node, graph) -> Lowered:
     pack = []
     if use_uk:
         a_panels = False
-        if b_in is None and not trans_a:
+        if lowp:
+            pack, args[0], a = lowp_a_calls(graph, node, A.name, M, K, lowp[0])
+        elif b_in is None and not trans_a:
             pack, args[0], a_panels = _packed_a_calls(graph, node, A.name, M, N, K)
         kernel, work = uk_gemm_kernel(family, M, N, K, (), a, b_in, c_op, Operand((), N, 1), beta_left,
                                       residual=r_op, epilogue=epilogue, a_panels=a_panels,
-                                      b_in_l2=b_in is None and gemv_weights_in_l2(graph, M))
+                                      b_in_l2=b_in is None and gemv_weights_in_l2(graph, M), lowp=lowp)
     else:
         kernel, work = gemm_kernel(family, dtype, M, N, K, (), a, b, c_op, Operand((), N, 1),
                                    alpha_left, beta_left, residual=r_op, epilogue=epilogue)
-    return Lowered(pack + [KernelCall(kernel, args, work, node.name)])
+    return Lowered(pack + [KernelCall(kernel, args, work, node.name, precision=lowp_label(lowp))])
 
 
 def _linear(strides, dims) -> bool:
@@ -818,17 +907,24 @@ def lower_matmul(node, graph) -> Lowered:
     pack = []
     if B.is_const and not any(b_batch) and len(B.shape) >= 2 and uk_eligible(dtype, M, N, K, a_op, None):
         # Constant weights: packed into micro-kernel panels at build time.
-        args[1] = pack_b_panels(np.asarray(B.data, dtype=np.float32).reshape(K, N), choose_tile(M, N)[1])
+        lowp = lowp_product(node) if not batch else None
+        weights = np.asarray(B.data, dtype=np.float32).reshape(K, N)
+        args[1] = pack_b_lowp(weights, choose_tile(M, N)[1], lowp[0]) if lowp \
+            else pack_b_panels(weights, choose_tile(M, N)[1])
         a_panels = False
-        if not batch:
+        if lowp:
+            pack, args[0], a_op = lowp_a_calls(graph, node, A.name, M, K, lowp[0])
+        elif not batch:
             pack, args[0], a_panels = _packed_a_calls(graph, node, A.name, M, N, K)
         kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, None, None, o_op,
                                       residual=r_op, epilogue=epilogue, a_panels=a_panels,
-                                      b_in_l2=gemv_weights_in_l2(graph, M))
+                                      b_in_l2=gemv_weights_in_l2(graph, M), lowp=lowp)
     elif uk_eligible(dtype, M, N, K, a_op, b_op):
+        lowp = None
         kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, b_op, None, o_op,
                                       residual=r_op, epilogue=epilogue)
     else:
+        lowp = None
         kernel, work = gemm_kernel("MatMul", dtype, M, N, K, batch, a_op, b_op, None, o_op,
                                    residual=r_op, epilogue=epilogue)
-    return Lowered(pack + [KernelCall(kernel, args + [Y.name], work, node.name)])
+    return Lowered(pack + [KernelCall(kernel, args + [Y.name], work, node.name, precision=lowp_label(lowp))])

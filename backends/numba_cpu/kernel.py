@@ -31,13 +31,24 @@ def l1d_ways() -> int:
     return _L1D_WAYS.get()
 
 
+_TARGET = contextvars.ContextVar("cuvil_lowering_target", default=None)
+
+
+def lowering_target():
+    """The CpuTarget being lowered for (None when a caller lowers without one): generators that
+    choose instructions by the target's features (the reduced-precision products) read it."""
+    return _TARGET.get()
+
+
 @contextlib.contextmanager
-def lowering_for(threads: int, l1d_ways: int = DEFAULT_L1D_WAYS):
+def lowering_for(threads: int, l1d_ways: int = DEFAULT_L1D_WAYS, target=None):
     token = _THREADS.set(max(1, int(threads)))
     ways = _L1D_WAYS.set(max(1, int(l1d_ways)))
+    cpu = _TARGET.set(target)
     try:
         yield
     finally:
+        _TARGET.reset(cpu)
         _L1D_WAYS.reset(ways)
         _THREADS.reset(token)
 

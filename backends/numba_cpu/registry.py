@@ -152,11 +152,12 @@ def generator_for(node):
     return gen
 
 
-def lower(graph, threads: int = 1, l1d_ways: int = DEFAULT_L1D_WAYS) -> list:
+def lower(graph, threads: int = 1, l1d_ways: int = DEFAULT_L1D_WAYS, target=None) -> list:
     """The schedule: kernel calls and views in the graph's (topological) node order, work split
-    for a session of `threads` threads, on a target whose L1 data cache has `l1d_ways` ways."""
+    for a session of `threads` threads, on a target whose L1 data cache has `l1d_ways` ways (the
+    target's own when it is given: its features choose the reduced-precision instructions)."""
     schedule = []
-    with lowering_for(threads, l1d_ways):
+    with lowering_for(threads, target.l1d_ways if target is not None else l1d_ways, target):
         for node in graph.nodes:
             schedule.extend(generator_for(node)(node, graph).calls)
     return schedule

@@ -211,13 +211,15 @@ _KINDS = {"gather": lambda d: GatherSpec(**d), "dwrow": lambda d: DwRowSpec(**d)
           "t": lambda d: TSpec(**{**d, "taps": tuple(d["taps"])}), "sync": lambda d: SyncSpec(**d)}
 
 
-def specs_in(source: str) -> dict:
-    """The micro-kernels (UKSpec, TSpec, GatherSpec, DwRowSpec, SyncSpec) a kernel's source declares, by name."""
+def specs_in(source: str, kinds: dict | None = None) -> dict:
+    """The micro-kernels (UKSpec, TSpec, GatherSpec, DwRowSpec, SyncSpec, and the spec constructors
+    `kinds` adds by kind) a kernel's source declares, by name."""
+    table = {**_KINDS, **(kinds or {})}
     found = {}
     for name, blob in _COMMENT.findall(source):
         data = json.loads(blob)
-        if data.get("kind") in _KINDS:
-            spec = _KINDS[data["kind"]](data)
+        if data.get("kind") in table:
+            spec = table[data["kind"]](data)
         else:
             data["taps"] = tuple(data.get("taps", ()))
             spec = UKSpec(**data)

@@ -108,11 +108,15 @@ def _graph_codec(cache):
     return (lambda g: ir_io.dumps(g, store=cache)), (lambda data: ir_io.loads(data, store=cache))
 
 
-def _run_codegen(dag, graph, params):
+def _variant_params(params: dict) -> pipeline.VariantParams:
+    """The lowering and planning parameters in a codegen step's parameters."""
     from backends.targets import CpuTarget
-    variant = pipeline.VariantParams(params["name"], CpuTarget.from_key(params["target"]), params["threads"],
-                                     params["memory"], params["max_arena_mb"])
-    planned = pipeline.plan(graph, variant)
+    return pipeline.VariantParams(params["name"], CpuTarget.from_key(params["target"]), params["threads"],
+                                  params["memory"], params["max_arena_mb"])
+
+
+def _run_codegen(dag, graph, params):
+    planned = pipeline.plan(graph, _variant_params(params))
     provenance = {
         "name": params["name"],
         "target": params["target_name"],
@@ -243,10 +247,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
 
 def variant_params(dag: StepGraph, link_step: str) -> pipeline.VariantParams:
     """The lowering and planning parameters of a planned variant, as its codegen step runs them."""
-    from backends.targets import CpuTarget
-    params = dag.step(dag.step(link_step).deps[0]).params
-    return pipeline.VariantParams(params["name"], CpuTarget.from_key(params["target"]), params["threads"],
-                                  params["memory"], params["max_arena_mb"])
+    return _variant_params(dag.step(dag.step(link_step).deps[0]).params)
 
 
 def install(files: dict[str, bytes], out_dir: Path) -> bool:

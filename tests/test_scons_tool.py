@@ -207,11 +207,11 @@ def test_cuvil_yaml_declares_one_library_per_model_and_target(tmp_path, cache_di
 def test_a_cuvil_error_fails_the_build_with_its_message(project):
     sconstruct = project / "SConstruct"
     sconstruct.write_text(sconstruct.read_text().replace('CUVIL_PREFIX="sig_"', 'CUVIL_PREFIX="sig_", '
-                                                                                  'CUVIL_PRECISION="fp16"'))
+                                                                                  'CUVIL_PRECISION="int8"'))
     result = scons(project, "build/sig")
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "precision 'fp16' is not supported" in output and "hint:" in output
+    assert "precision 'int8' is not supported" in output and "hint:" in output
     assert "Traceback" not in output
     assert not (project / "build/sig/libsig.so").exists()
 

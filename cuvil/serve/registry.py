@@ -102,6 +102,7 @@ class ModelEntry:
     current: ModelVersion | None = None
     source_key: str | None = None  # the diff hash of what `current` was built from
     reason: str = "not loaded yet"
+    wanted: bool = True  # False once unloaded by a repository request
     history: list[str] = field(default_factory=list)  # versions served, oldest first
 
     @property
@@ -152,7 +153,7 @@ class Registry:
             return Installed("signature_changed", current, reason=reason)
         with self._lock:
             old, entry.current = entry.current, fresh
-            entry.source_key, entry.reason = source_key, ""
+            entry.source_key, entry.reason, entry.wanted = source_key, "", True
             entry.history.append(version)
             if old is not None:
                 self._retire(old)
@@ -162,7 +163,7 @@ class Registry:
         entry = self.entry(name)
         with self._lock:
             old, entry.current = entry.current, None
-            entry.reason = "unloaded by a repository request"
+            entry.reason, entry.wanted = "unloaded by a repository request", False
             if old is not None:
                 self._retire(old)
         return old is not None
@@ -206,3 +207,7 @@ class Registry:
                 if entry.current is not None:
                     self._retire(entry.current)
                     entry.current = None
+        try:
+            self.store.rmdir()  # empty unless a request is still running somewhere
+        except OSError:
+            pass

@@ -263,7 +263,11 @@ def cmd_watch(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .serve import Server
+    try:
+        from .serve import Server
+    except ImportError as error:
+        raise CuvilError(f"cuvil serve needs the packages of the serve extra ({error.name} is missing)",
+                         hint='pip install "cuvil[serve]"') from None
     token = None
     if args.token_file is not None:
         try:

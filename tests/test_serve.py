@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from onnx import helper
 
-tritonclient_http = pytest.importorskip("tritonclient.http")
-from tritonclient.utils import InferenceServerException  # noqa: E402
+import tritonclient.http as tritonclient_http
+from tritonclient.utils import InferenceServerException
 
-from cuvil.serve import Server  # noqa: E402
-from tests.helpers import make_model, run_ort  # noqa: E402
+from cuvil.serve import Server
+from tests.helpers import make_model, run_ort
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token-3f1c"

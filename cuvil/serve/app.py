@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import json
 import math
+import threading
 import time
 import traceback
 
@@ -40,55 +41,76 @@ def _error(status: int, message: str, headers=None) -> web.Response:
 
 
 class Dispatcher:
-    """Runs scheduler jobs on the compute pool; lives on the event loop, so the scheduler needs no lock."""
+    """Runs scheduler jobs on the compute pool.
+
+    A compute thread that finishes a job starts the next ones itself (under
+    the scheduler's lock), without a round trip through the event loop, which
+    is busy parsing requests under load; only the answer goes back to the loop.
+    """
 
     def __init__(self, scheduler, executor, metrics):
         self.scheduler, self.executor, self.metrics = scheduler, executor, metrics
+        self.lock = threading.Lock()  # guards the scheduler: the loop and the compute threads call it
 
     async def run(self, model: str, fn):
         """Queue `fn` as a job of `model`; wait for its result (or Refused)."""
         loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        job = self.scheduler.new_job(model, now, payload=(fn, loop.create_future()))
-        for shed in self.scheduler.offer(job, now):  # raises Refused for the newcomer itself
-            _, future = shed.payload
-            if not future.done():
-                future.set_exception(Refused(f"model '{shed.model}': shed from the queue to make room for a "
-                                             f"more urgent request", 503, self.scheduler._drain_time(now)))
+        future = loop.create_future()
+        with self.lock:
+            now = time.monotonic()
+            job = self.scheduler.new_job(model, now, payload=(fn, loop, future))
+            shed = self.scheduler.offer(job, now)  # raises Refused for the newcomer itself
+            retry_after = self.scheduler._drain_time(now) if shed else 0
+        for victim in shed:
+            _, _, victim_future = victim.payload
+            if not victim_future.done():
+                victim_future.set_exception(Refused(f"model '{victim.model}': shed from the queue to make room "
+                                                    f"for a more urgent request", 503, retry_after))
         self._pump()
-        _, future = job.payload
         try:
             return await future
         except asyncio.CancelledError:
-            self.scheduler.discard(job)  # still queued: nobody waits for it any more
+            with self.lock:
+                self.scheduler.discard(job)  # still queued: nobody waits for it any more
             raise
 
     def _pump(self):
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        for job in self.scheduler.dispatch(now):
-            fn, _ = job.payload
+        with self.lock:
+            now = time.monotonic()
+            jobs = self.scheduler.dispatch(now)
+        for job in jobs:
             self.metrics.queue_seconds.labels(job.model).observe(now - job.arrival)
-            work = loop.run_in_executor(self.executor, fn)
-            work.add_done_callback(lambda done, job=job: self._finished(job, done))
+            self.executor.submit(self._work, job)
 
-    def _finished(self, job, done):
-        _, future = job.payload
-        compute_s = None
-        if not done.cancelled() and done.exception() is None:
-            compute_s = done.result()[2]
+    def _work(self, job):
+        """On a compute thread: run the job, free its slots, start what comes next, then answer."""
+        fn, loop, future = job.payload
+        compute_s, outcome, failed = None, None, False
+        try:
+            outcome = fn()
+            compute_s = outcome[2]
+        except BaseException as error:  # noqa: BLE001  handed to the waiting request
+            outcome, failed = error, True
+        with self.lock:
+            self.scheduler.finish(job, compute_s)
+        if compute_s is not None:
             self.metrics.compute_seconds.labels(job.model).observe(compute_s)
             if time.monotonic() > job.deadline:
                 self.metrics.deadline_misses.labels(job.model).inc()
-        self.scheduler.finish(job, compute_s)
-        if not future.done():
-            if done.cancelled():
-                future.cancel()
-            elif done.exception() is not None:
-                future.set_exception(done.exception())
-            else:
-                future.set_result(done.result())
-        self._pump()
+        try:
+            self._pump()
+            loop.call_soon_threadsafe(_settle, future, outcome, failed)
+        except RuntimeError:  # the server is stopping: its pool and loop are closed
+            pass
+
+
+def _settle(future, outcome, failed):
+    if future.done():  # the client went away
+        return
+    if failed:
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def make_app(server, max_body_bytes: int) -> web.Application:

@@ -22,8 +22,8 @@ shed while the critical ones still meet their deadlines. Jobs already admitted
 are never dropped for lateness: a late answer is still an answer, counted as a
 deadline miss.
 
-The class is pure bookkeeping with an explicit clock (`now` in seconds), run by
-one thread (the server's event loop), so its decisions can be tested exactly.
+The class is pure bookkeeping with an explicit clock (`now` in seconds), so its
+decisions can be tested exactly; the server calls it under one lock.
 """
 from __future__ import annotations
 

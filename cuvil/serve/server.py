@@ -107,16 +107,13 @@ class Server:
             installed = self.registry.install(name, library, key)
         if installed.outcome in ("loaded", "swapped"):
             version = installed.version
-            self._on_loop(self.scheduler.set_threads, name, version.threads)
-            self._on_loop(self.scheduler.set_estimate, name, installed.estimate_s)
+            self._locked(self.scheduler.set_threads, name, version.threads)
+            self._locked(self.scheduler.set_estimate, name, installed.estimate_s)
             self.metrics.ready.labels(name).set(1)
         return installed
 
-    def _on_loop(self, fn, *args):
-        """The scheduler belongs to the event loop thread: call into it there once the loop runs."""
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(fn, *args)
-        else:
+    def _locked(self, fn, *args):
+        with self.dispatcher.lock:  # the scheduler's lock
             fn(*args)
 
     # --- running

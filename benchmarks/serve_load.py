@@ -55,10 +55,11 @@ import onnxruntime as ort  # noqa: E402
 import tritonclient.http as triton  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
-MODELS = {  # name: (priority, deadline_ms, batch, layer sizes, share of the requests)
-    "fraud": ("critical", 50, 16, (512, 1024, 1024, 2), 0.3),
-    "ranker": ("normal", 200, 32, (1024, 1024, 1024, 1024, 1), 0.4),
-    "batch": ("low", 1000, 64, (1024, 2048, 2048, 10), 0.3),
+MODELS = {  # name: (priority, deadline_ms, batch, layer sizes, share of the requests, max_concurrency)
+    "fraud": ("critical", 50, 16, (512, 1024, 1024, 2), 0.3, 2),
+    "ranker": ("normal", 200, 32, (1024, 1024, 1024, 1024, 1), 0.4, 2),
+    # its runs are the longest (~13 ms): on one core at most, so a critical request never waits for two
+    "batch": ("low", 1000, 64, (1024, 2048, 2048, 10), 0.3, 1),
 }
 
 
@@ -99,10 +100,10 @@ def ort_session(model):
 def write_project(folder: Path, resnet: bool, cache: Path) -> Path:
     (folder / "models").mkdir(parents=True)
     lines = ["version: 1", "output_dir: out", f"cache: {{dir: {cache}}}", "models:"]
-    for name, (priority, deadline, batch, sizes, _) in MODELS.items():
+    for name, (priority, deadline, batch, sizes, _, concurrency) in MODELS.items():
         save(mlp(batch, sizes, seed=0), folder / "models" / f"{name}.onnx")
         lines += [f"  - name: {name}", f"    source: models/{name}.onnx", f"    symbol_prefix: {name}_",
-                  f"    serve: {{priority: {priority}, deadline_ms: {deadline}, max_concurrency: 2}}"]
+                  f"    serve: {{priority: {priority}, deadline_ms: {deadline}, max_concurrency: {concurrency}}}"]
     if resnet:
         from tests import zoo
         save(zoo.export(zoo.resnet(), {"input": [1, 3, 224, 224]}), folder / "models" / "resnet18.onnx")
@@ -174,7 +175,7 @@ class Recorder:
 
 def inputs():
     return {name: np.random.default_rng(7).standard_normal((batch, sizes[0])).astype(np.float32)
-            for name, (_, _, batch, sizes, _) in MODELS.items()}
+            for name, (_, _, batch, sizes, *_) in MODELS.items()}
 
 
 def pick(rng):
@@ -316,9 +317,11 @@ def memory_phase(client, server, folder) -> dict:
         after = server.rss_bytes()
         info = json.loads(next((folder / "out" / name / "native").glob("manifest.json")).read_text())
         memory = info.get("memory", info.get("info", {}).get("memory", {}))
-        sessions = 2 if name in MODELS else 1
-        budget = memory.get("weights_bytes", 0) + sessions * memory.get("arena_bytes", 0) + 10 * 2 ** 20
+        sessions = MODELS[name][5] if name in MODELS else 1
+        budget = (memory.get("weights_bytes", 0) + sessions * memory.get("arena_bytes", 0)
+                  + memory.get("shared_bytes", 0) + 10 * 2 ** 20)
         rows[name] = {"rss_delta_mb": (after - before) / 2 ** 20, "budget_mb": budget / 2 ** 20,
+                      "shared_mb": memory.get("shared_bytes", 0) / 2 ** 20,
                       "weights_mb": memory.get("weights_bytes", 0) / 2 ** 20,
                       "arena_mb": memory.get("arena_bytes", 0) / 2 ** 20, "sessions": sessions}
         print(f"  load {name}: RSS +{rows[name]['rss_delta_mb']:.1f} MB (budget {rows[name]['budget_mb']:.1f} MB)",
@@ -328,11 +331,11 @@ def memory_phase(client, server, folder) -> dict:
 
 def swap_phase(client, folder, rate, swaps) -> dict:
     model_name = "fraud"
-    _, _, batch, sizes, _ = MODELS[model_name]
+    _, _, batch, sizes, *_ = MODELS[model_name]
     x = inputs()[model_name]
     first = client.get_model_metadata(model_name)["versions"][0]
     weights = {first: 0}
-    times = []
+    times, windows = [], []  # windows: (file written, new version seen + 100 ms)
 
     def swapper(t0):
         version = first
@@ -343,6 +346,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
             version, seen = wait_version(client, model_name, version)
             weights[version] = seed
             times.append(seen - written)
+            windows.append((written, seen + 0.1))
             gevent.sleep(0.3)
         # a semantically null edit: the same weights, every internal name changed
         save(mlp(batch, sizes, seed=swaps, rename=True), folder / "models" / f"{model_name}.onnx")
@@ -351,13 +355,14 @@ def swap_phase(client, folder, rate, swaps) -> dict:
         weights["null_edit_swapped"] = null_version != version
         gevent.sleep(0.5)
 
-    # the load runs until the swapper is done
+    # requests at a constant rate (not Poisson: a pause must stand out from the gaps between
+    # arrivals) until the swapper is done
     start = time.perf_counter()
-    rec, rng = Recorder(), np.random.default_rng(3)
+    rec = Recorder()
     side = gevent.spawn(swapper, start)
     greenlets, t = [], start
     while not side.ready():
-        t += rng.exponential(1 / rate)
+        t += 1 / rate
         delay = t - time.perf_counter()
         if delay > 0:
             gevent.sleep(delay)
@@ -377,10 +382,18 @@ def swap_phase(client, folder, rate, swaps) -> dict:
             wrong += 1
     done = sorted(r[2] for r in rec.rows if r[3] == 200)
     gaps = np.diff(done) * 1000 if len(done) > 1 else np.array([0.0])
+    in_window = [(r[2] - r[6]) * 1000 for r in rec.rows
+                 if r[3] == 200 and any(a <= r[6] <= b for a, b in windows)]
+    outside = [(r[2] - r[6]) * 1000 for r in rec.rows
+               if r[3] == 200 and not any(a <= r[6] <= b for a, b in windows)]
     result = {"swaps": len(times), "requests": len(rec.rows), "failed": sum(r[3] != 200 for r in rec.rows),
               "wrong_answers": wrong, "versions_seen": len(sessions),
               "write_to_new_version_ms": {"median": statistics.median(times) * 1000, "max": max(times) * 1000},
               "longest_gap_between_answers_ms": float(gaps.max()), "median_gap_ms": float(np.median(gaps)),
+              "latency_during_swaps_ms": {"p50": percentile(in_window, 50), "p99": percentile(in_window, 99),
+                                          "max": max(in_window, default=float("nan")), "n": len(in_window)},
+              "latency_otherwise_ms": {"p50": percentile(outside, 50), "p99": percentile(outside, 99),
+                                       "max": max(outside, default=float("nan")), "n": len(outside)},
               "offered_per_s": rate, "null_edit_swapped": null_swapped}
     print(f"  swaps: {result}", flush=True)
     return result

@@ -1,16 +1,17 @@
 """The serving scheduler's decisions on an explicit clock: order, concurrency, shedding, rejection.
 
 Estimates are set by hand, so every admission is exact arithmetic: no
-threads, no sleeps, no timing.
+threads, no sleeps, no timing. Most cases plan to the deadline itself
+(headroom 1); one checks the default headroom.
 """
 import pytest
 
 from cuvil.serve.scheduler import Refused, Scheduler
 
 
-def scheduler(slots=1, **models):
+def scheduler(slots=1, headroom=1.0, **models):
     """models: name=(priority, deadline_ms, estimate_ms[, max_concurrency[, threads]])."""
-    s = Scheduler(slots)
+    s = Scheduler(slots, headroom=headroom)
     for name, (priority, deadline_ms, estimate_ms, *rest) in models.items():
         concurrency, threads = (rest + [1, 1])[:2] if rest else (1, 1)
         s.add_model(name, priority, deadline_ms, concurrency, threads, estimate_ms / 1000)
@@ -132,12 +133,27 @@ def test_running_work_counts_against_admission_and_estimates_follow_measurements
     offer(s, "m", now=0.0)  # 4 running + 4 queued + 4 new = 12 > 10
     with pytest.raises(Refused):
         offer(s, "m", now=0.0)
-    s.finish(job, compute_s=0.002)  # measured faster than estimated: the estimate moves toward it
-    assert s.models["m"].estimate_s == pytest.approx(0.004 + 0.2 * (0.002 - 0.004))
+    s.finish(job, compute_s=0.002)  # measured faster than estimated: the mean moves toward it
+    mean, deviation = 0.004 + 0.2 * (0.002 - 0.004), 0.2 * 0.002
+    assert s.models["m"].estimate_s == pytest.approx(mean + 2 * deviation)
+
+
+def test_headroom_plans_each_job_to_finish_early_and_only_critical_ones_may_use_the_rest():
+    s = scheduler(headroom=0.5, crit=("critical", 10, 4), normal=("normal", 30, 4), low=("low", 100, 2))
+    first, _ = offer(s, "crit")
+    assert first.target == pytest.approx(0.005)  # half of its 10 ms budget
+    offer(s, "crit")  # ends at 8 ms: past its plan, but a critical job is refused only past its deadline
+    with pytest.raises(Refused):
+        offer(s, "crit")  # 12 ms > 10
+    offer(s, "normal")  # ends at 12 ms, within its 15 ms plan
+    with pytest.raises(Refused):
+        offer(s, "normal")  # 16 ms: before its 30 ms deadline but past its plan
+    offer(s, "low")  # 14 ms of a 50 ms plan
+    assert sorted(j.model for j in s.queued()) == ["crit", "crit", "low", "normal"]
 
 
 def test_a_full_queue_answers_503_and_a_discarded_job_leaves_it():
-    s = Scheduler(1, max_queue=2)
+    s = Scheduler(1, max_queue=2, headroom=1.0)
     s.add_model("m", "normal", 10_000, 1, 1, 0.001)
     first, _ = offer(s, "m")
     offer(s, "m")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -138,7 +139,7 @@ class Registry:
         path = self.store / f"lib{name}-{version}.so"
         if not path.exists():
             partial = path.with_name(path.name + f".{os.getpid()}.partial")
-            partial.write_bytes(Path(built).read_bytes())
+            shutil.copyfile(built, partial)
             partial.replace(path)
         fresh = ModelVersion(name, path, version, entry.config.symbol_prefix, entry.config.serve.max_concurrency)
         try:

@@ -7,14 +7,19 @@ queued job with the earliest deadline (the model's priority breaks ties, then
 arrival order) among models below their concurrency.
 
 Admission works on estimates (each model's compute time: measured at warm-up,
-then a moving average of its runs), with the work spread over the slots:
+then a moving average of its runs plus twice their moving mean deviation, as
+TCP estimates a retransmission timeout), with the work spread over the slots.
+A job is planned to finish within `headroom` (default 0.5) of its deadline
+budget, so estimates that are off, a long job that cannot be interrupted and
+the time a request spends in HTTP before it is queued do not make it late:
 
-- a newcomer that would finish after its deadline displaces queued jobs ahead
+- a newcomer that would finish after its planned time displaces queued jobs ahead
   of it that are strictly less important, least important first (then latest
   deadline first); they are *shed* (503). If that is not enough, nothing is
-  displaced and the newcomer is *rejected* (429);
-- a newcomer that would push a more important queued job past its deadline is
-  rejected;
+  displaced and the newcomer is *rejected* (429), except a critical one that
+  still meets its deadline itself: that one is admitted;
+- a newcomer that would push a more important queued job past its planned time
+  is rejected;
 - a model's queue holds at most `max_queue` jobs.
 
 So under overload the lower classes absorb it: their requests are rejected or
@@ -51,6 +56,7 @@ class Job:
     model: str
     deadline: float  # absolute, on the scheduler's clock
     arrival: float
+    target: float  # when admission plans it to be done: arrival + headroom x (deadline - arrival)
     payload: Any = None  # what the caller runs; the scheduler never looks at it
     rank: int = 0
     cost: int = 1
@@ -68,7 +74,9 @@ class _Model:
     deadline_s: float
     max_concurrency: int
     cost: int
-    estimate_s: float
+    estimate_s: float  # what admission plans with: mean + 2 x deviation
+    mean_s: float = 0.0
+    deviation_s: float = 0.0
     queue: list[Job] = field(default_factory=list)
     running: int = 0
 
@@ -76,10 +84,11 @@ class _Model:
 class Scheduler:
     SMOOTHING = 0.2  # weight of the newest compute time in a model's estimate
 
-    def __init__(self, slots: int, max_queue: int = 256):
+    def __init__(self, slots: int, max_queue: int = 256, headroom: float = 0.5):
         if slots < 1:
             raise ValueError("the scheduler needs at least one slot")
         self.slots = slots
+        self.headroom = headroom
         self.max_queue = max_queue
         self.models: dict[str, _Model] = {}
         self.running: list[Job] = []
@@ -91,10 +100,12 @@ class Scheduler:
                   threads: int = 1, estimate_s: float = 0.001):
         # A library built for more threads than the pool has still runs: on all of it.
         self.models[name] = _Model(priority, deadline_ms / 1000, max_concurrency, min(threads, self.slots),
-                                   estimate_s)
+                                   estimate_s, estimate_s)
 
     def set_estimate(self, name: str, seconds: float):
-        self.models[name].estimate_s = seconds
+        model = self.models[name]
+        model.estimate_s = model.mean_s = seconds
+        model.deviation_s = 0.0
 
     def set_threads(self, name: str, threads: int):
         self.models[name].cost = min(threads, self.slots)
@@ -103,7 +114,8 @@ class Scheduler:
 
     def new_job(self, model: str, now: float, payload=None) -> Job:
         m = self.models[model]
-        return Job(model, now + m.deadline_s, now, payload, RANKS[m.priority], m.cost, next(self._seq))
+        return Job(model, now + m.deadline_s, now, now + self.headroom * m.deadline_s, payload, RANKS[m.priority],
+                   m.cost, next(self._seq))
 
     def offer(self, job: Job, now: float) -> list[Job]:
         """Queue `job`, or raise Refused (429). Returns the queued jobs shed (503) to make room for it."""
@@ -117,21 +129,23 @@ class Scheduler:
         start = now + self._running_work(now) / self.slots
         finish = start + (sum(self._work(j) for j in ahead) + self._work(job)) / self.slots
         shed = []
-        if finish > job.deadline:
+        if finish > job.target:
             victims = sorted((j for j in ahead if j.rank > job.rank), key=lambda j: (-j.rank, -j.deadline, -j.seq))
             for victim in victims:
-                if finish <= job.deadline:
+                if finish <= job.target:
                     break
                 shed.append(victim)
                 finish -= self._work(victim) / self.slots
-            if finish > job.deadline:
+            # Shedding aims at the plan; only a critical job is still admitted when it then ends
+            # between its plan and its deadline: the lower classes are the ones that absorb overload.
+            if finish > (job.deadline if job.rank == 0 else job.target):
                 raise Refused(f"model '{job.model}': the server is at capacity; this request would miss its "
                               f"{(job.deadline - job.arrival) * 1000:.0f} ms deadline", 429, self._drain_time(now))
         # Would the newcomer make a more important queued job late?
         pushed = finish
         for other in behind:
             pushed += self._work(other) / self.slots
-            if other.rank < job.rank and pushed > other.deadline >= pushed - self._work(job) / self.slots:
+            if other.rank < job.rank and pushed > other.target >= pushed - self._work(job) / self.slots:
                 raise Refused(f"model '{job.model}': the server is at capacity for requests of priority "
                               f"{PRIORITIES[job.rank]}", 429, self._drain_time(now))
         for victim in shed:
@@ -164,7 +178,10 @@ class Scheduler:
         model = self.models[job.model]
         model.running -= 1
         if compute_s is not None:
-            model.estimate_s += self.SMOOTHING * (compute_s - model.estimate_s)
+            error = compute_s - model.mean_s
+            model.mean_s += self.SMOOTHING * error
+            model.deviation_s += self.SMOOTHING * (abs(error) - model.deviation_s)
+            model.estimate_s = model.mean_s + 2 * model.deviation_s
 
     def discard(self, job: Job) -> bool:
         """Forget a queued job (its client went away); False if it is not queued."""

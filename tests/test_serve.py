@@ -199,6 +199,8 @@ BAD_REQUESTS = {
     # id: (path, body, extra headers, status, words the error must contain)
     "truncated json": ("affine", v2_json([GOOD_INPUT])[:-7], {}, 400, ["affine", "not valid JSON"]),
     "not an object": ("affine", b"[1, 2]", {}, 400, ["affine", "JSON object"]),
+    "deeply nested": ("affine", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, 400, ["affine", "JSON"]),
+    "not utf-8": ("affine", b'{"inputs": "\xff\xfe"}', {}, 400, ["affine", "not valid JSON"]),
     "no inputs": ("affine", b"{}", {}, 400, ["affine", "'inputs'"]),
     "wrong datatype": ("affine", v2_json([{**GOOD_INPUT, "datatype": "INT32"}]), {}, 400,
                        ["affine", "'x'", "INT32", "FP32"]),

@@ -250,7 +250,7 @@ class Routes:
         if body.strip():
             try:
                 options = json.loads(body)
-            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
                 raise RequestError(f"repository index: the request body is not valid JSON ({error})") from None
             if not isinstance(options, dict) or not isinstance(options.get("ready", False), bool):
                 raise RequestError("repository index: the body must be an object like {\"ready\": true}")

@@ -93,6 +93,8 @@ def _json_object(data: bytes, model: str) -> dict:
         body = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RequestError(f"model '{model}': the request body is not valid JSON ({error})") from None
+    except RecursionError:
+        raise RequestError(f"model '{model}': the request body nests JSON too deeply") from None
     if not isinstance(body, dict):
         raise RequestError(f"model '{model}': the request body must be a JSON object")
     return body

@@ -334,6 +334,13 @@ def wait_for_event(server, count, timeout=120):
     raise AssertionError(f"no hot-update event #{count}; log:\n" + "\n".join(server.log))
 
 
+def swaps_counted(server, result):
+    """cuvil_swaps_total{model="scale", result=...} as /metrics shows it."""
+    text = raw(server, "GET", "/metrics")[2].decode()
+    prefix = f'cuvil_swaps_total{{model="scale",result="{result}"}} '
+    return float(next((l[len(prefix):] for l in text.splitlines() if l.startswith(prefix)), 0))
+
+
 def x_scale(seed):
     return np.random.default_rng(seed).standard_normal((2, 4)).astype(np.float32)
 
@@ -408,15 +415,52 @@ def test_changed_signature_is_reported_not_swapped(server):
     event = wait_for_event(server, events + 1)
     assert event.result == "signature_changed" and "renamed" in event.reason
     assert server.registry.entries["scale"].current.version == version
-    text = raw(server, "GET", "/metrics")[2].decode()
-    assert 'cuvil_swaps_total{model="scale",result="signature_changed"} 1.0' in text
-    assert 'cuvil_swaps_total{model="scale",result="swapped"} 1.0' in text
+    assert swaps_counted(server, "signature_changed") >= 1
+    swapped = swaps_counted(server, "swapped")
     # the fix: the next good save swaps again
     save(scale_model(6.0), folder / "models" / "scale.onnx")
     event = wait_for_event(server, events + 2)
-    assert event.result == "swapped"
+    assert event.result == "swapped" and swaps_counted(server, "swapped") == swapped + 1
     x = x_scale(2)
     assert_close(infer(client(server), "scale", x).as_numpy("y"), run_ort(scale_model(6.0), {"x": x})["y"])
+
+
+@pytest.mark.slow
+def test_repeated_swaps_under_load_from_four_clients(server):
+    folder, events = server.folder, len(scale_events(server))
+    weights = {server.registry.entries["scale"].current.version: 6.0}  # where the case above left it
+    stop, answers, errors = threading.Event(), [], []
+
+    def load(index):
+        c = client(server)
+        for i in range(20_000):  # bounded: stop is set long before
+            if stop.is_set():
+                return
+            x = x_scale(index * 10 + i % 5)
+            try:
+                result = infer(c, "scale", x)
+                answers.append((index * 10 + i % 5, result.get_response()["model_version"], result.as_numpy("y")))
+            except Exception as error:  # noqa: BLE001  counted as a failure
+                errors.append(repr(error))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for k, factor in enumerate([7.0, 8.0, 9.0, 10.0, 11.0], start=1):
+            save(scale_model(factor), folder / "models" / "scale.onnx")
+            event = wait_for_event(server, events + k)
+            assert event.result == "swapped", event
+            weights[event.version] = factor
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, errors[:3]
+    assert {v for _, v, _ in answers} == set(weights)
+    for seed, version, got in answers:
+        assert_close(got, run_ort(scale_model(weights[version]), {"x": x_scale(seed)})["y"])
 
 
 def test_cli_serve_starts_answers_and_stops_on_sigterm(server, tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CuvilError
@@ -34,6 +34,7 @@ class UpdateEvent:
     version: str | None
     seconds: float  # from the change being seen to the new version serving (or the failure)
     reason: str = ""
+    steps: dict = field(default_factory=dict)  # seconds of each part: diff, build, load (warm-up, check, swap)
 
 
 class Updater:
@@ -44,6 +45,7 @@ class Updater:
         self.events: list[UpdateEvent] = []
         self._memo: dict[str, tuple[tuple, float, str]] = {}  # model -> (file stats, when, key)
         self._touched: set[str] = set()  # models whose files changed since their key was computed
+        self._diff_s = 0.0  # how long the last round's keys took
         self._stop = threading.Event()
         self._thread = None
         self.checks = 0  # rounds of checks done, for tests and logs
@@ -87,6 +89,7 @@ class Updater:
         events = []
         try:
             keys = self.keys(names)
+            self._diff_s = time.perf_counter() - seen
         except CuvilError as error:  # e.g. cuvil.yaml saved half-way: wait for the next change
             events = [self._report(name, "build_failed", None, seen, str(error)) for name in names]
             self.checks += 1
@@ -136,15 +139,21 @@ class Updater:
         return (stat(source), stat(self.spec.path))
 
     def _update(self, name: str, key: str, seen: float) -> UpdateEvent:
+        steps = {"diff": self._diff_s}
         try:
+            start = time.perf_counter()
             library = self.server.builder.build(name)
+            steps["build"] = time.perf_counter() - start
             installed = self.server.install(name, library, key)
+            steps["load"] = time.perf_counter() - start - steps["build"]
         except CuvilError as error:
-            return self._report(name, "build_failed", self.server.registry.entries[name].current, seen, str(error))
-        return self._report(name, installed.outcome, installed.version, seen, installed.reason)
+            return self._report(name, "build_failed", self.server.registry.entries[name].current, seen, str(error),
+                                steps)
+        return self._report(name, installed.outcome, installed.version, seen, installed.reason, steps)
 
-    def _report(self, name, result, version, seen, reason="") -> UpdateEvent:
-        event = UpdateEvent(name, result, getattr(version, "version", None), time.perf_counter() - seen, reason)
+    def _report(self, name, result, version, seen, reason="", steps=None) -> UpdateEvent:
+        event = UpdateEvent(name, result, getattr(version, "version", None), time.perf_counter() - seen, reason,
+                            steps or {})
         self.events.append(event)
         self.server.metrics.swaps.labels(name, result).inc()
         what = {"swapped": f"swapped in version {event.version}",
@@ -152,6 +161,7 @@ class Updater:
                 "unchanged": f"rebuilt to the same library ({event.version}): nothing swapped",
                 "signature_changed": "not swapped: the signature changed",
                 "build_failed": "not swapped: the update failed"}[result]
-        self.server.say(f"hot update [{name}]: {what} ({event.seconds * 1000:.0f} ms)"
+        parts = ", ".join(f"{step} {seconds * 1000:.0f}" for step, seconds in event.steps.items())
+        self.server.say(f"hot update [{name}]: {what} ({event.seconds * 1000:.0f} ms{': ' + parts if parts else ''})"
                         + (f"\n  {reason}" if reason else ""))
         return event

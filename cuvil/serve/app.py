@@ -60,7 +60,7 @@ class Dispatcher:
             now = time.monotonic()
             job = self.scheduler.new_job(model, now, payload=(fn, loop, future))
             shed = self.scheduler.offer(job, now)  # raises Refused for the newcomer itself
-            retry_after = self.scheduler._drain_time(now) if shed else 0
+            retry_after = self.scheduler.drain_time(now) if shed else 0
         for victim in shed:
             _, _, victim_future = victim.payload
             if not victim_future.done():
@@ -214,6 +214,7 @@ class Routes:
         return web.json_response({"name": entry.config.name, "ready": ready}, status=200 if ready else 400)
 
     async def infer(self, request):
+        start = time.monotonic()
         name = request.match_info["name"]
         entry = self.registry.entry(name)  # 404 before reading the body
         metrics = self.server.metrics
@@ -242,6 +243,7 @@ class Routes:
             metrics.failures.labels(name, "error").inc()
             raise
         body, headers = encode_infer_response(name, version, parsed, outputs)
+        metrics.request_seconds.labels(name).observe(time.monotonic() - start)
         return web.Response(body=body, headers=headers)
 
     async def repository_index(self, request):

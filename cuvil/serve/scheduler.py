@@ -122,7 +122,7 @@ class Scheduler:
         model = self.models[job.model]
         if len(model.queue) >= self.max_queue:
             raise Refused(f"model '{job.model}': its queue is full ({self.max_queue} requests)", 503,
-                          self._drain_time(now))
+                          self.drain_time(now))
         queued = sorted(self.queued(), key=lambda j: j.order)
         ahead = [j for j in queued if j.order < job.order]
         behind = [j for j in queued if j.order > job.order]
@@ -140,14 +140,14 @@ class Scheduler:
             # between its plan and its deadline: the lower classes are the ones that absorb overload.
             if finish > (job.deadline if job.rank == 0 else job.target):
                 raise Refused(f"model '{job.model}': the server is at capacity; this request would miss its "
-                              f"{(job.deadline - job.arrival) * 1000:.0f} ms deadline", 429, self._drain_time(now))
+                              f"{(job.deadline - job.arrival) * 1000:.0f} ms deadline", 429, self.drain_time(now))
         # Would the newcomer make a more important queued job late?
         pushed = finish
         for other in behind:
             pushed += self._work(other) / self.slots
             if other.rank < job.rank and pushed > other.target >= pushed - self._work(job) / self.slots:
                 raise Refused(f"model '{job.model}': the server is at capacity for requests of priority "
-                              f"{PRIORITIES[job.rank]}", 429, self._drain_time(now))
+                              f"{PRIORITIES[job.rank]}", 429, self.drain_time(now))
         for victim in shed:
             self.models[victim.model].queue.remove(victim)
         model.queue.append(job)
@@ -203,7 +203,7 @@ class Scheduler:
     def _running_work(self, now: float) -> float:
         return sum(max(0.0, self._work(j) - (now - j.started) * j.cost) for j in self.running)
 
-    def _drain_time(self, now: float) -> float:
+    def drain_time(self, now: float) -> float:
         """Seconds until the work started and queued now should be done: a Retry-After."""
         work = self._running_work(now) + sum(self._work(j) for j in self.queued())
         return max(1.0, math.ceil(work / self.slots))

@@ -346,11 +346,17 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     weights = {first: 0}
     times, windows = [], []  # windows: (file written, new version seen + 100 ms)
 
+    # made before the load starts: building a model takes the client's only thread for ~0.1 s,
+    # which would show up as a pause in the answers
+    path = folder / "models" / f"{model_name}.onnx"
+    versions = {seed: mlp(batch, sizes, seed=seed) for seed in range(1, swaps + 1)}
+    null_edit = mlp(batch, sizes, seed=swaps, rename=True)
+
     def swapper(t0):
         version = first
         gevent.sleep(1.0)
         for seed in range(1, swaps + 1):
-            save(mlp(batch, sizes, seed=seed), folder / "models" / f"{model_name}.onnx")
+            save(versions[seed], path)
             written = time.perf_counter()
             version, seen = wait_version(client, model_name, version)
             weights[version] = seed
@@ -358,7 +364,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
             windows.append((written, seen + 0.1))
             gevent.sleep(0.3)
         # a semantically null edit: the same weights, every internal name changed
-        save(mlp(batch, sizes, seed=swaps, rename=True), folder / "models" / f"{model_name}.onnx")
+        save(null_edit, path)
         gevent.sleep(2.0)
         null_version = client.get_model_metadata(model_name)["versions"][0]
         weights["null_edit_swapped"] = null_version != version

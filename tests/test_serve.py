@@ -425,6 +425,31 @@ def test_changed_signature_is_reported_not_swapped(server):
     assert_close(infer(client(server), "scale", x).as_numpy("y"), run_ort(scale_model(6.0), {"x": x})["y"])
 
 
+def test_a_model_that_does_not_build_is_unavailable_with_its_reason(tmp_path):
+    (tmp_path / "models").mkdir()
+    save(scale_model(2.0), tmp_path / "models" / "good.onnx")
+    (tmp_path / "models" / "broken.onnx").write_bytes(b"not an onnx model")
+    (tmp_path / "cuvil.yaml").write_text(
+        f"version: 1\noutput_dir: out\ncache: {{dir: {os.environ['CUVIL_CACHE_DIR']}}}\nmodels:\n"
+        f"  - {{name: good, source: models/good.onnx, inputs: {{x: [2, 4]}}}}\n"
+        f"  - {{name: broken, source: models/broken.onnx}}\n")
+    log = []
+    srv = Server(tmp_path / "cuvil.yaml", port=0, say=log.append).start()
+    try:
+        assert raw(srv, "GET", "/v2/health/ready", token=False)[0] == 503  # not every model is loaded
+        index = {m["name"]: m for m in json.loads(raw(srv, "POST", "/v2/repository/index", token=False)[2])}
+        assert index["good"]["state"] == "READY"
+        assert index["broken"]["state"] == "UNAVAILABLE" and "broken" in index["broken"]["reason"]
+        status, _, body = raw(srv, "POST", "/v2/models/broken/infer", v2_json([GOOD_INPUT]), token=False)
+        assert status == 503 and "not loaded" in json.loads(body)["error"]
+        x = x_scale(0)
+        result = infer(tritonclient_http.InferenceServerClient(f"127.0.0.1:{srv.port}"), "good", x)
+        assert_close(result.as_numpy("y"), run_ort(scale_model(2.0), {"x": x})["y"])
+    finally:
+        srv.stop()
+    assert any("[broken] not served" in line for line in log)
+
+
 @pytest.mark.slow
 def test_repeated_swaps_under_load_from_four_clients(server):
     folder, events = server.folder, len(scale_events(server))

@@ -154,6 +154,9 @@ class Server:
             self.updater.start()
         self.say(f"serving {len(self.registry.entries)} model(s) on {self.url} (KServe v2; {self.workers} compute "
                  f"threads){'; bearer token required' if self.token else ''}")
+        if self.token is None and self.host not in ("127.0.0.1", "localhost", "::1"):
+            self.say(f"warning: {self.host} is reachable from other machines and no --token-file was given: "
+                     f"anyone who can connect can run and unload the models")
         return self
 
     def stop(self):

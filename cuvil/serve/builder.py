@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -131,6 +132,19 @@ def _build_job(config_path: str, name: str) -> dict:
     return {"library": str(served.library)}
 
 
+def _exit_with_parent(parent: int):
+    """In the worker: exit when the server process is gone (killed, say), instead of living on idle."""
+    import os
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+    threading.Thread(target=watch, name="cuvil-build-worker-watch", daemon=True).start()
+
+
 def _warm_job() -> bool:
     from .. import project  # noqa: F401  (imports the compiler once, before the first build needs it)
     return True
@@ -146,7 +160,8 @@ class Builder:
     def _call(self, fn, *args):
         for attempt in (1, 2):
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_exit_with_parent, initargs=(os.getpid(),))
             try:
                 return self._pool.submit(fn, *args).result()
             except BrokenProcessPool:

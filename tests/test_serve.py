@@ -497,12 +497,15 @@ def test_cli_serve_starts_answers_and_stops_on_sigterm(server, tmp_path):
                              "--token-file", str(tmp_path / "token"), "--stop-after", "300"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
-        for line in proc.stdout:  # ends if the process exits
-            lines.append(line)
-            if line.startswith("serving "):
-                break
-        port = int(lines[-1].split("http://127.0.0.1:")[1].split()[0])
+        end = time.monotonic() + 240
+        while not any(line.startswith("serving ") for line in lines):
+            assert proc.poll() is None and time.monotonic() < end, "no 'serving' line:\n" + "".join(lines)
+            time.sleep(0.05)
+        serving = next(line for line in lines if line.startswith("serving "))
+        port = int(serving.split("http://127.0.0.1:")[1].split()[0])
         c = tritonclient_http.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=30)
         x = x_affine(5)
         assert_close(infer(c, "affine", x).as_numpy("y"), run_ort(affine_model(), {"x": x})["y"])
@@ -510,10 +513,10 @@ def test_cli_serve_starts_answers_and_stops_on_sigterm(server, tmp_path):
             c.get_model_metadata("affine")  # no token
         assert error.value.status() == "401"
         proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=60)
-        lines.append(rest)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
         assert proc.returncode == 0, "".join(lines)
-        assert "stopping" in rest
+        assert "stopping\n" in lines
     finally:
         if proc.poll() is None:
             proc.kill()

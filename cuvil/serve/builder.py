@@ -87,14 +87,21 @@ def _source_hash(model, diff_mode: str) -> str:
     if diff_mode == "syntactic":
         digest = hashlib.sha256(Path(model.source).read_bytes()).hexdigest()
         return _sha("bytes", digest)
-    from ..build import has_kernel
-    from ..frontends.onnx import import_onnx
-    source = model.source
-    if source.suffix.lower() in TORCHSCRIPT_SUFFIXES:
-        from ..frontends.torch import to_onnx_proto
-        source = to_onnx_proto(source, dict(model.inputs))
-    graph, _ = import_onnx(source, dict(model.inputs), has_kernel=has_kernel)
-    return _sha("graph", graph_hash(graph))
+    return _sha("graph", graph_hash(_import_graph(model.source, dict(model.inputs))))
+
+
+def _import_graph(source, input_shapes):
+    """The graph the build imports (TorchScript exported first), through the pipeline's own import."""
+    try:
+        from ..pipeline import import_any
+    except ImportError:  # a cuvil from before cuvil/pipeline.py: the same steps, spelled out
+        from ..build import has_kernel
+        from ..frontends.onnx import import_onnx
+        if Path(source).suffix.lower() in TORCHSCRIPT_SUFFIXES:
+            from ..frontends.torch import to_onnx_proto
+            source = to_onnx_proto(source, input_shapes)
+        return import_onnx(source, input_shapes, has_kernel=has_kernel)[0]
+    return import_any(source, input_shapes)
 
 
 def model_key(model, diff_mode: str) -> str:

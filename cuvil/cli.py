@@ -91,6 +91,23 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--max-builds", type=_positive_int, default=None, help=argparse.SUPPRESS)
     watch.set_defaults(command=cmd_watch)
 
+    serve = commands.add_parser("serve", parents=[common], help="serve the models over the KServe v2 protocol",
+                                description="Build what is missing, load every model and serve the KServe v2 "
+                                            "(Open Inference Protocol) HTTP API, scheduled by each model's "
+                                            "`serve:` settings and hot-updated when `incremental:` is enabled. "
+                                            "Ctrl-C stops. See docs/serving.md.")
+    _config_option(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    serve.add_argument("--token-file", type=Path, metavar="FILE",
+                       help="require `Authorization: Bearer <the file's text>` on every endpoint but /v2/health")
+    serve.add_argument("--workers", type=_positive_int, metavar="N",
+                       help="compute threads shared by all models (default: the usable CPU cores)")
+    serve.add_argument("--max-body-mb", type=_positive_int, default=64, metavar="MB",
+                       help="largest request body accepted (default 64)")
+    serve.add_argument("--stop-after", type=float, default=None, help=argparse.SUPPRESS)
+    serve.set_defaults(command=cmd_serve)
+
     graph = commands.add_parser("graph", parents=[common], help="print the build's step graph",
                                 description="Print the steps of the build and their keys "
                                             "(kernel steps appear once the code generator has run or is cached).")
@@ -240,6 +257,26 @@ def cmd_explain(args) -> int:
 def cmd_watch(args) -> int:
     from .watch import watch
     return watch(args.file, jobs=args.jobs, say=_say, max_builds=args.max_builds)
+
+
+def cmd_serve(args) -> int:
+    try:
+        from .serve import Server
+    except ImportError as error:
+        raise CuvilError(f"cuvil serve needs the packages of the serve extra ({error.name} is missing)",
+                         hint='pip install "cuvil[serve]"') from None
+    token = None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise CuvilError(f"cannot read the token file {args.token_file}: {error}") from None
+        if not token:
+            raise CuvilError(f"the token file {args.token_file} is empty")
+    server = Server(args.file, host=args.host, port=args.port, token=token, workers=args.workers,
+                    max_body_bytes=args.max_body_mb * 1024 * 1024, say=_say)
+    server.serve_forever(stop_after=args.stop_after)
+    return EXIT_OK
 
 
 def cmd_graph(args) -> int:

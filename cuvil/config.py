@@ -26,6 +26,8 @@ from .errors import ConfigError
 
 TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "cuda-sm80", "cuda-sm90")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most important first
+DIFF_MODES = ("syntactic", "semantic")
 SOURCE_SUFFIXES = (".onnx", ".pt", ".pth")
 DEFAULT_SYMBOL_PREFIX = "cuvil_"
 
@@ -100,6 +102,25 @@ class WatchConfig(_Strict):
     debounce_ms: int = Field(300, ge=0)
 
 
+class ServeConfig(_Strict):
+    """How `cuvil serve` schedules one model's requests (cuvil/serve/scheduler.py)."""
+
+    priority: Annotated[str, _one_of(PRIORITIES, "priority")] = "normal"
+    deadline_ms: int = Field(1000, ge=1)  # a request should be answered this long after it arrives
+    max_concurrency: int = Field(1, ge=1)  # sessions of the library that run at once
+
+
+class IncrementalConfig(_Strict):
+    """Hot updates in `cuvil serve`: rebuild a changed model and swap it into the running server."""
+
+    enabled: bool = False
+    # syntactic: any change of the file's bytes rebuilds; semantic: only a change of the
+    # imported graph (not of names or node order) does.
+    diff_mode: Annotated[str, _one_of(DIFF_MODES, "diff_mode")] = "semantic"
+    cache_ttl: int = Field(3600, ge=0)  # seconds a remembered diff hash stays valid
+    watch_paths: list[LaxPath] = []  # files, folders or globs besides the models' sources
+
+
 class _Settings(_Strict):
     """What `defaults:` may set for every model; the field defaults are the built-in ones."""
 
@@ -123,6 +144,7 @@ class _Model(_Settings):
     name: Identifier
     source: Annotated[str, AfterValidator(_source_suffix)]
     inputs: dict[str, list[Dimension]] | None = None
+    serve: ServeConfig | None = None
 
 
 class _File(_Strict):
@@ -133,6 +155,7 @@ class _File(_Strict):
     defaults: _Settings | None = None
     models: list[_Model] = Field(min_length=1)
     watch: WatchConfig | None = None
+    incremental: IncrementalConfig | None = None
 
 
 # --- the resolved spec the rest of cuvil reads
@@ -154,6 +177,7 @@ class ModelConfig(BaseModel):
     symbol_prefix: str
     max_arena_mb: int = 4096
     sanitize: bool = False
+    serve: ServeConfig = ServeConfig()
     line: int | None = None
 
 
@@ -164,6 +188,7 @@ class BuildSpec(BaseModel):
     cache: CacheConfig
     models: list[ModelConfig]
     watch: WatchConfig
+    incremental: IncrementalConfig = IncrementalConfig()
     path: Path
     root: Path
 
@@ -266,19 +291,22 @@ def _resolve(raw, root_node, path):
                                   for name, own in {**defaults["pass_options"], **values["pass_options"]}.items()}
         values.update(source=source, line=line,
                       inputs={name: tuple(shape) for name, shape in (entry.inputs or {}).items()},
-                      symbol_prefix=values["symbol_prefix"] or DEFAULT_SYMBOL_PREFIX)
+                      symbol_prefix=values["symbol_prefix"] or DEFAULT_SYMBOL_PREFIX,
+                      serve=entry.serve or ServeConfig())
         models.append(ModelConfig(**values))
 
     def absolute(value):
         return (root / Path(value).expanduser()).resolve()
 
     cache, watch = raw.cache or CacheConfig(), raw.watch or WatchConfig()
+    incremental = raw.incremental or IncrementalConfig()
     return BuildSpec(
         version=raw.version,
         output_dir=absolute(raw.output_dir),
         cache=cache.model_copy(update={"dir": absolute(cache.dir)}),
         models=models,
         watch=watch.model_copy(update={"paths": [absolute(p) for p in watch.paths]}),
+        incremental=incremental.model_copy(update={"watch_paths": [absolute(p) for p in incremental.watch_paths]}),
         path=path.resolve(),
         root=root,
     )

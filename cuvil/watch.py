@@ -17,7 +17,7 @@ from .config import load_config
 from .errors import CuvilError
 
 
-def _watched(config_path: Path, spec) -> list[Path]:
+def watched_paths(config_path: Path, spec) -> list[Path]:
     paths = {config_path.resolve().parent}  # the folder: editors replace files by rename
     if spec is not None:
         for model in spec.models:
@@ -28,7 +28,7 @@ def _watched(config_path: Path, spec) -> list[Path]:
     return sorted(p for p in paths if p.exists())
 
 
-def _relevant(changes, config_path: Path, spec) -> bool:
+def relevant_change(changes, config_path: Path, spec) -> bool:
     """Ignore our own outputs and cache: only inputs of the build count."""
     ignored = []
     if spec is not None:
@@ -73,11 +73,11 @@ def watch(config_path: Path, jobs: int = 1, say=print, stop_event=None, max_buil
     builds = 1
     while max_builds is None or builds < max_builds:
         debounce = spec.watch.debounce_ms if spec is not None else 300
-        paths = _watched(config_path, spec)
+        paths = watched_paths(config_path, spec)
         say(f"watching {', '.join(str(p) for p in paths)} (Ctrl-C to stop)")
         for changes in watchfiles.watch(*paths, debounce=debounce, stop_event=stop_event, rust_timeout=1000,
                                         yield_on_timeout=False, raise_interrupt=False):
-            if _relevant(changes, config_path, spec):
+            if relevant_change(changes, config_path, spec):
                 break
         else:
             return 0  # stopped

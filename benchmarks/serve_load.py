@@ -1,0 +1,437 @@
+"""`cuvil serve` under load, on loopback: scheduling at ~2x capacity, hot swaps, memory per model.
+
+A temporary project holds three MLPs with different `serve:` classes
+
+    fraud   critical  deadline  50 ms   [16, 512] -> 1024 -> 1024 -> 2
+    ranker  normal    deadline 200 ms   [32, 1024] -> 1024 -> 1024 -> 1024 -> 1
+    batch   low       deadline 1 s      [64, 1024] -> 2048 -> 2048 -> 10
+
+(and, with --resnet, a ResNet-18 [1, 3, 224, 224] at low priority). The
+server runs as its own process (`python -m cuvil serve --port 0`, loopback,
+`--stop-after` bounds its life); the clients are tritonclient.http greenlets
+in this process. Phases:
+
+1. memory: every model unloaded, then loaded one at a time through the
+   repository API; the server's RSS (VmRSS) grows by the model's cost,
+   compared with the library's weights + arena x sessions + 10 MB;
+2. capacity: closed loop, 4 clients per compute thread, the request mix
+   below: answers per second;
+3. overload: open loop (Poisson arrivals) at `--overload` x capacity for
+   `--seconds`; per class: sent, answered, 429, 503, other failures, p50/p99
+   latency from the scheduled send to the answer, share of answers within
+   the deadline;
+4. hot swaps: at half capacity, `--swaps` rewrites of fraud.onnx with new
+   weights, then one semantically null edit (internal names changed). Every
+   answer is checked against onnxruntime on the weights of the version that
+   answered; reports failed requests, time from the write to the first new
+   answer, the longest gap between two answers of fraud (and the median gap);
+5. with --resnet: one weight of ResNet-18 changed; time from the write until
+   the server reports the new version, and the server's own measure (change
+   seen -> new version serving).
+
+    python benchmarks/serve_load.py [--seconds 20] [--swaps 20] [--overload 2] [--resnet] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import gevent  # noqa: E402  (tritonclient.http runs on gevent; greenlets are the load generator)
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+import tritonclient.http as triton  # noqa: E402
+from onnx import helper, numpy_helper  # noqa: E402
+
+MODELS = {  # name: (priority, deadline_ms, batch, layer sizes, share of the requests, max_concurrency)
+    "fraud": ("critical", 50, 16, (512, 1024, 1024, 2), 0.3, 2),
+    "ranker": ("normal", 200, 32, (1024, 1024, 1024, 1024, 1), 0.4, 2),
+    # its runs are the longest (~13 ms): on one core at most, so a critical request never waits for two
+    "batch": ("low", 1000, 64, (1024, 2048, 2048, 10), 0.3, 1),
+}
+
+
+def mlp(batch, sizes, seed, rename=False):
+    rng = np.random.default_rng(seed)
+    nodes, inits, last = [], {}, "x"
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        tag = f"renamed{i}" if rename else f"l{i}"
+        w, bias = f"{tag}_w", f"{tag}_b"
+        inits[w] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
+        inits[bias] = (0.1 * rng.standard_normal(b)).astype(np.float32)
+        out = "y" if i == len(sizes) - 2 else f"{tag}_out"
+        nodes += [helper.make_node("MatMul", [last, w], [f"{tag}_mm"]),
+                  helper.make_node("Add", [f"{tag}_mm", bias], [f"{tag}_add" if out != "y" else "y"])]
+        if out != "y":
+            nodes.append(helper.make_node("Relu", [f"{tag}_add"], [out]))
+        last = out
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [batch, sizes[0]])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [batch, sizes[-1]])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def save(model, path: Path):
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(model.SerializeToString())
+    partial.replace(path)
+
+
+def ort_session(model):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def write_project(folder: Path, resnet: bool, cache: Path) -> Path:
+    (folder / "models").mkdir(parents=True)
+    lines = ["version: 1", "output_dir: out", f"cache: {{dir: {cache}}}", "models:"]
+    for name, (priority, deadline, batch, sizes, _, concurrency) in MODELS.items():
+        save(mlp(batch, sizes, seed=0), folder / "models" / f"{name}.onnx")
+        lines += [f"  - name: {name}", f"    source: models/{name}.onnx", f"    symbol_prefix: {name}_",
+                  f"    serve: {{priority: {priority}, deadline_ms: {deadline}, max_concurrency: {concurrency}}}"]
+    if resnet:
+        from tests import zoo
+        save(zoo.export(zoo.resnet(), {"input": [1, 3, 224, 224]}), folder / "models" / "resnet18.onnx")
+        lines += ["  - name: resnet18", "    source: models/resnet18.onnx", "    symbol_prefix: resnet18_",
+                  "    serve: {priority: low, deadline_ms: 2000}"]
+    lines += ["watch: {debounce_ms: 20}", "incremental: {enabled: true, diff_mode: semantic}", ""]
+    (folder / "cuvil.yaml").write_text("\n".join(lines))
+    return folder / "cuvil.yaml"
+
+
+class ServerProcess:
+    def __init__(self, config: Path, lifetime: float, workers: int | None):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        extra = ["--workers", str(workers)] if workers else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "cuvil", "serve", "-f", str(config), "--port", "0",
+                                      "--stop-after", str(lifetime), *extra], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            print("  server:", line.rstrip(), flush=True)
+            if line.startswith("serving "):
+                break
+        else:
+            raise SystemExit("the server did not start:\n" + "".join(self.lines))
+        self.port = int(re.search(r"127\.0\.0\.1:(\d+)", self.lines[-1]).group(1))
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# --- one request
+
+class Recorder:
+    def __init__(self):
+        self.rows = []  # (model, scheduled, done, status, version, output, sent)
+
+    def send(self, client, model, x, scheduled, keep_output=False):
+        sent = time.perf_counter()  # later than `scheduled` when the client itself lags
+        tensor = triton.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        try:
+            result = client.infer(model, [tensor])
+            status = 200
+            version = result.get_response()["model_version"]
+            output = result.as_numpy("y") if keep_output else None
+        except triton.InferenceServerException as error:
+            status, version, output = int(error.status() or 0), None, error.message()
+        except Exception as error:  # noqa: BLE001  a transport failure: counted, never hidden
+            status, version, output = -1, None, repr(error)
+        self.rows.append((model, scheduled, time.perf_counter(), status, version, output, sent))
+
+
+def inputs():
+    return {name: np.random.default_rng(7).standard_normal((batch, sizes[0])).astype(np.float32)
+            for name, (_, _, batch, sizes, *_) in MODELS.items()}
+
+
+def pick(rng):
+    names = list(MODELS)
+    return names[rng.choice(len(names), p=[MODELS[n][4] for n in names])]
+
+
+def closed_loop(client, seconds, clients) -> float:
+    rec, rng, xs, end = Recorder(), np.random.default_rng(1), inputs(), time.perf_counter() + seconds
+
+    def one():
+        while time.perf_counter() < end:
+            model = pick(rng)
+            rec.send(client, model, xs[model], time.perf_counter())
+
+    gevent.joinall([gevent.spawn(one) for _ in range(clients)])
+    ok = sum(1 for row in rec.rows if row[3] == 200)
+    return ok / seconds
+
+
+def open_loop(client, rate, seconds) -> Recorder:
+    """Poisson arrivals of the request mix at `rate` per second for `seconds`."""
+    rec, rng, xs = Recorder(), np.random.default_rng(2), inputs()
+    greenlets, t0 = [], time.perf_counter()
+    t = t0
+    while t - t0 < seconds:
+        t += rng.exponential(1 / rate)
+        delay = t - time.perf_counter()
+        if delay > 0:
+            gevent.sleep(delay)
+        model = pick(rng)
+        greenlets.append(gevent.spawn(rec.send, client, model, xs[model], t))
+    gevent.joinall(greenlets, timeout=120)
+    return rec
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def class_table(rec: Recorder, seconds: float) -> dict:
+    table = {}
+    for name, (priority, deadline, *_rest) in MODELS.items():
+        rows = [r for r in rec.rows if r[0] == name]
+        ok = [(r[2] - r[1]) * 1000 for r in rows if r[3] == 200]
+        from_send = [(r[2] - r[6]) * 1000 for r in rows if r[3] == 200]
+        table[name] = {
+            "priority": priority, "deadline_ms": deadline, "sent": len(rows), "answered": len(ok),
+            "rejected_429": sum(r[3] == 429 for r in rows), "shed_503": sum(r[3] == 503 for r in rows),
+            "other_failures": sum(r[3] not in (200, 429, 503) for r in rows),
+            "p50_ms": percentile(ok, 50), "p99_ms": percentile(ok, 99),
+            "within_deadline": (sum(v <= deadline for v in ok) / len(ok)) if ok else float("nan"),
+            "p99_from_send_ms": percentile(from_send, 99),
+            "within_deadline_from_send": (sum(v <= deadline for v in from_send) / len(ok)) if ok else float("nan"),
+            "client_lag_p99_ms": percentile([(r[6] - r[1]) * 1000 for r in rows], 99),
+            "answers_per_s": len(ok) / seconds}
+    return table
+
+
+def server_means(port) -> dict:
+    """From the server's /metrics: (queue|compute, model) -> (sum of seconds, count), and
+    ("within", model) -> (answers within the deadline by the handler's own clock, answers)."""
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    found = {}
+    for name, (_, deadline, *_rest) in MODELS.items():
+        le = f"{deadline / 1000:g}" if deadline < 1000 else "1.0"
+        within = re.search(rf'^cuvil_request_seconds_bucket{{le="{le}",model="{name}"}} (\S+)$', text, re.M)
+        count = re.search(rf'^cuvil_request_seconds_count{{model="{name}"}} (\S+)$', text, re.M)
+        found[("within", name)] = (float(within.group(1)) if within else 0.0, float(count.group(1)) if count else 0.0)
+    for what in ("queue", "compute"):
+        for name in MODELS:
+            values = []
+            for suffix in ("sum", "count"):
+                match = re.search(rf'^cuvil_{what}_seconds_{suffix}{{model="{name}"}} (\S+)$', text, re.M)
+                values.append(float(match.group(1)) if match else 0.0)
+            found[(what, name)] = tuple(values)
+    return found
+
+
+def wait_version(client, model, old, timeout=300):
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        version = client.get_model_metadata(model)["versions"][0]
+        if version != old:
+            return version, time.perf_counter()
+        gevent.sleep(0.005)
+    raise SystemExit(f"{model}: no new version within {timeout} s")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=20, help="length of the overload phase")
+    parser.add_argument("--swaps", type=int, default=20)
+    parser.add_argument("--overload", type=float, default=2.0, help="offered load / measured capacity")
+    parser.add_argument("--resnet", action="store_true", help="also time a one-weight change of ResNet-18")
+    parser.add_argument("--workers", type=int, help="the server's compute threads (default: its own, the cores)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    report = {"machine": {"cpus": len(os.sched_getaffinity(0))}, "command": " ".join(sys.argv)}
+    with tempfile.TemporaryDirectory(prefix="cuvil-serve-bench-") as tmp:
+        folder = Path(tmp)
+        config = write_project(folder, args.resnet, ROOT / ".cuvil-cache" / "bench")
+        print("building and starting the server...", flush=True)
+        server = ServerProcess(config, lifetime=3600, workers=args.workers)
+        client = triton.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=256,
+                                              connection_timeout=60, network_timeout=120)
+        try:
+            report["memory"] = memory_phase(client, server, folder)
+            capacity = closed_loop(client, 8, clients=4 * report["machine"]["cpus"])
+            if not capacity:
+                raise SystemExit("no answers in the capacity phase:\n" + "".join(server.lines[-20:]))
+            report["capacity_per_s"] = capacity
+            print(f"capacity (closed loop): {capacity:.0f} answers/s", flush=True)
+            before = server_means(server.port)
+            rec = open_loop(client, args.overload * capacity, args.seconds)
+            report["overload"] = {"offered_per_s": args.overload * capacity, "seconds": args.seconds,
+                                  "classes": class_table(rec, args.seconds)}
+            after = server_means(server.port)
+            for name, row in report["overload"]["classes"].items():
+                for what in ("queue", "compute"):
+                    total = after[(what, name)][0] - before[(what, name)][0]
+                    count = after[(what, name)][1] - before[(what, name)][1]
+                    row[f"server_{what}_mean_ms"] = 1000 * total / count if count else float("nan")
+                within = after[("within", name)][0] - before[("within", name)][0]
+                answered = after[("within", name)][1] - before[("within", name)][1]
+                row["within_deadline_in_server"] = within / answered if answered else float("nan")
+            report["swaps"] = swap_phase(client, folder, capacity / 2, args.swaps)
+            if args.resnet:
+                report["resnet18"] = resnet_phase(client, server, folder)
+        finally:
+            server.stop()
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def memory_phase(client, server, folder) -> dict:
+    names = [m["name"] for m in client.get_model_repository_index()]
+    for name in names:
+        client.unload_model(name)
+    time.sleep(0.5)
+    rows, base = {}, server.rss_bytes()
+    for name in names:
+        before = server.rss_bytes()
+        client.load_model(name)
+        after = server.rss_bytes()
+        info = json.loads(next((folder / "out" / name / "native").glob("manifest.json")).read_text())
+        memory = info.get("memory", info.get("info", {}).get("memory", {}))
+        sessions = MODELS[name][5] if name in MODELS else 1
+        budget = (memory.get("weights_bytes", 0) + sessions * memory.get("arena_bytes", 0)
+                  + memory.get("shared_bytes", 0) + 10 * 2 ** 20)
+        rows[name] = {"rss_delta_mb": (after - before) / 2 ** 20, "budget_mb": budget / 2 ** 20,
+                      "shared_mb": memory.get("shared_bytes", 0) / 2 ** 20,
+                      "weights_mb": memory.get("weights_bytes", 0) / 2 ** 20,
+                      "arena_mb": memory.get("arena_bytes", 0) / 2 ** 20, "sessions": sessions}
+        print(f"  load {name}: RSS +{rows[name]['rss_delta_mb']:.1f} MB (budget {rows[name]['budget_mb']:.1f} MB)",
+              flush=True)
+    return {"rss_without_models_mb": base / 2 ** 20, "models": rows}
+
+
+def swap_phase(client, folder, rate, swaps) -> dict:
+    model_name = "fraud"
+    _, _, batch, sizes, *_ = MODELS[model_name]
+    x = inputs()[model_name]
+    first = client.get_model_metadata(model_name)["versions"][0]
+    weights = {first: 0}
+    times, windows = [], []  # windows: (file written, new version seen + 100 ms)
+
+    # made before the load starts: building a model takes the client's only thread for ~0.1 s,
+    # which would show up as a pause in the answers
+    path = folder / "models" / f"{model_name}.onnx"
+    versions = {seed: mlp(batch, sizes, seed=seed) for seed in range(1, swaps + 1)}
+    null_edit = mlp(batch, sizes, seed=swaps, rename=True)
+
+    def swapper(t0):
+        version = first
+        gevent.sleep(1.0)
+        for seed in range(1, swaps + 1):
+            save(versions[seed], path)
+            written = time.perf_counter()
+            version, seen = wait_version(client, model_name, version)
+            weights[version] = seed
+            times.append(seen - written)
+            windows.append((written, seen + 0.1))
+            gevent.sleep(0.3)
+        # a semantically null edit: the same weights, every internal name changed
+        save(null_edit, path)
+        gevent.sleep(2.0)
+        null_version = client.get_model_metadata(model_name)["versions"][0]
+        weights["null_edit_swapped"] = null_version != version
+        gevent.sleep(0.5)
+
+    # requests at a constant rate (not Poisson: a pause must stand out from the gaps between
+    # arrivals) until the swapper is done
+    start = time.perf_counter()
+    rec = Recorder()
+    side = gevent.spawn(swapper, start)
+    greenlets, t = [], start
+    while not side.ready():
+        t += 1 / rate
+        delay = t - time.perf_counter()
+        if delay > 0:
+            gevent.sleep(delay)
+        greenlets.append(gevent.spawn(rec.send, client, model_name, x, t, True))
+    gevent.joinall(greenlets, timeout=120)
+    side.get()
+    null_swapped = weights.pop("null_edit_swapped")
+    sessions = {}
+    wrong = 0
+    for _, _, _, status, version, output, _ in rec.rows:
+        if status != 200:
+            continue
+        if version not in sessions:
+            sessions[version] = ort_session(mlp(batch, sizes, seed=weights[version]))
+        want = sessions[version].run(None, {"x": x})[0]
+        if not np.allclose(output, want, rtol=1e-4, atol=1e-5):
+            wrong += 1
+    done = sorted(r[2] for r in rec.rows if r[3] == 200)
+    gaps = np.diff(done) * 1000 if len(done) > 1 else np.array([0.0])
+    in_window = [(r[2] - r[6]) * 1000 for r in rec.rows
+                 if r[3] == 200 and any(a <= r[6] <= b for a, b in windows)]
+    outside = [(r[2] - r[6]) * 1000 for r in rec.rows
+               if r[3] == 200 and not any(a <= r[6] <= b for a, b in windows)]
+    result = {"swaps": len(times), "requests": len(rec.rows), "failed": sum(r[3] != 200 for r in rec.rows),
+              "wrong_answers": wrong, "versions_seen": len(sessions),
+              "write_to_new_version_ms": {"median": statistics.median(times) * 1000, "max": max(times) * 1000},
+              "longest_gap_between_answers_ms": float(gaps.max()), "median_gap_ms": float(np.median(gaps)),
+              "latency_during_swaps_ms": {"p50": percentile(in_window, 50), "p99": percentile(in_window, 99),
+                                          "max": max(in_window, default=float("nan")), "n": len(in_window)},
+              "latency_otherwise_ms": {"p50": percentile(outside, 50), "p99": percentile(outside, 99),
+                                       "max": max(outside, default=float("nan")), "n": len(outside)},
+              "offered_per_s": rate, "null_edit_swapped": null_swapped}
+    print(f"  swaps: {result}", flush=True)
+    return result
+
+
+def resnet_phase(client, server, folder) -> dict:
+    path = folder / "models" / "resnet18.onnx"
+    model = onnx.load(path)
+    old = client.get_model_metadata("resnet18")["versions"][0]
+    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    array = numpy_helper.to_array(init).copy()
+    array.flat[0] += 0.25 + (time.time_ns() % 1000) / 1e6  # a new value each run: the build is never cached
+    init.CopyFrom(numpy_helper.from_array(array, init.name))
+    seen_lines = len(server.lines)
+    save(model, path)
+    written = time.perf_counter()
+    version, seen = wait_version(client, "resnet18", old)
+    time.sleep(0.5)
+    own = [l for l in server.lines[seen_lines:] if "hot update [resnet18]" in l]
+    result = {"write_to_new_version_s": seen - written, "server_log": [l.strip() for l in own]}
+    print(f"  resnet18: {result}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Builds and diff hashes for the server, run in a separate process.
+
+The server process never imports the compiler: `Builder` keeps one spawned
+worker process that does (once, so later builds do not pay for the imports),
+and runs there `project.build_project` for one model, or the hash of a model
+source that decides whether a watched change needs a rebuild at all:
+
+- syntactic: the sha256 of the file's bytes;
+- semantic: a hash of the imported graph (cuvil's CIR after the frontend:
+  constants folded, static shapes) that is blind to value and node names and
+  to node order: every value is hashed from the op, attributes and input
+  hashes that make it (a Merkle hash of the dataflow graph), graph inputs by
+  position, name, dtype and shape, constants by their bytes, and the graph by
+  its outputs' names and hashes. A re-export that renames internal values or
+  reorders nodes hashes the same; a changed weight, op or attribute does not.
+
+Either hash is combined with the model's settings in cuvil.yaml (all but
+`serve:`), so a changed `threads:` or pass list also rebuilds.
+
+A worker that dies is replaced on the next call. Errors come back as
+`BuildFailed` carrying the message the CLI would print.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CuvilError
+
+
+
+class BuildFailed(CuvilError):
+    """A build or a diff hash failed in the worker; the message is the worker's error."""
+
+
+def _sha(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _canonical(value, subgraph_hash):
+    """An attribute value as plain JSON-able data: arrays by their bytes, subgraphs by their hash."""
+    if isinstance(value, np.ndarray):
+        return ["array", value.dtype.str, list(value.shape), hashlib.sha256(value.tobytes()).hexdigest()]
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, subgraph_hash) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _canonical(v, subgraph_hash) for k, v in sorted(value.items())}
+    if isinstance(value, (bytes, bytearray)):
+        return ["bytes", hashlib.sha256(bytes(value)).hexdigest()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "nodes") and hasattr(value, "values"):  # a CIR subgraph (If / Loop bodies)
+        return ["graph", subgraph_hash(value)]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def graph_hash(graph) -> str:
+    """The semantic hash of a CIR graph: see the module docstring."""
+    hashes = {"": "absent"}
+    for position, name in enumerate(graph.inputs):
+        v = graph.values[name]
+        hashes[name] = _sha("input", position, name, np.dtype(v.dtype).str, list(v.shape))
+    for name, v in graph.values.items():
+        if v.is_const and name not in hashes:
+            data = np.ascontiguousarray(v.data)
+            hashes[name] = _sha("const", data.dtype.str, list(data.shape), hashlib.sha256(data.tobytes()).hexdigest())
+    for node in graph.nodes:  # topological order: every input is hashed before it is read
+        attrs = {k: _canonical(a, graph_hash) for k, a in sorted(node.attrs.items())}
+        inputs = [hashes.get(i, _sha("outer", i)) for i in node.inputs]  # "outer": a subgraph's captured value
+        for index, out in enumerate(node.outputs):
+            if out:
+                hashes[out] = _sha("node", node.domain, node.op, attrs, inputs, index)
+    return _sha("graph", [(name, hashes[name]) for name in graph.outputs])
+
+
+# --- run in the worker process
+
+def _source_hash(model, diff_mode: str) -> str:
+    if diff_mode == "syntactic":
+        digest = hashlib.sha256(Path(model.source).read_bytes()).hexdigest()
+        return _sha("bytes", digest)
+    return _sha("graph", graph_hash(_import_graph(model.source, dict(model.inputs))))
+
+
+def _import_graph(source, input_shapes):
+    """The graph the build imports (TorchScript exported first), through the pipeline's own import."""
+    from ..pipeline import import_any
+    return import_any(source, input_shapes)
+
+
+def model_key(model, diff_mode: str) -> str:
+    """What a served version was built from: the source's diff hash and the model's build settings."""
+    settings = model.model_dump(mode="json", exclude={"serve", "line"})
+    return _sha(_source_hash(model, diff_mode), settings)
+
+
+def _keys_job(config_path: str, names: list[str], diff_mode: str) -> dict:
+    from ..config import load_config
+    try:
+        spec = load_config(config_path)
+    except CuvilError as error:
+        return {"error": str(error)}
+    keys = {}
+    for model in spec.models:
+        if model.name in names:
+            try:
+                keys[model.name] = {"key": model_key(model, diff_mode)}
+            except (CuvilError, OSError) as error:
+                keys[model.name] = {"error": f"model '{model.name}': {error}"}
+    return {"keys": keys}
+
+
+def _build_job(config_path: str, name: str) -> dict:
+    from ..config import load_config
+    from ..project import build_project
+    try:
+        spec = load_config(config_path)
+        model = spec.model(name)
+        result = build_project(spec, [name], progress=None)
+    except CuvilError as error:
+        return {"error": str(error)}
+    served = next(a for a in result.artifacts if a.info["target"] == model.targets[0])
+    return {"library": str(served.library)}
+
+
+def _exit_with_parent(parent: int):
+    """In the worker: exit when the server process is gone (killed, say), instead of living on idle."""
+    import os
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+    threading.Thread(target=watch, name="cuvil-build-worker-watch", daemon=True).start()
+
+
+def _warm_job() -> bool:
+    from .. import project  # noqa: F401  (imports the compiler once, before the first build needs it)
+    return True
+
+
+class Builder:
+    """One worker process for builds and diff hashes, started on first use."""
+
+    def __init__(self, config_path: Path):
+        self.config_path = str(config_path)
+        self._pool = None
+
+    def _call(self, fn, *args):
+        for attempt in (1, 2):
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_exit_with_parent, initargs=(os.getpid(),))
+            try:
+                return self._pool.submit(fn, *args).result()
+            except BrokenProcessPool:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+                if attempt == 2:
+                    raise BuildFailed("the build worker process died twice in a row") from None
+
+    def warm(self):
+        self._call(_warm_job)
+
+    def keys(self, names: list[str], diff_mode: str) -> dict[str, dict]:
+        """{model: {"key": ...} or {"error": ...}} from the config as it is on disk now."""
+        result = self._call(_keys_job, self.config_path, list(names), diff_mode)
+        if "error" in result:
+            raise BuildFailed(result["error"])
+        return result["keys"]
+
+    def build(self, name: str) -> Path:
+        """Build one model (what is cached is not rebuilt); returns its served library."""
+        result = self._call(_build_job, self.config_path, name)
+        if "error" in result:
+            raise BuildFailed(result["error"])
+        return Path(result["library"])
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

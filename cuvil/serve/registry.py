@@ -1,0 +1,212 @@
+"""The models a server holds: one loaded version each, swapped atomically, unloaded when drained.
+
+A built library is copied under a content-addressed name
+(`<store>/lib<model>-<sha256[:16]>.so`) before it is opened: the dynamic
+loader keys libraries by path, so the old and the new version of a model can
+be open side by side, and the same bytes are never loaded twice. A new version
+is warmed up (every session runs once; a few timed runs give the scheduler its
+first estimate) and its signature compared with the running one *before* the
+swap; a changed signature is reported and the old version keeps serving.
+
+The swap is one assignment under a lock. A request takes a version and one of
+its sessions when it starts (not when it is queued), so every request that
+starts after the swap runs on the new library, and the ones already running
+finish on the old; the old version is closed and its library unloaded when
+its last request is done.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..runtime import Library
+from .protocol import RequestError, Signature
+
+WARMUP_TIMED_RUNS = 3
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class ModelVersion:
+    """One loaded library of a model and its pool of sessions."""
+
+    def __init__(self, name: str, path: Path, version: str, prefix: str, sessions: int):
+        self.name, self.path, self.version = name, path, version
+        self.library = Library(path, prefix)
+        self.signature = Signature.of(self.library.info)
+        self.threads = int(self.library.info.get("threads", 1))
+        self._free = [self.library.session() for _ in range(sessions)]
+        self._all = list(self._free)
+        self.inflight = 0
+        self.retired = False
+
+    def warm_up(self) -> float:
+        """Run every session once on zeros; return the median of a few timed runs, in seconds."""
+        feeds = {t.name: np.zeros(t.shape, t.dtype) for t in self.signature.inputs}
+        for session in self._all:
+            session.run(feeds)
+        times = []
+        for _ in range(WARMUP_TIMED_RUNS):
+            start = time.perf_counter()
+            self._all[0].run(feeds)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def close(self):
+        """Destroy the sessions, unload the library and remove its content-addressed copy."""
+        for session in self._all:
+            session.close()
+        self._all, self._free = [], []
+        handle = self.library._lib._handle
+        self.library = None  # nothing may call into the library from here on
+        try:
+            import _ctypes
+            _ctypes.dlclose(handle)
+        except (ImportError, OSError):
+            pass
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+
+@dataclass
+class Installed:
+    """What `Registry.install` did: outcome "loaded", "swapped", "unchanged" (the same bytes serve
+    already) or "signature_changed" (not swapped: `reason` says how)."""
+    outcome: str
+    version: "ModelVersion | None"
+    estimate_s: float = 0.0
+    reason: str = ""
+
+
+@dataclass
+class ModelEntry:
+    """A model of the config: what it serves now (`current`, None when unloaded) and why not, if not."""
+    config: ModelConfig
+    current: ModelVersion | None = None
+    source_key: str | None = None  # the diff hash of what `current` was built from
+    reason: str = "not loaded yet"
+    wanted: bool = True  # False once unloaded by a repository request
+    history: list[str] = field(default_factory=list)  # versions served, oldest first
+
+    @property
+    def ready(self) -> bool:
+        return self.current is not None
+
+
+class Registry:
+    def __init__(self, models: list[ModelConfig], store: Path, say=print):
+        self.entries = {m.name: ModelEntry(m) for m in models}
+        self.store = Path(store)
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.say = say
+        self._lock = threading.Lock()
+
+    def entry(self, name: str) -> ModelEntry:
+        """The entry of a configured model; a name is only ever looked up here, never used as a path."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise RequestError(f"unknown model {name!r} (models: {', '.join(self.entries)})", status=404)
+        return entry
+
+    # --- loading and swapping (called from the startup and hot-update threads)
+
+    def install(self, name: str, built: Path, source_key: str | None = None) -> Installed:
+        """Load `built` as the model's next version, warm it up and swap it in."""
+        entry = self.entries[name]
+        version = file_sha256(built)[:16]
+        current = entry.current
+        if current is not None and current.version == version:
+            entry.source_key = source_key or entry.source_key
+            return Installed("unchanged", current)
+        path = self.store / f"lib{name}-{version}.so"
+        if not path.exists():
+            partial = path.with_name(path.name + f".{os.getpid()}.partial")
+            shutil.copyfile(built, partial)
+            partial.replace(path)
+        fresh = ModelVersion(name, path, version, entry.config.symbol_prefix, entry.config.serve.max_concurrency)
+        try:
+            estimate = fresh.warm_up()
+        except Exception:
+            fresh.close()
+            raise
+        if current is not None and fresh.signature != current.signature:
+            reason = (f"model '{name}': the rebuilt library's signature {fresh.signature.describe()} differs from "
+                      f"the serving one {current.signature.describe()}; version {current.version} keeps serving")
+            fresh.close()
+            return Installed("signature_changed", current, reason=reason)
+        with self._lock:
+            old, entry.current = entry.current, fresh
+            entry.source_key, entry.reason, entry.wanted = source_key, "", True
+            entry.history.append(version)
+            if old is not None:
+                self._retire(old)
+        return Installed("swapped" if old is not None else "loaded", fresh, estimate)
+
+    def unload(self, name: str) -> bool:
+        entry = self.entry(name)
+        with self._lock:
+            old, entry.current = entry.current, None
+            entry.reason, entry.wanted = "unloaded by a repository request", False
+            if old is not None:
+                self._retire(old)
+        return old is not None
+
+    def fail(self, name: str, reason: str):
+        """A load that failed: the model stays as it is, with the reason to report."""
+        self.entries[name].reason = reason
+
+    def _retire(self, version: ModelVersion):
+        version.retired = True
+        if version.inflight == 0:
+            version.close()
+
+    # --- running (called from the compute threads)
+
+    def run(self, name: str, feeds: dict) -> tuple[str, dict, float]:
+        """Run one request on the version serving now: (version, outputs, compute seconds)."""
+        with self._lock:
+            version = self.entries[name].current
+            if version is None:
+                raise RequestError(f"model '{name}' is not loaded ({self.entries[name].reason})", status=503)
+            version.inflight += 1
+            session = version._free.pop() if version._free else None
+        if session is None:  # the scheduler caps a model's runs at its sessions: only a safety net
+            session = version.library.session()
+            version._all.append(session)
+        try:
+            start = time.perf_counter()
+            outputs = session.run(feeds)
+            return version.version, outputs, time.perf_counter() - start
+        finally:
+            with self._lock:
+                version._free.append(session)
+                version.inflight -= 1
+                if version.retired and version.inflight == 0:
+                    version.close()
+
+    def close(self):
+        with self._lock:
+            for entry in self.entries.values():
+                if entry.current is not None:
+                    self._retire(entry.current)
+                    entry.current = None
+        try:
+            self.store.rmdir()  # empty unless a request is still running somewhere
+        except OSError:
+            pass

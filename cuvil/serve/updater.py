@@ -1,0 +1,167 @@
+"""Hot updates: watch the models, rebuild what changed in the build worker, swap it in.
+
+The watch is `cuvil watch`'s (cuvil/watch.py): the folders of cuvil.yaml, of
+every model source and of `watch.paths`, here with `incremental.watch_paths`
+added, and changes under the output and cache folders ignored. After a change
+each loaded model's key (`builder.model_key`: the diff hash of its source in
+the configured `diff_mode` with its build settings) is recomputed; a model
+whose key moved is rebuilt through the step cache and handed to
+`Registry.install`, which warms the new library up, checks its signature and
+swaps it. A key is remembered for `cache_ttl` seconds against the file's
+size and mtime, so a change to one model does not re-import the others.
+
+A failed build, a broken intermediate save or a changed signature is reported
+(printed, counted in `cuvil_swaps_total{result=...}` and kept in `events`) and
+the old version keeps serving.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CuvilError
+from ..watch import relevant_change, watched_paths
+
+
+@dataclass
+class UpdateEvent:
+    model: str
+    # swapped; same_key (the file changed, its diff hash did not: nothing rebuilt); unchanged (rebuilt
+    # to the same library bytes); signature_changed; build_failed
+    result: str
+    version: str | None
+    seconds: float  # from the change being seen to the new version serving (or the failure)
+    reason: str = ""
+    steps: dict = field(default_factory=dict)  # seconds of each part: diff, build, load (warm-up, check, swap)
+
+
+class Updater:
+    def __init__(self, server):
+        self.server = server
+        self.spec = server.spec
+        self.config = server.spec.incremental
+        self.events: list[UpdateEvent] = []
+        self._memo: dict[str, tuple[tuple, float, str]] = {}  # model -> (file stats, when, key)
+        self._touched: set[str] = set()  # models whose files changed since their key was computed
+        self._diff_s = 0.0  # how long the last round's keys took
+        self._stop = threading.Event()
+        self._thread = None
+        self.checks = 0  # rounds of checks done, for tests and logs
+
+    def paths(self) -> list[Path]:
+        extra = set()
+        for entry in self.config.watch_paths:
+            p = Path(entry)
+            if any(c in p.name for c in "*?["):
+                p = p.parent
+            extra.add(p if p.is_dir() else p.parent)
+        return sorted(set(watched_paths(self.spec.path, self.spec)) | {p for p in extra if p.exists()})
+
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name="cuvil-serve-updater", daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self):
+        import watchfiles
+        paths = self.paths()
+        self.server.say(f"hot updates: watching {', '.join(str(p) for p in paths)} "
+                        f"(diff_mode: {self.config.diff_mode})")
+        for changes in watchfiles.watch(*paths, debounce=self.spec.watch.debounce_ms, stop_event=self._stop,
+                                        rust_timeout=1000, yield_on_timeout=False, raise_interrupt=False):
+            if relevant_change(changes, self.spec.path, self.spec):
+                try:
+                    self.check()
+                except Exception as error:  # the watcher must outlive any one bad round
+                    self.server.say(f"hot update: internal error: {type(error).__name__}: {error}")
+
+    def check(self) -> list[UpdateEvent]:
+        """Recompute every loaded model's key; rebuild and swap those that moved."""
+        seen = time.perf_counter()
+        registry = self.server.registry
+        names = [name for name, entry in registry.entries.items() if entry.ready]
+        events = []
+        try:
+            keys = self.keys(names)
+            self._diff_s = time.perf_counter() - seen
+        except CuvilError as error:  # e.g. cuvil.yaml saved half-way: wait for the next change
+            events = [self._report(name, "build_failed", None, seen, str(error)) for name in names]
+            self.checks += 1
+            return events
+        for name in names:
+            entry = registry.entries[name]
+            found = keys.get(name, {"error": f"model '{name}' is no longer in {self.spec.path.name}"})
+            if "error" in found:
+                events.append(self._report(name, "build_failed", entry.current, seen, found["error"]))
+            elif found["key"] != entry.source_key:
+                events.append(self._update(name, found["key"], seen))
+            elif name in self._touched:
+                events.append(self._report(name, "same_key", entry.current, seen))
+        self.checks += 1
+        return events
+
+    def keys(self, names: list[str]) -> dict[str, dict]:
+        """Each model's key, from the memo while its file and cuvil.yaml are untouched and the key is fresh."""
+        now, keys, stale = time.monotonic(), {}, []
+        self._touched = set()
+        for name in names:
+            stats = self._stats(self.server.registry.entries[name].config.source)
+            memo = self._memo.get(name)
+            if memo and memo[0] == stats and now - memo[1] < self.config.cache_ttl:
+                keys[name] = {"key": memo[2]}
+            else:
+                stale.append(name)
+                if memo and memo[0] != stats:
+                    self._touched.add(name)
+        if stale:
+            fresh = self.server.builder.keys(stale, self.config.diff_mode)
+            for name in stale:
+                if name in fresh:
+                    keys[name] = fresh[name]
+                    if "key" in fresh[name]:
+                        self._memo[name] = (self._stats(self.server.registry.entries[name].config.source),
+                                            now, fresh[name]["key"])
+        return keys
+
+    def _stats(self, source: Path) -> tuple:
+        def stat(path):
+            try:
+                s = Path(path).stat()
+                return (s.st_size, s.st_mtime_ns, s.st_ino)
+            except OSError:
+                return None
+        return (stat(source), stat(self.spec.path))
+
+    def _update(self, name: str, key: str, seen: float) -> UpdateEvent:
+        steps = {"diff": self._diff_s}
+        try:
+            start = time.perf_counter()
+            library = self.server.builder.build(name)
+            steps["build"] = time.perf_counter() - start
+            installed = self.server.install(name, library, key)
+            steps["load"] = time.perf_counter() - start - steps["build"]
+        except CuvilError as error:
+            return self._report(name, "build_failed", self.server.registry.entries[name].current, seen, str(error),
+                                steps)
+        return self._report(name, installed.outcome, installed.version, seen, installed.reason, steps)
+
+    def _report(self, name, result, version, seen, reason="", steps=None) -> UpdateEvent:
+        event = UpdateEvent(name, result, getattr(version, "version", None), time.perf_counter() - seen, reason,
+                            steps or {})
+        self.events.append(event)
+        self.server.metrics.swaps.labels(name, result).inc()
+        what = {"swapped": f"swapped in version {event.version}",
+                "same_key": f"changed on disk, same {self.config.diff_mode} hash: nothing rebuilt or swapped",
+                "unchanged": f"rebuilt to the same library ({event.version}): nothing swapped",
+                "signature_changed": "not swapped: the signature changed",
+                "build_failed": "not swapped: the update failed"}[result]
+        parts = ", ".join(f"{step} {seconds * 1000:.0f}" for step, seconds in event.steps.items())
+        self.server.say(f"hot update [{name}]: {what} ({event.seconds * 1000:.0f} ms{': ' + parts if parts else ''})"
+                        + (f"\n  {reason}" if reason else ""))
+        return event

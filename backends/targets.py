@@ -41,7 +41,47 @@ TARGETS = {
     "generic": CpuTarget("generic", _TRIPLE, "x86-64", "", 128, ("-march=x86-64",)),
     "x86_64-avx2": CpuTarget("x86_64-avx2", _TRIPLE, "haswell", "", 256, ("-march=haswell",)),
     "x86_64-avx512": CpuTarget("x86_64-avx512", _TRIPLE, "skylake-avx512", "", 512, ("-march=skylake-avx512",)),
+    # The two CPUs of the reduced-precision paths: AMD Zen 4 (AVX512-BF16; no AMX, no AVX512-FP16) and
+    # Intel Sapphire Rapids (AVX512-BF16, AVX512-FP16, AMX), for building on one for the other.
+    "x86_64-znver4": CpuTarget("x86_64-znver4", _TRIPLE, "znver4", "", 512, ("-march=znver4",)),
+    "x86_64-sapphirerapids": CpuTarget("x86_64-sapphirerapids", _TRIPLE, "sapphirerapids", "", 512,
+                                       ("-march=sapphirerapids",)),
 }
+
+
+# The instruction-set features (LLVM's names) whose absence a library checks before it makes a
+# session (backends/native/driver.py): code for a target may use every one its CPU implies or its
+# explicit `+feature`s name, and a CPU without one would die of SIGILL in the first kernel.
+CHECKED_FEATURES = ("fma", "f16c", "avx2", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512vnni",
+                    "avx512bf16", "avx512fp16", "amx-tile", "amx-bf16", "amx-int8")
+_V3 = ("fma", "f16c", "avx2")
+_AVX512 = _V3 + ("avx512f", "avx512dq", "avx512bw", "avx512vl")
+_SPR = _AVX512 + ("avx512vnni", "avx512bf16", "avx512fp16", "amx-tile", "amx-bf16", "amx-int8")
+# What a CPU name implies, of CHECKED_FEATURES (named targets and the reduced-precision ones).
+CPU_FEATURES = {
+    "x86-64": (),
+    **{cpu: _V3 for cpu in ("haswell", "broadwell", "skylake", "x86-64-v3", "znver1", "znver2", "znver3",
+                            "alderlake")},
+    "skylake-avx512": _AVX512, "x86-64-v4": _AVX512,
+    **{cpu: _AVX512 + ("avx512vnni",) for cpu in ("cascadelake", "icelake-server", "icelake-client", "tigerlake",
+                                                   "rocketlake")},
+    **{cpu: _AVX512 + ("avx512vnni", "avx512bf16") for cpu in ("cooperlake", "znver4", "znver5")},
+    **{cpu: _SPR for cpu in ("sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d")},
+}
+
+
+def has_feature(target: CpuTarget, feature: str) -> bool:
+    """Whether code for `target` may use `feature` (LLVM's name: "avx512bf16", "f16c", "amx-bf16"...):
+    its explicit `+feature` / `-feature` (`native` lists the host's) first, else what its CPU implies."""
+    explicit = {f[1:]: f[0] == "+" for f in target.features.split(",") if f[:1] in "+-" and f[1:]}
+    if feature in explicit:
+        return explicit[feature]
+    return feature in CPU_FEATURES.get(target.cpu, ())
+
+
+def required_features(target: CpuTarget) -> list[str]:
+    """The CHECKED_FEATURES code for `target` may use: what a CPU running its library must have."""
+    return [f for f in CHECKED_FEATURES if has_feature(target, f)]
 
 
 def _native() -> CpuTarget:

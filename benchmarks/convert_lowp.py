@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 
 from backends.numba_cpu.hostjit import HostJit  # noqa: E402
 from backends.numba_cpu.lowp import CvtSpec, cvt_ir  # noqa: E402
-from backends.numba_cpu.lowp_targets import has_feature  # noqa: E402
+from backends.targets import has_feature  # noqa: E402
 from backends.targets import resolve_target  # noqa: E402
 
 SPECS = [CvtSpec("f32", "bf16", "exact"), CvtSpec("f32", "bf16", "hw"), CvtSpec("bf16", "f32"),

@@ -24,7 +24,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, Valid
 
 from .errors import ConfigError
 
-TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "cuda-sm80", "cuda-sm90")
+TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4", "x86_64-sapphirerapids",
+           "cuda-sm80", "cuda-sm90")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most important first
 DIFF_MODES = ("syntactic", "semantic")

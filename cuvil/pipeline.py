@@ -143,6 +143,7 @@ class Planned:
     weights: bytes
     weight_offsets: dict[str, int]
     arena: object                  # backends.native.memory.MemoryPlan
+    target: object = None          # the backends.targets.CpuTarget it was lowered for
 
     @property
     def calls(self) -> list:
@@ -183,7 +184,7 @@ def plan(graph, params: VariantParams) -> Planned:
         raise CuvilError(f"model '{params.name}': a session would need {arena.arena_bytes / 2**20:.1f} MiB of working "
                          f"memory, over the limit of {params.max_arena_mb} MiB",
                          hint="check the input shapes, or raise max_arena_mb in cuvil.yaml")
-    return Planned(graph, schedule, weights, weight_offsets, arena)
+    return Planned(graph, schedule, weights, weight_offsets, arena, params.target)
 
 
 def _io(graph, names) -> list[dict]:
@@ -205,8 +206,9 @@ def describe(planned: Planned, provenance: dict) -> dict:
 def generate(planned: Planned, info: dict, symbol_prefix: str, threads: int) -> dict[str, bytes]:
     """The C driver, the weights blob, the header, the info and the kernel list to compile."""
     from backends.native import driver
+    from backends.targets import required_features
     driver_c = driver.generate(planned.graph, planned.schedule, planned.arena, planned.weight_offsets, info,
-                               symbol_prefix, threads)
+                               symbol_prefix, threads, required_features(planned.target))
     kernels = sorted((k.as_spec() for k in planned.kernels.values()), key=lambda k: k["symbol"])
     return {"driver.c": driver_c.encode(), "weights.bin": planned.weights,
             "header.h": driver.header(symbol_prefix, info["name"], info).encode(),

@@ -57,7 +57,8 @@ class Session:
         self.library = library
         self._handle = library._create()
         if not self._handle:
-            raise RuntimeFailure(f"{library.path}: session_create failed (out of memory?)")
+            reason = library._error(None).decode("utf-8", "replace")
+            raise RuntimeFailure(f"{library.path}: session_create failed: {reason}")
         self._lock = threading.Lock()
         # session_run without argtypes: ctypes then converts the arguments ~2x faster
         # (~0.15 us a call), so every argument must already be a ctypes object or None.

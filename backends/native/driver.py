@@ -71,11 +71,12 @@ def header(prefix: str, model_name: str, info: dict) -> str:
         f"int {prefix}abi_version(void);",
         "/* JSON: inputs and outputs (name, dtype, shape), target, precision, provenance. */",
         f"const char* {prefix}model_info(void);",
-        "/* A session owns its working memory; NULL when out of memory. Sessions run concurrently. */",
+        "/* A session owns its working memory. NULL when out of memory or when this CPU lacks an instruction",
+        "   set the library's target uses (session_error(NULL) says which). Sessions run concurrently. */",
         f"{prefix}session* {prefix}session_create(void);",
         "/* inputs[i] / outputs[i] point at the i-th input / output tensor. Returns 0 on success. */",
         f"int {prefix}session_run({prefix}session* session, const void* const* inputs, void* const* outputs);",
-        "/* The message of the session's last error (\"\" if none); for a NULL session, a fixed message. */",
+        "/* The message of the session's last error (\"\" if none); for NULL, why session_create failed. */",
         f"const char* {prefix}session_error(const {prefix}session* session);",
         f"void {prefix}session_destroy({prefix}session* session);",
         "",
@@ -107,7 +108,42 @@ def _pointer(name, graph, plan, weights_offsets, input_index, output_index):
     raise AssertionError(f"value {name!r} has no storage")
 
 
-def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, threads: int) -> str:
+# Where CPUID reports each feature backends/targets.py CHECKED_FEATURES names: (leaf, subleaf,
+# register, bit), from Intel's SDM vol. 2A (CPUID) and AMD's APM vol. 3.
+CPUID_BITS = {
+    "fma": (1, 0, "c", 12), "f16c": (1, 0, "c", 29),
+    "avx2": (7, 0, "b", 5), "avx512f": (7, 0, "b", 16), "avx512dq": (7, 0, "b", 17),
+    "avx512bw": (7, 0, "b", 30), "avx512vl": (7, 0, "b", 31), "avx512vnni": (7, 0, "c", 11),
+    "amx-bf16": (7, 0, "d", 22), "avx512fp16": (7, 0, "d", 23), "amx-tile": (7, 0, "d", 24),
+    "amx-int8": (7, 0, "d", 25), "avx512bf16": (7, 1, "a", 5),
+}
+
+
+def cpu_check(features: list[str], target_name: str) -> str:
+    """C for `missing_cpu_feature()`: the first of `features` this CPU lacks, or NULL. Compiled for
+    baseline x86-64 whatever the target, so the check itself runs on any CPU."""
+    lines = ["static const char* missing_cpu_feature(void) __attribute__((target(\"arch=x86-64\")));",
+             "static const char* missing_cpu_feature(void) {"]
+    if features:
+        lines += ["    unsigned r[2][2][4] = {{{0}}}, a, b, c, d;",
+                  "    if (__get_cpuid_count(1, 0, &a, &b, &c, &d)) { r[0][0][0] = a; r[0][0][1] = b; r[0][0][2] = c; r[0][0][3] = d; }",
+                  "    if (__get_cpuid_max(0, 0) >= 7) {",
+                  "        __cpuid_count(7, 0, a, b, c, d); r[1][0][0] = a; r[1][0][1] = b; r[1][0][2] = c; r[1][0][3] = d;",
+                  "        __cpuid_count(7, 1, a, b, c, d); r[1][1][0] = a; r[1][1][1] = b; r[1][1][2] = c; r[1][1][3] = d;",
+                  "    }"]
+        for feature in features:
+            leaf, sub, reg, bit = CPUID_BITS[feature]
+            lines.append(f"    if (!(r[{0 if leaf == 1 else 1}][{sub}][{'abcd'.index(reg)}] & (1u << {bit}))) "
+                         f"return {c_string(feature)};")
+    lines += ["    return NULL;", "}",
+              f"static const char target_name[] = {c_string(target_name)};"]
+    return "\n".join(lines)
+
+
+def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, threads: int,
+             cpu_features: tuple = ()) -> str:
+    """The driver's C. `cpu_features`: what the kernels' target may use (backends/targets.py
+    required_features); session_create refuses a CPU without one (session_error(NULL) says which)."""
     input_index = {n: i for i, n in enumerate(graph.inputs)}
     output_index = {}
     for i, n in enumerate(graph.outputs):
@@ -216,6 +252,7 @@ static void shared_release(void) {
 #include <stdio.h>
 #include <time.h>
 #include <pthread.h>
+#include <cpuid.h>
 
 #define HIDDEN __attribute__((visibility("hidden")))
 #define EXPORT __attribute__((visibility("default")))
@@ -261,6 +298,11 @@ static void print_profile(const {P}session* s) {{
 static const char model_info[] =
     {c_string(json.dumps(info, sort_keys=True))};
 
+{cpu_check(list(cpu_features), info.get("target", ""))}
+
+/* Why the last session_create returned NULL (session_error(NULL) returns it). */
+static char create_error[512];
+
 static int fail({P}session* s, int code, const char* message) {{
     snprintf(s->error, sizeof s->error, "%s", message);
     return code;
@@ -270,13 +312,25 @@ EXPORT int {P}abi_version(void) {{ return {ABI_VERSION}; }}
 
 EXPORT const char* {P}model_info(void) {{ return model_info; }}
 
+__attribute__((target("arch=x86-64")))
 EXPORT {P}session* {P}session_create(void) {{
+    /* The CPU first: the kernels were compiled for the target's instructions. */
+    const char* missing = missing_cpu_feature();
+    if (missing) {{
+        snprintf(create_error, sizeof create_error, "this library was built for target '%s', whose code uses %s, "
+                 "which this CPU does not have: build it for this CPU (target native) or an older target", target_name,
+                 missing);
+        return NULL;
+    }}
     /* aligned: the pool's counters sit on cache lines of their own */
     {P}session* s = ({P}session*)aligned_alloc(64, (sizeof *s + 63) / 64 * 64);
-    if (!s) return NULL;
+    if (!s) {{ snprintf(create_error, sizeof create_error, "out of memory for the session"); return NULL; }}
     memset(s, 0, sizeof *s);
     s->arena = (unsigned char*)aligned_alloc(64, ARENA_BYTES);
-    if (!s->arena) {{ free(s); return NULL; }}
+    if (!s->arena) {{
+        snprintf(create_error, sizeof create_error, "out of memory for the arena (%lld bytes)", (long long)ARENA_BYTES);
+        free(s); return NULL;
+    }}
     const char* prof = getenv("CUVIL_PROFILE");
     s->profile = prof && prof[0] && prof[0] != '0';
 {pool_init}{shared_init}    return s;
@@ -290,7 +344,7 @@ EXPORT void {P}session_destroy({P}session* s) {{
 }}
 
 EXPORT const char* {P}session_error(const {P}session* s) {{
-    if (!s) return "session is NULL (session_create failed or was not called)";
+    if (!s) return create_error[0] ? create_error : "session is NULL (session_create failed or was not called)";
     return s->error;
 }}
 

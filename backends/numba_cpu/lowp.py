@@ -46,7 +46,7 @@ from typing import ClassVar
 
 from backends.targets import CpuTarget
 
-from .lowp_targets import has_feature
+from backends.targets import has_feature
 from .ukernel import Declared, IRBuilder, float_ir, lanes_for
 
 FORMATS = ("f32", "bf16", "f16")

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .lowp import CvtSpec, PairCvtSpec, column_masks, cvt_ir, pair_cvt_ir, typed_declaration
-from .lowp_targets import has_feature
+from backends.targets import has_feature
 from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, IRBuilder,
                       close_k_loop, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
 from .ukernel_amx import amx_ir
@@ -340,7 +340,7 @@ _STEPS = {"dpbf16": _step_dpbf16, "widen": _step_widen, "f16c": _step_f16c, "fp1
 
 
 def method_for(dtype: str, target) -> str | None:
-    """The default method of a CpuTarget (lowp_targets.has_feature decides): bf16 "dpbf16" with
+    """The default method of a CpuTarget (backends.targets.has_feature decides): bf16 "dpbf16" with
     AVX512-BF16, else "widen"; float16 "f16c" with F16C, else None (widen the operands to float32
     and use UKSpec). "amx" and "fp16" are never chosen by default: neither has run on hardware yet."""
     if dtype == "bf16":

@@ -18,6 +18,9 @@ class CompiledModel(Library):
         super().__init__(artifacts.library)
         self.artifacts = artifacts
         self._workdir = workdir  # TemporaryDirectory: removed with this object
+        # bf16 / fp16 builds: the report against the float32 build (accuracy.py; in manifest.json,
+        # not in the library, which it measures)
+        self.accuracy = artifacts.info.get("accuracy")
 
     def save(self, path) -> Path:
         """Copy the library to `path`: a folder (library, header and manifest go in it) or a file name."""
@@ -42,7 +45,8 @@ def _model_name(model) -> str:
 
 def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
-            cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False) -> CompiledModel:
+            cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False,
+            accuracy=None) -> CompiledModel:
     from .build import VariantSpec, build_variant
     if enable_fp16:
         if precision not in ("fp32", "fp16"):
@@ -62,7 +66,7 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
                        target=target, precision=precision, opt_level=opt_level, passes=passes,
                        disable_passes=list(disable_passes), pass_options=dict(pass_options or {}),
                        threads=threads, symbol_prefix=symbol_prefix,
-                       max_arena_mb=max_arena_mb, sanitize=sanitize)
+                       max_arena_mb=max_arena_mb, sanitize=sanitize, accuracy=accuracy)
     cache = Cache(Path(cache_dir) if cache_dir else default_cache_dir())
     workdir = tempfile.TemporaryDirectory(prefix="cuvil-")
     artifacts = build_variant(spec, Path(workdir.name), cache, jobs=jobs, progress=progress)

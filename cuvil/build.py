@@ -46,6 +46,8 @@ class VariantSpec:
     symbol_prefix: str = "cuvil_"
     max_arena_mb: int = 4096
     sanitize: bool = False
+    # bf16 / fp16: {samples, inputs, min_cosine} of the report against the float32 build (accuracy.py)
+    accuracy: dict | None = None
 
 
 @dataclass
@@ -195,8 +197,10 @@ def spec_hash(model_sha: str, spec: VariantSpec, pass_names) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
-    """Add the steps of one variant; returns the name of its link step."""
+def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
+    """Add the steps of one variant; returns the name of its last step, whose output is the files
+    to install: the link step, or for bf16 / fp16 the accuracy step after it (which also plans
+    the float32 build it compares with, its steps named with the tag "fp32-reference")."""
     from backends.native.link import CFLAGS, LDFLAGS
 
     target = pipeline.resolve_variant_target(spec.target, spec.precision)
@@ -205,7 +209,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
     model_bytes, kind = pipeline.read_source(spec.source)
     model_sha = hashlib.sha256(model_bytes).hexdigest()
     shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}
-    base = f"{spec.name}/{spec.target}"
+    base = f"{spec.name}/{spec.target}" + (f"/{tag}" if tag else "")
     encode_graph, decode_graph = _graph_codec(dag.cache)
 
     deps = []
@@ -242,12 +246,38 @@ def plan_variant(dag: StepGraph, spec: VariantSpec) -> str:
                    "link_step": link_name}
     dag.add(Step(link_name, "link", link_params, [codegen],
                  lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files))
-    return link_name
+    if spec.precision == "fp32":
+        return link_name
+    return _plan_accuracy(dag, spec, base, link_name)
+
+
+def _plan_accuracy(dag: StepGraph, spec: VariantSpec, base: str, link_name: str) -> str:
+    """The step measuring a reduced-precision variant against its float32 build (accuracy.py)."""
+    import dataclasses
+
+    from . import accuracy
+    options = {"samples": 8, "inputs": "random", "min_cosine": None, **(spec.accuracy or {})}
+    reference = plan_variant(dag, dataclasses.replace(spec, precision="fp32", sanitize=False, accuracy=None),
+                             tag="fp32-reference")
+    params = {**options, "seed": accuracy.SEED}
+    if options["inputs"] != "random":
+        path = Path(options["inputs"])
+        if not path.is_file():
+            raise CuvilError(f"model '{spec.name}': accuracy inputs not found: {path}")
+        params["inputs"] = {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return dag.add(Step(f"{base}/accuracy", "accuracy", params, [link_name, reference],
+                        lambda d, files, ref: accuracy.measure(files, ref, options),
+                        pack_files, unpack_files))
+
+
+def link_step_of(dag: StepGraph, last: str) -> str:
+    """The link step of a variant, from the last step plan_variant returned."""
+    return last if dag.step(last).kind == "link" else dag.step(last).deps[0]
 
 
 def variant_params(dag: StepGraph, link_step: str) -> pipeline.VariantParams:
     """The lowering and planning parameters of a planned variant, as its codegen step runs them."""
-    return _variant_params(dag.step(dag.step(link_step).deps[0]).params)
+    return _variant_params(dag.step(dag.step(link_step_of(dag, link_step)).deps[0]).params)
 
 
 def install(files: dict[str, bytes], out_dir: Path) -> bool:

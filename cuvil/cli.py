@@ -226,6 +226,9 @@ def cmd_build(args) -> int:
         print(f"{info['name']}/{info['target']}: {_shown(artifacts.library)}")
         unchanged = "" if getattr(artifacts, "changed", True) else " (unchanged)"
         print(f"    {_figures(artifacts.kernels, info['memory'])}, {artifacts.seconds:.1f} s{unchanged}")
+        if "accuracy" in info:
+            from .accuracy import summary
+            print(f"    {summary(info['accuracy'])}")
     print(f"{len(built)} variant{'s' if len(built) != 1 else ''}: {result.dag.summary()} steps "
           f"in {result.seconds:.2f} s (cache: {_shown(spec.cache.dir)})")
     if getattr(args, "explain", False):
@@ -286,8 +289,9 @@ def cmd_graph(args) -> int:
     spec = load_config(args.file)
     dag, planned = plan_project(spec, args.models or None, progress=None)
     if args.expand:
-        from .build import add_kernel_steps
-        for _, _, _, link in planned:
+        from .build import add_kernel_steps, link_step_of
+        for _, _, _, last in planned:
+            link = link_step_of(dag, last)
             add_kernel_steps(dag, link, dag.get(dag.step(link).deps[0]))  # codegen says which kernels exist
     print(dag.render(args.format))
     return EXIT_OK
@@ -459,6 +463,11 @@ def cmd_inspect(args) -> int:
     if "kernels" in info:
         print(f"  kernels    {info['kernels']}")
     print(f"  passes     {', '.join(info.get('passes') or []) or '(none)'}")
+    manifest = library.path.parent / "manifest.json"
+    accuracy = json.loads(manifest.read_text()).get("accuracy") if manifest.is_file() else None
+    if accuracy:
+        from .accuracy import summary
+        print(f"  {summary(accuracy)}")
     print(f"  source     sha256 {info.get('source_sha256', '?')}")
     print(f"  spec hash  {info.get('spec_hash', '?')}")
     versions = info.get("versions") or {"cuvil": info.get("cuvil_version", "?")}

@@ -122,6 +122,18 @@ class IncrementalConfig(_Strict):
     watch_paths: list[LaxPath] = []  # files, folders or globs besides the models' sources
 
 
+class AccuracyConfig(_Strict):
+    """How a reduced-precision build measures itself against the float32 build of the same model
+    (cuvil/accuracy.py): on `samples` inputs, random or read from an .npz file."""
+
+    samples: int = Field(8, ge=1, le=1024)
+    # "random" (seeded: normal floats, integers 0 or 1), or an .npz file with an array per input
+    # name whose first axis is the sample (relative to this file)
+    inputs: str = "random"
+    # Fail the build when an output's cosine similarity to float32 is below this.
+    min_cosine: float | None = Field(None, ge=-1.0, le=1.0)
+
+
 class _Settings(_Strict):
     """What `defaults:` may set for every model; the field defaults are the built-in ones."""
 
@@ -139,6 +151,8 @@ class _Settings(_Strict):
     max_arena_mb: int = Field(4096, ge=1)
     # Compile the driver with AddressSanitizer and UndefinedBehaviorSanitizer (for testing).
     sanitize: bool = False
+    # bf16 / fp16 builds: how they measure themselves against the float32 build.
+    accuracy: AccuracyConfig = AccuracyConfig()
 
 
 class _Model(_Settings):
@@ -178,6 +192,7 @@ class ModelConfig(BaseModel):
     symbol_prefix: str
     max_arena_mb: int = 4096
     sanitize: bool = False
+    accuracy: AccuracyConfig = AccuracyConfig()
     serve: ServeConfig = ServeConfig()
     line: int | None = None
 
@@ -294,6 +309,14 @@ def _resolve(raw, root_node, path):
                       inputs={name: tuple(shape) for name, shape in (entry.inputs or {}).items()},
                       symbol_prefix=values["symbol_prefix"] or DEFAULT_SYMBOL_PREFIX,
                       serve=entry.serve or ServeConfig())
+        values["accuracy"] = {**defaults["accuracy"], **values["accuracy"]}   # a model's keys over defaults'
+        if values["accuracy"]["inputs"] != "random":
+            inputs = (root / Path(values["accuracy"]["inputs"]).expanduser()).resolve()
+            if not inputs.is_file():
+                raise ConfigError(f"models[{index}].accuracy.inputs: file not found: {inputs}", file=path,
+                                  hint=f"'random', or an .npz file relative to the folder of {path.name} ({root})",
+                                  **_position_of(root_node, where))
+            values["accuracy"] = {**values["accuracy"], "inputs": str(inputs)}
         models.append(ModelConfig(**values))
 
     def absolute(value):

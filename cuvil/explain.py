@@ -136,9 +136,9 @@ def explain_model(source, input_shapes=None, opt_level=2, passes=None, disable_p
 def explain_variant(dag, link_step: str, model: str) -> Explanation:
     """Explain one planned variant from its build steps: the import and pass steps are read from
     the step cache (or run and cached), so explaining after a build costs no pass run."""
-    from .build import variant_params
+    from .build import link_step_of, variant_params
 
-    codegen = dag.step(link_step).deps[0]
+    codegen = dag.step(link_step_of(dag, link_step)).deps[0]
     chain, name = [], dag.step(codegen).deps[0]
     while True:
         step = dag.step(name)

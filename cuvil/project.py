@@ -79,7 +79,8 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                     precision=model.precision, opt_level=model.opt_level, passes=model.passes,
                     disable_passes=list(model.disable_passes), pass_options=dict(model.pass_options),
                     threads=model.threads,
-                    symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize)
+                    symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize,
+                    accuracy=model.accuracy.model_dump())
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
     return dag, planned

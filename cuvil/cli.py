@@ -47,6 +47,8 @@ def main(argv=None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .bench import VS_ENGINES
+    from .pipeline import PRECISIONS_SUPPORTED
     # --debug is accepted before or after the command; SUPPRESS keeps a command's
     # parser from resetting a --debug given before it.
     common = argparse.ArgumentParser(add_help=False)
@@ -172,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
                                             "median, min and p90 per call and the ratios cuvil/engine of the "
                                             "medians (with --rounds N, of each engine's best process).")
     bench.add_argument("target", type=Path, metavar="LIB|MODEL", help="a lib<model>.so, or an .onnx model")
-    bench.add_argument("--vs", action="append", choices=("onnxruntime", "openvino"), default=[],
+    bench.add_argument("--vs", action="append", choices=VS_ENGINES, default=[],
                        help="also time this engine on the same inputs (repeat for both); openvino: its CPU "
                             "plugin in float32, when installed (pip install openvino)")
     bench.add_argument("--onnx", type=Path, metavar="FILE.onnx",
@@ -184,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="processes per engine (alternating); the ratio compares each engine's best process")
     bench.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2,...",
                        help="an input shape for a model with symbolic dims (repeat per input)")
-    bench.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+    bench.add_argument("--precision", choices=PRECISIONS_SUPPORTED,
                        help="build the MODEL in this precision (default fp32; a LIB has its own); OpenVINO "
                             "infers in the same one, onnxruntime in float32")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -463,8 +465,10 @@ def cmd_inspect(args) -> int:
     if "kernels" in info:
         print(f"  kernels    {info['kernels']}")
     print(f"  passes     {', '.join(info.get('passes') or []) or '(none)'}")
+    # the build's report of a bf16 / fp16 library is in the manifest installed beside it
     manifest = library.path.parent / "manifest.json"
-    accuracy = json.loads(manifest.read_text()).get("accuracy") if manifest.is_file() else None
+    manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    accuracy = manifest.get("accuracy") if library.path.name in manifest.get("files", {}) else None
     if accuracy:
         from .accuracy import summary
         print(f"  {summary(accuracy)}")

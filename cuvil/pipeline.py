@@ -242,15 +242,12 @@ def lowering_problems(graph) -> list[str]:
     """One line per node that cannot be lowered to kernels (lowering only writes kernel source,
     so this is cheap), naming the node, its op and why."""
     from backends.numba_cpu.registry import GENERATORS
-
-    from .ops import FUSED_DOMAIN, FUSED_OPS
     problems = []
     for node in graph.nodes:
         problem = None
-        if node.domain not in ("", "ai.onnx") and not (node.domain == FUSED_DOMAIN and node.op in FUSED_OPS):
-            problem = f"op {node.domain}::{node.op} is outside the default ONNX domain"
-        elif node.op not in GENERATORS:
-            problem = f"no kernel generator for op {node.op}"
+        if not has_kernel(node.domain, node.op):
+            problem = (f"no kernel generator for op {node.op}" if node.domain in ("", "ai.onnx")
+                       else f"op {node.domain}::{node.op} is outside the default ONNX domain")
         else:
             try:
                 GENERATORS[node.op](node, graph)

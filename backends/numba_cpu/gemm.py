@@ -293,10 +293,11 @@ def uk_eligible(dtype, M, N, K, a: Operand, b: Operand | None) -> bool:
 
 
 def pack_b_panels(data: np.ndarray, nr: int = UK_NR) -> np.ndarray:
-    """[K, N] -> [ceil(N/nr), K, nr] panels, zero padded: the layout micro-kernels read B in."""
+    """[K, N] -> [ceil(N/nr), K, nr] panels, zero padded, in data's dtype: the layout micro-kernels
+    read B in (float32, or float16 bits for the fp16 ones)."""
     K, N = data.shape
     n_panels = ceil_div(N, nr)
-    padded = np.zeros((K, n_panels * nr), dtype=np.float32)
+    padded = np.zeros((K, n_panels * nr), dtype=data.dtype)
     padded[:, :N] = data
     return np.ascontiguousarray(padded.reshape(K, n_panels, nr).transpose(1, 0, 2))
 
@@ -397,6 +398,7 @@ def pack_a_kernel(M: int, K: int, MR: int) -> tuple[Kernel, int]:
 # -- reduced precision: the products assign_precision marks (bf16 / fp16 operands, float32 sums) --
 
 LOWP_FORMATS = {"bf16": "bf16", "fp16": "f16"}   # a node's `precision` -> the micro-kernels' format
+PRECISION_OF = {fmt: precision for precision, fmt in LOWP_FORMATS.items()}
 
 
 def lowp_product(node) -> tuple[str, str] | None:
@@ -418,7 +420,7 @@ def lowp_label(lowp: tuple[str, str] | None) -> str:
     """How a call computes, for `cuvil explain`: "bf16 (dpbf16)", "fp16 (f16c)"; "" for float32."""
     if lowp is None:
         return ""
-    return f"{'fp16' if lowp[0] == 'f16' else lowp[0]} ({lowp[1]})"
+    return f"{PRECISION_OF[lowp[0]]} ({lowp[1]})"
 
 
 def lowp_k(K: int, fmt: str) -> int:
@@ -432,11 +434,7 @@ def pack_b_lowp(data: np.ndarray, nr: int, fmt: str) -> np.ndarray:
     from .lowp_pack import bf16_bits, f16_bits, pack_b_pairs
     if fmt == "bf16":
         return pack_b_pairs(bf16_bits(data.astype(np.float32)), nr)
-    bits = f16_bits(data.astype(np.float32))
-    K, N = bits.shape
-    padded = np.zeros((K, ceil_div(N, nr) * nr), np.uint16)
-    padded[:, :N] = bits
-    return np.ascontiguousarray(padded.reshape(K, -1, nr).transpose(1, 0, 2))
+    return pack_b_panels(f16_bits(data.astype(np.float32)), nr)
 
 
 def lowp_a_calls(graph, node, A_name: str, M: int, K: int, fmt: str) -> tuple[list, str, Operand]:
@@ -455,7 +453,7 @@ def lowp_a_calls(graph, node, A_name: str, M: int, K: int, fmt: str) -> tuple[li
     if Kp != K:
         src.line(f"p1[m * {Kp} + {K}] = np.uint16(0)")
     kernel = Kernel(f"Cvt_{fmt}", src.text(), ("float32", "uint16"))
-    label = f"{'fp16' if fmt == 'f16' else fmt} (A converted)"
+    label = f"{PRECISION_OF[fmt]} (A converted)"
     return [KernelCall(kernel, [A_name, converted], M, node.name, precision=label)], converted, Operand((), Kp, 1)
 
 
@@ -562,7 +560,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     # A few row tiles (a 16-token encoder) share each B panel: in short passes the panel's part
     # stays in L1 from one tile to the next (T=16 encoder, 1 thread: 171.6 -> 163.7 us at 64 k).
     kc_max = uk_k_pass(Kp) if a_panels or not MR < M <= UK_FEW_ROWS else min(Kp, UK_KC_FEW_ROWS)
-    if Kp != K or (lowp and lowp[0] == "bf16"):
+    if lowp and lowp[0] == "bf16":
         kc_max = max(2, kc_max // 2 * 2)   # whole k pairs a pass
 
     body = Source().indent()

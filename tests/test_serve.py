@@ -29,6 +29,10 @@ from tritonclient.utils import InferenceServerException
 from cuvil.serve import Server
 from tests.helpers import make_model, run_ort
 
+# One server for the module, whose hot-update tests are a sequence (each swaps from the version the
+# one before left): the module runs in one pytest-xdist worker (pyproject's --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("serve")
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token-3f1c"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # tritonclient adds to a headers dict: pass copies
@@ -302,19 +306,29 @@ def test_unload_and_load_through_the_repository_api(server):
     assert error.value.status() == "404"
 
 
-def test_metrics_count_requests_and_compute_time(server):
-    infer(client(server), "affine", x_affine(0))
+def _requests_total(server, model: str) -> tuple[float, str]:
     status, headers, body = raw(server, "GET", "/metrics")
-    text = body.decode()
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    text = body.decode()
+    prefix = f'cuvil_requests_total{{model="{model}"}}'
+    return float(next(l for l in text.splitlines() if l.startswith(prefix)).split()[-1]), text
+
+
+def test_metrics_count_requests_and_compute_time(server):
+    """Counted by this test alone: under pytest-xdist the module's other tests may run in another
+    worker, against another server."""
+    infer(client(server), "affine", x_affine(0))
+    before, text = _requests_total(server, "affine")
     for line in ('cuvil_requests_total{model="affine"}', 'cuvil_compute_seconds_count{model="affine"}',
                  'cuvil_queue_seconds_bucket{le="+Inf",model="affine"}',
-                 'cuvil_request_failures_total{model="affine",reason="bad_request"}',
                  'cuvil_model_ready{model="affine"} 1.0'):
         assert line in text, line
-    requests = float(next(l for l in text.splitlines() if l.startswith('cuvil_requests_total{model="affine"}'))
-                     .split()[-1])
-    assert requests >= 60
+    for k in range(5):
+        infer(client(server), "affine", x_affine(k))
+    assert raw(server, "POST", "/v2/models/affine/infer", b"{not json")[0] == 400
+    after, text = _requests_total(server, "affine")
+    assert after - before >= 5
+    assert 'cuvil_request_failures_total{model="affine",reason="bad_request"}' in text
 
 
 # --- hot updates of `scale` (they change it: keep them last)

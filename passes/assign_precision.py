@@ -7,7 +7,14 @@ matrix, where halving the operand bytes halves the weight traffic and the target
 instructions double the products per cycle:
 
     Gemm, MatMul, FusedGemm, FusedMatMul with a constant 2-D B        -> the precision
+    Conv, FusedConv with constant 4-D weights, not depthwise          -> the precision
     everything else                                                   -> float32
+
+A marked conv computes in the precision where it runs as an implicit GEMM
+(backends/numba_cpu/convgemm.py, 1x1 convs included); a conv the backend gives to a Winograd
+transform or to a direct kernel (tiny convs), or a bf16 grouped conv with an odd channel count
+per group, stays float32 and shows so in `cuvil explain`. Depthwise convs are not marked: one
+product per tap and channel, no weight matrix to halve.
 
 Everything else stays in float32 because it is numerically sensitive or gains nothing:
 reductions and their accumulators, Softmax / LayerNorm / normalisation statistics, exp and
@@ -26,7 +33,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from cuvil.ir import Graph
-from cuvil.ops import PRODUCTS
+from cuvil.ops import FUSED_DOMAIN, PRODUCTS
+
+CONVS = {("", "Conv"), (FUSED_DOMAIN, "FusedConv")}
 
 REDUCED = ("bf16", "fp16")
 
@@ -38,7 +47,13 @@ class Options(BaseModel):
 
 
 def _marks(node, graph: Graph, keep: set) -> bool:
-    if (node.domain, node.op) not in PRODUCTS or node.name in keep or node.op in keep:
+    if node.name in keep or node.op in keep:
+        return False
+    if (node.domain, node.op) in CONVS:
+        w = graph.values.get(node.inputs[1])
+        return w is not None and w.is_const and len(w.shape) == 4 and w.shape[1] > 1 \
+            and graph.values[node.inputs[0]].dtype.kind == "f"
+    if (node.domain, node.op) not in PRODUCTS:
         return False
     b = graph.values.get(node.inputs[1]) if len(node.inputs) > 1 else None
     return b is not None and b.is_const and len(b.shape) == 2 and graph.values[node.inputs[0]].dtype.kind == "f"

@@ -123,20 +123,26 @@ def lower_conv(node, graph) -> Lowered:
     if transform is not None:
         return Lowered(winograd.lower_winograd(node, graph, transform, X, W, B, Y, pads, res_arg, res_strides,
                                                epilogue))
-    if convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
+    # A conv marked bf16/fp16 (passes/assign_precision.py) takes the implicit GEMM where it can, 1x1
+    # convs included (one tap): its micro-kernels are the reduced-precision ones.
+    lowp = convgemm.lowp_conv(node, group, C // group)
+    gemm_ok = W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
+        and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:]))
+    lowp = lowp if gemm_ok else None
+    if not lowp and convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
         return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                                                   res_arg, res_strides, epilogue, pointwise))
     if dwstride.eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue):
         return Lowered([dwstride.lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue)])
-    if not pointwise and W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
-            and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:])):
+    if gemm_ok and (lowp or not pointwise):
         calls = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
-                                         res_arg, res_strides, epilogue)
+                                         res_arg, res_strides, epilogue, lowp=lowp)
         if in_place_residual:
-            # The phase-image scratch is already in the graph: only the conv call has another form.
+            # The scratch the conv reads is already in the graph: only the conv call has another form.
             form = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
-                                            None, None, epilogue, accumulate=True, scratch=calls[0].args[1])[1]
-            calls[1].in_place = InPlace(res_arg, form.kernel, form.args, form.work)
+                                            None, None, epilogue, accumulate=True, scratch=calls[-1].args[0],
+                                            lowp=lowp)[-1]
+            calls[-1].in_place = InPlace(res_arg, form.kernel, form.args, form.work)
         return Lowered(calls)
     if pointwise:
         pixels = int(np.prod(X.shape[2:]))

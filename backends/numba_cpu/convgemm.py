@@ -30,7 +30,7 @@ from cuvil.ir import Value
 from .ukernel import LOADC_EPILOGUE
 
 from .epilogue import Epilogue, register_epilogue
-from .gemm import ceil_div, choose_tile, split_work
+from .gemm import PRECISION_OF, ceil_div, choose_tile, lowp_label, lowp_product, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
@@ -58,10 +58,15 @@ def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
 
 def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                     residual_arg=None, res_strides=None, epilogue: Epilogue | None = None,
-                    accumulate: bool = False, scratch: str | None = None) -> list:
+                    accumulate: bool = False, scratch: str | None = None, lowp: tuple[str, str] | None = None) -> list:
     """The ConvPad and Conv kernel calls of a 2-D conv (see the module docstring). With
-    `accumulate`, the conv adds onto its output (which holds the residual: see kernel.InPlace)."""
+    `accumulate`, the conv adds onto its output (which holds the residual: see kernel.InPlace);
+    `scratch` is then the input the conv call of the first form reads, and only the conv call is
+    new. With `lowp` = (format, method) (see lowp_conv), a `Cvt` call between them converts the
+    phase images to 16 bits (bf16: channel pairs interleaved) and the conv multiplies them with
+    weights packed in that format by ukernel_lowp's taps kernels; sums and epilogue stay float32."""
     from .ukernel import UKSpec
+    from .ukernel_lowp import LowpUKSpec
     epilogue = epilogue or Epilogue()
     dtype = np.dtype(np.float32)
     N, C, H, Wd = (int(v) for v in X.shape)
@@ -77,25 +82,46 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     q_valid = (OH - 1) * PW + OW
     MR, NR = choose_tile(ocg, q_valid, "taps")
     scratch_floats = N * C * ldb + NR + 2 * PW + 16  # garbage lanes of the last tiles read past the end
-    if scratch is None:   # (given: another form of the same conv, sharing its phase images)
-        scratch = graph.unique_name(f"{Y.name}__phases")
-        graph.values[scratch] = Value(scratch, np.dtype(np.float32), (scratch_floats,))
+    pairs = bool(lowp) and lowp[0] == "bf16"
+    # bf16 reads channels in pairs: an odd channel count (group 1 only, see lowp_conv) gets a zero
+    # weight channel, and its activation pair repeats the last channel (times zero weights).
+    icg_p = icg + icg % 2 if pairs else icg
+    C_p = icg_p * group
+    calls = []
+    if scratch is None:   # (given: another form of the same conv, reading the same scratch)
+        phases_name = graph.unique_name(f"{Y.name}__phases")
+        graph.values[phases_name] = Value(phases_name, np.dtype(np.float32), (scratch_floats,))
+        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
+        calls.append(KernelCall(pad_kernel, [X.name, phases_name], pad_work, node.name))
+        scratch = phases_name
+        if lowp:
+            scratch = graph.unique_name(f"{Y.name}__phases_{lowp[0]}")
+            graph.values[scratch] = Value(scratch, np.dtype(np.uint16), (N * C_p * ldb + 2 * (NR + 2 * PW + 16),))
+            cvt_kernel, cvt_work = _phase_cvt_kernel(lowp[0], N, C, C_p, ldb)
+            calls.append(KernelCall(cvt_kernel, [phases_name, scratch], cvt_work, node.name,
+                                    precision=f"{PRECISION_OF[lowp[0]]} (B converted)"))
 
-    pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
-
-    # Channels per pass over the channels (balanced).
-    kc_max = max(1, min(icg, K_PER_PASS // T))
-    passes = ceil_div(icg, kc_max)
-    kc_max = ceil_div(icg, passes)
+    # Channels per pass over the channels (balanced; bf16: whole pairs).
+    kc_max = max(1, min(icg_p, K_PER_PASS // T))
+    passes = ceil_div(icg_p, kc_max)
+    kc_max = ceil_div(icg_p, passes)
+    kc_max += kc_max % 2 if pairs else 0
     # Weights: [group][pass][panel][c in pass][tap][MR], zero padded: the micro-kernel calls of one
     # pass read one contiguous run of weights, panel after panel (a stream prefetchers follow).
+    # bf16: [group][pass][panel][channel pair][tap][MR][2] (ukernel_lowp's packed A with taps).
     n_panels = ceil_div(ocg, MR)
-    w = np.zeros((group, n_panels * MR, icg, T), dtype=np.float32)
-    w[:, :ocg] = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
-    w = w.reshape(group, n_panels, MR, icg, T)
-    packed = np.ascontiguousarray(np.concatenate(
-        [w[:, :, :, c0:c0 + kc_max].transpose(0, 1, 3, 4, 2).reshape(group, -1)
-         for c0 in range(0, icg, kc_max)], axis=1))
+    w = np.zeros((group, n_panels * MR, icg_p, T), dtype=np.float32)
+    w[:, :ocg, :icg] = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
+    w = w.reshape(group, n_panels, MR, icg_p, T)
+    if pairs:
+        runs = [w[:, :, :, c0:c0 + kc_max].reshape(group, n_panels, MR, -1, 2, T).transpose(0, 1, 3, 5, 2, 4)
+                for c0 in range(0, icg_p, kc_max)]
+    else:
+        runs = [w[:, :, :, c0:c0 + kc_max].transpose(0, 1, 3, 4, 2) for c0 in range(0, icg_p, kc_max)]
+    packed = np.ascontiguousarray(np.concatenate([r.reshape(group, -1) for r in runs], axis=1))
+    if lowp:
+        from .lowp_pack import bf16_bits, f16_bits
+        packed = bf16_bits(packed) if pairs else f16_bits(packed)
 
     # Tiles of the flat grid: (mask, first output index, count).
     n_tiles = ceil_div(q_valid, NR)
@@ -122,7 +148,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # item's tiles read them; each tile's B is read again (from L2) per group. A ResNet stem
     # (3 -> 64, 7x7 / 2, 37.6 KB of weights in one pass: two groups) runs 5 % faster; a 3x3
     # conv 64 -> 64 at 56x56 (50 KB per pass) is unchanged with two groups, 3 % slower with four.
-    panel_bytes = 4 * MR * kc_max * T
+    panel_bytes = (2 if lowp else 4) * MR * kc_max * T
     group_rows = MR * max(1, A_L1_BYTES // panel_bytes)
 
     has_bias = B is not None
@@ -143,9 +169,11 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
 
     def spec(mr):
         if mr not in specs:
-            specs[mr] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR, taps=offsets, store=store,
-                                                   prefetch_c=int(accumulate),
-                                                   **uk_epilogue))
+            specs[mr] = (f"uk{len(specs)}",
+                         LowpUKSpec(mr=mr, nr=NR, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
+                                    taps=offsets, store=store, **uk_epilogue) if lowp else
+                         UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR, taps=offsets, store=store,
+                                prefetch_c=int(accumulate), **uk_epilogue))
         return specs[mr][0]
 
     body = Source().indent()
@@ -155,22 +183,24 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     body.line(f"g = rest % {group}").line(f"n = rest // {group}")
     body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
     body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
-    body.line(f"for c0 in range(0, {icg}, {kc_max}):").indent()
-    body.line(f"kc = min({kc_max}, {icg} - c0)").line("lc = 1" if accumulate else "lc = min(c0, 1)").line(f"last = 1 if c0 + {kc_max} >= {icg} else 0")
+    body.line(f"for c0 in range(0, {icg_p}, {kc_max}):").indent()
+    body.line(f"kc = min({kc_max}, {icg_p} - c0)").line("lc = 1" if accumulate else "lc = min(c0, 1)").line(f"last = 1 if c0 + {kc_max} >= {icg_p} else 0")
     body.line(f"for mg in range(m_lo, m_hi, {group_rows}):").indent()
     body.line(f"mg_hi = min(mg + {group_rows}, m_hi)")
     body.line("for tt in range(t_lo, t_hi):").indent()
     body.line(f"mask = {pt}[tt * 3]").line(f"y0 = {pt}[tt * 3 + 1]").line(f"cnt = {pt}[tt * 3 + 2]")
-    body.line(f"boff = (n * {C} + g * {icg} + c0) * {ldb} + tt * {NR}")
+    # bf16: offsets in 16-bit elements, a channel pair's phases are 2 ldb of them, kc counts pairs
+    ldb_b, k_arg = (2 * ldb, "kc >> 1") if pairs else (ldb, "kc")
+    body.line(f"boff = (n * {C_p // (1 + pairs)} + (g * {icg_p} + c0) // {1 + pairs}) * {ldb_b} + tt * {NR * (1 + pairs)}")
     F = lambda v: literal(v, dtype)
     has_epi = (has_bias or residual_arg is not None or epilogue.active) and not in_registers
 
     def call(mr):
         name = spec(mr)
-        body.line(f"{name}(p1, (g * {icg} + c0) * {n_panels * T * MR} + (m // {MR}) * kc * {T * MR}, 0, p0, boff, {ldb}, "
-                  f"{py}, (n * {OC} + g * {ocg} + m) * {OHW} + y0, {OHW}, kc, mask, "
-                  + (f"lc + {LOADC_EPILOGUE} * last, " + (f"{pb}, g * {ocg} + m)" if has_bias else "p0, 0)")
-                     if in_registers else "lc, p0, 0)"))
+        body.line(f"{name}(p1, (g * {icg_p} + c0) * {n_panels * T * MR} + (m // {MR}) * kc * {T * MR}, 0, p0, boff, {ldb_b}, "
+                  f"{py}, (n * {OC} + g * {ocg} + m) * {OHW} + y0, {OHW}, {k_arg}, mask, "
+                  + (f"lc + {LOADC_EPILOGUE} * last, " + (f"{pb}, g * {ocg} + m)" if has_bias else f"{py}, 0)")
+                     if in_registers else f"lc, {py}, 0)"))   # no bias: any float32 pointer
         if has_epi:
             body.line("if last:").indent()
             body.line(f"for r in range(m, m + {mr}):").indent()
@@ -205,13 +235,43 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         for line in uk.declaration(name).splitlines():
             head.line(line)
     head.line(kernel_header(n_ptrs))
-    types = ["float32", "float32"] + (["float32"] if has_bias else []) + ["int64"] \
+    types = ["uint16" if lowp else "float32"] * 2 + (["float32"] if has_bias else []) + ["int64"] \
         + (["float32"] if residual_arg is not None else []) + ["float32"]
     conv_kernel = Kernel("Conv", head.text() + body.text(), tuple(types), self_sized=True)
     args = [scratch, packed] + ([B.name] if has_bias else []) + [table] \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
-    return [KernelCall(pad_kernel, [X.name, scratch], pad_work, node.name),
-            KernelCall(conv_kernel, args, work, node.name)]
+    return calls + [KernelCall(conv_kernel, args, work, node.name, precision=lowp_label(lowp))]
+
+
+def lowp_conv(node, group: int, icg: int) -> tuple[str, str] | None:
+    """(format, method) when this conv's mark (passes/assign_precision.py) is honoured here, else
+    None: bf16 pairs channels within a group, so a grouped conv with an odd channel count per
+    group stays float32 (group 1 pads one zero channel)."""
+    lowp = lowp_product(node)
+    if lowp and lowp[0] == "bf16" and icg % 2 and group > 1:
+        return None
+    return lowp
+
+
+def _phase_cvt_kernel(fmt: str, N: int, C: int, C_p: int, ldb: int) -> tuple[Kernel, int]:
+    """The phase images (N*C planes of ldb float32) in 16 bits, rounded to nearest even, one work
+    item per (image, channel) plane; bf16 per (image, channel pair): the two planes interleaved
+    (lowp.PairCvtSpec), a last unpaired channel with itself (its pair's weights are zero)."""
+    from .lowp import CvtSpec, PairCvtSpec
+    src = Source()
+    spec = PairCvtSpec() if fmt == "bf16" else CvtSpec("f32", fmt)
+    for line in spec.declaration("cvt").splitlines():
+        src.line(line)
+    src.line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    if fmt == "bf16":
+        P = C_p // 2
+        src.line(f"n = item // {P}").line(f"c = (item % {P}) * 2")
+        stride = f"0 if c + 1 >= {C} else {ldb}" if C_p != C else str(ldb)
+        src.line(f"cvt(p0, (n * {C} + c) * {ldb}, {stride}, p1, item * {2 * ldb}, {ldb})")
+        return Kernel(f"Cvt_{fmt}", src.text(), ("float32", "uint16")), N * P
+    src.line(f"cvt(p0, item * {ldb}, p1, item * {ldb}, {ldb})")
+    return Kernel(f"Cvt_{fmt}", src.text(), ("float32", "uint16")), N * C
 
 
 def phase_geometry(kernel, strides, dilations, p_l, W, OH, OW):

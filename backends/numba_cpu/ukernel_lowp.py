@@ -75,6 +75,7 @@ class LowpUKSpec(Declared):
     act_lo: float = 0.0
     act_hi: float = 0.0
     fp16_chunk: int = 4     # "fp16": products summed in float16 before they join the float32 sums
+    store: str = "m"        # as UKSpec: "m" masked positional C, "x" compressed (a conv's valid lanes)
     kind: str = "lowp"
     _ARGS: ClassVar[str] = "".join("p" if n in ("a", "b", "c", "bias") else "i" for n in ARG_TYPES)
 
@@ -114,6 +115,7 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir(f"%epiw = and i64 %loadc, {LOADC_EPILOGUE}")
     ir("%epi = icmp ne i64 %epiw, 0")
     masks = column_masks(ir, V, L)
+    offsets, dense = _compressed_offsets(ir, V, L) if spec.store == "x" else ({v: str(v * L) for v in range(V)}, masks)
     crow = {i: _element_ptr(ir, "float", "%c", "%coff", i, "%ldc") for i in range(spec.mr)}
     abase = _element_ptr(ir, "i16", "%a", "%aoff", 0, "%lda")
     arow = {i: _element_ptr(ir, "i16", "%a", "%aoff", i, "%lda") for i in range(spec.mr)} if not spec.a_packed else {}
@@ -135,10 +137,14 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         for i in range(spec.mr):
             for v in vecs:
                 p = ir.tmp("cp")
-                ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
+                ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {offsets[v]}")
                 x = ir.tmp("c")
-                ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
-                   f"{vt} zeroinitializer)")
+                if spec.store == "x":
+                    ir(f"{x} = call {vt} @llvm.masked.expandload.v{L}f32(ptr {p}, <{L} x i1> {masks[v]}, "
+                       f"{vt} zeroinitializer)")
+                else:
+                    ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
+                       f"{vt} zeroinitializer)")
                 loaded[i, v] = x
         ir(f"br label %pre{ci}")
         ir.label(f"pre{ci}")
@@ -162,8 +168,13 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
             final = row_epilogue(ir, spec, final, vt, L)
         for (i, v), val in final.items():
             p = ir.tmp("cp")
-            ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {v * L}")
-            ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {val}, ptr align 4 {p}, <{L} x i1> {masks[v]})")
+            ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {offsets[v]}")
+            if spec.store == "x":   # compressed in a register (see ukernel.py: a compress store is microcoded on Zen 4)
+                packed = ir.tmp("cv")
+                ir(f"{packed} = call {vt} @llvm.experimental.vector.compress.v{L}f32({vt} {val}, <{L} x i1> {masks[v]}, "
+                   f"{vt} poison)")
+                val = packed
+            ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {val}, ptr align 4 {p}, <{L} x i1> {dense[v]})")
         ir(f"br label %{f'chunk{ci + 1}' if ci + 1 < len(chunks) else 'done'}")
     ir.label("done")
     ir("ret i32 0")
@@ -176,10 +187,34 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
              f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
              f"declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)",
              f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+             f"declare {vt} @llvm.masked.expandload.v{L}f32(ptr, <{L} x i1>, {vt})",
+             f"declare {vt} @llvm.experimental.vector.compress.v{L}f32({vt}, <{L} x i1>, {vt})",
+             "declare i64 @llvm.ctpop.i64(i64)",
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
              "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
              "declare <32 x half> @llvm.fma.v32f16(<32 x half>, <32 x half>, <32 x half>)"]
     return function_module(head, ir, rename, decls)
+
+
+def _compressed_offsets(ir: IRBuilder, V: int, L: int) -> tuple[dict, dict]:
+    """store "x": where each vector's valid lanes go (the popcounts of the masks before it) and the
+    masks of its first popcount lanes, as ukernel.py's compressed stores."""
+    offsets, dense, running = {}, {}, "0"
+    for v in range(V):
+        offsets[v] = running
+        seg, cnt = ir.tmp("seg"), ir.tmp("cnt")
+        ir(f"{seg} = lshr i64 %mask, {v * L}")
+        ir(f"{seg}m = and i64 {seg}, {(1 << L) - 1}")
+        ir(f"{cnt} = call i64 @llvm.ctpop.i64(i64 {seg}m)")
+        running = ir.tmp("off")
+        ir(f"{running} = add i64 {offsets[v]}, {cnt}")
+        low = ir.tmp("low")
+        ir(f"{low} = shl i64 1, {cnt}")
+        ir(f"{low}s = sub i64 {low}, 1")
+        ir(f"{low}t = trunc i64 {low}s to i{L}")
+        dense[v] = ir.tmp("dm")
+        ir(f"{dense[v]} = bitcast i{L} {low}t to <{L} x i1>")
+    return offsets, dense
 
 
 def _element_ptr(ir: IRBuilder, elem: str, base: str, offset: str, row: int, stride: str) -> str:

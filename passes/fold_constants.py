@@ -2,12 +2,14 @@
 
 The ONNX frontend already folds what the model holds; this pass folds what
 other passes expose (e.g. a Transpose of a weight once the weight is known).
-Nodes are evaluated with ONNX's reference evaluator, one at a time.
+Nodes are evaluated one at a time by cuvil/evaluate.py (ONNX's reference evaluator, and
+onnxruntime's arithmetic for QuantizeLinear/DequantizeLinear).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from cuvil.evaluate import evaluate_exact
 from cuvil.ir import Graph, Value
 
 from ._rewrite import drop_unused_values
@@ -18,6 +20,9 @@ _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "Rando
 def evaluate_node(node, graph: Graph) -> list[np.ndarray]:
     from onnx import helper, numpy_helper
     from onnx.reference import ReferenceEvaluator
+    exact = evaluate_exact(node.op, node.domain, [graph.values[i].data if i else None for i in node.inputs], node.attrs)
+    if exact is not None:
+        return exact
     inits = [numpy_helper.from_array(np.asarray(graph.values[i].data), i) for i in dict.fromkeys(node.inputs) if i]
     attrs = {k: (numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v) for k, v in node.attrs.items()}
     proto = helper.make_node(node.op, node.inputs, node.outputs, domain=node.domain or None, **attrs)

@@ -21,9 +21,13 @@ def make_model(nodes, inputs, outputs, initializers=None, opset=17) -> onnx.Mode
     return model
 
 
-def run_ort(model: onnx.ModelProto, feeds: dict) -> dict:
+def run_ort(model: onnx.ModelProto, feeds: dict, optimize: bool = True) -> dict:
+    """Outputs by name on one thread; `optimize=False` turns onnxruntime's graph optimisations off
+    (a QDQ model then runs as float emulation, node by node, instead of fused integer ops)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds)))

@@ -4,7 +4,9 @@ Every value gets a static shape and a dtype. Symbolic input dims take their
 value from the caller's `input_shapes`. Initializers and Constant nodes become
 constants, and any node whose inputs are all constant is evaluated here with
 ONNX's reference evaluator, so the shape arithmetic exporters write
-(Shape -> Gather -> Concat -> Reshape) is gone before the passes run.
+(Shape -> Gather -> Concat -> Reshape) is gone before the passes run. One exception:
+a DequantizeLinear of a constant integer tensor (a quantised weight) stays a node, so that
+the passes see the weight in its quantised form; fold_constants folds what they leave.
 Output types of the remaining nodes come from ONNX's own shape inference,
 run one node at a time with every input type known.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..evaluate import evaluate_exact
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
 
@@ -252,7 +255,7 @@ class _Importer:
         in_values = [self.values[i] for i in inputs if i]
         # Shape and Size only read the (static) shape, so their result is known now.
         if domain == "" and (all(v.is_const for v in in_values) or proto.op_type in ("Shape", "Size")) \
-                and proto.op_type not in _NEVER_FOLD and in_values:
+                and proto.op_type not in _NEVER_FOLD and not _keeps_quantised(proto, in_values) and in_values:
             if sum(v.size for v in in_values if v.is_const) <= _MAX_FOLD_ELEMENTS or proto.op_type in ("Shape", "Size"):
                 results = self._evaluate(proto, name)
                 for out, arr in zip(proto.output, results):
@@ -284,6 +287,10 @@ class _Importer:
 
     def _evaluate(self, proto: onnx.NodeProto, name: str) -> list[np.ndarray]:
         from onnx.reference import ReferenceEvaluator
+        exact = evaluate_exact(proto.op_type, proto.domain, [self.values[i].data if i else None for i in proto.input],
+                               _attrs(proto))
+        if exact is not None:
+            return exact
         model = self._single_node_model(proto, with_data=lambda v: True)
         feeds = {i.name: np.zeros(self.values[i.name].shape, self.values[i.name].dtype) for i in model.graph.input}
         try:
@@ -345,6 +352,13 @@ def _pool_attrs(proto):
 
 # Ops whose result is random or whose folding would only bloat the weights.
 _NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def _keeps_quantised(proto: onnx.NodeProto, in_values) -> bool:
+    """A DequantizeLinear of a constant integer tensor (a quantised weight or bias) stays a node:
+    the passes see the weight in its quantised form (an integer pass can compute products on it),
+    and fold_constants folds what they leave to float."""
+    return proto.op_type == "DequantizeLinear" and np.dtype(in_values[0].dtype).kind in "iu"
 
 
 def import_onnx(source, input_shapes: dict | None = None, has_kernel=None) -> tuple[Graph, str]:

@@ -33,10 +33,14 @@ class Kernel:
     # Sizes its own work items by its arithmetic (a GEMM's or conv's few balanced items): the
     # driver always hands it to the pool, however few bytes it touches, one item at a time.
     self_sized: bool = False
+    # A GPU kernel (backends/numba_cuda/): the threads of one block it is launched with; 0 for a
+    # CPU kernel. Its source then defines `kernel(p0, ..., n)` over n = the call's work threads.
+    block: int = 0
 
     @cached_property
     def key(self) -> str:
-        blob = json.dumps([self.family, self.source, list(self.arg_types), self.in_place], sort_keys=True)
+        parts = [self.family, self.source, list(self.arg_types), self.in_place] + ([self.block] if self.block else [])
+        blob = json.dumps(parts, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @property
@@ -46,12 +50,14 @@ class Kernel:
 
     def as_spec(self) -> dict:
         """What compiling the kernel needs, as JSON (the codegen step's kernels.json)."""
-        return {"symbol": self.symbol, "family": self.family, "source": self.source,
+        spec = {"symbol": self.symbol, "family": self.family, "source": self.source,
                 "arg_types": list(self.arg_types), "in_place": self.in_place}
+        return {**spec, "block": self.block} if self.block else spec
 
     @classmethod
     def from_spec(cls, spec: dict) -> Kernel:
-        return cls(spec["family"], spec["source"], tuple(spec["arg_types"]), in_place=spec["in_place"])
+        return cls(spec["family"], spec["source"], tuple(spec["arg_types"]), in_place=spec["in_place"],
+                   block=spec.get("block", 0))
 
 
 @dataclass

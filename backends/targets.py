@@ -81,6 +81,8 @@ def has_feature(target: CpuTarget, feature: str) -> bool:
 
 def required_features(target: CpuTarget) -> list[str]:
     """The CHECKED_FEATURES code for `target` may use: what a CPU running its library must have."""
+    if is_cuda(target):
+        return []
     return [f for f in CHECKED_FEATURES if has_feature(target, f)]
 
 
@@ -118,13 +120,61 @@ def init_llvm():
         _llvm_ready = True
 
 
-def resolve_target(name: str) -> CpuTarget:
-    """The CpuTarget for a target name from cuvil.yaml or the API."""
+@dataclass(frozen=True)
+class CudaTarget:
+    """An NVIDIA GPU architecture: kernels are PTX for `cc` (backends/numba_cuda/), assembled by
+    ptxas into machine code for that architecture, with the PTX kept beside it so that the
+    driver can JIT it on a newer GPU. The host side (the C driver) is built for x86-64."""
+    name: str
+    cc: tuple[int, int]            # compute capability
+    ptx_isa: str = "9.0"           # the PTX ISA of CUDA 13.0's NVVM, which a 580 driver loads
+    gcc_flags: tuple[str, ...] = ("-march=x86-64",)
+    kind: str = "cuda"
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.cc[0]}{self.cc[1]}"
+
+    def as_key(self) -> dict:
+        return {"kind": "cuda", "name": self.name, "cc": list(self.cc), "ptx_isa": self.ptx_isa,
+                "gcc_flags": list(self.gcc_flags)}
+
+    @classmethod
+    def from_key(cls, key: dict) -> CudaTarget:
+        return cls(key["name"], tuple(key["cc"]), key["ptx_isa"], tuple(key["gcc_flags"]))
+
+
+CUDA_TARGETS = {
+    "cuda-sm80": CudaTarget("cuda-sm80", (8, 0)),    # A100
+    "cuda-sm86": CudaTarget("cuda-sm86", (8, 6)),    # A10, RTX 30xx
+    "cuda-sm89": CudaTarget("cuda-sm89", (8, 9)),    # L4, L40, RTX 40xx
+    "cuda-sm90": CudaTarget("cuda-sm90", (9, 0)),    # H100, H200
+}
+CUDA_ALIASES = {"cuda-a10": "cuda-sm86", "cuda-a100": "cuda-sm80", "cuda-l4": "cuda-sm89", "cuda-h100": "cuda-sm90",
+                "cuda-h200": "cuda-sm90"}
+
+
+def is_cuda(target) -> bool:
+    return isinstance(target, CudaTarget)
+
+
+def target_from_key(key: dict):
+    """The target a step key describes (CPU or CUDA)."""
+    return CudaTarget.from_key(key) if key.get("kind") == "cuda" else CpuTarget.from_key(key)
+
+
+def known_targets() -> list[str]:
+    return ["native", *TARGETS, *CUDA_TARGETS, *CUDA_ALIASES]
+
+
+def resolve_target(name: str):
+    """The CpuTarget or CudaTarget for a target name from cuvil.yaml or the API."""
     if name == "native":
         return _native()
     if name in TARGETS:
         return TARGETS[name]
-    if name.startswith("cuda-"):
-        raise CuvilError(f"target '{name}': CUDA targets are not supported yet",
-                         hint=f"use one of: native, {', '.join(TARGETS)}")
-    raise CuvilError(f"unknown target '{name}'", hint=f"use one of: native, {', '.join(TARGETS)}")
+    if name in CUDA_ALIASES:
+        name = CUDA_ALIASES[name]
+    if name in CUDA_TARGETS:
+        return CUDA_TARGETS[name]
+    raise CuvilError(f"unknown target '{name}'", hint=f"use one of: {', '.join(known_targets())}")

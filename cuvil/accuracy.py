@@ -71,12 +71,13 @@ def compare(got: list[dict], want: list[dict]) -> dict:
     return report
 
 
-def measure(files: dict, reference: dict, options: dict) -> dict:
-    """The reduced-precision variant's files with the report in its manifest (the build step)."""
+def measure(files: dict, reference: dict, options: dict, shared: dict | None = None) -> dict:
+    """The reduced-precision variant's files with the report in its manifest (the build step);
+    `shared` holds the variant's shared library when `files` has only the static archive."""
     from .runtime import Library
     with tempfile.TemporaryDirectory(prefix="cuvil-accuracy-") as tmp:
         libraries = []
-        for folder, bundle in (("reduced", files), ("fp32", reference)):
+        for folder, bundle in (("reduced", shared or files), ("fp32", reference)):
             (Path(tmp) / folder).mkdir()
             name = next(n for n in bundle if n.endswith(".so"))
             (Path(tmp) / folder / name).write_bytes(bundle[name])

@@ -23,11 +23,12 @@ class CompiledModel(Library):
         self.accuracy = artifacts.info.get("accuracy")
 
     def save(self, path) -> Path:
-        """Copy the library to `path`: a folder (library, header and manifest go in it) or a file name."""
+        """Copy the library to `path`: a folder (every file of the build goes in it: library, header,
+        pkg-config file, CMake package, manifest) or a file name."""
         path = Path(path)
         if path.is_dir() or str(path).endswith(os.sep) or not path.suffix:
             path.mkdir(parents=True, exist_ok=True)
-            for src in (self.artifacts.library, self.artifacts.header, self.artifacts.manifest):
+            for src in self.artifacts.files:
                 shutil.copyfile(src, path / src.name)
             return path / self.artifacts.library.name
         path.parent.mkdir(parents=True, exist_ok=True)

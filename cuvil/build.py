@@ -48,17 +48,19 @@ class VariantSpec:
     sanitize: bool = False
     # bf16 / fp16: {samples, inputs, min_cosine} of the report against the float32 build (accuracy.py)
     accuracy: dict | None = None
+    link: str = "shared"                 # shared: lib<name>.so, static: lib<name>.a, both
 
 
 @dataclass
 class Artifacts:
-    library: Path
+    library: Path          # lib<name>.so, or lib<name>.a when only the static archive was built
     header: Path
     manifest: Path
     info: dict
     seconds: float
     kernels: int
     changed: bool = True   # False when every installed file already had these bytes
+    files: list[Path] = field(default_factory=list)  # every installed file, the manifest last
 
 
 # -- versions and fingerprints ----------------------------------------------------------
@@ -79,7 +81,8 @@ def code_fingerprint() -> str:
 
 # The modules of cuvil/ that shape what a step produces (the CLI, the config
 # loader, the runtime loader and the cache do not).
-_OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py")
+_OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py",
+                     "consumers.py")
 
 
 @lru_cache(maxsize=None)
@@ -112,8 +115,8 @@ def _graph_codec(cache):
 
 def _variant_params(params: dict) -> pipeline.VariantParams:
     """The lowering and planning parameters in a codegen step's parameters."""
-    from backends.targets import CpuTarget
-    return pipeline.VariantParams(params["name"], CpuTarget.from_key(params["target"]), params["threads"],
+    from backends.targets import target_from_key
+    return pipeline.VariantParams(params["name"], target_from_key(params["target"]), params["threads"],
                                   params["memory"], params["max_arena_mb"])
 
 
@@ -122,7 +125,7 @@ def _run_codegen(dag, graph, params):
     provenance = {
         "name": params["name"],
         "target": params["target_name"],
-        "cpu": params["target"]["cpu"],
+        **({"cpu": params["target"]["cpu"]} if "cpu" in params["target"] else {"gpu_arch": "sm_%d%d" % tuple(params["target"]["cc"])}),
         "precision": params["precision"],
         "threads": params["threads"],
         "symbol_prefix": params["symbol_prefix"],
@@ -140,16 +143,19 @@ def _run_codegen(dag, graph, params):
 def kernel_step(target, spec: dict) -> Step:
     """The cached step that compiles one kernel (a kernels.json entry) for `target`: shared by
     every variant and model that has the same kernel."""
-    return Step(name=f"kernel:{spec['symbol']}@{target.name}", kind="kernel",
-                params={**{k: spec[k] for k in ("source", "arg_types", "symbol", "in_place")}, "target": target.as_key()},
+    params = {**{k: spec[k] for k in ("source", "arg_types", "symbol", "in_place")}, "target": target.as_key()}
+    if spec.get("block"):
+        from backends.numba_cuda.emit import tool_versions as cuda_tools
+        params.update(block=spec["block"], cuda_tools=cuda_tools())
+    return Step(name=f"kernel:{spec['symbol']}@{target.name}", kind="kernel", params=params,
                 deps=[], run=lambda dag: pipeline.compile_kernel(spec, target), encode=bytes, decode=bytes,
                 parallel=True)
 
 
 def add_kernel_steps(dag, link_step: str, bundle: dict) -> list[str]:
     """Add the kernel steps of a codegen bundle as dependencies of its link step."""
-    from backends.targets import CpuTarget
-    target = CpuTarget.from_key(dag.step(link_step).params["target"])
+    from backends.targets import target_from_key
+    target = target_from_key(dag.step(link_step).params["target"])
     steps = [dag.add(kernel_step(target, k)) for k in json.loads(bundle["kernels.json"])]
     for name in steps:
         dag.g.add_edge(name, link_step)
@@ -157,20 +163,22 @@ def add_kernel_steps(dag, link_step: str, bundle: dict) -> list[str]:
 
 
 def _run_link(dag, bundle, params):
+    """The library (shared, static or both), its header, its pkg-config file and CMake package
+    (consumers.py), and the manifest listing each file's sha256."""
+    from .consumers import consumer_files
     kernels = json.loads(bundle["kernels.json"])
     steps = add_kernel_steps(dag, params["link_step"], bundle)
     objects = dict(zip([k["symbol"] for k in kernels], dag.get_many(steps)))
     name = params["name"]
-    library = f"lib{name}.so"
-    lib_bytes = pipeline.link(name, params["symbol_prefix"], bundle["driver.c"], bundle["weights.bin"], objects,
-                              sanitize=params["sanitize"])
+    gpu = params["target"].get("kind") == "cuda"
+    files = pipeline.link(name, params["symbol_prefix"], bundle["driver.c"], bundle["weights.bin"], objects,
+                          sanitize=params["sanitize"], gpu=gpu, mode=params["link"])
     info = json.loads(bundle["info.json"])
+    files = {**files, f"{name}.h": bundle["header.h"], **consumer_files(info, sorted(files), gpu)}
     if params["sanitize"]:
         info["sanitize"] = ["address", "undefined"]
-    manifest = {**info, "files": {library: hashlib.sha256(lib_bytes).hexdigest(),
-                                  f"{name}.h": hashlib.sha256(bundle["header.h"]).hexdigest()}}
-    return {library: lib_bytes, f"{name}.h": bundle["header.h"],
-            "manifest.json": (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()}
+    manifest = {**info, "files": {file: hashlib.sha256(data).hexdigest() for file, data in sorted(files.items())}}
+    return {**files, "manifest.json": (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()}
 
 
 # -- planning --------------------------------------------------------------------------------
@@ -203,9 +211,12 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     the float32 build it compares with, its steps named with the tag "fp32-reference")."""
     from backends.native.link import CFLAGS, LDFLAGS
 
+    from .config import LINK_MODES
+    if spec.link not in LINK_MODES:
+        raise CuvilError(f"model '{spec.name}': unknown link {spec.link!r}", hint=f"one of: {', '.join(LINK_MODES)}")
     target = pipeline.resolve_variant_target(spec.target, spec.precision)
     pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options,
-                                                  spec.precision)
+                                                  spec.precision, gpu=pipeline.is_gpu(target))
     model_bytes, kind = pipeline.read_source(spec.source)
     model_sha = hashlib.sha256(model_bytes).hexdigest()
     shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}
@@ -240,33 +251,40 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
         params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
     codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
                            lambda d, g: _run_codegen(d, g, params), pack_files, unpack_files))
-    link_name = f"{base}/link"
-    link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": CFLAGS, "ldflags": LDFLAGS,
-                   "sanitize": spec.sanitize, "cc": compiler_version(), "target": target.as_key(),
-                   "link_step": link_name}
-    dag.add(Step(link_name, "link", link_params, [codegen],
-                 lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files))
+
+    def add_link(step_name, mode):
+        link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": CFLAGS, "ldflags": LDFLAGS,
+                       "sanitize": spec.sanitize, "cc": compiler_version(), "target": target.as_key(),
+                       "link_step": step_name, "link": mode}
+        return dag.add(Step(step_name, "link", link_params, [codegen],
+                            lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files))
+
+    link_name = add_link(f"{base}/link", spec.link)
     if spec.precision == "fp32":
         return link_name
-    return _plan_accuracy(dag, spec, base, link_name)
+    # The measurement loads a shared library: a static-only variant links one beside its archive.
+    measured = link_name if spec.link != "static" else add_link(f"{base}/link:shared", "shared")
+    return _plan_accuracy(dag, spec, base, link_name, measured)
 
 
-def _plan_accuracy(dag: StepGraph, spec: VariantSpec, base: str, link_name: str) -> str:
-    """The step measuring a reduced-precision variant against its float32 build (accuracy.py)."""
+def _plan_accuracy(dag: StepGraph, spec: VariantSpec, base: str, link_name: str, measured: str) -> str:
+    """The step measuring a reduced-precision variant (the shared library of link step `measured`)
+    against its float32 build (accuracy.py); its output is `link_name`'s files with the report."""
     import dataclasses
 
     from . import accuracy
     options = {"samples": 8, "inputs": "random", "min_cosine": None, **(spec.accuracy or {})}
-    reference = plan_variant(dag, dataclasses.replace(spec, precision="fp32", sanitize=False, accuracy=None),
-                             tag="fp32-reference")
+    reference = plan_variant(dag, dataclasses.replace(spec, precision="fp32", sanitize=False, accuracy=None,
+                                                      link="shared"), tag="fp32-reference")
     params = {**options, "seed": accuracy.SEED}
     if options["inputs"] != "random":
         path = Path(options["inputs"])
         if not path.is_file():
             raise CuvilError(f"model '{spec.name}': accuracy inputs not found: {path}")
         params["inputs"] = {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-    return dag.add(Step(f"{base}/accuracy", "accuracy", params, [link_name, reference],
-                        lambda d, files, ref: accuracy.measure(files, ref, options),
+    deps = [link_name, reference] + ([measured] if measured != link_name else [])
+    return dag.add(Step(f"{base}/accuracy", "accuracy", params, deps,
+                        lambda d, files, ref, *shared: accuracy.measure(files, ref, options, *shared),
                         pack_files, unpack_files))
 
 
@@ -283,7 +301,9 @@ def variant_params(dag: StepGraph, link_step: str) -> pipeline.VariantParams:
 def install(files: dict[str, bytes], out_dir: Path) -> bool:
     """Put files in out_dir: write each to a temporary name and rename it over the old
     one (readers never see half a file); the manifest goes last. Unchanged files are
-    not touched. Returns whether anything changed."""
+    not touched. A file the previous manifest listed that is no longer built (the
+    shared library after a switch to `link: static`) is removed, so no build tool
+    finds it. Returns whether anything changed."""
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -297,6 +317,7 @@ def install(files: dict[str, bytes], out_dir: Path) -> bool:
         except OSError:
             pass
     changed = False
+    previous = _listed_files(out_dir / "manifest.json")
     for name in sorted(files, key=lambda n: (n == "manifest.json", n)):
         path = out_dir / name
         data = files[name]
@@ -316,16 +337,33 @@ def install(files: dict[str, bytes], out_dir: Path) -> bool:
             raise CuvilError(f"cannot write {path}: {exc.strerror}",
                              hint="check that the output folder is writable and the disk is not full") from None
         changed = True
+    for name in sorted(previous - set(files)):
+        try:
+            (out_dir / name).unlink(missing_ok=True)
+        except OSError as exc:
+            raise CuvilError(f"cannot remove the obsolete {out_dir / name}: {exc.strerror}") from None
+        changed = True
     return changed
 
 
+def _listed_files(manifest: Path) -> set[str]:
+    """The plain file names an installed manifest lists (none when there is no readable one)."""
+    try:
+        listed = json.loads(manifest.read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {name for name in listed
+            if isinstance(name, str) and name == Path(name).name and name not in ("", ".", "..", "manifest.json")}
+
+
 def artifacts_of(files, out_dir, seconds, changed) -> Artifacts:
-    lib = next(n for n in files if n.endswith(".so"))
+    lib = next((n for n in files if n.endswith(".so")), None) or next(n for n in files if n.endswith(".a"))
     header = next(n for n in files if n.endswith(".h"))
     info = json.loads(files["manifest.json"])
     info.pop("files", None)
+    installed = [out_dir / n for n in sorted(files, key=lambda n: (n == "manifest.json", n))]
     return Artifacts(out_dir / lib, out_dir / header, out_dir / "manifest.json", info, seconds,
-                     info.get("kernels", 0), changed)
+                     info.get("kernels", 0), changed, installed)
 
 
 def build_variants(variants: list[tuple[VariantSpec, Path]], cache: Cache, jobs: int = 1, progress=None,
@@ -345,5 +383,6 @@ def build_variants(variants: list[tuple[VariantSpec, Path]], cache: Cache, jobs:
 
 
 def build_variant(spec: VariantSpec, out_dir: Path, cache: Cache, jobs: int = 1, progress=None) -> Artifacts:
-    """Build one variant into out_dir (lib<name>.so, <name>.h, manifest.json)."""
+    """Build one variant into out_dir (lib<name>.so and/or .a, <name>.h, <name>.pc, the CMake package,
+    manifest.json)."""
     return build_variants([(spec, Path(out_dir))], cache, jobs=jobs, progress=progress)[0][0]

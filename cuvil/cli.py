@@ -166,6 +166,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("models", nargs="*", metavar="MODEL", help="check only these models (default: all)")
     check.set_defaults(command=cmd_check)
 
+    schema = commands.add_parser("schema", parents=[common], help="print the JSON Schema of cuvil.yaml",
+                                 description="Print the JSON Schema of cuvil.yaml (for editors: the YAML language "
+                                             "server reads it from a `# yaml-language-server: $schema=FILE` line). "
+                                             "docs/cuvil.schema.json holds the same text.")
+    schema.set_defaults(command=cmd_schema)
+
     bench = commands.add_parser("bench", parents=[common], help="time a library or a model (vs onnxruntime)",
                                 description="Time a built library (LIB.so) or build and time a model "
                                             "(an .onnx file). Each engine runs in its own process: the library "
@@ -321,7 +327,7 @@ def cmd_verify(args) -> int:
         if rebuilt is None:
             raise CuvilError(f"{args.file}: model '{model.name}' has no target '{info['target']}'")
         same = True
-        for mine in (rebuilt.library, rebuilt.header, rebuilt.manifest):
+        for mine in rebuilt.files:
             theirs = library.parent / mine.name
             ok = theirs.is_file() and theirs.read_bytes() == mine.read_bytes()
             same &= ok
@@ -506,6 +512,12 @@ def cmd_bench(args) -> int:
 
 
 # --- check
+
+def cmd_schema(args) -> int:
+    from .config import json_schema
+    print(json.dumps(json_schema(), indent=2))
+    return EXIT_OK
+
 
 def cmd_check(args) -> int:
     from .config import load_config

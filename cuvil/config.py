@@ -12,6 +12,12 @@ marks) before it is validated, and each pydantic error location is walked back
 down that tree. Loading is safe-only: tags that would build Python objects are
 refused, and so are duplicate keys, which PyYAML would otherwise silently
 resolve to the last one.
+
+The same models give the file's JSON Schema (`json_schema()`, `cuvil schema`,
+docs/cuvil.schema.json) for editors: each key's description is the text of
+cuvil.yaml.example's comment, and each value check has its schema beside it
+(`WithJsonSchema`), so the schema rejects what the loader rejects (a test
+checks a list of mistakes against both).
 """
 from __future__ import annotations
 
@@ -20,15 +26,18 @@ from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, WithJsonSchema
 
 from .errors import ConfigError
 
+# backends/targets.py resolves each (known_targets() there lists the same names; a test checks).
 TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4", "x86_64-sapphirerapids",
-           "cuda-sm80", "cuda-sm90")
+           "cuda-sm80", "cuda-sm86", "cuda-sm89", "cuda-sm90", "cuda-a10", "cuda-a100", "cuda-l4", "cuda-h100",
+           "cuda-h200")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most important first
 DIFF_MODES = ("syntactic", "semantic")
+LINK_MODES = ("shared", "static", "both")  # `link:`: lib<name>.so, lib<name>.a, or both
 SOURCE_SUFFIXES = (".onnx", ".pt", ".pth")
 DEFAULT_SYMBOL_PREFIX = "cuvil_"
 
@@ -43,7 +52,7 @@ def _one_of(known, what):
         if value not in known:
             raise ValueError(f"unknown {what} {value!r} (known: {', '.join(known)})")
         return value
-    return AfterValidator(check)
+    return AfterValidator(check), WithJsonSchema({"type": "string", "enum": list(known)})
 
 
 def _identifier(value):
@@ -71,18 +80,32 @@ def _pass_options(value):
     return check_pass_options(value)
 
 
+def _pass_names(value):
+    # Checked here, not only when the pass list is made, so the error names the line (as the schema does).
+    if value:
+        from passes import PASSES
+        for name in value:
+            if name not in PASSES:
+                raise ValueError(f"unknown pass {name!r} (known passes: {', '.join(sorted(PASSES))})")
+    return value
+
+
 def _version(value):
     if value != 1:
         raise ValueError(f"unsupported version {value} (this cuvil reads version 1)")
     return value
 
 
-Target = Annotated[str, _one_of(TARGETS, "target")]
-Precision = Annotated[str, _one_of(PRECISIONS, "precision")]
-Identifier = Annotated[str, AfterValidator(_identifier)]
-Dimension = Annotated[Any, AfterValidator(_dimension)]
+Target = Annotated[str, *_one_of(TARGETS, "target")]
+Precision = Annotated[str, *_one_of(PRECISIONS, "precision")]
+Identifier = Annotated[str, AfterValidator(_identifier),
+                       WithJsonSchema({"type": "string", "pattern": "^" + _IDENTIFIER.pattern + "$"})]
+Dimension = Annotated[Any, AfterValidator(_dimension), WithJsonSchema({"type": "integer", "minimum": 1})]
 # Paths are the one place a str must be converted, so they opt out of strict mode.
-LaxPath = Annotated[Path, Strict(False)]
+LaxPath = Annotated[Path, Strict(False), WithJsonSchema({"type": "string"})]
+Source = Annotated[str, AfterValidator(_source_suffix), WithJsonSchema(
+    {"type": "string", "pattern": r"\.([oO][nN][nN][xX]|[pP][tT][hH]?)$"})]
+Version = Annotated[int, AfterValidator(_version), WithJsonSchema({"type": "integer", "const": 1})]
 
 
 # --- the file as written
@@ -93,84 +116,151 @@ class _Strict(BaseModel):
 
 
 class CacheConfig(_Strict):
-    dir: LaxPath = Path(".cuvil-cache")
-    url: str | None = None  # an fsspec URL (s3://bucket/prefix) shared between machines
-    read_only: bool = False
+    """The step cache: compiled kernels are stored by content hash, so an unchanged kernel is never
+    compiled twice, across models and across builds."""
+
+    dir: LaxPath = Field(Path(".cuvil-cache"), description="Local folder of the cache (relative to this file). "
+                         "Safe to delete at any time.")
+    url: str | None = Field(None, description="Optional fsspec URL of a cache shared between machines, "
+                            "e.g. s3://bucket/cuvil.")
+    read_only: bool = Field(False, description="true: read from the cache but never write to it "
+                            "(e.g. on untrusted CI jobs).")
 
 
 class WatchConfig(_Strict):
-    paths: list[LaxPath] = []  # folders or globs
-    debounce_ms: int = Field(300, ge=0)
+    """`cuvil watch` rebuilds when a file below these paths changes."""
+
+    paths: list[LaxPath] = Field([], description="Folders or glob patterns to watch (relative to this file).")
+    debounce_ms: int = Field(300, ge=0, description="Wait this long after the last change before rebuilding, "
+                             "in milliseconds.")
 
 
 class ServeConfig(_Strict):
     """How `cuvil serve` schedules one model's requests (cuvil/serve/scheduler.py)."""
 
-    priority: Annotated[str, _one_of(PRIORITIES, "priority")] = "normal"
-    deadline_ms: int = Field(1000, ge=1)  # a request should be answered this long after it arrives
-    max_concurrency: int = Field(1, ge=1)  # sessions of the library that run at once
+    priority: Annotated[str, *_one_of(PRIORITIES, "priority")] = Field(
+        "normal", description="Orders requests under overload: critical, high, normal, low.")
+    deadline_ms: int = Field(1000, ge=1, description="When an answer is due: milliseconds after the request "
+                             "arrives.")
+    max_concurrency: int = Field(1, ge=1, description="How many sessions of the library run at once.")
 
 
 class IncrementalConfig(_Strict):
     """Hot updates in `cuvil serve`: rebuild a changed model and swap it into the running server."""
 
-    enabled: bool = False
-    # syntactic: any change of the file's bytes rebuilds; semantic: only a change of the
-    # imported graph (not of names or node order) does.
-    diff_mode: Annotated[str, _one_of(DIFF_MODES, "diff_mode")] = "semantic"
-    cache_ttl: int = Field(3600, ge=0)  # seconds a remembered diff hash stays valid
-    watch_paths: list[LaxPath] = []  # files, folders or globs besides the models' sources
+    enabled: bool = Field(False, description="Rebuild a changed model in a worker process and swap it into "
+                          "the running server.")
+    diff_mode: Annotated[str, *_one_of(DIFF_MODES, "diff_mode")] = Field(
+        "semantic", description="semantic: only a change of the imported graph rebuilds (not of names or node "
+        "order); syntactic: any change of the file's bytes does.")
+    cache_ttl: int = Field(3600, ge=0, description="Seconds a remembered diff hash stays valid.")
+    watch_paths: list[LaxPath] = Field([], description="Files, folders or globs to watch besides the models' "
+                                       "sources (relative to this file).")
 
 
 class AccuracyConfig(_Strict):
     """How a reduced-precision build measures itself against the float32 build of the same model
     (cuvil/accuracy.py): on `samples` inputs, random or read from an .npz file."""
 
-    samples: int = Field(8, ge=1, le=1024)
-    # "random" (seeded: normal floats, integers 0 or 1), or an .npz file with an array per input
-    # name whose first axis is the sample (relative to this file)
-    inputs: str = "random"
-    # Fail the build when an output's cosine similarity to float32 is below this.
-    min_cosine: float | None = Field(None, ge=-1.0, le=1.0)
+    samples: int = Field(8, ge=1, le=1024, description="How many inputs the two builds are compared on.")
+    inputs: str = Field("random", description='"random" (seeded: normal floats, integers 0 or 1), or an .npz '
+                        "file with an array per input name whose first axis is the sample (relative to this file).")
+    min_cosine: float | None = Field(None, ge=-1.0, le=1.0, description="Fail the build when an output's cosine "
+                                     "similarity to float32 is below this (null: never).")
 
 
 class _Settings(_Strict):
     """What `defaults:` may set for every model; the field defaults are the built-in ones."""
 
-    targets: list[Target] = Field(default_factory=lambda: ["native"], min_length=1)
-    precision: Precision = "fp32"
-    opt_level: int = Field(2, ge=0, le=3)
-    passes: list[str] | None = None  # None: the opt level's default list
-    disable_passes: list[str] = []
-    # Options of individual passes, e.g. {fuse_elementwise: {max_ops: 8}}; a model's merge
-    # over `defaults:` pass by pass.
-    pass_options: Annotated[dict[str, dict[str, Any]], AfterValidator(_pass_options)] = {}
-    threads: int = Field(1, ge=1)
-    symbol_prefix: Identifier | None = None  # None: DEFAULT_SYMBOL_PREFIX
-    # Largest working memory a session may need; a model whose plan is larger is refused.
-    max_arena_mb: int = Field(4096, ge=1)
-    # Compile the driver with AddressSanitizer and UndefinedBehaviorSanitizer (for testing).
-    sanitize: bool = False
-    # bf16 / fp16 builds: how they measure themselves against the float32 build.
-    accuracy: AccuracyConfig = AccuracyConfig()
+    model_config = ConfigDict(title="defaults")
+
+    targets: list[Target] = Field(
+        default_factory=lambda: ["native"], min_length=1,
+        description="What to build for; one library per target: native (this machine's CPU), generic (any "
+        "x86-64), x86_64-avx2, x86_64-avx512, x86_64-znver4 (AMD Zen 4), x86_64-sapphirerapids (Intel), or a "
+        "CUDA GPU (cuda-sm80, cuda-sm90, cuda-h100...). A library run on a CPU without its target's "
+        "instructions refuses to make a session, with an error naming them.")
+    precision: Precision = Field(
+        "fp32", description="Arithmetic precision: fp32, or bf16 / fp16: the weight products (Gemm, MatMul "
+        "with constant weights) compute on 16-bit operands with float32 sums. (int8 and int4 are accepted here "
+        "and refused by `cuvil check` and `cuvil build` until their kernels exist.)")
+    opt_level: int = Field(2, ge=0, le=3, description="0: no passes; 1-3: the default pass lists, from safest "
+                           "to most aggressive.")
+    passes: Annotated[list[str] | None, AfterValidator(_pass_names)] = Field(None, description="An explicit ordered pass list replaces the opt level's "
+                                     "list; null keeps it.")
+    disable_passes: Annotated[list[str], AfterValidator(_pass_names)] = Field([], description="Passes to leave out of the list (e.g. to bisect a numeric "
+                                      "difference; `winograd` keeps 3x3 convs on the direct kernels).")
+    # json_schema() lists the passes and their options (importing them here would slow every command).
+    pass_options: Annotated[dict[str, dict[str, Any]], AfterValidator(_pass_options),
+                            WithJsonSchema({"type": "object"})] = Field(
+        {}, description="Options of single passes, e.g. {fuse_elementwise: {max_ops: 16}}; a model's own merge "
+        "over `defaults:`, pass by pass. `cuvil explain MODEL` shows what each pass did.")
+    threads: int = Field(1, ge=1, description="Threads each session of the library runs on (1: no thread pool "
+                         "at all).")
+    symbol_prefix: Identifier | None = Field(
+        None, description="Prefix of the exported C symbols (<prefix>session_run, ...): give each model its own "
+        "prefix to load several models into one process. null: cuvil_")
+    max_arena_mb: int = Field(4096, ge=1, description="Largest working memory a session may need, in MiB; a "
+                              "model whose plan is larger is refused.")
+    sanitize: bool = Field(False, description="Compile the driver with AddressSanitizer and "
+                           "UndefinedBehaviorSanitizer (for testing).")
+    accuracy: AccuracyConfig = Field(AccuracyConfig(), description="bf16 / fp16 builds: how they measure "
+                                     "themselves against the float32 build.")
+    link: Annotated[str, *_one_of(LINK_MODES, "link")] = Field(
+        "shared", description="What the link makes: shared (lib<name>.so), static (lib<name>.a, the same "
+        "exported symbols), or both; <name>.pc and <name>Config.cmake point at what was made.")
 
 
 class _Model(_Settings):
-    name: Identifier
-    source: Annotated[str, AfterValidator(_source_suffix)]
-    inputs: dict[str, list[Dimension]] | None = None
-    serve: ServeConfig | None = None
+    """One model to build; it may override any key of `defaults:`."""
+
+    model_config = ConfigDict(title="model")
+
+    name: Identifier = Field(description="Name of the library (lib<name>.so) and of its folder: an identifier.")
+    source: Source = Field(description="The model file: .onnx, or TorchScript .pt/.pth (exported to ONNX first); "
+                           "relative to this file.")
+    inputs: dict[str, list[Dimension]] | None = Field(
+        None, description="Static shape of every input whose shape in the model is not fully fixed; libraries "
+        "are specialised to these shapes.")
+    serve: ServeConfig | None = Field(None, description="How `cuvil serve` schedules this model's requests.")
 
 
 class _File(_Strict):
-    version: Annotated[int, AfterValidator(_version)]
-    output_dir: LaxPath = Path("build/cuvil")
+    """cuvil.yaml: what `cuvil build` compiles, and how. Relative paths are resolved against the folder
+    of this file; unknown keys are errors and values are not coerced."""
+
+    model_config = ConfigDict(title="cuvil.yaml")
+    version: Version = Field(description="Format version of this file. Required; this cuvil reads version 1.")
+    output_dir: LaxPath = Field(Path("build/cuvil"), description="Where built libraries go: "
+                                "<output_dir>/<model>/<target>/ holds lib<model>.so, <model>.h and manifest.json.")
     # `None` lets a section stand empty (`cache:` with every line commented out).
-    cache: CacheConfig | None = None
-    defaults: _Settings | None = None
-    models: list[_Model] = Field(min_length=1)
-    watch: WatchConfig | None = None
-    incremental: IncrementalConfig | None = None
+    cache: CacheConfig | None = Field(None, description="The step cache: compiled kernels are stored by content "
+                                      "hash, so an unchanged kernel is never compiled twice.")
+    defaults: _Settings | None = Field(None, description="Settings every model gets unless the model sets the "
+                                       "key itself.")
+    models: list[_Model] = Field(min_length=1, description="The models to build.")
+    watch: WatchConfig | None = Field(None, description="`cuvil watch` rebuilds when a file below these paths "
+                                      "changes.")
+    incremental: IncrementalConfig | None = Field(None, description="`cuvil serve` hot updates: rebuild a changed "
+                                                  "model in a worker process and swap it into the running server.")
+
+
+def json_schema() -> dict:
+    """The JSON Schema of cuvil.yaml (`cuvil schema`), from the models above; the pass names and
+    each pass's options come from the pass registry."""
+    from passes import PASS_OPTIONS, PASSES
+
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **_File.model_json_schema()}
+    names = sorted(PASSES)
+    options = {"type": "object", "additionalProperties": False, "properties": {
+        name: ({k: v for k, v in PASS_OPTIONS[name].model_json_schema().items() if k != "title"}
+               if name in PASS_OPTIONS else {"type": "object", "maxProperties": 0}) for name in names}}
+    for section in (_Settings, _Model):
+        fields = schema["$defs"][section.__name__]["properties"]
+        fields["pass_options"].update(options)
+        fields["disable_passes"]["items"] = {"type": "string", "enum": names}
+        fields["passes"]["anyOf"][0]["items"] = {"type": "string", "enum": names}
+    return schema
 
 
 # --- the resolved spec the rest of cuvil reads
@@ -194,6 +284,7 @@ class ModelConfig(BaseModel):
     sanitize: bool = False
     accuracy: AccuracyConfig = AccuracyConfig()
     serve: ServeConfig = ServeConfig()
+    link: str = "shared"
     line: int | None = None
 
 

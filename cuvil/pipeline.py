@@ -80,12 +80,20 @@ def import_any(source, input_shapes: dict):
 
 # -- passes ------------------------------------------------------------------------------------
 
+# Passes whose rewrites only the CPU backend lowers (x86 kernels for the fused or transformed
+# ops they make): a GPU target's default pass list leaves them out.
+CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block")
+
+
 def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
-              precision: str = "fp32") -> tuple[list[str], dict]:
+              precision: str = "fp32", gpu: bool = False) -> tuple[list[str], dict]:
     """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
-    precision adds assign_precision at the end, with the precision among its options."""
+    precision adds assign_precision at the end, with the precision among its options; a GPU
+    target leaves out CPU_ONLY_PASSES."""
     from passes import resolve_pass_options, resolve_passes
     names = resolve_passes(opt_level, passes, disable_passes)
+    if gpu:
+        names = [n for n in names if n not in CPU_ONLY_PASSES]
     options = dict(pass_options or {})
     if precision != "fp32" and "assign_precision" not in names:
         names.append("assign_precision")
@@ -122,7 +130,17 @@ def resolve_variant_target(target: str, precision: str):
     if precision not in PRECISIONS_SUPPORTED:
         raise UnsupportedOpError(f"precision '{precision}' is not supported yet",
                                  hint=f"supported: {', '.join(PRECISIONS_SUPPORTED)}")
-    return resolve_target(target)
+    resolved = resolve_target(target)
+    from backends.targets import is_cuda
+    if is_cuda(resolved) and precision != "fp32":
+        raise UnsupportedOpError(f"precision '{precision}' is not supported yet for CUDA targets ('{target}')",
+                                 hint="build CUDA targets in fp32; bf16/fp16 run on the CPU targets")
+    return resolved
+
+
+def is_gpu(target) -> bool:
+    from backends.targets import is_cuda
+    return is_cuda(target)
 
 
 @dataclass(frozen=True)
@@ -162,7 +180,11 @@ class Planned:
 
 
 def lower(graph, target, threads: int = 1) -> list:
-    """The graph's kernel calls and views for a session of `threads` threads on `target`."""
+    """The graph's kernel calls and views for a session of `threads` threads on `target` (a GPU
+    target's kernels: backends/numba_cuda/)."""
+    if is_gpu(target):
+        from backends.numba_cuda.registry import lower as lower_gpu
+        return lower_gpu(graph, target)
     from backends.numba_cpu.registry import lower as lower_graph
     return lower_graph(graph, threads, target=target)
 
@@ -205,43 +227,68 @@ def describe(planned: Planned, provenance: dict) -> dict:
 
 def generate(planned: Planned, info: dict, symbol_prefix: str, threads: int) -> dict[str, bytes]:
     """The C driver, the weights blob, the header, the info and the kernel list to compile."""
-    from backends.native import driver
+    from backends.native import driver, driver_cuda
     from backends.targets import required_features
-    driver_c = driver.generate(planned.graph, planned.schedule, planned.arena, planned.weight_offsets, info,
-                               symbol_prefix, threads, required_features(planned.target))
+    if is_gpu(planned.target):
+        driver_c = driver_cuda.generate(planned.graph, planned.schedule, planned.arena, planned.weight_offsets,
+                                        len(planned.weights), info, symbol_prefix, planned.target)
+        header = driver_cuda.header(symbol_prefix, info["name"], info)
+    else:
+        driver_c = driver.generate(planned.graph, planned.schedule, planned.arena, planned.weight_offsets, info,
+                                   symbol_prefix, threads, required_features(planned.target))
+        header = driver.header(symbol_prefix, info["name"], info)
     kernels = sorted((k.as_spec() for k in planned.kernels.values()), key=lambda k: k["symbol"])
     return {"driver.c": driver_c.encode(), "weights.bin": planned.weights,
-            "header.h": driver.header(symbol_prefix, info["name"], info).encode(),
+            "header.h": header.encode(),
             "info.json": json.dumps(info, sort_keys=True).encode(), "kernels.json": json.dumps(kernels).encode()}
 
 
 def compile_kernel(spec: dict, target) -> bytes:
-    """One kernel (a kernels.json entry) as an object file for the target."""
-    from backends.numba_cpu.objects import compile_object
+    """One kernel (a kernels.json entry) as an object file for a CPU target, or as a fatbin
+    (machine code + PTX) for a GPU target."""
     from backends.schedule import Kernel
+    from backends.numba_cpu.objects import compile_object
+    if is_gpu(target):
+        return compile_object(Kernel.from_spec(spec), target, kind=("backends.numba_cuda.worker", {}))
     return compile_object(Kernel.from_spec(spec), target)
 
 
 def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects: dict[str, bytes],
-         sanitize: bool = False) -> bytes:
-    """The library's bytes: the driver, the weights and the kernel objects linked by SCons."""
+         sanitize: bool = False, gpu: bool = False, mode: str = "shared") -> dict[str, bytes]:
+    """The driver, the weights and the kernel objects linked by SCons (for a GPU target `objects`
+    are the kernels' fatbins, embedded as data) into `lib<name>.so` (mode "shared"), the static
+    archive `lib<name>.a` ("static") or both ("both"): {file name: bytes}."""
     import tempfile
 
     from backends.native.link import run_scons, write_link_inputs
-    library = f"lib{name}.so"
+    library = f"lib{name}.so" if mode in ("shared", "both") else None
+    archive = f"lib{name}.a" if mode in ("static", "both") else None
+    kernels, fatbins = ({}, objects) if gpu else (objects, None)
     with tempfile.TemporaryDirectory(prefix="cuvil-link-") as tmp:
         tmp = Path(tmp)
-        write_link_inputs(tmp, symbol_prefix, driver_c.decode(), weights, objects, library, sanitize=sanitize)
+        write_link_inputs(tmp, symbol_prefix, driver_c.decode(), weights, kernels, library, sanitize=sanitize,
+                          fatbins=fatbins, archive=archive)
         run_scons(tmp)
-        return (tmp / library).read_bytes()
+        return {file: (tmp / file).read_bytes() for file in (library, archive) if file}
 
 
 # -- check -------------------------------------------------------------------------------------
 
-def lowering_problems(graph) -> list[str]:
+def lowering_problems(graph, gpu: bool = False) -> list[str]:
     """One line per node that cannot be lowered to kernels (lowering only writes kernel source,
-    so this is cheap), naming the node, its op and why."""
+    so this is cheap), naming the node, its op and why; for the GPU targets' kernels with `gpu`."""
     from backends.numba_cpu.registry import GENERATORS
+    if gpu:
+        from backends.numba_cuda.registry import gpu_problem
+        problems = []
+        for node in graph.nodes:
+            if not has_kernel(node.domain, node.op):
+                problem = f"no kernel generator for op {node.op}"
+            else:
+                problem = gpu_problem(node, graph)
+            if problem:
+                problems.append(f"node '{node.name}' ({node.op}): {problem}")
+        return problems
     problems = []
     for node in graph.nodes:
         problem = None

@@ -80,7 +80,7 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                     disable_passes=list(model.disable_passes), pass_options=dict(model.pass_options),
                     threads=model.threads,
                     symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize,
-                    accuracy=model.accuracy.model_dump())
+                    accuracy=model.accuracy.model_dump(), link=model.link)
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
     return dag, planned
@@ -128,21 +128,33 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
                              _tensors(graph, graph.outputs), graph.op_counts())
         # A precision not built yet is reported per target below (as the build refuses it).
         precision = model.precision if model.precision in pipeline.PRECISIONS_SUPPORTED else "fp32"
-        names, options = pipeline.pass_list(model.opt_level, model.passes, model.disable_passes, model.pass_options,
-                                            precision)
-        graph = pipeline.run_passes(graph, names, options)
-        report.unsupported.extend(pipeline.lowering_problems(graph))
+        passed = {}   # gpu? -> (graph after its passes, pass names, options); CPU and GPU lists differ
+
+        def run(gpu: bool):
+            if gpu not in passed:
+                names, options = pipeline.pass_list(model.opt_level, model.passes, model.disable_passes,
+                                                    model.pass_options, precision, gpu=gpu)
+                g = pipeline.run_passes(graph, names, options)
+                passed[gpu] = (g, names, options)
+                problems = pipeline.lowering_problems(g, gpu=gpu)
+                report.unsupported.extend(f"GPU targets: {p}" if gpu else p for p in problems)
+            return passed[gpu]
+
+        targets = {}
         for target_name in model.targets:
             try:
-                target = pipeline.resolve_variant_target(target_name, model.precision)
+                targets[target_name] = pipeline.resolve_variant_target(target_name, model.precision)
             except CuvilError as error:
                 report.unsupported.append(f"target '{target_name}', precision '{model.precision}': {error.message}")
-                continue
+        for gpu in sorted({pipeline.is_gpu(t) for t in targets.values()} or {False}):
+            run(gpu)
+        for target_name, target in targets.items():
             if report.unsupported:
                 continue
+            g, names, options = run(pipeline.is_gpu(target))
             params = pipeline.VariantParams(model.name, target, model.threads,
                                             pipeline.memory_options(names, options), model.max_arena_mb)
-            planned = pipeline.plan(graph, params)
+            planned = pipeline.plan(g, params)
             report.variants[target_name] = {"kernels": len(planned.kernels), "steps": len(planned.calls),
                                             "memory": planned.figures()}
     return report

@@ -159,6 +159,10 @@ class Library:
         self.path = Path(path).resolve()
         if not self.path.is_file():
             raise CuvilError(f"library not found: {self.path}")
+        if self.path.suffix == ".a":
+            raise CuvilError(f"{self.path}: a static archive cannot be loaded, only linked into a program",
+                             hint="load the shared library (build with `link: shared` or `both`); the "
+                                  "archive's description is in manifest.json beside it")
         try:
             self._lib = ctypes.CDLL(str(self.path))
         except OSError as exc:

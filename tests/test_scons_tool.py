@@ -194,7 +194,8 @@ def test_cuvil_yaml_declares_one_library_per_model_and_target(tmp_path, cache_di
     first = built(scons(tmp_path))
     assert "libraries: out/sig/native/libsig.so" in first.stdout
     folder = tmp_path / "out/sig/native"
-    assert sorted(p.name for p in folder.iterdir()) == ["libsig.so", "manifest.json", "sig.h"]
+    assert sorted(p.name for p in folder.iterdir()) == ["libsig.so", "manifest.json", "sig.h", "sig.pc",
+                                                        "sigConfig.cmake", "sigConfigVersion.cmake"]
     got = cuvil.load(folder / "libsig.so").run({"x": SIG_INPUT})["y"]
     np.testing.assert_allclose(got, run_ort(sig_model(), {"x": SIG_INPUT})["y"], rtol=1e-5, atol=1e-5)
     assert scons(tmp_path, "--question").returncode == 0

@@ -14,16 +14,22 @@ from backends.targets import CpuTarget
 from cuvil.errors import BuildError
 
 
+# The worker modules: CPU kernels' IR with NUMBA_OPT=0 (emit.py optimises it for the target);
+# GPU kernels (numba_cuda/worker.py) with Numba's defaults, NVVM optimising.
+CPU_WORKER = ("backends.numba_cpu.worker", {"NUMBA_OPT": "0"})
+
+
 class _Worker:
     """One compile worker process, reused for many kernels."""
 
-    def __init__(self):
-        env = dict(os.environ, NUMBA_OPT="0", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "backends.numba_cpu.worker"], stdin=subprocess.PIPE,
+    def __init__(self, kind=CPU_WORKER):
+        module, env_extra = kind
+        env = dict(os.environ, **env_extra, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         self.lock = threading.Lock()
 
-    def compile(self, kernel, target: CpuTarget) -> bytes:
+    def compile(self, kernel, target) -> bytes:
         job = {"kernel": kernel.as_spec(), "target": target.as_key()}
         with self.lock:
             self.proc.stdin.write(json.dumps(job) + "\n")
@@ -47,25 +53,27 @@ class _Worker:
             self.proc.kill()
 
 
-_idle: list[_Worker] = []
+_idle: dict[tuple, list[_Worker]] = {}
 _all: list[_Worker] = []
 _pool_lock = threading.Lock()
 
 
-def _acquire() -> _Worker:
+def _acquire(kind) -> _Worker:
     with _pool_lock:
-        while _idle:
-            worker = _idle.pop()
+        idle = _idle.setdefault(kind[0], [])
+        while idle:
+            worker = idle.pop()
             if worker.alive():
                 return worker
-        worker = _Worker()
+        worker = _Worker(kind)
+        worker.kind = kind[0]
         _all.append(worker)
         return worker
 
 
 def _release(worker: _Worker) -> None:
     with _pool_lock:
-        _idle.append(worker)
+        _idle.setdefault(worker.kind, []).append(worker)
 
 
 @atexit.register
@@ -76,9 +84,10 @@ def _shutdown():
     _idle.clear()
 
 
-def compile_object(kernel, target: CpuTarget) -> bytes:
-    """Compile one kernel to an object file in a worker process (one kernel per worker at a time)."""
-    worker = _acquire()
+def compile_object(kernel, target: CpuTarget, kind=CPU_WORKER) -> bytes:
+    """Compile one kernel to an object file in a worker process (one kernel per worker at a time);
+    `kind`: the worker module and its environment (a GPU kernel's fatbin: numba_cuda/worker.py)."""
+    worker = _acquire(kind)
     try:
         return worker.compile(kernel, target)
     except Exception as exc:

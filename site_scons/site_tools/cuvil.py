@@ -8,7 +8,7 @@ A monorepo loads it from the installed cuvil::
     # one model, settings as construction variables
     mlp = env.CuvilModel("build/libmlp.so", "models/mlp.onnx",
                          CUVIL_INPUTS={"x": [1, 64]}, CUVIL_PREFIX="mlp_", CUVIL_THREADS=2)
-    # -> build/libmlp.so, build/mlp.h, build/manifest.json
+    # -> build/libmlp.so, build/mlp.h, build/mlp.pc, build/mlpConfig.cmake (+ Version), build/manifest.json
 
     # or every model x target of a cuvil.yaml
     libs = env.Cuvil("cuvil.yaml")   # <output_dir>/<model>/<target>/lib<model>.so (+ .h, manifest.json)
@@ -19,7 +19,9 @@ A monorepo loads it from the installed cuvil::
 `CuvilModel(target, source)`: `source` is one model file (.onnx; .pt/.pth
 TorchScript also work); `target` is `lib<name>.so` (the `lib` and `.so` may be
 left out, and without a target the name is the source's). An emitter adds
-`<name>.h` and `manifest.json` beside it, so build one model per folder. The
+`<name>.h`, `<name>.pc`, the CMake package and `manifest.json` beside it, so
+build one model per folder. The tool builds shared libraries (a cuvil.yaml's
+`link:` is for `cuvil build`). The
 action builds in-process through `cuvil.build.build_variant` into the
 target's folder, with the step cache at `$CUVIL_CACHE_DIR` (default: cuvil's
 default cache folder: `$CUVIL_CACHE_DIR` in the OS environment, else
@@ -214,7 +216,7 @@ def _command_line(target, source, env, executor=None):
 
 
 def _emit(target, source, env):
-    """lib<name>.so -> also <name>.h and manifest.json in the same folder."""
+    """lib<name>.so -> also <name>.h, <name>.pc, the CMake package and manifest.json in the same folder."""
     if len(source) < 1:
         raise SCons.Errors.UserError("CuvilModel: give one model file as the source")
     library = target[0]
@@ -223,7 +225,9 @@ def _emit(target, source, env):
         raise SCons.Errors.UserError(
             f"CuvilModel: the target must be named lib<name>.so with <name> a C identifier, got {library.name!r}")
     folder = library.dir
-    return [library, folder.File(f"{match.group(1)}.h"), folder.File("manifest.json")], source
+    name = match.group(1)
+    files = [f"{name}.h", f"{name}.pc", f"{name}Config.cmake", f"{name}ConfigVersion.cmake", "manifest.json"]
+    return [library] + [folder.File(file) for file in files], source
 
 
 # -- cuvil.yaml ---------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def _steps(got: np.ndarray, want: np.ndarray, step: float) -> np.ndarray:
     return np.rint(np.abs(got.astype(np.float64) - want.astype(np.float64)) / step).astype(np.int64)
 
 
-@pytest.mark.parametrize("case", list(STATIC))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "resnet18_u8" else c
+                                  for c in STATIC])   # resnet18_s8 covers ResNet-18 by default
 def test_quantize_static_qdq_model_matches_onnxruntime(case, tmp_path):
     make, activations = STATIC[case]
     model = quantize_static(zoo.export(make(), {"input": IMAGE}), tmp_path, activations)

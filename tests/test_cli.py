@@ -73,7 +73,9 @@ def built(tmp_path_factory):
 def test_build_writes_the_variant_and_a_summary(built):
     folder, library, stdout = built
     variant = library.parent
-    assert sorted(p.name for p in variant.iterdir()) == ["libtiny_cnn.so", "manifest.json", "tiny_cnn.h"]
+    assert sorted(p.name for p in variant.iterdir()) == ["libtiny_cnn.so", "manifest.json", "tiny_cnn.h",
+                                                         "tiny_cnn.pc", "tiny_cnnConfig.cmake",
+                                                         "tiny_cnnConfigVersion.cmake"]
     assert "[tiny_cnn/native] built: build/cuvil/tiny_cnn/native" in stdout
     assert "tiny_cnn/native: build/cuvil/tiny_cnn/native/libtiny_cnn.so" in stdout
     assert "kernels, arena" in stdout and "1 variant: ran " in stdout
@@ -234,16 +236,18 @@ def test_check_reports_an_unsupported_op(tmp_path, capsys):
                                                        f"no kernel generator for op {op}")
 
 
-@pytest.mark.parametrize("key, value, refused", [
-    ("targets", "[native, cuda-sm90]", "target 'cuda-sm90', precision 'fp32': target 'cuda-sm90': CUDA targets"),
-    ("precision", "int8", "target 'native', precision 'int8': precision 'int8' is not supported yet"),
+@pytest.mark.parametrize("changes, refused", [
+    ({"targets": "[native, cuda-sm90]", "precision": "bf16"},
+     "target 'cuda-sm90', precision 'bf16': precision 'bf16' is not supported yet for CUDA targets"),
+    ({"precision": "int8"}, "target 'native', precision 'int8': precision 'int8' is not supported yet"),
 ])
-def test_check_refuses_what_build_refuses(tmp_path, capsys, key, value, refused):
+def test_check_refuses_what_build_refuses(tmp_path, capsys, changes, refused):
     """cuvil.yaml accepts every target and precision the project plans; what `cuvil build` cannot
     build yet, `cuvil check` reports (exit 1), with the build's own reason."""
     config = write_example_project(tmp_path)
-    config.write_text(config.read_text().replace(f"    {key}: " + ("[native]" if key == "targets" else "fp32"),
-                                                 f"    {key}: {value}", 1))
+    for key, value in changes.items():
+        config.write_text(config.read_text().replace(f"    {key}: " + ("[native]" if key == "targets" else "fp32"),
+                                                     f"    {key}: {value}", 1))
     assert main(["check", "-f", str(config)]) == 1
     out = capsys.readouterr().out
     assert f"unsupported: {refused}" in out

@@ -1,0 +1,77 @@
+"""The zoo builds for the CUDA targets: every model's kernels compile to PTX that ptxas accepts
+for sm_80 and sm_90, and the small models' whole schedules run in the CUDA simulator against
+onnxruntime. Small versions of each model run by default; the full-size zoo is -m slow."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuvil
+
+from tests import zoo
+from tests.cuda_check import assert_gpu_matches_ort
+
+SMALL = {
+    "mlp": lambda: (zoo.mlp((32, 64, 16)), {"x": (1, 32)}, ()),
+    "resnet": lambda: (zoo.resnet((1, 1, 1, 1), width=8, num_classes=10), {"input": (1, 3, 32, 32)}, ()),
+    "resnet_bottleneck": lambda: (zoo.resnet((1, 1, 1, 1), bottleneck=True, width=8, num_classes=10),
+                                  {"input": (1, 3, 32, 32)}, ()),
+    "mobilenet_v2": lambda: (zoo.mobilenet_v2(width_mult=0.25, num_classes=10), {"input": (1, 3, 32, 32)}, ()),
+    "bert": lambda: (zoo.bert_encoder(layers=1, d=32, heads=2, ff=64, seq=8), {"ids": (1, 8), "mask": (1, 8)},
+                     ("ids",)),
+    "gpt2_block": lambda: (zoo.gpt2_block(d=32, heads=2, seq=8), {"x": (1, 8, 32)}, ()),
+    "lstm": lambda: (zoo.lstm_model(inp=8, hidden=16, layers=2), {"x": (1, 6, 8)}, ()),
+    "gru": lambda: (zoo.gru_model(inp=8, hidden=16), {"x": (2, 5, 8)}, ()),
+}
+# Whole models in the simulator (a Python thread per CUDA thread): the ones small enough (the
+# encoder's: tests/test_cuda_rows.py test_bert_encoder_attention).
+SIMULATED = ("mlp", "gpt2_block", "lstm", "gru")
+
+
+def _feeds(shapes, ints):
+    rng = np.random.default_rng(1)
+    return {k: (rng.integers(0, 50, size=s).astype(np.int64) if k in ints else
+                np.ones(s, np.float32) if k == "mask" else rng.standard_normal(s).astype(np.float32))
+            for k, s in shapes.items()}
+
+
+# The default run keeps one convolutional and one attention model and one simulated recurrence;
+# the others take 10-40 s each in the simulator/ptxas and run with -m slow.
+DEFAULT_SMALL = ("bert", "gru", "mlp", "resnet")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_SMALL else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(SMALL)])
+def test_small_zoo_model_for_both_architectures(name, tmp_path):
+    module, shapes, ints = SMALL[name]()
+    model = zoo.export(module, shapes, int_inputs=ints)
+    if name in SIMULATED:
+        assert_gpu_matches_ort(model, _feeds(shapes, ints), ptx=False)
+    for arch in ("cuda-sm80", "cuda-sm90"):
+        compiled = cuvil.compile(model, input_shapes={k: list(v) for k, v in shapes.items()}, target=arch,
+                                 cache_dir=tmp_path / "cache", jobs=2, name=name)
+        assert compiled.info["target"] == arch and compiled.info["kernels"] > 0
+
+
+FULL = {
+    "resnet18": lambda: (zoo.resnet((2, 2, 2, 2)), {"input": (1, 3, 224, 224)}, ()),
+    "resnet50": lambda: (zoo.resnet((3, 4, 6, 3), bottleneck=True), {"input": (1, 3, 224, 224)}, ()),
+    "mobilenet_v2": lambda: (zoo.mobilenet_v2(), {"input": (1, 3, 224, 224)}, ()),
+    "bert": lambda: (zoo.bert_encoder(layers=2, d=256, heads=4, ff=1024, vocab=1000, seq=128),
+                     {"ids": (1, 128), "mask": (1, 128)}, ("ids",)),
+    "lstm": lambda: (zoo.lstm_model(inp=64, hidden=128), {"x": (1, 32, 64)}, ()),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FULL))
+def test_full_zoo_model_builds_deterministically(name, tmp_path):
+    module, shapes, ints = FULL[name]()
+    model = zoo.export(module, shapes, int_inputs=ints)
+    for arch in ("cuda-sm80", "cuda-sm90"):
+        libs = []
+        for attempt in (1, 2):
+            compiled = cuvil.compile(model, input_shapes={k: list(v) for k, v in shapes.items()}, target=arch,
+                                     cache_dir=tmp_path / f"cache{attempt}", jobs=2, name=name)
+            libs.append(compiled.artifacts.library.read_bytes())
+        assert libs[0] == libs[1], arch

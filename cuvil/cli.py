@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="compile up to N kernels in parallel (default 1)")
     build.add_argument("--report", type=Path, metavar="FILE.json",
                        help="write every step's name, kind, key, status (ran/cached) and seconds as JSON")
+    build.add_argument("--scheduler", metavar="ADDRESS",
+                       help="run the steps on the Dask cluster of this scheduler (tcp://HOST:8786; overrides "
+                            "`executor:`); its workers share the step cache (cache.url, e.g. s3://...)")
     build.add_argument("--explain", action="store_true",
                        help="after building, print what the passes did, the kernels and the arena plan")
     build.add_argument("models", nargs="*", metavar="MODEL", help="build only these models (default: all)")
@@ -223,7 +226,8 @@ def cmd_build(args) -> int:
 
     spec = load_config(args.file)
     cache = open_project_cache(spec)
-    result = build_project(spec, args.models or None, jobs=args.jobs, progress=_say, cache=cache)
+    result = build_project(spec, args.models or None, jobs=args.jobs, progress=_say, cache=cache,
+                           scheduler=args.scheduler)
     built = result.artifacts
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,9 @@ class Step:
     encode: Callable[[Any], bytes]   # output -> bytes for the cache
     decode: Callable[[bytes], Any]
     parallel: bool = False           # may run in a worker thread beside other such steps
+    # expand(graph, *dep_outputs) -> names of the steps `run` will add and read (the link step's
+    # kernels): lets a cluster (cluster.py) run those as tasks of their own before this step
+    expand: Callable[..., list[str]] | None = None
 
 
 @dataclass
@@ -40,6 +43,8 @@ class StepRecord:
     key: str
     status: str      # "ran" | "cached"
     seconds: float
+    started: float = 0.0   # seconds after the graph was made (the build's start)
+    worker: str = ""       # where it ran: a thread here, or a Dask worker's address
 
 
 class StepGraph:
@@ -53,6 +58,14 @@ class StepGraph:
         self._keys: dict[str, str] = {}
         self._outputs: dict[str, Any] = {}
         self._lock = threading.RLock()
+        self._t0 = time.perf_counter()
+
+    def fork(self, cache=None) -> "StepGraph":
+        """The same steps and keys (shared, so steps added to one are in both) with outputs and
+        records of its own: a cluster worker evaluates each task in a fork of its planned graph."""
+        forked = StepGraph(self.cache if cache is None else cache, self.versions, jobs=self.jobs)
+        forked.g, forked._keys, forked._lock = self.g, self._keys, self._lock
+        return forked
 
     # -- structure -----------------------------------------------------------------
     def add(self, step: Step) -> str:
@@ -126,7 +139,10 @@ class StepGraph:
     def _finish(self, step, key, status, start, output):
         with self._lock:
             self._outputs[step.name] = output
-            self.records[step.name] = StepRecord(step.name, step.kind, key, status, time.perf_counter() - start)
+            # A step a cluster ran keeps that record when its output is loaded here afterwards.
+            if step.name not in self.records:
+                self.records[step.name] = StepRecord(step.name, step.kind, key, status, time.perf_counter() - start,
+                                                     start - self._t0, threading.current_thread().name)
 
     def is_cached(self, name: str) -> bool:
         return self.cache.contains(self.key(name))
@@ -139,7 +155,8 @@ class StepGraph:
             if rec is None:  # not needed: something downstream of it was cached
                 rec = StepRecord(name, self.step(name).kind, self.key(name), "cached", 0.0)
             steps.append({"name": rec.name, "kind": rec.kind, "key": rec.key, "status": rec.status,
-                          "seconds": round(rec.seconds, 4)})
+                          "seconds": round(rec.seconds, 4), "started": round(rec.started, 4),
+                          "worker": rec.worker})
         return {"steps": steps}
 
     def summary(self) -> str:

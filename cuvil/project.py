@@ -87,8 +87,12 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
 
 
 def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
-                  cache=None, output_dir: Path | None = None) -> ProjectBuild:
-    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/."""
+                  cache=None, output_dir: Path | None = None, scheduler: str | None = None) -> ProjectBuild:
+    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/.
+
+    The steps run on this machine, or on the Dask cluster whose scheduler is at `scheduler`
+    (default: `executor:` of the config; cluster.py), whose workers write them to the shared
+    cache; either way the outputs are then read from the cache and installed here."""
     import time
 
     from .build import artifacts_of, install
@@ -96,6 +100,11 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
     start = time.perf_counter()
     say = progress or (lambda message: None)
     dag, planned = plan_project(spec, models, jobs, progress, cache)
+    if scheduler is None and spec.executor.kind == "dask":
+        scheduler = spec.executor.address
+    if scheduler:
+        from .cluster import run_on_cluster
+        run_on_cluster(dag, spec, models, [link for _, _, _, link in planned], scheduler, say)
     built = []
     for model, target, out_dir, link in planned:
         if output_dir is not None:

@@ -78,6 +78,8 @@ def run_on_cluster(dag: StepGraph, spec, models, wanted: list[str], address: str
     say = say or (lambda message: None)
     client = connect(address)
     try:
+        workers = len(client.scheduler_info().get("workers", {}))
+        say(f"building on the Dask cluster at {address} ({workers} worker{'s' if workers != 1 else ''})")
         plan = ClusterPlan(_token(spec, models, dag.versions), spec, tuple(models) if models else None, dag.versions)
         _ClusterRun(dag, spec, client, client.scatter(plan, broadcast=True, hash=False), plan.token, say).run(wanted)
     finally:
@@ -183,9 +185,7 @@ class _ClusterRun:
         self.dag.records[name] = StepRecord(name, self.dag.step(name).kind, self.dag.key(name), result["status"],
                                             result["seconds"], result["started"] - self.t0_wall, result["worker"])
         if result["status"] == "ran":
-            ran = sum(1 for r in self.dag.records.values() if r.status == "ran")
-            self.say(f"[{ran} ran, {len(self.dag.records)}/{len(self.dag.g)} done] {name} "
-                     f"({result['seconds']:.2f} s on {result['worker']})")
+            self.dag.announce(name)
         for waiting, inputs in list(self.deferred.items()):
             inputs.discard(name)
             if not inputs:

@@ -47,6 +47,12 @@ class StepRecord:
     worker: str = ""       # where it ran: a thread here, or a Dask worker's address
 
 
+def step_line(record: StepRecord, ran: int, done: int, total: int) -> str:
+    """The progress line of a step that ran, as plain output prints it."""
+    where = f" on {record.worker}" if "://" in record.worker else ""
+    return f"[{ran} ran, {done}/{total} done] {record.name} ({record.seconds:.2f} s{where})"
+
+
 class StepGraph:
     def __init__(self, cache, versions: dict, progress: Callable[[str], None] | None = None, jobs: int = 1):
         self.g = nx.DiGraph()
@@ -55,6 +61,8 @@ class StepGraph:
         self.progress = progress or (lambda message: None)
         self.jobs = max(1, jobs)
         self.records: dict[str, StepRecord] = {}
+        # listener(record, ran, done, total) after each step that ran, instead of a progress line
+        self.listener: Callable[[StepRecord, int, int, int], None] | None = None
         self._keys: dict[str, str] = {}
         self._outputs: dict[str, Any] = {}
         self._lock = threading.RLock()
@@ -121,11 +129,19 @@ class StepGraph:
         output = step.run(self, *inputs)
         self.cache.put(key, step.encode(output))
         self._finish(step, key, "ran", start, output)
-        with self._lock:
-            ran = sum(1 for r in self.records.values() if r.status == "ran")
-        self.progress(f"[{ran} ran, {len(self.records)}/{len(self.g)} done] {name} "
-                      f"({self.records[name].seconds:.2f} s)")
+        self.announce(name)
         return output
+
+    def announce(self, name: str) -> None:
+        """Tell the listener (a live display) or the progress callback that step `name` ran."""
+        with self._lock:
+            record = self.records[name]
+            ran = sum(1 for r in self.records.values() if r.status == "ran")
+            done, total = len(self.records), len(self.g)
+        if self.listener is not None:
+            self.listener(record, ran, done, total)
+        else:
+            self.progress(step_line(record, ran, done, total))
 
     def get_many(self, names: list[str]) -> list[Any]:
         """Outputs of several steps; those marked parallel run in up to `jobs` threads."""

@@ -60,7 +60,7 @@ class ProjectBuild:
 
 
 def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
-                 cache=None):
+                 cache=None, listener=None):
     """One step graph for every selected (model, target): identical kernels are one step.
     Returns the graph and, per variant, (model config, target, output folder, link step)."""
     from .build import VariantSpec, plan_variant, tool_versions
@@ -70,6 +70,7 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
     if cache is None:
         cache = open_project_cache(spec)
     dag = StepGraph(cache, tool_versions(), progress=say, jobs=jobs)
+    dag.listener = listener
     planned = []
     for model in select_models(spec, models):
         for target in model.targets:
@@ -87,7 +88,8 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
 
 
 def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
-                  cache=None, output_dir: Path | None = None, scheduler: str | None = None) -> ProjectBuild:
+                  cache=None, output_dir: Path | None = None, scheduler: str | None = None,
+                  listener=None) -> ProjectBuild:
     """Build each selected model for each of its targets into <output_dir>/<model>/<target>/.
 
     The steps run on this machine, or on the Dask cluster whose scheduler is at `scheduler`
@@ -99,7 +101,7 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
 
     start = time.perf_counter()
     say = progress or (lambda message: None)
-    dag, planned = plan_project(spec, models, jobs, progress, cache)
+    dag, planned = plan_project(spec, models, jobs, progress, cache, listener)
     if scheduler is None and spec.executor.kind == "dask":
         scheduler = spec.executor.address
     if scheduler:

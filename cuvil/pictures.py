@@ -330,7 +330,8 @@ _TIMELINE_SCRIPT = """
   for (const s of steps) {
     const lane = lanes.indexOf(s.worker || "main");
     const bar = el("rect", {class: "step", x: left + width * s.started / end, y: top + lane * laneH + 3,
-      width: Math.max(1, width * s.seconds / end), height: laneH - 6, fill: data.colours[s.kind] || "#999"});
+      width: Math.max(1, width * s.seconds / end), height: laneH - 6, fill: data.colours[s.kind] || "#999",
+      stroke: "#fff", "stroke-width": 0.7});
     const tip = document.createElementNS(svgNS, "title");
     tip.textContent = s.name + " (" + s.kind + ", " + s.seconds.toFixed(3) + " s)";
     bar.appendChild(tip);
@@ -371,8 +372,8 @@ def bench_plot(report: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(names) + 2), 4.2), dpi=120)
     colours = ["#2ca02c" if n.startswith("cuvil") else "#1f77b4" for n in names]
     bars = ax.bar(labels, medians, yerr=[low, high], capsize=6, color=colours)
-    for bar, value in zip(bars, medians):
-        ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+    for bar, value, above in zip(bars, medians, high):
+        ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value + above), ha="center",
                     va="bottom", xytext=(0, 3), textcoords="offset points", fontsize=8)
     ax.set_ylabel("latency per call, ms (median; whiskers min..p90)")
     ax.set_title(f"{report.get('model') or '?'}: threads {report.get('threads') or '?'}, precision {precision}")

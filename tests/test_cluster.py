@@ -151,6 +151,9 @@ def test_a_worker_killed_mid_step_is_retried_elsewhere(scheduler, local_build, t
     build succeeds with the same bytes, and the cache holds only whole entries."""
     cache_dir = tmp_path / "cache"   # a folder both workers see (one machine)
     config = _project(tmp_path, f"  dir: {cache_dir}\n")
+    # the cluster named in the config this time, not on the command line
+    config.write_text(config.read_text().replace("  kind: local\n", f"  kind: dask\n  address: {scheduler}\n"))
+    assert load_config(config).executor.address == scheduler
     from cuvil.project import plan_project
     dag, _ = plan_project(load_config(config), ["tiny_cnn"], progress=None)
     link_key = dag.key("tiny_cnn/native/link")
@@ -158,7 +161,7 @@ def test_a_worker_killed_mid_step_is_retried_elsewhere(scheduler, local_build, t
     with distributed.Client(scheduler, set_as_default=False) as client:
         client.run(_arm_kill, link_key, str(marker))
         before = set(client.scheduler_info()["workers"])
-        assert main(["build", "-f", str(config), "--scheduler", scheduler, "--report", str(tmp_path / "r.json")]) == 0
+        assert main(["build", "-f", str(config), "--report", str(tmp_path / "r.json")]) == 0
         assert marker.exists(), "no worker was killed"
         client.wait_for_workers(2, timeout=60)   # the nanny restarted it
         assert set(client.scheduler_info()["workers"]) != before

@@ -38,7 +38,7 @@ class BuildDisplay:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                        TimeElapsedColumn)
             console = Console(file=self.stream, force_terminal=True)
-            self._progress = Progress(SpinnerColumn(), TextColumn("[bold]building[/bold]"), BarColumn(),
+            self._progress = Progress(SpinnerColumn(), TextColumn("[bold]building[/bold]"), BarColumn(bar_width=24),
                                       MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
                                       TextColumn("{task.description}"), console=console, transient=True)
             self._progress.start()
@@ -59,7 +59,8 @@ class BuildDisplay:
 
     def step(self, record: StepRecord, ran: int, done: int, total: int) -> None:
         if self._progress is not None:
+            name = record.name if len(record.name) <= 48 else "..." + record.name[-45:]   # one line on 80 columns
             self._progress.update(self._task, completed=done, total=total,
-                                  description=f"{record.name} ({record.seconds:.2f} s)")
+                                  description=f"{name} ({record.seconds:.2f} s)")
         else:
             self.say(step_line(record, ran, done, total))

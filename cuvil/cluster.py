@@ -49,6 +49,7 @@ class ClusterPlan:
     spec: object                 # config.BuildSpec
     models: tuple | None
     versions: dict
+    planner: object              # project.plan_project (pickled by reference: cluster.py stays below project.py)
 
 
 # -- the client ---------------------------------------------------------------------------------
@@ -68,9 +69,11 @@ def connect(address: str):
                               "then pass its address (tcp://HOST:8786) to --scheduler or executor.address") from None
 
 
-def run_on_cluster(dag: StepGraph, spec, models, wanted: list[str], address: str, say=None) -> None:
+def run_on_cluster(dag: StepGraph, spec, models, wanted: list[str], address: str, say=None, *, planner,
+                   where) -> None:
     """Evaluate the steps `wanted` (and what they need) on the cluster at `address`, filling dag.records;
-    their outputs are then in the cache, where `dag.get` reads them."""
+    their outputs are then in the cache, where `dag.get` reads them. `planner(spec, models, progress=,
+    cache=)` plans the graph on a worker; `where(model)` is the config location put before a model's error."""
     if spec.cache.read_only:
         raise CuvilError(f"{spec.path}: a build on a Dask cluster writes every step to the shared cache, "
                          "which is configured read_only",
@@ -80,8 +83,9 @@ def run_on_cluster(dag: StepGraph, spec, models, wanted: list[str], address: str
     try:
         workers = len(client.scheduler_info().get("workers", {}))
         say(f"building on the Dask cluster at {address} ({workers} worker{'s' if workers != 1 else ''})")
-        plan = ClusterPlan(_token(spec, models, dag.versions), spec, tuple(models) if models else None, dag.versions)
-        _ClusterRun(dag, spec, client, client.scatter(plan, broadcast=True, hash=False), plan.token, say).run(wanted)
+        plan = ClusterPlan(_token(spec, models, dag.versions), spec, tuple(models) if models else None, dag.versions,
+                           planner)
+        _ClusterRun(dag, spec, where, client, client.scatter(plan, broadcast=True, hash=False), plan.token, say).run(wanted)
     finally:
         client.close()
     missing = [name for name in wanted if not dag.is_cached(name)]
@@ -99,9 +103,10 @@ def _token(spec, models, versions) -> str:
 
 
 class _ClusterRun:
-    def __init__(self, dag, spec, client, plan_future, token, say):
+    def __init__(self, dag, spec, where, client, plan_future, token, say):
         from distributed import as_completed
-        self.dag, self.spec, self.client, self.plan, self.token, self.say = dag, spec, client, plan_future, token, say
+        self.dag, self.spec, self.where, self.client = dag, spec, where, client
+        self.plan, self.token, self.say = plan_future, token, say
         self.futures = {}            # step name -> its task
         self.cached = set()          # steps found in the cache: no task
         self.deferred = {}           # expandable step -> its inputs still running
@@ -163,9 +168,8 @@ class _ClusterRun:
 
     def located(self, name, message) -> str:
         """A worker's error with the config entry of its model in front (as a local build says it)."""
-        from .project import _where
         model = next((m for m in self.spec.models if name.startswith(m.name + "/")), None)
-        where = _where(self.spec, model) if model is not None else ""
+        where = self.where(model) if model is not None else ""
         return message if message.startswith(where) or message.startswith(str(self.spec.path)) else where + message
 
     def finished(self, future):
@@ -215,7 +219,6 @@ def _planned(plan: ClusterPlan) -> StepGraph:
             _PLANNED.move_to_end(plan.token)
             return _PLANNED[plan.token]
         from .build import tool_versions
-        from .project import plan_project
         mine = tool_versions()
         differ = sorted(k for k in set(mine) | set(plan.versions) if mine.get(k) != plan.versions.get(k))
         if differ:
@@ -223,7 +226,7 @@ def _planned(plan: ClusterPlan) -> StepGraph:
             raise CuvilError(f"this worker runs other versions than the client: {shown}",
                              hint="install the same cuvil and tools on every worker (a different code fingerprint "
                                   "means a different cuvil source tree)")
-        dag, _ = plan_project(plan.spec, list(plan.models) if plan.models else None, progress=None,
+        dag, _ = plan.planner(plan.spec, list(plan.models) if plan.models else None, progress=None,
                               cache=worker_cache(plan.spec.cache))
         _PLANNED[plan.token] = dag
         while len(_PLANNED) > _PLANS_KEPT:

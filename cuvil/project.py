@@ -106,7 +106,8 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
         scheduler = spec.executor.address
     if scheduler:
         from .cluster import run_on_cluster
-        run_on_cluster(dag, spec, models, [link for _, _, _, link in planned], scheduler, say)
+        run_on_cluster(dag, spec, models, [link for _, _, _, link in planned], scheduler, say,
+                       planner=plan_project, where=lambda model: _where(spec, model))
     built = []
     for model, target, out_dir, link in planned:
         if output_dir is not None:

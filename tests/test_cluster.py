@@ -220,10 +220,11 @@ def test_a_worker_with_other_versions_refuses_the_step(tmp_path):
     config = _project(tmp_path, f"  dir: {tmp_path / 'cache'}\n")
     spec = load_config(config)
     from cuvil.build import tool_versions
-    plan = cluster.ClusterPlan("t-versions", spec, None, {**tool_versions(), "numba": "0.0"})
+    from cuvil.project import plan_project
+    plan = cluster.ClusterPlan("t-versions", spec, None, {**tool_versions(), "numba": "0.0"}, plan_project)
     result = cluster.run_step(plan, "tiny_cnn/native/import", "0" * 64, None)
     assert "other versions than the client: numba" in result["error"]["message"]
 
-    plan = cluster.ClusterPlan("t-key", spec, None, tool_versions())
+    plan = cluster.ClusterPlan("t-key", spec, None, tool_versions(), plan_project)
     result = cluster.run_step(plan, "tiny_cnn/native/import", "0" * 64, None)
     assert "the worker sees other inputs" in result["error"]["message"]

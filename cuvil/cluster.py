@@ -82,6 +82,9 @@ def run_on_cluster(dag: StepGraph, spec, models, wanted: list[str], address: str
     client = connect(address)
     try:
         workers = len(client.scheduler_info().get("workers", {}))
+        if workers == 0:
+            raise CuvilError(f"the Dask scheduler at {address} has no workers: the build would wait forever",
+                             hint=f"start some with `dask worker {address}` on the build machines")
         say(f"building on the Dask cluster at {address} ({workers} worker{'s' if workers != 1 else ''})")
         plan = ClusterPlan(_token(spec, models, dag.versions), spec, tuple(models) if models else None, dag.versions,
                            planner)

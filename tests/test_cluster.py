@@ -209,6 +209,14 @@ def test_an_unreachable_scheduler_is_a_clear_error(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "build").exists()
 
 
+def test_a_scheduler_without_workers_is_refused(tmp_path, capsys):
+    config = _project(tmp_path, f"  dir: {tmp_path / 'cache'}\n")
+    with distributed.LocalCluster(n_workers=0, processes=True, host="127.0.0.1",
+                                  dashboard_address=None) as empty:
+        assert main(["build", "-f", str(config), "--scheduler", empty.scheduler_address]) == 2
+    assert "has no workers" in capsys.readouterr().err
+
+
 def test_a_read_only_cache_is_refused(tmp_path, capsys):
     config = _project(tmp_path, f"  dir: {tmp_path / 'cache'}\n  read_only: true\n")
     config.write_text(config.read_text().replace("  read_only: false\n", ""))

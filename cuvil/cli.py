@@ -410,6 +410,8 @@ def cmd_verify(args) -> int:
     info = load(library).info
     spec = load_config(args.file)
     model = spec.model(info["name"])
+    # a rebuild here, from nothing: not on the config's cluster, whose workers share the config's cache
+    spec = spec.model_copy(update={"executor": spec.executor.model_copy(update={"kind": "local", "address": None})})
     with tempfile.TemporaryDirectory(prefix="cuvil-verify-") as tmp:
         result = build_project(spec, [model.name], progress=None, cache=Cache(Path(tmp) / "cache"),
                                output_dir=Path(tmp) / "out")

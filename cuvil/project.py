@@ -94,7 +94,8 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
 
     The steps run on this machine, or on the Dask cluster whose scheduler is at `scheduler`
     (default: `executor:` of the config; cluster.py), whose workers write them to the shared
-    cache; either way the outputs are then read from the cache and installed here."""
+    cache (the config's `cache:`, which `cache` must then be a view of); either way the outputs
+    are then read from the cache and installed here."""
     import time
 
     from .build import artifacts_of, install

@@ -132,6 +132,9 @@ def lifetimes_svg(expl, width: int = 900, height: int = 320) -> str:
         out.append(f'<rect class="buffer" data-value="{_e(value)}" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" '
                    f'height="{h:.1f}" fill="hsl({hue},60%,70%)" stroke="#555" stroke-width="0.5">'
                    f'<title>{_e(value)}: {_e(_size(size))} at offset {offset}, steps {first}-{last}</title></rect>')
+        if w > 70 and h > 13:   # a label where it fits; the tooltip always has it
+            out.append(f'<text x="{x + 4:.1f}" y="{y + min(h, 26) / 2 + 4:.1f}" font-size="10" pointer-events="none">'
+                       f'{_e(value[: int(w / 6)])} ({_e(_size(size))})</text>')
     out.append(f'<text x="{left}" y="{height - 10}">schedule step 0 .. {steps - 1}</text>')
     out.append(f'<text x="8" y="{top + 10}">offset 0</text><text x="8" y="{top + plot_h}">{_e(_size(arena))}</text>')
     return "\n".join(out + ["</svg>"])
@@ -364,18 +367,20 @@ def bench_plot(report: dict, path) -> None:
         raise CuvilError("--plot needs matplotlib, which is not installed", hint="pip install 'cuvil[plot]'") from None
     results = report["results"]
     names = list(results)
-    medians = [results[n]["median_ms"] for n in names]
-    low = [results[n]["median_ms"] - results[n]["min_ms"] for n in names]
-    high = [max(results[n]["p90_ms"] - results[n]["median_ms"], 0.0) for n in names]
+    # microseconds for models that run in less than 0.1 ms, so the labels keep their digits
+    scale, unit = (1000.0, "µs") if max((r["median_ms"] for r in results.values()), default=1) < 0.1 else (1.0, "ms")
+    medians = [results[n]["median_ms"] * scale for n in names]
+    low = [(results[n]["median_ms"] - results[n]["min_ms"]) * scale for n in names]
+    high = [max(results[n]["p90_ms"] - results[n]["median_ms"], 0.0) * scale for n in names]
     precision = report.get("precision") or "?"
     labels = [f"{n}\n({precision if n.startswith('cuvil') or n == 'openvino' else 'fp32'})" for n in names]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(names) + 2), 4.2), dpi=120)
     colours = ["#2ca02c" if n.startswith("cuvil") else "#1f77b4" for n in names]
     bars = ax.bar(labels, medians, yerr=[low, high], capsize=6, color=colours)
     for bar, value, above in zip(bars, medians, high):
-        ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value + above), ha="center",
+        ax.annotate(f"{value:.3g}", (bar.get_x() + bar.get_width() / 2, value + above), ha="center",
                     va="bottom", xytext=(0, 3), textcoords="offset points", fontsize=8)
-    ax.set_ylabel("latency per call, ms (median; whiskers min..p90)")
+    ax.set_ylabel(f"latency per call, {unit} (median; whiskers min..p90)")
     ax.set_title(f"{report.get('model') or '?'}: threads {report.get('threads') or '?'}, precision {precision}")
     ax.set_ylim(0, max(m + h for m, h in zip(medians, high)) * 1.2 if medians else 1)
     fig.tight_layout()

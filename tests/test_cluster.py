@@ -103,13 +103,15 @@ def local_build(tmp_path_factory):
 
 def test_cluster_build_is_byte_identical_to_the_local_build(scheduler, aws, local_build, tmp_path, capsys):
     config = _project(tmp_path, f"  dir: {tmp_path / 'cache'}\n  url: {aws}\n")
-    assert main(["build", "-f", str(config), "--scheduler", scheduler, "--report", str(tmp_path / "r.json")]) == 0
+    assert main(["build", "-f", str(config), "--scheduler", scheduler, "--report", str(tmp_path / "r.json"),
+                 "--timeline", str(tmp_path / "timeline.html")]) == 0
     assert _files(tmp_path / "build" / "cuvil") == local_build
     steps = json.loads((tmp_path / "r.json").read_text())["steps"]
     ran = [s for s in steps if s["status"] == "ran"]
     assert {s["kind"] for s in ran} >= {"import", "pass", "codegen", "kernel", "link"}
     assert all(s["worker"].startswith("tcp://127.0.0.1:") for s in ran), "every step ran on a worker"
     assert " on tcp://127.0.0.1:" in capsys.readouterr().out
+    assert '"worker": "tcp://127.0.0.1:' in (tmp_path / "timeline.html").read_text()   # one lane per worker
 
     # A second machine with an empty folder of its own builds nothing: the cluster's steps are on S3.
     other = tmp_path / "laptop"

@@ -189,8 +189,8 @@ class _ClusterRun:
         if "error" in result:
             error = result["error"]
             raise CuvilError(self.located(name, error["message"]), hint=error["hint"])
-        self.dag.records[name] = StepRecord(name, self.dag.step(name).kind, self.dag.key(name), result["status"],
-                                            result["seconds"], result["started"] - self.t0_wall, result["worker"])
+        self.dag.record(StepRecord(name, self.dag.step(name).kind, self.dag.key(name), result["status"],
+                                   result["seconds"], result["started"] - self.t0_wall, result["worker"]))
         if result["status"] == "ran":
             self.dag.announce(name)
         for waiting, inputs in list(self.deferred.items()):

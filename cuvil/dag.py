@@ -67,6 +67,7 @@ class StepGraph:
         self._outputs: dict[str, Any] = {}
         self._lock = threading.RLock()
         self._t0 = time.perf_counter()
+        self._ran = 0   # records with status "ran"
 
     def fork(self, cache=None) -> "StepGraph":
         """The same steps and keys (shared, so steps added to one are in both) with outputs and
@@ -135,9 +136,7 @@ class StepGraph:
     def announce(self, name: str) -> None:
         """Tell the listener (a live display) or the progress callback that step `name` ran."""
         with self._lock:
-            record = self.records[name]
-            ran = sum(1 for r in self.records.values() if r.status == "ran")
-            done, total = len(self.records), len(self.g)
+            record, ran, done, total = self.records[name], self._ran, len(self.records), len(self.g)
         if self.listener is not None:
             self.listener(record, ran, done, total)
         else:
@@ -157,8 +156,15 @@ class StepGraph:
             self._outputs[step.name] = output
             # A step a cluster ran keeps that record when its output is loaded here afterwards.
             if step.name not in self.records:
-                self.records[step.name] = StepRecord(step.name, step.kind, key, status, time.perf_counter() - start,
-                                                     start - self._t0, threading.current_thread().name)
+                self.record(StepRecord(step.name, step.kind, key, status, time.perf_counter() - start,
+                                       start - self._t0, threading.current_thread().name))
+
+    def record(self, record: StepRecord) -> None:
+        """Note how a step was evaluated (here, or by a cluster worker: cluster.py)."""
+        with self._lock:
+            previous = self.records.get(record.name)
+            self._ran += (record.status == "ran") - (previous is not None and previous.status == "ran")
+            self.records[record.name] = record
 
     def is_cached(self, name: str) -> bool:
         return self.cache.contains(self.key(name))

@@ -116,8 +116,8 @@ def main(argv=None):
                 timed(f"LocalCluster {n} worker{'s' if n > 1 else ''}", cluster.scheduler_address, None,
                       folder / f"out-{n}")
     print(f"\n{args.models} models, {os.cpu_count()} CPUs")
-    print(f"| run | steps run | kernels | seconds | steps/s | speed-up | identical |")
-    print(f"|---|---:|---:|---:|---:|---:|---|")
+    print("| run | steps run | kernels | seconds | steps/s | speed-up | identical |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['run']} | {r['steps']} | {r['kernels']} | {r['seconds']} | {r['steps_per_s']} | "
               f"{r.get('speedup', 1.0)} | {r.get('identical', '')} |")

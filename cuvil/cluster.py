@@ -29,8 +29,6 @@ machine's LocalCluster, NFS).
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import threading
 import time
 import uuid
@@ -86,7 +84,7 @@ def run_on_cluster(dag: StepGraph, spec, models, wanted: list[str], address: str
             raise CuvilError(f"the Dask scheduler at {address} has no workers: the build would wait forever",
                              hint=f"start some with `dask worker {address}` on the build machines")
         say(f"building on the Dask cluster at {address} ({workers} worker{'s' if workers != 1 else ''})")
-        plan = ClusterPlan(_token(spec, models, dag.versions), spec, tuple(models) if models else None, dag.versions,
+        plan = ClusterPlan(_token(), spec, tuple(models) if models else None, dag.versions,
                            planner)
         _ClusterRun(dag, spec, where, client, client.scatter(plan, broadcast=True, hash=False), plan.token, say).run(wanted)
     finally:
@@ -99,10 +97,9 @@ def run_on_cluster(dag: StepGraph, spec, models, wanted: list[str], address: str
                               "(s3://bucket/prefix) or put `cache: dir:` on a filesystem every worker mounts")
 
 
-def _token(spec, models, versions) -> str:
-    payload = {"spec": spec.model_dump(mode="json"), "models": list(models or []), "versions": versions,
-               "build": uuid.uuid4().hex}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def _token() -> str:
+    """A build's own name: workers plan afresh for each build (a model file may have changed since the last)."""
+    return uuid.uuid4().hex[:16]
 
 
 class _ClusterRun:
@@ -181,8 +178,9 @@ class _ClusterRun:
         except Exception as exc:
             name = next((n for n, f in self.futures.items() if f.key == future.key), future.key)
             if type(exc).__name__ == "KilledWorker":
-                raise BuildError(f"step {name} was running on every worker that died while it ran ({exc})",
-                                 hint="a step that kills its worker (out of memory?) is not retried further; "
+                raise BuildError(f"step {name} was running on each of the workers that died in a row ({exc}); "
+                                 "it is not retried further",
+                                 hint="a step that kills its worker (out of memory?) would kill every worker: "
                                       "check the workers' logs and memory limits") from None
             raise
         name = result["name"]

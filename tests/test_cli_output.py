@@ -113,6 +113,25 @@ def test_check_json(project, tmp_path, capsys):
     assert set(model["variants"]["native"]) == {"kernels", "steps", "memory"}
 
 
+def test_check_json_lists_what_cannot_be_compiled(tmp_path, capsys):
+    import numpy as np
+    from onnx import helper
+
+    from tests.helpers import make_model
+    from tests.test_cli import _unsupported_op
+    op = _unsupported_op()
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node(op, ["r"], ["y"], name="odd")],
+                       [("x", np.float32, [2, 4, 4])], [("y", np.float32, [2])])
+    (tmp_path / "odd.onnx").write_bytes(model.SerializeToString())
+    (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: odd\n    source: odd.onnx\n")
+    assert main(["check", "-f", str(tmp_path / "cuvil.yaml"), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["valid"] and not report["supported"]
+    (model,) = report["models"]
+    assert model["ops"] == {op: 1, "Relu": 1} and len(model["unsupported"]) == 1 and "'odd'" in model["unsupported"][0]
+
+
 def test_inspect_json(project, capsys):
     folder, _, _ = project
     assert main(["inspect", str(folder / LIBRARY), "--json"]) == 0

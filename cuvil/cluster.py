@@ -177,6 +177,11 @@ class _ClusterRun:
             result = future.result()
         except Exception as exc:
             name = next((n for n, f in self.futures.items() if f.key == future.key), future.key)
+            if isinstance(exc, RuntimeError) and "deserializ" in str(exc):
+                raise CuvilError(f"the Dask scheduler at {self.client.scheduler.address} cannot load cuvil's tasks "
+                                 f"({str(exc).splitlines()[0]})",
+                                 hint="install the same cuvil in the scheduler's environment as in the workers' and "
+                                      "this machine's (Dask unpickles each task on the scheduler too)") from None
             if type(exc).__name__ == "KilledWorker":
                 raise BuildError(f"step {name} was running on each of the workers that died in a row ({exc}); "
                                  "it is not retried further",

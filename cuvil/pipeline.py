@@ -85,15 +85,26 @@ def import_any(source, input_shapes: dict):
 CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block")
 
 
+# A bf16/fp16 build leaves the winograd pass out of the opt level's list (an explicit `passes:`
+# list that names it keeps it): Winograd convs compute in float32 on weights transformed at load
+# time, 16/9-4x the convs' float32 weights, next to the 16-bit copy the library holds. ResNet-50
+# with enable_fp16=True peaked at 167 MB resident with it and 62 MB without (a C program,
+# benchmarks/resident.py), and the bf16 implicit GEMM on vdpbf16ps is as fast as float32 Winograd.
+REDUCED_WITHOUT_WINOGRAD = ("bf16", "fp16")
+
+
 def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
               precision: str = "fp32", gpu: bool = False) -> tuple[list[str], dict]:
     """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
-    precision adds assign_precision at the end, with the precision among its options; a GPU
-    target leaves out CPU_ONLY_PASSES."""
+    precision adds assign_precision at the end, with the precision among its options, and leaves
+    out winograd unless `passes` names it (REDUCED_WITHOUT_WINOGRAD); a GPU target leaves out
+    CPU_ONLY_PASSES."""
     from passes import resolve_pass_options, resolve_passes
     names = resolve_passes(opt_level, passes, disable_passes)
     if gpu:
         names = [n for n in names if n not in CPU_ONLY_PASSES]
+    if precision in REDUCED_WITHOUT_WINOGRAD and passes is None:
+        names = [n for n in names if n != "winograd"]
     options = dict(pass_options or {})
     if precision != "fp32" and "assign_precision" not in names:
         names.append("assign_precision")

@@ -22,6 +22,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+from . import qgemm
 from .kernel import Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal
 from .narrow import SMALL_FLOATS, SMALL_INTS, load, pointer_type, store, with_helpers
 
@@ -358,11 +359,33 @@ def _batch_offsets(args, src, a_off, b_off):
     src.line(f"ab = {pa}[bi]").line(f"bb = {pb}[bi]")
 
 
+def _vnni_operands(node, graph, A, B, za, zb, Y):
+    """(M, K, N, weights, a_zero) for the VNNI path (qgemm.py): B a constant matrix shared by
+    every row of A (A's leading dims fold into M), its zero point constant; else None."""
+    if not B.is_const or len(B.shape) != 2 or len(A.shape) < 2 or (zb is not None and not zb.is_const):
+        return None
+    if za is not None and za.size != 1:
+        return None
+    M = int(np.prod(A.shape[:-1], dtype=np.int64))
+    K, N = B.shape
+    if A.shape[-1] != K or int(np.prod(Y.shape, dtype=np.int64)) != M * N:
+        return None
+    weights = qgemm.signed_weights(B.data, zb.data if zb is not None else None)
+    a_zero = None if za is None else (np.asarray(za.data) if za.is_const else za)
+    return M, K, N, weights, a_zero
+
+
 def lower_matmul_integer(node, graph) -> Lowered:
     A, B, za, zb = (_input(node, graph, k) for k in range(4))
     Y = graph.values[node.outputs[0]]
     for v in (A, B):
         _check(node, v, {"uint8", "int8"})
+    fast = _vnni_operands(node, graph, A, B, za, zb, Y)
+    if fast is not None:
+        M, K, N, weights, a_zero = fast
+        calls = qgemm.int8_gemm(node.name, A, M, K, N, weights, Y, "i32", a_zero=a_zero)
+        if calls:
+            return Lowered(calls)
     M, K, N, nbatch, a_off, b_off = _matmul_geometry(node, A, B, Y)
     args = _Args()
     src = Source()
@@ -401,6 +424,18 @@ def lower_qlinear_matmul(node, graph) -> Lowered:
         _check(node, v, {"uint8", "int8"})
     for v in (sa, sb, sy):
         _check(node, v, {"float32", "float16"})
+    fast = _vnni_operands(node, graph, a, b, za, zb, Y)
+    if fast is not None and all(v.is_const for v in (sa, sb, sy)) and (zy is None or zy.is_const) \
+            and not any(np.dtype(v.dtype).name == "float16" for v in (sa, sb, sy)):
+        M, K, N, weights, a_zero = fast
+        table = (np.asarray(sa.data, np.float32).reshape(-1) * np.asarray(sb.data, np.float32).reshape(-1)) \
+            / np.asarray(sy.data, np.float32).reshape(-1)
+        zero = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
+        mode = "u8" if np.dtype(Y.dtype).name == "uint8" else "s8"
+        calls = qgemm.int8_gemm(node.name, a, M, K, N, weights, Y, mode, a_zero=a_zero,
+                                mult=table.astype(np.float32), zy=zero)
+        if calls:
+            return Lowered(calls)
     M, K, N, nbatch, a_off, b_off = _matmul_geometry(node, a, b, Y)
     args = _Args()
     body = Source()

@@ -82,7 +82,7 @@ def import_any(source, input_shapes: dict):
 
 # Passes whose rewrites only the CPU backend lowers (x86 kernels for the fused or transformed
 # ops they make): a GPU target's default pass list leaves them out.
-CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block")
+CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block", "fold_qdq")
 
 
 def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,

@@ -571,3 +571,69 @@ def lower_qlinear_conv(node, graph) -> Lowered:
         zero = f"np.float32({args.add(zy.name, zy.dtype)}[0])" if zy is not None else "np.float32(0)"
         return lines, mult, wide, zero
     return _integer_conv(node, graph, "QLinearConv", x, zx, w, zw, bias, y, requant)
+
+
+# ---------------------------------------------------------------- FusedMatMulInteger (passes/fold_qdq.py)
+
+def lower_fused_matmul_integer(node, graph) -> Lowered:
+    """FusedMatMulInteger(A, B, a_zero, b_zero, a_scale, b_scale, bias, y_scale, y_zero), see
+    passes/fold_qdq.py: the VNNI kernel (qgemm.py), else one scalar loop of the same arithmetic."""
+    A, B, za, zb, sa, sb, bias, sy, zy = (_input(node, graph, k) for k in range(9))
+    Y = graph.values[node.outputs[0]]
+    _check(node, A, {"uint8", "int8"})
+    if not B.is_const or len(B.shape) != 2 or (zb is not None and not zb.is_const) or not sb.is_const:
+        raise _unsupported(node, "the weight, its zero point and its scale must be constants")
+    K, N = B.shape
+    M = int(np.prod(A.shape[:-1], dtype=np.int64))
+    quantised = sy is not None
+    b_scale = np.asarray(sb.data, np.float32).reshape(-1)
+    if quantised:
+        if not (sa.is_const and sy.is_const and zy is not None and zy.is_const and (za is None or za.is_const)):
+            raise _unsupported(node, "a quantised output needs constant scales and zero points")
+        s_a = np.asarray(sa.data, np.float32).reshape(-1)[0]
+        mult = ((s_a * b_scale) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
+        ibias = np.asarray(bias.data, np.int32) if bias is not None else None
+        mode = "u8" if np.dtype(Y.dtype).name == "uint8" else "s8"
+        zero = int(np.asarray(zy.data).reshape(-1)[0])
+    else:
+        mult, ibias, mode, zero = b_scale, None, "f32", 0
+    a_zero = None if za is None else (np.asarray(za.data) if za.is_const else za)
+    weights = qgemm.signed_weights(B.data, zb.data if zb is not None else None)
+    fbias = np.asarray(bias.data, np.float32).reshape(-1) if bias is not None and not quantised else None
+    runtime_scale = sa if not quantised and not sa.is_const else None
+    if not quantised and sa.is_const:
+        mult = (np.asarray(sa.data, np.float32).reshape(-1)[0] * b_scale).astype(np.float32)
+    calls = qgemm.int8_gemm(node.name, A, M, K, N, weights, Y, mode, a_zero=a_zero, mult=mult,
+                            ascale=runtime_scale, bias=fbias, ibias=ibias, zy=zero)
+    if calls:
+        return Lowered(calls)
+    return _fused_matmul_integer_loops(node, A, B, za, zb, runtime_scale, M, K, N, mult, fbias, ibias, zero, Y)
+
+
+def _fused_matmul_integer_loops(node, A, B, za, zb, runtime_scale, M, K, N, mult, fbias, ibias, zero, Y):
+    """The scalar form (targets without AVX512-VNNI): int32 dot products over B^T, then the same
+    epilogue, one row of the output per work item."""
+    args = _Args()
+    pA = args.add(A.name, A.dtype)
+    pB = args.add(np.ascontiguousarray(_unpacked(B, zb, per_axis=-1).T), np.int32)
+    zae = _zero_expr(args, za, "0")
+    pm = args.add(np.broadcast_to(mult, (N,)).astype(np.float32), np.float32)
+    ps = args.add(runtime_scale.name, np.float32) if runtime_scale is not None else None
+    pb = args.add(np.broadcast_to(fbias, (N,)).astype(np.float32), np.float32) if fbias is not None else None
+    pi = args.add(np.broadcast_to(ibias, (N,)).astype(np.int32), np.int32) if ibias is not None else None
+    pY = args.add(Y.name, Y.dtype)
+    src = Source().line(kernel_header(len(args.values))).indent()
+    src.line("for m in range(begin, end):").indent()
+    src.line(f"za = {zae}")
+    src.line(f"for n in range({N}):").indent()
+    src.line(f"acc = {pi}[n]" if pi else "acc = np.int32(0)")
+    src.line(f"for k in range({K}):").indent()
+    src.line(f"acc += (np.int32({pA}[m*{K} + k]) - za) * {pB}[n*{K} + k]").dedent()
+    if np.dtype(Y.dtype).name == "float32":
+        scale = f"({pm}[n] * {ps}[0])" if ps else f"{pm}[n]"
+        value = f"np.float32(acc) * {scale}" + (f" + {pb}[n]" if pb else "")
+        src.line(f"{pY}[m*{N} + n] = {value}")
+    else:
+        src.line(f"{pY}[m*{N} + n] = {_requantized('acc', f'{pm}[n]', False, f'np.float32({zero})', Y.dtype)}")
+    kernel = Kernel("FusedMatMulInteger", src.text(), tuple(args.types))
+    return Lowered([KernelCall(kernel, list(args.values), M, node.name)])

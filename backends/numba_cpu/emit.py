@@ -15,7 +15,7 @@ from backends.schedule import Kernel
 from backends.targets import CpuTarget, init_llvm
 
 from .ukernel import specs_in, ukernel_ir
-from .ukernel_int8 import int8_ukernel_ir, kinds as int8_kinds
+from .ukernel_int8 import int8_ir, kinds as int8_kinds
 from .ukernel_lowp import kinds as lowp_kinds, ukernel_lowp_ir
 
 LOWP_KINDS = lowp_kinds()   # the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py)
@@ -157,7 +157,7 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
         kind = getattr(spec, "kind", "")
-        generate = int8_ukernel_ir if kind in INT8_KINDS else ukernel_lowp_ir if kind in LOWP_KINDS else ukernel_ir
+        generate = int8_ir if kind in INT8_KINDS else ukernel_lowp_ir if kind in LOWP_KINDS else ukernel_ir
         module.link_in(llvm.parse_assembly(generate(spec, target.vector_bits)))
     helpers = 0
     for fn in module.functions:

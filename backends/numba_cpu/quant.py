@@ -22,7 +22,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from . import qgemm
+from . import qconv, qgemm
 from .kernel import Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal
 from .narrow import SMALL_FLOATS, SMALL_INTS, load, pointer_type, store, with_helpers
 
@@ -565,6 +565,9 @@ def lower_qlinear_conv(node, graph) -> Lowered:
     _check(node, y, {"uint8", "int8"})
     for v in (sx, sw, sy):
         _check(node, v, {"float32", "float16"})
+    fast = qconv.lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y)
+    if fast:
+        return Lowered(fast)
 
     def requant(args):
         lines, mult, wide = _multiplier(args, (sx, sw, sy), "oc")

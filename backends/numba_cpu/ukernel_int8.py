@@ -275,6 +275,154 @@ def _activation(ir: IRBuilder, spec: Int8UKSpec, y: str, vf: str) -> str:
     return y
 
 
+
+
+# ---------------------------------------------------------------- convolutions
+
+CONV_ARG_NAMES = ("w", "woff", "x", "xoff", "y", "yoff", "ldy", "kc", "mask", "comp", "mult", "moff")
+_CONV_POINTERS = {"w", "x", "y", "comp", "mult"}
+
+
+@dataclass(frozen=True)
+class Int8ConvSpec(Declared):
+    """A convolution tile with the roles turned: mr output channels (rows) x nr output pixels of one
+    output row (columns, 16 a vector), the activations the unsigned operand of `vpdpbusd`:
+
+        acc(i, j) = sum_{q < kc, t}  sum_h  W(i, 4q + h, t) * X(4q + h, pixel j + taps[t])
+
+    X is the input in channel quads (qconv.py's layout): x[xoff + (q*plane + p)*4 + h] is channel
+    4q + h at pixel p, so 16 pixels of a quad are one 64-byte vector; taps[t] are compile-time pixel
+    offsets (a row of the tap, a phase image for strided convs). W is packed at build time:
+    w[woff + ((q*T + t)*panel + i)*4 + h], one 32-bit word per row broadcast to the lanes (the
+    signed operand). Epilogue per row: acc + comp[moff + i] (the zero point compensation and the
+    int32 bias), then y = saturate(rint(float(acc) * mult[moff + i]) + zy), stored to
+    y[yoff + i*ldy + j] as bytes for the columns set in `mask`.
+
+    Signature: i32 name(ptr w, i64 woff, ptr x, i64 xoff, ptr y, i64 yoff, i64 ldy, i64 kc, i64 mask,
+                        ptr comp, ptr mult, i64 moff)"""
+    mr: int
+    nr: int
+    taps: tuple
+    plane: int
+    panel: int
+    out: str = "u8"
+    zy: int = 0
+    kind: str = "int8conv"
+    _ARGS: ClassVar[str] = "".join("p" if n in _CONV_POINTERS else "i" for n in CONV_ARG_NAMES)
+
+    def __post_init__(self):
+        assert self.nr % 16 == 0 and 16 <= self.nr <= 64 and self.out in _RANGE and self.panel >= self.mr
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8conv_{self.mr}x{self.nr}_{self.out}"
+
+    def declaration(self, var: str) -> str:
+        types = {"w": "int8", "x": "uint8", "y": OUTPUTS[self.out], "comp": "int32", "mult": "float32"}
+        return typed_declaration(self, var, {i: types[n] for i, n in enumerate(CONV_ARG_NAMES) if n in types})
+
+
+def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
+    L = 16
+    V = spec.nr // L
+    vi, vf = f"<{L} x i32>", f"<{L} x float>"
+    T = len(spec.taps)
+    ir = IRBuilder()
+    ir.label("entry")
+    masks = column_masks(ir, V, L)
+    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
+    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
+    rename = {}
+    ir("br label %pre0")
+    ir.label("pre0")
+    ir("br label %loop0")
+    init = {(i, v): "zeroinitializer" for i in range(spec.mr) for v in range(V)}
+    kv, accs = open_k_loop(ir, 0, init, vi, "%loop0")
+    cur = dict(accs)
+    xq = ir.tmp("xq")
+    ir(f"{xq} = mul i64 {kv}, {spec.plane * 4}")
+    xrow = ir.tmp("xr")
+    ir(f"{xrow} = getelementptr i8, ptr %xbase, i64 {xq}")
+    wq = ir.tmp("wq")
+    ir(f"{wq} = mul i64 {kv}, {T * spec.panel * 4}")
+    wrow = ir.tmp("wr")
+    ir(f"{wrow} = getelementptr i8, ptr %wbase, i64 {wq}")
+    for t, off in enumerate(spec.taps):
+        xv = {}
+        for v in range(V):
+            p = ir.tmp("xp")
+            ir(f"{p} = getelementptr i8, ptr {xrow}, i64 {(off + v * L) * 4}")
+            xv[v] = ir.tmp("xv")
+            ir(f"{xv[v]} = load {vi}, ptr {p}, align 1")
+        for i in range(spec.mr):
+            p = ir.tmp("wp")
+            ir(f"{p} = getelementptr i8, ptr {wrow}, i64 {(t * spec.panel + i) * 4}")
+            word = ir.tmp("ww")
+            ir(f"{word} = load i32, ptr {p}, align 1")
+            splat = _splat_i32(ir, word)
+            for v in range(V):
+                out = ir.tmp("d")
+                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {cur[i, v]}, {vi} {xv[v]}, {vi} {splat})")
+                cur[i, v] = out
+    final = close_k_loop(ir, 0, kv, accs, cur, rename)
+    lo, hi = _RANGE[spec.out]
+    for i in range(spec.mr):
+        row = ir.tmp("row")
+        ir(f"{row} = add i64 %moff, {i}")
+        cp = ir.tmp("cp")
+        ir(f"{cp} = getelementptr i32, ptr %comp, i64 {row}")
+        c = ir.tmp("c")
+        ir(f"{c} = load i32, ptr {cp}, align 4")
+        csplat = _splat_i32(ir, c)
+        mp = ir.tmp("mp")
+        ir(f"{mp} = getelementptr float, ptr %mult, i64 {row}")
+        m = ir.tmp("m")
+        ir(f"{m} = load float, ptr {mp}, align 4")
+        msplat = _splat_f32(ir, m)
+        yo = ir.tmp("yo")
+        ir(f"{yo} = mul i64 %ldy, {i}")
+        yo2 = ir.tmp("yo")
+        ir(f"{yo2} = add i64 %yoff, {yo}")
+        for v in range(V):
+            x = ir.tmp("x")
+            ir(f"{x} = add {vi} {final[i, v]}, {csplat}")
+            f = ir.tmp("f")
+            ir(f"{f} = sitofp {vi} {x} to {vf}")
+            y = ir.tmp("y")
+            ir(f"{y} = fmul {vf} {f}, {msplat}")
+            r = ir.tmp("r")
+            ir(f"{r} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
+            r2 = ir.tmp("r")
+            ir(f"{r2} = fadd {vf} {r}, {_const_f32(float(spec.zy))}")
+            r3 = ir.tmp("r")
+            ir(f"{r3} = call {vf} @llvm.maxnum.v16f32({vf} {r2}, {vf} {_const_f32(float(lo))})")
+            r4 = ir.tmp("r")
+            ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
+            q = ir.tmp("q")
+            ir(f"{q} = fptosi {vf} {r4} to {vi}")
+            q8 = ir.tmp("q")
+            ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
+            yi = ir.tmp("yi")
+            ir(f"{yi} = add i64 {yo2}, {v * L}")
+            p = ir.tmp("yp")
+            ir(f"{p} = getelementptr i8, ptr %y, i64 {yi}")
+            ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {masks[v]})")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _CONV_POINTERS else f"i64 %{n}"
+                     for n in CONV_ARG_NAMES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+             "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",
+             f"declare {vf} @llvm.roundeven.v16f32({vf})",
+             f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
+             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})"]
+    return function_module(head, ir, rename, decls)
+
+
 def kinds() -> dict:
-    """The spec constructor by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
-    return {"int8": lambda d: Int8UKSpec(**d)}
+    """The spec constructors by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
+    return {"int8": lambda d: Int8UKSpec(**d), "int8conv": lambda d: Int8ConvSpec(**{**d, "taps": tuple(d["taps"])})}
+
+
+def int8_ir(spec, vector_bits: int = 512) -> str:
+    """The IR of either int8 micro-kernel."""
+    return int8_conv_ir(spec, vector_bits) if spec.kind == "int8conv" else int8_ukernel_ir(spec, vector_bits)

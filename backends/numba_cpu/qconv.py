@@ -1,0 +1,183 @@
+"""QLinearConv on the AVX512-VNNI convolution micro-kernel (ukernel_int8.Int8ConvSpec).
+
+    y[n, oc, oh, ow] = saturate(rint(float(acc + bias[oc]) * (s_x s_w[oc] / s_y)) + z_y)
+    acc = sum_{c, kh, kw} (x[n, c, oh*s + kh*d - p, ow*s + kw*d - p] - z_x) * (w[oc, c, kh, kw] - z_w[oc])
+
+Two kernels. The first copies the input into channel quads, padded, split in phase images for a
+strided conv ("QuadPad"): element (c, h, w) of the padded input (hp = h + p_top, wp = w + p_left)
+goes to phase (hp % s, wp % s), pixel (hp // s, wp // s) of quad c // 4, byte c % 4; padding and
+the channels beyond C (weights zero) hold z_x. Int8 inputs are stored + 128 (their sign bit flipped),
+so the micro-kernel only ever reads unsigned bytes; the compensation uses z_x + 128. The second
+runs the micro-kernel on tiles of output channels x pixels of one output row; every tap (kh, kw)
+reads the phase ((kh d) % s, (kw d) % s) at pixel offset ((kh d) // s) * Wps + (kw d) // s.
+
+    sum (x - z_x) w' = sum x w' - z_x * sum_{c, t} w'[oc, c, t]      (w' = w - z_w, int8, packed)
+
+so the compensation with the int32 bias is one build-time constant per output channel. Applies to
+2-D convolutions with group 1, constant weights (w - z_w within int8), constant scales and zero
+points; others keep quant.py's direct loops.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
+from .qgemm import vnni_target
+from .ukernel_int8 import Int8ConvSpec
+
+MIN_SPLIT_OPS = 1 << 21
+
+
+def _tile(OW: int) -> tuple[int, int]:
+    """(rows = output channels, columns = pixels) of the micro-tile for an output row of OW pixels."""
+    if OW > 32:
+        return 6, 64
+    if OW > 16:
+        return 12, 32
+    return 24, 16
+
+
+def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
+                    Cq: int, zero: int, slack: int) -> tuple[Kernel, int]:
+    """x [N, C, H, W] -> [N, s*s phases, Cq quads, Hps, Wps, 4] uint8 (+ `slack` bytes of zero point
+    at the end, which tiles read past the last row). One work item per (image, phase, quad)."""
+    read = "np.uint8(p0[src])" if x_dtype == "uint8" else "np.uint8(np.int32(p0[src]) + 128)"
+    plane = Hps * Wps * 4
+    total = N * s * s * Cq * plane
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"q = item % {Cq}").line(f"ph = (item // {Cq}) % {s * s}").line(f"n = item // {Cq * s * s}")
+    src.line(f"a = ph // {s}").line(f"b = ph % {s}")
+    src.line(f"dst = item * {plane}")
+    src.line(f"for hh in range({Hps}):").indent()
+    src.line(f"h = hh * {s} + a - {pt}")
+    src.line(f"for ww in range({Wps}):").indent()
+    src.line(f"w = ww * {s} + b - {pl}")
+    src.line("o = dst + (hh * " + str(Wps) + " + ww) * 4")
+    src.line("for c4 in range(4):").indent()
+    src.line("c = q * 4 + c4")
+    src.line(f"if c < {C} and h >= 0 and h < {H} and w >= 0 and w < {W}:").indent()
+    src.line(f"src = ((n * {C} + c) * {H} + h) * {W} + w")
+    src.line(f"p1[o + c4] = {read}").dedent()
+    src.line("else:").indent()
+    src.line(f"p1[o + c4] = np.uint8({zero})")
+    src.dedent().dedent().dedent().dedent().dedent()
+    if slack:
+        src.line("if end == " + str(N * s * s * Cq) + ":").indent()
+        src.line(f"for i in range({slack}):").indent()
+        src.line(f"p1[{total} + i] = np.uint8({zero})")
+    return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
+
+
+def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
+    """The calls, or None where the path does not apply (see the module docstring)."""
+    from .quant import _conv_pads
+    if not vnni_target() or len(x.shape) != 4 or int(node.attr("group", 1)) != 1:
+        return None
+    if not (w.is_const and sx.is_const and sw.is_const and sy.is_const and (zx is None or zx.is_const)
+            and (zw is None or zw.is_const) and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
+        return None
+    if any(np.dtype(v.dtype).name != "float32" for v in (sx, sw, sy)) or sx.size != 1 or sy.size != 1:
+        return None
+    x_dtype = np.dtype(x.dtype).name
+    if x_dtype not in ("uint8", "int8") or np.dtype(w.dtype).name not in ("uint8", "int8"):
+        return None
+    N, C, H, W = x.shape
+    OC, _, KH, KW = w.shape
+    _, _, OH, OW = y.shape
+    strides = list(node.attr("strides", [1, 1]))
+    dil = list(node.attr("dilations", [1, 1]))
+    if strides[0] != strides[1]:
+        return None
+    s = strides[0]
+    pt, pl = _conv_pads(node, [H, W], [KH, KW], strides, dil, [OH, OW])
+    wdata = np.asarray(w.data).astype(np.int32)
+    if zw is not None:
+        z = np.asarray(zw.data).astype(np.int32).reshape(-1)
+        wdata = wdata - (z.reshape(-1, 1, 1, 1) if z.size > 1 else z[0])
+    if wdata.min(initial=0) < -128 or wdata.max(initial=0) > 127:
+        return None
+    MR, NR = _tile(OW)
+    T = KH * KW
+    Cq = -(-C // 4)
+    # the phase images, sized so that every tap of every output pixel lands inside
+    Hps = OH + ((KH - 1) * dil[0]) // s + 1
+    Wps = max(OW + ((KW - 1) * dil[1]) // s, -(-(W + pl) // s)) + 1
+    Hps = max(Hps, -(-(H + pt) // s))
+    plane = Hps * Wps
+    phases = s * s
+    taps = []
+    for kh in range(KH):
+        for kw in range(KW):
+            a, b = (kh * dil[0]) % s, (kw * dil[1]) % s
+            taps.append((a * s + b) * Cq * plane + ((kh * dil[0]) // s) * Wps + (kw * dil[1]) // s)
+    shift = 128 if x_dtype == "int8" else 0
+    zero_x = (int(np.asarray(zx.data).reshape(-1)[0]) if zx is not None else 0) + shift
+    tiles = -(-OC // MR)
+    packed = np.zeros((tiles * MR, Cq * 4, T), np.int8)
+    packed[:OC, :C] = wdata.reshape(OC, C, T)
+    # [tile, q, t, MR, 4]
+    packed = np.ascontiguousarray(packed.reshape(tiles, MR, Cq, 4, T).transpose(0, 2, 4, 1, 3))
+    comp = np.zeros(tiles * MR, np.int64)
+    comp[:OC] = -zero_x * wdata.reshape(OC, -1).astype(np.int64).sum(axis=1)
+    if bias is not None:
+        comp[:OC] += np.asarray(bias.data, np.int64).reshape(-1)
+    if np.abs(comp).max(initial=0) >= 2**31:
+        return None
+    s_x = np.asarray(sx.data, np.float32).reshape(-1)[0]
+    mult = np.zeros(tiles * MR, np.float32)
+    mult[:OC] = (s_x * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (OC,))) \
+        / np.asarray(sy.data, np.float32).reshape(-1)[0]
+    out = "u8" if np.dtype(y.dtype).name == "uint8" else "s8"
+    zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
+    slack = (NR + Wps + 16) * 4
+
+    from .scratch import scratch_value
+    quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
+    pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
+
+    specs = {}
+
+    def spec(mr):
+        if mr not in specs:
+            specs[mr] = (f"uk{len(specs)}", Int8ConvSpec(mr=mr, nr=NR, taps=tuple(taps), plane=plane, panel=MR,
+                                                         out=out, zy=zero_y))
+        return specs[mr][0]
+
+    want = work_items() if 2 * OC * C * T * OH * OW * N >= MIN_SPLIT_OPS else 1
+    t_blocks = min(tiles, want)
+    r_blocks = max(1, min(OH, -(-want // t_blocks)))
+    tpb, rpb = -(-tiles // t_blocks), -(-OH // r_blocks)
+    t_blocks, r_blocks = -(-tiles // tpb), -(-OH // rpb)
+    body = Source().indent()
+    body.line("for item in range(begin, end):").indent()
+    body.line(f"rb = item % {r_blocks}").line(f"tb = (item // {r_blocks}) % {t_blocks}")
+    body.line(f"n = item // {r_blocks * t_blocks}")
+    body.line(f"for tile in range(tb * {tpb}, min(tb * {tpb} + {tpb}, {tiles})):").indent()
+    body.line(f"oc0 = tile * {MR}")
+    body.line(f"woff = tile * {Cq * T * MR * 4}")
+    for edge in (False, True) if OC % MR else (False,):
+        if OC % MR:
+            body.line(f"if oc0 + {MR} <= {OC}:" if not edge else "else:").indent()
+        name = spec(OC % MR if edge else MR)
+        body.line(f"for oh in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {OH})):").indent()
+        body.line(f"for ow0 in range(0, {OW}, {NR}):").indent()
+        body.line(f"nv = min({NR}, {OW} - ow0)")
+        body.line("mask = np.int64(-1) if nv >= 64 else (np.int64(1) << nv) - np.int64(1)")
+        body.line(f"xoff = (n * {phases * Cq * plane} + oh * {Wps} + ow0) * 4")
+        body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + oh * {OW} + ow0")
+        body.line(f"{name}(p0, woff, p1, xoff, p4, yoff, {OH * OW}, {Cq}, mask, p2, p3, oc0)")
+        body.dedent().dedent()
+        if OC % MR:
+            body.dedent()
+    head = Source()
+    for name, uk in sorted(specs.values()):
+        for line in uk.declaration(name).splitlines():
+            head.line(line)
+    head.line(kernel_header(5))
+    conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", np.dtype(y.dtype).name),
+                  self_sized=True)
+    label = f"int8 (vnni conv, {out} out)"
+    return [KernelCall(pad_kernel, [x.name, quads], pad_work, node.name, precision=label),
+            KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, y.name],
+                       N * t_blocks * r_blocks, node.name, precision=label)]

@@ -10,6 +10,11 @@ node whose kernel multiplies the bytes (backends/numba_cpu/qgemm.py, AVX512-VNNI
     QDQ (quantize_static):
                        MatMul(DQ(xq, s_x, z_x), DQ(W, s_w, z_w)) [+ DQ(bias_i32)]  [-> Q(s_y, z_y)]
                        Gemm(DQ(xq), DQ(W), DQ(bias_i32), transB)                   [-> Q(s_y, z_y)]
+                       Q(Conv(DQ(xq), DQ(W), DQ(bias_i32)))  -> QLinearConv (2-D, group 1; its kernel is
+                       backends/numba_cpu/qconv.py)
+    and the ops around them, so that integer tensors flow from one to the next:
+                       Q(MaxPool(DQ(x))), same scale and zero point        -> MaxPool(x)
+                       Q(DQ(a) + DQ(b)), equal shapes                      -> QLinearAdd (domain "cuvil")
 
     FusedMatMulInteger(A, B, a_zero, b_zero, a_scale, b_scale, bias, y_scale, y_zero)  (domain "cuvil")
         acc = sum_k (A - a_zero)(B - b_zero)                       int32, exact
@@ -173,12 +178,115 @@ def _qdq(graph: Graph, prod: Node, consumers, producers):
     return nodes, [A, b_name, zx, zw_name, sx, sw_name, bias, sy, zy], last
 
 
+def _qdq_conv(graph: Graph, conv: Node, consumers, producers):
+    """Q(Conv(DQ(x), DQ(W), DQ(bias_i32))) -> QLinearConv (2-D, group 1: the convolutions with an
+    integer kernel; depthwise and grouped ones stay in float)."""
+    if conv.op != "Conv" or conv.domain or int(conv.attr("group", 1)) != 1:
+        return None
+    dqx, dqw = producers.get(conv.inputs[0]), producers.get(conv.inputs[1])
+    if dqx is None or dqw is None or dqx.op != "DequantizeLinear" or dqw.op != "DequantizeLinear" or dqx.domain \
+            or dqw.domain:
+        return None
+    X, sx, zx = (_input(dqx, i) for i in range(3))
+    W, sw, zw = (_input(dqw, i) for i in range(3))
+    w = _const(graph, W)
+    if w is None or w.ndim != 4 or np.dtype(w.dtype).name not in ("int8", "uint8") or _const(graph, sw) is None \
+            or (zw and _const(graph, zw) is None) or int(dqw.attr("axis", 1)) % 4 != 0 and graph.values[sw].size > 1:
+        return None
+    if np.dtype(graph.values[X].dtype).name not in ("uint8", "int8") or _const(graph, sx) is None \
+            or graph.values[sx].size != 1 or not _is_f32(graph, sx) or not _is_f32(graph, sw) \
+            or (zx and _const(graph, zx) is None):
+        return None
+    OC = w.shape[0]
+    mult = np.float32(np.asarray(_const(graph, sx), np.float32).reshape(-1)[0]) * np.asarray(_const(graph, sw), np.float32).reshape(-1)
+    bias = ""
+    if _input(conv, 2):
+        bdq = producers.get(conv.inputs[2])
+        if bdq is None or bdq.op != "DequantizeLinear":
+            return None
+        b, bs, bz = (_const(graph, _input(bdq, i)) for i in range(3))
+        if b is None or bs is None or np.dtype(b.dtype) != np.int32 or b.size != OC \
+                or (bz is not None and np.any(bz != 0)) \
+                or not np.array_equal(np.broadcast_to(np.asarray(bs, np.float32).reshape(-1), (OC,)),
+                                      np.broadcast_to(mult, (OC,))):
+            return None
+        bias = _input(bdq, 0)
+    q = only_reader(graph, consumers, conv.outputs[0])
+    if q is None or q.op != "QuantizeLinear" or q.domain or _const(graph, _input(q, 1)) is None \
+            or graph.values[_input(q, 1)].size != 1 or not _is_f32(graph, _input(q, 1)) or not _input(q, 2) \
+            or _const(graph, _input(q, 2)) is None or graph.values[_input(q, 2)].size != 1:
+        return None
+    sy, zy = _input(q, 1), _input(q, 2)
+    if not zx:
+        zx = add_constant(graph, f"{conv.name}_xz", np.zeros((), graph.values[X].dtype))
+    if not zw:
+        zw = add_constant(graph, f"{conv.name}_wz", np.zeros((), w.dtype))
+    attrs = {k: v for k, v in conv.attrs.items() if k in ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")}
+    return [conv, q], [X, sx, zx, W, sw, zw, sy, zy] + ([bias] if bias else []), q, ("QLinearConv", "", attrs)
+
+
+def _same_quantisation(graph: Graph, dq: Node, q: Node) -> bool:
+    """Whether Q requantises with DQ's own constant, per-tensor scale and zero point."""
+    pairs = [(_input(dq, 1), _input(q, 1)), (_input(dq, 2), _input(q, 2))]
+    for a, b in pairs:
+        da, db = _const(graph, a), _const(graph, b)
+        if da is None or db is None or da.size != 1 or db.size != 1 or da.dtype != db.dtype \
+                or da.reshape(-1)[0] != db.reshape(-1)[0]:
+            return False
+    return True
+
+
+def _qdq_maxpool(graph: Graph, pool: Node, consumers, producers):
+    """Q(MaxPool(DQ(x))) with Q's scale and zero point DQ's -> MaxPool(x): the maximum commutes with
+    the increasing map q -> (q - z) s, and Q(DQ(q)) = q exactly."""
+    if pool.op != "MaxPool" or pool.domain or len(pool.outputs) > 1 and pool.outputs[1]:
+        return None
+    dq = producers.get(pool.inputs[0])
+    q = only_reader(graph, consumers, pool.outputs[0])
+    if dq is None or dq.op != "DequantizeLinear" or dq.domain or q is None or q.op != "QuantizeLinear" or q.domain:
+        return None
+    if not _same_quantisation(graph, dq, q) or np.dtype(graph.values[_input(dq, 0)].dtype).name not in ("uint8", "int8"):
+        return None
+    scale = _const(graph, _input(dq, 1))
+    if not float(scale.reshape(-1)[0]) > 0:
+        return None
+    return [pool, q], [_input(dq, 0)], q, ("MaxPool", "", dict(pool.attrs))
+
+
+def _qdq_add(graph: Graph, add: Node, consumers, producers):
+    """Q(DQ(a) + DQ(b)) of equal shapes -> QLinearAdd (domain "cuvil", com.microsoft's inputs and
+    arithmetic: y = saturate(rint(((a - z_a) s_a + (b - z_b) s_b) / s_y) + z_y), in float32)."""
+    if add.op != "Add" or add.domain or len(add.inputs) != 2:
+        return None
+    dqs = [producers.get(i) for i in add.inputs]
+    q = only_reader(graph, consumers, add.outputs[0])
+    if any(d is None or d.op != "DequantizeLinear" or d.domain for d in dqs) or q is None \
+            or q.op != "QuantizeLinear" or q.domain or not _input(q, 2):
+        return None
+    shapes = {tuple(graph.values[_input(d, 0)].shape) for d in dqs} | {tuple(graph.values[add.outputs[0]].shape)}
+    if len(shapes) != 1:
+        return None
+    inputs = []
+    for d in dqs + [q]:
+        x, s, z = (_input(d, i) for i in range(3))
+        if not z or _const(graph, s) is None or _const(graph, z) is None or graph.values[s].size != 1 \
+                or graph.values[z].size != 1 or not _is_f32(graph, s):
+            return None
+        inputs += [x, s, z] if d is not q else [s, z]
+    dtypes = {np.dtype(graph.values[i].dtype).name for i in (inputs[0], inputs[3], q.outputs[0])}
+    if len(dtypes) != 1 or dtypes - {"uint8", "int8"}:
+        return None
+    return [add, q], inputs, q, ("QLinearAdd", "cuvil", {})
+
+
 def fold_qdq(graph: Graph) -> Graph:
     consumers, producers = graph.consumers(), graph.producers()
     result = graph.copy()
     plans, claimed = {}, set()
     for node in graph.nodes:
-        plan = _dynamic(result, node, consumers, producers) or _qdq(result, node, consumers, producers)
+        plan = _dynamic(result, node, consumers, producers) or _qdq(result, node, consumers, producers) \
+            or _qdq_conv(result, node, consumers, producers) or _qdq_maxpool(result, node, consumers, producers) \
+            or _qdq_add(result, node, consumers, producers)
         if plan is None or any(n.name in claimed for n in plan[0]):
             continue
         claimed.update(n.name for n in plan[0])
@@ -189,9 +297,10 @@ def fold_qdq(graph: Graph) -> Graph:
     nodes = []
     for node in result.nodes:
         if node.name in plans:
-            replaced, inputs, last = plans[node.name]
+            replaced, inputs, last, *made = plans[node.name]
+            op, domain, attrs = made[0] if made else (FUSED, "cuvil", {})
             name = unique_node_name(taken, f"{replaced[0].name}_int8")
-            nodes.append(Node(FUSED, name, inputs, [last.outputs[0]], {}, domain="cuvil"))
+            nodes.append(Node(op, name, inputs, [last.outputs[0]], attrs, domain=domain))
         elif node.name not in claimed:
             nodes.append(node)
     result.nodes = nodes
@@ -200,4 +309,9 @@ def fold_qdq(graph: Graph) -> Graph:
 
 def describe(before: Graph, after: Graph) -> str:
     n = sum(1 for node in after.nodes if node.op == FUSED and node.domain == "cuvil")
-    return f"{n} quantised product{'s' if n != 1 else ''} into {FUSED}" if n else ""
+    convs = sum(1 for node in after.nodes if node.op == "QLinearConv") - sum(1 for node in before.nodes if node.op == "QLinearConv")
+    adds = sum(1 for node in after.nodes if node.op == "QLinearAdd")
+    parts = ([f"{n} quantised product{'s' if n != 1 else ''} into {FUSED}"] if n else []) \
+        + ([f"{convs} QDQ Conv{'s' if convs != 1 else ''} into QLinearConv"] if convs else []) \
+        + ([f"{adds} QDQ Add{'s' if adds != 1 else ''} into QLinearAdd"] if adds else [])
+    return ", ".join(parts)

@@ -152,3 +152,28 @@ def test_without_vnni_the_scalar_kernels_compute_the_same():
     assert not [k for k in explain_model(model, target="x86_64-avx512").kernels if k.precision.startswith("int8")]
     got = cuvil.compile(model, target="x86_64-avx512").run(feeds)["y"]
     np.testing.assert_array_equal(got, run_ort(model, feeds)["y"])
+
+
+QLINEAR_CONV = {
+    # name: (x shape, w shape, attrs, activations)
+    "3x3_pad": ((1, 8, 10, 12), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}, U8),
+    "stride2_int8_batch2": ((2, 5, 9, 9), (7, 5, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, I8),
+    "7x7_stride2_three_channels": ((1, 3, 20, 20), (8, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}, U8),
+    "1x1_small_plane": ((1, 16, 7, 7), (30, 16, 1, 1), {}, U8),
+    "dilated_uneven_pads_wide": ((1, 4, 40, 70), (6, 4, 3, 3), {"dilations": [2, 2], "pads": [2, 1, 2, 1]}, U8),
+}
+
+
+@pytest.mark.parametrize("case", list(QLINEAR_CONV))
+def test_qlinear_conv_is_onnxruntimes(case):
+    xs, ws, attrs, dtype = QLINEAR_CONV[case]
+    OC = ws[0]
+    rng = np.random.default_rng(0)
+    inits = {"sx": np.array(0.02, F32), "zx": np.array(100 if dtype == U8 else -3, dtype), "w": ints(ws, I8, 1),
+             "sw": rng.uniform(0.001, 0.01, OC).astype(F32), "zw": np.zeros(OC, I8), "sy": np.array(0.1, F32),
+             "zy": np.array(90 if dtype == U8 else 4, dtype), "b": rng.integers(-2000, 2000, OC).astype(np.int32)}
+    node = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], **attrs)
+    model = make_model([node], [("x", dtype, list(xs))], [("y", dtype, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, dtype, 5)}
+    assert _int8_kernels(model), "the VNNI kernel was not used"
+    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])

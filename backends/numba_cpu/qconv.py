@@ -8,8 +8,10 @@ strided conv ("QuadPad"): element (c, h, w) of the padded input (hp = h + p_top,
 goes to phase (hp % s, wp % s), pixel (hp // s, wp // s) of quad c // 4, byte c % 4; padding and
 the channels beyond C (weights zero) hold z_x. Int8 inputs are stored + 128 (their sign bit flipped),
 so the micro-kernel only ever reads unsigned bytes; the compensation uses z_x + 128. The second
-runs the micro-kernel on tiles of output channels x pixels of one output row; every tap (kh, kw)
-reads the phase ((kh d) % s, (kw d) % s) at pixel offset ((kh d) // s) * Wps + (kw d) // s.
+runs the micro-kernel on tiles of output channels x 64 positions of the phase grid (OH rows of
+Wps pixels, read as one run: the columns past OW are computed and left out of the compressed
+store); every tap (kh, kw) reads the phase ((kh d) % s, (kw d) % s) at pixel offset
+((kh d) // s) * Wps + (kw d) // s.
 
     sum (x - z_x) w' = sum x w' - z_x * sum_{c, t} w'[oc, c, t]      (w' = w - z_w, int8, packed)
 
@@ -28,13 +30,7 @@ from .ukernel_int8 import Int8ConvSpec
 MIN_SPLIT_OPS = 1 << 21
 
 
-def _tile(OW: int) -> tuple[int, int]:
-    """(rows = output channels, columns = pixels) of the micro-tile for an output row of OW pixels."""
-    if OW > 32:
-        return 6, 64
-    if OW > 16:
-        return 12, 32
-    return 24, 16
+MR, NR = 6, 64   # output channels x pixels of a micro-tile (24 int32 accumulators)
 
 
 def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
@@ -97,14 +93,21 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
         wdata = wdata - (z.reshape(-1, 1, 1, 1) if z.size > 1 else z[0])
     if wdata.min(initial=0) < -128 or wdata.max(initial=0) > 127:
         return None
-    MR, NR = _tile(OW)
     T = KH * KW
     Cq = -(-C // 4)
     # the phase images, sized so that every tap of every output pixel lands inside
-    Hps = OH + ((KH - 1) * dil[0]) // s + 1
-    Wps = max(OW + ((KW - 1) * dil[1]) // s, -(-(W + pl) // s)) + 1
-    Hps = max(Hps, -(-(H + pt) // s))
+    Hps = OH + ((KH - 1) * dil[0]) // s
+    Wps = OW + ((KW - 1) * dil[1]) // s
     plane = Hps * Wps
+    # Tiles run over whole rows of the phase grid (OH rows of Wps pixels, the last Wps - OW of each
+    # not an output): a 7x7 output computes 64 lanes for 49 pixels, not 7 of every 16. The mask of
+    # each tile's valid lanes and the output offset of its first are build-time tables.
+    flat = OH * Wps
+    chunks = -(-flat // NR)
+    pos = np.arange(chunks * NR).reshape(chunks, NR)
+    valid = (pos < flat) & (pos % Wps < OW)
+    masks = (valid.astype(np.uint64) << np.arange(NR, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
+    starts = np.concatenate([[0], np.cumsum(valid.sum(axis=1))[:-1]]).astype(np.int64)
     phases = s * s
     taps = []
     for kh in range(KH):
@@ -130,7 +133,7 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
         / np.asarray(sy.data, np.float32).reshape(-1)[0]
     out = "u8" if np.dtype(y.dtype).name == "uint8" else "s8"
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
-    slack = (NR + Wps + 16) * 4
+    slack = (chunks * NR - flat + ((KH - 1) * dil[0] // s + 1) * Wps + NR) * 4
 
     from .scratch import scratch_value
     quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
@@ -146,9 +149,9 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
 
     want = work_items() if 2 * OC * C * T * OH * OW * N >= MIN_SPLIT_OPS else 1
     t_blocks = min(tiles, want)
-    r_blocks = max(1, min(OH, -(-want // t_blocks)))
-    tpb, rpb = -(-tiles // t_blocks), -(-OH // r_blocks)
-    t_blocks, r_blocks = -(-tiles // tpb), -(-OH // rpb)
+    r_blocks = max(1, min(chunks, -(-want // t_blocks)))
+    tpb, rpb = -(-tiles // t_blocks), -(-chunks // r_blocks)
+    t_blocks, r_blocks = -(-tiles // tpb), -(-chunks // rpb)
     body = Source().indent()
     body.line("for item in range(begin, end):").indent()
     body.line(f"rb = item % {r_blocks}").line(f"tb = (item // {r_blocks}) % {t_blocks}")
@@ -160,24 +163,22 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
         if OC % MR:
             body.line(f"if oc0 + {MR} <= {OC}:" if not edge else "else:").indent()
         name = spec(OC % MR if edge else MR)
-        body.line(f"for oh in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {OH})):").indent()
-        body.line(f"for ow0 in range(0, {OW}, {NR}):").indent()
-        body.line(f"nv = min({NR}, {OW} - ow0)")
-        body.line("mask = np.int64(-1) if nv >= 64 else (np.int64(1) << nv) - np.int64(1)")
-        body.line(f"xoff = (n * {phases * Cq * plane} + oh * {Wps} + ow0) * 4")
-        body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + oh * {OW} + ow0")
-        body.line(f"{name}(p0, woff, p1, xoff, p4, yoff, {OH * OW}, {Cq}, mask, p2, p3, oc0)")
-        body.dedent().dedent()
+        body.line(f"for ch in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {chunks})):").indent()
+        body.line(f"xoff = (n * {phases * Cq * plane} + ch * {NR}) * 4")
+        body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + p6[ch]")
+        body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {OH * OW}, {Cq}, p5[ch], p2, p3, oc0)")
+        body.dedent()
         if OC % MR:
             body.dedent()
     head = Source()
     for name, uk in sorted(specs.values()):
         for line in uk.declaration(name).splitlines():
             head.line(line)
-    head.line(kernel_header(5))
-    conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", np.dtype(y.dtype).name),
-                  self_sized=True)
+    head.line(kernel_header(8))
+    conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", "float32", "int64",
+                                                       "int64", np.dtype(y.dtype).name), self_sized=True)
     label = f"int8 (vnni conv, {out} out)"
     return [KernelCall(pad_kernel, [x.name, quads], pad_work, node.name, precision=label),
-            KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, y.name],
+            KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
+                              masks, starts, y.name],
                        N * t_blocks * r_blocks, node.name, precision=label)]

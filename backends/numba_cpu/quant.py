@@ -640,3 +640,30 @@ def _fused_matmul_integer_loops(node, A, B, za, zb, runtime_scale, M, K, N, mult
         src.line(f"{pY}[m*{N} + n] = {_requantized('acc', f'{pm}[n]', False, f'np.float32({zero})', Y.dtype)}")
     kernel = Kernel("FusedMatMulInteger", src.text(), tuple(args.types))
     return Lowered([KernelCall(kernel, list(args.values), M, node.name)])
+
+
+# ---------------------------------------------------------------- QLinearAdd (domain "cuvil", passes/fold_qdq.py)
+
+def lower_qlinear_add(node, graph) -> Lowered:
+    """QLinearAdd(a, s_a, z_a, b, s_b, z_b, s_y, z_y), com.microsoft's inputs, equal shapes:
+    y = saturate(rint(((a - z_a) s_a + (b - z_b) s_b) * (1 / s_y)) + z_y), float32, one vectorised
+    loop. The products and the sum round as DequantizeLinear and Add do; the reciprocal multiply
+    (fast-math's form of the division) can put a sum within an ulp of a .5 boundary on the other
+    step."""
+    a, sa, za, b, sb, zb, sy, zy = (_input(node, graph, k) for k in range(8))
+    y = graph.values[node.outputs[0]]
+    for v in (a, b, y):
+        _check(node, v, {"uint8", "int8"})
+    if not all(v is not None and v.is_const and v.size == 1 for v in (sa, za, sb, zb, sy, zy)):
+        raise _unsupported(node, "scales and zero points must be per-tensor constants")
+    f = lambda v: literal(np.asarray(v.data, np.float32).reshape(-1)[0], np.float32)  # noqa: E731
+    lo, hi = _RANGES[np.dtype(y.dtype).name]
+    recip = literal(np.float32(1) / np.asarray(sy.data, np.float32).reshape(-1)[0], np.float32)
+    src = Source().line(kernel_header(3)).indent()
+    src.line("for i in range(begin, end):").indent()
+    src.line(f"va = (np.float32(np.int32(p0[i])) - {f(za)}) * {f(sa)}")
+    src.line(f"vb = (np.float32(np.int32(p1[i])) - {f(zb)}) * {f(sb)}")
+    src.line(f"r = np.rint((va + vb) * {recip}) + {f(zy)}")
+    src.line(f"p2[i] = np.{np.dtype(y.dtype).name}(np.int32(min(max(r, np.float32({lo})), np.float32({hi}))))")
+    kernel = Kernel("QLinearAdd", src.text(), (np.dtype(a.dtype).name, np.dtype(b.dtype).name, np.dtype(y.dtype).name))
+    return Lowered([KernelCall(kernel, [a.name, b.name, y.name], y.size, node.name)])

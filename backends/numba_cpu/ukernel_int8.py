@@ -295,8 +295,9 @@ class Int8ConvSpec(Declared):
     offsets (a row of the tap, a phase image for strided convs). W is packed at build time:
     w[woff + ((q*T + t)*panel + i)*4 + h], one 32-bit word per row broadcast to the lanes (the
     signed operand). Epilogue per row: acc + comp[moff + i] (the zero point compensation and the
-    int32 bias), then y = saturate(rint(float(acc) * mult[moff + i]) + zy), stored to
-    y[yoff + i*ldy + j] as bytes for the columns set in `mask`.
+    int32 bias), then y = saturate(rint(float(acc) * mult[moff + i]) + zy), stored as bytes: the
+    columns set in `mask` (the valid pixels of a tile running over whole rows of a padded grid),
+    compressed, from y[yoff + i*ldy] on.
 
     Signature: i32 name(ptr w, i64 woff, ptr x, i64 xoff, ptr y, i64 yoff, i64 ldy, i64 kc, i64 mask,
                         ptr comp, ptr mult, i64 moff)"""
@@ -365,6 +366,26 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
                 cur[i, v] = out
     final = close_k_loop(ir, 0, kv, accs, cur, rename)
     lo, hi = _RANGE[spec.out]
+    # compressed stores: the valid lanes of vector v go to prefix[v] = popcount of the mask below it
+    prefix, dense, running = {}, {}, "0"
+    for v in range(V):
+        prefix[v] = running
+        seg = ir.tmp("seg")
+        ir(f"{seg} = lshr i64 %mask, {v * L}")
+        segm = ir.tmp("seg")
+        ir(f"{segm} = and i64 {seg}, {(1 << L) - 1}")
+        cnt = ir.tmp("cnt")
+        ir(f"{cnt} = call i64 @llvm.ctpop.i64(i64 {segm})")
+        running = ir.tmp("off")
+        ir(f"{running} = add i64 {prefix[v]}, {cnt}")
+        low = ir.tmp("low")
+        ir(f"{low} = shl i64 1, {cnt}")
+        low2 = ir.tmp("low")
+        ir(f"{low2} = sub i64 {low}, 1")
+        low3 = ir.tmp("low")
+        ir(f"{low3} = trunc i64 {low2} to i{L}")
+        dense[v] = ir.tmp("dm")
+        ir(f"{dense[v]} = bitcast i{L} {low3} to <{L} x i1>")
     for i in range(spec.mr):
         row = ir.tmp("row")
         ir(f"{row} = add i64 %moff, {i}")
@@ -399,13 +420,16 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
             ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
             q = ir.tmp("q")
             ir(f"{q} = fptosi {vf} {r4} to {vi}")
+            packed = ir.tmp("qc")   # compressed in a register: a compress store to memory is microcoded on Zen 4
+            ir(f"{packed} = call {vi} @llvm.experimental.vector.compress.v16i32({vi} {q}, <16 x i1> {masks[v]}, "
+               f"{vi} poison)")
             q8 = ir.tmp("q")
-            ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
+            ir(f"{q8} = trunc {vi} {packed} to <16 x i8>")
             yi = ir.tmp("yi")
-            ir(f"{yi} = add i64 {yo2}, {v * L}")
+            ir(f"{yi} = add i64 {yo2}, {prefix[v]}")
             p = ir.tmp("yp")
             ir(f"{p} = getelementptr i8, ptr %y, i64 {yi}")
-            ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {masks[v]})")
+            ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {dense[v]})")
     ir("ret i32 0")
     args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _CONV_POINTERS else f"i64 %{n}"
                      for n in CONV_ARG_NAMES)
@@ -414,7 +438,9 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
              "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",
              f"declare {vf} @llvm.roundeven.v16f32({vf})",
              f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
-             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})"]
+             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
+             f"declare {vi} @llvm.experimental.vector.compress.v16i32({vi}, <16 x i1>, {vi})",
+             "declare i64 @llvm.ctpop.i64(i64)"]
     return function_module(head, ir, rename, decls)
 
 

@@ -141,3 +141,59 @@ def test_what_does_not_fold_stays_correct():
     # float emulation both sides, differently ordered float32 sums: a value within rounding of a
     # .5 boundary of y / s_y may land on the neighbouring step, never further
     assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
+def _dq(x, s, z):
+    return helper.make_node("DequantizeLinear", [x, s, z], [x + "_f"])
+
+
+def _q(x, s, z, y):
+    return helper.make_node("QuantizeLinear", [x, s, z], [y])
+
+
+def qdq_conv_model(activations=U8, bias=True, group=1):
+    """quantize_static's Conv: DQ(x), DQ(W) per output channel, DQ(int32 bias), Q(y); then its
+    MaxPool (Q with the input's own scale) and a residual Add of two quantised tensors."""
+    rng = np.random.default_rng(7)
+    C, OC = 8, 8
+    sx, zx = np.array(0.03, F32), np.array(120 if activations == U8 else -2, activations)
+    sw = rng.uniform(0.002, 0.02, OC).astype(F32)
+    inits = {"sx": sx, "zx": zx, "w": _ints((OC, C // group, 3, 3), I8, 8), "sw": sw, "zw": np.zeros(OC, I8),
+             "b": rng.integers(-500, 500, OC).astype(np.int32), "bs": sx * sw, "bz": np.zeros(OC, np.int32),
+             "sy": np.array(0.08, F32), "zy": np.array(110 if activations == U8 else 3, activations)}
+    nodes = [_dq("xq", "sx", "zx"), helper.make_node("DequantizeLinear", ["w", "sw", "zw"], ["w_f"], axis=0),
+             helper.make_node("DequantizeLinear", ["b", "bs", "bz"], ["b_f"], axis=0),
+             helper.make_node("Conv", ["xq_f", "w_f"] + (["b_f"] if bias else []), ["c"], pads=[1, 1, 1, 1], group=group),
+             _q("c", "sy", "zy", "cq"), _dq("cq", "sy", "zy"),
+             helper.make_node("MaxPool", ["cq_f"], ["p"], kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1]),
+             _q("p", "sy", "zy", "pq"), _dq("pq", "sy", "zy"),
+             helper.make_node("Add", ["pq_f", "xq_f"], ["s"]), _q("s", "sy", "zy", "y")]
+    model = make_model(nodes, [("xq", activations, [1, C, 9, 9])], [("y", activations, None)], initializers=inits,
+                       opset=13)
+    return model, {"xq": _ints((1, C, 9, 9), activations, 9)}
+
+
+@pytest.mark.parametrize("activations", [U8, I8])
+def test_qdq_conv_maxpool_add_fold_into_integer_ops(activations):
+    """Each becomes an integer op and the chain matches onnxruntime's integer path: the conv's bytes
+    exactly (same int32 sums, same float32 requantisation), the Add within one step of its output
+    (the reciprocal multiply against onnxruntime's division, see quant.lower_qlinear_add)."""
+    model, feeds = qdq_conv_model(activations)
+    fused, before, after = _fused(model)
+    ops = [n.op for n in after.nodes]
+    assert ops.count("QLinearConv") == 1 and ops.count("QLinearAdd") == 1 and "Conv" not in ops
+    assert not {"QuantizeLinear", "Add"} & set(ops) and ops.count("MaxPool") == 1
+    maxpool = next(n for n in after.nodes if n.op == "MaxPool")
+    assert np.dtype(after.values[maxpool.inputs[0]].dtype) == np.dtype(activations)
+    got = cuvil.compile(model).run(feeds)["y"].astype(np.int32)
+    want = run_ort(model, feeds)["y"].astype(np.int32)
+    assert np.abs(got - want).max() <= 1
+    assert np.mean(got == want) >= 0.95
+
+
+def test_grouped_convs_stay_in_float():
+    model, feeds = qdq_conv_model(group=2)
+    fused, before, after = _fused(model)
+    assert "QLinearConv" not in [n.op for n in after.nodes] and "Conv" in [n.op for n in after.nodes]
+    got = cuvil.compile(model).run(feeds)["y"].astype(np.int32)
+    assert np.abs(got - run_ort(model, feeds, optimize=False)["y"].astype(np.int32)).max() <= 1

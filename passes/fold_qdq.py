@@ -10,11 +10,13 @@ node whose kernel multiplies the bytes (backends/numba_cpu/qgemm.py, AVX512-VNNI
     QDQ (quantize_static):
                        MatMul(DQ(xq, s_x, z_x), DQ(W, s_w, z_w)) [+ DQ(bias_i32)]  [-> Q(s_y, z_y)]
                        Gemm(DQ(xq), DQ(W), DQ(bias_i32), transB)                   [-> Q(s_y, z_y)]
-                       Q(Conv(DQ(xq), DQ(W), DQ(bias_i32)))  -> QLinearConv (2-D, group 1; its kernel is
-                       backends/numba_cpu/qconv.py)
+                       Q(Conv(DQ(xq), DQ(W), DQ(bias_i32)))  -> QLinearConv (group 1 or depthwise; its
+                       kernels are backends/numba_cpu/qconv.py)
     and the ops around them, so that integer tensors flow from one to the next:
                        Q(MaxPool(DQ(x))), same scale and zero point        -> MaxPool(x)
                        Q(DQ(a) + DQ(b)), equal shapes                      -> QLinearAdd (domain "cuvil")
+                       Q(Relu|Clip(DQ(x))), 8-bit x                        -> QLookup(x, table) (domain
+                       "cuvil"): y = table[x - min]; 256 entries computed at build time
 
     FusedMatMulInteger(A, B, a_zero, b_zero, a_scale, b_scale, bias, y_scale, y_zero)  (domain "cuvil")
         acc = sum_k (A - a_zero)(B - b_zero)                       int32, exact
@@ -179,10 +181,11 @@ def _qdq(graph: Graph, prod: Node, consumers, producers):
 
 
 def _qdq_conv(graph: Graph, conv: Node, consumers, producers):
-    """Q(Conv(DQ(x), DQ(W), DQ(bias_i32))) -> QLinearConv (2-D, group 1: the convolutions with an
-    integer kernel; depthwise and grouped ones stay in float)."""
-    if conv.op != "Conv" or conv.domain or int(conv.attr("group", 1)) != 1:
+    """Q(Conv(DQ(x), DQ(W), DQ(bias_i32))) -> QLinearConv (group 1, or depthwise: the convolutions
+    with an integer kernel; other grouped ones stay in float)."""
+    if conv.op != "Conv" or conv.domain:
         return None
+    group = int(conv.attr("group", 1))
     dqx, dqw = producers.get(conv.inputs[0]), producers.get(conv.inputs[1])
     if dqx is None or dqw is None or dqx.op != "DequantizeLinear" or dqw.op != "DequantizeLinear" or dqx.domain \
             or dqw.domain:
@@ -198,6 +201,8 @@ def _qdq_conv(graph: Graph, conv: Node, consumers, producers):
             or (zx and _const(graph, zx) is None):
         return None
     OC = w.shape[0]
+    if group != 1 and not (group == OC == graph.values[X].shape[1] and w.shape[1] == 1):
+        return None   # grouped convs other than depthwise stay in float
     mult = np.float32(np.asarray(_const(graph, sx), np.float32).reshape(-1)[0]) * np.asarray(_const(graph, sw), np.float32).reshape(-1)
     bias = ""
     if _input(conv, 2):
@@ -279,6 +284,50 @@ def _qdq_add(graph: Graph, add: Node, consumers, producers):
     return [add, q], inputs, q, ("QLinearAdd", "cuvil", {})
 
 
+def _clip_bounds(graph: Graph, node: Node):
+    """(lo, hi) of a Relu or a Clip with constant bounds, else None."""
+    if node.domain or node.op not in ("Relu", "Clip"):
+        return None
+    if node.op == "Relu":
+        return 0.0, np.inf
+    if len(node.inputs) > 1:   # opset 11+: bounds are inputs
+        lo, hi = (_const(graph, _input(node, i)) for i in (1, 2))
+        if (_input(node, 1) and lo is None) or (_input(node, 2) and hi is None):
+            return None
+        return (float(lo) if lo is not None else -np.inf), (float(hi) if hi is not None else np.inf)
+    return float(node.attr("min", -np.inf)), float(node.attr("max", np.inf))
+
+
+def _qdq_lookup(graph: Graph, node: Node, consumers, producers):
+    """Q(Relu|Clip(DQ(x))) of 8-bit x -> QLookup(x, table): 256 inputs, so the whole chain is a table
+    computed at build time with onnxruntime's arithmetic (cuvil/evaluate.py)."""
+    from cuvil.evaluate import evaluate_exact
+    bounds = _clip_bounds(graph, node)
+    if bounds is None:
+        return None
+    dq, q = producers.get(node.inputs[0]), only_reader(graph, consumers, node.outputs[0])
+    if dq is None or dq.op != "DequantizeLinear" or dq.domain or q is None or q.op != "QuantizeLinear" or q.domain:
+        return None
+    x = _input(dq, 0)
+    params = [_const(graph, _input(d, i)) for d in (dq, q) for i in (1, 2)]
+    if any(p is None or p.size != 1 for p in params) or not _input(q, 2):
+        return None
+    dtype = np.dtype(graph.values[x].dtype)
+    if dtype.name not in ("uint8", "int8") or np.dtype(graph.values[q.outputs[0]].dtype).name not in ("uint8", "int8"):
+        return None
+    info = np.iinfo(dtype)
+    values = np.arange(info.min, info.max + 1).astype(dtype)
+    real = evaluate_exact("DequantizeLinear", "", [values, params[0], params[1]], {})
+    if real is None:
+        return None
+    clipped = np.clip(real[0], np.float32(bounds[0]), np.float32(bounds[1])).astype(real[0].dtype)
+    table = evaluate_exact("QuantizeLinear", "", [clipped, params[2], params[3]], {})
+    if table is None:
+        return None
+    name = add_constant(graph, f"{node.name}_table", np.ascontiguousarray(table[0]))
+    return [node, q], [x, name], q, ("QLookup", "cuvil", {})
+
+
 def fold_qdq(graph: Graph) -> Graph:
     consumers, producers = graph.consumers(), graph.producers()
     result = graph.copy()
@@ -286,7 +335,7 @@ def fold_qdq(graph: Graph) -> Graph:
     for node in graph.nodes:
         plan = _dynamic(result, node, consumers, producers) or _qdq(result, node, consumers, producers) \
             or _qdq_conv(result, node, consumers, producers) or _qdq_maxpool(result, node, consumers, producers) \
-            or _qdq_add(result, node, consumers, producers)
+            or _qdq_add(result, node, consumers, producers) or _qdq_lookup(result, node, consumers, producers)
         if plan is None or any(n.name in claimed for n in plan[0]):
             continue
         claimed.update(n.name for n in plan[0])

@@ -177,3 +177,27 @@ def test_qlinear_conv_is_onnxruntimes(case):
     feeds = {"x": ints(xs, dtype, 5)}
     assert _int8_kernels(model), "the VNNI kernel was not used"
     np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])
+
+
+DEPTHWISE = {
+    # name: (x shape, kernel, attrs, activations)
+    "3x3_pad": ((1, 8, 10, 12), 3, {"pads": [1, 1, 1, 1]}, U8),
+    "stride2_int8_batch2": ((2, 5, 9, 9), 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}, I8),
+    "5x5_small_plane": ((1, 16, 7, 7), 5, {"pads": [2, 2, 2, 2]}, U8),
+}
+
+
+@pytest.mark.parametrize("case", list(DEPTHWISE))
+def test_depthwise_qlinear_conv_is_onnxruntimes(case):
+    """Depthwise convs (no VNNI needed: int32 sums in vector lanes), bit-exact."""
+    xs, k, attrs, dtype = DEPTHWISE[case]
+    C = xs[1]
+    rng = np.random.default_rng(1)
+    inits = {"sx": np.array(0.02, F32), "zx": np.array(100 if dtype == U8 else -3, dtype), "w": ints((C, 1, k, k), I8, 1),
+             "sw": rng.uniform(0.001, 0.01, C).astype(F32), "zw": np.zeros(C, I8), "sy": np.array(0.1, F32),
+             "zy": np.array(90 if dtype == U8 else 4, dtype), "b": rng.integers(-2000, 2000, C).astype(np.int32)}
+    node = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], group=C, **attrs)
+    model = make_model([node], [("x", dtype, list(xs))], [("y", dtype, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, dtype, 5)}
+    assert "int8 (depthwise)" in [k.precision for k in explain_model(model, target="native").kernels]
+    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])

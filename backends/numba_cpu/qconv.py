@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
 from .ukernel_int8 import Int8ConvSpec
@@ -182,3 +183,92 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
             KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
                               masks, starts, y.name],
                        N * t_blocks * r_blocks, node.name, precision=label)]
+
+
+# ---------------------------------------------------------------- depthwise
+
+def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
+    """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
+    with z_x, then per (image, channel) plane one loop over each output row whose taps are unrolled,
+    int32 sums of w' (x - z_x) (w' = w - z_w) as sum w' x + (bias - z_x sum w'), requantised as
+    QLinearConv does. The row loop vectorises (16 int32 lanes); no VNNI needed."""
+    from .quant import _conv_pads
+    if len(x.shape) != 4 or not (w.is_const and sx.is_const and sw.is_const and sy.is_const
+                                 and (zx is None or zx.is_const) and (zw is None or zw.is_const)
+                                 and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
+        return None
+    N, C, H, W = x.shape
+    OC, cg, KH, KW = w.shape
+    if int(node.attr("group", 1)) != C or OC != C or cg != 1 or KH * KW > 49:
+        return None
+    if any(np.dtype(v.dtype).name != "float32" for v in (sx, sw, sy)) or sx.size != 1 or sy.size != 1:
+        return None
+    _, _, OH, OW = y.shape
+    strides, dil = list(node.attr("strides", [1, 1])), list(node.attr("dilations", [1, 1]))
+    pt, pl = _conv_pads(node, [H, W], [KH, KW], strides, dil, [OH, OW])
+    Hp = max(H + pt, (OH - 1) * strides[0] + (KH - 1) * dil[0] + 1)
+    Wp = max(W + pl, (OW - 1) * strides[1] + (KW - 1) * dil[1] + 1)
+    wdata = np.asarray(w.data).astype(np.int64).reshape(C, KH * KW)
+    if zw is not None:
+        wdata = wdata - np.asarray(zw.data).astype(np.int64).reshape(-1, 1)
+    zero_x = int(np.asarray(zx.data).reshape(-1)[0]) if zx is not None else 0
+    comp = -zero_x * wdata.sum(axis=1)
+    if bias is not None:
+        comp = comp + np.asarray(bias.data, np.int64).reshape(-1)
+    if np.abs(comp).max(initial=0) >= 2**31 or np.abs(wdata).max(initial=0) > 255:
+        return None
+    mult = ((np.asarray(sx.data, np.float32).reshape(-1)[0]
+             * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (C,))) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
+    x_dtype, y_dtype = np.dtype(x.dtype).name, np.dtype(y.dtype).name
+    lo, hi = (0, 255) if y_dtype == "uint8" else (-128, 127)
+    zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
+
+    from .scratch import scratch_value
+    # slack: the flat loop's last positions read up to s * OH * Wp + taps past a plane's start
+    slack = max(0, strides[0] * OH * Wp + (KH - 1) * dil[0] * Wp + (KW - 1) * dil[1] - Hp * Wp) + 64
+    padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), x.dtype, tag="dwpad")
+    pad = Source().line(kernel_header(2)).indent()
+    pad.line("for item in range(begin, end):").indent()
+    pad.line(f"for hh in range({Hp}):").indent()
+    pad.line(f"h = hh - {pt}")
+    pad.line(f"ob = (item * {Hp} + hh) * {Wp}")
+    pad.line(f"if h >= 0 and h < {H}:").indent()
+    pad.line(f"ib = (item * {H} + h) * {W}")
+    pad.line(f"for ww in range({Wp}):").indent()
+    pad.line(f"wv = ww - {pl}")
+    pad.line(f"p1[ob + ww] = p0[ib + wv] if wv >= 0 and wv < {W} else np.{x_dtype}({zero_x})").dedent().dedent()
+    pad.line("else:").indent()
+    pad.line(f"for ww in range({Wp}):").indent()
+    pad.line(f"p1[ob + ww] = np.{x_dtype}({zero_x})")
+    pad.dedent().dedent().dedent().dedent()
+    pad.line(f"if end == {N * C}:").indent()
+    pad.line(f"for i in range({slack}):").indent()
+    pad.line(f"p1[{N * C * Hp * Wp} + i] = np.{x_dtype}({zero_x})")
+    pad_kernel = Kernel("QDwPad", pad.text(), (x_dtype, x_dtype))
+
+    # Flat over each plane's padded grid: output position p = oh * Wp + ow reads x at s*p + tap offset
+    # (one loop of OH * Wp iterations that vectorises, where a row of 7 or 14 would not); the
+    # columns ow >= OW are computed and dropped when the rows are copied out.
+    flat = OH * Wp
+    sflat = scratch_value(graph, node, (N * C * flat,), y.dtype, tag="dwflat")
+    src = Source().line(NOALIAS_MARK).line(kernel_header(6)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"c = item % {C}")
+    src.line(f"xb = item * {Hp * Wp}").line(f"fb = item * {flat}").line(f"yb = item * {OH * OW}")
+    src.line("cz = p2[c]").line("m = p3[c]")
+    for t in range(KH * KW):
+        src.line(f"w{t} = np.int32(p1[c * {KH * KW} + {t}])")
+    src.line(f"for p in range({flat}):").indent()
+    src.line(f"i = xb + p * {strides[0]}")
+    terms = [f"w{kh * KW + kw} * np.int32(p0[i + {kh * dil[0] * Wp + kw * dil[1]}])" for kh in range(KH) for kw in range(KW)]
+    src.line("acc = cz + " + " + ".join(terms))
+    src.line(f"v = np.rint(np.float32(acc) * m) + np.float32({zero_y})")
+    src.line(f"p4[fb + p] = np.{y_dtype}(np.int32(min(max(v, np.float32({lo})), np.float32({hi}))))").dedent()
+    src.line(f"for oh in range({OH}):").indent()
+    src.line(f"for ow in range({OW}):").indent()
+    src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
+    conv = Kernel("QDwConv", src.text(), (x_dtype, "int32", "int32", "float32", y_dtype, y_dtype))
+    label = "int8 (depthwise)"
+    return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+            KernelCall(conv, [padded, wdata.astype(np.int32).reshape(-1), comp.astype(np.int32), mult, sflat, y.name],
+                       N * C, node.name, precision=label, n_outputs=2)]

@@ -565,7 +565,8 @@ def lower_qlinear_conv(node, graph) -> Lowered:
     _check(node, y, {"uint8", "int8"})
     for v in (sx, sw, sy):
         _check(node, v, {"float32", "float16"})
-    fast = qconv.lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y)
+    fast = qconv.lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) \
+        or qconv.lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y)
     if fast:
         return Lowered(fast)
 
@@ -667,3 +668,16 @@ def lower_qlinear_add(node, graph) -> Lowered:
     src.line(f"p2[i] = np.{np.dtype(y.dtype).name}(np.int32(min(max(r, np.float32({lo})), np.float32({hi}))))")
     kernel = Kernel("QLinearAdd", src.text(), (np.dtype(a.dtype).name, np.dtype(b.dtype).name, np.dtype(y.dtype).name))
     return Lowered([KernelCall(kernel, [a.name, b.name, y.name], y.size, node.name)])
+
+
+def lower_qlookup(node, graph) -> Lowered:
+    """QLookup(x, table) (domain "cuvil", passes/fold_qdq.py): y = table[x - min(x's dtype)], x 8-bit."""
+    x, table = (_input(node, graph, k) for k in range(2))
+    y = graph.values[node.outputs[0]]
+    _check(node, x, {"uint8", "int8"})
+    offset = 128 if np.dtype(x.dtype).name == "int8" else 0
+    src = Source().line(kernel_header(3)).indent()
+    src.line("for i in range(begin, end):").indent()
+    src.line(f"p2[i] = p1[np.int32(p0[i]) + {offset}]")
+    kernel = Kernel("QLookup", src.text(), (np.dtype(x.dtype).name, np.dtype(table.dtype).name, np.dtype(y.dtype).name))
+    return Lowered([KernelCall(kernel, [x.name, np.ascontiguousarray(table.data), y.name], y.size, node.name)])

@@ -197,3 +197,19 @@ def test_grouped_convs_stay_in_float():
     assert "QLinearConv" not in [n.op for n in after.nodes] and "Conv" in [n.op for n in after.nodes]
     got = cuvil.compile(model).run(feeds)["y"].astype(np.int32)
     assert np.abs(got - run_ort(model, feeds, optimize=False)["y"].astype(np.int32)).max() <= 1
+
+
+@pytest.mark.parametrize("op", ["Relu", "Clip"])
+def test_quantised_activation_becomes_a_table(op):
+    """Q(Relu|Clip(DQ(x))) with other output parameters: 256 inputs, a build-time table of
+    onnxruntime's own arithmetic (cuvil/evaluate.py), so the bytes equal its float path's."""
+    inits = {"s": np.array(0.05, F32), "z": np.array(120, U8), "s2": np.array(0.03, F32), "z2": np.array(7, U8),
+             "lo": np.array(-0.5, F32), "hi": np.array(2.0, F32)}
+    act = helper.make_node("Clip", ["xq_f", "lo", "hi"], ["a"]) if op == "Clip" else helper.make_node("Relu", ["xq_f"], ["a"])
+    nodes = [_dq("xq", "s", "z"), act, _q("a", "s2", "z2", "y")]
+    model = make_model(nodes, [("xq", U8, [4, 64])], [("y", U8, None)], initializers=inits, opset=13)
+    fused, before, after = _fused(model)
+    ops = [n.op for n in after.nodes]   # the DequantizeLinear, now unread, is eliminate_dead's
+    assert "QLookup" in ops and not {op, "QuantizeLinear"} & set(ops)
+    feeds = {"xq": np.arange(256, dtype=U8).reshape(4, 64)}
+    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds, optimize=False)["y"])

@@ -213,3 +213,25 @@ def test_quantised_activation_becomes_a_table(op):
     assert "QLookup" in ops and not {op, "QuantizeLinear"} & set(ops)
     feeds = {"xq": np.arange(256, dtype=U8).reshape(4, 64)}
     np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds, optimize=False)["y"])
+
+
+def test_check_names_the_quantised_ops_that_stay_in_float(tmp_path, capsys):
+    """`cuvil check` lists, per target, each quantised op not on an int8 kernel and what it runs as:
+    a grouped (not depthwise) QDQ Conv stays float32 between its DequantizeLinear and
+    QuantizeLinear; on a target without VNNI the integer products are exact scalar loops."""
+    from cuvil.cli import main
+    model, _ = qdq_conv_model(group=2)
+    (tmp_path / "grouped.onnx").write_bytes(model.SerializeToString())
+    dense, _ = qdq_model()
+    (tmp_path / "dense.onnx").write_bytes(dense.SerializeToString())
+    (tmp_path / "cuvil.yaml").write_text(
+        "version: 1\nmodels:\n"
+        "  - name: grouped\n    source: grouped.onnx\n    inputs: {xq: [1, 8, 9, 9]}\n"
+        "  - name: dense\n    source: dense.onnx\n    inputs: {xq: [6, 32]}\n    targets: [native, x86_64-avx512]\n")
+    assert main(["check", "-f", str(tmp_path / "cuvil.yaml")]) == 0
+    out = capsys.readouterr().out
+    grouped, dense_part = out.split("\ndense")
+    assert "not int8: node" in grouped and "(DequantizeLinear): its readers (Conv) run in float32" in grouped
+    native, generic = dense_part.split("x86_64-avx512:")
+    assert "not int8" not in native
+    assert "(FusedMatMulInteger): no int8 kernel for it on this target" in generic

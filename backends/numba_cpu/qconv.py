@@ -37,32 +37,46 @@ MR, NR = 6, 64   # output channels x pixels of a micro-tile (24 int32 accumulato
 def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
                     Cq: int, zero: int, slack: int) -> tuple[Kernel, int]:
     """x [N, C, H, W] -> [N, s*s phases, Cq quads, Hps, Wps, 4] uint8 (+ `slack` bytes of zero point
-    at the end, which tiles read past the last row). One work item per (image, phase, quad)."""
-    read = "np.uint8(p0[src])" if x_dtype == "uint8" else "np.uint8(np.int32(p0[src]) + 128)"
+    at the end, which tiles read past the last row). One work item per (image, phase, quad); each
+    row's valid columns are one loop storing the quad's 4 bytes together (an interleaved store
+    LLVM vectorises), the padding around them filled apart."""
+    def read(expr):
+        return f"np.uint8({expr})" if x_dtype == "uint8" else f"np.uint8(np.int32({expr}) + 128)"
     plane = Hps * Wps * 4
     total = N * s * s * Cq * plane
-    src = Source().line(kernel_header(2)).indent()
+    HW = H * W
+    z = f"np.uint8({zero})"
+    src = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"q = item % {Cq}").line(f"ph = (item // {Cq}) % {s * s}").line(f"n = item // {Cq * s * s}")
     src.line(f"a = ph // {s}").line(f"b = ph % {s}")
     src.line(f"dst = item * {plane}")
+    # valid columns: 0 <= ww*s + b - pl < W
+    src.line(f"wlo = min(max(0, ({pl} - b + {s - 1}) // {s}), {Wps})")
+    src.line(f"whi = max(min({Wps}, ({W} + {pl} - b + {s - 1}) // {s}), wlo)")
     src.line(f"for hh in range({Hps}):").indent()
     src.line(f"h = hh * {s} + a - {pt}")
-    src.line(f"for ww in range({Wps}):").indent()
-    src.line(f"w = ww * {s} + b - {pl}")
-    src.line("o = dst + (hh * " + str(Wps) + " + ww) * 4")
+    src.line(f"o = dst + hh * {Wps * 4}")
+    src.line(f"if h < 0 or h >= {H}:").indent()
+    src.line(f"for i in range({Wps * 4}):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line("continue").dedent()
+    src.line("for i in range(wlo * 4):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line(f"for i in range(whi * 4, {Wps * 4}):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line(f"sb = ((n * {C} + q * 4) * {H} + h) * {W} + b - {pl}")
+    src.line(f"if q * 4 + 4 <= {C}:").indent()
+    src.line("for ww in range(wlo, whi):").indent()
+    src.line(f"i = sb + ww * {s}").line("d = o + ww * 4")
+    for c4 in range(4):
+        src.line(f"p1[d + {c4}] = {read(f'p0[i + {c4 * HW}]')}")
+    src.dedent().dedent().line("else:").indent()
     src.line("for c4 in range(4):").indent()
-    src.line("c = q * 4 + c4")
-    src.line(f"if c < {C} and h >= 0 and h < {H} and w >= 0 and w < {W}:").indent()
-    src.line(f"src = ((n * {C} + c) * {H} + h) * {W} + w")
-    src.line(f"p1[o + c4] = {read}").dedent()
-    src.line("else:").indent()
-    src.line(f"p1[o + c4] = np.uint8({zero})")
+    src.line(f"for ww in range(wlo, whi):").indent()
+    src.line(f"p1[o + ww * 4 + c4] = {read(f'p0[sb + c4 * {HW} + ww * {s}]')} if q * 4 + c4 < {C} else {z}")
     src.dedent().dedent().dedent().dedent().dedent()
     if slack:
-        src.line("if end == " + str(N * s * s * Cq) + ":").indent()
+        src.line(f"if end == {N * s * s * Cq}:").indent()
         src.line(f"for i in range({slack}):").indent()
-        src.line(f"p1[{total} + i] = np.uint8({zero})")
+        src.line(f"p1[{total} + i] = {z}")
     return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
 
 

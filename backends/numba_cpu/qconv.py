@@ -31,7 +31,13 @@ from .ukernel_int8 import Int8ConvSpec
 MIN_SPLIT_OPS = 1 << 21
 
 
-MR, NR = 6, 64   # output channels x pixels of a micro-tile (24 int32 accumulators)
+TILES = ((6, 64), (12, 32), (24, 16))   # output channels x pixels of a micro-tile: 24 int32 accumulators
+
+
+def choose_tile(OC: int, flat: int) -> tuple[int, int]:
+    """The tile computing the fewest lanes for OC channels over `flat` grid positions (a 14x14 output
+    on a 16-wide grid: 224 positions, 7 tiles of 32 rather than 4 of 64); ties keep the wider tile."""
+    return min(TILES, key=lambda t: (-(-OC // t[0]) * t[0] * -(-flat // t[1]) * t[1], -t[1]))
 
 
 def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
@@ -118,6 +124,7 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
     # not an output): a 7x7 output computes 64 lanes for 49 pixels, not 7 of every 16. The mask of
     # each tile's valid lanes and the output offset of its first are build-time tables.
     flat = OH * Wps
+    MR, NR = choose_tile(OC, flat)
     chunks = -(-flat // NR)
     pos = np.arange(chunks * NR).reshape(chunks, NR)
     valid = (pos < flat) & (pos % Wps < OW)

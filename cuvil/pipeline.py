@@ -326,8 +326,11 @@ def quantised_fallbacks(planned) -> list[str]:
     lines = []
     for node in graph.nodes:
         if node.op in INTEGER_PRODUCTS and not any(label.startswith("int8") for label in labels.get(node.name, ())):
+            float_form = any(label.startswith("float32") for label in labels.get(node.name, ()))
             lines.append(f"node '{node.name}' ({node.op}): no int8 kernel for it on this target (AVX512-VNNI, "
-                         f"constant weights and scales); runs as exact scalar integer loops")
+                         f"constant weights and scales); runs as "
+                         + ("float32 in its QDQ form (dequantise, float conv, quantise)" if float_form
+                            else "exact scalar integer loops"))
         elif node.op == "DequantizeLinear" and node.outputs[0] not in graph.outputs \
                 and not graph.values[node.inputs[0]].is_const:
             readers = sorted({n.op for n in consumers.get(node.outputs[0], [])})

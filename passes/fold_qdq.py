@@ -11,7 +11,8 @@ node whose kernel multiplies the bytes (backends/numba_cpu/qgemm.py, AVX512-VNNI
                        MatMul(DQ(xq, s_x, z_x), DQ(W, s_w, z_w)) [+ DQ(bias_i32)]  [-> Q(s_y, z_y)]
                        Gemm(DQ(xq), DQ(W), DQ(bias_i32), transB)                   [-> Q(s_y, z_y)]
                        Q(Conv(DQ(xq), DQ(W), DQ(bias_i32)))  -> QLinearConv (group 1 or depthwise; its
-                       kernels are backends/numba_cpu/qconv.py)
+                       kernels are backends/numba_cpu/qconv.py; attribute fallback = "float": a
+                       target without them runs the float QDQ form, not the scalar integer loops)
     and the ops around them, so that integer tensors flow from one to the next:
                        Q(MaxPool(DQ(x))), same scale and zero point        -> MaxPool(x)
                        Q(DQ(a) + DQ(b)), equal shapes                      -> QLinearAdd (domain "cuvil")
@@ -227,6 +228,8 @@ def _qdq_conv(graph: Graph, conv: Node, consumers, producers):
     if not zw:
         zw = add_constant(graph, f"{conv.name}_wz", np.zeros((), w.dtype))
     attrs = {k: v for k, v in conv.attrs.items() if k in ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")}
+    # where the target has no int8 kernel for it, compute it as the QDQ graph did (qconv.py), not exactly
+    attrs["fallback"] = "float"
     return [conv, q], [X, sx, zx, W, sw, zw, sy, zy] + ([bias] if bias else []), q, ("QLinearConv", "", attrs)
 
 

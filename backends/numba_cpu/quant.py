@@ -566,7 +566,8 @@ def lower_qlinear_conv(node, graph) -> Lowered:
     for v in (sx, sw, sy):
         _check(node, v, {"float32", "float16"})
     fast = qconv.lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) \
-        or qconv.lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y)
+        or qconv.lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) \
+        or qconv.lower_qlinear_conv_float(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y)
     if fast:
         return Lowered(fast)
 

@@ -235,3 +235,15 @@ def test_check_names_the_quantised_ops_that_stay_in_float(tmp_path, capsys):
     native, generic = dense_part.split("x86_64-avx512:")
     assert "not int8" not in native
     assert "(FusedMatMulInteger): no int8 kernel for it on this target" in generic
+
+
+def test_a_folded_conv_on_a_target_without_vnni_runs_its_qdq_form_in_float():
+    """x86_64-avx512 (Skylake-X, no VNNI): the QLinearConv fold_qdq made computes as the QDQ graph
+    did, on the float conv kernels, so it matches onnxruntime's float path (within a step: float32
+    sums in another order) and is not the slow scalar integer loops."""
+    from cuvil.explain import explain_model
+    model, feeds = qdq_conv_model()
+    labels = [k.precision for k in explain_model(model, target="x86_64-avx512").kernels]
+    assert any(label.startswith("float32 (the QDQ form") for label in labels)
+    got = cuvil.compile(model, target="x86_64-avx512").run(feeds)["y"].astype(np.int32)
+    assert np.abs(got - run_ort(model, feeds, optimize=False)["y"].astype(np.int32)).max() <= 1

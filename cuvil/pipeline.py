@@ -82,7 +82,7 @@ def import_any(source, input_shapes: dict):
 
 # Passes whose rewrites only the CPU backend lowers (x86 kernels for the fused or transformed
 # ops they make): a GPU target's default pass list leaves them out.
-CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block")
+CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block", "fold_qdq")
 
 
 # A bf16/fp16 build leaves the winograd pass out of the opt level's list (an explicit `passes:`
@@ -316,3 +316,38 @@ def lowering_problems(graph, gpu: bool = False) -> list[str]:
         if problem:
             problems.append(f"node '{node.name}' ({node.op}): {problem}")
     return problems
+
+
+# Quantised ops and what cuvil runs them with (`cuvil check` names every one that is not integer).
+INTEGER_PRODUCTS = ("MatMulInteger", "QLinearMatMul", "ConvInteger", "QLinearConv", "FusedMatMulInteger")
+
+
+def quantised_fallbacks(planned) -> list[str]:
+    """One line per quantised op of a lowered graph that does not run on an int8 kernel, and what it
+    runs as instead: an integer product the target or its operands give no int8 kernel (exact
+    scalar loops), or float32 ops between a DequantizeLinear and a QuantizeLinear that
+    passes/fold_qdq.py could not make integer (they compute in float32, as onnxruntime's
+    unoptimised graph does). A DequantizeLinear writing a graph output is the model's boundary,
+    not a fallback."""
+    graph = planned.graph
+    labels: dict[str, set] = {}
+    for call in planned.calls:
+        labels.setdefault(call.node, set()).add(call.precision or "")
+    consumers = graph.consumers()
+    lines = []
+    for node in graph.nodes:
+        if node.op in INTEGER_PRODUCTS and not any(label.startswith("int8") for label in labels.get(node.name, ())):
+            float_form = any(label.startswith("float32") for label in labels.get(node.name, ()))
+            lines.append(f"node '{node.name}' ({node.op}): no int8 kernel for it on this target (AVX512-VNNI, "
+                         f"constant weights and scales); runs as "
+                         + ("float32 in its QDQ form (dequantise, float conv, quantise)" if float_form
+                            else "exact scalar integer loops"))
+        elif node.op == "DequantizeLinear" and node.outputs[0] not in graph.outputs \
+                and not graph.values[node.inputs[0]].is_const:
+            readers = sorted({n.op for n in consumers.get(node.outputs[0], [])})
+            lines.append(f"node '{node.name}' (DequantizeLinear): its readers ({', '.join(readers)}) run in float32 "
+                         f"on the dequantised tensor (not folded into an integer op)")
+        elif node.op == "DynamicQuantizeLinear" and not any(
+                n.op in ("FusedMatMulInteger", "MatMulInteger") for n in consumers.get(node.outputs[0], [])):
+            lines.append(f"node '{node.name}' (DynamicQuantizeLinear): quantises for ops that run in float32")
+    return lines

@@ -75,6 +75,9 @@ GENERATORS = {
     "QLinearMatMul": quant.lower_qlinear_matmul,
     "ConvInteger": quant.lower_conv_integer,
     "QLinearConv": quant.lower_qlinear_conv,
+    "FusedMatMulInteger": quant.lower_fused_matmul_integer,   # domain "cuvil" (passes/fold_qdq.py)
+    "QLinearAdd": quant.lower_qlinear_add,                     # domain "cuvil" (passes/fold_qdq.py)
+    "QLookup": quant.lower_qlookup,                            # domain "cuvil" (passes/fold_qdq.py)
     # elementwise ops with attributes (elementwise.py)
     "Elu": ew.lower_elu,
     "Selu": ew.lower_selu,

@@ -56,11 +56,13 @@ def export_onnx(source, input_shapes: dict) -> bytes:
 def has_kernel(domain: str, op: str) -> bool:
     """Whether cuvil compiles the op as it is; the import expands the others into
     their ONNX function bodies where they have one (frontends/expand.py)."""
-    from backends.numba_cpu.registry import GENERATORS
+    from backends.numba_cpu.registry import DOMAIN_GENERATORS, GENERATORS
 
     from .ops import FUSED_DOMAIN, FUSED_OPS
     if domain == FUSED_DOMAIN:
         return op in FUSED_OPS
+    if (domain, op) in DOMAIN_GENERATORS:
+        return True
     return domain in ("", "ai.onnx") and op in GENERATORS
 
 
@@ -277,7 +279,7 @@ def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects
 def lowering_problems(graph, gpu: bool = False) -> list[str]:
     """One line per node that cannot be lowered to kernels (lowering only writes kernel source,
     so this is cheap), naming the node, its op and why; for the GPU targets' kernels with `gpu`."""
-    from backends.numba_cpu.registry import GENERATORS
+    from backends.numba_cpu.registry import generator_for
     if gpu:
         from backends.numba_cuda.registry import gpu_problem
         problems = []
@@ -297,7 +299,7 @@ def lowering_problems(graph, gpu: bool = False) -> list[str]:
                        else f"op {node.domain}::{node.op} is outside the default ONNX domain")
         else:
             try:
-                GENERATORS[node.op](node, graph)
+                generator_for(node)(node, graph)
             except NotImplementedError:
                 problem = f"the kernel generator for {node.op} is not written yet"
             except UnsupportedOpError as error:  # an attribute or dtype the generator does not cover

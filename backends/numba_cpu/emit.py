@@ -15,9 +15,12 @@ from backends.schedule import Kernel
 from backends.targets import CpuTarget, init_llvm
 
 from .ukernel import specs_in, ukernel_ir
+from .nbits import kinds as nbits_kinds, nbits_ir
 from .ukernel_lowp import kinds as lowp_kinds, ukernel_lowp_ir
 
-LOWP_KINDS = lowp_kinds()   # the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py)
+# the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py) and the
+# packed-weight products (nbits.py)
+LOWP_KINDS = {**lowp_kinds(), **nbits_kinds()}
 
 def _numba_types(arg_types):
     import numba
@@ -153,7 +156,8 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     ir = re.sub(r"^(attributes #\d+ = \{.*?)\bnoinline\b", r"\1 nounwind", ir, flags=re.M)
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source, LOWP_KINDS).items()):
-        generate = ukernel_lowp_ir if getattr(spec, "kind", "") in LOWP_KINDS else ukernel_ir
+        kind = getattr(spec, "kind", "")
+        generate = nbits_ir if kind in nbits_kinds() else ukernel_lowp_ir if kind in LOWP_KINDS else ukernel_ir
         module.link_in(llvm.parse_assembly(generate(spec, target.vector_bits)))
     helpers = 0
     for fn in module.functions:

@@ -1,0 +1,386 @@
+"""MatMulNBits (com.microsoft; cuvil/nbits.py): weight-only 4-bit / 8-bit products with float32 activations.
+
+    Y[m, n] = sum_b scale[n, b] * sum_{k in block b} A[m, k] * (q[n, k] - zp[n, b])   (+ bias[n])
+
+At batch 1 a decoder's products are memory-bound: the point is to read 4 bits per weight. The codes
+stay packed in the library (repacked at build time, not widened) and a micro-kernel written as
+LLVM vector IR (NBitsSpec) unpacks them in registers:
+
+- Layout (built here, per group of NC = 16 V output columns; K padded to whole blocks):
+  4 bits: w[g][kp][j] = q[g NC + j, 2kp] | q[g NC + j, 2kp + 1] << 4, one byte per column per k pair,
+  so 16 bytes are the two k of a pair for 16 columns (llama.cpp's Q4 puts 32 k of one column in
+  16 bytes, which needs a horizontal sum per block; here the lanes are columns, as in MLAS's
+  SQNBitGemm column panels, and nothing is reduced across lanes). 8 bits: w[g][k][j] = q[., k].
+  scales s[g][b][j] (float32, or float16 when every scale is exactly a float16: 2 bytes instead of
+  4); zero points z[g][b][j] (one uint8 code, or float32), or a compile-time constant when absent.
+- Kernel: per block, 16 bytes -> zext to 16 x i32 -> `and 15` / `lshr 4` -> minus the zero point ->
+  sitofp -> `llvm.fma` with A(m, k) broadcast, into block accumulators (two per vector at one row,
+  for even and odd k, so two FMA chains run at once); at the block's end y = fma(scale, acc, y).
+  The bias joins at the end; columns past N are masked off the stores.
+
+Rounding (the oracle's tolerance, tests/test_nbits.py): (q - zp) is exact; each block sum of
+products rounds once per term, then once for the scale and once joining y. onnxruntime's float32
+path (accuracy_level 0/1) instead dequantises w = fl((q - zp) * scale) and accumulates K FMAs, so
+both are within gamma(K + K/block + 2) * sum_k |A(m, k)| |W(k, n)| of the exact value
+(gamma(n) = n u / (1 - n u), u = 2^-24), the difference within twice that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from backends.targets import has_feature
+from cuvil import nbits as form
+from cuvil.errors import UnsupportedOpError
+
+from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
+from .lowp import column_masks, typed_declaration
+from .ukernel import Declared, IRBuilder
+
+LANES = 16                 # columns per vector (the IR is written in 16 lanes; LLVM splits it on AVX2)
+MAX_ROWS = 4               # rows of A per tile
+
+
+@dataclass(frozen=True)
+class NBitsSpec(Declared):
+    """A tile of `mr` rows x 16 V columns of Y over the whole K (see the module docstring).
+
+    Signature: i32 name(ptr x, i64 xoff, ptr w, i64 woff, ptr s, i64 soff, ptr z, i64 zoff,
+                        ptr bias, i64 boff, ptr out, i64 ooff, i64 mask)
+    x rows at x[xoff + i*K + k]; out rows at out[ooff + i*N + j], masked by bit j of `mask`."""
+    mr: int
+    V: int
+    K: int
+    N: int
+    bits: int
+    block: int
+    zp: str = "const"       # "const" (zp_const) | "u8" (z codes) | "f32" (z floats)
+    zp_const: int = 8
+    scale: str = "f32"      # "f32" | "f16"
+    bias: int = 0
+    split: int = 0          # 1: separate accumulators for even and odd k
+    kind: str = "nbits"
+    _ARGS: ClassVar[str] = "pipipipipipii"
+
+    def _stem(self) -> str:
+        return f"cuvil_nbits{self.bits}_{self.mr}x{16 * self.V}"
+
+    def declaration(self, var: str) -> str:
+        return typed_declaration(self, var, {2: "uint8", 4: "uint16" if self.scale == "f16" else "float32",
+                                             6: "uint8" if self.zp == "u8" else "float32"})
+
+
+def kinds() -> dict:
+    return {"nbits": lambda d: NBitsSpec(**d)}
+
+
+def _splat_f(ir: IRBuilder, scalar: str) -> str:
+    v0, v = ir.tmp("xi"), ir.tmp("xs")
+    ir(f"{v0} = insertelement <16 x float> poison, float {scalar}, i64 0")
+    ir(f"{v} = shufflevector <16 x float> {v0}, <16 x float> poison, <16 x i32> zeroinitializer")
+    return v
+
+
+def _splat_i(value: int) -> str:
+    return "<" + ", ".join([f"i32 {value}"] * LANES) + ">"
+
+
+def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
+    """The micro-kernel's module (one function named spec.name)."""
+    vt, it = "<16 x float>", "<16 x i32>"
+    NC = LANES * spec.V
+    pair_bytes = NC * spec.bits // 4          # bytes of one k pair of one column group
+    n_blocks = -(-spec.K // spec.block)
+    full_pairs, tail_pairs = spec.block // 2, (spec.K % spec.block) // 2
+    halves = (0, 1) if spec.split else (0, 0)
+    rows, vecs = range(spec.mr), range(spec.V)
+    zero = "zeroinitializer"
+    ir = IRBuilder()
+    rename = {}
+    ir.label("entry")
+    ir("%xb = getelementptr float, ptr %x, i64 %xoff")
+    ir("%wb = getelementptr i8, ptr %w, i64 %woff")
+    ir(f"%sb = getelementptr {'i16' if spec.scale == 'f16' else 'float'}, ptr %s, i64 %soff")
+    ir(f"%zb = getelementptr {'float' if spec.zp == 'f32' else 'i8'}, ptr %z, i64 %zoff")
+    ir("%ob = getelementptr float, ptr %out, i64 %ooff")
+    ir("%bb = getelementptr float, ptr %bias, i64 %boff")
+    masks = column_masks(ir, spec.V, LANES)
+    ir("br label %bh")
+
+    # -- block loop header: y accumulators carried over blocks
+    ir.label("bh")
+    ir(f"%b = phi i64 [ 0, %entry ], [ %bn, %be ]")
+    for i in rows:
+        for v in vecs:
+            ir(f"%y{i}_{v} = phi {vt} [ {zero}, %entry ], [ %yn{i}_{v}, %be ]")
+    zpv = {}
+    for v in vecs:
+        if spec.zp == "const":
+            zpv[v] = _splat_i(spec.zp_const)
+            continue
+        off = ir.tmp("zo")
+        ir(f"{off} = mul i64 %b, {NC}")
+        p = ir.tmp("zp")
+        if spec.zp == "u8":
+            ir(f"{p} = getelementptr i8, ptr %zb, i64 {off}")
+            ir(f"{p}v = getelementptr i8, ptr {p}, i64 {v * LANES}")
+            raw = ir.tmp("zr")
+            ir(f"{raw} = load <16 x i8>, ptr {p}v, align 1")
+            zpv[v] = ir.tmp("zv")
+            ir(f"{zpv[v]} = zext <16 x i8> {raw} to {it}")
+        else:
+            ir(f"{p} = getelementptr float, ptr %zb, i64 {off}")
+            ir(f"{p}v = getelementptr float, ptr {p}, i64 {v * LANES}")
+            zpv[v] = ir.tmp("zv")
+            ir(f"{zpv[v]} = load {vt}, ptr {p}v, align 4")
+    if tail_pairs:
+        ir(f"%last = icmp eq i64 %b, {n_blocks - 1}")
+        ir(f"%np = select i1 %last, i64 {tail_pairs}, i64 {full_pairs}")
+    else:
+        ir(f"%np = add i64 0, {full_pairs}")
+    ir(f"%kbase = mul i64 %b, {full_pairs}")
+    ir("br label %kl")
+
+    # -- k-pair loop: block accumulators
+    ir.label("kl")
+    ir("%j = phi i64 [ 0, %bh ], [ %jn, %kl ]")
+    for i in rows:
+        for v in vecs:
+            for h in sorted(set(halves)):
+                ir(f"%a{i}_{v}_{h} = phi {vt} [ {zero}, %bh ], [ %an{i}_{v}_{h}, %kl ]")
+    ir("%kp = add i64 %kbase, %j")
+    ir(f"%wo = mul i64 %kp, {pair_bytes}")
+    ir("%k0 = shl i64 %kp, 1")
+    xs = {}
+    for i in rows:
+        for h in (0, 1):
+            p, x = ir.tmp("xp"), ir.tmp("x")
+            ir(f"{p} = getelementptr float, ptr %xb, i64 {i * spec.K + h}")
+            ir(f"{p}k = getelementptr float, ptr {p}, i64 %k0")
+            ir(f"{x} = load float, ptr {p}k, align 4")
+            xs[i, h] = _splat_f(ir, x)
+    cur = {(i, v, h): f"%a{i}_{v}_{h}" for i in rows for v in vecs for h in set(halves)}
+    for v in vecs:
+        codes = []
+        loads = [(v * LANES, None)] if spec.bits == 4 else [(v * LANES, 0), (NC + v * LANES, 1)]
+        for off, _ in loads:
+            p, raw, wide = ir.tmp("wp"), ir.tmp("wr"), ir.tmp("ww")
+            ir(f"{p} = getelementptr i8, ptr %wb, i64 %wo")
+            ir(f"{p}v = getelementptr i8, ptr {p}, i64 {off}")
+            ir(f"{raw} = load <16 x i8>, ptr {p}v, align 1")
+            ir(f"{wide} = zext <16 x i8> {raw} to {it}")
+            if spec.bits == 4:
+                lo, hi = ir.tmp("lo"), ir.tmp("hi")
+                ir(f"{lo} = and {it} {wide}, {_splat_i(15)}")
+                ir(f"{hi} = lshr {it} {wide}, {_splat_i(4)}")
+                codes += [lo, hi]
+            else:
+                codes.append(wide)
+        for h, code in enumerate(codes):
+            f = ir.tmp("wf")
+            if spec.zp == "f32":
+                u = ir.tmp("wu")
+                ir(f"{u} = sitofp {it} {code} to {vt}")
+                ir(f"{f} = fsub {vt} {u}, {zpv[v]}")
+            else:
+                d = ir.tmp("wd")
+                ir(f"{d} = sub {it} {code}, {zpv[v]}")
+                ir(f"{f} = sitofp {it} {d} to {vt}")
+            for i in rows:
+                key = (i, v, halves[h])
+                out = ir.tmp("fm")
+                ir(f"{out} = call {vt} @llvm.fma.v16f32({vt} {xs[i, h]}, {vt} {f}, {vt} {cur[key]})")
+                cur[key] = out
+    for key, value in cur.items():
+        rename["%an{}_{}_{}".format(*key)] = value
+    ir("%jn = add i64 %j, 1")
+    ir("%jc = icmp ult i64 %jn, %np")
+    ir("br i1 %jc, label %kl, label %be")
+
+    # -- block end: y += scale * block sum
+    ir.label("be")
+    for v in vecs:
+        off = ir.tmp("so")
+        ir(f"{off} = mul i64 %b, {NC}")
+        p = ir.tmp("sp")
+        s = ir.tmp("sv")
+        if spec.scale == "f16":
+            ir(f"{p} = getelementptr i16, ptr %sb, i64 {off}")
+            ir(f"{p}v = getelementptr i16, ptr {p}, i64 {v * LANES}")
+            h = ir.tmp("sh")
+            ir(f"{h} = load <16 x half>, ptr {p}v, align 2")
+            ir(f"{s} = fpext <16 x half> {h} to {vt}")
+        else:
+            ir(f"{p} = getelementptr float, ptr %sb, i64 {off}")
+            ir(f"{p}v = getelementptr float, ptr {p}, i64 {v * LANES}")
+            ir(f"{s} = load {vt}, ptr {p}v, align 4")
+        for i in rows:
+            acc = cur[i, v, 0]
+            if spec.split:
+                acc = ir.tmp("ab")
+                ir(f"{acc} = fadd {vt} {cur[i, v, 0]}, {cur[i, v, 1]}")
+            y = ir.tmp("y")
+            ir(f"{y} = call {vt} @llvm.fma.v16f32({vt} {s}, {vt} {acc}, {vt} %y{i}_{v})")
+            rename[f"%yn{i}_{v}"] = y
+    ir("%bn = add i64 %b, 1")
+    ir(f"%bc = icmp ult i64 %bn, {n_blocks}")
+    ir("br i1 %bc, label %bh, label %done")
+
+    # -- bias, masked stores
+    ir.label("done")
+    for v in vecs:
+        bias = None
+        if spec.bias:
+            p = ir.tmp("bp")
+            bias = ir.tmp("bv")
+            ir(f"{p} = getelementptr float, ptr %bb, i64 {v * LANES}")
+            ir(f"{bias} = load {vt}, ptr {p}, align 4")
+        for i in rows:
+            y = f"%yn{i}_{v}"
+            if bias:
+                t = ir.tmp("yb")
+                ir(f"{t} = fadd {vt} {y}, {bias}")
+                y = t
+            p = ir.tmp("op")
+            ir(f"{p} = getelementptr float, ptr %ob, i64 {i * spec.N + v * LANES}")
+            ir(f"call void @llvm.masked.store.v16f32.p0({vt} {y}, ptr align 4 {p}, <16 x i1> {masks[v]})")
+    ir("ret i32 0")
+
+    body = "\n".join(ir.lines)
+    import re
+    for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
+        body = re.sub(re.escape(old) + r"\b", new, body)
+    head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, ptr noalias %w, i64 %woff, ptr noalias %s, "
+            "i64 %soff, ptr noalias %z, i64 %zoff, ptr noalias %bias, i64 %boff, ptr noalias %out, i64 %ooff, "
+            "i64 %mask) #0 {")
+    decls = ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
+             "declare void @llvm.masked.store.v16f32.p0(<16 x float>, ptr, <16 x i1>)"]
+    return head + "\n" + body + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+# -- build-time packing --------------------------------------------------------------------------
+
+def _f16_exact(scales: np.ndarray) -> bool:
+    """Whether every scale is a float16 value (the library may then keep them in 2 bytes)."""
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(scales.astype(np.float16).astype(np.float32), scales))
+
+
+def pack(weight: form.NBitsWeight, V: int, f16_scales: bool) -> dict:
+    """The kernel's arrays for a weight: w, s, z (or None), bias (or None), by column group of 16 V."""
+    NC = LANES * V
+    N, K, block = weight.N, weight.K, weight.block_size
+    groups = -(-N // NC)
+    n_pad, k_pad = groups * NC, weight.k_blocks * block
+    zp = weight.zero_points
+    q = np.zeros((n_pad, k_pad), np.uint8)
+    q[:N, :K] = weight.q
+    if zp is not None and zp.dtype == np.uint8:
+        # k past K (the last block's padding) holds the zero point: (q - zp) is 0 there
+        q[:N, K:] = zp[:, -1:]
+    elif zp is None:
+        q[:N, K:] = form.default_zero_point(weight.bits)
+    qg = q.reshape(groups, NC, k_pad)                                 # [g, j, k]
+    if weight.bits == 4:
+        w = (qg[:, :, 0::2] | (qg[:, :, 1::2] << 4)).transpose(0, 2, 1)   # [g, kp, j]
+    else:
+        w = qg.transpose(0, 2, 1)                                     # [g, k, j]
+
+    def by_group(a, dtype):   # [N, k_blocks] -> [g, b, j]
+        out = np.zeros((n_pad, weight.k_blocks), dtype)
+        out[:N] = a
+        return np.ascontiguousarray(out.reshape(groups, NC, -1).transpose(0, 2, 1))
+
+    scales = by_group(weight.scales, np.float32)
+    s = scales.astype(np.float16).view(np.uint16) if f16_scales else scales
+    z = None if zp is None else by_group(zp, zp.dtype)
+    bias = None
+    if weight.bias is not None:
+        bias = np.zeros(n_pad, np.float32)
+        bias[:N] = weight.bias
+    return {"w": np.ascontiguousarray(w), "s": np.ascontiguousarray(s), "z": z, "bias": bias}
+
+
+def tile_shape(M: int) -> tuple[int, int]:
+    """(rows, 16-column vectors) of the tile: one row, 64 columns with split accumulators for a
+    GEMV; up to 4 rows x 32 columns otherwise (accumulators and y: 2 * 4 * 2 = 16 vectors)."""
+    return (1, 4) if M == 1 else (min(M, MAX_ROWS), 2)
+
+
+def lower_matmul_nbits(node, graph) -> Lowered:
+    form.check(node, graph.values)
+    weight = form.decode(node, graph.values)
+    a = graph.values[node.inputs[0]]
+    K, N = weight.K, weight.N
+    if K % 2:
+        raise UnsupportedOpError(f"node '{node.name}' ({form.DOMAIN}::{form.OP}): K={K} is odd",
+                                 hint="the kernel reads k in pairs; pad K to an even size")
+    M = int(np.prod(a.shape[:-1], dtype=np.int64)) if len(a.shape) > 1 else 1
+    mr, V = tile_shape(M)
+    NC = LANES * V
+    target = lowering_target()
+    f16 = _f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
+    arrays = pack(weight, V, f16)
+    zp_kind = "const" if weight.zero_points is None else ("u8" if weight.zero_points.dtype == np.uint8 else "f32")
+    base = dict(V=V, K=K, N=N, bits=weight.bits, block=weight.block_size, zp=zp_kind,
+                zp_const=form.default_zero_point(weight.bits), scale="f16" if f16 else "f32",
+                bias=int(weight.bias is not None), split=int(mr == 1))
+    groups = -(-N // NC)
+    row_tiles, full_tiles = -(-M // mr), M // mr
+    w_group = arrays["w"][0].size
+    s_group = weight.k_blocks * NC
+    specs = {"uk": NBitsSpec(mr=mr, **base)}
+    if full_tiles < row_tiles:
+        specs["uk_tail"] = NBitsSpec(mr=M % mr, **{**base, "split": int(M % mr == 1)})
+    last_cols = N - (groups - 1) * NC
+    full_mask, last_mask = (1 << NC) - 1, (1 << last_cols) - 1
+
+    def as_i64(mask):
+        return mask - (1 << 64) if mask >= 1 << 63 else mask
+
+    args = [node.inputs[0], arrays["w"], arrays["s"]]
+    types = ["float32", "uint8", "uint16" if f16 else "float32"]
+    z_arg = b_arg = "p0"
+    if arrays["z"] is not None:
+        z_arg = f"p{len(args)}"
+        args.append(arrays["z"])
+        types.append(arrays["z"].dtype.name)
+    if arrays["bias"] is not None:
+        b_arg = f"p{len(args)}"
+        args.append(arrays["bias"])
+        types.append("float32")
+    out = f"p{len(args)}"
+    args.append(node.outputs[0])
+    types.append("float32")
+
+    src = Source()
+    for var, spec in sorted(specs.items()):
+        for line in spec.declaration(var).splitlines():
+            src.line(line)
+    src.line(kernel_header(len(args))).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"g = item // {row_tiles}")
+    src.line(f"r = item - g * {row_tiles}")
+    if groups > 1:
+        src.line(f"mask = np.int64({as_i64(full_mask)}) if g < {groups - 1} else np.int64({as_i64(last_mask)})")
+    else:
+        src.line(f"mask = np.int64({as_i64(last_mask)})")
+
+    def call(var):
+        src.line(f"{var}(p0, r * {mr * K}, p1, g * {w_group}, p2, g * {s_group}, {z_arg}, "
+                 f"{'g * ' + str(s_group) if arrays['z'] is not None else '0'}, {b_arg}, "
+                 f"{'g * ' + str(NC) if arrays['bias'] is not None else '0'}, {out}, r * {mr * N} + g * {NC}, mask)")
+
+    if full_tiles == row_tiles:
+        call("uk")
+    else:
+        src.line(f"if r < {full_tiles}:").indent()
+        call("uk")
+        src.dedent().line("else:").indent()
+        call("uk_tail")
+        src.dedent()
+    kernel = Kernel("matmulnbits", src.text(), tuple(types), self_sized=True)
+    label = f"int{weight.bits} weights, block {weight.block_size}" + (", f16 scales" if f16 else "")
+    return Lowered([KernelCall(kernel, args, groups * row_tiles, node.name, precision=label)])

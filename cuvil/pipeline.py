@@ -23,8 +23,11 @@ from pathlib import Path
 from .errors import CuvilError, UnsupportedOpError
 
 # What the compiler computes in today; config.PRECISIONS are the values cuvil.yaml may name.
-# bf16 and fp16: the weight products compute in that precision (passes/assign_precision.py).
-PRECISIONS_SUPPORTED = ("fp32", "bf16", "fp16")
+# bf16 and fp16: the weight products compute in that precision (passes/assign_precision.py);
+# int4: weight-only, the weight matrices quantised to 4 bits by group (passes/quantize_weights.py).
+PRECISIONS_SUPPORTED = ("fp32", "bf16", "fp16", "int4")
+# Weight-only precisions: the pass that quantises the weights runs first, with these bits.
+WEIGHT_ONLY_BITS = {"int4": 4}
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth")
 
@@ -90,14 +93,18 @@ CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block")
 def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
               precision: str = "fp32", gpu: bool = False) -> tuple[list[str], dict]:
     """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
-    precision adds assign_precision at the end, with the precision among its options; a GPU
-    target leaves out CPU_ONLY_PASSES."""
+    precision adds assign_precision at the end, with the precision among its options (a weight-only
+    one, int4, adds quantize_weights first instead); a GPU target leaves out CPU_ONLY_PASSES."""
     from passes import resolve_pass_options, resolve_passes
     names = resolve_passes(opt_level, passes, disable_passes)
     if gpu:
         names = [n for n in names if n not in CPU_ONLY_PASSES]
     options = dict(pass_options or {})
-    if precision != "fp32" and "assign_precision" not in names:
+    if precision in WEIGHT_ONLY_BITS:
+        if "quantize_weights" not in names:
+            names.insert(0, "quantize_weights")
+        options["quantize_weights"] = {**options.get("quantize_weights", {}), "bits": WEIGHT_ONLY_BITS[precision]}
+    elif precision != "fp32" and "assign_precision" not in names:
         names.append("assign_precision")
     if "assign_precision" in names:
         options["assign_precision"] = {**options.get("assign_precision", {}), "precision": precision}

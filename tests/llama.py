@@ -113,7 +113,9 @@ def quantize(model: onnx.ModelProto, block_size=32, symmetric=True, bits=4) -> o
     """The model as onnxruntime's MatMulNBitsQuantizer writes it (every MatMul with a constant weight
     -> com.microsoft MatMulNBits)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)        # the quantizer rewrites the model it is given
+    quant = MatMulNBitsQuantizer(copy, bits=bits, block_size=block_size, is_symmetric=symmetric)
     quant.process()
     return quant.model.model
 

@@ -6,7 +6,8 @@ At batch 1 a decoder's products are memory-bound: the point is to read 4 bits pe
 stay packed in the library (repacked at build time, not widened) and a micro-kernel written as
 LLVM vector IR (NBitsSpec) unpacks them in registers:
 
-- Layout (built here, per group of NC = 16 V output columns; K padded to whole blocks):
+- Layout (built here, per group of NC = 16 V output columns, the last group only as wide as its
+  16-column vectors; K padded to whole blocks):
   4 bits: w[g][kp][j] = q[g NC + j, 2kp] | q[g NC + j, 2kp + 1] << 4, one byte per column per k pair,
   so 16 bytes are the two k of a pair for 16 columns (llama.cpp's Q4 puts 32 k of one column in
   16 bytes, which needs a horizontal sum per block; here the lanes are columns, as in MLAS's
@@ -268,39 +269,45 @@ def _f16_exact(scales: np.ndarray) -> bool:
         return bool(np.array_equal(scales.astype(np.float16).astype(np.float32), scales))
 
 
-def pack(weight: form.NBitsWeight, V: int, f16_scales: bool) -> dict:
-    """The kernel's arrays for a weight: w, s, z (or None), bias (or None), by column group of 16 V."""
+def group_widths(N: int, V: int) -> list[int]:
+    """Columns of each column group: 16 V, the last one only as wide as the 16-column vectors it needs."""
     NC = LANES * V
+    full, rest = divmod(N, NC)
+    return [NC] * full + ([-(-rest // LANES) * LANES] if rest else [])
+
+
+def pack(weight: form.NBitsWeight, V: int, f16_scales: bool) -> dict:
+    """The kernel's arrays for a weight, group after group (group_widths): w, s, z (or None),
+    bias (or None). Columns past N (to a multiple of 16) have zero codes and scales."""
     N, K, block = weight.N, weight.K, weight.block_size
-    groups = -(-N // NC)
-    n_pad, k_pad = groups * NC, weight.k_blocks * block
+    widths = group_widths(N, V)
+    n_pad, k_pad = sum(widths), weight.k_blocks * block
     zp = weight.zero_points
     q = np.zeros((n_pad, k_pad), np.uint8)
     q[:N, :K] = weight.q
-    if zp is not None and zp.dtype == np.uint8:
-        # k past K (the last block's padding) holds the zero point: (q - zp) is 0 there
-        q[:N, K:] = zp[:, -1:]
-    elif zp is None:
-        q[:N, K:] = form.default_zero_point(weight.bits)
-    qg = q.reshape(groups, NC, k_pad)                                 # [g, j, k]
-    if weight.bits == 4:
-        w = (qg[:, :, 0::2] | (qg[:, :, 1::2] << 4)).transpose(0, 2, 1)   # [g, kp, j]
-    else:
-        w = qg.transpose(0, 2, 1)                                     # [g, k, j]
+    starts = np.cumsum([0] + widths[:-1])
 
-    def by_group(a, dtype):   # [N, k_blocks] -> [g, b, j]
+    def by_group(a, dtype):   # [n_pad, rows] -> the groups' [rows, width] blocks, one after the other
+        return np.concatenate([a[s:s + w].T.reshape(-1) for s, w in zip(starts, widths)]).astype(dtype)
+
+    if weight.bits == 4:
+        w = by_group(q[:, 0::2] | (q[:, 1::2] << 4), np.uint8)      # [g][kp][j]
+    else:
+        w = by_group(q, np.uint8)                                   # [g][k][j]
+
+    def per_block(a, dtype):
         out = np.zeros((n_pad, weight.k_blocks), dtype)
         out[:N] = a
-        return np.ascontiguousarray(out.reshape(groups, NC, -1).transpose(0, 2, 1))
+        return by_group(out, dtype)
 
-    scales = by_group(weight.scales, np.float32)
+    scales = per_block(weight.scales, np.float32)
     s = scales.astype(np.float16).view(np.uint16) if f16_scales else scales
-    z = None if zp is None else by_group(zp, zp.dtype)
+    z = None if zp is None else per_block(zp, zp.dtype)
     bias = None
     if weight.bias is not None:
         bias = np.zeros(n_pad, np.float32)
         bias[:N] = weight.bias
-    return {"w": np.ascontiguousarray(w), "s": np.ascontiguousarray(s), "z": z, "bias": bias}
+    return {"w": w, "s": s, "z": z, "bias": bias}
 
 
 def tile_shape(M: int) -> tuple[int, int]:
@@ -324,18 +331,21 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     f16 = _f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
     arrays = pack(weight, V, f16)
     zp_kind = "const" if weight.zero_points is None else ("u8" if weight.zero_points.dtype == np.uint8 else "f32")
-    base = dict(V=V, K=K, N=N, bits=weight.bits, block=weight.block_size, zp=zp_kind,
+    base = dict(K=K, N=N, bits=weight.bits, block=weight.block_size, zp=zp_kind,
                 zp_const=form.default_zero_point(weight.bits), scale="f16" if f16 else "f32",
-                bias=int(weight.bias is not None), split=int(mr == 1))
-    groups = -(-N // NC)
+                bias=int(weight.bias is not None))
+    widths = group_widths(N, V)
+    groups = len(widths)
     row_tiles, full_tiles = -(-M // mr), M // mr
-    w_group = arrays["w"][0].size
-    s_group = weight.k_blocks * NC
-    specs = {"uk": NBitsSpec(mr=mr, **base)}
-    if full_tiles < row_tiles:
-        specs["uk_tail"] = NBitsSpec(mr=M % mr, **{**base, "split": int(M % mr == 1)})
+    k_pad = weight.k_blocks * weight.block_size
+    w_per_col = k_pad * weight.bits // 8            # bytes of codes per column
+    s_per_col = weight.k_blocks                     # scales (and zero points) per column
+    # (kernel variable, columns, rows) -> spec: full groups and the last, full row tiles and the tail
+    specs = {}
+    for cols in sorted(set(widths)):
+        for rows in sorted({mr, M % mr} - {0}):
+            specs[cols, rows] = (f"uk_{cols}_{rows}", NBitsSpec(mr=rows, V=cols // LANES, split=int(rows == 1), **base))
     last_cols = N - (groups - 1) * NC
-    full_mask, last_mask = (1 << NC) - 1, (1 << last_cols) - 1
 
     def as_i64(mask):
         return mask - (1 << 64) if mask >= 1 << 63 else mask
@@ -356,31 +366,42 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     types.append("float32")
 
     src = Source()
-    for var, spec in sorted(specs.items()):
+    for var, spec in sorted(specs.values()):
         for line in spec.declaration(var).splitlines():
             src.line(line)
     src.line(kernel_header(len(args))).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"g = item // {row_tiles}")
     src.line(f"r = item - g * {row_tiles}")
+    # group g starts at column g * NC (the last group too: every earlier one is full)
+    z_off = f"g * {s_per_col * NC}" if arrays["z"] is not None else "0"
+    b_off = f"g * {NC}" if arrays["bias"] is not None else "0"
+
+    def call(cols, rows, mask):
+        var = specs[cols, rows][0]
+        src.line(f"{var}(p0, r * {mr * K}, p1, g * {w_per_col * NC}, p2, g * {s_per_col * NC}, {z_arg}, {z_off}, "
+                 f"{b_arg}, {b_off}, {out}, r * {mr * N} + g * {NC}, np.int64({as_i64(mask)}))")
+
+    def rows_split(cols, mask):
+        if full_tiles == row_tiles:
+            call(cols, mr, mask)
+        elif full_tiles == 0:
+            call(cols, M % mr, mask)
+        else:
+            src.line(f"if r < {full_tiles}:").indent()
+            call(cols, mr, mask)
+            src.dedent().line("else:").indent()
+            call(cols, M % mr, mask)
+            src.dedent()
+
     if groups > 1:
-        src.line(f"mask = np.int64({as_i64(full_mask)}) if g < {groups - 1} else np.int64({as_i64(last_mask)})")
-    else:
-        src.line(f"mask = np.int64({as_i64(last_mask)})")
-
-    def call(var):
-        src.line(f"{var}(p0, r * {mr * K}, p1, g * {w_group}, p2, g * {s_group}, {z_arg}, "
-                 f"{'g * ' + str(s_group) if arrays['z'] is not None else '0'}, {b_arg}, "
-                 f"{'g * ' + str(NC) if arrays['bias'] is not None else '0'}, {out}, r * {mr * N} + g * {NC}, mask)")
-
-    if full_tiles == row_tiles:
-        call("uk")
-    else:
-        src.line(f"if r < {full_tiles}:").indent()
-        call("uk")
+        src.line(f"if g < {groups - 1}:").indent()
+        rows_split(NC, (1 << NC) - 1)
         src.dedent().line("else:").indent()
-        call("uk_tail")
+        rows_split(widths[-1], (1 << last_cols) - 1)
         src.dedent()
+    else:
+        rows_split(widths[-1], (1 << last_cols) - 1)
     kernel = Kernel("matmulnbits", src.text(), tuple(types), self_sized=True)
     label = f"int{weight.bits} weights, block {weight.block_size}" + (", f16 scales" if f16 else "")
     return Lowered([KernelCall(kernel, args, groups * row_tiles, node.name, precision=label)])

@@ -10,6 +10,11 @@ adds it to the column's sum (one per block), then adds the bias (one): within ga
 * (sum_k |a_k| |W_k| + |bias|). The two differ by at most the sum of the bounds, which the tests
 assert element by element (every product is exact in float64, so the float64 reference bound is
 itself exact up to 2^-53 terms, far below u).
+
+4-bit codes with zero points of their own, on AVX-512 targets: the kernel reads q - 8 from a table
+and corrects each block's sum by (zp - 8) * sum_k a_k (backends/numba_cpu/nbits.py), so its terms
+are bounded by |a_k| (|q_k - 8| + |zp - 8|) scale instead of |a_k| |W_k|: the bound uses that larger
+magnitude for those weights (at most 16 scale |a_k| a term, against |q - zp| scale <= 15 scale).
 """
 from __future__ import annotations
 
@@ -67,7 +72,14 @@ def nbits_model(K, N, a_shape, bits=4, block=32, zp=None, bias=False, seed=0, f1
 def error_bound(x, weight) -> np.ndarray:
     """The derived bound on |cuvil - onnxruntime| per output element (module docstring)."""
     K = weight.K
-    magnitude = np.abs(x.reshape(-1, K).astype(np.float64)) @ np.abs(weight.dequantize())
+    terms = np.abs(weight.dequantize())
+    if weight.bits == 4 and weight.zero_points is not None and weight.zero_points.dtype == np.uint8:
+        blocks = np.arange(K) // weight.block_size
+        centre = nbits.default_zero_point(4)
+        terms = ((np.abs(weight.q.astype(np.float64) - centre)
+                  + np.abs(weight.zero_points.astype(np.float64) - centre)[:, blocks])
+                 * np.abs(weight.scales.astype(np.float64))[:, blocks]).T
+    magnitude = np.abs(x.reshape(-1, K).astype(np.float64)) @ terms
     if weight.bias is not None:
         magnitude = magnitude + np.abs(weight.bias.astype(np.float64))
     ours, theirs = gamma(K + K // weight.block_size + 4), gamma(K + 1)
@@ -198,3 +210,11 @@ def test_check_reports_nothing_for_a_compilable_node():
     model, _ = nbits_model(64, 16, (1, 64))
     graph = pipeline.import_model(model, {})
     assert pipeline.lowering_problems(graph) == []
+
+
+@pytest.mark.parametrize("zp", [None, "u8"])
+def test_avx2_target_unpacks_without_the_table(zp):
+    # x86_64-avx2 has no vpermps over 16 floats: codes are masked, shifted, minus the zero point, converted
+    K, N = 192, 40
+    model, weight = nbits_model(K, N, (1, K), zp=zp, bias=True)
+    check_against_ort(model, weight, (1, K), target="x86_64-avx2")

@@ -14,16 +14,24 @@ LLVM vector IR (NBitsSpec) unpacks them in registers:
   SQNBitGemm column panels, and nothing is reduced across lanes). 8 bits: w[g][k][j] = q[., k].
   scales s[g][b][j] (float32, or float16 when every scale is exactly a float16: 2 bytes instead of
   4); zero points z[g][b][j] (one uint8 code, or float32), or a compile-time constant when absent.
-- Kernel: per block, 16 bytes -> zext to 16 x i32 -> `and 15` / `lshr 4` -> minus the zero point ->
-  sitofp -> `llvm.fma` with A(m, k) broadcast, into block accumulators (two per vector at one row,
-  for even and odd k, so two FMA chains run at once); at the block's end y = fma(scale, acc, y).
-  The bias joins at the end; columns past N are masked off the stores.
+- Kernel: per block, 16 bytes -> zext to 16 x i32 -> codes -> floats -> `llvm.fma` with A(m, k)
+  broadcast, into block accumulators (two per vector at one row, for even and odd k, so two FMA
+  chains run at once); at the block's end y = fma(scale, acc, y). The bias joins at the end;
+  columns past N are masked off the stores. Codes to floats:
+  - 4 bits on AVX-512 (`lut`): `vpermps` from a 16-entry table of q - 8 reads the low nibble's
+    index as it is (it uses the low 4 bits) and the high one after `lshr 4`: 6 instructions per 32
+    weights instead of 9 (1.33x the weights per second, measured: 72 against 54 G/s on one Zen 4
+    core for 512 x 1408). Zero points of their own correct each block's sum:
+    sum_k a_k (q_k - 8) - (zp - 8) sum_k a_k (1.25x: 67 G/s).
+  - otherwise: `and 15` / `lshr 4`, minus the zero point in integers, `sitofp` (8 bits: no
+    unpacking); float zero points are subtracted after the conversion.
 
 Rounding (the oracle's tolerance, tests/test_nbits.py): (q - zp) is exact; each block sum of
 products rounds once per term, then once for the scale and once joining y. onnxruntime's float32
 path (accuracy_level 0/1) instead dequantises w = fl((q - zp) * scale) and accumulates K FMAs, so
-both are within gamma(K + K/block + 2) * sum_k |A(m, k)| |W(k, n)| of the exact value
-(gamma(n) = n u / (1 - n u), u = 2^-24), the difference within twice that.
+both are within gamma(K + K/block + 4) * sum_k |A(m, k)| |W(k, n)| of the exact value
+(gamma(n) = n u / (1 - n u), u = 2^-24), the difference within the sum of the two. With the table
+and zero points of their own the terms are |A(m, k)| (|q - 8| + |zp - 8|) scale instead.
 """
 from __future__ import annotations
 
@@ -62,6 +70,7 @@ class NBitsSpec(Declared):
     scale: str = "f32"      # "f32" | "f16"
     bias: int = 0
     split: int = 0          # 1: separate accumulators for even and odd k
+    lut: int = 0            # 1 (4 bits, AVX-512): codes to floats by `vpermps` from a 16-entry table
     kind: str = "nbits"
     _ARGS: ClassVar[str] = "pipipipipipii"
 
@@ -131,6 +140,11 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
             ir(f"{raw} = load <16 x i8>, ptr {p}v, align 1")
             zpv[v] = ir.tmp("zv")
             ir(f"{zpv[v]} = zext <16 x i8> {raw} to {it}")
+            if spec.lut:   # the table gives q - 8: the block's sum is corrected by (zp - 8) * sum(x)
+                zc, zf = ir.tmp("zc"), ir.tmp("zf")
+                ir(f"{zc} = sub {it} {zpv[v]}, {_splat_i(spec.zp_const)}")
+                ir(f"{zf} = sitofp {it} {zc} to {vt}")
+                zpv[v] = zf
         else:
             ir(f"{p} = getelementptr float, ptr %zb, i64 {off}")
             ir(f"{p}v = getelementptr float, ptr {p}, i64 {v * LANES}")
@@ -151,6 +165,10 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
         for v in vecs:
             for h in sorted(set(halves)):
                 ir(f"%a{i}_{v}_{h} = phi {vt} [ {zero}, %bh ], [ %an{i}_{v}_{h}, %kl ]")
+    x_sums = spec.lut and spec.zp == "u8"
+    if x_sums:
+        for i in rows:
+            ir(f"%xsum{i} = phi float [ 0.0, %bh ], [ %xsumn{i}, %kl ]")
     ir("%kp = add i64 %kbase, %j")
     ir(f"%wo = mul i64 %kp, {pair_bytes}")
     ir("%k0 = shl i64 %kp, 1")
@@ -162,7 +180,15 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
             ir(f"{p}k = getelementptr float, ptr {p}, i64 %k0")
             ir(f"{x} = load float, ptr {p}k, align 4")
             xs[i, h] = _splat_f(ir, x)
+            if x_sums:
+                total = ir.tmp("xt")
+                ir(f"{total} = fadd float {f'%xsum{i}' if h == 0 else prev}, {x}")
+                prev = total
+                if h == 1:
+                    rename[f"%xsumn{i}"] = total
     cur = {(i, v, h): f"%a{i}_{v}_{h}" for i in rows for v in vecs for h in set(halves)}
+    # lut: code -> q - 8 (the default zero point; zero points of their own correct the block's sum)
+    table = "<" + ", ".join(f"float {float(q - spec.zp_const)}" for q in range(16)) + ">"
     for v in vecs:
         codes = []
         loads = [(v * LANES, None)] if spec.bits == 4 else [(v * LANES, 0), (NC + v * LANES, 1)]
@@ -172,7 +198,11 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
             ir(f"{p}v = getelementptr i8, ptr {p}, i64 {off}")
             ir(f"{raw} = load <16 x i8>, ptr {p}v, align 1")
             ir(f"{wide} = zext <16 x i8> {raw} to {it}")
-            if spec.bits == 4:
+            if spec.lut:       # vpermps reads the low 4 bits of each index: no mask for the low nibble
+                hi = ir.tmp("hi")
+                ir(f"{hi} = lshr {it} {wide}, {_splat_i(4)}")
+                codes += [wide, hi]
+            elif spec.bits == 4:
                 lo, hi = ir.tmp("lo"), ir.tmp("hi")
                 ir(f"{lo} = and {it} {wide}, {_splat_i(15)}")
                 ir(f"{hi} = lshr {it} {wide}, {_splat_i(4)}")
@@ -181,7 +211,9 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
                 codes.append(wide)
         for h, code in enumerate(codes):
             f = ir.tmp("wf")
-            if spec.zp == "f32":
+            if spec.lut:
+                ir(f"{f} = call {vt} @llvm.x86.avx512.permvar.sf.512({vt} {table}, {it} {code})")
+            elif spec.zp == "f32":
                 u = ir.tmp("wu")
                 ir(f"{u} = sitofp {it} {code} to {vt}")
                 ir(f"{f} = fsub {vt} {u}, {zpv[v]}")
@@ -222,6 +254,11 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
             if spec.split:
                 acc = ir.tmp("ab")
                 ir(f"{acc} = fadd {vt} {cur[i, v, 0]}, {cur[i, v, 1]}")
+            if x_sums:     # sum x (q - 8) - (zp - 8) sum x
+                neg, t = ir.tmp("zn"), ir.tmp("ac")
+                ir(f"{neg} = fneg {vt} {zpv[v]}")
+                ir(f"{t} = call {vt} @llvm.fma.v16f32({vt} {neg}, {vt} {_splat_f(ir, f'%xsumn{i}')}, {vt} {acc})")
+                acc = t
             y = ir.tmp("y")
             ir(f"{y} = call {vt} @llvm.fma.v16f32({vt} {s}, {vt} {acc}, {vt} %y{i}_{v})")
             rename[f"%yn{i}_{v}"] = y
@@ -258,6 +295,8 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
             "i64 %mask) #0 {")
     decls = ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
              "declare void @llvm.masked.store.v16f32.p0(<16 x float>, ptr, <16 x i1>)"]
+    if spec.lut:
+        decls.append("declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)")
     return head + "\n" + body + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
@@ -331,7 +370,8 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     f16 = _f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
     arrays = pack(weight, V, f16)
     zp_kind = "const" if weight.zero_points is None else ("u8" if weight.zero_points.dtype == np.uint8 else "f32")
-    base = dict(K=K, N=N, bits=weight.bits, block=weight.block_size, zp=zp_kind,
+    lut = int(weight.bits == 4 and zp_kind != "f32" and target is not None and has_feature(target, "avx512f") and target.vector_bits >= 512)
+    base = dict(K=K, N=N, bits=weight.bits, lut=lut, block=weight.block_size, zp=zp_kind,
                 zp_const=form.default_zero_point(weight.bits), scale="f16" if f16 else "f32",
                 bias=int(weight.bias is not None))
     widths = group_widths(N, V)

@@ -3,6 +3,7 @@ tests/llama.py, each engine in its own process, one after the other, repeated `-
 
   cuvil int4 (file)   the MatMulNBits file onnxruntime's MatMulNBitsQuantizer writes (block 32,
                       symmetric or with zero points), built by cuvil: session_run timed in C
+                      (file_f16: its scales rounded to float16, `imported_scales: fp16`)
   onnxruntime int4    the same file (its MatMulNBits CPU kernel, accuracy_level unset: float32)
   cuvil int4 (own)    the float32 model built with precision int4 (passes/quantize_weights.py)
   cuvil fp32          the float32 model built by cuvil
@@ -62,18 +63,22 @@ def main(argv=None):
           f"{'zero points' if args.asymmetric else 'symmetric'}")
     results = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        builds = {"cuvil_int4_file": (paths["int4"], "fp32"), "cuvil_int4_own": (paths["fp32"], "int4"),
-                  "cuvil_fp32": (paths["fp32"], "fp32")}
+        f16 = {"quantize_weights": {"imported_scales": "fp16"}}
+        builds = {"cuvil_int4_file": (paths["int4"], "fp32", None),
+                  "cuvil_int4_file_f16": (paths["int4"], "int4", f16),
+                  "cuvil_int4_own": (paths["fp32"], "int4", None),
+                  "cuvil_fp32": (paths["fp32"], "fp32", None)}
         libs, info = {}, {}
-        for name, (path, precision) in builds.items():
+        for name, (path, precision, options) in builds.items():
             compiled = cuvil.compile(str(path), threads=threads, jobs=args.jobs, precision=precision,
+                                     pass_options=options,
                                      name=f"{name}_t{threads}")   # one name each: dlopen keeps one library per name
             out = work / f"{name}-t{threads}"
             compiled.save(out)
             libs[name] = out / compiled.artifacts.library.name
             info[name] = compiled.info
             got = compiled.run(feeds)["y"]
-            ref = llama_reference(quant if name == "cuvil_int4_file" else fp32, feeds)
+            ref = llama_reference(quant if name.startswith("cuvil_int4_file") else fp32, feeds)
             err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
             weights = compiled.info["memory"]["weights_bytes"]
             print(f"  {name} t{threads}: max|y - onnxruntime| / max|y| = {err:.2e}; weights {weights:,} bytes "
@@ -87,6 +92,7 @@ def main(argv=None):
         best = {k: timing.best_process_median(v) * 1e3 for k, v in processes.items()}
         row = {"threads": threads, **{f"{k}_ms": round(v, 4) for k, v in best.items()},
                "int4_file_vs_ort": best["cuvil_int4_file"] / best["ort_int4"],
+               "int4_file_f16_vs_ort": best["cuvil_int4_file_f16"] / best["ort_int4"],
                "int4_own_vs_cuvil_fp32": best["cuvil_int4_own"] / best["cuvil_fp32"],
                "round_medians_ms": {k: [round(float(np.median(t)) * 1e3, 4) for t in v] for k, v in processes.items()},
                "weights_bytes_per_param": {k: info[k]["memory"]["weights_bytes"] / params for k in builds}}

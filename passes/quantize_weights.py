@@ -22,6 +22,8 @@ Rewrites (each only with a constant float32 2-D weight whose K is even):
     MatMul(A, W) -> Add(., c), c constant [N]    -> MatMulNBits(A, ..., bias=c)    (the Add's output)
     Gemm(A, B, C) with transA=0, C of N values   -> MatMulNBits(A, ..., bias=beta*C), W = alpha*op(B)
 Not rewritten: weights computed at run time, batched (3-D) weights, nodes named in `keep_fp32`.
+MatMulNBits nodes the model already has keep their codes; `imported_scales: fp16` rounds their
+float32 scales to float16 (stored in 2 bytes; each weight moves by at most 2^-11 of itself).
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ class Options(BaseModel):
     group_size: Literal[16, 32, 64, 128, 256] = 32
     symmetric: bool = True
     keep_fp32: list[str] = []       # node names (or op types) left in float32
+    # "fp16": the float32 scales of MatMulNBits nodes the model already has (an imported quantised
+    # file) are rounded to float16, which the library then stores in 2 bytes (4.5 bits per weight at
+    # block 32 instead of 5): each weight changes by at most 2^-11 of itself. "keep": as the file has them.
+    imported_scales: Literal["keep", "fp16"] = "keep"
 
 
 def _f16_safe(w: np.ndarray, bits: int, group: int) -> bool:
@@ -107,8 +113,40 @@ def _candidate(graph: Graph, node: Node, consumers: dict):
     return w, bias, last, replaced
 
 
+def _round_imported_scales(graph: Graph) -> Graph:
+    """The graph with every MatMulNBits node's float32 scales rounded to float16 (nodes whose scales
+    fall outside float16's normal range keep theirs)."""
+    out = None
+    for node in graph.nodes:
+        if node.domain != nbits.DOMAIN or node.op != nbits.OP or len(node.inputs) < 3:
+            continue
+        scales = graph.values[node.inputs[2]]
+        if not scales.is_const or np.dtype(scales.dtype) != np.float32:
+            continue
+        data = np.asarray(scales.data, np.float32)
+        magnitude = np.abs(data[data != 0])
+        if magnitude.size and (magnitude.min() < 2.0 ** -14 or magnitude.max() > 65504):
+            continue
+        rounded = data.astype(np.float16).astype(np.float32)
+        if np.array_equal(rounded, data):
+            continue
+        out = out or graph.copy()
+        name = out.unique_name(f"{node.inputs[2]}_fp16")
+        out.values[name] = Value(name, np.dtype(np.float32), tuple(data.shape), rounded)
+        target = next(n for n in out.nodes if n.name == node.name)
+        target.inputs[2] = name
+    if out is None:
+        return graph
+    used = {i for n in out.nodes for i in n.inputs if i} | set(out.outputs)
+    for name in [v.name for v in out.values.values() if v.is_const and v.name not in used]:
+        del out.values[name]
+    return out
+
+
 def quantize_weights(graph: Graph, options: Options | None = None) -> Graph:
     options = options or Options()
+    if options.imported_scales == "fp16":
+        graph = _round_imported_scales(graph)
     consumers = graph.consumers()
     plan = {}
     for node in graph.nodes:

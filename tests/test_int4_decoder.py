@@ -46,16 +46,20 @@ def _close(got: dict, want: dict):
         assert err / scale <= TOL, f"{name}: {err:.3g} / {scale:.3g}"
 
 
-def _file_case(config, symmetric):
+def _file_case(config, symmetric, fp16_scales=False):
     model = llama.quantize(llama.export(**config), block_size=32, symmetric=symmetric)
     assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 7 * config["layers"]
     feeds = llama.inputs(**config)
-    compiled = cuvil.compile(model, jobs=2, name=f"decoder_{'sym' if symmetric else 'zp'}")
+    options = {"precision": "int4", "pass_options": {"quantize_weights": {"imported_scales": "fp16"}}} \
+        if fp16_scales else {}
+    compiled = cuvil.compile(model, jobs=2, name=f"decoder_{'sym' if symmetric else 'zp'}{'_f16' * fp16_scales}",
+                             **options)
     _close(compiled.run(feeds), run_ort(model, feeds))
     params = llama.product_params(model)
     weights = compiled.info["memory"]["weights_bytes"]
-    # 4 bits per weight, a float32 scale (as the file has it) and a zero-point code per 32
-    per_weight = 0.5 + 4 / 32 + (0 if symmetric else 1 / 32)
+    # 4 bits per weight, a float32 scale (as the file has it; float16 on request) and a zero-point
+    # code per 32
+    per_weight = 0.5 + (2 if fp16_scales else 4) / 32 + (0 if symmetric else 1 / 32)
     assert weights <= params * per_weight + _other_constant_bytes(model)
     return compiled
 
@@ -65,10 +69,24 @@ def test_onnxruntime_quantized_decoder_matches_onnxruntime(symmetric):
     _file_case(SMALL, symmetric)
 
 
+def test_onnxruntime_quantized_decoder_with_float16_scales():
+    # the file's scales rounded to float16 move each weight by at most 2^-11 of itself
+    # (tests/test_passes/test_quantize_weights.py bounds one product); the outputs stay within TOL
+    _file_case(SMALL, True, fp16_scales=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_onnxruntime_quantized_decoder_full_size(symmetric):
     _file_case(FULL, symmetric)
+
+
+@pytest.mark.slow
+def test_onnxruntime_quantized_decoder_full_size_float16_scales():
+    # the figure: <= 0.6 bytes per weight in the library for the MatMul4BitsQuantizer file
+    compiled = _file_case(FULL, True, fp16_scales=True)
+    model = llama.quantize(llama.export(**FULL), block_size=32, symmetric=True)
+    assert compiled.info["memory"]["weights_bytes"] <= 0.6 * llama.product_params(model)
 
 
 def _own_case(config, symmetric):

@@ -125,3 +125,27 @@ def test_precision_int4_builds_and_matches_onnxruntime_on_the_rewritten_graph(sy
     params = 128 * 64 + 64 * 24
     per_group = 2 + (0 if symmetric else 1)
     assert compiled.info["memory"]["weights_bytes"] <= params * (0.5 + per_group / group_size) + 6 * 64
+
+
+def test_imported_scales_rounded_to_float16_on_request():
+    """An imported MatMulNBits file with float32 scales: `imported_scales: fp16` stores them in 2
+    bytes; each weight moves by at most 2^-11 of itself (float16's unit roundoff), so the outputs
+    stay within the kernel bound plus 2^-11 sum |a||w| of onnxruntime on the file."""
+    from tests.test_nbits import nbits_model
+    K, N = 256, 96
+    model, weight = nbits_model(K, N, (1, K), zp="u8")
+    options = {"imported_scales": "fp16"}
+    graph, _ = import_onnx(model)
+    after = quantize_weights(graph, Options(**options))
+    rounded = nbits.decode(after.nodes[0], after.values).scales
+    assert not np.array_equal(rounded, weight.scales)
+    np.testing.assert_array_equal(rounded, weight.scales.astype(np.float16).astype(np.float32))
+    compiled = cuvil.compile(model, precision="int4", pass_options={"quantize_weights": options})
+    kept = cuvil.compile(model)
+    assert compiled.info["memory"]["weights_bytes"] <= K * N * (0.5 + 3 / 32) + 4 * 64
+    assert kept.info["memory"]["weights_bytes"] > K * N * (0.5 + 4 / 32)
+    x = rand(1, K, seed=5)
+    got, want = compiled.run({"A": x})["Y"], run_ort(model, {"A": x})["Y"]
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(weight.dequantize())
+    bound = error_bound(x, weight) * (1 + 2.0 ** -10) + 2.0 ** -11 * (1 + 2.0 ** -10) * magnitude
+    assert np.all(np.abs(got - want) <= bound)

@@ -15,8 +15,10 @@ Inputs (onnxruntime's contrib op spec, docs/ContribOperators.md):
 - scales: float32 [N, k_blocks] (or flat, N * k_blocks).
 - zero_points (optional): uint8 packed like B along the blocks ([N, ceil(k_blocks * bits / 8)]),
   or float32 [N, k_blocks]; absent: 2^(bits - 1) (8 for 4 bits, 128 for 8 bits).
-- g_idx (optional, deprecated in onnxruntime): int32 [K], the block of each k; only the plain
-  k // block_size is accepted (it changes nothing).
+- g_idx (optional, deprecated in onnxruntime): int32 [K], the group of each k (act-order, GPTQ):
+  W[k, n] = (q[n, k] - zp[n, g_idx[k]]) * scale[n, g_idx[k]]. Accepted when every group has
+  block_size members (the last one the rest), as act-order quantisers write it: the lowering then
+  permutes k so that groups are blocks again (and A's columns alike, at run time).
 - bias (optional): float32 [N].
 Attributes: K, N, bits (4 or 8 here), block_size (a power of two >= 16), accuracy_level (how
 onnxruntime may compute: 0/1 dequantise to float32; Cuvil always computes in float32).
@@ -51,6 +53,11 @@ class NBitsWeight:
     scales: np.ndarray
     zero_points: np.ndarray | None
     bias: np.ndarray | None
+    g_idx: np.ndarray | None = None     # [K] int: the group of each k; None: k // block_size
+
+    def groups(self) -> np.ndarray:
+        """The group of each k."""
+        return np.arange(self.K) // self.block_size if self.g_idx is None else self.g_idx.astype(np.int64)
 
     @property
     def k_blocks(self) -> int:
@@ -65,7 +72,7 @@ class NBitsWeight:
     def dequantize(self) -> np.ndarray:
         """W [K, N] in float64: (q - zp) * scale exactly (products of a small integer and a float32
         rounded once to float64 at most, for the test oracles and the accuracy reports)."""
-        blocks = np.arange(self.K) // self.block_size
+        blocks = self.groups()
         zp = self.zero_point_values()[:, blocks]
         return ((self.q.astype(np.float64) - zp) * self.scales.astype(np.float64)[:, blocks]).T
 
@@ -128,10 +135,12 @@ def check(node, values: dict) -> tuple[tuple[int, ...], np.dtype]:
             _fail(node, f"zero_points are {np.dtype(z.dtype).name}", hint="uint8 (packed) or float32 zero points")
     if inputs[4]:
         g = np.asarray(values[inputs[4]].data).reshape(-1)
-        if g.size != K or not np.array_equal(g.astype(np.int64), np.arange(K) // block):
-            _fail(node, "g_idx reorders the blocks (act-order)",
-                  hint="only g_idx = k // block_size is supported (onnxruntime deprecates g_idx); re-quantise "
-                       "without act-order")
+        want = np.bincount(np.arange(K) // block, minlength=k_blocks)
+        if g.size != K or np.dtype(g.dtype).kind not in "iu" or g.min() < 0 or g.max() >= k_blocks \
+                or not np.array_equal(np.bincount(g.astype(np.int64), minlength=k_blocks), want):
+            _fail(node, "g_idx does not give every group block_size members (the last one the rest)",
+                  hint="act-order g_idx (a permutation of k // block_size) is supported; other groupings are "
+                       "not (onnxruntime deprecates g_idx)")
     if inputs[5]:
         bias = values[inputs[5]]
         if np.dtype(bias.dtype) != np.float32 or bias.size != N:
@@ -175,7 +184,21 @@ def decode(node, values: dict) -> NBitsWeight:
         zp = (_unpack(z.reshape(N, -1), bits, k_blocks) if z.dtype == np.uint8
               else z.astype(np.float32).reshape(N, k_blocks))
     bias = np.asarray(values[inputs[5]].data, np.float32).reshape(N) if inputs[5] else None
-    return NBitsWeight(K, N, bits, block, q, scales, zp, bias)
+    g_idx = None
+    if inputs[4]:
+        g = np.asarray(values[inputs[4]].data).reshape(-1).astype(np.int64)
+        g_idx = None if np.array_equal(g, np.arange(K) // block) else g
+    return NBitsWeight(K, N, bits, block, q, scales, zp, bias, g_idx)
+
+
+def in_block_order(weight: NBitsWeight) -> tuple[NBitsWeight, np.ndarray | None]:
+    """An act-order weight with k permuted so that each group's k are one block, and the permutation
+    (A's column j of the result is A's column perm[j]); a weight without g_idx as it is, None."""
+    if weight.g_idx is None:
+        return weight, None
+    perm = np.argsort(weight.g_idx, kind="stable")
+    return NBitsWeight(weight.K, weight.N, weight.bits, weight.block_size, weight.q[:, perm], weight.scales,
+                       weight.zero_points, weight.bias), perm
 
 
 def encode(weight: NBitsWeight) -> dict:

@@ -46,6 +46,7 @@ from cuvil.errors import UnsupportedOpError
 
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
 from .lowp import column_masks, typed_declaration
+from .scratch import scratch_value
 from .ukernel import Declared, IRBuilder
 
 LANES = 16                 # columns per vector (the IR is written in 16 lanes; LLVM splits it on AVX2)
@@ -357,7 +358,7 @@ def tile_shape(M: int) -> tuple[int, int]:
 
 def lower_matmul_nbits(node, graph) -> Lowered:
     form.check(node, graph.values)
-    weight = form.decode(node, graph.values)
+    weight, perm = form.in_block_order(form.decode(node, graph.values))
     a = graph.values[node.inputs[0]]
     K, N = weight.K, weight.N
     if K % 2:
@@ -390,7 +391,16 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     def as_i64(mask):
         return mask - (1 << 64) if mask >= 1 << 63 else mask
 
-    args = [node.inputs[0], arrays["w"], arrays["s"]]
+    calls, a_name = [], node.inputs[0]
+    if perm is not None:   # act-order: A's columns in the permuted k order, into a scratch value
+        a_name = scratch_value(graph, node, (M, K), np.float32, tag="a_perm")
+        gather = Source().line(kernel_header(3)).indent()
+        gather.line("for m in range(begin, end):").indent()
+        gather.line(f"for j in range({K}):").indent()
+        gather.line(f"p2[m * {K} + j] = p0[m * {K} + p1[j]]")
+        calls.append(KernelCall(Kernel("matmulnbits_perm", gather.text(), ("float32", "int32", "float32")),
+                                [node.inputs[0], perm.astype(np.int32), a_name], M, node.name))
+    args = [a_name, arrays["w"], arrays["s"]]
     types = ["float32", "uint8", "uint16" if f16 else "float32"]
     z_arg = b_arg = "p0"
     if arrays["z"] is not None:
@@ -444,4 +454,4 @@ def lower_matmul_nbits(node, graph) -> Lowered:
         rows_split(widths[-1], (1 << last_cols) - 1)
     kernel = Kernel("matmulnbits", src.text(), tuple(types), self_sized=True)
     label = f"int{weight.bits} weights, block {weight.block_size}" + (", f16 scales" if f16 else "")
-    return Lowered([KernelCall(kernel, args, groups * row_tiles, node.name, precision=label)])
+    return Lowered(calls + [KernelCall(kernel, args, groups * row_tiles, node.name, precision=label)])

@@ -17,7 +17,9 @@ LLVM vector IR (NBitsSpec) unpacks them in registers:
 - Kernel: per block, 16 bytes -> zext to 16 x i32 -> codes -> floats -> `llvm.fma` with A(m, k)
   broadcast, into block accumulators (two per vector at one row, for even and odd k, so two FMA
   chains run at once); at the block's end y = fma(scale, acc, y). The bias joins at the end;
-  columns past N are masked off the stores. Codes to floats:
+  columns past N are masked off the stores. An act-order g_idx (cuvil/nbits.py) permutes k at
+  build time so that groups are blocks, and a first call gathers A's columns in that order into a
+  scratch value. Codes to floats:
   - 4 bits on AVX-512 (`lut`): `vpermps` from a 16-entry table of q - 8 reads the low nibble's
     index as it is (it uses the low 4 bits) and the high one after `lshr 4`: 6 instructions per 32
     weights instead of 9 (1.33x the weights per second, measured: 72 against 54 G/s on one Zen 4

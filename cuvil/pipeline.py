@@ -143,7 +143,7 @@ def resolve_variant_target(target: str, precision: str):
     from backends.targets import is_cuda
     if is_cuda(resolved) and precision != "fp32":
         raise UnsupportedOpError(f"precision '{precision}' is not supported yet for CUDA targets ('{target}')",
-                                 hint="build CUDA targets in fp32; bf16/fp16 run on the CPU targets")
+                                 hint="build CUDA targets in fp32; bf16/fp16/int4 run on the CPU targets")
     return resolved
 
 

@@ -263,3 +263,12 @@ def test_targets_without_avx512_unpack_without_the_table(target, zp):
     K, N = 192, 40
     model, weight = nbits_model(K, N, (1, K), zp=zp, bias=True, f16_scales=True)
     check_against_ort(model, weight, (1, K), target=target)
+
+
+def test_accuracy_level_4_builds_in_float32():
+    """accuracy_level 4 lets onnxruntime quantise A to int8 (its result then moves by that rounding);
+    Cuvil computes in float32 whatever the level: the oracle is the spec's formula."""
+    K, N = 128, 32
+    model, weight = nbits_model(K, N, (1, K), zp="u8")
+    model.graph.node[0].attribute.append(helper.make_attribute("accuracy_level", 4))
+    check_against_spec(model, weight, (1, K))

@@ -57,9 +57,9 @@ def _file_case(config, symmetric, fp16_scales=False):
     _close(compiled.run(feeds), run_ort(model, feeds))
     params = llama.product_params(model)
     weights = compiled.info["memory"]["weights_bytes"]
-    # 4 bits per weight, a float32 scale (as the file has it; float16 on request) and a zero-point
-    # code per 32
-    per_weight = 0.5 + (2 if fp16_scales else 4) / 32 + (0 if symmetric else 1 / 32)
+    # 4 bits per weight, a float32 scale (as the file has it; float16 on request) and a 4-bit
+    # zero point per 32
+    per_weight = 0.5 + (2 if fp16_scales else 4) / 32 + (0 if symmetric else 0.5 / 32)
     assert weights <= params * per_weight + _other_constant_bytes(model)
     return compiled
 
@@ -102,7 +102,7 @@ def _own_case(config, symmetric):
     reference.opset_import.append(onnx.helper.make_opsetid(nbits.DOMAIN, 1))
     _close(compiled.run(feeds), run_ort(reference, feeds))
     params = sum(int(n.attrs["K"]) * int(n.attrs["N"]) for n in quantised.nodes if n.op == nbits.OP)
-    per_weight = 0.5 + 2 / 32 + (0 if symmetric else 1 / 32)      # float16 scales
+    per_weight = 0.5 + 2 / 32 + (0 if symmetric else 0.5 / 32)    # float16 scales, 4-bit zero points
     assert compiled.info["memory"]["weights_bytes"] <= params * per_weight + _other_constant_bytes(model)
     report = json.loads(compiled.artifacts.manifest.read_text())["accuracy"]
     assert report["reference"] == "fp32" and set(report["outputs"]) == {"y", "present"}

@@ -118,6 +118,7 @@ CASES = [
     (512, 72, (1, 512), 4, 256, "u8", False),       # the largest block
     (128, 32, (6, 128), 8, 128, None, True),        # 8 bits symmetric, a full tile and a tail tile
     (64, 130, (2, 3, 64), 4, 32, "u8", True),       # batch dims on A, a 3-column last group
+    (96, 150, (1, 96), 4, 32, "u8", False),         # an odd number of blocks: nibble zero points, 3 groups
 ]
 
 

@@ -13,7 +13,8 @@ LLVM vector IR (NBitsSpec) unpacks them in registers:
   16 bytes, which needs a horizontal sum per block; here the lanes are columns, as in MLAS's
   SQNBitGemm column panels, and nothing is reduced across lanes). 8 bits: w[g][k][j] = q[., k].
   scales s[g][b][j] (float32, or float16 when every scale is exactly a float16: 2 bytes instead of
-  4); zero points z[g][b][j] (one uint8 code, or float32), or a compile-time constant when absent.
+  4); zero points z[g][b][j] (uint8 codes, two a byte for 4 bits: byte j of each 16 columns holds
+  columns j and j + 8; or float32), or a compile-time constant when absent.
 - Kernel: per block, 16 bytes -> zext to 16 x i32 -> codes -> floats -> `llvm.fma` with A(m, k)
   broadcast, into block accumulators (two per vector at one row, for even and odd k, so two FMA
   chains run at once); at the block's end y = fma(scale, acc, y). The bias joins at the end;
@@ -74,6 +75,9 @@ class NBitsSpec(Declared):
     bias: int = 0
     split: int = 0          # 1: separate accumulators for even and odd k
     lut: int = 0            # 1 (4 bits, AVX-512): codes to floats by `vpermps` from a 16-entry table
+    # The version of nbits_ir and of the packed layout it reads: the compiled object is cached by
+    # the spec, so a change of either must change this.
+    layout: int = 2
     kind: str = "nbits"
     _ARGS: ClassVar[str] = "pipipipipipii"
 
@@ -136,19 +140,32 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
         off = ir.tmp("zo")
         ir(f"{off} = mul i64 %b, {NC}")
         p = ir.tmp("zp")
-        if spec.zp == "u8":
+        if spec.zp == "u8" and spec.bits == 4:   # 8 bytes: columns j (low nibble) and j + 8 (high)
+            half = ir.tmp("zh")
+            ir(f"{half} = lshr i64 {off}, 1")
+            ir(f"{p} = getelementptr i8, ptr %zb, i64 {half}")
+            ir(f"{p}v = getelementptr i8, ptr {p}, i64 {v * LANES // 2}")
+            raw, wide, lo, hi = ir.tmp("zr"), ir.tmp("zw"), ir.tmp("zl"), ir.tmp("zu")
+            ir(f"{raw} = load <8 x i8>, ptr {p}v, align 1")
+            ir(f"{wide} = zext <8 x i8> {raw} to <8 x i32>")
+            ir(f"{lo} = and <8 x i32> {wide}, <{', '.join(['i32 15'] * 8)}>")
+            ir(f"{hi} = lshr <8 x i32> {wide}, <{', '.join(['i32 4'] * 8)}>")
+            zpv[v] = ir.tmp("zv")
+            ir(f"{zpv[v]} = shufflevector <8 x i32> {lo}, <8 x i32> {hi}, "
+               f"<16 x i32> <{', '.join(f'i32 {j}' for j in range(16))}>")
+        elif spec.zp == "u8":
             ir(f"{p} = getelementptr i8, ptr %zb, i64 {off}")
             ir(f"{p}v = getelementptr i8, ptr {p}, i64 {v * LANES}")
             raw = ir.tmp("zr")
             ir(f"{raw} = load <16 x i8>, ptr {p}v, align 1")
             zpv[v] = ir.tmp("zv")
             ir(f"{zpv[v]} = zext <16 x i8> {raw} to {it}")
-            if spec.lut:   # the table gives q - 8: the block's sum is corrected by (zp - 8) * sum(x)
-                zc, zf = ir.tmp("zc"), ir.tmp("zf")
-                ir(f"{zc} = sub {it} {zpv[v]}, {_splat_i(spec.zp_const)}")
-                ir(f"{zf} = sitofp {it} {zc} to {vt}")
-                zpv[v] = zf
-        else:
+        if spec.zp == "u8" and spec.lut:   # the table gives q - 8: the block's sum is corrected by (zp - 8) sum(x)
+            zc, zf = ir.tmp("zc"), ir.tmp("zf")
+            ir(f"{zc} = sub {it} {zpv[v]}, {_splat_i(spec.zp_const)}")
+            ir(f"{zf} = sitofp {it} {zc} to {vt}")
+            zpv[v] = zf
+        elif spec.zp == "f32":
             ir(f"{p} = getelementptr float, ptr %zb, i64 {off}")
             ir(f"{p}v = getelementptr float, ptr {p}, i64 {v * LANES}")
             zpv[v] = ir.tmp("zv")
@@ -345,6 +362,10 @@ def pack(weight: form.NBitsWeight, V: int, f16_scales: bool) -> dict:
     scales = per_block(weight.scales, np.float32)
     s = scales.astype(np.float16).view(np.uint16) if f16_scales else scales
     z = None if zp is None else per_block(zp, zp.dtype)
+    if z is not None and zp.dtype == np.uint8 and weight.bits == 4:
+        # two codes a byte: in each 16 columns of a block, byte j holds columns j and j + 8
+        vectors = z.reshape(-1, LANES)
+        z = (vectors[:, :LANES // 2] | (vectors[:, LANES // 2:] << 4)).reshape(-1).astype(np.uint8)
     bias = None
     if weight.bias is not None:
         bias = np.zeros(n_pad, np.float32)
@@ -426,7 +447,8 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     src.line(f"g = item // {row_tiles}")
     src.line(f"r = item - g * {row_tiles}")
     # group g starts at column g * NC (the last group too: every earlier one is full)
-    z_off = f"g * {s_per_col * NC}" if arrays["z"] is not None else "0"
+    z_group = s_per_col * NC // (2 if zp_kind == "u8" and weight.bits == 4 else 1)   # nibbles: 2 a byte
+    z_off = f"g * {z_group}" if arrays["z"] is not None else "0"
     b_off = f"g * {NC}" if arrays["bias"] is not None else "0"
 
     def call(cols, rows, mask):

@@ -33,8 +33,9 @@ from pydantic import ValidationError
 
 from cuvil.errors import ConfigError
 
-from . import (assign_precision, eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fold_qdq, fuse_activation,
-               fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes, winograd)
+from . import (assign_precision, eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fold_qdq,
+               fuse_activation, fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls,
+               plan_memory, quantize_weights, simplify_shapes, winograd)
 
 _MODULES = {
     "fold_qdq": fold_qdq,
@@ -55,6 +56,8 @@ _MODULES = {
     "plan_memory": plan_memory,
     # added by the pipeline, with the variant's precision, when it is not fp32
     "assign_precision": assign_precision,
+    # added by the pipeline first for precision int4 (weight-only MatMulNBits)
+    "quantize_weights": quantize_weights,
 }
 
 PASSES = {name: getattr(module, name) for name, module in _MODULES.items()}

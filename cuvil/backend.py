@@ -40,7 +40,9 @@ BUILD_TIME_INPUTS = {
 
 def _is_static(vi: onnx.ValueInfoProto) -> bool:
     t = vi.type.tensor_type
-    return vi.type.HasField("tensor_type") and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
+    # a negative dim_value (Paddle2ONNX's way of writing a dynamic dim) is not static
+    return vi.type.HasField("tensor_type") and t.HasField("shape") \
+        and all(d.HasField("dim_value") and d.dim_value >= 0 for d in t.shape.dim)
 
 
 def _subgraphs(node: onnx.NodeProto) -> list:

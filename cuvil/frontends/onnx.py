@@ -108,6 +108,13 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return attrs
 
 
+def _fixed_dim(dim) -> bool:
+    """Whether a model dim is a fixed size. Paddle2ONNX (and older exporters) write a
+    dynamic dim as `dim_value: -1` rather than a `dim_param`; onnxruntime treats a
+    negative dim_value as dynamic, and so do we (0 is a real, empty dim)."""
+    return dim.HasField("dim_value") and dim.dim_value >= 0
+
+
 def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...], np.dtype]:
     t = vi.type.tensor_type
     if not vi.type.HasField("tensor_type"):
@@ -124,7 +131,7 @@ def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...]
         if dims is not None and len(dims) != len(shape):
             raise ShapeError(f"input '{vi.name}': the model has rank {len(dims)} but the given shape {list(shape)} has rank {len(shape)}")
         for i, (d, s) in enumerate(zip(dims or [], shape)):
-            if d.HasField("dim_value") and d.dim_value != s:
+            if _fixed_dim(d) and d.dim_value != s:
                 raise ShapeError(f"input '{vi.name}': dim {i} is {d.dim_value} in the model but {s} was given")
         return shape, dtype
     # Every way of giving a shape: cuvil.yaml, the Python API, `cuvil bench`.
@@ -132,7 +139,7 @@ def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...]
             f"--shape {vi.name}=D1,D2,... with cuvil bench")
     if dims is None:
         raise ShapeError(f"input '{vi.name}' has no shape in the model", hint=give)
-    symbolic = [d.dim_param or "?" for d in dims if not d.HasField("dim_value")]
+    symbolic = [d.dim_param or (str(d.dim_value) if d.HasField("dim_value") else "?") for d in dims if not _fixed_dim(d)]
     if symbolic:
         raise ShapeError(f"input '{vi.name}' has symbolic dims {symbolic}", hint=give)
     return tuple(d.dim_value for d in dims), dtype
@@ -287,13 +294,13 @@ class _Importer:
 
     def _evaluate(self, proto: onnx.NodeProto, name: str) -> list[np.ndarray]:
         from onnx.reference import ReferenceEvaluator
-        exact = evaluate_exact(proto.op_type, proto.domain, [self.values[i].data if i else None for i in proto.input],
-                               _attrs(proto))
-        if exact is not None:
-            return exact
-        model = self._single_node_model(proto, with_data=lambda v: True)
-        feeds = {i.name: np.zeros(self.values[i.name].shape, self.values[i.name].dtype) for i in model.graph.input}
         try:
+            exact = evaluate_exact(proto.op_type, proto.domain,
+                                   [self.values[i].data if i else None for i in proto.input], _attrs(proto))
+            if exact is not None:
+                return exact
+            model = self._single_node_model(proto, with_data=lambda v: True)
+            feeds = {i.name: np.zeros(self.values[i.name].shape, self.values[i.name].dtype) for i in model.graph.input}
             return [np.asarray(r) for r in ReferenceEvaluator(model).run(None, feeds)]
         except Exception as exc:
             raise ModelError(f"node '{name}' ({proto.op_type}): evaluating it at build time failed: {exc}") from None

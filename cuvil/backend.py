@@ -20,7 +20,7 @@ import onnx
 from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep
 
-from .errors import CuvilError
+from .errors import CuvilError, UnsupportedOpError
 
 # Inputs (by position) whose values decide output shapes or kernel parameters.
 # Shape inputs of these ops that come from the graph's inputs are specialised
@@ -110,6 +110,11 @@ class CuvilRep(BackendRep):
         self.inputs = [vi for vi in model.graph.input if vi.name not in inits]
         self.input_names = [vi.name for vi in self.inputs]
         self.output_names = [o.name for o in model.graph.output]
+        for kind, infos in (("input", self.inputs), ("output", model.graph.output)):
+            for vi in infos:
+                if vi.type.WhichOneof("value") not in (None, "tensor_type"):
+                    raise UnsupportedOpError(f"{kind} '{vi.name}' is not a tensor (sequences, optionals and maps "
+                                             "are not supported)")
         self.specialised = build_time_inputs(model)
         self.dynamic_shapes = not all(_is_static(vi) for vi in self.inputs)
         self._libraries: dict = {}
@@ -130,7 +135,13 @@ class CuvilRep(BackendRep):
             if len(inputs) != len(self.input_names):
                 raise CuvilError(f"the model takes {len(self.input_names)} input(s) {self.input_names}, got {len(inputs)}")
             feeds = dict(zip(self.input_names, inputs))
-        return {k: np.asarray(v) for k, v in feeds.items()}
+        arrays = {}
+        for name, value in feeds.items():
+            try:
+                arrays[name] = np.asarray(value)
+            except ValueError as exc:  # a ragged list: a sequence, not a tensor
+                raise CuvilError(f"input '{name}' is not a tensor ({exc})") from None
+        return arrays
 
     def library_for(self, feeds: dict):
         """The library for these feeds (compiled now if their signature is new)."""

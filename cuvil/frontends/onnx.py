@@ -206,6 +206,7 @@ class _Importer:
         self.values: dict[str, Value] = {}
         self.nodes: list[Node] = []
         self.given = {k: tuple(v) for k, v in (input_shapes or {}).items()}
+        self.node_names: set[str] = set()
 
     def run(self) -> Graph:
         g = self.model.graph
@@ -228,11 +229,26 @@ class _Importer:
         for node in _topological(list(g.node), set(self.values)):
             self._import_node(node)
         outputs = [o.name for o in g.output]
+        for vi in g.output:
+            if vi.type.WhichOneof("value") not in (None, "tensor_type"):
+                raise UnsupportedOpError(f"output '{vi.name}' is not a tensor (sequences, optionals and maps are not "
+                                         "supported)", hint="make the model return tensors")
         for name in outputs:
             if name not in self.values:
                 raise ModelError(f"graph output '{name}' is never produced")
         return Graph(name=g.name or "model", values=self.values, nodes=self.nodes, inputs=inputs,
                      outputs=outputs, opset=self.opsets.get("", self.opsets.get("ai.onnx", 0)))
+
+    def _unique_node_name(self, base: str) -> str:
+        """ONNX does not require node names to be unique (a Scan body inlined per step, or a
+        function body, holds several unnamed nodes of one op), but the passes tell nodes apart
+        by name: a repeated name gets a suffix."""
+        name, i = base, 0
+        while name in self.node_names:
+            i += 1
+            name = f"{base}~{i}"
+        self.node_names.add(name)
+        return name
 
     # The interface control_flow.Inliner uses.
     def import_node(self, proto: onnx.NodeProto) -> None:
@@ -245,7 +261,7 @@ class _Importer:
         return _tensor_to_array(tensor, self.base_dir)
 
     def _import_node(self, proto: onnx.NodeProto) -> None:
-        name = proto.name or f"{proto.op_type}_{len(self.nodes)}"
+        name = self._unique_node_name(proto.name or f"{proto.op_type}_{len(self.nodes)}")
         domain = "" if proto.domain in ("", "ai.onnx") else proto.domain
         if domain == "" and proto.op_type in ("If", "Loop", "Scan"):
             from .control_flow import Inliner

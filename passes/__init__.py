@@ -12,7 +12,8 @@ prints. It reads the two graphs only, so passes stay pure.
            shape chains, duplicates, dead nodes; memory planning
     opt 2  + folding and fusion into ops the kernels already have: BatchNormalization
            into Conv, MatMul + bias into Gemm, exporters' decompositions into one op,
-           activations and residual adds into Conv/Gemm/MatMul epilogues; 3x3
+           activations and residual adds into Conv/Gemm/MatMul epilogues; a ScatterElements
+           over expanded row indices into a ScatterND (`simplify_scatter`); 3x3
            stride-1 convs marked for Winograd (`winograd`: fewer multiply-adds, more
            session memory and slightly different rounding; disable it to keep them direct);
            a depthwise conv and the 1x1 convs before and after it into one DepthwiseBlock
@@ -32,7 +33,8 @@ from pydantic import ValidationError
 from cuvil.errors import ConfigError
 
 from . import (assign_precision, eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fuse_activation,
-               fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes, winograd)
+               fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_scatter,
+               simplify_shapes, winograd)
 
 _MODULES = {
     "fold_constants": fold_constants,
@@ -42,6 +44,7 @@ _MODULES = {
     "fold_batchnorm": fold_batchnorm,
     "fuse_gemm": fuse_gemm,
     "fuse_patterns": fuse_patterns,
+    "simplify_scatter": simplify_scatter,
     "fuse_attention": fuse_attention,
     "fuse_activation": fuse_activation,
     "winograd": winograd,
@@ -61,7 +64,7 @@ PASS_OPTIONS = {name: module.Options for name, module in _MODULES.items() if has
 
 _BASIC = ["fold_constants", "eliminate_identity", "simplify_shapes", "eliminate_common", "eliminate_dead"]
 _FUSION = ["fold_constants", "eliminate_identity", "simplify_shapes", "fold_batchnorm", "fuse_gemm", "fuse_patterns",
-           "fuse_attention", "fuse_activation", "winograd", "fuse_depthwise_block", "eliminate_common", "eliminate_dead"]
+           "simplify_scatter", "fuse_attention", "fuse_activation", "winograd", "fuse_depthwise_block", "eliminate_common", "eliminate_dead"]
 OPT_LEVELS = {
     0: [],
     1: _BASIC + ["plan_memory"],

@@ -7,12 +7,15 @@ their work by destination rows (backends/numba_cpu/indexing.py), which must not 
 """
 from __future__ import annotations
 
+import io
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
+import cuvil
 from passes.simplify_scatter import simplify_scatter
 from tests import zoo
 from tests.helpers import assert_matches_ort, make_model, rand
@@ -208,3 +211,37 @@ def test_gnn_zoo_dynamo_export(name, threads):
     want = module(torch.from_numpy(x), torch.from_numpy(edge_index)).detach().numpy()
     assert np.abs(list(got.values())[0] - want).max() <= TOL * np.abs(want).max()
 
+
+
+def _torchscript_export(module, x, edge_index):
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), (torch.from_numpy(x), torch.from_numpy(edge_index)), buffer, dynamo=False,
+                          opset_version=18, input_names=["x", "edge_index"], output_names=["output"])
+    return onnx.load_model_from_string(buffer.getvalue())
+
+
+def test_gnn_zoo_torchscript_export_mean():
+    """scatter_add (ScatterElements add over an Expand-ed index, which simplify_scatter makes a
+    ScatterND) as the TorchScript exporter writes it."""
+    module = zoo.graphsage(GNN_NODES, aggr=("mean", "mean"), style="scatter")
+    x, edge_index = zoo.sample_input((GNN_NODES, 32)), zoo.random_edges(GNN_NODES, GNN_EDGES)
+    model = _torchscript_export(module, x, edge_index)
+    assert "ScatterElements" in {n.op_type for n in model.graph.node}
+    assert_matches_ort(model, {"x": x, "edge_index": edge_index}, tol=TOL)
+
+
+@pytest.mark.parametrize("name", ["graphsage", "gat"])
+def test_gnn_zoo_torchscript_export_max(name):
+    """scatter_reduce("amax", include_self=True) through the TorchScript exporter, which wraps each
+    ScatterElements in an If (on a constant: cuvil inlines it). onnxruntime 1.32 refuses these
+    models at load ("[ShapeInferenceError] Incompatible dimensions": it cannot join the If's
+    branch shapes), so torch itself is the oracle here."""
+    module = getattr(zoo, name)(GNN_NODES, style="scatter")
+    x, edge_index = zoo.sample_input((GNN_NODES, 32)), zoo.random_edges(GNN_NODES, GNN_EDGES)
+    model = _torchscript_export(module, x, edge_index)
+    assert {"If", "ScatterElements"} <= {n.op_type for n in model.graph.node}
+    got = cuvil.compile(model).run({"x": x, "edge_index": edge_index})["output"]
+    want = module(torch.from_numpy(x), torch.from_numpy(edge_index)).detach().numpy()
+    assert np.abs(got - want).max() <= TOL * np.abs(want).max()

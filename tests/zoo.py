@@ -332,10 +332,28 @@ def random_edges(nodes, edges, seed=3):
     return np.stack([src, dst]).astype(np.int64)
 
 
-def graphsage(nodes, features=32, hidden=32, out=8, aggr=("mean", "max"), seed=0):
+def _segment_sum(torch, shape, index, dst, values, style):
+    """sum of `values` rows into `shape` by destination: index_add_ (what users write; the
+    TorchScript exporter refuses it with repeated indices) or scatter_add (both exporters)."""
+    if style == "index_add":
+        return torch.zeros(shape).index_add_(0, dst, values)
+    return torch.zeros(shape).scatter_add(0, index, values)
+
+
+def _segment_max(torch, shape, index, values, style):
+    """max of `values` rows by destination, 0 where none: scatter_reduce(include_self=False), or
+    (the TorchScript exporter refuses that) from -inf with include_self=True, then -inf -> 0."""
+    if style == "index_add":
+        return torch.zeros(shape).scatter_reduce(0, index, values, "amax", include_self=False)
+    top = torch.full(shape, float("-inf")).scatter_reduce(0, index, values, "amax", include_self=True)
+    return torch.where(torch.isinf(top), torch.zeros_like(top), top)
+
+
+def graphsage(nodes, features=32, hidden=32, out=8, aggr=("mean", "max"), style="index_add", seed=0):
     """Two GraphSAGE layers (SAGEConv: lin_l(aggregate of neighbours) + lin_r(self)), the first
-    aggregating by `aggr[0]`, the second by `aggr[1]`: mean = index_add_ of the messages and of
-    the counts, divided; max = scatter_reduce("amax", include_self=False), 0 where no message."""
+    aggregating by `aggr[0]`, the second by `aggr[1]`: mean = the sum of the messages divided by
+    their count, max = the segment max, 0 where no message; sums and maxima written as `style`
+    says (_segment_sum, _segment_max)."""
     torch = _torch()
     nn = torch.nn
 
@@ -348,11 +366,11 @@ def graphsage(nodes, features=32, hidden=32, out=8, aggr=("mean", "max"), seed=0
             msg = x[src]
             index = dst.unsqueeze(1).expand(-1, x.shape[1])
             if self.how == "mean":
-                total = torch.zeros(nodes, x.shape[1]).index_add_(0, dst, msg)
-                count = torch.zeros(nodes).index_add_(0, dst, torch.ones_like(dst, dtype=x.dtype))
+                total = _segment_sum(torch, (nodes, x.shape[1]), index, dst, msg, style)
+                count = _segment_sum(torch, (nodes,), dst, dst, torch.ones_like(dst, dtype=x.dtype), style)
                 agg = total / count.clamp(min=1).unsqueeze(1)
             else:
-                agg = torch.zeros(nodes, x.shape[1]).scatter_reduce(0, index, msg, "amax", include_self=False)
+                agg = _segment_max(torch, (nodes, x.shape[1]), index, msg, style)
             return self.lin_l(agg) + self.lin_r(x)
 
     class GraphSAGE(nn.Module):
@@ -369,10 +387,10 @@ def graphsage(nodes, features=32, hidden=32, out=8, aggr=("mean", "max"), seed=0
     return GraphSAGE()
 
 
-def gat(nodes, features=32, heads=4, channels=8, out=8, seed=0):
+def gat(nodes, features=32, heads=4, channels=8, out=8, style="index_add", seed=0):
     """A GAT layer (GATConv: per-head attention logits leaky_relu(a_src . Wx_j + a_dst . Wx_i),
     a softmax over each node's incoming edges: segment max, exp, segment sum), then ELU and a
-    linear head."""
+    linear head; segment ops written as `style` says (_segment_sum, _segment_max)."""
     torch = _torch()
     nn = torch.nn
 
@@ -392,12 +410,13 @@ def gat(nodes, features=32, heads=4, channels=8, out=8, seed=0):
             alpha_dst = (h * self.att_dst).sum(-1)
             e = torch.nn.functional.leaky_relu(alpha_src[src] + alpha_dst[dst], 0.2)     # [edges, heads]
             index = dst.unsqueeze(1).expand(-1, heads)
-            e_max = torch.zeros(nodes, heads).scatter_reduce(0, index, e, "amax", include_self=False)
+            e_max = _segment_max(torch, (nodes, heads), index, e, style)
             e = torch.exp(e - e_max[dst])
-            denom = torch.zeros(nodes, heads).index_add_(0, dst, e)
+            denom = _segment_sum(torch, (nodes, heads), index, dst, e, style)
             alpha = e / denom[dst]
             msg = h[src] * alpha.unsqueeze(-1)                                           # [edges, heads, channels]
-            agg = torch.zeros(nodes, heads, channels).index_add_(0, dst, msg)
+            index3 = dst.view(-1, 1, 1).expand(-1, heads, channels)
+            agg = _segment_sum(torch, (nodes, heads, channels), index3, dst, msg, style)
             y = torch.nn.functional.elu(agg.reshape(nodes, heads * channels) + self.bias)
             return self.head(y)
 

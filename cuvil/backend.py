@@ -267,7 +267,7 @@ def _compare(outputs, expected, rtol, atol) -> None:
     if len(outputs) != len(expected):
         raise OutputMismatch(f"{len(outputs)} outputs, expected {len(expected)}")
     for i, (got, want) in enumerate(zip(outputs, expected)):
-        if not isinstance(want, np.ndarray):
+        if not isinstance(want, (np.ndarray, np.generic)):  # a sequence or an optional
             raise OutputMismatch(f"output {i}: expected a {type(want).__name__}, not a tensor")
         if got.shape != want.shape:
             raise OutputMismatch(f"output {i}: shape {got.shape}, expected {want.shape}")

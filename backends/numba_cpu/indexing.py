@@ -378,13 +378,13 @@ def _splat(graph, updates) -> str | None:
     return literal(first, data.dtype)
 
 
-def _rows_of_part(src: Source, rows: int, parts: int, row_size: int, size: int):
+def _rows_of_part(src: Source, rows: int, parts: int, row_size: int):
     """Source setting lo, hi (part w's rows) and copying those rows of data (p0) to the output."""
     src.line(f"lo = w * {rows} // {parts}").line(f"hi = (w + 1) * {rows} // {parts}")
     src.line(f"for c in range(lo * {row_size}, hi * {row_size}):").indent().line("p_out[c] = p0[c]").dedent()
 
 
-def _scatter_kernel(family, node, data, indices, y, splat, body, parts, rows):
+def _scatter_kernel(family, node, data, indices, y, splat, body, parts):
     """Wrap `body` (lines run for part w, with the output pointer called p_out) as a kernel."""
     pt = pointer_type(data.dtype)
     n_args = 3 if splat is not None else 4
@@ -416,7 +416,7 @@ def lower_scatter_elements(node, graph) -> Lowered:
     parts = _scatter_parts(rows, updates)
 
     def body(src):
-        _rows_of_part(src, rows, parts, row_size, data.size)
+        _rows_of_part(src, rows, parts, row_size)
         if not indices.size:
             return
         # Along axis 0 an update's row is its index: every part reads all of them. Along another
@@ -437,7 +437,7 @@ def lower_scatter_elements(node, graph) -> Lowered:
         src.line(f"o = {load('p_out', 't', data.dtype)}")
         src.line(store("p_out", "t", combine, data.dtype))
 
-    return _scatter_kernel("ScatterElements", node, data, indices, y, splat, body, parts, rows)
+    return _scatter_kernel("ScatterElements", node, data, indices, y, splat, body, parts)
 
 
 def lower_scatter_nd(node, graph) -> Lowered:
@@ -459,7 +459,7 @@ def lower_scatter_nd(node, graph) -> Lowered:
     parts = _scatter_parts(rows, updates) if m else 1
 
     def body(src):
-        _rows_of_part(src, rows, parts, row_size, data.size)
+        _rows_of_part(src, rows, parts, row_size)
         src.line(f"for q in range({tuples}):").indent()
         src.line("s = 0")
         for j in range(m):
@@ -476,7 +476,7 @@ def lower_scatter_nd(node, graph) -> Lowered:
         src.line(f"o = {load('p_out', 's + j', data.dtype)}")
         src.line(store("p_out", "s + j", combine, data.dtype))
 
-    return _scatter_kernel("ScatterND", node, data, indices, y, splat, body, parts, rows)
+    return _scatter_kernel("ScatterND", node, data, indices, y, splat, body, parts)
 
 
 # -- Trilu, EyeLike, OneHot ---------------------------------------------------------------------

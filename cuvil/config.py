@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, WithJsonSchema
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, WithJsonSchema,
+                      model_validator)
 
 from .errors import ConfigError
 
@@ -37,6 +38,7 @@ TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4",
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most important first
 DIFF_MODES = ("syntactic", "semantic")
+EXECUTORS = ("local", "dask")  # `executor: kind:`: this machine, or a Dask cluster (cluster.py)
 LINK_MODES = ("shared", "static", "both")  # `link:`: lib<name>.so, lib<name>.a, or both
 GROUP_SIZES = (32, 64, 128)  # `quantization: group_size:` (precision int4)
 SOURCE_SUFFIXES = (".onnx", ".pt", ".pth")
@@ -126,6 +128,29 @@ class CacheConfig(_Strict):
                             "e.g. s3://bucket/cuvil.")
     read_only: bool = Field(False, description="true: read from the cache but never write to it "
                             "(e.g. on untrusted CI jobs).")
+
+
+class ExecutorConfig(_Strict):
+    """Where `cuvil build` runs the steps: on this machine, or as tasks of a Dask cluster whose workers share
+    the step cache (`cuvil build --scheduler ADDRESS` does the same for one build)."""
+
+    kind: Annotated[str, *_one_of(EXECUTORS, "executor kind")] = Field(
+        "local", description="local: this machine (-j threads compile kernels); dask: a Dask distributed "
+        "cluster (pip install 'cuvil[dask]'), each step one task.")
+    address: str | None = Field(None, description="The Dask scheduler's address, e.g. tcp://10.0.0.5:8786 "
+                                "(kind: dask). Its workers need the cache: `cache: url:` (e.g. s3://) or a "
+                                "`cache: dir:` every worker mounts.")
+
+    # The schema says what the check below says: kind dask needs an address.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"kind": {"const": "dask"}}, "required": ["kind"]}, "then": {"required": ["address"]}})
+
+    @model_validator(mode="after")
+    def _dask_needs_an_address(self):
+        if self.kind == "dask" and not self.address:
+            raise ValueError("kind dask needs the scheduler's address: add `address: tcp://HOST:8786` "
+                             "(or pass --scheduler to cuvil build)")
+        return self
 
 
 class WatchConfig(_Strict):
@@ -262,6 +287,8 @@ class _File(_Strict):
     models: list[_Model] = Field(min_length=1, description="The models to build.")
     watch: WatchConfig | None = Field(None, description="`cuvil watch` rebuilds when a file below these paths "
                                       "changes.")
+    executor: ExecutorConfig | None = Field(None, description="Where `cuvil build` runs the steps: this machine "
+                                            "(local) or a Dask cluster (dask).")
     incremental: IncrementalConfig | None = Field(None, description="`cuvil serve` hot updates: rebuild a changed "
                                                   "model in a worker process and swap it into the running server.")
 
@@ -318,6 +345,7 @@ class BuildSpec(BaseModel):
     models: list[ModelConfig]
     watch: WatchConfig
     incremental: IncrementalConfig = IncrementalConfig()
+    executor: ExecutorConfig = ExecutorConfig()
     path: Path
     root: Path
 
@@ -441,6 +469,7 @@ def _resolve(raw, root_node, path):
 
     cache, watch = raw.cache or CacheConfig(), raw.watch or WatchConfig()
     incremental = raw.incremental or IncrementalConfig()
+    executor = raw.executor or ExecutorConfig()
     return BuildSpec(
         version=raw.version,
         output_dir=absolute(raw.output_dir),
@@ -448,6 +477,7 @@ def _resolve(raw, root_node, path):
         models=models,
         watch=watch.model_copy(update={"paths": [absolute(p) for p in watch.paths]}),
         incremental=incremental.model_copy(update={"watch_paths": [absolute(p) for p in incremental.watch_paths]}),
+        executor=executor,
         path=path.resolve(),
         root=root,
     )

@@ -641,6 +641,8 @@ def cmd_check(args) -> int:
         print(f"  ops     {total} node{'s' if total != 1 else ''}: {ops or '(none)'}")
         for target, variant in report.variants.items():
             print(f"  {target}: {_figures(variant['kernels'], variant['memory'])}")
+            for line in report.fallbacks.get(target, []):
+                print(f"    not int8: {line}")
         for problem in report.unsupported:
             print(f"  unsupported: {problem}")
         unsupported += len(report.unsupported)

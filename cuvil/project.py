@@ -36,6 +36,8 @@ class ModelReport:
     op_counts: dict[str, int]   # the imported graph's ops (constant subgraphs already folded)
     unsupported: list[str] = field(default_factory=list)  # one line per node, target or precision refused
     variants: dict[str, dict] = field(default_factory=dict)  # target -> {"kernels", "steps", "memory"}
+    # target -> one line per quantised op not on an int8 kernel, and what it runs as (pipeline.quantised_fallbacks)
+    fallbacks: dict[str, list[str]] = field(default_factory=dict)
 
 
 def select_models(spec: BuildSpec, names: list[str] | None = None) -> list[ModelConfig]:
@@ -170,6 +172,8 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
             planned = pipeline.plan(g, params)
             report.variants[target_name] = {"kernels": len(planned.kernels), "steps": len(planned.calls),
                                             "memory": planned.figures()}
+            if not pipeline.is_gpu(target):
+                report.fallbacks[target_name] = pipeline.quantised_fallbacks(planned)
     return report
 
 

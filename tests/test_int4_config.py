@@ -36,7 +36,8 @@ def test_quantization_reaches_the_pass(tmp_path):
     assert int4.quantization.group_size == 64 and not int4.quantization.symmetric
     names, options = pass_list(int4.opt_level, int4.passes, int4.disable_passes, int4.pass_options, int4.precision)
     assert names[0] == "quantize_weights" and "assign_precision" not in names
-    assert options["quantize_weights"] == {"bits": 4, "group_size": 64, "symmetric": False, "keep_fp32": []}
+    assert options["quantize_weights"] == {"bits": 4, "group_size": 64, "symmetric": False, "keep_fp32": [],
+                                           "imported_scales": "keep"}
     names, _ = pass_list(fp32.opt_level, fp32.passes, fp32.disable_passes, fp32.pass_options, fp32.precision)
     assert "quantize_weights" not in names
 

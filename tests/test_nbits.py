@@ -273,3 +273,9 @@ def test_accuracy_level_4_builds_in_float32():
     model, weight = nbits_model(K, N, (1, K), zp="u8")
     model.graph.node[0].attribute.append(helper.make_attribute("accuracy_level", 4))
     check_against_spec(model, weight, (1, K))
+
+
+@pytest.mark.parametrize("a_shape", [(1, 256), (6, 256)])
+def test_two_threads_share_the_column_groups_and_row_tiles(a_shape):
+    model, weight = nbits_model(256, 200, a_shape, zp="u8", bias=True)
+    check_against_ort(model, weight, a_shape, threads=2)

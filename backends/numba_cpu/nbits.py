@@ -50,7 +50,7 @@ from cuvil.errors import UnsupportedOpError
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
 from .lowp import column_masks, typed_declaration
 from .scratch import scratch_value
-from .ukernel import Declared, IRBuilder
+from .ukernel import Declared, IRBuilder, function_module
 
 LANES = 16                 # columns per vector (the IR is written in 16 lanes; LLVM splits it on AVX2)
 MAX_ROWS = 4               # rows of A per tile
@@ -306,10 +306,6 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
             ir(f"call void @llvm.masked.store.v16f32.p0({vt} {y}, ptr align 4 {p}, <16 x i1> {masks[v]})")
     ir("ret i32 0")
 
-    body = "\n".join(ir.lines)
-    import re
-    for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
-        body = re.sub(re.escape(old) + r"\b", new, body)
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, ptr noalias %w, i64 %woff, ptr noalias %s, "
             "i64 %soff, ptr noalias %z, i64 %zoff, ptr noalias %bias, i64 %boff, ptr noalias %out, i64 %ooff, "
             "i64 %mask) #0 {")
@@ -317,7 +313,7 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
              "declare void @llvm.masked.store.v16f32.p0(<16 x float>, ptr, <16 x i1>)"]
     if spec.lut:
         decls.append("declare <16 x float> @llvm.x86.avx512.permvar.sf.512(<16 x float>, <16 x i32>)")
-    return head + "\n" + body + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+    return function_module(head, ir, rename, decls)   # the loop-carried names resolved
 
 
 # -- build-time packing --------------------------------------------------------------------------

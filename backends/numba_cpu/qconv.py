@@ -86,9 +86,9 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
     return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
 
 
-def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
-    """The calls, or None where the path does not apply (see the module docstring)."""
-    from .quant import _conv_pads
+def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
+    """The calls, or None where the path does not apply (see the module docstring); `pads`: the
+    leading pad of each spatial axis."""
     if not vnni_target() or len(x.shape) != 4 or int(node.attr("group", 1)) != 1:
         return None
     if not (w.is_const and sx.is_const and sw.is_const and sy.is_const and (zx is None or zx.is_const)
@@ -107,7 +107,7 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
     if strides[0] != strides[1]:
         return None
     s = strides[0]
-    pt, pl = _conv_pads(node, [H, W], [KH, KW], strides, dil, [OH, OW])
+    pt, pl = pads
     wdata = np.asarray(w.data).astype(np.int32)
     if zw is not None:
         z = np.asarray(zw.data).astype(np.int32).reshape(-1)
@@ -208,12 +208,11 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
 
 # ---------------------------------------------------------------- depthwise
 
-def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
+def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
     """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
     with z_x, then per (image, channel) plane one loop over each output row whose taps are unrolled,
     int32 sums of w' (x - z_x) (w' = w - z_w) as sum w' x + (bias - z_x sum w'), requantised as
     QLinearConv does. The row loop vectorises (16 int32 lanes); no VNNI needed."""
-    from .quant import _conv_pads
     if len(x.shape) != 4 or not (w.is_const and sx.is_const and sw.is_const and sy.is_const
                                  and (zx is None or zx.is_const) and (zw is None or zw.is_const)
                                  and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
@@ -226,7 +225,7 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
         return None
     _, _, OH, OW = y.shape
     strides, dil = list(node.attr("strides", [1, 1])), list(node.attr("dilations", [1, 1]))
-    pt, pl = _conv_pads(node, [H, W], [KH, KW], strides, dil, [OH, OW])
+    pt, pl = pads
     Hp = max(H + pt, (OH - 1) * strides[0] + (KH - 1) * dil[0] + 1)
     Wp = max(W + pl, (OW - 1) * strides[1] + (KW - 1) * dil[1] + 1)
     wdata = np.asarray(w.data).astype(np.int64).reshape(C, KH * KW)
@@ -293,50 +292,3 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
     return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
             KernelCall(conv, [padded, wdata.astype(np.int32).reshape(-1), comp.astype(np.int32), mult, sflat, y.name],
                        N * C, node.name, precision=label, n_outputs=2)]
-
-
-# ---------------------------------------------------------------- float fallback
-
-FLOAT_FALLBACK = "float32 (the QDQ form: no int8 kernel on this target)"
-
-def lower_qlinear_conv_float(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
-    """A QLinearConv that passes/fold_qdq.py made from a QDQ Conv (attribute `fallback` = "float"),
-    on a target without the int8 kernel: computed as the QDQ graph it came from (DequantizeLinear,
-    a float32 conv on the weights dequantised at build time, QuantizeLinear), on the float conv
-    kernels, not on the scalar integer loops, which are many times slower."""
-    from cuvil.evaluate import evaluate_exact
-    from cuvil.ir import Node, Value
-
-    from . import conv as float_conv, quant
-    from .scratch import scratch_value
-    if node.attr("fallback") != "float" or not (w.is_const and sw.is_const and (zw is None or zw.is_const)
-                                                and sx.is_const and (bias is None or bias.is_const)):
-        return None
-    axis = {"axis": 0}
-    wf = evaluate_exact("DequantizeLinear", "", [np.asarray(w.data), np.asarray(sw.data),
-                                                 None if zw is None else np.asarray(zw.data)], axis)
-    if wf is None:
-        return None
-
-    def constant(tag, array):
-        name = f"__{tag}__{node.name}"
-        graph.values[name] = Value(name, array.dtype, tuple(array.shape), array)
-        return name
-    inputs = [None, constant("qconv_wf", wf[0].astype(np.float32))]
-    if bias is not None:
-        scale = (np.asarray(sx.data, np.float32).reshape(-1)[0]
-                 * np.asarray(sw.data, np.float32).reshape(-1)).astype(np.float32)
-        bf = evaluate_exact("DequantizeLinear", "", [np.asarray(bias.data), scale, None], axis)
-        inputs.append(constant("qconv_bf", bf[0].astype(np.float32)))
-    xf = scratch_value(graph, node, x.shape, np.float32, tag="qconv_xf")
-    yf = scratch_value(graph, node, y.shape, np.float32, tag="qconv_yf")
-    inputs[0] = xf
-    attrs = {k: v for k, v in node.attrs.items() if k != "fallback"}
-    calls = quant.lower_dequantize_linear(Node("DequantizeLinear", node.name, [x.name, sx.name, zx.name if zx else ""],
-                                               [xf]), graph).calls
-    calls += float_conv.lower_conv(Node("Conv", node.name, inputs, [yf], attrs), graph).calls
-    calls += quant.lower_quantize_linear(Node("QuantizeLinear", node.name, [yf, sy.name, zy.name if zy else ""],
-                                              [y.name]), graph).calls
-    for call in calls:
-        call.precision = FLOAT_FALLBACK
-    return calls

@@ -184,12 +184,15 @@ DEPTHWISE = {
     "3x3_pad": ((1, 8, 10, 12), 3, {"pads": [1, 1, 1, 1]}, U8),
     "stride2_int8_batch2": ((2, 5, 9, 9), 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}, I8),
     "5x5_small_plane": ((1, 16, 7, 7), 5, {"pads": [2, 2, 2, 2]}, U8),
+    "stride2_uint8_rows": ((1, 24, 15, 13), 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}, U8),
+    "dilated_rows": ((1, 6, 20, 70), 3, {"dilations": [2, 2], "pads": [2, 2, 2, 2]}, U8),
 }
 
 
 @pytest.mark.parametrize("case", list(DEPTHWISE))
 def test_depthwise_qlinear_conv_is_onnxruntimes(case):
-    """Depthwise convs (no VNNI needed: int32 sums in vector lanes), bit-exact."""
+    """Depthwise convs, bit-exact: uint8 inputs with up to 4 taps a kernel row on VNNI (one vpdpbusd a
+    kernel row on bytes shuffled into windows), the others on int32 vector loops (no VNNI needed)."""
     xs, k, attrs, dtype = DEPTHWISE[case]
     C = xs[1]
     rng = np.random.default_rng(1)
@@ -199,5 +202,6 @@ def test_depthwise_qlinear_conv_is_onnxruntimes(case):
     node = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], group=C, **attrs)
     model = make_model([node], [("x", dtype, list(xs))], [("y", dtype, None)], initializers=inits, opset=13)
     feeds = {"x": ints(xs, dtype, 5)}
-    assert "int8 (depthwise)" in [k.precision for k in explain_model(model, target="native").kernels]
+    labels = [k.precision for k in explain_model(model, target="native").kernels]
+    assert ("int8 (depthwise, vnni)" if dtype == U8 and k <= 4 else "int8 (depthwise)") in labels
     np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])

@@ -26,7 +26,7 @@ import numpy as np
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
-from .ukernel_int8 import Int8ConvSpec
+from .ukernel_int8 import Int8ConvSpec, Int8DwSpec
 
 MIN_SPLIT_OPS = 1 << 21
 
@@ -244,8 +244,9 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
 
     from .scratch import scratch_value
-    # slack: the flat loop's last positions read up to s * OH * Wp + taps past a plane's start
-    slack = max(0, strides[0] * OH * Wp + (KH - 1) * dil[0] * Wp + (KW - 1) * dil[1] - Hp * Wp) + 64
+    # slack: the flat loop's last positions (the micro-kernel's: whole groups of 64, each row read
+    # as 64 bytes) read up to s * OH * Wp + taps past a plane's start
+    slack = max(0, strides[0] * (OH * Wp + 64) + (KH - 1) * dil[0] * Wp + 64 - Hp * Wp) + 64
     padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), x.dtype, tag="dwpad")
     pad = Source().line(kernel_header(2)).indent()
     pad.line("for item in range(begin, end):").indent()
@@ -271,6 +272,31 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     # columns ow >= OW are computed and dropped when the rows are copied out.
     flat = OH * Wp
     sflat = scratch_value(graph, node, (N * C * flat,), y.dtype, tag="dwflat")
+    rows_uk = None
+    if vnni_target() and KW <= 4 and strides[0] == strides[1] and strides[0] * 15 + (KW - 1) * dil[1] < 64 \
+            and x_dtype == "uint8":
+        rows_uk = Int8DwSpec(kh=KH, kw=KW, wp=Wp, s=strides[0], d=dil[0], out="u8" if y_dtype == "uint8" else "s8",
+                             zy=zero_y) if dil[0] == dil[1] else None
+    if rows_uk is not None:
+        # each kernel row's 4 bytes of weights (zero past kw) and the multiplier's bits (an i64 argument)
+        wrows = np.zeros((C, KH, 4), np.int8)
+        wrows[:, :, :KW] = wdata.reshape(C, KH, KW)
+        src = Source()
+        for line in rows_uk.declaration("dwrow").splitlines():
+            src.line(line)
+        src.line(NOALIAS_MARK).line(kernel_header(6)).indent()
+        src.line("for item in range(begin, end):").indent()
+        src.line(f"c = item % {C}")
+        src.line(f"fb = item * {flat}").line(f"yb = item * {OH * OW}")
+        src.line(f"dwrow(p0, item * {Hp * Wp}, p1, c * {KH * 4}, p4, fb, {flat}, np.int64(p2[c]), np.int64(p3[c]))")
+        src.line(f"for oh in range({OH}):").indent()
+        src.line(f"for ow in range({OW}):").indent()
+        src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
+        conv = Kernel("QDwConv", src.text(), (x_dtype, "int8", "int32", "int32", y_dtype, y_dtype))
+        label = "int8 (depthwise, vnni)"
+        return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+                KernelCall(conv, [padded, wrows.reshape(-1), comp.astype(np.int32), mult.view(np.int32), sflat, y.name],
+                           N * C, node.name, precision=label, n_outputs=2)]
     src = Source().line(NOALIAS_MARK).line(kernel_header(6)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"c = item % {C}")

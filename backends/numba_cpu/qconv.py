@@ -248,16 +248,19 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     # as 64 bytes) read up to s * OH * Wp + taps past a plane's start
     slack = max(0, strides[0] * (OH * Wp + 64) + (KH - 1) * dil[0] * Wp + 64 - Hp * Wp) + 64
     padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), x.dtype, tag="dwpad")
-    pad = Source().line(kernel_header(2)).indent()
+    pad = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     pad.line("for item in range(begin, end):").indent()
     pad.line(f"for hh in range({Hp}):").indent()
     pad.line(f"h = hh - {pt}")
     pad.line(f"ob = (item * {Hp} + hh) * {Wp}")
     pad.line(f"if h >= 0 and h < {H}:").indent()
     pad.line(f"ib = (item * {H} + h) * {W}")
-    pad.line(f"for ww in range({Wp}):").indent()
-    pad.line(f"wv = ww - {pl}")
-    pad.line(f"p1[ob + ww] = p0[ib + wv] if wv >= 0 and wv < {W} else np.{x_dtype}({zero_x})").dedent().dedent()
+    # the row: pad columns, then a plain copy (vectorised), then pad columns
+    wend = min(Wp, pl + W)
+    pad.line(f"for ww in range({pl}):").indent().line(f"p1[ob + ww] = np.{x_dtype}({zero_x})").dedent()
+    pad.line(f"for ww in range({wend - pl}):").indent().line(f"p1[ob + {pl} + ww] = p0[ib + ww]").dedent()
+    pad.line(f"for ww in range({wend}, {Wp}):").indent().line(f"p1[ob + ww] = np.{x_dtype}({zero_x})").dedent()
+    pad.dedent()
     pad.line("else:").indent()
     pad.line(f"for ww in range({Wp}):").indent()
     pad.line(f"p1[ob + ww] = np.{x_dtype}({zero_x})")

@@ -210,9 +210,10 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
 
 def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
     """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
-    with z_x, then per (image, channel) plane one loop over each output row whose taps are unrolled,
-    int32 sums of w' (x - z_x) (w' = w - z_w) as sum w' x + (bias - z_x sum w'), requantised as
-    QLinearConv does. The row loop vectorises (16 int32 lanes); no VNNI needed."""
+    with z_x, then per (image, channel) plane the int32 sums of w' (x - z_x) (w' = w - z_w) as
+    sum w' x + (bias - z_x sum w'), requantised as QLinearConv does, over the plane's flat padded
+    grid: on VNNI one `vpdpbusd` a kernel row (ukernel_int8.Int8DwSpec; int8 inputs copied + 128),
+    elsewhere one loop with the taps unrolled that vectorises in int32 lanes."""
     if len(x.shape) != 4 or not (w.is_const and sx.is_const and sw.is_const and sy.is_const
                                  and (zx is None or zx.is_const) and (zw is None or zw.is_const)
                                  and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
@@ -231,15 +232,22 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     wdata = np.asarray(w.data).astype(np.int64).reshape(C, KH * KW)
     if zw is not None:
         wdata = wdata - np.asarray(zw.data).astype(np.int64).reshape(-1, 1)
+    x_dtype, y_dtype = np.dtype(x.dtype).name, np.dtype(y.dtype).name
+    # the VNNI rows kernel: up to 4 taps a kernel row, 16 windows in 64 bytes, weights within int8;
+    # it reads unsigned bytes, so int8 inputs are copied + 128 (and their zero point with them)
+    rows = (vnni_target() and KW <= 4 and strides[0] == strides[1] and dil[0] == dil[1]
+            and strides[0] * 15 + (KW - 1) * dil[1] < 64 and wdata.min(initial=0) >= -128
+            and wdata.max(initial=0) <= 127)
+    shift = 128 if rows and x_dtype == "int8" else 0
+    pad_dtype = "uint8" if shift else x_dtype
     zero_x = int(np.asarray(zx.data).reshape(-1)[0]) if zx is not None else 0
-    comp = -zero_x * wdata.sum(axis=1)
+    comp = -(zero_x + shift) * wdata.sum(axis=1)
     if bias is not None:
         comp = comp + np.asarray(bias.data, np.int64).reshape(-1)
     if np.abs(comp).max(initial=0) >= 2**31 or np.abs(wdata).max(initial=0) > 255:
         return None
     mult = ((np.asarray(sx.data, np.float32).reshape(-1)[0]
              * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (C,))) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
-    x_dtype, y_dtype = np.dtype(x.dtype).name, np.dtype(y.dtype).name
     lo, hi = (0, 255) if y_dtype == "uint8" else (-128, 127)
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
 
@@ -247,7 +255,9 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     # slack: the flat loop's last positions (the micro-kernel's: whole groups of 64, each row read
     # as 64 bytes) read up to s * OH * Wp + taps past a plane's start
     slack = max(0, strides[0] * (OH * Wp + 64) + (KH - 1) * dil[0] * Wp + 64 - Hp * Wp) + 64
-    padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), x.dtype, tag="dwpad")
+    padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), pad_dtype, tag="dwpad")
+    fill = f"np.{pad_dtype}({zero_x + shift})"
+    copy = "p0[ib + ww]" if not shift else "np.uint8(np.int32(p0[ib + ww]) + 128)"
     pad = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     pad.line("for item in range(begin, end):").indent()
     pad.line(f"for hh in range({Hp}):").indent()
@@ -257,30 +267,27 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     pad.line(f"ib = (item * {H} + h) * {W}")
     # the row: pad columns, then a plain copy (vectorised), then pad columns
     wend = min(Wp, pl + W)
-    pad.line(f"for ww in range({pl}):").indent().line(f"p1[ob + ww] = np.{x_dtype}({zero_x})").dedent()
-    pad.line(f"for ww in range({wend - pl}):").indent().line(f"p1[ob + {pl} + ww] = p0[ib + ww]").dedent()
-    pad.line(f"for ww in range({wend}, {Wp}):").indent().line(f"p1[ob + ww] = np.{x_dtype}({zero_x})").dedent()
+    pad.line(f"for ww in range({pl}):").indent().line(f"p1[ob + ww] = {fill}").dedent()
+    pad.line(f"for ww in range({wend - pl}):").indent().line(f"p1[ob + {pl} + ww] = {copy}").dedent()
+    pad.line(f"for ww in range({wend}, {Wp}):").indent().line(f"p1[ob + ww] = {fill}").dedent()
     pad.dedent()
     pad.line("else:").indent()
     pad.line(f"for ww in range({Wp}):").indent()
-    pad.line(f"p1[ob + ww] = np.{x_dtype}({zero_x})")
+    pad.line(f"p1[ob + ww] = {fill}")
     pad.dedent().dedent().dedent().dedent()
     pad.line(f"if end == {N * C}:").indent()
     pad.line(f"for i in range({slack}):").indent()
-    pad.line(f"p1[{N * C * Hp * Wp} + i] = np.{x_dtype}({zero_x})")
-    pad_kernel = Kernel("QDwPad", pad.text(), (x_dtype, x_dtype))
+    pad.line(f"p1[{N * C * Hp * Wp} + i] = {fill}")
+    pad_kernel = Kernel("QDwPad", pad.text(), (x_dtype, pad_dtype))
 
     # Flat over each plane's padded grid: output position p = oh * Wp + ow reads x at s*p + tap offset
     # (one loop of OH * Wp iterations that vectorises, where a row of 7 or 14 would not); the
     # columns ow >= OW are computed and dropped when the rows are copied out.
     flat = OH * Wp
     sflat = scratch_value(graph, node, (N * C * flat,), y.dtype, tag="dwflat")
-    rows_uk = None
-    if vnni_target() and KW <= 4 and strides[0] == strides[1] and strides[0] * 15 + (KW - 1) * dil[1] < 64 \
-            and x_dtype == "uint8":
+    if rows:
         rows_uk = Int8DwSpec(kh=KH, kw=KW, wp=Wp, s=strides[0], d=dil[0], out="u8" if y_dtype == "uint8" else "s8",
-                             zy=zero_y) if dil[0] == dil[1] else None
-    if rows_uk is not None:
+                             zy=zero_y)
         # each kernel row's 4 bytes of weights (zero past kw) and the multiplier's bits (an i64 argument)
         wrows = np.zeros((C, KH, 4), np.int8)
         wrows[:, :, :KW] = wdata.reshape(C, KH, KW)
@@ -295,7 +302,7 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         src.line(f"for oh in range({OH}):").indent()
         src.line(f"for ow in range({OW}):").indent()
         src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
-        conv = Kernel("QDwConv", src.text(), (x_dtype, "int8", "int32", "int32", y_dtype, y_dtype))
+        conv = Kernel("QDwConv", src.text(), ("uint8", "int8", "int32", "int32", y_dtype, y_dtype))
         label = "int8 (depthwise, vnni)"
         return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
                 KernelCall(conv, [padded, wrows.reshape(-1), comp.astype(np.int32), mult.view(np.int32), sflat, y.name],

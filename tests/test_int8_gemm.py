@@ -60,7 +60,7 @@ def test_micro_kernel_is_exact(case):
     nr = 64 if N > 48 else 48
     spec = Int8UKSpec(mr=mr, nr=nr, out=out, a_signed=int(a_dtype == I8), ascale=1, bias=1, act=act[0],
                       act_lo=act[1], act_hi=act[2], zy=zy)
-    jit, kernel = _jit_kernel(spec)
+    jit, kernel = _jit_kernel(spec)   # jit holds the compiled code alive while kernel is called
     A, B = ints((mr, K), a_dtype, 1), ints((K, N), I8, 2)
     rng = np.random.default_rng(3)
     comp = np.zeros(nr, np.int32)

@@ -191,3 +191,19 @@ def test_gnn_zoo_torchscript_export_max(name):
     got = cuvil.compile(model).run({"x": x, "edge_index": edge_index})["output"]
     want = module(torch.from_numpy(x), torch.from_numpy(edge_index)).detach().numpy()
     assert np.abs(got - want).max() <= TOL * np.abs(want).max()
+
+
+def test_index_put_accumulate_dynamo_export():
+    """index_put_(accumulate=True), the other way users write a segment sum: ScatterND(add)."""
+
+    class IndexPut(torch.nn.Module):
+        def forward(self, x, edge_index):
+            out = torch.zeros(GNN_NODES, x.shape[1])
+            return out.index_put_((edge_index[1],), x[edge_index[0]], accumulate=True)
+
+    x, edge_index = zoo.sample_input((GNN_NODES, 32)), zoo.random_edges(GNN_NODES, GNN_EDGES)
+    model = _dynamo_export(IndexPut(), x, edge_index)
+    assert "ScatterND" in {n.op_type for n in model.graph.node}
+    _, got = assert_matches_ort(model, {"x": x, "edge_index": edge_index}, tol=0.0)
+    want = IndexPut()(torch.from_numpy(x), torch.from_numpy(edge_index)).numpy()
+    assert np.abs(list(got.values())[0] - want).max() <= TOL * np.abs(want).max()

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from passes import describe
 from passes.simplify_scatter import simplify_scatter
 from tests.helpers import assert_matches_ort, make_model, rand
 from tests.test_passes.common import ops, run_pass
@@ -34,6 +35,7 @@ def test_simplify_scatter(reduction):
     assert ops(before) == ["Expand", "ScatterElements"]
     assert ops(after) == ["Expand", "ScatterND"]  # the Expand is eliminate_dead's
     assert after.nodes[1].inputs[1] == "dst" and after.nodes[1].attrs.get("reduction", "none") == reduction
+    assert describe("simplify_scatter", before, after) == "1 ScatterElements over expanded row indices -> ScatterND"
     compiled, _ = assert_matches_ort(model, feeds, tol=0.0)  # the whole pipeline
     assert compiled.info["steps"] == 1  # the ScatterND alone: the Expand is gone
 

@@ -17,6 +17,14 @@ after the other and repeated `--rounds` times:
                   one row each; onnxruntime always float32), one stream of
                   `threads` threads, latency mode.
 
+`--precision int8` quantises the exported model first with onnxruntime's own
+tools and every engine runs that same file: convolutional models by
+`quantize_static` (QDQ, per-channel int8 weights, uint8 activations, calibrated
+on two seeded inputs), the others by `quantize_dynamic` (int8 weights,
+DynamicQuantizeLinear + MatMulInteger). cuvil builds the file as it is (its
+passes fold the quantised products into integer ones, passes/fold_qdq.py);
+the rel err column then compares with onnxruntime on the same quantised file.
+
 A spinning thread pool of one engine would slow the other on a small
 machine, so they never run at the same time. Each process does a warm-up and
 `--runs` timed calls; an engine's figure is the lowest of its processes'
@@ -26,7 +34,7 @@ cuvil (Python) / onnxruntime: < 1 means cuvil is faster (the C figure shows
 the call overhead Python adds); vs ov = cuvil (Python) / OpenVINO. The rel
 err columns compare cuvil's and OpenVINO's first output with onnxruntime's.
 
-    python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--precision fp32,bf16] [--runs 50] [--rounds 5]
+    python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--precision fp32,bf16,int8] [--runs 50] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -178,11 +186,34 @@ def check_outputs(library, shapes, ref, feeds=None) -> float:
     return rel_err(lib.run(feeds or sample_feeds(shapes))[lib.output_names[0]], ref)
 
 
+CONVOLUTIONAL = ("resnet18", "resnet50", "mobilenet_v2")
+
+
+def quantise(name, model_path: Path, shapes) -> Path:
+    """The model as onnxruntime's quantisation tools write it (see the module docstring)."""
+    from onnxruntime import quantization as q
+    target = model_path.with_suffix(".int8.onnx")
+    if name in CONVOLUTIONAL:
+        class Samples(q.CalibrationDataReader):
+            def __init__(self):
+                self.feeds = iter([{k: np.random.default_rng(10 + i).standard_normal(s).astype(np.float32)
+                                    for k, s in shapes.items()} for i in range(2)])
+
+            def get_next(self):
+                return next(self.feeds, None)
+        q.quantize_static(str(model_path), str(target), Samples(), quant_format=q.QuantFormat.QDQ, per_channel=True,
+                          activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8)
+    else:
+        q.quantize_dynamic(str(model_path), str(target), weight_type=q.QuantType.QInt8)
+    return target
+
+
 def build(name, model_path, shapes, threads, cache_dir, jobs, precision="fp32"):
     import cuvil
     t = time.perf_counter()
+    # int8: the file is quantised already; cuvil builds it as it is
     compiled = cuvil.compile(str(model_path), input_shapes=shapes, threads=threads, cache_dir=cache_dir, jobs=jobs,
-                             name=name, precision=precision)
+                             name=name, precision="fp32" if precision == "int8" else precision)
     return compiled, time.perf_counter() - t
 
 
@@ -199,6 +230,8 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
         model = _zoo().export(module, shapes)
     model_path = workdir / f"{name}.onnx"
     model_path.write_bytes(model.SerializeToString())
+    if precision == "int8":
+        model_path = quantise(name, model_path, shapes)
     cache_dir = workdir / f"cache-{name}-{threads}" if cold else None
     compiled, build_s = build(name, model_path, shapes, threads, cache_dir, jobs, precision)
     lib_dir = workdir / f"{name}-t{threads}-{precision}"
@@ -221,7 +254,8 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
         processes["ort"].append(ort_times(model_path, shapes, threads, runs, warm, feeds=feeds_path))
         if openvino:
             processes["ov"].append(openvino_times(model_path, shapes, threads, runs, warm,
-                                                  save_output=ov_output if round_ == 0 else None, precision=precision))
+                                                  save_output=ov_output if round_ == 0 else None,
+                                                  precision="fp32" if precision == "int8" else precision))
     best = {k: ctime.best_process_median(v) for k, v in processes.items()}
     c, p, o = best.get("c"), best["py"], best["ort"]
     all_calls = lambda k: statistics.median([t for times in processes[k] for t in times])
@@ -252,7 +286,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--no-openvino", action="store_true", help="leave OpenVINO out even when it is installed")
     parser.add_argument("--precision", default="fp32",
-                        help="cuvil's (and OpenVINO's) precisions, comma separated (fp32,bf16,fp16); onnxruntime: fp32")
+                        help="cuvil's (and OpenVINO's) precisions, comma separated (fp32,bf16,fp16,int8); onnxruntime: "
+                             "fp32, or with int8 the same quantised file")
     args = parser.parse_args(argv)
     ov_version = None if args.no_openvino else openvino_version()
     flags = set(cpu_flags())

@@ -44,6 +44,19 @@ def _model_name(model) -> str:
     return "model"
 
 
+def _accuracy_options(accuracy) -> dict:
+    """`accuracy=` checked like cuvil.yaml's accuracy: block (config.AccuracyConfig)."""
+    import pydantic
+    from .config import AccuracyConfig
+    try:
+        return AccuracyConfig.model_validate(accuracy).model_dump()
+    except pydantic.ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'accuracy'}: {e['msg']}" for e in error.errors())
+        raise CuvilError(f"accuracy={accuracy!r}: {problems}",
+                         hint="accuracy takes {samples: 1-1024, inputs: 'random' or an .npz path, "
+                              "min_cosine: -1..1 or None}") from None
+
+
 def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False,
@@ -57,6 +70,8 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
     threads = 1 if threads is None else int(threads)
     if threads < 1:
         raise CuvilError(f"threads must be >= 1, got {threads}")
+    if accuracy is not None:
+        accuracy = _accuracy_options(accuracy)
     source = model
     if not isinstance(model, (str, os.PathLike, bytes)):
         import onnx

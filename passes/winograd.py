@@ -11,6 +11,10 @@ not want, which disabling this pass (`disable_passes: [winograd]`) avoids:
   the transformed inputs and outputs while a conv runs;
 - rounding: F(4x4, 3x3) computes through the points 0, +-1, +-2, a few times the direct
   sum's error (a 256-channel conv in float32: ~7e-6 of the largest output).
+
+A bf16 / fp16 build leaves this pass out unless its `passes:` list names it
+(cuvil/pipeline.py, REDUCED_WITHOUT_WINOGRAD): the transformed weights are float32, held next
+to the 16-bit weights the reduced precision is for.
 """
 from __future__ import annotations
 

@@ -84,3 +84,19 @@ def test_a_float32_build_has_no_report(project, capsys):
     out = capsys.readouterr().out
     assert "accuracy vs" not in out and "fp32-reference" not in out
     assert "accuracy" not in json.loads((project / "out" / "mlp" / "native" / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("accuracy, says", [({"samples": 0}, "samples: Input should be greater than or equal to 1"),
+                                            ({"sample": 4}, "sample: Extra inputs are not permitted"),
+                                            (3, "Input should be a valid dictionary")])
+def test_compile_checks_accuracy_like_the_config(accuracy, says):
+    """cuvil.compile(accuracy=...) takes what cuvil.yaml's accuracy: block takes; anything else is a
+    CuvilError before building (samples=0 reached the report as an IndexError)."""
+    import cuvil
+    from cuvil.errors import CuvilError
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])]))
+    with pytest.raises(CuvilError, match=says):
+        cuvil.compile(model, precision="bf16", accuracy=accuracy)

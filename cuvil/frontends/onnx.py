@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .. import nbits
 from ..evaluate import evaluate_exact
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
@@ -338,6 +339,11 @@ class _Importer:
         return tuple(shape)
 
     def _infer(self, proto: onnx.NodeProto, name: str) -> list[tuple[tuple[int, ...], np.dtype]]:
+        if proto.domain == nbits.DOMAIN and proto.op_type == nbits.OP:
+            # A contrib op ONNX's shape inference does not know: its rule checks what Cuvil compiles.
+            node = Node(op=proto.op_type, name=name, inputs=list(proto.input), outputs=list(proto.output),
+                        attrs=_attrs(proto), domain=proto.domain)
+            return [nbits.check(node, self.values)]
         if proto.op_type == "MeanVarianceNormalization" and proto.domain in ("", "ai.onnx"):
             # ONNX's strict inference trips over this op's function body when `axes` is
             # left at its default; the output is the input's shape and type in any case.

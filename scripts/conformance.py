@@ -189,6 +189,9 @@ def write_doc(results: dict, path: Path, exclude_count: int | None = None) -> st
         f"| core op set ({len(CORE_OPS)} ops, issue 4) | {len(core)} | {passed(core)} | {_pct(passed(core), len(core))} |",
         f"| all node tests | {len(everything)} | {passed(everything)} | {_pct(passed(everything), len(everything))} |",
         "",
+        f"Tests where an exception other than a CuvilError escaped cuvil (a bug): "
+        f"{sum(bool(r.get('internal')) or r.get('reason', '').startswith('crash') for r in everything)}.",
+        "",
         "How it is measured:",
         "",
         "- Every node test onnx generates (`onnx.backend.test.loader.load_model_tests(kind='node')`) runs through "

@@ -43,26 +43,19 @@ FAST_SAMPLE = [
 ]
 
 EXCLUDE = {
-    "AssertionError: value '…' has no storage": [
-        'test_affine_grid_2d_align_corners_expanded', 'test_linear_attention_decode_step',
-        'test_linear_attention_decode_step_expanded', 'test_linear_attention_delta',
-        'test_linear_attention_delta_expanded', 'test_linear_attention_explicit_scale',
-        'test_linear_attention_explicit_scale_expanded', 'test_linear_attention_gated',
-        'test_linear_attention_gated_delta', 'test_linear_attention_gated_delta_beta_scalar',
-        'test_linear_attention_gated_delta_beta_scalar_expanded', 'test_linear_attention_gated_delta_expanded',
-        'test_linear_attention_gated_expanded', 'test_linear_attention_gated_per_head_decay',
-        'test_linear_attention_gated_per_head_decay_expanded', 'test_linear_attention_linear',
-        'test_linear_attention_linear_expanded', 'test_linear_attention_linear_t1_no_past',
-        'test_linear_attention_linear_t1_no_past_expanded', 'test_linear_attention_no_past_explicit_zeros',
-        'test_linear_attention_no_past_explicit_zeros_expanded', 'test_linear_attention_prefill_with_past',
-        'test_linear_attention_prefill_with_past_expanded',
-    ],
-    "UnsupportedOpError: input '…' is not a tensor (sequences and maps are not supported)": [
-        'test_identity_opt', 'test_identity_sequence', 'test_loop16_seq_none',
+    "UnsupportedOpError: input '…' is not a tensor (sequences, optionals and maps are not supported)": [
+        'test_identity_opt', 'test_identity_sequence', 'test_loop13_seq', 'test_loop16_seq_none',
         'test_optional_get_element_optional_sequence', 'test_optional_get_element_optional_tensor',
         'test_optional_get_element_sequence', 'test_optional_has_element_empty_optional_input',
-        'test_optional_has_element_optional_input', 'test_optional_has_element_tensor_input',
-        'test_sequence_map_add_1_sequence_1_tensor', 'test_sequence_map_identity_1_sequence',
+        'test_optional_has_element_optional_input', 'test_optional_has_element_tensor_input', 'op:SequenceInsert',
+        'op:SequenceMap',
+    ],
+    'UnsupportedOpError: bfloatN inputs are not supported (float only)': [
+        'test_attention_3d_causal_bf16', 'test_attention_3d_causal_bf16_expanded',
+        'test_attention_4d_attn_mask_causal_bf16', 'test_attention_4d_attn_mask_causal_bf16_expanded',
+        'test_attention_4d_causal_bf16', 'test_attention_4d_causal_bf16_expanded',
+        'test_attention_4d_causal_padded_kv_bf16', 'test_attention_4d_causal_padded_kv_bf16_expanded',
+        'test_attention_4d_padded_kv_bf16', 'test_attention_4d_padded_kv_bf16_expanded',
     ],
     "UnsupportedOpError: dtype floatN of '…' is not supported": [
         'test_attention_4d_causal_fp16', 'test_attention_4d_causal_fp16_expanded', 'test_attention_4d_fp16',
@@ -75,19 +68,7 @@ EXCLUDE = {
     ],
     "ShapeError: the shape of output '…' cannot be inferred statically": [
         'op:Compress', 'op:ImageDecoder', 'test_loop11', 'test_maxunpool_export_with_output_shape',
-        'op:NonMaxSuppression', 'op:NonZero', 'op:Scan', 'op:SplitToSequence', 'op:Unique',
-    ],
-    'ValueError: setting an array element with a sequence. The requested array has an inhomogeneous shape after N dimensions. The detected shape was (N,) + i': [
-        'op:SequenceInsert', 'test_sequence_map_add_2_sequences', 'test_sequence_map_add_2_sequences_expanded',
-        'test_sequence_map_extract_shapes', 'test_sequence_map_extract_shapes_expanded',
-        'test_sequence_map_identity_1_sequence_1_tensor', 'test_sequence_map_identity_1_sequence_1_tensor_expanded',
-        'test_sequence_map_identity_2_sequences', 'test_sequence_map_identity_2_sequences_expanded',
-    ],
-    "KeyError: '…'": [
-        'test_affine_grid_2d_expanded', 'test_affine_grid_3d_expanded', 'test_linear_attention_fp16',
-        'test_linear_attention_fp16_expanded', 'test_linear_attention_gated_delta_gqa',
-        'test_linear_attention_gated_delta_gqa_expanded', 'test_linear_attention_gated_delta_mqa',
-        'test_linear_attention_gated_delta_mqa_expanded',
+        'op:NonMaxSuppression', 'op:NonZero', 'op:Scan', 'op:Unique',
     ],
     "UnsupportedOpError: input '…': tensors of element type STRING are not supported": [
         'test_equal_string', 'test_equal_string_broadcast', 'op:LabelEncoder', 'op:RegexFullMatch', 'op:StringConcat',
@@ -96,18 +77,9 @@ EXCLUDE = {
     'UnsupportedOpError: the model imports no version of the default ONNX domain': [
         'op:Adagrad', 'op:Adam', 'op:ArrayFeatureExtractor', 'op:Binarizer', 'op:Momentum', 'op:TreeEnsemble',
     ],
-    "ValueError: Invalid integer data type '…'.": [
-        'test_attention_4d_attn_mask_causal_bf16', 'test_attention_4d_attn_mask_causal_bf16_expanded',
-        'test_attention_4d_causal_padded_kv_bf16', 'test_attention_4d_causal_padded_kv_bf16_expanded',
-        'test_attention_4d_padded_kv_bf16', 'test_attention_4d_padded_kv_bf16_expanded',
-    ],
-    'BuildError: compiling kernel cuvilk_conv_NfNeNaNfNbN (Conv) failed: NotImplementedError: floatN': [
+    'BuildError: compiling kernel cuvilk_conv_NfNcNaNdNdfaNf (Conv) failed: NotImplementedError: floatN': [
         'test_causal_conv_with_state_fp16', 'test_causal_conv_with_state_fp16_expanded',
         'test_causal_conv_with_state_silu_fp16', 'test_causal_conv_with_state_silu_fp16_expanded',
-    ],
-    'UnsupportedOpError: bfloatN inputs are not supported (float only)': [
-        'test_attention_3d_causal_bf16', 'test_attention_3d_causal_bf16_expanded', 'test_attention_4d_causal_bf16',
-        'test_attention_4d_causal_bf16_expanded',
     ],
     'UnsupportedOpError: training_mode with a non-zero ratio is random': [
         'test_training_dropout', 'test_training_dropout_default', 'test_training_dropout_default_mask',
@@ -119,28 +91,19 @@ EXCLUDE = {
     'UnsupportedOpError: op RandomUniformLike is not supported': [
         'test_bernoulli_double_expanded', 'test_bernoulli_expanded', 'test_bernoulli_seed_expanded',
     ],
-    "AttributeError: '…' object has no attribute '…'": [
-        'test_if_opt', 'test_if_seq',
+    "UnsupportedOpError: output '…' is not a tensor (sequences, optionals and maps are not supported)": [
+        'test_if_opt', 'test_if_seq', 'op:SplitToSequence',
     ],
-    'BuildError: compiling kernel cuvilk_matmul_NaNeNbNbNfNd (MatMul) failed: NotImplementedError: floatN': [
+    'BuildError: compiling kernel cuvilk_matmul_NdNaNfNfN (MatMul) failed: NotImplementedError: floatN': [
         'test_attention_24_qk_matmul_output_mode3_softmax_precision',
         'test_attention_24_qk_matmul_output_mode3_softmax_precision_expanded',
     ],
-    'BuildError: compiling kernel cuvilk_matmul_afdNaaNdNecd (MatMul) failed: NotImplementedError: floatN': [
+    'BuildError: compiling kernel cuvilk_matmul_abNfbNcNfffNe (MatMul) failed: NotImplementedError: floatN': [
         'test_flexattention_fp16', 'test_flexattention_fp16_expanded_ver26',
-    ],
-    "ModelError: evaluating it at build time failed: Issues with types […] and attributes […] and linked attributes=[…] (operator '…').": [
-        'test_sequence_map_add_1_sequence_1_tensor_expanded', 'test_sequence_map_identity_1_sequence_expanded',
     ],
     'UnsupportedOpError: op OptionalHasElement is not supported': [
         'test_optional_has_element_empty_no_input_optional_input',
         'test_optional_has_element_empty_no_input_tensor_input',
-    ],
-    "CuvilError: input '…': every dim of the shape […] must be positive": [
-        'test_loop13_seq',
-    ],
-    "ModelError: the model is malformed: KeyError: '…'": [
-        'test_affine_grid_3d_align_corners_expanded',
     ],
     'UnsupportedOpError: op DeformConv is not supported': [
         'op:DeformConv',

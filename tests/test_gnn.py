@@ -16,10 +16,8 @@ import pytest
 from onnx import helper
 
 import cuvil
-from passes.simplify_scatter import simplify_scatter
 from tests import zoo
 from tests.helpers import assert_matches_ort, make_model, rand
-from tests.test_passes.common import ops, run_pass
 
 F32, I64 = np.float32, np.int64
 # fp32 sums of a few terms in the same order as onnxruntime's: the same rounding, up to the
@@ -50,17 +48,23 @@ def _distinct_along(rng, axis, count, size, other):
 
 
 @pytest.mark.parametrize("reduction,opset", REDUCTIONS)
-@pytest.mark.parametrize("axis", [0, 1, -1])
-def test_scatter_elements_reductions_with_duplicates(reduction, opset, axis):
+def test_scatter_elements_reductions_with_duplicates(reduction, opset):
+    """One model: along axis 0, 1 and -1 of a [6, 5] tensor."""
     rng = np.random.default_rng(1)
     shape = (6, 5)
-    along = axis % 2
-    if reduction == "none":
-        idx = _distinct_along(rng, along, 4, shape[along], shape[1 - along]).astype(I64)
-    else:
-        idx = rng.integers(-shape[along], shape[along], (9, 5) if along == 0 else (6, 8)).astype(I64)
-    model = _scatter_model("ScatterElements", shape, idx.shape, idx.shape, opset, axis=axis, reduction=reduction)
-    _exact(model, {"x": rand(*shape, seed=2), "i": idx, "u": rand(*idx.shape, seed=3)})
+    nodes, inputs, feeds = [], [("x", F32, list(shape))], {"x": rand(*shape, seed=2)}
+    for k, axis in enumerate([0, 1, -1]):
+        along = axis % 2
+        if reduction == "none":
+            idx = _distinct_along(rng, along, 4, shape[along], shape[1 - along]).astype(I64)
+        else:
+            idx = rng.integers(-shape[along], shape[along], (9, 5) if along == 0 else (6, 8)).astype(I64)
+        nodes.append(helper.make_node("ScatterElements", ["x", f"i{k}", f"u{k}"], [f"y{k}"], axis=axis,
+                                      reduction=reduction))
+        inputs += [(f"i{k}", I64, list(idx.shape)), (f"u{k}", F32, list(idx.shape))]
+        feeds.update({f"i{k}": idx, f"u{k}": rand(*idx.shape, seed=3 + k)})
+    model = make_model(nodes, inputs, [(f"y{k}", F32, None) for k in range(3)], opset=opset)
+    _exact(model, feeds)
 
 
 @pytest.mark.parametrize("reduction,opset", REDUCTIONS)
@@ -125,64 +129,6 @@ def test_gather_nd_rows(batch_dims, ishape):
     _exact(model, {"x": rand(*shape, seed=14), "i": idx})
 
 
-# simplify_scatter --------------------------------------------------------------------------------
-
-def _expanded_scatter_model(reduction="max", axis=0, expand_from=(40, 1), dtype=I64):
-    nodes = [helper.make_node("Expand", ["dst", "shape"], ["index"]),
-             helper.make_node("ScatterElements", ["x", "index", "msg"], ["y"], axis=axis, reduction=reduction)]
-    return make_model(nodes, [("x", F32, [10, 6]), ("dst", dtype, list(expand_from)), ("msg", F32, [40, 6])],
-                      [("y", F32, None)], initializers={"shape": np.array([40, 6], I64)}, opset=18)
-
-
-def _dst(shape=(40, 1), dtype=I64):
-    return np.random.default_rng(15).integers(0, 10, shape).astype(dtype)
-
-
-@pytest.mark.parametrize("reduction", ["none", "add", "max"])
-def test_simplify_scatter(reduction):
-    dst = np.random.default_rng(15).permutation(10)[:6].reshape(6, 1) if reduction == "none" else _dst()
-    model = _expanded_scatter_model(reduction, expand_from=dst.shape)
-    if reduction == "none":
-        model = make_model([helper.make_node("Expand", ["dst", "shape"], ["index"]),
-                            helper.make_node("ScatterElements", ["x", "index", "msg"], ["y"], axis=0)],
-                           [("x", F32, [10, 6]), ("dst", I64, [6, 1]), ("msg", F32, [6, 6])], [("y", F32, None)],
-                           initializers={"shape": np.array([6, 6], I64)}, opset=18)
-    feeds = {"x": rand(10, 6, seed=16), "dst": dst, "msg": rand(dst.shape[0], 6, seed=17)}
-    before, after = run_pass(simplify_scatter, model, feeds, tol=0.0)
-    assert ops(before) == ["Expand", "ScatterElements"]
-    assert ops(after) == ["Expand", "ScatterND"]  # the Expand is eliminate_dead's
-    assert after.nodes[1].inputs[1] == "dst" and after.nodes[1].attrs.get("reduction", "none") == reduction
-    assert_matches_ort(model, feeds, tol=0.0)  # the whole pipeline: the Expand is gone
-
-
-def test_simplify_scatter_reshapes_rank_3_rows():
-    nodes = [helper.make_node("Expand", ["dst", "shape"], ["index"]),
-             helper.make_node("ScatterElements", ["x", "index", "msg"], ["y"], axis=0, reduction="add")]
-    model = make_model(nodes, [("x", F32, [10, 3, 2]), ("dst", I64, [40, 1, 1]), ("msg", F32, [40, 3, 2])],
-                       [("y", F32, None)], initializers={"shape": np.array([40, 3, 2], I64)}, opset=18)
-    feeds = {"x": rand(10, 3, 2, seed=18), "dst": _dst((40, 1, 1)), "msg": rand(40, 3, 2, seed=19)}
-    _, after = run_pass(simplify_scatter, model, feeds, tol=0.0)
-    assert ops(after) == ["Expand", "Reshape", "ScatterND"]
-
-
-@pytest.mark.parametrize("case", ["axis1", "int32", "partial_expand"])
-def test_simplify_scatter_must_not_fire(case):
-    if case == "axis1":  # indices along axis 1: not a row scatter
-        nodes = [helper.make_node("Expand", ["dst", "shape"], ["index"]),
-                 helper.make_node("ScatterElements", ["x", "index", "msg"], ["y"], axis=1, reduction="add")]
-        model = make_model(nodes, [("x", F32, [10, 6]), ("dst", I64, [10, 1]), ("msg", F32, [10, 6])],
-                           [("y", F32, None)], initializers={"shape": np.array([10, 6], I64)}, opset=18)
-        feeds = {"x": rand(10, 6, seed=20), "dst": _dst((10, 1)) % 6, "msg": rand(10, 6, seed=21)}
-    elif case == "int32":  # ScatterND takes int64 indices only
-        model = _expanded_scatter_model(dtype=np.int32)
-        feeds = {"x": rand(10, 6, seed=20), "dst": _dst(dtype=np.int32), "msg": rand(40, 6, seed=21)}
-    else:  # the index varies along the row: [40, 6] expanded from [1, 6]... here from [40, 6] itself
-        model = _expanded_scatter_model(expand_from=(40, 6))
-        feeds = {"x": rand(10, 6, seed=20), "dst": _dst((40, 6)), "msg": rand(40, 6, seed=21)}
-    before, after = run_pass(simplify_scatter, model, feeds, tol=0.0)
-    assert after is before
-
-
 # GraphSAGE and GAT -------------------------------------------------------------------------------
 
 torch = pytest.importorskip("torch")
@@ -245,3 +191,19 @@ def test_gnn_zoo_torchscript_export_max(name):
     got = cuvil.compile(model).run({"x": x, "edge_index": edge_index})["output"]
     want = module(torch.from_numpy(x), torch.from_numpy(edge_index)).detach().numpy()
     assert np.abs(got - want).max() <= TOL * np.abs(want).max()
+
+
+def test_index_put_accumulate_dynamo_export():
+    """index_put_(accumulate=True), the other way users write a segment sum: ScatterND(add)."""
+
+    class IndexPut(torch.nn.Module):
+        def forward(self, x, edge_index):
+            out = torch.zeros(GNN_NODES, x.shape[1])
+            return out.index_put_((edge_index[1],), x[edge_index[0]], accumulate=True)
+
+    x, edge_index = zoo.sample_input((GNN_NODES, 32)), zoo.random_edges(GNN_NODES, GNN_EDGES)
+    model = _dynamo_export(IndexPut(), x, edge_index)
+    assert "ScatterND" in {n.op_type for n in model.graph.node}
+    _, got = assert_matches_ort(model, {"x": x, "edge_index": edge_index}, tol=0.0)
+    want = IndexPut()(torch.from_numpy(x), torch.from_numpy(edge_index)).numpy()
+    assert np.abs(list(got.values())[0] - want).max() <= TOL * np.abs(want).max()

@@ -97,8 +97,9 @@ def tool_versions() -> dict:
 
 
 @lru_cache(maxsize=None)
-def compiler_version() -> str:
-    cc = os.environ.get("CC", "gcc")
+def compiler_version(cc: str | None = None) -> str:
+    """The first line of `cc --version` (default $CC, else gcc): in every link step's key."""
+    cc = cc or os.environ.get("CC", "gcc")
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
         return out.splitlines()[0]
@@ -165,6 +166,8 @@ def add_kernel_steps(dag, link_step: str, bundle: dict) -> list[str]:
 def _run_link(dag, bundle, params):
     """The library (shared, static or both), its header, its pkg-config file and CMake package
     (consumers.py), and the manifest listing each file's sha256."""
+    from backends.targets import target_from_key
+
     from .consumers import consumer_files
     kernels = json.loads(bundle["kernels.json"])
     steps = add_kernel_steps(dag, params["link_step"], bundle)
@@ -172,7 +175,8 @@ def _run_link(dag, bundle, params):
     name = params["name"]
     gpu = params["target"].get("kind") == "cuda"
     files = pipeline.link(name, params["symbol_prefix"], bundle["driver.c"], bundle["weights.bin"], objects,
-                          sanitize=params["sanitize"], gpu=gpu, mode=params["link"])
+                          sanitize=params["sanitize"], gpu=gpu, mode=params["link"],
+                          target=None if gpu else target_from_key(params["target"]))
     info = json.loads(bundle["info.json"])
     files = {**files, f"{name}.h": bundle["header.h"], **consumer_files(info, sorted(files), gpu)}
     if params["sanitize"]:
@@ -210,6 +214,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     to install: the link step, or for bf16 / fp16 the accuracy step after it (which also plans
     the float32 build it compares with, its steps named with the tag "fp32-reference")."""
     from backends.native.link import CFLAGS, LDFLAGS
+    from backends.targets import c_compiler
 
     from .config import LINK_MODES
     if spec.link not in LINK_MODES:
@@ -254,7 +259,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
 
     def add_link(step_name, mode):
         link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": CFLAGS, "ldflags": LDFLAGS,
-                       "sanitize": spec.sanitize, "cc": compiler_version(), "target": target.as_key(),
+                       "sanitize": spec.sanitize, "cc": compiler_version(c_compiler(target)), "target": target.as_key(),
                        "link_step": step_name, "link": mode}
         return dag.add(Step(step_name, "link", link_params, [codegen],
                             lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files))

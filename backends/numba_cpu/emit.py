@@ -153,8 +153,11 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     ir = re.sub(r"^(attributes #\d+ = \{.*?)\bnoinline\b", r"\1 nounwind", ir, flags=re.M)
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source, LOWP_KINDS).items()):
-        generate = ukernel_lowp_ir if getattr(spec, "kind", "") in LOWP_KINDS else ukernel_ir
-        module.link_in(llvm.parse_assembly(generate(spec, target.vector_bits)))
+        if getattr(spec, "kind", "") in LOWP_KINDS:
+            text = ukernel_lowp_ir(spec, target.vector_bits)
+        else:
+            text = ukernel_ir(spec, target.vector_bits, target.arch)
+        module.link_in(llvm.parse_assembly(text))
     helpers = 0
     for fn in module.functions:
         if fn.is_declaration:

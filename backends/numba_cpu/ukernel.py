@@ -289,8 +289,10 @@ def function_module(head: str, ir: IRBuilder, rename: dict, decls: list) -> str:
     return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
-def ukernel_ir(spec, vector_bits: int) -> str:
-    """The LLVM IR (a module of one function named spec.name) for the target's vector width."""
+def ukernel_ir(spec, vector_bits: int, arch: str = "x86_64") -> str:
+    """The LLVM IR (a module of one function named spec.name) for the target's vector width; only
+    the synchronisation kernels depend on the ISA `arch` (the others are portable vector IR, which
+    LLVM lowers to SSE/AVX on x86-64 and to NEON, `fmla`, on AArch64)."""
     if isinstance(spec, GatherSpec):
         return gather_ir(spec, vector_bits)
     if isinstance(spec, DwRowSpec):
@@ -298,7 +300,7 @@ def ukernel_ir(spec, vector_bits: int) -> str:
     if isinstance(spec, TSpec):
         return tkernel_ir(spec, vector_bits)
     if isinstance(spec, SyncSpec):
-        return sync_ir(spec)
+        return sync_ir(spec, arch)
     L = min(lanes_for(vector_bits), 16)
     assert spec.nr % L == 0 and spec.nr <= 64
     V = spec.nr // L
@@ -583,7 +585,25 @@ SYNC_YIELD_SPINS = 1000   # "wait" spins this many times (tens of microseconds),
                           # checks: a partner thread on the same core (a new pool, before the OS moves it) runs
 
 
-def sync_ir(spec: SyncSpec) -> str:
+# The ISA-specific pieces of the synchronisation kernels: the spin-wait hint and the time stamp.
+# AArch64: YIELD (hint #1) and the virtual counter CNTVCT_EL0 (llvm.readsteadycounter): LLVM's
+# readcyclecounter reads PMCCNTR_EL0 there, which Linux does not let a user program read. The
+# counter ticks at 1 GHz on ARMv8.6 cores and slower (tens of MHz) on older ones: the adopt timeout
+# is then longer than on x86-64, which only delays a late partner's half, never changes results.
+SPIN_HINT = {"x86_64": ("call void @llvm.x86.sse2.pause()", "declare void @llvm.x86.sse2.pause()"),
+             "aarch64": ("call void @llvm.aarch64.hint(i32 1)", "declare void @llvm.aarch64.hint(i32)")}
+TIME_STAMP = {"x86_64": "readcyclecounter", "aarch64": "readsteadycounter"}
+
+
+def sync_ir(spec: SyncSpec, arch: str = "x86_64") -> str:
+    pause, declare_pause = SPIN_HINT[arch]
+    stamp = TIME_STAMP[arch]
+    return (_sync_ir(spec).replace("call void @llvm.x86.sse2.pause()", pause)
+            .replace("declare void @llvm.x86.sse2.pause()", declare_pause)
+            .replace("@llvm.readcyclecounter()", f"@llvm.{stamp}()"))
+
+
+def _sync_ir(spec: SyncSpec) -> str:
     head = f"define i32 @{spec.name}(ptr %p, i64 %off, i64 %arg) #0 {{\nentry:\n" \
            "  %q = getelementptr i32, ptr %p, i64 %off\n  %a = trunc i64 %arg to i32\n"
     if spec.op == "claim":

@@ -121,12 +121,19 @@ def _variant_params(params: dict) -> pipeline.VariantParams:
                                   params["memory"], params["max_arena_mb"])
 
 
+def _cpu_provenance(target: dict) -> dict:
+    """A CPU target's machine in the provenance: its CPU and triple, and the features it names (not
+    native's: those are this machine's, a long list; its cpu says as much)."""
+    named = {"features": target["features"]} if target["features"] and target["name"] != "native" else {}
+    return {"cpu": target["cpu"], "triple": target["triple"], **named}
+
+
 def _run_codegen(dag, graph, params):
     planned = pipeline.plan(graph, _variant_params(params))
     provenance = {
         "name": params["name"],
         "target": params["target_name"],
-        **({"cpu": params["target"]["cpu"]} if "cpu" in params["target"] else {"gpu_arch": "sm_%d%d" % tuple(params["target"]["cc"])}),
+        **(_cpu_provenance(params["target"]) if "cpu" in params["target"] else {"gpu_arch": "sm_%d%d" % tuple(params["target"]["cc"])}),
         "precision": params["precision"],
         "threads": params["threads"],
         "symbol_prefix": params["symbol_prefix"],

@@ -149,6 +149,8 @@ def describe(path) -> Description:
 
 def is_foreign(path) -> bool:
     """Whether `path` is an ELF library for another ISA than this machine's."""
+    if not Path(path).is_file():
+        return False
     arch = elf_arch(Path(path))
     return arch is not None and arch != HOST_ARCH
 

@@ -163,6 +163,13 @@ class Library:
             raise CuvilError(f"{self.path}: a static archive cannot be loaded, only linked into a program",
                              hint="load the shared library (build with `link: shared` or `both`); the "
                                   "archive's description is in manifest.json beside it")
+        from .cross import HOST_ARCH, elf_arch
+        arch = elf_arch(self.path)
+        if arch is not None and arch != HOST_ARCH:
+            raise CuvilError(f"{self.path}: a library for {arch} (a cross target), which this {HOST_ARCH} "
+                             f"machine cannot load",
+                             hint=f"run it on an {arch} machine, or here under qemu-user (cuvil.cross.run_emulated; "
+                                  f"the README's \"Cross targets\"); `cuvil inspect` describes it")
         try:
             self._lib = ctypes.CDLL(str(self.path))
         except OSError as exc:

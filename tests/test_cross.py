@@ -1,0 +1,262 @@
+"""Cross targets (issue 28): libraries for aarch64 Linux built on this x86-64 machine with the
+Debian cross gcc, run under qemu-aarch64 through cuvil/cross.py's C program and compared with
+onnxruntime here.
+
+Tolerance: max |cuvil - onnxruntime| / max |onnxruntime| <= TOL, the float32 bound of the other
+fp32 model tests. The aarch64 kernels are the same vector IR as the x86 ones, lowered to NEON
+(4 floats a vector, fused multiply-add), so their sums are ordered as in the x86 `generic` target's.
+
+The tools come from `.ci/run` (apt-get install gcc-aarch64-linux-gnu qemu-user); without them the
+tests that build or run aarch64 code skip, saying which package is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from backends.targets import TARGETS, c_compiler, cc_variable
+from cuvil.build import VariantSpec, build_variant
+from cuvil.cache import Cache
+from cuvil.cross import describe, elf_arch, emulator_problem, run_emulated
+from cuvil.errors import CuvilError, RuntimeFailure
+from tests.helpers import run_ort
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "models" / "tiny_cnn.onnx"
+TOL = 1e-5
+
+PROBLEM = emulator_problem("aarch64")
+needs_cross = pytest.mark.skipif(PROBLEM is not None, reason=f"cannot build and run aarch64 here: {PROBLEM}")
+
+
+def _cache() -> Cache:
+    return Cache(Path(os.environ["CUVIL_CACHE_DIR"]))
+
+
+def build(model, shapes: dict, out: Path, target="aarch64-linux", cache=None, **options):
+    """Build `model` for `target` into `out`: its Artifacts."""
+    source = model if isinstance(model, (str, Path)) else model.SerializeToString()
+    spec = VariantSpec(name=options.pop("name", "m"), source=source, input_shapes=shapes, target=target, **options)
+    return build_variant(spec, out, cache or _cache())
+
+
+def assert_close(got: dict, want: dict, tol: float = TOL):
+    assert list(got) == list(want), f"output names differ: {list(got)} vs {list(want)}"
+    for name, ref in want.items():
+        out = got[name]
+        assert out.shape == ref.shape and out.dtype == ref.dtype, f"{name}: {out.shape} {out.dtype} vs {ref.shape} {ref.dtype}"
+        scale = max(float(np.max(np.abs(ref))), 1e-6)
+        err = float(np.max(np.abs(out.astype(np.float64) - ref.astype(np.float64))))
+        assert err / scale <= tol, f"{name}: max abs error {err:.3g} / max |ref| {scale:.3g} > {tol}"
+
+
+def check_against_ort(model: onnx.ModelProto, feeds: dict, out: Path, target="aarch64-linux", **options):
+    artifacts = build(model, {k: list(v.shape) for k, v in feeds.items()}, out, target=target, **options)
+    assert elf_arch(artifacts.library) == "aarch64"
+    got = run_emulated(artifacts.library, feeds)
+    assert_close(got, run_ort(model, feeds))
+    return artifacts
+
+
+def _zoo():
+    pytest.importorskip("torch")
+    from tests import zoo
+    return zoo
+
+
+# -- targets, errors (no cross tools needed) ------------------------------------------------
+
+def test_aarch64_targets_are_named_for_llvm_and_gcc():
+    base, variant = TARGETS["aarch64-linux"], TARGETS["aarch64-neon-fp16-dotprod"]
+    for target in (base, variant):
+        assert target.triple == "aarch64-unknown-linux-gnu" and target.arch == "aarch64" and target.is_cross
+        assert target.vector_bits == 128 and "+neon" in target.features.split(",")
+        assert target.as_key()["triple"] == "aarch64-unknown-linux-gnu"   # in every kernel and link step key
+    assert {"+fullfp16", "+dotprod"} <= set(variant.features.split(","))
+    assert "+fullfp16" not in base.features
+    from backends.targets import required_features
+    assert required_features(base) == ["neon"]
+    assert required_features(variant) == ["neon", "fullfp16", "dotprod"]
+    assert not TARGETS["generic"].is_cross
+
+
+def test_aarch64_kernels_carry_no_x86_intrinsics():
+    """The only ISA-specific micro-kernels (the LSTM's thread synchronisation) get AArch64's spin
+    hint and counter; LLVM's AArch64 backend compiles each of them."""
+    import llvmlite.binding as llvm
+
+    from backends.numba_cpu.ukernel import SyncSpec, ukernel_ir
+    from backends.targets import init_llvm
+    init_llvm()
+    machine = llvm.Target.from_triple("aarch64-unknown-linux-gnu").create_target_machine(
+        cpu="generic", features="+neon", opt=2, reloc="pic")
+    for op in ("claim", "adopt", "add", "wait"):
+        text = ukernel_ir(SyncSpec(op), 128, "aarch64")
+        assert "llvm.x86" not in text and "readcyclecounter" not in text
+        module = llvm.parse_assembly(text)
+        module.triple = "aarch64-unknown-linux-gnu"
+        assert machine.emit_object(module)[:4] == b"\x7fELF"
+        assert ukernel_ir(SyncSpec(op), 512) == ukernel_ir(SyncSpec(op), 512, "x86_64")
+
+
+def test_missing_cross_compiler_names_the_debian_package(monkeypatch):
+    monkeypatch.setenv(cc_variable("aarch64-unknown-linux-gnu"), "no-such-aarch64-gcc")
+    with pytest.raises(CuvilError) as error:
+        c_compiler(TARGETS["aarch64-linux"])
+    assert "no-such-aarch64-gcc" in error.value.message
+    assert "apt-get install gcc-aarch64-linux-gnu" in error.value.hint
+    with pytest.raises(CuvilError) as error:   # a build stops there, before compiling anything
+        build(EXAMPLE, {"input": [1, 3, 32, 32]}, Path("unused"))
+    assert "gcc-aarch64-linux-gnu" in error.value.hint
+
+
+def test_cross_targets_refuse_what_would_run_here():
+    with pytest.raises(CuvilError) as error:
+        build(EXAMPLE, {"input": [1, 3, 32, 32]}, Path("unused"), precision="bf16")
+    assert "cross target 'aarch64-linux'" in error.value.message
+    import cuvil
+    with pytest.raises(CuvilError) as error:
+        cuvil.compile(str(EXAMPLE), input_shapes={"input": [1, 3, 32, 32]}, target="aarch64-linux")
+    assert "cannot be loaded on this machine" in error.value.message and "cuvil build" in error.value.hint
+
+
+def test_config_accepts_the_cross_targets(tmp_path):
+    from cuvil.config import load_config
+    (tmp_path / "cuvil.yaml").write_text(
+        "version: 1\nmodels:\n  - name: tiny_cnn\n    source: %s\n    inputs: {input: [1, 3, 32, 32]}\n"
+        "    targets: [native, aarch64-linux, aarch64-neon-fp16-dotprod]\n" % EXAMPLE)
+    assert load_config(tmp_path / "cuvil.yaml").models[0].targets == ["native", "aarch64-linux",
+                                                                      "aarch64-neon-fp16-dotprod"]
+
+
+# -- built and run under qemu-aarch64 ---------------------------------------------------------
+
+@needs_cross
+def test_example_runs_on_aarch64(tmp_path):
+    model = onnx.load(EXAMPLE)
+    feeds = {"input": np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)}
+    artifacts = check_against_ort(model, feeds, tmp_path, name="tiny_cnn")
+    library = artifacts.library
+    # only libc (and libm for the kernels' calls): nothing from the build machine
+    dynamic = subprocess.run(["aarch64-linux-gnu-readelf", "-d", str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    needed = sorted(line.split("[")[1].rstrip("]") for line in dynamic.splitlines() if "(NEEDED)" in line)
+    assert set(needed) <= {"libc.so.6", "libm.so.6"}, needed
+    # the description: in the manifest and in the library, read without loading it
+    manifest = json.loads(artifacts.manifest.read_text())
+    assert manifest["target"] == "aarch64-linux" and manifest["triple"] == "aarch64-unknown-linux-gnu"
+    assert describe(library).info["triple"] == "aarch64-unknown-linux-gnu"
+    with pytest.raises(CuvilError, match="a library for aarch64"):
+        __import__("cuvil").load(library)
+    inspect = subprocess.run([os.sys.executable, "-m", "cuvil", "inspect", str(library)], capture_output=True,
+                             text=True, cwd=ROOT)
+    assert inspect.returncode == 0, inspect.stderr
+    assert "target     aarch64-linux (cpu generic +neon,+fp-armv8), aarch64-unknown-linux-gnu" in inspect.stdout
+
+
+@needs_cross
+def test_feature_variant_checks_hwcap(tmp_path):
+    """The fp16 + dot-product variant runs on a CPU that has both (qemu's default, "max") and
+    refuses, naming the feature, to make a session on a Cortex-A53 (ARMv8.0: neither)."""
+    model = onnx.load(EXAMPLE)
+    feeds = {"input": np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)}
+    artifacts = check_against_ort(model, feeds, tmp_path / "variant", target="aarch64-neon-fp16-dotprod")
+    assert artifacts.info["features"] == TARGETS["aarch64-neon-fp16-dotprod"].features
+    with pytest.raises(RuntimeFailure) as error:
+        run_emulated(artifacts.library, feeds, cpu="cortex-a53")
+    assert "session_create failed" in str(error.value) and "uses fullfp16" in str(error.value)
+    # the base target runs on the A53
+    base = build(EXAMPLE, {"input": [1, 3, 32, 32]}, tmp_path / "base")
+    assert_close(run_emulated(base.library, feeds, cpu="cortex-a53"), run_ort(model, feeds))
+
+
+@needs_cross
+def test_small_resnet_on_aarch64(tmp_path):
+    zoo = _zoo()
+    model = zoo.export(zoo.resnet((1, 1, 1, 1), width=8, num_classes=10), {"input": (1, 3, 32, 32)})
+    check_against_ort(model, {"input": zoo.sample_input((1, 3, 32, 32))}, tmp_path)
+
+
+@needs_cross
+def test_small_mobilenet_v2_on_aarch64_two_threads(tmp_path):
+    zoo = _zoo()
+    model = zoo.export(zoo.mobilenet_v2(width_mult=0.25, num_classes=10), {"input": (1, 3, 32, 32)})
+    check_against_ort(model, {"input": zoo.sample_input((1, 3, 32, 32))}, tmp_path, threads=2)
+
+
+@needs_cross
+def test_small_encoder_on_aarch64(tmp_path):
+    zoo = _zoo()
+    seq = 8
+    model = zoo.export(zoo.bert_encoder(layers=1, d=32, heads=2, ff=64, seq=seq), {"ids": (1, seq), "mask": (1, seq)},
+                       int_inputs=("ids",))
+    mask = np.ones((1, seq), np.float32)
+    mask[0, 6:] = 0
+    ids = np.random.default_rng(2).integers(0, 100, (1, seq)).astype(np.int64)
+    check_against_ort(model, {"ids": ids, "mask": mask}, tmp_path)
+
+
+@needs_cross
+def test_lstm_on_aarch64_split_over_two_threads(tmp_path):
+    """Two threads: the recurrence runs as two halves synchronised by the sync micro-kernels
+    (rnn.py _unit_split), which are the AArch64 ones here."""
+    zoo = _zoo()
+    model = zoo.export(zoo.lstm_model(inp=8, hidden=32, layers=1), {"x": (1, 6, 8)})
+    check_against_ort(model, {"x": zoo.sample_input((1, 6, 8))}, tmp_path, threads=2)
+
+
+@needs_cross
+@pytest.mark.slow
+def test_resnet18_on_aarch64(tmp_path):
+    zoo = _zoo()
+    model = zoo.export(zoo.resnet((2, 2, 2, 2)), {"input": (1, 3, 224, 224)})
+    check_against_ort(model, {"input": zoo.sample_input((1, 3, 224, 224))}, tmp_path)
+
+
+@needs_cross
+@pytest.mark.slow
+def test_mobilenet_v2_at_224_on_aarch64(tmp_path):
+    zoo = _zoo()
+    model = zoo.export(zoo.mobilenet_v2(), {"input": (1, 3, 224, 224)})
+    check_against_ort(model, {"input": zoo.sample_input((1, 3, 224, 224))}, tmp_path)
+
+
+# -- reproducible, and built beside the native library ----------------------------------------
+
+@needs_cross
+def test_aarch64_library_is_byte_identical_from_two_build_folders(tmp_path):
+    """Two builds with separate caches (every kernel compiled again, in other processes) and
+    output folders give the same bytes, the static archive's too."""
+    builds = [build(EXAMPLE, {"input": [1, 3, 32, 32]}, tmp_path / f"out{i}", cache=Cache(tmp_path / f"cache{i}"),
+                    name="tiny_cnn", link="both") for i in (1, 2)]
+    for name in ("libtiny_cnn.so", "libtiny_cnn.a", "manifest.json"):
+        first, second = (b.library.parent / name for b in builds)
+        assert first.read_bytes() == second.read_bytes(), name
+    archive = builds[0].library.parent / "libtiny_cnn.a"
+    members = subprocess.run(["aarch64-linux-gnu-objdump", "-f", str(archive)], capture_output=True, text=True,
+                             check=True).stdout
+    assert "elf64-littleaarch64" in members
+
+
+@needs_cross
+def test_one_build_makes_native_and_aarch64_libraries(tmp_path):
+    (tmp_path / "cuvil.yaml").write_text(
+        "version: 1\noutput_dir: out\ncache: {dir: %s}\nmodels:\n  - name: tiny_cnn\n    source: %s\n"
+        "    inputs: {input: [1, 3, 32, 32]}\n    targets: [native, aarch64-linux]\n"
+        % (os.environ["CUVIL_CACHE_DIR"], EXAMPLE))
+    result = subprocess.run([os.sys.executable, "-m", "cuvil", "build", "-f", str(tmp_path / "cuvil.yaml")],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    native, cross = tmp_path / "out/tiny_cnn/native/libtiny_cnn.so", tmp_path / "out/tiny_cnn/aarch64-linux/libtiny_cnn.so"
+    assert elf_arch(native) == "x86_64" and elf_arch(cross) == "aarch64"
+    feeds = {"input": np.random.default_rng(3).standard_normal((1, 3, 32, 32)).astype(np.float32)}
+    import cuvil
+    want = run_ort(onnx.load(EXAMPLE), feeds)
+    assert_close(cuvil.load(native).run(feeds), want)
+    assert_close(run_emulated(cross, feeds), want)

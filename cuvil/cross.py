@@ -231,7 +231,10 @@ def run_emulated(library, feeds: dict, cpu: str | None = None, timeout: float = 
             nbytes = int(np.prod(spec["shape"], dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize
             args.append(f"{tmp / f'out{i}.bin'}:{nbytes}")
         cmd = [*toolchain.run_prefix(cpu), str(exe), str(described.path), described.prefix, *args]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeFailure(f"{described.path.name} under {toolchain.emulator}: no answer in {timeout:g} s") from None
         if result.returncode != 0:
             raise RuntimeFailure(f"{described.path.name} under {toolchain.emulator}: exit {result.returncode}: "
                                  f"{(result.stderr or result.stdout).strip()[-2000:]}")

@@ -585,22 +585,42 @@ SYNC_YIELD_SPINS = 1000   # "wait" spins this many times (tens of microseconds),
                           # checks: a partner thread on the same core (a new pool, before the OS moves it) runs
 
 
-# The ISA-specific pieces of the synchronisation kernels: the spin-wait hint and the time stamp.
-# AArch64: YIELD (hint #1) and the virtual counter CNTVCT_EL0 (llvm.readsteadycounter): LLVM's
-# readcyclecounter reads PMCCNTR_EL0 there, which Linux does not let a user program read. The
-# counter ticks at 1 GHz on ARMv8.6 cores and slower (tens of MHz) on older ones: the adopt timeout
-# is then longer than on x86-64, which only delays a late partner's half, never changes results.
+# The ISA-specific pieces of the synchronisation kernels: the spin-wait hint and the time stamp of
+# "adopt", whose timeout (its argument) is in x86 time-stamp counter ticks (~3 GHz). AArch64: YIELD
+# (hint #1) and the virtual counter CNTVCT_EL0, read with MRS (LLVM's readcyclecounter reads
+# PMCCNTR_EL0 there, which Linux does not let a user program read, and its readsteadycounter
+# folded to 0, so the timeout never came); the timeout is converted with the counter's frequency
+# CNTFRQ_EL0 (1 GHz on ARMv8.6 cores, 31.25 MHz on a Jetson Orin) to the same ~3 us.
 SPIN_HINT = {"x86_64": ("call void @llvm.x86.sse2.pause()", "declare void @llvm.x86.sse2.pause()"),
              "aarch64": ("call void @llvm.aarch64.hint(i32 1)", "declare void @llvm.aarch64.hint(i32)")}
-TIME_STAMP = {"x86_64": "readcyclecounter", "aarch64": "readsteadycounter"}
+TSC_HZ = 3_000_000_000
+_AARCH64_COUNTER = "call i64 @llvm.read_volatile_register.i64(metadata !0)"
+_AARCH64_TIMEOUT = f"""  %frq = call i64 @llvm.read_volatile_register.i64(metadata !1)
+  %arg_f = mul i64 %arg, %frq
+  %limit = udiv i64 %arg_f, {TSC_HZ}
+"""
+# clang's __builtin_arm_rsr64: the registers by name (no inline assembly, which llvmlite's
+# AArch64 object writer cannot parse)
+_AARCH64_REGISTERS = """
+declare i64 @llvm.read_volatile_register.i64(metadata)
+!0 = !{!"cntvct_el0"}
+!1 = !{!"cntfrq_el0"}
+"""
 
 
 def sync_ir(spec: SyncSpec, arch: str = "x86_64") -> str:
+    text = _sync_ir(spec)
+    if arch == "x86_64":
+        return text
     pause, declare_pause = SPIN_HINT[arch]
-    stamp = TIME_STAMP[arch]
-    return (_sync_ir(spec).replace("call void @llvm.x86.sse2.pause()", pause)
+    text = (text.replace("call void @llvm.x86.sse2.pause()", pause)
             .replace("declare void @llvm.x86.sse2.pause()", declare_pause)
-            .replace("@llvm.readcyclecounter()", f"@llvm.{stamp}()"))
+            .replace("call i64 @llvm.readcyclecounter()", _AARCH64_COUNTER)
+            .replace("declare i64 @llvm.readcyclecounter()\n", ""))
+    if spec.op == "adopt":
+        text = text.replace("  br label %check\ncheck:", _AARCH64_TIMEOUT + "  br label %check\ncheck:", 1)
+        text = text.replace("icmp ugt i64 %dt, %arg", "icmp ugt i64 %dt, %limit")
+    return text + (_AARCH64_REGISTERS if "read_volatile_register" in text else "")
 
 
 def _sync_ir(spec: SyncSpec) -> str:

@@ -28,10 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CuvilError, RuntimeFailure
-
-# e_machine of the ELF header (the System V ABI's list) -> the ISA names of backends/targets.py.
-ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
-HOST_ARCH = "x86_64"
+from .runtime import HOST_ARCH, find_prefix, elf_arch  # noqa: F401  (elf_arch: cuvil.cross's too)
 
 HARNESS = r"""/* cuvil-run: run a cuvil library once on raw input files (no Python on the machine).
    usage: cuvil-run LIB PREFIX N_IN in_0 ... N_OUT out_0:bytes ... */
@@ -107,16 +104,6 @@ int main(int argc, char** argv) {
 """
 
 
-def elf_arch(path: Path) -> str | None:
-    """The ISA of an ELF file ("x86_64", "aarch64"), or None when it is not a 64-bit little-endian ELF
-    of a known machine."""
-    with open(path, "rb") as f:
-        head = f.read(20)
-    if len(head) < 20 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-        return None
-    return ELF_MACHINES.get(int.from_bytes(head[18:20], "little"))
-
-
 @dataclass
 class Description:
     """What a library says about itself, read from its bytes (not loaded)."""
@@ -129,12 +116,11 @@ class Description:
 def describe(path) -> Description:
     """The description of a library for any machine, from its file: its ISA, symbol prefix and info
     JSON (the string its model_info() returns)."""
-    from .runtime import _find_prefix
     path = Path(path).resolve()
     if not path.is_file():
         raise CuvilError(f"library not found: {path}")
     data = path.read_bytes()
-    prefix = _find_prefix(path)
+    prefix = find_prefix(path)
     # json.dumps(sort_keys=True) puts "abi_version" first; the string ends at its NUL.
     match = re.search(rb'\{"abi_version": [^\x00]*', data)
     try:

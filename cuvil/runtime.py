@@ -17,8 +17,22 @@ from .errors import CuvilError, RuntimeFailure
 
 SUPPORTED_ABI = 1
 
+# e_machine of the ELF header (the System V ABI's list) -> the ISA names of backends/targets.py.
+ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
+HOST_ARCH = "x86_64"
 
-def _find_prefix(path: Path) -> str:
+
+def elf_arch(path) -> str | None:
+    """The ISA of an ELF file ("x86_64", "aarch64"), or None when it is not a 64-bit little-endian ELF
+    of a known machine (a library of a cross target is not loadable here: cuvil/cross.py)."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+        return None
+    return ELF_MACHINES.get(int.from_bytes(head[18:20], "little"))
+
+
+def find_prefix(path: Path) -> str:
     """The symbol prefix of a library: the name before `abi_version` in its dynamic symbols."""
     data = path.read_bytes()
     candidates = sorted(set(re.findall(rb"\x00([A-Za-z_][A-Za-z0-9_]*?)abi_version\x00", data)))
@@ -163,7 +177,6 @@ class Library:
             raise CuvilError(f"{self.path}: a static archive cannot be loaded, only linked into a program",
                              hint="load the shared library (build with `link: shared` or `both`); the "
                                   "archive's description is in manifest.json beside it")
-        from .cross import HOST_ARCH, elf_arch
         arch = elf_arch(self.path)
         if arch is not None and arch != HOST_ARCH:
             raise CuvilError(f"{self.path}: a library for {arch} (a cross target), which this {HOST_ARCH} "
@@ -174,7 +187,7 @@ class Library:
             self._lib = ctypes.CDLL(str(self.path))
         except OSError as exc:
             raise CuvilError(f"{self.path}: cannot be loaded: {exc}") from None
-        self.prefix = prefix if prefix is not None else _find_prefix(self.path)
+        self.prefix = prefix if prefix is not None else find_prefix(self.path)
         p = self.prefix
         try:
             self._abi = getattr(self._lib, f"{p}abi_version")

@@ -13,6 +13,7 @@ run on their machine, or under qemu-user (tests/cross.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from cuvil.errors import CuvilError
 
@@ -38,6 +39,15 @@ class CpuTarget:
         return self.triple.split("-", 1)[0]
 
     @property
+    def system(self) -> str:
+        """The operating system, from the triple: "linux" or "windows"."""
+        return "windows" if "-windows" in self.triple else "linux"
+
+    def library_file(self, name: str) -> str:
+        """The shared library's file name: lib<name>.so, or <name>.dll on Windows."""
+        return f"{name}.dll" if self.system == "windows" else f"lib{name}.so"
+
+    @property
     def is_cross(self) -> bool:
         """Whether the library is for another kind of machine than this x86-64 one (it cannot be
         loaded here: see CROSS_TOOLCHAINS for how it is compiled and run)."""
@@ -54,6 +64,7 @@ class CpuTarget:
 
 _TRIPLE = "x86_64-unknown-linux-gnu"
 _AARCH64 = "aarch64-unknown-linux-gnu"
+_WINDOWS = "x86_64-pc-windows-gnu"
 
 TARGETS = {
     "generic": CpuTarget("generic", _TRIPLE, "x86-64", "", 128, ("-march=x86-64",)),
@@ -72,6 +83,8 @@ TARGETS = {
     "aarch64-neon-fp16-dotprod": CpuTarget("aarch64-neon-fp16-dotprod", _AARCH64, "generic",
                                            "+v8.2a,+neon,+fp-armv8,+fullfp16,+dotprod", 128,
                                            ("-march=armv8.2-a+fp16+dotprod",)),
+    # 64-bit Windows: a DLL for any x86-64 CPU (the `generic` target's code), built with MinGW-w64.
+    "x86_64-windows": CpuTarget("x86_64-windows", _WINDOWS, "x86-64", "", 128, ("-march=x86-64",)),
 }
 
 
@@ -80,19 +93,31 @@ class CrossToolchain:
     """How a cross target's C side is built and its programs run on this x86-64 Linux machine."""
     cc: str                  # the C compiler (gcc driver) for the triple; CC_<triple> in the environment overrides it
     package: str             # the Debian package that installs it
-    sysroot: str             # the target's libc, as the Debian cross packages install it
-    emulator: str            # the qemu-user program that runs the target's programs here
-    emulator_package: str = "qemu-user"
+    sysroot: str             # the target's C library, as the Debian cross packages install it
+    emulators: tuple[str, ...]   # the programs that can run the target's programs here (the first found)
+    emulator_package: str
+
+    def find_emulator(self) -> str | None:
+        import shutil
+        return next((found for name in self.emulators if (found := shutil.which(name))), None)
 
     def run_prefix(self, cpu: str | None = None) -> list[str]:
-        """The command prefix that runs one of the target's dynamically linked programs here
-        (`cpu`: the CPU qemu emulates; default its "max", with every feature)."""
-        return [self.emulator, *(["-cpu", cpu] if cpu else []), "-L", self.sysroot]
+        """The command prefix that runs one of the target's programs here: qemu-user with the
+        target's libc (`cpu`: the CPU it emulates; default its "max", with every feature), or Wine."""
+        emulator = self.find_emulator()
+        if emulator is None:
+            raise CuvilError(f"{self.emulators[0]} is not installed", hint=f"apt-get install {self.emulator_package}")
+        if "qemu" in Path(emulator).name:
+            return [emulator, *(["-cpu", cpu] if cpu else []), "-L", self.sysroot]
+        return [emulator]
 
 
 CROSS_TOOLCHAINS = {
     _AARCH64: CrossToolchain("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu", "/usr/aarch64-linux-gnu",
-                             "qemu-aarch64"),
+                             ("qemu-aarch64",), "qemu-user"),
+    # Debian's wine64 package installs its loader outside PATH; the `wine` package adds `wine`.
+    _WINDOWS: CrossToolchain("x86_64-w64-mingw32-gcc", "gcc-mingw-w64-x86-64", "/usr/x86_64-w64-mingw32",
+                             ("wine", "wine64", "/usr/lib/wine/wine64"), "wine64"),
 }
 
 

@@ -340,7 +340,7 @@ def install(files: dict[str, bytes], out_dir: Path) -> bool:
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
-                os.chmod(tmp, 0o755 if name.endswith(".so") else 0o644)
+                os.chmod(tmp, 0o755 if name.endswith((".so", ".dll")) else 0o644)
                 os.replace(tmp, path)
             except BaseException:
                 os.unlink(tmp)
@@ -369,7 +369,7 @@ def _listed_files(manifest: Path) -> set[str]:
 
 
 def artifacts_of(files, out_dir, seconds, changed) -> Artifacts:
-    lib = next((n for n in files if n.endswith(".so")), None) or next(n for n in files if n.endswith(".a"))
+    lib = next((n for n in files if n.endswith((".so", ".dll"))), None) or next(n for n in files if n.endswith(".a"))
     header = next(n for n in files if n.endswith(".h"))
     info = json.loads(files["manifest.json"])
     info.pop("files", None)

@@ -32,7 +32,7 @@ from .errors import ConfigError
 
 # backends/targets.py resolves each (known_targets() there lists the same names; a test checks).
 TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4", "x86_64-sapphirerapids",
-           "aarch64-linux", "aarch64-neon-fp16-dotprod", "cuda-sm80", "cuda-sm86", "cuda-sm89", "cuda-sm90", "cuda-a10", "cuda-a100", "cuda-l4", "cuda-h100",
+           "aarch64-linux", "aarch64-neon-fp16-dotprod", "x86_64-windows", "cuda-sm80", "cuda-sm86", "cuda-sm89", "cuda-sm90", "cuda-a10", "cuda-a100", "cuda-l4", "cuda-h100",
            "cuda-h200")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most important first

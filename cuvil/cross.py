@@ -28,15 +28,24 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CuvilError, RuntimeFailure
-from .runtime import HOST_ARCH, find_prefix, elf_arch  # noqa: F401  (elf_arch: cuvil.cross's too)
+from .runtime import HOST_PLATFORM, elf_arch, find_prefix, library_platform  # noqa: F401  (elf_arch: for callers)
 
 HARNESS = r"""/* cuvil-run: run a cuvil library once on raw input files (no Python on the machine).
    usage: cuvil-run LIB PREFIX N_IN in_0 ... N_OUT out_0:bytes ... */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _WIN32
+#include <malloc.h>
+#include <windows.h>
+#define dlopen(path, flags) ((void*)LoadLibraryA(path))
+#define dlsym(lib, name) ((void*)GetProcAddress((HMODULE)(lib), (name)))
+#define dlerror() "LoadLibrary failed"
+#define aligned_alloc(align, size) _aligned_malloc((size), (align))
+#else
+#include <dlfcn.h>
+#endif
 
 typedef void* (*create_fn)(void);
 typedef int (*run_fn)(void*, const void* const*, void* const*);
@@ -108,14 +117,14 @@ int main(int argc, char** argv) {
 class Description:
     """What a library says about itself, read from its bytes (not loaded)."""
     path: Path
-    arch: str | None
+    platform: str | None     # "aarch64-linux", "x86_64-windows", "x86_64-linux" (runtime.library_platform)
     prefix: str
     info: dict
 
 
 def describe(path) -> Description:
-    """The description of a library for any machine, from its file: its ISA, symbol prefix and info
-    JSON (the string its model_info() returns)."""
+    """The description of a library for any machine, from its file: its platform, symbol prefix and
+    info JSON (the string its model_info() returns)."""
     path = Path(path).resolve()
     if not path.is_file():
         raise CuvilError(f"library not found: {path}")
@@ -130,59 +139,65 @@ def describe(path) -> Description:
     if not isinstance(info, dict) or "inputs" not in info:
         raise CuvilError(f"{path}: no cuvil description found in the library",
                          hint="was it built by cuvil? manifest.json beside it describes it too")
-    return Description(path, elf_arch(path), prefix, info)
+    return Description(path, library_platform(path), prefix, info)
 
 
 def is_foreign(path) -> bool:
-    """Whether `path` is an ELF library for another ISA than this machine's."""
+    """Whether `path` is a library for another platform than this machine's (aarch64, Windows)."""
     if not Path(path).is_file():
         return False
-    arch = elf_arch(Path(path))
-    return arch is not None and arch != HOST_ARCH
+    platform = library_platform(Path(path))
+    return platform is not None and platform != HOST_PLATFORM
 
 
-def _toolchain(arch: str):
+def _toolchain(platform: str):
+    """(triple, CrossToolchain) of a platform such as "aarch64-linux"."""
     from backends.targets import CROSS_TOOLCHAINS
+    arch, system = platform.split("-", 1)
     for triple, toolchain in CROSS_TOOLCHAINS.items():
-        if triple.split("-", 1)[0] == arch:
+        if triple.split("-", 1)[0] == arch and system in triple:
             return triple, toolchain
-    raise CuvilError(f"no way to run a {arch} library on this machine")
+    raise CuvilError(f"no way to run a {platform} library on this machine")
 
 
-def emulator_problem(arch: str) -> str | None:
-    """Why a library for `arch` cannot be run here (its cross compiler or qemu-user is missing,
-    naming the Debian package), or None."""
+def _cross_cc(platform: str) -> str:
     from backends.targets import cc_variable
-    triple, toolchain = _toolchain(arch)
-    cc = os.environ.get(cc_variable(triple), toolchain.cc)
+    triple, toolchain = _toolchain(platform)
+    return os.environ.get(cc_variable(triple), toolchain.cc)
+
+
+def emulator_problem(platform: str) -> str | None:
+    """Why a library for `platform` ("aarch64-linux", "x86_64-windows") cannot be built and run
+    here (its cross compiler, C library or emulator is missing, naming the Debian package), or None."""
+    _, toolchain = _toolchain(platform)
+    cc = _cross_cc(platform)
     if shutil.which(cc) is None:
-        return f"the {arch} C cross compiler {cc} is not installed (apt-get install {toolchain.package})"
-    if shutil.which(toolchain.emulator) is None:
-        return f"{toolchain.emulator} is not installed (apt-get install {toolchain.emulator_package})"
+        return f"the {platform} C cross compiler {cc} is not installed (apt-get install {toolchain.package})"
     if not Path(toolchain.sysroot).is_dir():
-        return f"the {arch} libc ({toolchain.sysroot}) is not installed (apt-get install {toolchain.package})"
+        return f"the {platform} C library ({toolchain.sysroot}) is not installed (apt-get install {toolchain.package})"
+    if toolchain.find_emulator() is None:
+        return f"{toolchain.emulators[0]} is not installed (apt-get install {toolchain.emulator_package})"
     return None
 
 
-def harness(arch: str, build_dir: Path | None = None) -> Path:
-    """The HARNESS program compiled for `arch` with its cross compiler, once per (source, compiler):
-    its name holds their hash, and it is compiled under a temporary name and renamed."""
-    from backends.targets import cc_variable
-    triple, toolchain = _toolchain(arch)
-    problem = emulator_problem(arch)
+def harness(platform: str, build_dir: Path | None = None) -> Path:
+    """The HARNESS program compiled for `platform` with its cross compiler, once per (source,
+    compiler): its name holds their hash, and it is compiled under a temporary name and renamed."""
+    problem = emulator_problem(platform)
     if problem:
-        raise CuvilError(f"cannot run a {arch} library here: {problem}")
-    cc = os.environ.get(cc_variable(triple), toolchain.cc)
+        raise CuvilError(f"cannot run a {platform} library here: {problem}")
+    cc = _cross_cc(platform)
+    windows = platform.endswith("-windows")
     build_dir = Path(build_dir or Path(tempfile.gettempdir()) / f"cuvil-run-{os.getuid()}")
     digest = hashlib.sha256(f"{cc}\n{HARNESS}".encode()).hexdigest()[:16]
-    exe = build_dir / f"cuvil-run-{arch}-{digest}"
+    exe = build_dir / f"cuvil-run-{platform}-{digest}{'.exe' if windows else ''}"
     if exe.exists():
         return exe
     build_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
-        src, built = Path(tmp) / "cuvil-run.c", Path(tmp) / "cuvil-run"
+        src, built = Path(tmp) / "cuvil-run.c", Path(tmp) / exe.name
         src.write_text(HARNESS)
-        result = subprocess.run([cc, "-O2", "-std=c11", "-o", str(built), str(src), "-ldl"],
+        result = subprocess.run([cc, "-O2", "-std=c11", "-o", str(built), str(src), *([] if windows else ["-ldl"])],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise CuvilError(f"cannot compile the run program with {cc}: {result.stderr.strip()[-2000:]}")
@@ -190,16 +205,28 @@ def harness(arch: str, build_dir: Path | None = None) -> Path:
     return exe
 
 
+# Wine: no debug output, no offer to install Mono or Gecko in a new prefix (nothing is downloaded).
+WINE_ENV = {"WINEDEBUG": "-all", "WINEDLLOVERRIDES": "mscoree,mshtml="}
+
+
+def _windows_path(path: Path) -> str:
+    """A path as a Windows program under Wine sees it (Wine's Z: drive is the root folder)."""
+    return "Z:" + str(path).replace("/", "\\")
+
+
 def run_emulated(library, feeds: dict, cpu: str | None = None, timeout: float = 600) -> dict:
-    """Run a library built for another ISA once, under qemu-user, on numpy arrays by input name;
-    its outputs by name (graph order). `cpu`: the CPU qemu emulates (its -cpu; default: qemu's
-    "max", every feature). Raises RuntimeFailure with the program's message when a session cannot
-    be made or the run fails."""
+    """Run a library built for another platform once, under qemu-user (aarch64) or Wine (Windows),
+    on numpy arrays by input name; its outputs by name (graph order). `cpu`: the CPU qemu emulates
+    (its -cpu; default: qemu's "max", every feature). Raises RuntimeFailure with the program's
+    message when a session cannot be made or the run fails."""
     described = describe(library)
-    if described.arch is None or described.arch == HOST_ARCH:
+    platform = described.platform
+    if platform is None or platform == HOST_PLATFORM:
         raise CuvilError(f"{described.path}: not a library for another machine", hint="load it with cuvil.load")
-    exe = harness(described.arch)
-    _, toolchain = _toolchain(described.arch)
+    exe = harness(platform)
+    _, toolchain = _toolchain(platform)
+    windows = platform.endswith("-windows")
+    shown = _windows_path if windows else str
     info = described.info
     with tempfile.TemporaryDirectory(prefix="cuvil-emulated-") as tmp:
         tmp = Path(tmp)
@@ -211,18 +238,20 @@ def run_emulated(library, feeds: dict, cpu: str | None = None, timeout: float = 
             if list(arr.shape) != list(spec["shape"]):
                 raise CuvilError(f"input '{spec['name']}': shape {list(arr.shape)}, the model was built for {spec['shape']}")
             (tmp / f"in{i}.bin").write_bytes(arr.tobytes())
-            args.append(str(tmp / f"in{i}.bin"))
+            args.append(shown(tmp / f"in{i}.bin"))
         args.append(str(len(info["outputs"])))
         for i, spec in enumerate(info["outputs"]):
             nbytes = int(np.prod(spec["shape"], dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize
-            args.append(f"{tmp / f'out{i}.bin'}:{nbytes}")
-        cmd = [*toolchain.run_prefix(cpu), str(exe), str(described.path), described.prefix, *args]
+            args.append(f"{shown(tmp / f'out{i}.bin')}:{nbytes}")
+        cmd = [*toolchain.run_prefix(cpu), str(exe), shown(described.path), described.prefix, *args]
+        env = dict(os.environ, **WINE_ENV) if windows else None
+        emulator = Path(cmd[0]).name
         try:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
-            raise RuntimeFailure(f"{described.path.name} under {toolchain.emulator}: no answer in {timeout:g} s") from None
+            raise RuntimeFailure(f"{described.path.name} under {emulator}: no answer in {timeout:g} s") from None
         if result.returncode != 0:
-            raise RuntimeFailure(f"{described.path.name} under {toolchain.emulator}: exit {result.returncode}: "
+            raise RuntimeFailure(f"{described.path.name} under {emulator}: exit {result.returncode}: "
                                  f"{(result.stderr or result.stdout).strip()[-2000:]}")
         outputs = {}
         for i, spec in enumerate(info["outputs"]):

@@ -272,16 +272,22 @@ def compile_kernel(spec: dict, target) -> bytes:
 def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects: dict[str, bytes],
          sanitize: bool = False, gpu: bool = False, mode: str = "shared", target=None) -> dict[str, bytes]:
     """The driver, the weights and the kernel objects linked by SCons (for a GPU target `objects`
-    are the kernels' fatbins, embedded as data) into `lib<name>.so` (mode "shared"), the static
-    archive `lib<name>.a` ("static") or both ("both"): {file name: bytes}. The C compiler is the
-    target's (backends/targets.py c_compiler: a cross gcc for the cross targets)."""
+    are the kernels' fatbins, embedded as data) into `lib<name>.so` (mode "shared"; `<name>.dll` and
+    its import library `lib<name>.dll.a` for Windows), the static archive `lib<name>.a` ("static")
+    or both ("both"): {file name: bytes}. The C compiler is the target's (backends/targets.py
+    c_compiler: a cross gcc for the cross targets)."""
     import tempfile
 
     from backends.native.link import run_scons, write_link_inputs
     from backends.targets import c_compiler, cross_toolchain
     toolchain = cross_toolchain(target)
     tools = {"cc": c_compiler(target)} if toolchain else {}
-    library = f"lib{name}.so" if mode in ("shared", "both") else None
+    if getattr(target, "system", "linux") == "windows":   # a DLL and its import library lib<name>.dll.a
+        if mode != "shared":
+            raise CuvilError(f"model '{name}': link: {mode} is not supported for the Windows target",
+                             hint="link: shared builds <name>.dll and its import library lib<name>.dll.a")
+        tools.update(system="windows", import_library=f"lib{name}.dll.a", libs=("m", "pthread"))
+    library = (target.library_file(name) if target is not None else f"lib{name}.so") if mode in ("shared", "both") else None
     archive = f"lib{name}.a" if mode in ("static", "both") else None
     kernels, fatbins = ({}, objects) if gpu else (objects, None)
     with tempfile.TemporaryDirectory(prefix="cuvil-link-") as tmp:
@@ -289,7 +295,7 @@ def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects
         write_link_inputs(tmp, symbol_prefix, driver_c.decode(), weights, kernels, library, sanitize=sanitize,
                           fatbins=fatbins, archive=archive, **tools)
         run_scons(tmp)
-        return {file: (tmp / file).read_bytes() for file in (library, archive) if file}
+        return {file: (tmp / file).read_bytes() for file in (library, archive, tools.get("import_library")) if file}
 
 
 # -- check -------------------------------------------------------------------------------------

@@ -32,6 +32,24 @@ def elf_arch(path) -> str | None:
     return ELF_MACHINES.get(int.from_bytes(head[18:20], "little"))
 
 
+HOST_PLATFORM = "x86_64-linux"
+
+
+def library_platform(path) -> str | None:
+    """Where a library runs, as "<ISA>-<system>": "x86_64-linux", "aarch64-linux" (ELF) or
+    "x86_64-windows" (a PE DLL of machine AMD64); None for anything else."""
+    arch = elf_arch(path)
+    if arch:
+        return f"{arch}-linux"
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head[:2] == b"MZ" and len(head) >= 64:
+        pe = int.from_bytes(head[60:64], "little")
+        if head[pe:pe + 4] == b"PE\0\0" and int.from_bytes(head[pe + 4:pe + 6], "little") == 0x8664:
+            return "x86_64-windows"
+    return None
+
+
 def find_prefix(path: Path) -> str:
     """The symbol prefix of a library: the name before `abi_version` in its dynamic symbols."""
     data = path.read_bytes()
@@ -177,12 +195,13 @@ class Library:
             raise CuvilError(f"{self.path}: a static archive cannot be loaded, only linked into a program",
                              hint="load the shared library (build with `link: shared` or `both`); the "
                                   "archive's description is in manifest.json beside it")
-        arch = elf_arch(self.path)
-        if arch is not None and arch != HOST_ARCH:
-            raise CuvilError(f"{self.path}: a library for {arch} (a cross target), which this {HOST_ARCH} "
+        platform = library_platform(self.path)
+        if platform is not None and platform != HOST_PLATFORM:
+            raise CuvilError(f"{self.path}: a library for {platform} (a cross target), which this {HOST_PLATFORM} "
                              f"machine cannot load",
-                             hint=f"run it on an {arch} machine, or here under qemu-user (cuvil.cross.run_emulated; "
-                                  f"the README's \"Cross targets\"); `cuvil inspect` describes it")
+                             hint=f"run it on an {platform} machine, or here under qemu-user or Wine "
+                                  f"(cuvil.cross.run_emulated; the README's \"Cross targets\"); `cuvil inspect` "
+                                  f"describes it")
         try:
             self._lib = ctypes.CDLL(str(self.path))
         except OSError as exc:

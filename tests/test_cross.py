@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import pytest
 from backends.targets import TARGETS, c_compiler, cc_variable
 from cuvil.build import VariantSpec, build_variant
 from cuvil.cache import Cache
-from cuvil.cross import describe, elf_arch, emulator_problem, run_emulated
+from cuvil.cross import describe, elf_arch, emulator_problem, library_platform, run_emulated
 from cuvil.errors import CuvilError, RuntimeFailure
 from tests.helpers import run_ort
 
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "models" / "tiny_cnn.onnx"
 TOL = 1e-5
 
-PROBLEM = emulator_problem("aarch64")
+PROBLEM = emulator_problem("aarch64-linux")
 needs_cross = pytest.mark.skipif(PROBLEM is not None, reason=f"cannot build and run aarch64 here: {PROBLEM}")
 
 
@@ -56,9 +57,10 @@ def assert_close(got: dict, want: dict, tol: float = TOL):
         assert err / scale <= tol, f"{name}: max abs error {err:.3g} / max |ref| {scale:.3g} > {tol}"
 
 
-def check_against_ort(model: onnx.ModelProto, feeds: dict, out: Path, target="aarch64-linux", timeout=120, **options):
+def check_against_ort(model: onnx.ModelProto, feeds: dict, out: Path, target="aarch64-linux", timeout=120,
+                      platform="aarch64-linux", **options):
     artifacts = build(model, {k: list(v.shape) for k, v in feeds.items()}, out, target=target, **options)
-    assert elf_arch(artifacts.library) == "aarch64"
+    assert library_platform(artifacts.library) == platform
     got = run_emulated(artifacts.library, feeds, timeout=timeout)
     assert_close(got, run_ort(model, feeds))
     return artifacts
@@ -267,3 +269,58 @@ def test_one_build_makes_native_and_aarch64_libraries(tmp_path):
     want = run_ort(onnx.load(EXAMPLE), feeds)
     assert_close(cuvil.load(native).run(feeds), want)
     assert_close(run_emulated(cross, feeds), want)
+
+
+# -- x86_64-windows: a DLL built with MinGW-w64, checked with objdump -p, run under Wine ----------
+
+MINGW = "x86_64-w64-mingw32-gcc"
+needs_mingw = pytest.mark.skipif(shutil.which(MINGW) is None,
+                                 reason=f"{MINGW} is not installed (apt-get install gcc-mingw-w64-x86-64)")
+WINE_PROBLEM = emulator_problem("x86_64-windows")
+needs_wine = pytest.mark.skipif(WINE_PROBLEM is not None, reason=f"cannot run a Windows DLL here: {WINE_PROBLEM}")
+C_ABI = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy")
+
+
+def _pe_tables(dll: Path) -> tuple[set, set]:
+    """(exported names, imported DLLs) of a DLL, from `objdump -p`."""
+    text = subprocess.run(["x86_64-w64-mingw32-objdump", "-p", str(dll)], capture_output=True, text=True,
+                          check=True).stdout
+    names = text.split("[Ordinal/Name Pointer] Table", 1)[1].split("\n\n", 1)[0]
+    exports = {line.split("]", 1)[1].strip() for line in names.splitlines() if "]" in line}
+    imports = {line.split("DLL Name:", 1)[1].strip() for line in text.splitlines() if "DLL Name:" in line}
+    return exports, imports
+
+
+@needs_mingw
+def test_windows_dll_exports_exactly_the_c_abi(tmp_path):
+    builds = [build(EXAMPLE, {"input": [1, 3, 32, 32]}, tmp_path / f"out{i}", target="x86_64-windows",
+                    cache=Cache(tmp_path / f"cache{i}"), name="tiny_cnn", symbol_prefix="tc_") for i in (1, 2)]
+    dll = builds[0].library
+    assert dll.name == "tiny_cnn.dll" and dll.read_bytes()[:2] == b"MZ"
+    exports, imports = _pe_tables(dll)
+    assert exports == {f"tc_{name}" for name in C_ABI}
+    assert imports <= {"KERNEL32.dll", "msvcrt.dll"}, imports   # libgcc and winpthreads are linked in
+    for name in ("tiny_cnn.dll", "libtiny_cnn.dll.a", "manifest.json"):   # reproducible, the import library too
+        assert (tmp_path / "out1" / name).read_bytes() == (tmp_path / "out2" / name).read_bytes(), name
+    assert describe(dll).info["target"] == "x86_64-windows" and describe(dll).platform == "x86_64-windows"
+    # a C program links against the import library with the generated header
+    (tmp_path / "app.c").write_text('#include "tiny_cnn.h"\nint main(void) { tc_session* s = tc_session_create();\n'
+                                    '    tc_session_destroy(s); return tc_abi_version() == TC_ABI_VERSION ? 0 : 1; }\n')
+    subprocess.run([MINGW, "-std=c11", "-Wall", "-Werror", "-o", str(tmp_path / "app.exe"), str(tmp_path / "app.c"),
+                    f"-I{dll.parent}", f"-L{dll.parent}", "-ltiny_cnn"], check=True)
+    with pytest.raises(CuvilError, match="x86_64-windows"):
+        __import__("cuvil").load(dll)
+    with pytest.raises(CuvilError, match="not supported for the Windows target"):
+        build(EXAMPLE, {"input": [1, 3, 32, 32]}, tmp_path / "static", target="x86_64-windows", link="static")
+
+
+@needs_mingw
+@needs_wine
+def test_windows_dll_runs_under_wine(tmp_path):
+    model = onnx.load(EXAMPLE)
+    feeds = {"input": np.random.default_rng(4).standard_normal((1, 3, 32, 32)).astype(np.float32)}
+    check_against_ort(model, feeds, tmp_path / "example", target="x86_64-windows", platform="x86_64-windows")
+    zoo = _zoo()
+    lstm = zoo.export(zoo.lstm_model(inp=8, hidden=96, layers=1), {"x": (1, 6, 8)})   # threads and sync kernels
+    check_against_ort(lstm, {"x": zoo.sample_input((1, 6, 8))}, tmp_path / "lstm", target="x86_64-windows",
+                      platform="x86_64-windows", threads=2)

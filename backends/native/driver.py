@@ -286,8 +286,19 @@ static void shared_release(void) {
 #include <pthread.h>
 {ARCH_INCLUDES[arch]}
 
+#ifdef _WIN32
+/* A DLL (target x86_64-windows, MinGW-w64): exported by dllexport, so nothing else is; the C
+   runtime has no aligned_alloc, and what _aligned_malloc returns goes back to _aligned_free
+   (every block this file frees is one of those). */
+#include <malloc.h>
+#define HIDDEN
+#define EXPORT __declspec(dllexport)
+#define aligned_alloc(align, size) _aligned_malloc((size), (align))
+#define free(block) _aligned_free(block)
+#else
 #define HIDDEN __attribute__((visibility("hidden")))
 #define EXPORT __attribute__((visibility("default")))
+#endif
 #define ARENA_BYTES {max(plan.arena_bytes, 64)}
 
 extern const unsigned char {P}weights[] HIDDEN;

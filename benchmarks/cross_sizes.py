@@ -1,6 +1,6 @@
 """Sizes of the libraries of the example and ResNet-18 for this machine and the cross targets
-(docs/cross.md), and how long one run takes under qemu-aarch64 (an emulator: not the speed of
-an aarch64 machine).
+(docs/cross.md), and how long one run takes under qemu-aarch64 or Wine (emulated: not the speed
+of an aarch64 machine; Wine runs x86-64 code natively but starts a Windows environment).
 
     python benchmarks/cross_sizes.py [--targets native aarch64-linux] [--no-run]
 """
@@ -26,7 +26,7 @@ def models():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", nargs="+", default=["native", "aarch64-linux"])
-    parser.add_argument("--no-run", action="store_true", help="do not time a run under qemu")
+    parser.add_argument("--no-run", action="store_true", help="do not time a run under qemu or Wine")
     args = parser.parse_args()
     import numpy as np
 
@@ -34,7 +34,7 @@ def main() -> None:
     from cuvil.cache import Cache, default_cache_dir
     from cuvil.cross import run_emulated
     cache = Cache(default_cache_dir())
-    print("| model | target | lib<name>.so bytes | weights bytes | one run under qemu-aarch64 |")
+    print("| model | target | library bytes | weights bytes | one run (qemu-aarch64 / Wine, with start) |")
     print("|---|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for label, source, shapes in models():
@@ -43,7 +43,7 @@ def main() -> None:
                 out = Path(tmp) / f"{label.split()[0]}-{target}"
                 artifacts = build_variant(VariantSpec("m", source, shapes, target=target), out, cache)
                 seconds = "-"
-                if target.startswith("aarch64") and not args.no_run:
+                if target != "native" and not args.no_run:
                     feeds = {k: np.random.default_rng(0).standard_normal(v).astype(np.float32) for k, v in shapes.items()}
                     start = time.perf_counter()
                     run_emulated(artifacts.library, feeds)

@@ -179,7 +179,8 @@ class _Settings(_Strict):
         description="What to build for; one library per target: native (this machine's CPU), generic (any "
         "x86-64), x86_64-avx2, x86_64-avx512, x86_64-znver4 (AMD Zen 4), x86_64-sapphirerapids (Intel), a "
         "CUDA GPU (cuda-sm80, cuda-sm90, cuda-h100...), or, cross-compiled, aarch64-linux (any 64-bit Arm "
-        "Linux) and aarch64-neon-fp16-dotprod (ARMv8.2 cores with fp16 and dot product: Jetson Orin, Graviton). "
+        "Linux), aarch64-neon-fp16-dotprod (ARMv8.2 cores with fp16 and dot product: Jetson Orin, Graviton) and "
+        "x86_64-windows (a DLL for 64-bit Windows). "
         "A library run on a CPU without its target's instructions refuses to make a session, with an error "
         "naming them.")
     precision: Precision = Field(

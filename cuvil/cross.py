@@ -1,17 +1,17 @@
 """Libraries built for another machine (the cross targets, backends/targets.py CROSS_TOOLCHAINS).
 
-An aarch64 library cannot be loaded into this x86-64 process. What can be done with it here:
+An aarch64 library or a Windows DLL cannot be loaded into this x86-64 Linux process. What can be
+done with one here:
 
-- read its description: the ELF header names its machine, and the info JSON that
-  `<prefix>model_info()` returns sits in its read-only data, which `describe` finds
-  (`cuvil inspect` uses it);
-- run it under qemu-user: `run_emulated` compiles a small C program (HARNESS) with the
-  target's cross compiler, which dlopens the library, runs one session on raw input
-  files and writes the outputs as raw files; qemu-aarch64 runs the program with the
-  target's libc from the Debian cross packages (-L /usr/aarch64-linux-gnu).
+- read its description: the ELF or PE header names its platform (runtime.library_platform), and
+  the info JSON that `<prefix>model_info()` returns sits in its read-only data, which `describe`
+  finds (`cuvil inspect` uses it);
+- run it: `run_emulated` compiles a small C program (HARNESS) with the target's cross compiler,
+  which loads the library (dlopen; LoadLibrary on Windows), runs one session on raw input files
+  and writes the outputs as raw files; qemu-aarch64 runs the program with the target's libc from
+  the Debian cross packages (-L /usr/aarch64-linux-gnu), Wine runs the Windows one.
 
-The same program runs on the real machine: `cuvil-run libm.so cuvil_ 1 in.bin 1 out.bin:4000`
-(see the README, "Cross targets").
+The same program runs on the real machine: `cuvil-run libm.so cuvil_ 1 in.bin 1 out.bin:4000`.
 """
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
-"""Cross targets (issue 28): libraries for aarch64 Linux built on this x86-64 machine with the
-Debian cross gcc, run under qemu-aarch64 through cuvil/cross.py's C program and compared with
-onnxruntime here.
+"""Cross targets (issue 28): libraries for aarch64 Linux and 64-bit Windows built on this x86-64
+Linux machine with the Debian cross gcc / MinGW-w64, run under qemu-aarch64 or Wine through
+cuvil/cross.py's C program and compared with onnxruntime here.
 
 Tolerance: max |cuvil - onnxruntime| / max |onnxruntime| <= TOL, the float32 bound of the other
 fp32 model tests. The aarch64 kernels are the same vector IR as the x86 ones, lowered to NEON
-(4 floats a vector, fused multiply-add), so their sums are ordered as in the x86 `generic` target's.
+(4 floats a vector, fused multiply-add), so their sums are ordered as in the x86 `generic`
+target's; the DLL has the `generic` target's code.
 
-The tools come from `.ci/run` (apt-get install gcc-aarch64-linux-gnu qemu-user); without them the
-tests that build or run aarch64 code skip, saying which package is missing.
+The tools come from `.ci/run` (apt-get install gcc-aarch64-linux-gnu qemu-user gcc-mingw-w64-x86-64
+wine64); without them the tests that build or run such code skip, saying which package is missing.
 """
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ TOL = 1e-5
 
 PROBLEM = emulator_problem("aarch64-linux")
 needs_cross = pytest.mark.skipif(PROBLEM is not None, reason=f"cannot build and run aarch64 here: {PROBLEM}")
+MINGW = "x86_64-w64-mingw32-gcc"
+needs_mingw = pytest.mark.skipif(shutil.which(MINGW) is None,
+                                 reason=f"{MINGW} is not installed (apt-get install gcc-mingw-w64-x86-64)")
+WINE_PROBLEM = emulator_problem("x86_64-windows")
+needs_wine = pytest.mark.skipif(WINE_PROBLEM is not None, reason=f"cannot run a Windows DLL here: {WINE_PROBLEM}")
 
 
 def _cache() -> Cache:
@@ -255,10 +261,12 @@ def test_aarch64_library_is_byte_identical_from_two_build_folders(tmp_path):
 
 @needs_cross
 def test_one_build_makes_native_and_aarch64_libraries(tmp_path):
+    """...and the Windows DLL where MinGW-w64 is installed."""
+    windows = shutil.which(MINGW) is not None
     (tmp_path / "cuvil.yaml").write_text(
         "version: 1\noutput_dir: out\ncache: {dir: %s}\nmodels:\n  - name: tiny_cnn\n    source: %s\n"
-        "    inputs: {input: [1, 3, 32, 32]}\n    targets: [native, aarch64-linux]\n"
-        % (os.environ["CUVIL_CACHE_DIR"], EXAMPLE))
+        "    inputs: {input: [1, 3, 32, 32]}\n    targets: [native, aarch64-linux%s]\n"
+        % (os.environ["CUVIL_CACHE_DIR"], EXAMPLE, ", x86_64-windows" if windows else ""))
     result = subprocess.run([os.sys.executable, "-m", "cuvil", "build", "-f", str(tmp_path / "cuvil.yaml")],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -269,15 +277,12 @@ def test_one_build_makes_native_and_aarch64_libraries(tmp_path):
     want = run_ort(onnx.load(EXAMPLE), feeds)
     assert_close(cuvil.load(native).run(feeds), want)
     assert_close(run_emulated(cross, feeds), want)
+    if windows:
+        assert library_platform(tmp_path / "out/tiny_cnn/x86_64-windows/tiny_cnn.dll") == "x86_64-windows"
 
 
 # -- x86_64-windows: a DLL built with MinGW-w64, checked with objdump -p, run under Wine ----------
 
-MINGW = "x86_64-w64-mingw32-gcc"
-needs_mingw = pytest.mark.skipif(shutil.which(MINGW) is None,
-                                 reason=f"{MINGW} is not installed (apt-get install gcc-mingw-w64-x86-64)")
-WINE_PROBLEM = emulator_problem("x86_64-windows")
-needs_wine = pytest.mark.skipif(WINE_PROBLEM is not None, reason=f"cannot run a Windows DLL here: {WINE_PROBLEM}")
 C_ABI = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy")
 
 

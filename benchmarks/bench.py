@@ -1,6 +1,8 @@
 """cuvil vs onnxruntime latency over the model zoo, each engine in its own process.
 
-For every model: export it to ONNX, build it with cuvil (the cold build time
+For every model: export it to ONNX (GraphSAGE and GAT at 10k nodes / 100k edges with the
+dynamo exporter, on a fixed random edge list: their inputs are given, not random floats),
+build it with cuvil (the cold build time
 is measured with an empty cache), then time, each in a fresh process, one
 after the other and repeated `--rounds` times:
 
@@ -15,6 +17,14 @@ after the other and repeated `--rounds` times:
                   one row each; onnxruntime always float32), one stream of
                   `threads` threads, latency mode.
 
+`--precision int8` quantises the exported model first with onnxruntime's own
+tools and every engine runs that same file: convolutional models by
+`quantize_static` (QDQ, per-channel int8 weights, uint8 activations, calibrated
+on two seeded inputs), the others by `quantize_dynamic` (int8 weights,
+DynamicQuantizeLinear + MatMulInteger). cuvil builds the file as it is (its
+passes fold the quantised products into integer ones, passes/fold_qdq.py);
+the rel err column then compares with onnxruntime on the same quantised file.
+
 A spinning thread pool of one engine would slow the other on a small
 machine, so they never run at the same time. Each process does a warm-up and
 `--runs` timed calls; an engine's figure is the lowest of its processes'
@@ -24,7 +34,7 @@ cuvil (Python) / onnxruntime: < 1 means cuvil is faster (the C figure shows
 the call overhead Python adds); vs ov = cuvil (Python) / OpenVINO. The rel
 err columns compare cuvil's and OpenVINO's first output with onnxruntime's.
 
-    python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--precision fp32,bf16] [--runs 50] [--rounds 5]
+    python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--precision fp32,bf16,int8] [--runs 50] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -40,6 +50,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/profile.py would shadow the standard library's `profile`, which torch's dynamo
+# exporter imports (through cProfile): this folder leaves the path, the repository joins it.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
@@ -90,6 +103,29 @@ def lstm(inputs=64, hidden=128, layers=2, seed=0):
     return Net().eval()
 
 
+def gnn(name, nodes=10_000, edges=100_000, features=32):
+    """GraphSAGE or GAT (tests/zoo.py) on a random graph, exported by torch's dynamo exporter
+    (the TorchScript one refuses index_add_ with repeated indices): the model, its input shapes
+    and its inputs (an edge list cannot be random floats)."""
+    import warnings
+
+    import torch
+    zoo = _zoo()
+    module = getattr(zoo, name)(nodes, features=features)
+    x, edge_index = zoo.sample_input((nodes, features)), zoo.random_edges(nodes, edges)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        model = torch.onnx.export(module.eval(), (torch.from_numpy(x), torch.from_numpy(edge_index)), dynamo=True,
+                                  verbose=False, input_names=["x", "edge_index"]).model_proto
+    return model, {"x": (nodes, features), "edge_index": (2, edges)}, {"x": x, "edge_index": edge_index}
+
+
+# Models given as (ONNX model, shapes, feeds) rather than a torch module to export with zero inputs.
+EXPORTED = {
+    "graphsage": lambda: gnn("graphsage"),
+    "gat": lambda: gnn("gat"),
+}
+
 MODELS = {
     "mlp": lambda: (_zoo().mlp(), {"x": (1, 256)}),
     "resnet18": lambda: (_zoo().resnet((2, 2, 2, 2)), {"input": (1, 3, 224, 224)}),
@@ -99,7 +135,7 @@ MODELS = {
     "encoder_t16": lambda: (encoder(layers=1), {"x": (1, 16, 256)}),
     "lstm": lambda: (lstm(), {"x": (32, 1, 64)}),
 }
-DEFAULT_MODELS = "mlp,resnet18,resnet50,mobilenet_v2,encoder,encoder_t16,lstm"
+DEFAULT_MODELS = "mlp,resnet18,resnet50,mobilenet_v2,encoder,encoder_t16,lstm,graphsage,gat"
 
 
 def cpu_name() -> str:
@@ -129,13 +165,13 @@ def sample_feeds(shapes: dict) -> dict:
 from cuvil.bench import cuvil_py_times, openvino_times, openvino_version, ort_time, ort_times  # noqa: E402,F401,E501
 
 
-def reference_output(model_path, shapes) -> np.ndarray:
-    """onnxruntime's first output on `sample_feeds`."""
+def reference_output(model_path, shapes, feeds=None) -> np.ndarray:
+    """onnxruntime's first output on `feeds` (default `sample_feeds`)."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
-    return sess.run([sess.get_outputs()[0].name], sample_feeds(shapes))[0]
+    return sess.run([sess.get_outputs()[0].name], feeds or sample_feeds(shapes))[0]
 
 
 def rel_err(got, ref) -> float:
@@ -143,53 +179,90 @@ def rel_err(got, ref) -> float:
     return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-6))
 
 
-def check_outputs(library, shapes, ref) -> float:
+def check_outputs(library, shapes, ref, feeds=None) -> float:
     """cuvil's first output against onnxruntime's, `ref` (`rel_err`)."""
     from cuvil.runtime import Library
     lib = Library(library)
-    return rel_err(lib.run(sample_feeds(shapes))[lib.output_names[0]], ref)
+    return rel_err(lib.run(feeds or sample_feeds(shapes))[lib.output_names[0]], ref)
+
+
+CONVOLUTIONAL = ("resnet18", "resnet50", "mobilenet_v2")
+
+
+def quantise(name, model_path: Path, shapes) -> Path:
+    """The model as onnxruntime's quantisation tools write it (see the module docstring)."""
+    from onnxruntime import quantization as q
+    target = model_path.with_suffix(".int8.onnx")
+    if name in CONVOLUTIONAL:
+        class Samples(q.CalibrationDataReader):
+            def __init__(self):
+                self.feeds = iter([{k: np.random.default_rng(10 + i).standard_normal(s).astype(np.float32)
+                                    for k, s in shapes.items()} for i in range(2)])
+
+            def get_next(self):
+                return next(self.feeds, None)
+        q.quantize_static(str(model_path), str(target), Samples(), quant_format=q.QuantFormat.QDQ, per_channel=True,
+                          activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8)
+    else:
+        q.quantize_dynamic(str(model_path), str(target), weight_type=q.QuantType.QInt8)
+    return target
 
 
 def build(name, model_path, shapes, threads, cache_dir, jobs, precision="fp32"):
     import cuvil
     t = time.perf_counter()
+    # int8: the file is quantised already; cuvil builds it as it is
     compiled = cuvil.compile(str(model_path), input_shapes=shapes, threads=threads, cache_dir=cache_dir, jobs=jobs,
-                             name=name, precision=precision)
+                             name=name, precision="fp32" if precision == "int8" else precision)
     return compiled, time.perf_counter() - t
 
 
 def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, openvino: bool = False,
                 precision: str = "fp32"):
     from cuvil import bench as ctime
-    module, shapes = MODELS[name]()
-    model = _zoo().export(module, shapes)
+    feeds = feeds_path = None
+    if name in EXPORTED:
+        model, shapes, feeds = EXPORTED[name]()
+        feeds_path = workdir / f"{name}-feeds.npz"
+        np.savez(feeds_path, **feeds)
+    else:
+        module, shapes = MODELS[name]()
+        model = _zoo().export(module, shapes)
     model_path = workdir / f"{name}.onnx"
     model_path.write_bytes(model.SerializeToString())
+    if precision == "int8":
+        model_path = quantise(name, model_path, shapes)
     cache_dir = workdir / f"cache-{name}-{threads}" if cold else None
     compiled, build_s = build(name, model_path, shapes, threads, cache_dir, jobs, precision)
     lib_dir = workdir / f"{name}-t{threads}-{precision}"
     compiled.save(lib_dir)
     library = lib_dir / compiled.artifacts.library.name
-    ref = reference_output(model_path, shapes)
-    err = check_outputs(library, shapes, ref)
-    processes = {"c": [], "py": [], "ort": []}  # each engine: one list of call times per process
+    ref = reference_output(model_path, shapes, feeds)
+    err = check_outputs(library, shapes, ref, feeds)
+    # The C harness fills inputs with random floats: a model with given (integer) inputs is timed
+    # through Python only.
+    processes = {"c": [], "py": [], "ort": []} if feeds is None else {"py": [], "ort": []}
+    openvino = openvino and feeds is None
     if openvino:
         processes["ov"] = []
     ov_output = workdir / f"{name}-t{threads}-{precision}-openvino.npy"
     warm = max(3, runs // 10)
     for round_ in range(rounds):
-        processes["c"].append(ctime.time_library(library, runs=runs, warmup=warm, info=compiled.info))
-        processes["py"].append(cuvil_py_times(library, shapes, runs, warm))
-        processes["ort"].append(ort_times(model_path, shapes, threads, runs, warm))
+        if "c" in processes:
+            processes["c"].append(ctime.time_library(library, runs=runs, warmup=warm, info=compiled.info))
+        processes["py"].append(cuvil_py_times(library, shapes, runs, warm, feeds=feeds_path))
+        processes["ort"].append(ort_times(model_path, shapes, threads, runs, warm, feeds=feeds_path))
         if openvino:
             processes["ov"].append(openvino_times(model_path, shapes, threads, runs, warm,
-                                                  save_output=ov_output if round_ == 0 else None, precision=precision))
+                                                  save_output=ov_output if round_ == 0 else None,
+                                                  precision="fp32" if precision == "int8" else precision))
     best = {k: ctime.best_process_median(v) for k, v in processes.items()}
-    c, p, o = best["c"], best["py"], best["ort"]
+    c, p, o = best.get("c"), best["py"], best["ort"]
     all_calls = lambda k: statistics.median([t for times in processes[k] for t in times])
     round_medians = {k: [round(statistics.median(times) * 1e3, 4) for times in v] for k, v in processes.items()}
-    result = {"model": name, "threads": threads, "precision": precision, "cuvil_c_ms": c * 1e3, "cuvil_py_ms": p * 1e3, "ort_ms": o * 1e3,
-              "ratio": p / o, "ratio_c": c / o, "round_medians_ms": round_medians,
+    result = {"model": name, "threads": threads, "precision": precision, "cuvil_c_ms": c * 1e3 if c else None,
+              "cuvil_py_ms": p * 1e3, "ort_ms": o * 1e3,
+              "ratio": p / o, "ratio_c": c / o if c else None, "round_medians_ms": round_medians,
               "all_calls_median_ratio": all_calls("py") / all_calls("ort"),
               "rel_err": err, "build_s": build_s, "cold": cold,
               "kernels": compiled.info["kernels"], "arena_bytes": compiled.info["memory"]["arena_bytes"]}
@@ -213,7 +286,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--no-openvino", action="store_true", help="leave OpenVINO out even when it is installed")
     parser.add_argument("--precision", default="fp32",
-                        help="cuvil's (and OpenVINO's) precisions, comma separated (fp32,bf16,fp16); onnxruntime: fp32")
+                        help="cuvil's (and OpenVINO's) precisions, comma separated (fp32,bf16,fp16,int8); onnxruntime: "
+                             "fp32, or with int8 the same quantised file")
     args = parser.parse_args(argv)
     ov_version = None if args.no_openvino else openvino_version()
     flags = set(cpu_flags())
@@ -232,8 +306,9 @@ def main(argv=None):
                                 precision)
                 results.append(r)
                 ov = (f"{r['openvino_ms']:>10.3f}{r['ratio_openvino']:>7.2f}{r['openvino_rel_err']:>9.1e}"
-                      if ov_version else "")
-                print(f"{name:<14}{threads:>4}{precision:>5}{r['cuvil_c_ms']:>12.3f}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
+                      if "openvino_ms" in r else " " * 26 if ov_version else "")
+                c_ms = f"{r['cuvil_c_ms']:>12.3f}" if r["cuvil_c_ms"] is not None else f"{'-':>12}"
+                print(f"{name:<14}{threads:>4}{precision:>5}{c_ms}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
                       f"{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{ov}{r['build_s']:>9.1f}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -97,7 +97,9 @@ def measure(files: dict, reference: dict, options: dict, shared: dict | None = N
             raise CuvilError(f"output '{worst}' has a cosine similarity of {outputs[worst]['cosine']:.10f} to "
                              f"the float32 build, below accuracy.min_cosine {limit}",
                              hint="keep the sensitive nodes in float32 (pass_options: {assign_precision: "
-                                  "{keep_fp32: [...]}}), use bf16 instead of fp16 or the reverse, or lower min_cosine")
+                                  "{keep_fp32: [...]}}; int4: {quantize_weights: {keep_fp32: [...]}} or a smaller "
+                                  "quantization.group_size), use bf16 instead of fp16 or the reverse, or lower "
+                                  "min_cosine")
     manifest = json.loads(files["manifest.json"])
     manifest["accuracy"] = report
     return {**files, "manifest.json": (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()}

@@ -20,7 +20,7 @@ import onnx
 from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep
 
-from .errors import CuvilError
+from .errors import CuvilError, UnsupportedOpError
 
 # Inputs (by position) whose values decide output shapes or kernel parameters.
 # Shape inputs of these ops that come from the graph's inputs are specialised
@@ -40,7 +40,9 @@ BUILD_TIME_INPUTS = {
 
 def _is_static(vi: onnx.ValueInfoProto) -> bool:
     t = vi.type.tensor_type
-    return vi.type.HasField("tensor_type") and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
+    # a negative dim_value (Paddle2ONNX's way of writing a dynamic dim) is not static
+    return vi.type.HasField("tensor_type") and t.HasField("shape") \
+        and all(d.HasField("dim_value") and d.dim_value >= 0 for d in t.shape.dim)
 
 
 def _subgraphs(node: onnx.NodeProto) -> list:
@@ -108,6 +110,11 @@ class CuvilRep(BackendRep):
         self.inputs = [vi for vi in model.graph.input if vi.name not in inits]
         self.input_names = [vi.name for vi in self.inputs]
         self.output_names = [o.name for o in model.graph.output]
+        for kind, infos in (("input", self.inputs), ("output", model.graph.output)):
+            for vi in infos:
+                if vi.type.WhichOneof("value") not in (None, "tensor_type"):
+                    raise UnsupportedOpError(f"{kind} '{vi.name}' is not a tensor (sequences, optionals and maps "
+                                             "are not supported)")
         self.specialised = build_time_inputs(model)
         self.dynamic_shapes = not all(_is_static(vi) for vi in self.inputs)
         self._libraries: dict = {}
@@ -128,7 +135,13 @@ class CuvilRep(BackendRep):
             if len(inputs) != len(self.input_names):
                 raise CuvilError(f"the model takes {len(self.input_names)} input(s) {self.input_names}, got {len(inputs)}")
             feeds = dict(zip(self.input_names, inputs))
-        return {k: np.asarray(v) for k, v in feeds.items()}
+        arrays = {}
+        for name, value in feeds.items():
+            try:
+                arrays[name] = np.asarray(value)
+            except ValueError as exc:  # a ragged list: a sequence, not a tensor
+                raise CuvilError(f"input '{name}' is not a tensor ({exc})") from None
+        return arrays
 
     def library_for(self, feeds: dict):
         """The library for these feeds (compiled now if their signature is new)."""
@@ -240,26 +253,47 @@ def tolerances(case) -> tuple[float, float]:
     return rtol, atol
 
 
-def run_node_test(case, **compile_options) -> None:
-    """Prepare the case's model with CuvilBackend, run every data set, compare
-    with the expected outputs (shape, dtype, values); raises AssertionError or
-    a CuvilError. Returns how many kernel calls the libraries ran (0: every
-    node was folded at build time)."""
-    from onnx.backend.test.runner import _normalize_tensor
-    rtol, atol = tolerances(case)
-    rep = CuvilBackend.prepare(case.model, "CPU", **compile_options)
-    for inputs, expected in case.data_sets:
-        inputs = [_normalize_tensor(x) for x in inputs]
-        expected = [_normalize_tensor(x) for x in expected]
-        outputs = list(rep.run(inputs))
-        assert len(outputs) == len(expected), f"{len(outputs)} outputs, expected {len(expected)}"
-        for i, (got, want) in enumerate(zip(outputs, expected)):
-            assert got.shape == want.shape, f"output {i}: shape {got.shape}, expected {want.shape}"
-            assert got.dtype == want.dtype, f"output {i}: dtype {got.dtype}, expected {want.dtype}"
+class OutputMismatch(AssertionError):
+    """run_node_test: cuvil ran the model, but an output differs from the expected one."""
+
+
+def internal_exception(exc: BaseException) -> bool:
+    """Whether a node test's failure is an exception cuvil let escape (a bug: every failure
+    of cuvil's own should be a CuvilError) rather than a CuvilError or an OutputMismatch."""
+    return not isinstance(exc, (CuvilError, OutputMismatch, KeyboardInterrupt))
+
+
+def _compare(outputs, expected, rtol, atol) -> None:
+    if len(outputs) != len(expected):
+        raise OutputMismatch(f"{len(outputs)} outputs, expected {len(expected)}")
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        if not isinstance(want, (np.ndarray, np.generic)):  # a sequence or an optional
+            raise OutputMismatch(f"output {i}: expected a {type(want).__name__}, not a tensor")
+        if got.shape != want.shape:
+            raise OutputMismatch(f"output {i}: shape {got.shape}, expected {want.shape}")
+        if got.dtype != want.dtype:
+            raise OutputMismatch(f"output {i}: dtype {got.dtype}, expected {want.dtype}")
+        try:
             if want.dtype == object or want.dtype.kind in "biuSU":
                 np.testing.assert_array_equal(got, want, err_msg=f"output {i}")
             else:
                 np.testing.assert_allclose(got.astype(np.float64) if got.dtype.kind == "f" else got,
                                            want.astype(np.float64) if want.dtype.kind == "f" else want,
                                            rtol=rtol, atol=atol, err_msg=f"output {i}")
+        except AssertionError as exc:
+            raise OutputMismatch(str(exc)) from None
+
+
+def run_node_test(case, **compile_options) -> None:
+    """Prepare the case's model with CuvilBackend, run every data set, compare
+    with the expected outputs (shape, dtype, values); raises OutputMismatch or
+    a CuvilError (anything else is a bug: `internal_exception`). Returns how many
+    kernel calls the libraries ran (0: every node was folded at build time)."""
+    from onnx.backend.test.runner import _normalize_tensor
+    rtol, atol = tolerances(case)
+    rep = CuvilBackend.prepare(case.model, "CPU", **compile_options)
+    for inputs, expected in case.data_sets:
+        inputs = [_normalize_tensor(x) for x in inputs]
+        expected = [_normalize_tensor(x) for x in expected]
+        _compare(list(rep.run(inputs)), expected, rtol, atol)
     return sum(lib.artifacts.info.get("steps", 0) for lib in rep._libraries.values())

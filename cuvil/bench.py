@@ -148,6 +148,8 @@ import functools, json, sys, time
 import numpy as np
 job = json.loads(sys.argv[1])
 feeds = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32) for k, s in job["shapes"].items()}
+if job.get("feeds"):  # given inputs (.npz): integer inputs such as a graph's edge list
+    feeds.update(np.load(job["feeds"]))
 """
 
 _TIMED_CALLS = r"""
@@ -205,10 +207,11 @@ def _worker(script: str, job: dict) -> list[float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def ort_times(model_path, shapes, threads, runs, warmup=None) -> list[float]:
+def ort_times(model_path, shapes, threads, runs, warmup=None, feeds=None) -> list[float]:
+    """`feeds`: an .npz of inputs that replace the random float ones (integer inputs)."""
     return _worker(_ORT_WORKER, {"model": str(model_path), "shapes": {k: list(v) for k, v in shapes.items()},
                                  "threads": threads, "runs": runs, "warmup": warmup or max(3, runs // 10),
-                                 "warmup_seconds": WARMUP_SECONDS})
+                                 "warmup_seconds": WARMUP_SECONDS, "feeds": str(feeds) if feeds else None})
 
 
 def openvino_version() -> str | None:
@@ -235,10 +238,11 @@ def openvino_times(model_path, shapes, threads, runs, warmup=None, save_output=N
                                 "save_output": str(save_output) if save_output else None})
 
 
-def cuvil_py_times(library, shapes, runs, warmup=None) -> list[float]:
+def cuvil_py_times(library, shapes, runs, warmup=None, feeds=None) -> list[float]:
+    """`feeds`: as for ort_times."""
     return _worker(_CUVIL_WORKER, {"library": str(library), "shapes": {k: list(v) for k, v in shapes.items()},
                                    "runs": runs, "warmup": warmup or max(3, runs // 10),
-                                   "warmup_seconds": WARMUP_SECONDS})
+                                   "warmup_seconds": WARMUP_SECONDS, "feeds": str(feeds) if feeds else None})
 
 
 def ort_time(model, threads=1, runs=20) -> float:

@@ -269,7 +269,8 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
                        "sanitize": spec.sanitize, "cc": compiler_version(c_compiler(target)), "target": target.as_key(),
                        "link_step": step_name, "link": mode}
         return dag.add(Step(step_name, "link", link_params, [codegen],
-                            lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files))
+                            lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files,
+                            expand=lambda d, bundle: add_kernel_steps(d, step_name, bundle)))
 
     link_name = add_link(f"{base}/link", spec.link)
     if spec.precision == "fp32":

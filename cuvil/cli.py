@@ -33,6 +33,8 @@ def main(argv=None) -> int:
         if args.debug:
             traceback.print_exc()
         print(f"cuvil: error: {error}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script reading --json output gets the error as JSON too
+            print(json.dumps({"error": {"message": error.message, "hint": error.hint}}, indent=2))
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("cuvil: interrupted", file=sys.stderr)
@@ -67,8 +69,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="compile up to N kernels in parallel (default 1)")
     build.add_argument("--report", type=Path, metavar="FILE.json",
                        help="write every step's name, kind, key, status (ran/cached) and seconds as JSON")
+    build.add_argument("--scheduler", metavar="ADDRESS",
+                       help="run the steps on the Dask cluster of this scheduler (tcp://HOST:8786; overrides "
+                            "`executor:`); its workers share the step cache (cache.url, e.g. s3://...)")
     build.add_argument("--explain", action="store_true",
                        help="after building, print what the passes did, the kernels and the arena plan")
+    build.add_argument("--json", action="store_true",
+                       help="print a JSON report (variants, files, figures, every step) instead of the summary; "
+                            "progress goes to stderr")
+    build.add_argument("--timeline", type=Path, metavar="FILE.html",
+                       help="write the build's step timeline (when each step ran, where) as a self-contained "
+                            "HTML page")
     build.add_argument("models", nargs="*", metavar="MODEL", help="build only these models (default: all)")
     build.set_defaults(command=cmd_build)
 
@@ -110,13 +121,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--stop-after", type=float, default=None, help=argparse.SUPPRESS)
     serve.set_defaults(command=cmd_serve)
 
-    graph = commands.add_parser("graph", parents=[common], help="print the build's step graph",
-                                description="Print the steps of the build and their keys "
-                                            "(kernel steps appear once the code generator has run or is cached).")
+    graph = commands.add_parser("graph", parents=[common], help="print the build's step graph, or draw a model",
+                                description="text, dot, mermaid, json: the steps of the build and their keys "
+                                            "(kernel steps appear once the code generator has run or is cached). "
+                                            "svg, html: MODEL's compiled graph (a box per kernel, the ops it "
+                                            "fuses inside) and its memory plan's buffer lifetimes; svg needs "
+                                            "Graphviz's dot, html is a self-contained page.")
     _config_option(graph)
-    graph.add_argument("--format", choices=["text", "dot", "mermaid", "json"], default="text")
+    graph.add_argument("--format", choices=["text", "dot", "mermaid", "json", "svg", "html"], default="text")
     graph.add_argument("--expand", action="store_true",
                        help="run (or load from the cache) the code generator so kernel steps are shown")
+    graph.add_argument("--target", metavar="TARGET", help="svg, html: which of the model's targets (default: its first)")
+    graph.add_argument("-o", "--output", type=Path, metavar="FILE", help="write to FILE instead of stdout")
     graph.add_argument("models", nargs="*", metavar="MODEL")
     graph.set_defaults(command=cmd_graph)
 
@@ -164,6 +180,7 @@ def _parser() -> argparse.ArgumentParser:
                                             "Exit 1 if some op cannot be compiled, 0 if all can.")
     _config_option(check)
     check.add_argument("models", nargs="*", metavar="MODEL", help="check only these models (default: all)")
+    check.add_argument("--json", action="store_true", help="print the report as JSON (same exit codes)")
     check.set_defaults(command=cmd_check)
 
     schema = commands.add_parser("schema", parents=[common], help="print the JSON Schema of cuvil.yaml",
@@ -196,6 +213,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="build the MODEL in this precision (default fp32; a LIB has its own); OpenVINO "
                             "infers in the same one, onnxruntime in float32")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    bench.add_argument("--plot", type=Path, metavar="FILE.png",
+                       help="also draw the latency per engine (median, min..p90) as a PNG (matplotlib)")
     bench.set_defaults(command=cmd_bench)
     return parser
 
@@ -219,15 +238,24 @@ def _positive_int(text):
 
 def cmd_build(args) -> int:
     from .config import load_config
+    from .progress import BuildDisplay
     from .project import build_project, open_project_cache
 
     spec = load_config(args.file)
     cache = open_project_cache(spec)
-    result = build_project(spec, args.models or None, jobs=args.jobs, progress=_say, cache=cache)
+    # --json keeps stdout for the report: the progress goes to stderr
+    with BuildDisplay(sys.stderr if args.json else sys.stdout) as display:
+        result = build_project(spec, args.models or None, jobs=args.jobs, progress=display.say, cache=cache,
+                               scheduler=args.scheduler, listener=display.step)
     built = result.artifacts
     if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(result.dag.report(), indent=2) + "\n")
+        _write(args.report, json.dumps(result.dag.report(), indent=2) + "\n")
+    if args.timeline:
+        from .pictures import timeline_html
+        _write(args.timeline, timeline_html(result.dag.report(), title=f"cuvil build {_shown(spec.path)}"))
+    if args.json:
+        print(json.dumps(_build_report(spec, result, args), indent=2))
+        return EXIT_OK
     print()
     for artifacts in built:
         info = artifacts.info
@@ -239,6 +267,8 @@ def cmd_build(args) -> int:
             print(f"    {summary(info['accuracy'])}")
     print(f"{len(built)} variant{'s' if len(built) != 1 else ''}: {result.dag.summary()} steps "
           f"in {result.seconds:.2f} s (cache: {_shown(spec.cache.dir)})")
+    if args.timeline:
+        print(f"step timeline: {_shown(args.timeline)}")
     if getattr(args, "explain", False):
         from .explain import explain_variant, render
         for artifacts in built:
@@ -246,6 +276,38 @@ def cmd_build(args) -> int:
             print()
             print(render(explain_variant(result.dag, f"{info['name']}/{info['target']}/link", info["name"])))
     return EXIT_OK
+
+
+def _build_report(spec, result, args) -> dict:
+    """`cuvil build --json`: each variant's files and figures, and every step of the build graph."""
+    steps = result.dag.report()["steps"]
+    ran = sum(1 for s in steps if s["status"] == "ran")
+    variants = []
+    for artifacts in result.artifacts:
+        info = artifacts.info
+        variant = {"name": info["name"], "target": info["target"], "precision": info.get("precision"),
+                   "library": str(artifacts.library), "files": [str(f) for f in artifacts.files],
+                   "kernels": artifacts.kernels, "memory": info["memory"], "seconds": round(artifacts.seconds, 4),
+                   "changed": artifacts.changed}
+        if "accuracy" in info:
+            variant["accuracy"] = info["accuracy"]
+        if args.explain:
+            from .explain import as_dict, explain_variant
+            variant["explain"] = as_dict(explain_variant(result.dag, f"{info['name']}/{info['target']}/link",
+                                                         info["name"]))
+        variants.append(variant)
+    return {"config": str(spec.path), "cache": {"dir": str(spec.cache.dir), "url": spec.cache.url},
+            "scheduler": args.scheduler or (spec.executor.address if spec.executor.kind == "dask" else None),
+            "seconds": round(result.seconds, 4), "summary": {"ran": ran, "cached": len(steps) - ran},
+            "variants": variants, "steps": steps}
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as error:
+        raise CuvilError(f"cannot write {path}: {error.strerror}", hint="check that the folder is writable") from None
 
 
 def cmd_explain(args) -> int:
@@ -295,14 +357,42 @@ def cmd_graph(args) -> int:
     from .project import plan_project
 
     spec = load_config(args.file)
-    dag, planned = plan_project(spec, args.models or None, progress=None)
-    if args.expand:
-        from .build import add_kernel_steps, link_step_of
-        for _, _, _, last in planned:
-            link = link_step_of(dag, last)
-            add_kernel_steps(dag, link, dag.get(dag.step(link).deps[0]))  # codegen says which kernels exist
-    print(dag.render(args.format))
+    if args.format in ("svg", "html"):
+        text = _model_picture(spec, args)
+    else:
+        dag, planned = plan_project(spec, args.models or None, progress=None)
+        if args.expand:
+            from .build import add_kernel_steps, link_step_of
+            for _, _, _, last in planned:
+                link = link_step_of(dag, last)
+                add_kernel_steps(dag, link, dag.get(dag.step(link).deps[0]))  # codegen says which kernels exist
+        text = dag.render(args.format)
+    if args.output:
+        _write(args.output, text if text.endswith("\n") else text + "\n")
+        print(f"wrote {_shown(args.output)}")
+    else:
+        print(text)
     return EXIT_OK
+
+
+def _model_picture(spec, args) -> str:
+    """`cuvil graph MODEL --format svg|html`: the compiled graph and memory plan of one variant."""
+    from . import pictures
+    from .explain import explain_variant
+    from .project import plan_project, select_models
+
+    if len(args.models) != 1:
+        raise CuvilError(f"--format {args.format} draws one model's compiled graph: name one model",
+                         hint=f"cuvil graph MODEL --format {args.format} -o MODEL.{args.format} "
+                              f"(models: {', '.join(m.name for m in spec.models)})")
+    (model,) = select_models(spec, args.models)
+    target = args.target or model.targets[0]
+    if target not in model.targets:
+        raise CuvilError(f"model '{model.name}' has no target '{target}' (its targets: {', '.join(model.targets)})")
+    dag, planned = plan_project(spec, [model.name], progress=None)
+    link = next(link for _, t, _, link in planned if t == target)
+    expl = explain_variant(dag, link, model.name)
+    return pictures.graph_svg(expl) if args.format == "svg" else pictures.graph_html(expl)
 
 
 def cmd_verify(args) -> int:
@@ -320,6 +410,8 @@ def cmd_verify(args) -> int:
     info = load(library).info
     spec = load_config(args.file)
     model = spec.model(info["name"])
+    # a rebuild here, from nothing: not on the config's cluster, whose workers share the config's cache
+    spec = spec.model_copy(update={"executor": spec.executor.model_copy(update={"kind": "local", "address": None})})
     with tempfile.TemporaryDirectory(prefix="cuvil-verify-") as tmp:
         result = build_project(spec, [model.name], progress=None, cache=Cache(Path(tmp) / "cache"),
                                output_dir=Path(tmp) / "out")
@@ -495,6 +587,11 @@ def cmd_bench(args) -> int:
 
     report = bench.run_bench(args.target, args.vs, args.onnx, args.threads, args.runs, args.rounds,
                              bench.parse_shapes(args.shape), args.precision)
+    if args.plot:
+        from .pictures import bench_plot
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        bench_plot(report, args.plot)
+        print(f"plot: {_shown(args.plot)}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({k: report[k] for k in ("library", "model", "threads", "precision", "results")}, indent=2))
         return EXIT_OK
@@ -528,6 +625,12 @@ def cmd_check(args) -> int:
 
     spec = load_config(args.file)
     selected = select_models(spec, args.models or None)
+    if args.json:
+        reports = [check_model(spec, model) for model in selected]
+        unsupported = sum(len(r.unsupported) for r in reports)
+        print(json.dumps({"config": str(spec.path), "valid": True, "supported": not unsupported,
+                          "models": [_check_dict(model, r) for model, r in zip(selected, reports)]}, indent=2))
+        return EXIT_PROBLEMS if unsupported else EXIT_OK
     print(f"{_shown(spec.path)}: valid, {len(spec.models)} model{'s' if len(spec.models) != 1 else ''}")
     unsupported = 0
     for model in selected:
@@ -541,6 +644,8 @@ def cmd_check(args) -> int:
         print(f"  ops     {total} node{'s' if total != 1 else ''}: {ops or '(none)'}")
         for target, variant in report.variants.items():
             print(f"  {target}: {_figures(variant['kernels'], variant['memory'])}")
+            for line in report.fallbacks.get(target, []):
+                print(f"    not int8: {line}")
         for problem in report.unsupported:
             print(f"  unsupported: {problem}")
         unsupported += len(report.unsupported)
@@ -549,6 +654,12 @@ def cmd_check(args) -> int:
         return EXIT_PROBLEMS
     print("\nall ops, targets and precisions supported")
     return EXIT_OK
+
+
+def _check_dict(model, report) -> dict:
+    return {"name": model.name, "source": str(model.source), "targets": list(model.targets),
+            "precision": model.precision, "inputs": report.inputs, "outputs": report.outputs,
+            "ops": report.op_counts, "unsupported": report.unsupported, "variants": report.variants}
 
 
 # --- formatting

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, WithJsonSchema
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, WithJsonSchema,
+                      model_validator)
 
 from .errors import ConfigError
 
@@ -37,7 +38,9 @@ TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4",
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most important first
 DIFF_MODES = ("syntactic", "semantic")
+EXECUTORS = ("local", "dask")  # `executor: kind:`: this machine, or a Dask cluster (cluster.py)
 LINK_MODES = ("shared", "static", "both")  # `link:`: lib<name>.so, lib<name>.a, or both
+GROUP_SIZES = (32, 64, 128)  # `quantization: group_size:` (precision int4)
 SOURCE_SUFFIXES = (".onnx", ".pt", ".pth")
 DEFAULT_SYMBOL_PREFIX = "cuvil_"
 
@@ -127,6 +130,29 @@ class CacheConfig(_Strict):
                             "(e.g. on untrusted CI jobs).")
 
 
+class ExecutorConfig(_Strict):
+    """Where `cuvil build` runs the steps: on this machine, or as tasks of a Dask cluster whose workers share
+    the step cache (`cuvil build --scheduler ADDRESS` does the same for one build)."""
+
+    kind: Annotated[str, *_one_of(EXECUTORS, "executor kind")] = Field(
+        "local", description="local: this machine (-j threads compile kernels); dask: a Dask distributed "
+        "cluster (pip install 'cuvil[dask]'), each step one task.")
+    address: str | None = Field(None, description="The Dask scheduler's address, e.g. tcp://10.0.0.5:8786 "
+                                "(kind: dask). Its workers need the cache: `cache: url:` (e.g. s3://) or a "
+                                "`cache: dir:` every worker mounts.")
+
+    # The schema says what the check below says: kind dask needs an address.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"kind": {"const": "dask"}}, "required": ["kind"]}, "then": {"required": ["address"]}})
+
+    @model_validator(mode="after")
+    def _dask_needs_an_address(self):
+        if self.kind == "dask" and not self.address:
+            raise ValueError("kind dask needs the scheduler's address: add `address: tcp://HOST:8786` "
+                             "(or pass --scheduler to cuvil build)")
+        return self
+
+
 class WatchConfig(_Strict):
     """`cuvil watch` rebuilds when a file below these paths changes."""
 
@@ -169,6 +195,23 @@ class AccuracyConfig(_Strict):
                                      "similarity to float32 is below this (null: never).")
 
 
+def _group_size(value):
+    if type(value) is not int or value not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {value!r}")
+    return value
+
+
+class QuantizationConfig(_Strict):
+    """precision int4: weight-only, group-wise quantisation of the constant MatMul/Gemm weights
+    (passes/quantize_weights.py); activations stay float32."""
+
+    group_size: Annotated[int, AfterValidator(_group_size),
+                          WithJsonSchema({"type": "integer", "enum": list(GROUP_SIZES)})] = Field(
+        32, description="Consecutive weights along K that share a scale (and a zero point): 32, 64 or 128.")
+    symmetric: bool = Field(True, description="true: a scale per group and the zero point 8; false: a zero "
+                            "point per group too (the range of each group's own minimum and maximum).")
+
+
 class _Settings(_Strict):
     """What `defaults:` may set for every model; the field defaults are the built-in ones."""
 
@@ -185,8 +228,9 @@ class _Settings(_Strict):
         "naming them.")
     precision: Precision = Field(
         "fp32", description="Arithmetic precision: fp32, or bf16 / fp16: the weight products (Gemm, MatMul "
-        "with constant weights) compute on 16-bit operands with float32 sums. (int8 and int4 are accepted here "
-        "and refused by `cuvil check` and `cuvil build` until their kernels exist.)")
+        "with constant weights) compute on 16-bit operands with float32 sums; int4: those weights are "
+        "quantised to 4 bits by group (see quantization:), activations stay float32. (int8 is accepted here "
+        "and refused by `cuvil check` and `cuvil build` until its kernels exist.)")
     opt_level: int = Field(2, ge=0, le=3, description="0: no passes; 1-3: the default pass lists, from safest "
                            "to most aggressive.")
     passes: Annotated[list[str] | None, AfterValidator(_pass_names)] = Field(None, description="An explicit ordered pass list replaces the opt level's "
@@ -207,8 +251,10 @@ class _Settings(_Strict):
                               "model whose plan is larger is refused.")
     sanitize: bool = Field(False, description="Compile the driver with AddressSanitizer and "
                            "UndefinedBehaviorSanitizer (for testing).")
-    accuracy: AccuracyConfig = Field(AccuracyConfig(), description="bf16 / fp16 builds: how they measure "
+    accuracy: AccuracyConfig = Field(AccuracyConfig(), description="bf16 / fp16 / int4 builds: how they measure "
                                      "themselves against the float32 build.")
+    quantization: QuantizationConfig = Field(QuantizationConfig(), description="int4 builds: the group size and "
+                                             "form of the weights' quantisation.")
     link: Annotated[str, *_one_of(LINK_MODES, "link")] = Field(
         "shared", description="What the link makes: shared (lib<name>.so), static (lib<name>.a, the same "
         "exported symbols), or both; <name>.pc and <name>Config.cmake point at what was made.")
@@ -244,6 +290,8 @@ class _File(_Strict):
     models: list[_Model] = Field(min_length=1, description="The models to build.")
     watch: WatchConfig | None = Field(None, description="`cuvil watch` rebuilds when a file below these paths "
                                       "changes.")
+    executor: ExecutorConfig | None = Field(None, description="Where `cuvil build` runs the steps: this machine "
+                                            "(local) or a Dask cluster (dask).")
     incremental: IncrementalConfig | None = Field(None, description="`cuvil serve` hot updates: rebuild a changed "
                                                   "model in a worker process and swap it into the running server.")
 
@@ -286,6 +334,7 @@ class ModelConfig(BaseModel):
     max_arena_mb: int = 4096
     sanitize: bool = False
     accuracy: AccuracyConfig = AccuracyConfig()
+    quantization: QuantizationConfig = QuantizationConfig()
     serve: ServeConfig = ServeConfig()
     link: str = "shared"
     line: int | None = None
@@ -299,6 +348,7 @@ class BuildSpec(BaseModel):
     models: list[ModelConfig]
     watch: WatchConfig
     incremental: IncrementalConfig = IncrementalConfig()
+    executor: ExecutorConfig = ExecutorConfig()
     path: Path
     root: Path
 
@@ -404,6 +454,10 @@ def _resolve(raw, root_node, path):
                       symbol_prefix=values["symbol_prefix"] or DEFAULT_SYMBOL_PREFIX,
                       serve=entry.serve or ServeConfig())
         values["accuracy"] = {**defaults["accuracy"], **values["accuracy"]}   # a model's keys over defaults'
+        values["quantization"] = {**defaults["quantization"], **values["quantization"]}
+        if values["precision"] == "int4":   # the pass that quantises takes them as its options
+            values["pass_options"]["quantize_weights"] = {**values["quantization"],
+                                                          **values["pass_options"].get("quantize_weights", {})}
         if values["accuracy"]["inputs"] != "random":
             inputs = (root / Path(values["accuracy"]["inputs"]).expanduser()).resolve()
             if not inputs.is_file():
@@ -418,6 +472,7 @@ def _resolve(raw, root_node, path):
 
     cache, watch = raw.cache or CacheConfig(), raw.watch or WatchConfig()
     incremental = raw.incremental or IncrementalConfig()
+    executor = raw.executor or ExecutorConfig()
     return BuildSpec(
         version=raw.version,
         output_dir=absolute(raw.output_dir),
@@ -425,6 +480,7 @@ def _resolve(raw, root_node, path):
         models=models,
         watch=watch.model_copy(update={"paths": [absolute(p) for p in watch.paths]}),
         incremental=incremental.model_copy(update={"watch_paths": [absolute(p) for p in incremental.watch_paths]}),
+        executor=executor,
         path=path.resolve(),
         root=root,
     )

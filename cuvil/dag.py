@@ -31,6 +31,9 @@ class Step:
     encode: Callable[[Any], bytes]   # output -> bytes for the cache
     decode: Callable[[bytes], Any]
     parallel: bool = False           # may run in a worker thread beside other such steps
+    # expand(graph, *dep_outputs) -> names of the steps `run` will add and read (the link step's
+    # kernels): lets a cluster (cluster.py) run those as tasks of their own before this step
+    expand: Callable[..., list[str]] | None = None
 
 
 @dataclass
@@ -40,6 +43,14 @@ class StepRecord:
     key: str
     status: str      # "ran" | "cached"
     seconds: float
+    started: float = 0.0   # seconds after the graph was made (the build's start)
+    worker: str = ""       # where it ran: a thread here, or a Dask worker's address
+
+
+def step_line(record: StepRecord, ran: int, done: int, total: int) -> str:
+    """The progress line of a step that ran, as plain output prints it."""
+    where = f" on {record.worker}" if "://" in record.worker else ""
+    return f"[{ran} ran, {done}/{total} done] {record.name} ({record.seconds:.2f} s{where})"
 
 
 class StepGraph:
@@ -50,9 +61,20 @@ class StepGraph:
         self.progress = progress or (lambda message: None)
         self.jobs = max(1, jobs)
         self.records: dict[str, StepRecord] = {}
+        # listener(record, ran, done, total) after each step that ran, instead of a progress line
+        self.listener: Callable[[StepRecord, int, int, int], None] | None = None
         self._keys: dict[str, str] = {}
         self._outputs: dict[str, Any] = {}
         self._lock = threading.RLock()
+        self._t0 = time.perf_counter()
+        self._ran = 0   # records with status "ran"
+
+    def fork(self, cache=None) -> "StepGraph":
+        """The same steps and keys (shared, so steps added to one are in both) with outputs and
+        records of its own: a cluster worker evaluates each task in a fork of its planned graph."""
+        forked = StepGraph(self.cache if cache is None else cache, self.versions, jobs=self.jobs)
+        forked.g, forked._keys, forked._lock = self.g, self._keys, self._lock
+        return forked
 
     # -- structure -----------------------------------------------------------------
     def add(self, step: Step) -> str:
@@ -108,11 +130,17 @@ class StepGraph:
         output = step.run(self, *inputs)
         self.cache.put(key, step.encode(output))
         self._finish(step, key, "ran", start, output)
-        with self._lock:
-            ran = sum(1 for r in self.records.values() if r.status == "ran")
-        self.progress(f"[{ran} ran, {len(self.records)}/{len(self.g)} done] {name} "
-                      f"({self.records[name].seconds:.2f} s)")
+        self.announce(name)
         return output
+
+    def announce(self, name: str) -> None:
+        """Tell the listener (a live display) or the progress callback that step `name` ran."""
+        with self._lock:
+            record, ran, done, total = self.records[name], self._ran, len(self.records), len(self.g)
+        if self.listener is not None:
+            self.listener(record, ran, done, total)
+        else:
+            self.progress(step_line(record, ran, done, total))
 
     def get_many(self, names: list[str]) -> list[Any]:
         """Outputs of several steps; those marked parallel run in up to `jobs` threads."""
@@ -126,7 +154,17 @@ class StepGraph:
     def _finish(self, step, key, status, start, output):
         with self._lock:
             self._outputs[step.name] = output
-            self.records[step.name] = StepRecord(step.name, step.kind, key, status, time.perf_counter() - start)
+            # A step a cluster ran keeps that record when its output is loaded here afterwards.
+            if step.name not in self.records:
+                self.record(StepRecord(step.name, step.kind, key, status, time.perf_counter() - start,
+                                       start - self._t0, threading.current_thread().name))
+
+    def record(self, record: StepRecord) -> None:
+        """Note how a step was evaluated (here, or by a cluster worker: cluster.py)."""
+        with self._lock:
+            previous = self.records.get(record.name)
+            self._ran += (record.status == "ran") - (previous is not None and previous.status == "ran")
+            self.records[record.name] = record
 
     def is_cached(self, name: str) -> bool:
         return self.cache.contains(self.key(name))
@@ -139,7 +177,8 @@ class StepGraph:
             if rec is None:  # not needed: something downstream of it was cached
                 rec = StepRecord(name, self.step(name).kind, self.key(name), "cached", 0.0)
             steps.append({"name": rec.name, "kind": rec.kind, "key": rec.key, "status": rec.status,
-                          "seconds": round(rec.seconds, 4)})
+                          "seconds": round(rec.seconds, 4), "started": round(rec.started, 4),
+                          "worker": rec.worker})
         return {"steps": steps}
 
     def summary(self) -> str:

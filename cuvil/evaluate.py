@@ -12,6 +12,14 @@ and version 17"), and a folded weight must be the value onnxruntime computes at 
 
 with the scale and zero point per tensor or per `axis` (1-D, along that axis). Other forms
 (blocked scales, float8/int4 data, float16 scales) go to the reference evaluator.
+
+GatherElements is computed here too: the reference evaluator's version (onnx 1.23) gathers
+with `np.choose`, which takes at most 64 choices, and its fallback for longer axes reads one
+element per row and then fails to reshape it ("cannot reshape array of size 1 into shape
+(1,64)"). transformers' BertModel gathers its `token_type_ids` buffer (512 long) this way,
+so a BERT export did not build. Here it is one fancy index:
+
+    out[i_0, ..., i_r] = data[i_0, ..., indices[i_0, ..., i_r] (at axis), ..., i_r]
 """
 from __future__ import annotations
 
@@ -74,7 +82,27 @@ def quantize_linear(inputs, attrs) -> np.ndarray | None:
     return np.clip(q, lo, hi).astype(zero.dtype)
 
 
-_EXACT = {"DequantizeLinear": dequantize_linear, "QuantizeLinear": quantize_linear}
+def gather_elements(inputs, attrs) -> np.ndarray | None:
+    data, indices = np.asarray(inputs[0]), np.asarray(inputs[1])
+    rank = data.ndim
+    axis = int(attrs.get("axis", 0))
+    if rank == 0 or indices.ndim != rank or not -rank <= axis < rank or indices.dtype.kind not in "iu":
+        return None  # malformed: the reference evaluator reports it
+    axis %= rank
+    if any(i > d for k, (i, d) in enumerate(zip(indices.shape, data.shape)) if k != axis):
+        return None
+    size = data.shape[axis]
+    indices = indices.astype(np.int64)
+    if indices.size and (indices.min() < -size or indices.max() >= size):
+        bad = int(indices[(indices < -size) | (indices >= size)].flat[0])
+        raise IndexError(f"index {bad} is outside [-{size}, {size}), the size of axis {axis} of the data")
+    grid = list(np.indices(indices.shape, sparse=True))
+    grid[axis] = np.where(indices < 0, indices + size, indices)
+    return data[tuple(grid)]
+
+
+_EXACT = {"DequantizeLinear": dequantize_linear, "QuantizeLinear": quantize_linear,
+          "GatherElements": gather_elements}
 
 
 def evaluate_exact(op: str, domain: str, inputs: list, attrs: dict) -> list[np.ndarray] | None:

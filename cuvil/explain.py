@@ -50,6 +50,9 @@ class Explanation:
     buffers: list[tuple]         # (offset, bytes, first step, last step, value)
     op_counts_before: dict = field(default_factory=dict)
     op_counts_after: dict = field(default_factory=dict)
+    # (from, to, tensor) between kernels "k<i>" (index in `kernels`), graph inputs "in:<name>" and
+    # outputs "out:<name>"; views (no code) are looked through to the kernel that made their data
+    edges: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def distinct_kernels(self) -> int:
@@ -106,11 +109,42 @@ def explain_graphs(model: str, stages: list[tuple[str, object]], params) -> Expl
         shape = tuple(final.values[out].shape) if out in final.values else ()
         kernels.append(KernelRecord(call.node, node.op if node else "?", computes(node) if node else "?",
                                     call.kernel.symbol, shape, _precision(call, node)))
+    edges = _kernel_edges(final, [call.node for call in planned.calls])
     arena = planned.arena
     buffers = sorted((arena.offsets[r], final.values[r].nbytes, *arena.lifetimes[r], r) for r in arena.offsets)
     return Explanation(model, records, kernels, before_calls, len(planned.schedule) - len(planned.calls),
                        {**planned.figures(), "in_place": len(arena.in_place), "strategy": arena.strategy},
-                       buffers, first.op_counts(), final.op_counts())
+                       buffers, first.op_counts(), final.op_counts(), edges)
+
+
+def _kernel_edges(graph, called: list[str]) -> list[tuple[str, str, str]]:
+    """Which kernel's output each kernel reads (and the graph's inputs and outputs), for pictures."""
+    kernel_of = {}
+    for i, name in enumerate(called):
+        kernel_of.setdefault(name, f"k{i}")
+    producer = {out: node for node in graph.nodes for out in node.outputs}
+
+    def source(value, depth=0):
+        node = producer.get(value)
+        if node is None:
+            return f"in:{value}" if value in graph.inputs else None   # a constant: not drawn
+        if node.name in kernel_of:
+            return kernel_of[node.name]
+        for v in node.inputs if depth < 64 else ():  # a view: its data is its input's
+            found = source(v, depth + 1)
+            if found is not None:
+                return found
+        return None
+
+    nodes = {n.name: n for n in graph.nodes}
+    edges = []
+    for name, kernel in kernel_of.items():
+        for value in nodes[name].inputs if name in nodes else ():
+            found = source(value) if value else None
+            if found is not None and found != kernel:
+                edges.append((found, kernel, value))
+    edges += [(found, f"out:{out}", out) for out in graph.outputs if (found := source(out)) is not None]
+    return list(dict.fromkeys(edges))
 
 
 def _precision(call, node) -> str:
@@ -201,4 +235,5 @@ def as_dict(report: Explanation) -> dict:
             "kernels_before": report.kernels_before, "distinct_kernels": report.distinct_kernels,
             "memory": report.memory,
             "buffers": [dict(zip(("offset", "bytes", "first", "last", "value"), b)) for b in report.buffers],
-            "op_counts_before": report.op_counts_before, "op_counts_after": report.op_counts_after}
+            "op_counts_before": report.op_counts_before, "op_counts_after": report.op_counts_after,
+            "edges": [list(e) for e in report.edges]}

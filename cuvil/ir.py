@@ -98,13 +98,17 @@ class Graph:
 
 
 def verify(graph: Graph) -> None:
-    """Check the invariants every pass must keep: defined inputs, topological order,
-    static shapes and dtypes on every value, graph outputs produced."""
+    """Check the invariants every pass must keep: unique node names, defined inputs, topological
+    order, static shapes and dtypes on every value, graph outputs produced."""
     defined = {name for name, v in graph.values.items() if v.is_const} | set(graph.inputs)
     for name in graph.inputs:
         if name not in graph.values:
             raise ModelError(f"graph input '{name}' has no value entry")
+    names = set()
     for node in graph.nodes:
+        if node.name in names:  # the passes tell nodes apart by name
+            raise ModelError(f"node name '{node.name}' is used twice (again by a {node.op} node)")
+        names.add(node.name)
         for name in node.inputs:
             if name and name not in defined:
                 raise ModelError(f"node '{node.name}' ({node.op}) reads '{name}', which is not defined before it")

@@ -16,7 +16,8 @@ VIEW_OPS = RESHAPE_OPS | {"Identity", "Dropout"}
 # cuvil's own domain: what the fusion passes make.
 FUSED_DOMAIN = "cuvil"
 FUSED_OPS = frozenset({"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock",
-                       "FusedAttention"})
+                       "FusedAttention", "FusedMatMulInteger",
+                       "QLinearAdd", "QLookup"})
 # Matrix products (domain, op): the ops whose second operand may be a weight matrix.
 PRODUCTS = frozenset({("", "MatMul"), ("", "Gemm"), (FUSED_DOMAIN, "FusedMatMul"), (FUSED_DOMAIN, "FusedGemm")})
 # The products an activation (and a residual Add) can fuse into, and the fused op each becomes.

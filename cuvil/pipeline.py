@@ -23,8 +23,11 @@ from pathlib import Path
 from .errors import CuvilError, UnsupportedOpError
 
 # What the compiler computes in today; config.PRECISIONS are the values cuvil.yaml may name.
-# bf16 and fp16: the weight products compute in that precision (passes/assign_precision.py).
-PRECISIONS_SUPPORTED = ("fp32", "bf16", "fp16")
+# bf16 and fp16: the weight products compute in that precision (passes/assign_precision.py);
+# int4: weight-only, the weight matrices quantised to 4 bits by group (passes/quantize_weights.py).
+PRECISIONS_SUPPORTED = ("fp32", "bf16", "fp16", "int4")
+# Weight-only precisions: the pass that quantises the weights runs first, with these bits.
+WEIGHT_ONLY_BITS = {"int4": 4}
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth")
 
@@ -56,11 +59,13 @@ def export_onnx(source, input_shapes: dict) -> bytes:
 def has_kernel(domain: str, op: str) -> bool:
     """Whether cuvil compiles the op as it is; the import expands the others into
     their ONNX function bodies where they have one (frontends/expand.py)."""
-    from backends.numba_cpu.registry import GENERATORS
+    from backends.numba_cpu.registry import DOMAIN_GENERATORS, GENERATORS
 
     from .ops import FUSED_DOMAIN, FUSED_OPS
     if domain == FUSED_DOMAIN:
         return op in FUSED_OPS
+    if (domain, op) in DOMAIN_GENERATORS:
+        return True
     return domain in ("", "ai.onnx") and op in GENERATORS
 
 
@@ -82,7 +87,7 @@ def import_any(source, input_shapes: dict):
 
 # Passes whose rewrites only the CPU backend lowers (x86 kernels for the fused or transformed
 # ops they make): a GPU target's default pass list leaves them out.
-CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block")
+CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block", "fold_qdq")
 
 
 # A bf16/fp16 build leaves the winograd pass out of the opt level's list (an explicit `passes:`
@@ -97,8 +102,8 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
               precision: str = "fp32", gpu: bool = False) -> tuple[list[str], dict]:
     """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
     precision adds assign_precision at the end, with the precision among its options, and leaves
-    out winograd unless `passes` names it (REDUCED_WITHOUT_WINOGRAD); a GPU target leaves out
-    CPU_ONLY_PASSES."""
+    out winograd unless `passes` names it (REDUCED_WITHOUT_WINOGRAD); a weight-only one, int4, adds
+    quantize_weights first instead of assign_precision; a GPU target leaves out CPU_ONLY_PASSES."""
     from passes import resolve_pass_options, resolve_passes
     names = resolve_passes(opt_level, passes, disable_passes)
     if gpu:
@@ -106,7 +111,11 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
     if precision in REDUCED_WITHOUT_WINOGRAD and passes is None:
         names = [n for n in names if n != "winograd"]
     options = dict(pass_options or {})
-    if precision != "fp32" and "assign_precision" not in names:
+    if precision in WEIGHT_ONLY_BITS:
+        if "quantize_weights" not in names:
+            names.insert(0, "quantize_weights")
+        options["quantize_weights"] = {**options.get("quantize_weights", {}), "bits": WEIGHT_ONLY_BITS[precision]}
+    elif precision != "fp32" and "assign_precision" not in names:
         names.append("assign_precision")
     if "assign_precision" in names:
         options["assign_precision"] = {**options.get("assign_precision", {}), "precision": precision}
@@ -145,9 +154,9 @@ def resolve_variant_target(target: str, precision: str):
     from backends.targets import is_cuda
     if is_cuda(resolved) and precision != "fp32":
         raise UnsupportedOpError(f"precision '{precision}' is not supported yet for CUDA targets ('{target}')",
-                                 hint="build CUDA targets in fp32; bf16/fp16 run on the CPU targets")
+                                 hint="build CUDA targets in fp32; bf16/fp16/int4 run on the CPU targets")
     if getattr(resolved, "is_cross", False) and precision != "fp32":
-        # A bf16 / fp16 build measures its library against the float32 one (accuracy.py), here.
+        # A reduced-precision build measures its library against the float32 one (accuracy.py), here.
         raise UnsupportedOpError(f"precision '{precision}' is not supported yet for the cross target '{target}': "
                                  f"its accuracy report would have to run the library on this machine",
                                  hint="build cross targets in fp32")
@@ -303,7 +312,7 @@ def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects
 def lowering_problems(graph, gpu: bool = False) -> list[str]:
     """One line per node that cannot be lowered to kernels (lowering only writes kernel source,
     so this is cheap), naming the node, its op and why; for the GPU targets' kernels with `gpu`."""
-    from backends.numba_cpu.registry import GENERATORS
+    from backends.numba_cpu.registry import generator_for
     if gpu:
         from backends.numba_cuda.registry import gpu_problem
         problems = []
@@ -323,7 +332,7 @@ def lowering_problems(graph, gpu: bool = False) -> list[str]:
                        else f"op {node.domain}::{node.op} is outside the default ONNX domain")
         else:
             try:
-                GENERATORS[node.op](node, graph)
+                generator_for(node)(node, graph)
             except NotImplementedError:
                 problem = f"the kernel generator for {node.op} is not written yet"
             except UnsupportedOpError as error:  # an attribute or dtype the generator does not cover
@@ -331,3 +340,38 @@ def lowering_problems(graph, gpu: bool = False) -> list[str]:
         if problem:
             problems.append(f"node '{node.name}' ({node.op}): {problem}")
     return problems
+
+
+# Quantised ops and what cuvil runs them with (`cuvil check` names every one that is not integer).
+INTEGER_PRODUCTS = ("MatMulInteger", "QLinearMatMul", "ConvInteger", "QLinearConv", "FusedMatMulInteger")
+
+
+def quantised_fallbacks(planned) -> list[str]:
+    """One line per quantised op of a lowered graph that does not run on an int8 kernel, and what it
+    runs as instead: an integer product the target or its operands give no int8 kernel (exact
+    scalar loops), or float32 ops between a DequantizeLinear and a QuantizeLinear that
+    passes/fold_qdq.py could not make integer (they compute in float32, as onnxruntime's
+    unoptimised graph does). A DequantizeLinear writing a graph output is the model's boundary,
+    not a fallback."""
+    graph = planned.graph
+    labels: dict[str, set] = {}
+    for call in planned.calls:
+        labels.setdefault(call.node, set()).add(call.precision or "")
+    consumers = graph.consumers()
+    lines = []
+    for node in graph.nodes:
+        if node.op in INTEGER_PRODUCTS and not any(label.startswith("int8") for label in labels.get(node.name, ())):
+            float_form = any(label.startswith("float32") for label in labels.get(node.name, ()))
+            lines.append(f"node '{node.name}' ({node.op}): no int8 kernel for it on this target (AVX512-VNNI, "
+                         f"constant weights and scales); runs as "
+                         + ("float32 in its QDQ form (dequantise, float conv, quantise)" if float_form
+                            else "exact scalar integer loops"))
+        elif node.op == "DequantizeLinear" and node.outputs[0] not in graph.outputs \
+                and not graph.values[node.inputs[0]].is_const:
+            readers = sorted({n.op for n in consumers.get(node.outputs[0], [])})
+            lines.append(f"node '{node.name}' (DequantizeLinear): its readers ({', '.join(readers)}) run in float32 "
+                         f"on the dequantised tensor (not folded into an integer op)")
+        elif node.op == "DynamicQuantizeLinear" and not any(
+                n.op in ("FusedMatMulInteger", "MatMulInteger") for n in consumers.get(node.outputs[0], [])):
+            lines.append(f"node '{node.name}' (DynamicQuantizeLinear): quantises for ops that run in float32")
+    return lines

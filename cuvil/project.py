@@ -36,6 +36,8 @@ class ModelReport:
     op_counts: dict[str, int]   # the imported graph's ops (constant subgraphs already folded)
     unsupported: list[str] = field(default_factory=list)  # one line per node, target or precision refused
     variants: dict[str, dict] = field(default_factory=dict)  # target -> {"kernels", "steps", "memory"}
+    # target -> one line per quantised op not on an int8 kernel, and what it runs as (pipeline.quantised_fallbacks)
+    fallbacks: dict[str, list[str]] = field(default_factory=dict)
 
 
 def select_models(spec: BuildSpec, names: list[str] | None = None) -> list[ModelConfig]:
@@ -60,7 +62,7 @@ class ProjectBuild:
 
 
 def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
-                 cache=None):
+                 cache=None, listener=None):
     """One step graph for every selected (model, target): identical kernels are one step.
     Returns the graph and, per variant, (model config, target, output folder, link step)."""
     from .build import VariantSpec, plan_variant, tool_versions
@@ -70,6 +72,7 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
     if cache is None:
         cache = open_project_cache(spec)
     dag = StepGraph(cache, tool_versions(), progress=say, jobs=jobs)
+    dag.listener = listener
     planned = []
     for model in select_models(spec, models):
         for target in model.targets:
@@ -87,15 +90,27 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
 
 
 def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
-                  cache=None, output_dir: Path | None = None) -> ProjectBuild:
-    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/."""
+                  cache=None, output_dir: Path | None = None, scheduler: str | None = None,
+                  listener=None) -> ProjectBuild:
+    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/.
+
+    The steps run on this machine, or on the Dask cluster whose scheduler is at `scheduler`
+    (default: `executor:` of the config; cluster.py), whose workers write them to the shared
+    cache (the config's `cache:`, which `cache` must then be a view of); either way the outputs
+    are then read from the cache and installed here."""
     import time
 
     from .build import artifacts_of, install
 
     start = time.perf_counter()
     say = progress or (lambda message: None)
-    dag, planned = plan_project(spec, models, jobs, progress, cache)
+    dag, planned = plan_project(spec, models, jobs, progress, cache, listener)
+    if scheduler is None and spec.executor.kind == "dask":
+        scheduler = spec.executor.address
+    if scheduler:
+        from .cluster import run_on_cluster
+        run_on_cluster(dag, spec, models, [link for _, _, _, link in planned], scheduler, say,
+                       planner=plan_project, where=lambda model: _where(spec, model))
     built = []
     for model, target, out_dir, link in planned:
         if output_dir is not None:
@@ -157,6 +172,8 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
             planned = pipeline.plan(g, params)
             report.variants[target_name] = {"kernels": len(planned.kernels), "steps": len(planned.calls),
                                             "memory": planned.figures()}
+            if not pipeline.is_gpu(target):
+                report.fallbacks[target_name] = pipeline.quantised_fallbacks(planned)
     return report
 
 

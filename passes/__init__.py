@@ -10,9 +10,12 @@ prints. It reads the two graphs only, so passes stay pure.
     opt 0  nothing
     opt 1  clean-ups that never change how a kernel computes: constants, identities,
            shape chains, duplicates, dead nodes; memory planning
-    opt 2  + folding and fusion into ops the kernels already have: BatchNormalization
+    opt 2  + quantised products (QDQ, quantize_dynamic's integer ops) into one integer product
+           (`fold_qdq`, before constants fold the quantised weights to float),
+           folding and fusion into ops the kernels already have: BatchNormalization
            into Conv, MatMul + bias into Gemm, exporters' decompositions into one op,
-           activations and residual adds into Conv/Gemm/MatMul epilogues; 3x3
+           activations and residual adds into Conv/Gemm/MatMul epilogues; a ScatterElements
+           over expanded row indices into a ScatterND (`simplify_scatter`); 3x3
            stride-1 convs marked for Winograd (`winograd`: fewer multiply-adds, more
            session memory and slightly different rounding; disable it to keep them direct);
            a depthwise conv and the 1x1 convs before and after it into one DepthwiseBlock
@@ -31,10 +34,12 @@ from pydantic import ValidationError
 
 from cuvil.errors import ConfigError
 
-from . import (assign_precision, eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fuse_activation,
-               fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls, plan_memory, simplify_shapes, winograd)
+from . import (assign_precision, eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fold_qdq,
+               fuse_activation, fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls,
+               plan_memory, quantize_weights, simplify_scatter, simplify_shapes, winograd)
 
 _MODULES = {
+    "fold_qdq": fold_qdq,
     "fold_constants": fold_constants,
     "eliminate_identity": eliminate_identity,
     "simplify_shapes": simplify_shapes,
@@ -42,6 +47,7 @@ _MODULES = {
     "fold_batchnorm": fold_batchnorm,
     "fuse_gemm": fuse_gemm,
     "fuse_patterns": fuse_patterns,
+    "simplify_scatter": simplify_scatter,
     "fuse_attention": fuse_attention,
     "fuse_activation": fuse_activation,
     "winograd": winograd,
@@ -52,6 +58,8 @@ _MODULES = {
     "plan_memory": plan_memory,
     # added by the pipeline, with the variant's precision, when it is not fp32
     "assign_precision": assign_precision,
+    # added by the pipeline first for precision int4 (weight-only MatMulNBits)
+    "quantize_weights": quantize_weights,
 }
 
 PASSES = {name: getattr(module, name) for name, module in _MODULES.items()}
@@ -60,8 +68,9 @@ PASSES = {name: getattr(module, name) for name, module in _MODULES.items()}
 PASS_OPTIONS = {name: module.Options for name, module in _MODULES.items() if hasattr(module, "Options")}
 
 _BASIC = ["fold_constants", "eliminate_identity", "simplify_shapes", "eliminate_common", "eliminate_dead"]
-_FUSION = ["fold_constants", "eliminate_identity", "simplify_shapes", "fold_batchnorm", "fuse_gemm", "fuse_patterns",
-           "fuse_attention", "fuse_activation", "winograd", "fuse_depthwise_block", "eliminate_common", "eliminate_dead"]
+_FUSION = ["fold_qdq", "fold_constants", "eliminate_identity", "simplify_shapes", "fold_batchnorm", "fuse_gemm", "fuse_patterns",
+           "simplify_scatter", "fuse_attention", "fuse_activation", "winograd", "fuse_depthwise_block", "eliminate_common",
+           "eliminate_dead"]
 OPT_LEVELS = {
     0: [],
     1: _BASIC + ["plan_memory"],

@@ -64,7 +64,7 @@ def worker(names: list[str], out_path: str, cache_dir: str | None) -> None:
     """Run the named tests, appending one JSON line per finished test to out_path."""
     if cache_dir:
         os.environ["CUVIL_CACHE_DIR"] = cache_dir
-    from cuvil.backend import run_node_test
+    from cuvil.backend import internal_exception, run_node_test
     by_name = {c.name: (c, op) for c, op in _cases()}
     with open(out_path, "a") as out:
         for name in names:
@@ -77,7 +77,7 @@ def worker(names: list[str], out_path: str, cache_dir: str | None) -> None:
             except BaseException as exc:  # noqa: BLE001 - every failure is a result
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                result.update(status="fail", reason=summarise(exc),
+                result.update(status="fail", reason=summarise(exc), internal=internal_exception(exc),
                               detail="".join(traceback.format_exception_only(type(exc), exc))[-2000:])
             result["seconds"] = round(time.perf_counter() - start, 3)
             out.write(json.dumps(result) + "\n")
@@ -316,6 +316,8 @@ def main(argv=None):
     core = [r for r in results.values() if r["op"] in CORE_OPS]
     ok = lambda rows: sum(r["status"] == "pass" for r in rows)
     print(f"core: {ok(core)}/{len(core)}   all: {ok(list(results.values()))}/{len(results)}")
+    internal = sorted(n for n, r in results.items() if r.get("internal") or r.get("reason", "").startswith("crash"))
+    print(f"internal exceptions (not a CuvilError: bugs): {len(internal)}" + (f" {internal}" if internal else ""))
     for reason, n in collections.Counter(r["reason"] for r in results.values() if r["status"] != "pass").most_common(25):
         print(f"{n:5d}  {reason}")
     return 0

@@ -18,3 +18,22 @@ def test_the_timing_program_is_built_with_cc(tmp_path, monkeypatch):
     exe = bench.harness()
     assert exe.parent == tmp_path and exe.stat().st_mode & 0o111
     assert bench.harness() == exe  # built once per compiler and source
+
+
+def test_bench_int8_quantises_with_onnxruntimes_tools_and_cuvil_folds_the_file(tmp_path):
+    """`bench.py --precision int8`: the file every engine runs is onnxruntime's quantize_dynamic
+    output for a non-convolutional model, and cuvil builds its products on int8 kernels."""
+    import onnx
+    import pytest
+    pytest.importorskip("onnxruntime.quantization")
+    from benchmarks import bench
+    from cuvil.explain import explain_model
+    module, shapes = bench.MODELS["mlp"]()
+    path = tmp_path / "mlp.onnx"
+    path.write_bytes(bench._zoo().export(module, shapes).SerializeToString())
+    quantised = onnx.load(bench.quantise("mlp", path, shapes))
+    assert any(n.op_type == "MatMulInteger" for n in quantised.graph.node)
+    from backends.targets import has_feature, resolve_target
+    labels = [k.precision for k in explain_model(quantised, input_shapes=shapes).kernels]
+    # the VNNI kernels where the host has AVX512-VNNI; elsewhere the same nodes, exact scalar loops
+    assert any(label.startswith("int8") for label in labels) == has_feature(resolve_target("native"), "avx512vnni")

@@ -5,12 +5,18 @@ conformance is measured, and the exclude list is the honest record).
   default (fast) suite.
 - `test_node` (slow): every node test onnx generates. A test in EXCLUDE is
   expected to fail for the reason given (strict: once it passes, take it off
-  the list). `python scripts/conformance.py` runs the same tests in parallel,
-  writes docs/conformance.md and prints this table (`--exclude-block`).
+  the list), and to fail with a CuvilError or an OutputMismatch: any other
+  exception (AssertionError, KeyError, a numpy error...) escaping cuvil is a bug
+  and fails the test. `python scripts/conformance.py` runs the same tests in
+  parallel, writes docs/conformance.md and prints this table (`--exclude-block`)
+  and the tests that raised an internal exception.
+- `test_former_internal_exceptions`: node tests that once crashed the compiler with
+  an internal exception, in the default suite: each passes or raises a CuvilError.
 """
 import pytest
 
-from cuvil.backend import load_node_tests, run_node_test
+from cuvil.backend import OutputMismatch, internal_exception, load_node_tests, run_node_test
+from cuvil.errors import CuvilError
 
 # Passing core-op-set tests of the default suite, a few per op (the ops other
 # engineers are still landing are left out of the sample).
@@ -160,6 +166,16 @@ EXCLUDE = {
 }
 
 
+# Node tests that crashed the compiler with an internal exception (issue 24): an inlined Scan body
+# with two unnamed MatMuls ("value ... has no storage"), an If nested in an If branch (KeyError),
+# bfloat16 reductions (ValueError from np.iinfo), sequence inputs and outputs.
+FORMER_INTERNAL_EXCEPTIONS = [
+    'test_linear_attention_linear', 'test_linear_attention_gated_delta_gqa', 'test_affine_grid_2d_expanded',
+    'test_affine_grid_3d_align_corners_expanded', 'test_attention_4d_attn_mask_causal_bf16', 'test_if_opt',
+    'test_if_seq', 'test_sequence_map_add_2_sequences',
+]
+
+
 def _reason(name: str, op: str) -> str | None:
     for reason, entries in EXCLUDE.items():
         if name in entries or f"op:{op}" in entries:
@@ -179,7 +195,7 @@ def _all_params():
     params = []
     for name, (_, op) in CASES.items():
         reason = _reason(name, op)
-        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+        marks = [pytest.mark.xfail(reason=reason, strict=True, raises=(CuvilError, OutputMismatch))] if reason else []
         params.append(pytest.param(name, marks=marks, id=name))
     return params
 
@@ -188,6 +204,15 @@ def _all_params():
 @pytest.mark.parametrize("name", _all_params())
 def test_node(name):
     run_node_test(CASES[name][0])
+
+
+@pytest.mark.parametrize("name", FORMER_INTERNAL_EXCEPTIONS)
+def test_former_internal_exceptions(name):
+    try:
+        run_node_test(CASES[name][0])
+    except Exception as exc:  # noqa: BLE001 - the point is which exceptions escape
+        assert not internal_exception(exc), f"{type(exc).__name__} escaped cuvil: {exc}"
+        assert _reason(name, CASES[name][1]) is not None, f"{name} fails ({exc}) but is not in EXCLUDE"
 
 
 def test_exclude_entries_name_real_tests_and_ops():

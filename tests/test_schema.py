@@ -130,6 +130,7 @@ models:
     serve: {priority: high, deadline_ms: 100}
 watch: {paths: [models], debounce_ms: 300}
 incremental: {enabled: false, diff_mode: semantic}
+executor: {kind: local}
 """
 MISTAKES = [
     ("unknown top-level key", "output_dir: out", "output_dir: out\noutput_dirs: out2"),
@@ -167,6 +168,9 @@ MISTAKES = [
     ("no samples", "samples: 8", "samples: 0"),
     ("cosine above 1", "min_cosine: null", "min_cosine: 2"),
     ("bad diff mode", "diff_mode: semantic", "diff_mode: fuzzy"),
+    ("unknown executor", "executor: {kind: local}", "executor: {kind: ray}"),
+    ("dask without an address", "executor: {kind: local}", "executor: {kind: dask}"),
+    ("unknown executor key", "executor: {kind: local}", "executor: {kind: local, workers: 4}"),
 ]
 
 
@@ -240,6 +244,12 @@ def test_schema_and_loader_reject_the_same_mistakes(validator, write, what, old,
     assert schema_errors(validator, text), f"the schema accepts: {what}"
     with pytest.raises(ConfigError):
         load_config(write(text))
+
+
+def test_a_dask_executor_with_its_address_is_valid(validator, write):
+    text = BASE.replace("executor: {kind: local}", "executor: {kind: dask, address: tcp://10.0.0.5:8786}")
+    assert schema_errors(validator, text) == []
+    assert load_config(write(text)).executor.address == "tcp://10.0.0.5:8786"
 
 
 def test_cuvil_check_reports_a_mistake_the_schema_reports(write, capsys):

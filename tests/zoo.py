@@ -314,3 +314,111 @@ def unet_style(seed=0):
             return self.out(y)
 
     return _randomise(UNet(), seed)
+
+
+# -- graph neural networks: message passing over an edge list ----------------------------------
+# Inputs: x [nodes, features] float, edge_index [2, edges] int64 (row 0: source, row 1:
+# destination). Aggregations are written with the ops torch users write (index_add_,
+# scatter_reduce); `edge_index` for tests and benchmarks comes from `random_edges`.
+
+def random_edges(nodes, edges, seed=3):
+    """[2, edges] int64 edge list with repeated destinations (and every node a destination of
+    at least one edge when edges >= nodes, so no mean is over zero messages but some are)."""
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, nodes, edges)
+    dst = rng.integers(0, nodes, edges)
+    if edges >= 2 * nodes:
+        dst[:nodes - 1] = np.arange(nodes - 1)  # node nodes-1 may stay without messages
+    return np.stack([src, dst]).astype(np.int64)
+
+
+def _segment_sum(torch, shape, index, dst, values, style):
+    """sum of `values` rows into `shape` by destination: index_add_ (what users write; the
+    TorchScript exporter refuses it with repeated indices) or scatter_add (both exporters)."""
+    if style == "index_add":
+        return torch.zeros(shape).index_add_(0, dst, values)
+    return torch.zeros(shape).scatter_add(0, index, values)
+
+
+def _segment_max(torch, shape, index, values, style):
+    """max of `values` rows by destination, 0 where none: scatter_reduce(include_self=False), or
+    (the TorchScript exporter refuses that) from -inf with include_self=True, then -inf -> 0."""
+    if style == "index_add":
+        return torch.zeros(shape).scatter_reduce(0, index, values, "amax", include_self=False)
+    top = torch.full(shape, float("-inf")).scatter_reduce(0, index, values, "amax", include_self=True)
+    return torch.where(torch.isinf(top), torch.zeros_like(top), top)
+
+
+def graphsage(nodes, features=32, hidden=32, out=8, aggr=("mean", "max"), style="index_add", seed=0):
+    """Two GraphSAGE layers (SAGEConv: lin_l(aggregate of neighbours) + lin_r(self)), the first
+    aggregating by `aggr[0]`, the second by `aggr[1]`: mean = the sum of the messages divided by
+    their count, max = the segment max, 0 where no message; sums and maxima written as `style`
+    says (_segment_sum, _segment_max)."""
+    torch = _torch()
+    nn = torch.nn
+
+    class SAGEConv(nn.Module):
+        def __init__(self, a, b, how):
+            super().__init__()
+            self.lin_l, self.lin_r, self.how = nn.Linear(a, b), nn.Linear(a, b, bias=False), how
+
+        def forward(self, x, src, dst):
+            msg = x[src]
+            index = dst.unsqueeze(1).expand(-1, x.shape[1])
+            if self.how == "mean":
+                total = _segment_sum(torch, (nodes, x.shape[1]), index, dst, msg, style)
+                count = _segment_sum(torch, (nodes,), dst, dst, torch.ones_like(dst, dtype=x.dtype), style)
+                agg = total / count.clamp(min=1).unsqueeze(1)
+            else:
+                agg = _segment_max(torch, (nodes, x.shape[1]), index, msg, style)
+            return self.lin_l(agg) + self.lin_r(x)
+
+    class GraphSAGE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = SAGEConv(features, hidden, aggr[0])
+            self.conv2 = SAGEConv(hidden, out, aggr[1])
+
+        def forward(self, x, edge_index):
+            src, dst = edge_index[0], edge_index[1]
+            return self.conv2(torch.relu(self.conv1(x, src, dst)), src, dst)
+
+    torch.manual_seed(seed)
+    return GraphSAGE()
+
+
+def gat(nodes, features=32, heads=4, channels=8, out=8, style="index_add", seed=0):
+    """A GAT layer (GATConv: per-head attention logits leaky_relu(a_src . Wx_j + a_dst . Wx_i),
+    a softmax over each node's incoming edges: segment max, exp, segment sum), then ELU and a
+    linear head; segment ops written as `style` says (_segment_sum, _segment_max)."""
+    torch = _torch()
+    nn = torch.nn
+
+    class GAT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(features, heads * channels, bias=False)
+            self.att_src = nn.Parameter(torch.randn(1, heads, channels) * 0.3)
+            self.att_dst = nn.Parameter(torch.randn(1, heads, channels) * 0.3)
+            self.bias = nn.Parameter(torch.randn(heads * channels) * 0.1)
+            self.head = nn.Linear(heads * channels, out)
+
+        def forward(self, x, edge_index):
+            src, dst = edge_index[0], edge_index[1]
+            h = self.lin(x).view(-1, heads, channels)
+            alpha_src = (h * self.att_src).sum(-1)
+            alpha_dst = (h * self.att_dst).sum(-1)
+            e = torch.nn.functional.leaky_relu(alpha_src[src] + alpha_dst[dst], 0.2)     # [edges, heads]
+            index = dst.unsqueeze(1).expand(-1, heads)
+            e_max = _segment_max(torch, (nodes, heads), index, e, style)
+            e = torch.exp(e - e_max[dst])
+            denom = _segment_sum(torch, (nodes, heads), index, dst, e, style)
+            alpha = e / denom[dst]
+            msg = h[src] * alpha.unsqueeze(-1)                                           # [edges, heads, channels]
+            index3 = dst.view(-1, 1, 1).expand(-1, heads, channels)
+            agg = _segment_sum(torch, (nodes, heads, channels), index3, dst, msg, style)
+            y = torch.nn.functional.elu(agg.reshape(nodes, heads * channels) + self.bias)
+            return self.head(y)
+
+    torch.manual_seed(seed)
+    return GAT()

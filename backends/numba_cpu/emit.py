@@ -15,9 +15,16 @@ from backends.schedule import Kernel
 from backends.targets import CpuTarget, init_llvm
 
 from .ukernel import specs_in, ukernel_ir
+from .nbits import kinds as nbits_kinds, nbits_ir
+from .ukernel_int8 import int8_ir, kinds as int8_kinds
 from .ukernel_lowp import kinds as lowp_kinds, ukernel_lowp_ir
 
-LOWP_KINDS = lowp_kinds()   # the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py)
+# the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py) and the
+# packed-weight products (nbits.py)
+LOWP_KINDS = {**lowp_kinds(), **nbits_kinds()}
+NBITS_KINDS = nbits_kinds()
+INT8_KINDS = int8_kinds()   # the int8 VNNI micro-kernel (ukernel_int8.py)
+SPEC_KINDS = {**LOWP_KINDS, **INT8_KINDS}
 
 def _numba_types(arg_types):
     import numba
@@ -108,7 +115,7 @@ def _declare_ukernels(source: str) -> None:
     import ctypes
 
     import llvmlite.binding as llvm
-    names = specs_in(source, LOWP_KINDS)
+    names = specs_in(source, SPEC_KINDS)
     if not names:
         return
     if _PLACEHOLDER is None:
@@ -152,10 +159,12 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     # inlined instead (see alwaysinline below).
     ir = re.sub(r"^(attributes #\d+ = \{.*?)\bnoinline\b", r"\1 nounwind", ir, flags=re.M)
     module = llvm.parse_assembly(ir)
-    for name, spec in sorted(specs_in(source, LOWP_KINDS).items()):
-        if getattr(spec, "kind", "") in LOWP_KINDS:
-            text = ukernel_lowp_ir(spec, target.vector_bits)
-        else:
+    for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
+        kind = getattr(spec, "kind", "")
+        if kind in INT8_KINDS or kind in NBITS_KINDS or kind in LOWP_KINDS:
+            generate = int8_ir if kind in INT8_KINDS else nbits_ir if kind in NBITS_KINDS else ukernel_lowp_ir
+            text = generate(spec, target.vector_bits)
+        else:   # the fp32 micro-kernels: only their synchronisation kernels depend on the ISA
             text = ukernel_ir(spec, target.vector_bits, target.arch)
         module.link_in(llvm.parse_assembly(text))
     helpers = 0

@@ -20,9 +20,10 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from .elementwise import (check_dtypes, compute_type, elementwise_kernel, load, loop_nest, pointer_type, store,
-                          with_helpers)
-from .kernel import Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal
+from .elementwise import (check_dtypes, compute_type, elementwise_kernel, is_narrow, load, loop_nest, pointer_type,
+                          store, with_helpers)
+from .kernel import (Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal,
+                     session_threads)
 from .transpose import copy_type
 
 
@@ -332,20 +333,69 @@ def lower_gather_nd(node, graph) -> Lowered:
     return Lowered([KernelCall(kernel, [data.name, indices.name, y.name], tuples if y.size else 0, node.name)])
 
 
-# -- Scatter family (one work item: updates may hit any element, in order) --------------------
+# -- Scatter family ---------------------------------------------------------------------------
+# Updates may hit any element, several times, and must be applied in index order (a sum of
+# floats rounds by its order, and with reduction "none" the last write wins). The work is
+# split by *destination*: part w owns rows [lo, hi) of the output's first dim, copies them
+# from data and applies, in index order, the updates that land in them. Every part reads all
+# indices (cheap next to the updates' rows) but only its own updates, and no two parts write
+# one element, so any thread count gives the serial result. One part per session thread.
 
 _COMBINE = {"none": "u", "add": "o + u", "mul": "o * u", "max": "u if u > o else o", "min": "u if u < o else o"}
+
+# Below this many bytes of updates one part does it all: each extra part rescans the indices.
+_PARTITION_BYTES = 1 << 16
 
 
 def _scatter_combine(node, dtype) -> str:
     reduction = str(node.attr("reduction", "none"))
     if reduction not in _COMBINE:
-        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): reduction '{reduction}' is not supported")
+        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): reduction '{reduction}' is not supported",
+                                 hint=f"supported: {', '.join(_COMBINE)}")
     if reduction == "none":
         return "u"
     if np.dtype(dtype).kind == "b":
         raise UnsupportedOpError(f"node '{node.name}' ({node.op}): reduction '{reduction}' of bools is not supported")
     return _COMBINE[reduction]
+
+
+def _scatter_parts(rows: int, updates) -> int:
+    if rows <= 1 or updates.nbytes < _PARTITION_BYTES:
+        return 1
+    return max(1, min(session_threads(), rows))
+
+
+def _splat(graph, updates) -> str | None:
+    """A literal of the one value a constant `updates` holds everywhere (exporters scatter a
+    ConstantOfShape of the lowest float to mark the touched elements), else None: the kernel
+    then need not read, nor the library hold, a tensor of it."""
+    if not updates.is_const or updates.size == 0 or is_narrow(updates.dtype) or np.dtype(updates.dtype).kind == "b":
+        return None
+    data = np.asarray(updates.data)
+    first = data.reshape(-1)[0]
+    if not np.all(data == first) or (data.dtype.kind == "f" and np.isnan(first)):
+        return None
+    return literal(first, data.dtype)
+
+
+def _rows_of_part(src: Source, rows: int, parts: int, row_size: int):
+    """Source setting lo, hi (part w's rows) and copying those rows of data (p0) to the output."""
+    src.line(f"lo = w * {rows} // {parts}").line(f"hi = (w + 1) * {rows} // {parts}")
+    src.line(f"for c in range(lo * {row_size}, hi * {row_size}):").indent().line("p_out[c] = p0[c]").dedent()
+
+
+def _scatter_kernel(family, node, data, indices, y, splat, body, parts):
+    """Wrap `body` (lines run for part w, with the output pointer called p_out) as a kernel."""
+    pt = pointer_type(data.dtype)
+    n_args = 3 if splat is not None else 4
+    src = Source().line(kernel_header(n_args)).indent()
+    src.line(f"p_out = p{n_args - 1}")
+    src.line("for w in range(begin, end):").indent()
+    body(src)
+    types = (pt, np.dtype(indices.dtype).name) + (() if splat is not None else (pt,)) + (pt,)
+    kernel = Kernel(family, with_helpers(src.text()), types, self_sized=parts > 1)
+    args = [data.name, indices.name] + ([] if splat is not None else [node.inputs[2]]) + [y.name]
+    return Lowered([KernelCall(kernel, args, parts if y.size else 0, node.name)])
 
 
 def lower_scatter_elements(node, graph) -> Lowered:
@@ -357,57 +407,76 @@ def lower_scatter_elements(node, graph) -> Lowered:
     axis = int(node.attr("axis", 0))
     axis = axis + rank if axis < 0 else axis
     combine = _scatter_combine(node, data.dtype)
+    splat = _splat(graph, updates)
     shape = [int(d) for d in indices.shape]
     data_strides = dims_strides(data.shape)
     idx_strides = dims_strides(shape)
-    pt = pointer_type(data.dtype)
-    src = Source().line(kernel_header(4)).indent()
-    src.line("for w in range(begin, end):").indent()
-    src.line(f"for c in range({data.size}):").indent().line("p3[c] = p0[c]").dedent()
-    if indices.size:
-        for k, d in enumerate(shape):
+    rows = int(data.shape[0]) if rank else 1
+    row_size = data.size // rows if rows else 0
+    parts = _scatter_parts(rows, updates)
+
+    def body(src):
+        _rows_of_part(src, rows, parts, row_size)
+        if not indices.size:
+            return
+        # Along axis 0 an update's row is its index: every part reads all of them. Along another
+        # axis it is the update's own first coordinate: a part visits its rows alone.
+        first = "lo, min(hi, {})".format(shape[0]) if axis != 0 else str(shape[0])
+        src.line(f"for i0 in range({first}):").indent()
+        for k, d in enumerate(shape[1:], 1):
             src.line(f"for i{k} in range({d}):").indent()
         flat = " + ".join(f"i{k} * {s}" for k, s in enumerate(idx_strides)) or "0"
         src.line(f"idx = p1[{flat}]")
         for line in _index("idx", int(data.shape[axis])):
             src.line(line)
+        if axis == 0:
+            src.line("if idx < lo or idx >= hi:").indent().line("continue").dedent()
         target = " + ".join(("idx" if k == axis else f"i{k}") + f" * {s}" for k, s in enumerate(data_strides))
         src.line(f"t = {target}")
-        src.line(f"u = {load('p2', flat, data.dtype)}")
-        src.line(f"o = {load('p3', 't', data.dtype)}")
-        src.line(store("p3", "t", combine, data.dtype))
-    kernel = Kernel("ScatterElements", with_helpers(src.text()), (pt, np.dtype(indices.dtype).name, pt, pt))
-    return Lowered([KernelCall(kernel, [data.name, indices.name, updates.name, y.name], 1, node.name)])
+        src.line(f"u = {splat if splat is not None else load('p2', flat, data.dtype)}")
+        src.line(f"o = {load('p_out', 't', data.dtype)}")
+        src.line(store("p_out", "t", combine, data.dtype))
+
+    return _scatter_kernel("ScatterElements", node, data, indices, y, splat, body, parts)
 
 
 def lower_scatter_nd(node, graph) -> Lowered:
+    """ScatterND: y = data, then y[indices[q]] (a slice of `chunk` elements) combined with
+    updates[q], for q in order."""
     data, indices, updates = (graph.values[n] for n in node.inputs[:3])
     y = graph.values[node.outputs[0]]
     check_dtypes(node, [data], float16=True)
     combine = _scatter_combine(node, data.dtype)
+    splat = _splat(graph, updates)
     dshape = [int(d) for d in data.shape]
     ishape = [int(d) for d in indices.shape]
     m = ishape[-1]
     dstrides = dims_strides(dshape)
     chunk = int(np.prod(dshape[m:], dtype=np.int64))
     tuples = int(np.prod(ishape[:-1], dtype=np.int64))
-    pt = pointer_type(data.dtype)
-    src = Source().line(kernel_header(4)).indent()
-    src.line("for w in range(begin, end):").indent()
-    src.line(f"for c in range({data.size}):").indent().line("p3[c] = p0[c]").dedent()
-    src.line(f"for q in range({tuples}):").indent()
-    src.line("s = 0")
-    for j in range(m):
-        src.line(f"k{j} = p1[q * {m} + {j}]")
-        for line in _index(f"k{j}", dshape[j]):
-            src.line(line)
-        src.line(f"s += k{j} * {dstrides[j]}")
-    src.line(f"for j in range({chunk}):").indent()
-    src.line(f"u = {load('p2', f'q * {chunk} + j', data.dtype)}")
-    src.line(f"o = {load('p3', 's + j', data.dtype)}")
-    src.line(store("p3", "s + j", combine, data.dtype))
-    kernel = Kernel("ScatterND", with_helpers(src.text()), (pt, np.dtype(indices.dtype).name, pt, pt))
-    return Lowered([KernelCall(kernel, [data.name, indices.name, updates.name, y.name], 1, node.name)])
+    rows = dshape[0] if dshape else 1
+    row_size = data.size // rows if rows else 0
+    parts = _scatter_parts(rows, updates) if m else 1
+
+    def body(src):
+        _rows_of_part(src, rows, parts, row_size)
+        src.line(f"for q in range({tuples}):").indent()
+        src.line("s = 0")
+        for j in range(m):
+            src.line(f"k{j} = p1[q * {m} + {j}]")
+            for line in _index(f"k{j}", dshape[j]):
+                src.line(line)
+            if j == 0:
+                src.line("if k0 < lo or k0 >= hi:").indent().line("continue").dedent()
+            src.line(f"s += k{j} * {dstrides[j]}")
+        if m == 0:  # the whole tensor is one slice: part 0 owns it
+            src.line("if lo != 0:").indent().line("continue").dedent()
+        src.line(f"for j in range({chunk}):").indent()
+        src.line(f"u = {splat if splat is not None else load('p2', f'q * {chunk} + j', data.dtype)}")
+        src.line(f"o = {load('p_out', 's + j', data.dtype)}")
+        src.line(store("p_out", "s + j", combine, data.dtype))
+
+    return _scatter_kernel("ScatterND", node, data, indices, y, splat, body, parts)
 
 
 # -- Trilu, EyeLike, OneHot ---------------------------------------------------------------------

@@ -22,6 +22,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+from . import qconv, qgemm
 from .kernel import Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal
 from .narrow import SMALL_FLOATS, SMALL_INTS, load, pointer_type, store, with_helpers
 
@@ -358,11 +359,33 @@ def _batch_offsets(args, src, a_off, b_off):
     src.line(f"ab = {pa}[bi]").line(f"bb = {pb}[bi]")
 
 
+def _vnni_operands(node, graph, A, B, za, zb, Y):
+    """(M, K, N, weights, a_zero) for the VNNI path (qgemm.py): B a constant matrix shared by
+    every row of A (A's leading dims fold into M), its zero point constant; else None."""
+    if not B.is_const or len(B.shape) != 2 or len(A.shape) < 2 or (zb is not None and not zb.is_const):
+        return None
+    if za is not None and za.size != 1:
+        return None
+    M = int(np.prod(A.shape[:-1], dtype=np.int64))
+    K, N = B.shape
+    if A.shape[-1] != K or int(np.prod(Y.shape, dtype=np.int64)) != M * N:
+        return None
+    weights = qgemm.signed_weights(B.data, zb.data if zb is not None else None)
+    a_zero = None if za is None else (np.asarray(za.data) if za.is_const else za)
+    return M, K, N, weights, a_zero
+
+
 def lower_matmul_integer(node, graph) -> Lowered:
     A, B, za, zb = (_input(node, graph, k) for k in range(4))
     Y = graph.values[node.outputs[0]]
     for v in (A, B):
         _check(node, v, {"uint8", "int8"})
+    fast = _vnni_operands(node, graph, A, B, za, zb, Y)
+    if fast is not None:
+        M, K, N, weights, a_zero = fast
+        calls = qgemm.int8_gemm(node.name, A, M, K, N, weights, Y, "i32", a_zero=a_zero)
+        if calls:
+            return Lowered(calls)
     M, K, N, nbatch, a_off, b_off = _matmul_geometry(node, A, B, Y)
     args = _Args()
     src = Source()
@@ -401,6 +424,18 @@ def lower_qlinear_matmul(node, graph) -> Lowered:
         _check(node, v, {"uint8", "int8"})
     for v in (sa, sb, sy):
         _check(node, v, {"float32", "float16"})
+    fast = _vnni_operands(node, graph, a, b, za, zb, Y)
+    if fast is not None and all(v.is_const for v in (sa, sb, sy)) and (zy is None or zy.is_const) \
+            and not any(np.dtype(v.dtype).name == "float16" for v in (sa, sb, sy)):
+        M, K, N, weights, a_zero = fast
+        table = (np.asarray(sa.data, np.float32).reshape(-1) * np.asarray(sb.data, np.float32).reshape(-1)) \
+            / np.asarray(sy.data, np.float32).reshape(-1)
+        zero = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
+        mode = "u8" if np.dtype(Y.dtype).name == "uint8" else "s8"
+        calls = qgemm.int8_gemm(node.name, a, M, K, N, weights, Y, mode, a_zero=a_zero,
+                                mult=table.astype(np.float32), zy=zero)
+        if calls:
+            return Lowered(calls)
     M, K, N, nbatch, a_off, b_off = _matmul_geometry(node, a, b, Y)
     args = _Args()
     body = Source()
@@ -530,9 +565,120 @@ def lower_qlinear_conv(node, graph) -> Lowered:
     _check(node, y, {"uint8", "int8"})
     for v in (sx, sw, sy):
         _check(node, v, {"float32", "float16"})
+    fast = qconv.lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) \
+        or qconv.lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) \
+        or qconv.lower_qlinear_conv_float(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y)
+    if fast:
+        return Lowered(fast)
 
     def requant(args):
         lines, mult, wide = _multiplier(args, (sx, sw, sy), "oc")
         zero = f"np.float32({args.add(zy.name, zy.dtype)}[0])" if zy is not None else "np.float32(0)"
         return lines, mult, wide, zero
     return _integer_conv(node, graph, "QLinearConv", x, zx, w, zw, bias, y, requant)
+
+
+# ---------------------------------------------------------------- FusedMatMulInteger (passes/fold_qdq.py)
+
+def lower_fused_matmul_integer(node, graph) -> Lowered:
+    """FusedMatMulInteger(A, B, a_zero, b_zero, a_scale, b_scale, bias, y_scale, y_zero), see
+    passes/fold_qdq.py: the VNNI kernel (qgemm.py), else one scalar loop of the same arithmetic."""
+    A, B, za, zb, sa, sb, bias, sy, zy = (_input(node, graph, k) for k in range(9))
+    Y = graph.values[node.outputs[0]]
+    _check(node, A, {"uint8", "int8"})
+    if not B.is_const or len(B.shape) != 2 or (zb is not None and not zb.is_const) or not sb.is_const:
+        raise _unsupported(node, "the weight, its zero point and its scale must be constants")
+    K, N = B.shape
+    M = int(np.prod(A.shape[:-1], dtype=np.int64))
+    quantised = sy is not None
+    b_scale = np.asarray(sb.data, np.float32).reshape(-1)
+    if quantised:
+        if not (sa.is_const and sy.is_const and zy is not None and zy.is_const and (za is None or za.is_const)):
+            raise _unsupported(node, "a quantised output needs constant scales and zero points")
+        s_a = np.asarray(sa.data, np.float32).reshape(-1)[0]
+        mult = ((s_a * b_scale) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
+        ibias = np.asarray(bias.data, np.int32) if bias is not None else None
+        mode = "u8" if np.dtype(Y.dtype).name == "uint8" else "s8"
+        zero = int(np.asarray(zy.data).reshape(-1)[0])
+    else:
+        mult, ibias, mode, zero = b_scale, None, "f32", 0
+    a_zero = None if za is None else (np.asarray(za.data) if za.is_const else za)
+    weights = qgemm.signed_weights(B.data, zb.data if zb is not None else None)
+    fbias = np.asarray(bias.data, np.float32).reshape(-1) if bias is not None and not quantised else None
+    runtime_scale = sa if not quantised and not sa.is_const else None
+    if not quantised and sa.is_const:
+        mult = (np.asarray(sa.data, np.float32).reshape(-1)[0] * b_scale).astype(np.float32)
+    calls = qgemm.int8_gemm(node.name, A, M, K, N, weights, Y, mode, a_zero=a_zero, mult=mult,
+                            ascale=runtime_scale, bias=fbias, ibias=ibias, zy=zero)
+    if calls:
+        return Lowered(calls)
+    return _fused_matmul_integer_loops(node, A, B, za, zb, runtime_scale, M, K, N, mult, fbias, ibias, zero, Y)
+
+
+def _fused_matmul_integer_loops(node, A, B, za, zb, runtime_scale, M, K, N, mult, fbias, ibias, zero, Y):
+    """The scalar form (targets without AVX512-VNNI): int32 dot products over B^T, then the same
+    epilogue, one row of the output per work item."""
+    args = _Args()
+    pA = args.add(A.name, A.dtype)
+    pB = args.add(np.ascontiguousarray(_unpacked(B, zb, per_axis=-1).T), np.int32)
+    zae = _zero_expr(args, za, "0")
+    pm = args.add(np.broadcast_to(mult, (N,)).astype(np.float32), np.float32)
+    ps = args.add(runtime_scale.name, np.float32) if runtime_scale is not None else None
+    pb = args.add(np.broadcast_to(fbias, (N,)).astype(np.float32), np.float32) if fbias is not None else None
+    pi = args.add(np.broadcast_to(ibias, (N,)).astype(np.int32), np.int32) if ibias is not None else None
+    pY = args.add(Y.name, Y.dtype)
+    src = Source().line(kernel_header(len(args.values))).indent()
+    src.line("for m in range(begin, end):").indent()
+    src.line(f"za = {zae}")
+    src.line(f"for n in range({N}):").indent()
+    src.line(f"acc = {pi}[n]" if pi else "acc = np.int32(0)")
+    src.line(f"for k in range({K}):").indent()
+    src.line(f"acc += (np.int32({pA}[m*{K} + k]) - za) * {pB}[n*{K} + k]").dedent()
+    if np.dtype(Y.dtype).name == "float32":
+        scale = f"({pm}[n] * {ps}[0])" if ps else f"{pm}[n]"
+        value = f"np.float32(acc) * {scale}" + (f" + {pb}[n]" if pb else "")
+        src.line(f"{pY}[m*{N} + n] = {value}")
+    else:
+        src.line(f"{pY}[m*{N} + n] = {_requantized('acc', f'{pm}[n]', False, f'np.float32({zero})', Y.dtype)}")
+    kernel = Kernel("FusedMatMulInteger", src.text(), tuple(args.types))
+    return Lowered([KernelCall(kernel, list(args.values), M, node.name)])
+
+
+# ---------------------------------------------------------------- QLinearAdd (domain "cuvil", passes/fold_qdq.py)
+
+def lower_qlinear_add(node, graph) -> Lowered:
+    """QLinearAdd(a, s_a, z_a, b, s_b, z_b, s_y, z_y), com.microsoft's inputs, equal shapes:
+    y = saturate(rint(((a - z_a) s_a + (b - z_b) s_b) * (1 / s_y)) + z_y), float32, one vectorised
+    loop. The products and the sum round as DequantizeLinear and Add do; the reciprocal multiply
+    (fast-math's form of the division) can put a sum within an ulp of a .5 boundary on the other
+    step."""
+    a, sa, za, b, sb, zb, sy, zy = (_input(node, graph, k) for k in range(8))
+    y = graph.values[node.outputs[0]]
+    for v in (a, b, y):
+        _check(node, v, {"uint8", "int8"})
+    if not all(v is not None and v.is_const and v.size == 1 for v in (sa, za, sb, zb, sy, zy)):
+        raise _unsupported(node, "scales and zero points must be per-tensor constants")
+    f = lambda v: literal(np.asarray(v.data, np.float32).reshape(-1)[0], np.float32)  # noqa: E731
+    lo, hi = _RANGES[np.dtype(y.dtype).name]
+    recip = literal(np.float32(1) / np.asarray(sy.data, np.float32).reshape(-1)[0], np.float32)
+    src = Source().line(kernel_header(3)).indent()
+    src.line("for i in range(begin, end):").indent()
+    src.line(f"va = (np.float32(np.int32(p0[i])) - {f(za)}) * {f(sa)}")
+    src.line(f"vb = (np.float32(np.int32(p1[i])) - {f(zb)}) * {f(sb)}")
+    src.line(f"r = np.rint((va + vb) * {recip}) + {f(zy)}")
+    src.line(f"p2[i] = np.{np.dtype(y.dtype).name}(np.int32(min(max(r, np.float32({lo})), np.float32({hi}))))")
+    kernel = Kernel("QLinearAdd", src.text(), (np.dtype(a.dtype).name, np.dtype(b.dtype).name, np.dtype(y.dtype).name))
+    return Lowered([KernelCall(kernel, [a.name, b.name, y.name], y.size, node.name)])
+
+
+def lower_qlookup(node, graph) -> Lowered:
+    """QLookup(x, table) (domain "cuvil", passes/fold_qdq.py): y = table[x - min(x's dtype)], x 8-bit."""
+    x, table = (_input(node, graph, k) for k in range(2))
+    y = graph.values[node.outputs[0]]
+    _check(node, x, {"uint8", "int8"})
+    offset = 128 if np.dtype(x.dtype).name == "int8" else 0
+    src = Source().line(kernel_header(3)).indent()
+    src.line("for i in range(begin, end):").indent()
+    src.line(f"p2[i] = p1[np.int32(p0[i]) + {offset}]")
+    kernel = Kernel("QLookup", src.text(), (np.dtype(x.dtype).name, np.dtype(table.dtype).name, np.dtype(y.dtype).name))
+    return Lowered([KernelCall(kernel, [x.name, np.ascontiguousarray(table.data), y.name], y.size, node.name)])

@@ -26,7 +26,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from .elementwise import check_dtypes, compute_type, load, pointer_type, store, with_helpers
+from .elementwise import check_dtypes, compute_type, is_narrow, load, pointer_type, store, with_helpers
 from .kernel import Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal
 
 # op: (initial accumulator, per-element update of `acc` with `v`, final expression of acc and n)
@@ -71,21 +71,30 @@ def _groups(shape, axes):
     return groups
 
 
+def _is_float(dtype) -> bool:
+    """float16/32/64 and the narrow floats (bfloat16, float8: numpy kind 'V'), computed in a float."""
+    return compute_type(dtype).kind == "f"
+
+
 def _acc_type(dtype) -> str:
     dtype = np.dtype(dtype)
-    if dtype.kind == "f":
+    if _is_float(dtype):
         return compute_type(dtype).name
-    return "uint64" if dtype.kind in "ub" else "int64"
+    return "uint64" if dtype.kind in "ub" or dtype.name.startswith("uint") else "int64"
 
 
 def _limits(dtype):
     dtype = np.dtype(dtype)
-    if dtype.kind == "f":
+    if _is_float(dtype):
         return float("-inf"), float("inf")
     if dtype.kind == "b":
         return 0, 1
-    info = np.iinfo(dtype)
-    return info.min, info.max
+    if is_narrow(dtype):  # int4, uint4...: ml_dtypes knows their range
+        import ml_dtypes
+        info = ml_dtypes.iinfo(dtype)
+    else:
+        info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
 
 
 def _reduce_kernel(op, x_shape, axes, in_dtype, out_dtype) -> tuple[Kernel, int]:
@@ -97,7 +106,7 @@ def _reduce_kernel(op, x_shape, axes, in_dtype, out_dtype) -> tuple[Kernel, int]
         n = int(np.prod([int(x_shape[a]) for a in axes], dtype=np.int64))
     work = int(np.prod([s for s, _ in kept], dtype=np.int64)) if kept else 1
     acc_t = _acc_type(in_dtype)
-    is_float = np.dtype(in_dtype).kind == "f"
+    is_float = _is_float(in_dtype)
     lowest, highest = _limits(in_dtype)
     consts = {"ZERO": literal(0, acc_t), "ONE": literal(1, acc_t),
               "LOWEST": literal(lowest, acc_t), "HIGHEST": literal(highest, acc_t)}

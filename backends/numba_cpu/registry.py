@@ -22,6 +22,10 @@ from . import indexing, reduce, resize
 # fused.py (fused elementwise programs, made by passes/fuse_elementwise.py and fuse_patterns.py)
 from . import fused
 
+# nbits.py (weight-only int4/int8 products: onnxruntime's MatMulNBits and precision: int4)
+from cuvil import nbits as nbits_form
+from . import nbits
+
 GENERATORS = {
     # elementwise (elementwise.py)
     **{op: ew.lower_elementwise for op in ew.UNARY if op != "Identity"},
@@ -75,6 +79,9 @@ GENERATORS = {
     "QLinearMatMul": quant.lower_qlinear_matmul,
     "ConvInteger": quant.lower_conv_integer,
     "QLinearConv": quant.lower_qlinear_conv,
+    "FusedMatMulInteger": quant.lower_fused_matmul_integer,   # domain "cuvil" (passes/fold_qdq.py)
+    "QLinearAdd": quant.lower_qlinear_add,                     # domain "cuvil" (passes/fold_qdq.py)
+    "QLookup": quant.lower_qlookup,                            # domain "cuvil" (passes/fold_qdq.py)
     # elementwise ops with attributes (elementwise.py)
     "Elu": ew.lower_elu,
     "Selu": ew.lower_selu,
@@ -133,6 +140,12 @@ GENERATORS = {
 }
 
 
+# Ops of other domains (com.microsoft contrib ops), by (domain, op).
+DOMAIN_GENERATORS = {
+    (nbits_form.DOMAIN, nbits_form.OP): nbits.lower_matmul_nbits,
+}
+
+
 def supported_ops() -> list[str]:
     return sorted(GENERATORS)
 
@@ -142,6 +155,8 @@ def supported_ops() -> list[str]:
 def generator_for(node):
     if node.domain == FUSED_DOMAIN and node.op in FUSED_OPS:
         return GENERATORS[node.op]
+    if (node.domain, node.op) in DOMAIN_GENERATORS:
+        return DOMAIN_GENERATORS[node.domain, node.op]
     if node.domain not in ("", "ai.onnx"):
         raise UnsupportedOpError(f"node '{node.name}': op {node.domain}::{node.op} is not supported",
                                  hint="only the default ONNX domain is supported")

@@ -64,21 +64,32 @@ class Inliner:
                 if out:
                     local[out] = self._fresh(prefix + out)
 
+        # Names this body defines, seen by the bodies nested in it too (an If inside an If
+        # branch reads values of the outer branch by their names in that branch).
+        scopes = self.imp.__dict__.setdefault("inline_scopes", [])
+        scopes.append({**local, **bindings})
+
         def rename(name):
             if not name:
                 return name
-            return bindings.get(name) or local.get(name) or name  # else: a value of an enclosing scope
+            for scope in reversed(scopes):
+                if name in scope:
+                    return scope[name]
+            return name  # a value of the main graph
 
-        for node in graph.node:
-            copy = onnx.NodeProto()
-            copy.CopyFrom(node)
-            del copy.input[:]
-            del copy.output[:]
-            copy.input.extend(rename(i) for i in node.input)
-            copy.output.extend(local.get(o, "") if o else "" for o in node.output)
-            copy.name = prefix + (node.name or node.op_type)
-            self.imp.import_node(copy)
-        return [rename(o.name) for o in graph.output]
+        try:
+            for node in graph.node:
+                copy = onnx.NodeProto()
+                copy.CopyFrom(node)
+                del copy.input[:]
+                del copy.output[:]
+                copy.input.extend(rename(i) for i in node.input)
+                copy.output.extend(local.get(o, "") if o else "" for o in node.output)
+                copy.name = prefix + (node.name or node.op_type)
+                self.imp.import_node(copy)
+            return [rename(o.name) for o in graph.output]
+        finally:
+            scopes.pop()
 
     def _bind(self, results: list[str], outer: list[str], name: str):
         for inner, out in zip(results, outer):

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .. import nbits
 from ..evaluate import evaluate_exact
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
@@ -108,6 +109,13 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return attrs
 
 
+def _fixed_dim(dim) -> bool:
+    """Whether a model dim is a fixed size. Paddle2ONNX (and older exporters) write a
+    dynamic dim as `dim_value: -1` rather than a `dim_param`; onnxruntime treats a
+    negative dim_value as dynamic, and so do we (0 is a real, empty dim)."""
+    return dim.HasField("dim_value") and dim.dim_value >= 0
+
+
 def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...], np.dtype]:
     t = vi.type.tensor_type
     if not vi.type.HasField("tensor_type"):
@@ -124,7 +132,7 @@ def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...]
         if dims is not None and len(dims) != len(shape):
             raise ShapeError(f"input '{vi.name}': the model has rank {len(dims)} but the given shape {list(shape)} has rank {len(shape)}")
         for i, (d, s) in enumerate(zip(dims or [], shape)):
-            if d.HasField("dim_value") and d.dim_value != s:
+            if _fixed_dim(d) and d.dim_value != s:
                 raise ShapeError(f"input '{vi.name}': dim {i} is {d.dim_value} in the model but {s} was given")
         return shape, dtype
     # Every way of giving a shape: cuvil.yaml, the Python API, `cuvil bench`.
@@ -132,7 +140,7 @@ def _static_shape(vi: onnx.ValueInfoProto, given: dict) -> tuple[tuple[int, ...]
             f"--shape {vi.name}=D1,D2,... with cuvil bench")
     if dims is None:
         raise ShapeError(f"input '{vi.name}' has no shape in the model", hint=give)
-    symbolic = [d.dim_param or "?" for d in dims if not d.HasField("dim_value")]
+    symbolic = [d.dim_param or (str(d.dim_value) if d.HasField("dim_value") else "?") for d in dims if not _fixed_dim(d)]
     if symbolic:
         raise ShapeError(f"input '{vi.name}' has symbolic dims {symbolic}", hint=give)
     return tuple(d.dim_value for d in dims), dtype
@@ -199,6 +207,7 @@ class _Importer:
         self.values: dict[str, Value] = {}
         self.nodes: list[Node] = []
         self.given = {k: tuple(v) for k, v in (input_shapes or {}).items()}
+        self.node_names: set[str] = set()
 
     def run(self) -> Graph:
         g = self.model.graph
@@ -221,11 +230,26 @@ class _Importer:
         for node in _topological(list(g.node), set(self.values)):
             self._import_node(node)
         outputs = [o.name for o in g.output]
+        for vi in g.output:
+            if vi.type.WhichOneof("value") not in (None, "tensor_type"):
+                raise UnsupportedOpError(f"output '{vi.name}' is not a tensor (sequences, optionals and maps are not "
+                                         "supported)", hint="make the model return tensors")
         for name in outputs:
             if name not in self.values:
                 raise ModelError(f"graph output '{name}' is never produced")
         return Graph(name=g.name or "model", values=self.values, nodes=self.nodes, inputs=inputs,
                      outputs=outputs, opset=self.opsets.get("", self.opsets.get("ai.onnx", 0)))
+
+    def _unique_node_name(self, base: str) -> str:
+        """ONNX does not require node names to be unique (a Scan body inlined per step, or a
+        function body, holds several unnamed nodes of one op), but the passes tell nodes apart
+        by name: a repeated name gets a suffix."""
+        name, i = base, 0
+        while name in self.node_names:
+            i += 1
+            name = f"{base}~{i}"
+        self.node_names.add(name)
+        return name
 
     # The interface control_flow.Inliner uses.
     def import_node(self, proto: onnx.NodeProto) -> None:
@@ -238,7 +262,7 @@ class _Importer:
         return _tensor_to_array(tensor, self.base_dir)
 
     def _import_node(self, proto: onnx.NodeProto) -> None:
-        name = proto.name or f"{proto.op_type}_{len(self.nodes)}"
+        name = self._unique_node_name(proto.name or f"{proto.op_type}_{len(self.nodes)}")
         domain = "" if proto.domain in ("", "ai.onnx") else proto.domain
         if domain == "" and proto.op_type in ("If", "Loop", "Scan"):
             from .control_flow import Inliner
@@ -287,13 +311,13 @@ class _Importer:
 
     def _evaluate(self, proto: onnx.NodeProto, name: str) -> list[np.ndarray]:
         from onnx.reference import ReferenceEvaluator
-        exact = evaluate_exact(proto.op_type, proto.domain, [self.values[i].data if i else None for i in proto.input],
-                               _attrs(proto))
-        if exact is not None:
-            return exact
-        model = self._single_node_model(proto, with_data=lambda v: True)
-        feeds = {i.name: np.zeros(self.values[i.name].shape, self.values[i.name].dtype) for i in model.graph.input}
         try:
+            exact = evaluate_exact(proto.op_type, proto.domain,
+                                   [self.values[i].data if i else None for i in proto.input], _attrs(proto))
+            if exact is not None:
+                return exact
+            model = self._single_node_model(proto, with_data=lambda v: True)
+            feeds = {i.name: np.zeros(self.values[i.name].shape, self.values[i.name].dtype) for i in model.graph.input}
             return [np.asarray(r) for r in ReferenceEvaluator(model).run(None, feeds)]
         except Exception as exc:
             raise ModelError(f"node '{name}' ({proto.op_type}): evaluating it at build time failed: {exc}") from None
@@ -315,6 +339,11 @@ class _Importer:
         return tuple(shape)
 
     def _infer(self, proto: onnx.NodeProto, name: str) -> list[tuple[tuple[int, ...], np.dtype]]:
+        if proto.domain == nbits.DOMAIN and proto.op_type == nbits.OP:
+            # A contrib op ONNX's shape inference does not know: its rule checks what Cuvil compiles.
+            node = Node(op=proto.op_type, name=name, inputs=list(proto.input), outputs=list(proto.output),
+                        attrs=_attrs(proto), domain=proto.domain)
+            return [nbits.check(node, self.values)]
         if proto.op_type == "MeanVarianceNormalization" and proto.domain in ("", "ai.onnx"):
             # ONNX's strict inference trips over this op's function body when `axes` is
             # left at its default; the output is the input's shape and type in any case.

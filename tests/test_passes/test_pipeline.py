@@ -37,7 +37,7 @@ def test_unknown_passes_and_options_are_errors_naming_what_exists():
     assert resolve_pass_options(["eliminate_dead", "plan_memory"], {"plan_memory": {"strategy": "best_fit"}}) == {
         "eliminate_dead": {}, "plan_memory": {"strategy": "best_fit", "in_place": True, "reorder": True}}
     assert set(PASS_OPTIONS) == {"fuse_activation", "fuse_elementwise", "fuse_depthwise_block", "fuse_patterns",
-                                 "plan_memory", "assign_precision"}
+                                 "plan_memory", "assign_precision", "quantize_weights"}
 
 
 def test_pass_options_in_cuvil_yaml_merge_over_defaults_and_are_located(tmp_path):

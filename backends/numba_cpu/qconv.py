@@ -1,0 +1,342 @@
+"""QLinearConv on the AVX512-VNNI convolution micro-kernel (ukernel_int8.Int8ConvSpec).
+
+    y[n, oc, oh, ow] = saturate(rint(float(acc + bias[oc]) * (s_x s_w[oc] / s_y)) + z_y)
+    acc = sum_{c, kh, kw} (x[n, c, oh*s + kh*d - p, ow*s + kw*d - p] - z_x) * (w[oc, c, kh, kw] - z_w[oc])
+
+Two kernels. The first copies the input into channel quads, padded, split in phase images for a
+strided conv ("QuadPad"): element (c, h, w) of the padded input (hp = h + p_top, wp = w + p_left)
+goes to phase (hp % s, wp % s), pixel (hp // s, wp // s) of quad c // 4, byte c % 4; padding and
+the channels beyond C (weights zero) hold z_x. Int8 inputs are stored + 128 (their sign bit flipped),
+so the micro-kernel only ever reads unsigned bytes; the compensation uses z_x + 128. The second
+runs the micro-kernel on tiles of output channels x 64 positions of the phase grid (OH rows of
+Wps pixels, read as one run: the columns past OW are computed and left out of the compressed
+store); every tap (kh, kw) reads the phase ((kh d) % s, (kw d) % s) at pixel offset
+((kh d) // s) * Wps + (kw d) // s.
+
+    sum (x - z_x) w' = sum x w' - z_x * sum_{c, t} w'[oc, c, t]      (w' = w - z_w, int8, packed)
+
+so the compensation with the int32 bias is one build-time constant per output channel. Applies to
+2-D convolutions with group 1, constant weights (w - z_w within int8), constant scales and zero
+points; others keep quant.py's direct loops.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .emit import NOALIAS_MARK
+from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
+from .qgemm import vnni_target
+from .ukernel_int8 import Int8ConvSpec
+
+MIN_SPLIT_OPS = 1 << 21
+
+
+TILES = ((6, 64), (12, 32), (24, 16))   # output channels x pixels of a micro-tile: 24 int32 accumulators
+
+
+def choose_tile(OC: int, flat: int) -> tuple[int, int]:
+    """The tile computing the fewest lanes for OC channels over `flat` grid positions (a 14x14 output
+    on a 16-wide grid: 224 positions, 7 tiles of 32 rather than 4 of 64); ties keep the wider tile."""
+    return min(TILES, key=lambda t: (-(-OC // t[0]) * t[0] * -(-flat // t[1]) * t[1], -t[1]))
+
+
+def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
+                    Cq: int, zero: int, slack: int) -> tuple[Kernel, int]:
+    """x [N, C, H, W] -> [N, s*s phases, Cq quads, Hps, Wps, 4] uint8 (+ `slack` bytes of zero point
+    at the end, which tiles read past the last row). One work item per (image, phase, quad); each
+    row's valid columns are one loop storing the quad's 4 bytes together (an interleaved store
+    LLVM vectorises), the padding around them filled apart."""
+    def read(expr):
+        return f"np.uint8({expr})" if x_dtype == "uint8" else f"np.uint8(np.int32({expr}) + 128)"
+    plane = Hps * Wps * 4
+    total = N * s * s * Cq * plane
+    HW = H * W
+    z = f"np.uint8({zero})"
+    src = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"q = item % {Cq}").line(f"ph = (item // {Cq}) % {s * s}").line(f"n = item // {Cq * s * s}")
+    src.line(f"a = ph // {s}").line(f"b = ph % {s}")
+    src.line(f"dst = item * {plane}")
+    # valid columns: 0 <= ww*s + b - pl < W
+    src.line(f"wlo = min(max(0, ({pl} - b + {s - 1}) // {s}), {Wps})")
+    src.line(f"whi = max(min({Wps}, ({W} + {pl} - b + {s - 1}) // {s}), wlo)")
+    src.line(f"for hh in range({Hps}):").indent()
+    src.line(f"h = hh * {s} + a - {pt}")
+    src.line(f"o = dst + hh * {Wps * 4}")
+    src.line(f"if h < 0 or h >= {H}:").indent()
+    src.line(f"for i in range({Wps * 4}):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line("continue").dedent()
+    src.line("for i in range(wlo * 4):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line(f"for i in range(whi * 4, {Wps * 4}):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line(f"sb = ((n * {C} + q * 4) * {H} + h) * {W} + b - {pl}")
+    src.line(f"if q * 4 + 4 <= {C}:").indent()
+    src.line("for ww in range(wlo, whi):").indent()
+    src.line(f"i = sb + ww * {s}").line("d = o + ww * 4")
+    for c4 in range(4):
+        src.line(f"p1[d + {c4}] = {read(f'p0[i + {c4 * HW}]')}")
+    src.dedent().dedent().line("else:").indent()
+    src.line("for c4 in range(4):").indent()
+    src.line(f"for ww in range(wlo, whi):").indent()
+    src.line(f"p1[o + ww * 4 + c4] = {read(f'p0[sb + c4 * {HW} + ww * {s}]')} if q * 4 + c4 < {C} else {z}")
+    src.dedent().dedent().dedent().dedent().dedent()
+    if slack:
+        src.line(f"if end == {N * s * s * Cq}:").indent()
+        src.line(f"for i in range({slack}):").indent()
+        src.line(f"p1[{total} + i] = {z}")
+    return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
+
+
+def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
+    """The calls, or None where the path does not apply (see the module docstring)."""
+    from .quant import _conv_pads
+    if not vnni_target() or len(x.shape) != 4 or int(node.attr("group", 1)) != 1:
+        return None
+    if not (w.is_const and sx.is_const and sw.is_const and sy.is_const and (zx is None or zx.is_const)
+            and (zw is None or zw.is_const) and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
+        return None
+    if any(np.dtype(v.dtype).name != "float32" for v in (sx, sw, sy)) or sx.size != 1 or sy.size != 1:
+        return None
+    x_dtype = np.dtype(x.dtype).name
+    if x_dtype not in ("uint8", "int8") or np.dtype(w.dtype).name not in ("uint8", "int8"):
+        return None
+    N, C, H, W = x.shape
+    OC, _, KH, KW = w.shape
+    _, _, OH, OW = y.shape
+    strides = list(node.attr("strides", [1, 1]))
+    dil = list(node.attr("dilations", [1, 1]))
+    if strides[0] != strides[1]:
+        return None
+    s = strides[0]
+    pt, pl = _conv_pads(node, [H, W], [KH, KW], strides, dil, [OH, OW])
+    wdata = np.asarray(w.data).astype(np.int32)
+    if zw is not None:
+        z = np.asarray(zw.data).astype(np.int32).reshape(-1)
+        wdata = wdata - (z.reshape(-1, 1, 1, 1) if z.size > 1 else z[0])
+    if wdata.min(initial=0) < -128 or wdata.max(initial=0) > 127:
+        return None
+    T = KH * KW
+    Cq = -(-C // 4)
+    # the phase images, sized so that every tap of every output pixel lands inside
+    Hps = OH + ((KH - 1) * dil[0]) // s
+    Wps = OW + ((KW - 1) * dil[1]) // s
+    plane = Hps * Wps
+    # Tiles run over whole rows of the phase grid (OH rows of Wps pixels, the last Wps - OW of each
+    # not an output): a 7x7 output computes 64 lanes for 49 pixels, not 7 of every 16. The mask of
+    # each tile's valid lanes and the output offset of its first are build-time tables.
+    flat = OH * Wps
+    MR, NR = choose_tile(OC, flat)
+    chunks = -(-flat // NR)
+    pos = np.arange(chunks * NR).reshape(chunks, NR)
+    valid = (pos < flat) & (pos % Wps < OW)
+    masks = (valid.astype(np.uint64) << np.arange(NR, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
+    starts = np.concatenate([[0], np.cumsum(valid.sum(axis=1))[:-1]]).astype(np.int64)
+    phases = s * s
+    taps = []
+    for kh in range(KH):
+        for kw in range(KW):
+            a, b = (kh * dil[0]) % s, (kw * dil[1]) % s
+            taps.append((a * s + b) * Cq * plane + ((kh * dil[0]) // s) * Wps + (kw * dil[1]) // s)
+    shift = 128 if x_dtype == "int8" else 0
+    zero_x = (int(np.asarray(zx.data).reshape(-1)[0]) if zx is not None else 0) + shift
+    tiles = -(-OC // MR)
+    packed = np.zeros((tiles * MR, Cq * 4, T), np.int8)
+    packed[:OC, :C] = wdata.reshape(OC, C, T)
+    # [tile, q, t, MR, 4]
+    packed = np.ascontiguousarray(packed.reshape(tiles, MR, Cq, 4, T).transpose(0, 2, 4, 1, 3))
+    comp = np.zeros(tiles * MR, np.int64)
+    comp[:OC] = -zero_x * wdata.reshape(OC, -1).astype(np.int64).sum(axis=1)
+    if bias is not None:
+        comp[:OC] += np.asarray(bias.data, np.int64).reshape(-1)
+    if np.abs(comp).max(initial=0) >= 2**31:
+        return None
+    s_x = np.asarray(sx.data, np.float32).reshape(-1)[0]
+    mult = np.zeros(tiles * MR, np.float32)
+    mult[:OC] = (s_x * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (OC,))) \
+        / np.asarray(sy.data, np.float32).reshape(-1)[0]
+    out = "u8" if np.dtype(y.dtype).name == "uint8" else "s8"
+    zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
+    slack = (chunks * NR - flat + ((KH - 1) * dil[0] // s + 1) * Wps + NR) * 4
+
+    from .scratch import scratch_value
+    quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
+    pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
+
+    specs = {}
+
+    def spec(mr):
+        if mr not in specs:
+            specs[mr] = (f"uk{len(specs)}", Int8ConvSpec(mr=mr, nr=NR, taps=tuple(taps), plane=plane, panel=MR,
+                                                         out=out, zy=zero_y))
+        return specs[mr][0]
+
+    want = work_items() if 2 * OC * C * T * OH * OW * N >= MIN_SPLIT_OPS else 1
+    t_blocks = min(tiles, want)
+    r_blocks = max(1, min(chunks, -(-want // t_blocks)))
+    tpb, rpb = -(-tiles // t_blocks), -(-chunks // r_blocks)
+    t_blocks, r_blocks = -(-tiles // tpb), -(-chunks // rpb)
+    body = Source().indent()
+    body.line("for item in range(begin, end):").indent()
+    body.line(f"rb = item % {r_blocks}").line(f"tb = (item // {r_blocks}) % {t_blocks}")
+    body.line(f"n = item // {r_blocks * t_blocks}")
+    body.line(f"for tile in range(tb * {tpb}, min(tb * {tpb} + {tpb}, {tiles})):").indent()
+    body.line(f"oc0 = tile * {MR}")
+    body.line(f"woff = tile * {Cq * T * MR * 4}")
+    for edge in (False, True) if OC % MR else (False,):
+        if OC % MR:
+            body.line(f"if oc0 + {MR} <= {OC}:" if not edge else "else:").indent()
+        name = spec(OC % MR if edge else MR)
+        body.line(f"for ch in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {chunks})):").indent()
+        body.line(f"xoff = (n * {phases * Cq * plane} + ch * {NR}) * 4")
+        body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + p6[ch]")
+        body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {OH * OW}, {Cq}, p5[ch], p2, p3, oc0)")
+        body.dedent()
+        if OC % MR:
+            body.dedent()
+    head = Source()
+    for name, uk in sorted(specs.values()):
+        for line in uk.declaration(name).splitlines():
+            head.line(line)
+    head.line(kernel_header(8))
+    conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", "float32", "int64",
+                                                       "int64", np.dtype(y.dtype).name), self_sized=True)
+    label = f"int8 (vnni conv, {out} out)"
+    return [KernelCall(pad_kernel, [x.name, quads], pad_work, node.name, precision=label),
+            KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
+                              masks, starts, y.name],
+                       N * t_blocks * r_blocks, node.name, precision=label)]
+
+
+# ---------------------------------------------------------------- depthwise
+
+def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
+    """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
+    with z_x, then per (image, channel) plane one loop over each output row whose taps are unrolled,
+    int32 sums of w' (x - z_x) (w' = w - z_w) as sum w' x + (bias - z_x sum w'), requantised as
+    QLinearConv does. The row loop vectorises (16 int32 lanes); no VNNI needed."""
+    from .quant import _conv_pads
+    if len(x.shape) != 4 or not (w.is_const and sx.is_const and sw.is_const and sy.is_const
+                                 and (zx is None or zx.is_const) and (zw is None or zw.is_const)
+                                 and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
+        return None
+    N, C, H, W = x.shape
+    OC, cg, KH, KW = w.shape
+    if int(node.attr("group", 1)) != C or OC != C or cg != 1 or KH * KW > 49:
+        return None
+    if any(np.dtype(v.dtype).name != "float32" for v in (sx, sw, sy)) or sx.size != 1 or sy.size != 1:
+        return None
+    _, _, OH, OW = y.shape
+    strides, dil = list(node.attr("strides", [1, 1])), list(node.attr("dilations", [1, 1]))
+    pt, pl = _conv_pads(node, [H, W], [KH, KW], strides, dil, [OH, OW])
+    Hp = max(H + pt, (OH - 1) * strides[0] + (KH - 1) * dil[0] + 1)
+    Wp = max(W + pl, (OW - 1) * strides[1] + (KW - 1) * dil[1] + 1)
+    wdata = np.asarray(w.data).astype(np.int64).reshape(C, KH * KW)
+    if zw is not None:
+        wdata = wdata - np.asarray(zw.data).astype(np.int64).reshape(-1, 1)
+    zero_x = int(np.asarray(zx.data).reshape(-1)[0]) if zx is not None else 0
+    comp = -zero_x * wdata.sum(axis=1)
+    if bias is not None:
+        comp = comp + np.asarray(bias.data, np.int64).reshape(-1)
+    if np.abs(comp).max(initial=0) >= 2**31 or np.abs(wdata).max(initial=0) > 255:
+        return None
+    mult = ((np.asarray(sx.data, np.float32).reshape(-1)[0]
+             * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (C,))) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
+    x_dtype, y_dtype = np.dtype(x.dtype).name, np.dtype(y.dtype).name
+    lo, hi = (0, 255) if y_dtype == "uint8" else (-128, 127)
+    zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
+
+    from .scratch import scratch_value
+    # slack: the flat loop's last positions read up to s * OH * Wp + taps past a plane's start
+    slack = max(0, strides[0] * OH * Wp + (KH - 1) * dil[0] * Wp + (KW - 1) * dil[1] - Hp * Wp) + 64
+    padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), x.dtype, tag="dwpad")
+    pad = Source().line(kernel_header(2)).indent()
+    pad.line("for item in range(begin, end):").indent()
+    pad.line(f"for hh in range({Hp}):").indent()
+    pad.line(f"h = hh - {pt}")
+    pad.line(f"ob = (item * {Hp} + hh) * {Wp}")
+    pad.line(f"if h >= 0 and h < {H}:").indent()
+    pad.line(f"ib = (item * {H} + h) * {W}")
+    pad.line(f"for ww in range({Wp}):").indent()
+    pad.line(f"wv = ww - {pl}")
+    pad.line(f"p1[ob + ww] = p0[ib + wv] if wv >= 0 and wv < {W} else np.{x_dtype}({zero_x})").dedent().dedent()
+    pad.line("else:").indent()
+    pad.line(f"for ww in range({Wp}):").indent()
+    pad.line(f"p1[ob + ww] = np.{x_dtype}({zero_x})")
+    pad.dedent().dedent().dedent().dedent()
+    pad.line(f"if end == {N * C}:").indent()
+    pad.line(f"for i in range({slack}):").indent()
+    pad.line(f"p1[{N * C * Hp * Wp} + i] = np.{x_dtype}({zero_x})")
+    pad_kernel = Kernel("QDwPad", pad.text(), (x_dtype, x_dtype))
+
+    # Flat over each plane's padded grid: output position p = oh * Wp + ow reads x at s*p + tap offset
+    # (one loop of OH * Wp iterations that vectorises, where a row of 7 or 14 would not); the
+    # columns ow >= OW are computed and dropped when the rows are copied out.
+    flat = OH * Wp
+    sflat = scratch_value(graph, node, (N * C * flat,), y.dtype, tag="dwflat")
+    src = Source().line(NOALIAS_MARK).line(kernel_header(6)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"c = item % {C}")
+    src.line(f"xb = item * {Hp * Wp}").line(f"fb = item * {flat}").line(f"yb = item * {OH * OW}")
+    src.line("cz = p2[c]").line("m = p3[c]")
+    for t in range(KH * KW):
+        src.line(f"w{t} = np.int32(p1[c * {KH * KW} + {t}])")
+    src.line(f"for p in range({flat}):").indent()
+    src.line(f"i = xb + p * {strides[0]}")
+    terms = [f"w{kh * KW + kw} * np.int32(p0[i + {kh * dil[0] * Wp + kw * dil[1]}])" for kh in range(KH) for kw in range(KW)]
+    src.line("acc = cz + " + " + ".join(terms))
+    src.line(f"v = np.rint(np.float32(acc) * m) + np.float32({zero_y})")
+    src.line(f"p4[fb + p] = np.{y_dtype}(np.int32(min(max(v, np.float32({lo})), np.float32({hi}))))").dedent()
+    src.line(f"for oh in range({OH}):").indent()
+    src.line(f"for ow in range({OW}):").indent()
+    src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
+    conv = Kernel("QDwConv", src.text(), (x_dtype, "int32", "int32", "float32", y_dtype, y_dtype))
+    label = "int8 (depthwise)"
+    return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+            KernelCall(conv, [padded, wdata.astype(np.int32).reshape(-1), comp.astype(np.int32), mult, sflat, y.name],
+                       N * C, node.name, precision=label, n_outputs=2)]
+
+
+# ---------------------------------------------------------------- float fallback
+
+FLOAT_FALLBACK = "float32 (the QDQ form: no int8 kernel on this target)"
+
+def lower_qlinear_conv_float(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
+    """A QLinearConv that passes/fold_qdq.py made from a QDQ Conv (attribute `fallback` = "float"),
+    on a target without the int8 kernel: computed as the QDQ graph it came from (DequantizeLinear,
+    a float32 conv on the weights dequantised at build time, QuantizeLinear), on the float conv
+    kernels, not on the scalar integer loops, which are many times slower."""
+    from cuvil.evaluate import evaluate_exact
+    from cuvil.ir import Node, Value
+
+    from . import conv as float_conv, quant
+    from .scratch import scratch_value
+    if node.attr("fallback") != "float" or not (w.is_const and sw.is_const and (zw is None or zw.is_const)
+                                                and sx.is_const and (bias is None or bias.is_const)):
+        return None
+    axis = {"axis": 0}
+    wf = evaluate_exact("DequantizeLinear", "", [np.asarray(w.data), np.asarray(sw.data),
+                                                 None if zw is None else np.asarray(zw.data)], axis)
+    if wf is None:
+        return None
+
+    def constant(tag, array):
+        name = f"__{tag}__{node.name}"
+        graph.values[name] = Value(name, array.dtype, tuple(array.shape), array)
+        return name
+    inputs = [None, constant("qconv_wf", wf[0].astype(np.float32))]
+    if bias is not None:
+        scale = (np.asarray(sx.data, np.float32).reshape(-1)[0]
+                 * np.asarray(sw.data, np.float32).reshape(-1)).astype(np.float32)
+        bf = evaluate_exact("DequantizeLinear", "", [np.asarray(bias.data), scale, None], axis)
+        inputs.append(constant("qconv_bf", bf[0].astype(np.float32)))
+    xf = scratch_value(graph, node, x.shape, np.float32, tag="qconv_xf")
+    yf = scratch_value(graph, node, y.shape, np.float32, tag="qconv_yf")
+    inputs[0] = xf
+    attrs = {k: v for k, v in node.attrs.items() if k != "fallback"}
+    calls = quant.lower_dequantize_linear(Node("DequantizeLinear", node.name, [x.name, sx.name, zx.name if zx else ""],
+                                               [xf]), graph).calls
+    calls += float_conv.lower_conv(Node("Conv", node.name, inputs, [yf], attrs), graph).calls
+    calls += quant.lower_quantize_linear(Node("QuantizeLinear", node.name, [yf, sy.name, zy.name if zy else ""],
+                                              [y.name]), graph).calls
+    for call in calls:
+        call.precision = FLOAT_FALLBACK
+    return calls

@@ -1,0 +1,454 @@
+"""The int8 GEMM micro-kernel: u8 x s8 -> s32 products with AVX512-VNNI `vpdpbusd`, as LLVM IR.
+
+    acc(i, j) = sum_k  A(i, k) * B(k, j)               i < mr, j < nr (nr a multiple of 16, <= 64)
+
+A is unsigned bytes, read in place by rows: the 4 bytes A(i, 4q .. 4q+3) at a[aoff + i*lda + 4q]
+are one 32-bit word, broadcast to the 16 lanes. With `a_signed` A is signed bytes and each word is
+XORed with 0x80808080 first, which adds 128 to every byte (the "+128 shift" of onnxruntime's and
+oneDNN's s8s8 kernels): the product then counts 128 * colsum(B) too, which the compensation below
+takes back. B is signed bytes packed at build time (`pack_b_quads`): for each group q of 4 k,
+nr columns of 4 bytes, b[boff + (q*nr + j)*4 + h] = B(4q + h, j), so one 64-byte vector holds
+the 4 k of 16 columns, the operand order `vpdpbusd` reads (oneDNN and MLAS pack B the same way:
+k in groups of 4 innermost). `kc` counts groups of 4 k; K is padded with zero rows of B.
+
+Products of a u8 and an s8 summed 4 at a time into int32 lanes are exact (no saturation with
+`vpdpbusd`; |sum| < 2^31 for K < 2^16), so the accumulators are the exact integer sums.
+
+Epilogue (once, after the whole k loop), for columns j (column index n = noff + j):
+
+    acc += zeff * comp[n]                       the zero point compensation: the caller passes
+                                                comp = -colsum(B) and zeff = a's zero point (+128
+                                                when a_signed), or a build-time comp with zeff = 1
+    out "i32":  c = acc
+    out "f32":  c = act(float(acc) * (mult[n] * ascale) + bias[n])      (ascale, bias: spec flags)
+    out "u8" | "s8":  c = saturate(rint(act(float(acc) * mult[n])) + zy)  (onnxruntime's requantisation:
+                                                the multiplier in float32, rounding half to even)
+
+Each step rounds as onnxruntime's unfused graph does (MatMulInteger -> Cast -> Mul(Mul(s_a, s_b))
+-> Add(bias)): no fused multiply-add. C rows are c[coff + i*ldc + j] in the output's element type;
+`mask` (i64) has bit j set for the valid columns (masked stores; B is read in full).
+
+Signature:
+    i32 name(ptr a, i64 aoff, i64 lda, ptr b, i64 boff, ptr c, i64 coff, i64 ldc, i64 kc, i64 mask,
+             ptr comp, ptr mult, ptr bias, i64 noff, i64 zeff, ptr ascale)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from .lowp import column_masks, typed_declaration
+from .ukernel import Declared, IRBuilder, close_k_loop, float_ir, function_module, open_k_loop
+
+ARG_NAMES = ("a", "aoff", "lda", "b", "boff", "c", "coff", "ldc", "kc", "mask", "comp", "mult", "bias", "noff",
+             "zeff", "ascale")
+_POINTERS = {"a", "b", "c", "comp", "mult", "bias", "ascale"}
+OUTPUTS = {"i32": "int32", "f32": "float32", "u8": "uint8", "s8": "int8"}
+_RANGE = {"u8": (0, 255), "s8": (-128, 127)}
+MAX_ACC = 24    # int32 accumulator vectors (of 32 zmm: B vectors, the A broadcast and the 0x80 constant)
+FEATURE = "avx512vnni"
+
+
+@dataclass(frozen=True)
+class Int8UKSpec(Declared):
+    mr: int
+    nr: int
+    out: str = "i32"        # "i32" | "f32" | "u8" | "s8" (see the module docstring)
+    a_signed: int = 0       # A is int8: XOR 0x80 (+128 a byte); the caller adds 128 to zeff
+    ascale: int = 0         # "f32": the multiplier is mult[n] * (*ascale), a run-time activation scale
+    bias: int = 0           # "f32": bias[n] added after the multiply
+    act: str = ""           # "" | "Relu" | "Clip" (act_lo, act_hi), on the float value
+    act_lo: float = 0.0
+    act_hi: float = 0.0
+    zy: int = 0             # "u8" | "s8": the output zero point
+    kind: str = "int8"
+    _ARGS: ClassVar[str] = "".join("p" if n in _POINTERS else "i" for n in ARG_NAMES)
+
+    def __post_init__(self):
+        assert self.nr % 16 == 0 and 16 <= self.nr <= 64, self.nr
+        assert self.out in OUTPUTS, self.out
+        assert self.act in ("", "Relu", "Clip"), self.act
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8_{self.mr}x{self.nr}_{self.out}"
+
+    def declaration(self, var: str, a_dtype: str = "uint8") -> str:
+        types = {"a": a_dtype, "b": "int8", "c": OUTPUTS[self.out], "comp": "int32", "mult": "float32",
+                 "bias": "float32", "ascale": "float32"}
+        return typed_declaration(self, var, {i: types[n] for i, n in enumerate(ARG_NAMES) if n in types})
+
+
+def pack_b_quads(b: np.ndarray, nr: int) -> np.ndarray:
+    """[K, N] int8 -> [ceil(N/nr) panels, ceil(K/4) groups, nr columns, 4 k] int8, zero padded."""
+    K, N = b.shape
+    Kq, panels = -(-K // 4), -(-N // nr)
+    padded = np.zeros((Kq * 4, panels * nr), np.int8)
+    padded[:K, :N] = b
+    return np.ascontiguousarray(padded.reshape(Kq, 4, panels, nr).transpose(2, 0, 3, 1))
+
+
+def _splat_i32(ir: IRBuilder, scalar: str, L: int = 16) -> str:
+    ins = ir.tmp("ins")
+    ir(f"{ins} = insertelement <{L} x i32> poison, i32 {scalar}, i64 0")
+    out = ir.tmp("sp")
+    ir(f"{out} = shufflevector <{L} x i32> {ins}, <{L} x i32> poison, <{L} x i32> zeroinitializer")
+    return out
+
+
+def _splat_f32(ir: IRBuilder, scalar: str, L: int = 16) -> str:
+    ins = ir.tmp("ins")
+    ir(f"{ins} = insertelement <{L} x float> poison, float {scalar}, i64 0")
+    out = ir.tmp("sp")
+    ir(f"{out} = shufflevector <{L} x float> {ins}, <{L} x float> poison, <{L} x i32> zeroinitializer")
+    return out
+
+
+def _const_f32(value: float, L: int = 16) -> str:
+    return f"<{', '.join([f'float {float_ir(value)}'] * L)}>"
+
+
+def int8_ukernel_ir(spec: Int8UKSpec, vector_bits: int = 512) -> str:
+    """The LLVM IR (a module of one function named spec.name); needs AVX512-VNNI."""
+    L = 16
+    V = spec.nr // L
+    vi, vf = f"<{L} x i32>", f"<{L} x float>"
+    ir = IRBuilder()
+    ir.label("entry")
+    masks = column_masks(ir, V, L)
+    per_chunk = max(1, min(V, MAX_ACC // spec.mr))
+    chunks = [list(range(v0, min(V, v0 + per_chunk))) for v0 in range(0, V, per_chunk)]
+    arow = {}
+    for i in range(spec.mr):
+        off = ir.tmp("ao")
+        ir(f"{off} = mul i64 %lda, {i}")
+        off2 = ir.tmp("ao")
+        ir(f"{off2} = add i64 %aoff, {off}")
+        arow[i] = ir.tmp("arow")
+        ir(f"{arow[i]} = getelementptr i8, ptr %a, i64 {off2}")
+    ir("%bbase = getelementptr i8, ptr %b, i64 %boff")
+    esize = {"i32": 4, "f32": 4, "u8": 1, "s8": 1}[spec.out]
+    crow = {}
+    for i in range(spec.mr):
+        off = ir.tmp("co")
+        ir(f"{off} = mul i64 %ldc, {i}")
+        off2 = ir.tmp("co")
+        ir(f"{off2} = add i64 %coff, {off}")
+        off3 = ir.tmp("co")
+        ir(f"{off3} = mul i64 {off2}, {esize}")
+        crow[i] = ir.tmp("crow")
+        ir(f"{crow[i]} = getelementptr i8, ptr %c, i64 {off3}")
+    ir("%zeff32 = trunc i64 %zeff to i32")
+    zsplat = _splat_i32(ir, "%zeff32")
+    if spec.out == "f32" and spec.ascale:
+        ir("%asc = load float, ptr %ascale, align 4")
+        asplat = _splat_f32(ir, "%asc")
+    rename = {}
+    ir("br label %chunk0")
+    for ci, vecs in enumerate(chunks):
+        ir.label(f"chunk{ci}")
+        ir(f"br label %pre{ci}")
+        ir.label(f"pre{ci}")
+        ir(f"br label %loop{ci}")
+        init = {(i, v): "zeroinitializer" for i in range(spec.mr) for v in vecs}
+        kv, accs = open_k_loop(ir, ci, init, vi, f"%loop{ci}")
+        cur = dict(accs)
+        brow_off = ir.tmp("bo")
+        ir(f"{brow_off} = mul i64 {kv}, {spec.nr * 4}")
+        brow = ir.tmp("brow")
+        ir(f"{brow} = getelementptr i8, ptr %bbase, i64 {brow_off}")
+        bvec = {}
+        for v in vecs:
+            p = ir.tmp("bp")
+            ir(f"{p} = getelementptr i8, ptr {brow}, i64 {v * 64}")
+            bvec[v] = ir.tmp("b")
+            ir(f"{bvec[v]} = load {vi}, ptr {p}, align 1")
+        ka = ir.tmp("ka")
+        ir(f"{ka} = mul i64 {kv}, 4")
+        for i in range(spec.mr):
+            p = ir.tmp("ap")
+            ir(f"{p} = getelementptr i8, ptr {arow[i]}, i64 {ka}")
+            word = ir.tmp("aw")
+            ir(f"{word} = load i32, ptr {p}, align 1")
+            if spec.a_signed:
+                flipped = ir.tmp("ax")
+                ir(f"{flipped} = xor i32 {word}, -2139062144")   # 0x80808080
+                word = flipped
+            splat = _splat_i32(ir, word)
+            for v in vecs:
+                out = ir.tmp("d")
+                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {cur[i, v]}, {vi} {splat}, {vi} {bvec[v]})")
+                cur[i, v] = out
+        final = close_k_loop(ir, ci, kv, accs, cur, rename)
+        # epilogue: column vectors of this chunk
+        colv = {}
+        for v in vecs:
+            n = ir.tmp("n")
+            ir(f"{n} = add i64 %noff, {v * L}")
+            colv[v] = n
+
+        def column(ptr, elem, v):
+            p = ir.tmp("cp")
+            ir(f"{p} = getelementptr {elem}, ptr %{ptr}, i64 {colv[v]}")
+            x = ir.tmp("cv")
+            ir(f"{x} = load <{L} x {elem}>, ptr {p}, align 4")
+            return x
+        comp = {}
+        for v in vecs:
+            c = column("comp", "i32", v)
+            comp[v] = ir.tmp("cz")
+            ir(f"{comp[v]} = mul {vi} {c}, {zsplat}")
+        mult, bias = {}, {}
+        if spec.out != "i32":
+            for v in vecs:
+                mult[v] = column("mult", "float", v)
+                if spec.out == "f32" and spec.ascale:
+                    m2 = ir.tmp("ms")
+                    ir(f"{m2} = fmul {vf} {mult[v]}, {asplat}")
+                    mult[v] = m2
+                if spec.out == "f32" and spec.bias:
+                    bias[v] = column("bias", "float", v)
+        for (i, v), acc in final.items():
+            x = ir.tmp("x")
+            ir(f"{x} = add {vi} {acc}, {comp[v]}")
+            p = ir.tmp("op")
+            ir(f"{p} = getelementptr i8, ptr {crow[i]}, i64 {v * L * esize}")
+            if spec.out == "i32":
+                ir(f"call void @llvm.masked.store.v16i32.p0({vi} {x}, ptr align 1 {p}, <16 x i1> {masks[v]})")
+                continue
+            f = ir.tmp("f")
+            ir(f"{f} = sitofp {vi} {x} to {vf}")
+            y = ir.tmp("y")
+            ir(f"{y} = fmul {vf} {f}, {mult[v]}")
+            if spec.out == "f32" and spec.bias:
+                y2 = ir.tmp("y")
+                ir(f"{y2} = fadd {vf} {y}, {bias[v]}")
+                y = y2
+            y = _activation(ir, spec, y, vf)
+            if spec.out == "f32":
+                ir(f"call void @llvm.masked.store.v16f32.p0({vf} {y}, ptr align 1 {p}, <16 x i1> {masks[v]})")
+                continue
+            lo, hi = _RANGE[spec.out]
+            r = ir.tmp("r")
+            ir(f"{r} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
+            r2 = ir.tmp("r")
+            ir(f"{r2} = fadd {vf} {r}, {_const_f32(float(spec.zy))}")
+            r3 = ir.tmp("r")
+            ir(f"{r3} = call {vf} @llvm.maxnum.v16f32({vf} {r2}, {vf} {_const_f32(float(lo))})")
+            r4 = ir.tmp("r")
+            ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
+            q = ir.tmp("q")
+            ir(f"{q} = fptosi {vf} {r4} to {vi}")
+            q8 = ir.tmp("q")
+            ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
+            ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {masks[v]})")
+        ir(f"br label %{f'chunk{ci + 1}' if ci + 1 < len(chunks) else 'done'}")
+    ir.label("done")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr {'' if n == 'c' else 'noalias '}%{n}" if n in _POINTERS else f"i64 %{n}"
+                     for n in ARG_NAMES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+             f"declare void @llvm.masked.store.v16i32.p0({vi}, ptr, <16 x i1>)",
+             f"declare void @llvm.masked.store.v16f32.p0({vf}, ptr, <16 x i1>)",
+             "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",
+             f"declare {vf} @llvm.roundeven.v16f32({vf})",
+             f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
+             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})"]
+    return function_module(head, ir, rename, decls)
+
+
+def _activation(ir: IRBuilder, spec: Int8UKSpec, y: str, vf: str) -> str:
+    bounds = []
+    if spec.act == "Relu":
+        bounds = [("maxnum", 0.0)]
+    elif spec.act == "Clip":
+        if spec.act_lo != float("-inf"):
+            bounds.append(("maxnum", spec.act_lo))
+        if spec.act_hi != float("inf"):
+            bounds.append(("minnum", spec.act_hi))
+    for fn, value in bounds:
+        out = ir.tmp("act")
+        ir(f"{out} = call {vf} @llvm.{fn}.v16f32({vf} {y}, {vf} {_const_f32(value)})")
+        y = out
+    return y
+
+
+
+
+# ---------------------------------------------------------------- convolutions
+
+CONV_ARG_NAMES = ("w", "woff", "x", "xoff", "y", "yoff", "ldy", "kc", "mask", "comp", "mult", "moff")
+_CONV_POINTERS = {"w", "x", "y", "comp", "mult"}
+
+
+@dataclass(frozen=True)
+class Int8ConvSpec(Declared):
+    """A convolution tile with the roles turned: mr output channels (rows) x nr output pixels of one
+    output row (columns, 16 a vector), the activations the unsigned operand of `vpdpbusd`:
+
+        acc(i, j) = sum_{q < kc, t}  sum_h  W(i, 4q + h, t) * X(4q + h, pixel j + taps[t])
+
+    X is the input in channel quads (qconv.py's layout): x[xoff + (q*plane + p)*4 + h] is channel
+    4q + h at pixel p, so 16 pixels of a quad are one 64-byte vector; taps[t] are compile-time pixel
+    offsets (a row of the tap, a phase image for strided convs). W is packed at build time:
+    w[woff + ((q*T + t)*panel + i)*4 + h], one 32-bit word per row broadcast to the lanes (the
+    signed operand). Epilogue per row: acc + comp[moff + i] (the zero point compensation and the
+    int32 bias), then y = saturate(rint(float(acc) * mult[moff + i]) + zy), stored as bytes: the
+    columns set in `mask` (the valid pixels of a tile running over whole rows of a padded grid),
+    compressed, from y[yoff + i*ldy] on.
+
+    Signature: i32 name(ptr w, i64 woff, ptr x, i64 xoff, ptr y, i64 yoff, i64 ldy, i64 kc, i64 mask,
+                        ptr comp, ptr mult, i64 moff)"""
+    mr: int
+    nr: int
+    taps: tuple
+    plane: int
+    panel: int
+    out: str = "u8"
+    zy: int = 0
+    kind: str = "int8conv"
+    _ARGS: ClassVar[str] = "".join("p" if n in _CONV_POINTERS else "i" for n in CONV_ARG_NAMES)
+
+    def __post_init__(self):
+        assert self.nr % 16 == 0 and 16 <= self.nr <= 64 and self.out in _RANGE and self.panel >= self.mr
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8conv_{self.mr}x{self.nr}_{self.out}"
+
+    def declaration(self, var: str) -> str:
+        types = {"w": "int8", "x": "uint8", "y": OUTPUTS[self.out], "comp": "int32", "mult": "float32"}
+        return typed_declaration(self, var, {i: types[n] for i, n in enumerate(CONV_ARG_NAMES) if n in types})
+
+
+def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
+    L = 16
+    V = spec.nr // L
+    vi, vf = f"<{L} x i32>", f"<{L} x float>"
+    T = len(spec.taps)
+    ir = IRBuilder()
+    ir.label("entry")
+    masks = column_masks(ir, V, L)
+    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
+    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
+    rename = {}
+    ir("br label %pre0")
+    ir.label("pre0")
+    ir("br label %loop0")
+    init = {(i, v): "zeroinitializer" for i in range(spec.mr) for v in range(V)}
+    kv, accs = open_k_loop(ir, 0, init, vi, "%loop0")
+    cur = dict(accs)
+    xq = ir.tmp("xq")
+    ir(f"{xq} = mul i64 {kv}, {spec.plane * 4}")
+    xrow = ir.tmp("xr")
+    ir(f"{xrow} = getelementptr i8, ptr %xbase, i64 {xq}")
+    wq = ir.tmp("wq")
+    ir(f"{wq} = mul i64 {kv}, {T * spec.panel * 4}")
+    wrow = ir.tmp("wr")
+    ir(f"{wrow} = getelementptr i8, ptr %wbase, i64 {wq}")
+    for t, off in enumerate(spec.taps):
+        xv = {}
+        for v in range(V):
+            p = ir.tmp("xp")
+            ir(f"{p} = getelementptr i8, ptr {xrow}, i64 {(off + v * L) * 4}")
+            xv[v] = ir.tmp("xv")
+            ir(f"{xv[v]} = load {vi}, ptr {p}, align 1")
+        for i in range(spec.mr):
+            p = ir.tmp("wp")
+            ir(f"{p} = getelementptr i8, ptr {wrow}, i64 {(t * spec.panel + i) * 4}")
+            word = ir.tmp("ww")
+            ir(f"{word} = load i32, ptr {p}, align 1")
+            splat = _splat_i32(ir, word)
+            for v in range(V):
+                out = ir.tmp("d")
+                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {cur[i, v]}, {vi} {xv[v]}, {vi} {splat})")
+                cur[i, v] = out
+    final = close_k_loop(ir, 0, kv, accs, cur, rename)
+    lo, hi = _RANGE[spec.out]
+    # compressed stores: the valid lanes of vector v go to prefix[v] = popcount of the mask below it
+    prefix, dense, running = {}, {}, "0"
+    for v in range(V):
+        prefix[v] = running
+        seg = ir.tmp("seg")
+        ir(f"{seg} = lshr i64 %mask, {v * L}")
+        segm = ir.tmp("seg")
+        ir(f"{segm} = and i64 {seg}, {(1 << L) - 1}")
+        cnt = ir.tmp("cnt")
+        ir(f"{cnt} = call i64 @llvm.ctpop.i64(i64 {segm})")
+        running = ir.tmp("off")
+        ir(f"{running} = add i64 {prefix[v]}, {cnt}")
+        low = ir.tmp("low")
+        ir(f"{low} = shl i64 1, {cnt}")
+        low2 = ir.tmp("low")
+        ir(f"{low2} = sub i64 {low}, 1")
+        low3 = ir.tmp("low")
+        ir(f"{low3} = trunc i64 {low2} to i{L}")
+        dense[v] = ir.tmp("dm")
+        ir(f"{dense[v]} = bitcast i{L} {low3} to <{L} x i1>")
+    for i in range(spec.mr):
+        row = ir.tmp("row")
+        ir(f"{row} = add i64 %moff, {i}")
+        cp = ir.tmp("cp")
+        ir(f"{cp} = getelementptr i32, ptr %comp, i64 {row}")
+        c = ir.tmp("c")
+        ir(f"{c} = load i32, ptr {cp}, align 4")
+        csplat = _splat_i32(ir, c)
+        mp = ir.tmp("mp")
+        ir(f"{mp} = getelementptr float, ptr %mult, i64 {row}")
+        m = ir.tmp("m")
+        ir(f"{m} = load float, ptr {mp}, align 4")
+        msplat = _splat_f32(ir, m)
+        yo = ir.tmp("yo")
+        ir(f"{yo} = mul i64 %ldy, {i}")
+        yo2 = ir.tmp("yo")
+        ir(f"{yo2} = add i64 %yoff, {yo}")
+        for v in range(V):
+            x = ir.tmp("x")
+            ir(f"{x} = add {vi} {final[i, v]}, {csplat}")
+            f = ir.tmp("f")
+            ir(f"{f} = sitofp {vi} {x} to {vf}")
+            y = ir.tmp("y")
+            ir(f"{y} = fmul {vf} {f}, {msplat}")
+            r = ir.tmp("r")
+            ir(f"{r} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
+            r2 = ir.tmp("r")
+            ir(f"{r2} = fadd {vf} {r}, {_const_f32(float(spec.zy))}")
+            r3 = ir.tmp("r")
+            ir(f"{r3} = call {vf} @llvm.maxnum.v16f32({vf} {r2}, {vf} {_const_f32(float(lo))})")
+            r4 = ir.tmp("r")
+            ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
+            q = ir.tmp("q")
+            ir(f"{q} = fptosi {vf} {r4} to {vi}")
+            packed = ir.tmp("qc")   # compressed in a register: a compress store to memory is microcoded on Zen 4
+            ir(f"{packed} = call {vi} @llvm.experimental.vector.compress.v16i32({vi} {q}, <16 x i1> {masks[v]}, "
+               f"{vi} poison)")
+            q8 = ir.tmp("q")
+            ir(f"{q8} = trunc {vi} {packed} to <16 x i8>")
+            yi = ir.tmp("yi")
+            ir(f"{yi} = add i64 {yo2}, {prefix[v]}")
+            p = ir.tmp("yp")
+            ir(f"{p} = getelementptr i8, ptr %y, i64 {yi}")
+            ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {dense[v]})")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _CONV_POINTERS else f"i64 %{n}"
+                     for n in CONV_ARG_NAMES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+             "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",
+             f"declare {vf} @llvm.roundeven.v16f32({vf})",
+             f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
+             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
+             f"declare {vi} @llvm.experimental.vector.compress.v16i32({vi}, <16 x i1>, {vi})",
+             "declare i64 @llvm.ctpop.i64(i64)"]
+    return function_module(head, ir, rename, decls)
+
+
+def kinds() -> dict:
+    """The spec constructors by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
+    return {"int8": lambda d: Int8UKSpec(**d), "int8conv": lambda d: Int8ConvSpec(**{**d, "taps": tuple(d["taps"])})}
+
+
+def int8_ir(spec, vector_bits: int = 512) -> str:
+    """The IR of either int8 micro-kernel."""
+    return int8_conv_ir(spec, vector_bits) if spec.kind == "int8conv" else int8_ukernel_ir(spec, vector_bits)

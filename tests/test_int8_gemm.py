@@ -1,0 +1,203 @@
+"""The int8 GEMM on AVX512-VNNI (backends/numba_cpu/ukernel_int8.py, qgemm.py).
+
+Integer products are exact and onnxruntime's integer ops are deterministic, so every comparison
+here is bit-exact: MatMulInteger's int32 sums, QLinearMatMul's requantised bytes (the multiplier
+s_a s_b / s_y in float32, round half to even, as onnxruntime's MLAS does). The micro-kernel alone
+is compared with numpy's int64 matrix product (exact), each float step written as it rounds.
+Shapes cover the edges: M not a multiple of the 6-row tile, N not a multiple of 64 (masked
+columns), N < 64 (a narrower tile), uint8 and int8 activations (the +128 shift and its
+compensation), constant, run-time and absent activation zero points, per-column weight zero
+points and scales.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from backends.numba_cpu.ukernel_int8 import Int8UKSpec, int8_ukernel_ir, pack_b_quads
+from backends.targets import has_feature, resolve_target
+from cuvil.explain import explain_model
+from tests.helpers import make_model, run_ort
+
+import cuvil
+
+U8, I8, F32 = np.uint8, np.int8, np.float32
+HOST = resolve_target("native")
+pytestmark = pytest.mark.skipif(not has_feature(HOST, "avx512vnni"), reason="this CPU has no AVX512-VNNI")
+
+
+def ints(shape, dtype, seed):
+    info = np.iinfo(dtype)
+    return np.random.default_rng(seed).integers(info.min, info.max, shape, endpoint=True).astype(dtype)
+
+
+def _jit_kernel(spec):
+    from backends.numba_cpu.hostjit import HostJit
+    jit = HostJit(HOST.cpu, HOST.features, 512)
+    jit.add(int8_ukernel_ir(spec))
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    return jit, jit.function(spec.name, ctypes.c_int32, p, i, i, p, i, p, i, i, i, i, p, p, p, i, i, p)
+
+
+UKERNEL = {
+    # name: (out, a dtype, rows, N)
+    "i32_u8": ("i32", U8, 6, 64),
+    "i32_s8_narrow": ("i32", I8, 4, 40),
+    "f32_u8_scale_bias_relu": ("f32", U8, 6, 50),
+    "u8_s8_requantised": ("u8", I8, 3, 64),
+    "s8_u8_requantised_clip": ("s8", U8, 5, 20),
+}
+
+
+@pytest.mark.parametrize("case", list(UKERNEL))
+def test_micro_kernel_is_exact(case):
+    out, a_dtype, mr, N = UKERNEL[case]
+    K, za, zy = 36, 9, -3 if out == "s8" else 7
+    act = {"f32": ("Relu", 0.0, 0.0), "s8": ("Clip", -0.5, 0.25)}.get(out, ("", 0.0, 0.0))
+    nr = 64 if N > 48 else 48
+    spec = Int8UKSpec(mr=mr, nr=nr, out=out, a_signed=int(a_dtype == I8), ascale=1, bias=1, act=act[0],
+                      act_lo=act[1], act_hi=act[2], zy=zy)
+    jit, kernel = _jit_kernel(spec)
+    A, B = ints((mr, K), a_dtype, 1), ints((K, N), I8, 2)
+    rng = np.random.default_rng(3)
+    comp = np.zeros(nr, np.int32)
+    comp[:N] = -B.astype(np.int32).sum(0)
+    mult = rng.uniform(1e-3, 2e-2, nr).astype(F32)
+    bias = rng.uniform(-1, 1, nr).astype(F32)
+    ascale = np.array([0.37], F32)
+    C = np.zeros((mr, N), {"i32": np.int32, "f32": F32, "u8": U8, "s8": I8}[out])
+    ptr = lambda x: x.ctypes.data  # noqa: E731
+    zeff = za + (128 if a_dtype == I8 else 0)
+    packed = pack_b_quads(B, nr)   # held: ctypes takes its address only
+    kernel(ptr(A), 0, K, ptr(packed), 0, ptr(C), 0, N, K // 4, (1 << N) - 1, ptr(comp), ptr(mult),
+           ptr(bias), 0, zeff, ptr(ascale))
+    acc = (A.astype(np.int64) - za) @ B.astype(np.int64)
+    lo, hi = act[1:] if act[0] == "Clip" else (0, np.inf) if act[0] == "Relu" else (-np.inf, np.inf)
+    if out == "i32":
+        want = acc.astype(np.int32)
+    elif out == "f32":
+        want = np.clip(acc.astype(F32) * (mult[:N] * ascale[0]) + bias[:N], lo, hi).astype(F32)
+    else:
+        info = np.iinfo(C.dtype)
+        y = np.clip(acc.astype(F32) * mult[:N], F32(lo), F32(hi))
+        want = np.clip(np.rint(y) + zy, info.min, info.max).astype(C.dtype)
+    np.testing.assert_array_equal(C, want)
+
+
+def _one_node(op, inputs, out_dtype, opset=10):
+    """A model of one node; inputs [(name, array, constant?)] (name "" skips an optional input)."""
+    names = [n for n, _, _ in inputs]
+    inits = {n: a for n, a, const in inputs if const and n}
+    feeds = {n: a for n, a, const in inputs if not const and n}
+    model = make_model([helper.make_node(op, names, ["y"])], [(n, a.dtype, list(a.shape)) for n, a in feeds.items()],
+                       [("y", out_dtype, None)], initializers=inits, opset=opset)
+    return model, feeds
+
+
+def _int8_kernels(model) -> list[str]:
+    return [k.precision for k in explain_model(model, target="native").kernels if k.precision.startswith("int8")]
+
+
+MATMUL_INTEGER = {
+    # name: (a, b, a zero point (None: omitted), a zero point constant?, b zero point)
+    "u8_runtime_zero": (ints((13, 64), U8, 1), ints((64, 100), I8, 2), np.array(131, U8), False, None),
+    "s8_const_zero_batched": (ints((2, 7, 32), I8, 3), ints((32, 70), I8, 4), np.array(-5, I8), True, None),
+    "u8_weights_zero_128": (ints((5, 48), U8, 5), ints((48, 20), U8, 6), np.array(7, U8), True, np.array(128, U8)),
+    "s8_no_zero_per_column_b_zero": (ints((9, 16), I8, 7), ints((16, 33), I8, 8) // 2, None, False,
+                                     ints((33,), I8, 9) // 4),
+}
+
+
+@pytest.mark.parametrize("case", list(MATMUL_INTEGER))
+def test_matmul_integer_with_constant_weights_is_onnxruntimes(case):
+    a, b, za, za_const, zb = MATMUL_INTEGER[case]
+    inputs = [("a", a, False), ("b", b, True), ("za", za, za_const) if za is not None else ("", None, True)]
+    if zb is not None:
+        inputs.append(("zb", zb, True))
+    model, feeds = _one_node("MatMulInteger", inputs, np.int32)
+    assert _int8_kernels(model), "the VNNI kernel was not used"
+    got = cuvil.compile(model).run(feeds)["y"]
+    np.testing.assert_array_equal(got, run_ort(model, feeds)["y"])
+
+
+QLINEAR_MATMUL = {
+    # name: (a dtype, M, K, N, per-column b scale)
+    "u8": (U8, 10, 64, 96, False),
+    "s8_per_column": (I8, 17, 128, 40, True),
+}
+
+
+@pytest.mark.parametrize("case", list(QLINEAR_MATMUL))
+def test_qlinear_matmul_with_constant_weights_is_onnxruntimes(case):
+    dtype, M, K, N, per_column = QLINEAR_MATMUL[case]
+    rng = np.random.default_rng(11)
+    sb = rng.uniform(0.002, 0.01, N).astype(F32) if per_column else np.array(0.004, F32)
+    zero = (lambda v: np.array(v, dtype))
+    inputs = [("a", ints((M, K), dtype, 12), False), ("sa", np.array(0.05, F32), True), ("za", zero(3), True),
+              ("b", ints((K, N), I8, 13), True), ("sb", sb, True), ("zb", np.array(0, I8), True),
+              ("sy", np.array(0.9, F32), True), ("zy", zero(120 if dtype == U8 else -4), True)]
+    model, feeds = _one_node("QLinearMatMul", inputs, dtype)
+    assert _int8_kernels(model), "the VNNI kernel was not used"
+    got = cuvil.compile(model).run(feeds)["y"]
+    np.testing.assert_array_equal(got, run_ort(model, feeds)["y"])
+
+
+def test_without_vnni_the_scalar_kernels_compute_the_same():
+    """x86_64-avx512 (Skylake-X) has no VNNI: MatMulInteger keeps the exact scalar loops."""
+    a, b, za, za_const, zb = MATMUL_INTEGER["u8_runtime_zero"]
+    model, feeds = _one_node("MatMulInteger", [("a", a, False), ("b", b, True), ("za", za, False)], np.int32)
+    assert not [k for k in explain_model(model, target="x86_64-avx512").kernels if k.precision.startswith("int8")]
+    got = cuvil.compile(model, target="x86_64-avx512").run(feeds)["y"]
+    np.testing.assert_array_equal(got, run_ort(model, feeds)["y"])
+
+
+QLINEAR_CONV = {
+    # name: (x shape, w shape, attrs, activations)
+    "3x3_pad": ((1, 8, 10, 12), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}, U8),
+    "stride2_int8_batch2": ((2, 5, 9, 9), (7, 5, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, I8),
+    "7x7_stride2_three_channels": ((1, 3, 20, 20), (8, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}, U8),
+    "1x1_small_plane": ((1, 16, 7, 7), (30, 16, 1, 1), {}, U8),
+    "dilated_uneven_pads_wide": ((1, 4, 40, 70), (6, 4, 3, 3), {"dilations": [2, 2], "pads": [2, 1, 2, 1]}, U8),
+}
+
+
+@pytest.mark.parametrize("case", list(QLINEAR_CONV))
+def test_qlinear_conv_is_onnxruntimes(case):
+    xs, ws, attrs, dtype = QLINEAR_CONV[case]
+    OC = ws[0]
+    rng = np.random.default_rng(0)
+    inits = {"sx": np.array(0.02, F32), "zx": np.array(100 if dtype == U8 else -3, dtype), "w": ints(ws, I8, 1),
+             "sw": rng.uniform(0.001, 0.01, OC).astype(F32), "zw": np.zeros(OC, I8), "sy": np.array(0.1, F32),
+             "zy": np.array(90 if dtype == U8 else 4, dtype), "b": rng.integers(-2000, 2000, OC).astype(np.int32)}
+    node = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], **attrs)
+    model = make_model([node], [("x", dtype, list(xs))], [("y", dtype, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, dtype, 5)}
+    assert _int8_kernels(model), "the VNNI kernel was not used"
+    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])
+
+
+DEPTHWISE = {
+    # name: (x shape, kernel, attrs, activations)
+    "3x3_pad": ((1, 8, 10, 12), 3, {"pads": [1, 1, 1, 1]}, U8),
+    "stride2_int8_batch2": ((2, 5, 9, 9), 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}, I8),
+    "5x5_small_plane": ((1, 16, 7, 7), 5, {"pads": [2, 2, 2, 2]}, U8),
+}
+
+
+@pytest.mark.parametrize("case", list(DEPTHWISE))
+def test_depthwise_qlinear_conv_is_onnxruntimes(case):
+    """Depthwise convs (no VNNI needed: int32 sums in vector lanes), bit-exact."""
+    xs, k, attrs, dtype = DEPTHWISE[case]
+    C = xs[1]
+    rng = np.random.default_rng(1)
+    inits = {"sx": np.array(0.02, F32), "zx": np.array(100 if dtype == U8 else -3, dtype), "w": ints((C, 1, k, k), I8, 1),
+             "sw": rng.uniform(0.001, 0.01, C).astype(F32), "zw": np.zeros(C, I8), "sy": np.array(0.1, F32),
+             "zy": np.array(90 if dtype == U8 else 4, dtype), "b": rng.integers(-2000, 2000, C).astype(np.int32)}
+    node = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], group=C, **attrs)
+    model = make_model([node], [("x", dtype, list(xs))], [("y", dtype, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, dtype, 5)}
+    assert "int8 (depthwise)" in [k.precision for k in explain_model(model, target="native").kernels]
+    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])

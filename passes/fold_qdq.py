@@ -14,7 +14,8 @@ node whose kernel multiplies the bytes (backends/numba_cpu/qgemm.py, AVX512-VNNI
                        kernels are backends/numba_cpu/qconv.py; attribute fallback = "float": a
                        target without them runs the float QDQ form, not the scalar integer loops)
     and the ops around them, so that integer tensors flow from one to the next:
-                       Q(MaxPool(DQ(x))), same scale and zero point        -> MaxPool(x)
+                       Q(MaxPool|Flatten|Reshape|Transpose..(DQ(x))), same
+                       scale and zero point                                -> the op on x
                        Q(DQ(a) + DQ(b)), equal shapes                      -> QLinearAdd (domain "cuvil")
                        Q(Relu|Clip(DQ(x))), 8-bit x                        -> QLookup(x, table) (domain
                        "cuvil"): y = table[x - min]; 256 entries computed at build time
@@ -244,10 +245,17 @@ def _same_quantisation(graph: Graph, dq: Node, q: Node) -> bool:
     return True
 
 
+# ops that commute with an increasing elementwise map: they move or pick elements (MaxPool the largest)
+_ORDER_PRESERVING = ("MaxPool", "Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose")
+
+
 def _qdq_maxpool(graph: Graph, pool: Node, consumers, producers):
-    """Q(MaxPool(DQ(x))) with Q's scale and zero point DQ's -> MaxPool(x): the maximum commutes with
-    the increasing map q -> (q - z) s, and Q(DQ(q)) = q exactly."""
-    if pool.op != "MaxPool" or pool.domain or len(pool.outputs) > 1 and pool.outputs[1]:
+    """Q(op(DQ(x))) with Q's scale and zero point DQ's, op MaxPool or one that moves elements
+    (Flatten, Reshape, Transpose...) -> op(x): op commutes with the increasing map q -> (q - z) s,
+    and Q(DQ(q)) = q exactly."""
+    if pool.op not in _ORDER_PRESERVING or pool.domain or len(pool.outputs) > 1 and pool.outputs[1]:
+        return None
+    if pool.op != "MaxPool" and any(not graph.values[i].is_const for i in pool.inputs[1:] if i):
         return None
     dq = producers.get(pool.inputs[0])
     q = only_reader(graph, consumers, pool.outputs[0])
@@ -258,7 +266,7 @@ def _qdq_maxpool(graph: Graph, pool: Node, consumers, producers):
     scale = _const(graph, _input(dq, 1))
     if not float(scale.reshape(-1)[0]) > 0:
         return None
-    return [pool, q], [_input(dq, 0)], q, ("MaxPool", "", dict(pool.attrs))
+    return [pool, q], [_input(dq, 0)] + list(pool.inputs[1:]), q, (pool.op, "", dict(pool.attrs))
 
 
 def _qdq_add(graph: Graph, add: Node, consumers, producers):

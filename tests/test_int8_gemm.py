@@ -60,7 +60,7 @@ def test_micro_kernel_is_exact(case):
     nr = 64 if N > 48 else 48
     spec = Int8UKSpec(mr=mr, nr=nr, out=out, a_signed=int(a_dtype == I8), ascale=1, bias=1, act=act[0],
                       act_lo=act[1], act_hi=act[2], zy=zy)
-    jit, kernel = _jit_kernel(spec)
+    jit, kernel = _jit_kernel(spec)   # jit holds the compiled code alive while kernel is called
     A, B = ints((mr, K), a_dtype, 1), ints((K, N), I8, 2)
     rng = np.random.default_rng(3)
     comp = np.zeros(nr, np.int32)
@@ -184,12 +184,15 @@ DEPTHWISE = {
     "3x3_pad": ((1, 8, 10, 12), 3, {"pads": [1, 1, 1, 1]}, U8),
     "stride2_int8_batch2": ((2, 5, 9, 9), 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}, I8),
     "5x5_small_plane": ((1, 16, 7, 7), 5, {"pads": [2, 2, 2, 2]}, U8),
+    "stride2_uint8_rows": ((1, 24, 15, 13), 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}, U8),
+    "dilated_rows": ((1, 6, 20, 70), 3, {"dilations": [2, 2], "pads": [2, 2, 2, 2]}, U8),
 }
 
 
 @pytest.mark.parametrize("case", list(DEPTHWISE))
 def test_depthwise_qlinear_conv_is_onnxruntimes(case):
-    """Depthwise convs (no VNNI needed: int32 sums in vector lanes), bit-exact."""
+    """Depthwise convs, bit-exact: up to 4 taps a kernel row on VNNI (one vpdpbusd a kernel row on
+    bytes shuffled into windows; int8 inputs shifted), wider kernels on int32 vector loops."""
     xs, k, attrs, dtype = DEPTHWISE[case]
     C = xs[1]
     rng = np.random.default_rng(1)
@@ -199,5 +202,6 @@ def test_depthwise_qlinear_conv_is_onnxruntimes(case):
     node = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], group=C, **attrs)
     model = make_model([node], [("x", dtype, list(xs))], [("y", dtype, None)], initializers=inits, opset=13)
     feeds = {"x": ints(xs, dtype, 5)}
-    assert "int8 (depthwise)" in [k.precision for k in explain_model(model, target="native").kernels]
+    labels = [k.precision for k in explain_model(model, target="native").kernels]
+    assert ("int8 (depthwise, vnni)" if k <= 4 else "int8 (depthwise)") in labels
     np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])

@@ -26,7 +26,7 @@ import numpy as np
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
-from .ukernel_int8 import Int8ConvSpec
+from .ukernel_int8 import Int8ConvSpec, Int8DwSpec
 
 MIN_SPLIT_OPS = 1 << 21
 
@@ -86,9 +86,9 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
     return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
 
 
-def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
-    """The calls, or None where the path does not apply (see the module docstring)."""
-    from .quant import _conv_pads
+def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
+    """The calls, or None where the path does not apply (see the module docstring); `pads`: the
+    leading pad of each spatial axis."""
     if not vnni_target() or len(x.shape) != 4 or int(node.attr("group", 1)) != 1:
         return None
     if not (w.is_const and sx.is_const and sw.is_const and sy.is_const and (zx is None or zx.is_const)
@@ -107,7 +107,7 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
     if strides[0] != strides[1]:
         return None
     s = strides[0]
-    pt, pl = _conv_pads(node, [H, W], [KH, KW], strides, dil, [OH, OW])
+    pt, pl = pads
     wdata = np.asarray(w.data).astype(np.int32)
     if zw is not None:
         z = np.asarray(zw.data).astype(np.int32).reshape(-1)
@@ -208,12 +208,12 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
 
 # ---------------------------------------------------------------- depthwise
 
-def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
+def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
     """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
-    with z_x, then per (image, channel) plane one loop over each output row whose taps are unrolled,
-    int32 sums of w' (x - z_x) (w' = w - z_w) as sum w' x + (bias - z_x sum w'), requantised as
-    QLinearConv does. The row loop vectorises (16 int32 lanes); no VNNI needed."""
-    from .quant import _conv_pads
+    with z_x, then per (image, channel) plane the int32 sums of w' (x - z_x) (w' = w - z_w) as
+    sum w' x + (bias - z_x sum w'), requantised as QLinearConv does, over the plane's flat padded
+    grid: on VNNI one `vpdpbusd` a kernel row (ukernel_int8.Int8DwSpec; int8 inputs copied + 128),
+    elsewhere one loop with the taps unrolled that vectorises in int32 lanes."""
     if len(x.shape) != 4 or not (w.is_const and sx.is_const and sw.is_const and sy.is_const
                                  and (zx is None or zx.is_const) and (zw is None or zw.is_const)
                                  and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
@@ -226,52 +226,87 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
         return None
     _, _, OH, OW = y.shape
     strides, dil = list(node.attr("strides", [1, 1])), list(node.attr("dilations", [1, 1]))
-    pt, pl = _conv_pads(node, [H, W], [KH, KW], strides, dil, [OH, OW])
+    pt, pl = pads
     Hp = max(H + pt, (OH - 1) * strides[0] + (KH - 1) * dil[0] + 1)
     Wp = max(W + pl, (OW - 1) * strides[1] + (KW - 1) * dil[1] + 1)
     wdata = np.asarray(w.data).astype(np.int64).reshape(C, KH * KW)
     if zw is not None:
         wdata = wdata - np.asarray(zw.data).astype(np.int64).reshape(-1, 1)
+    x_dtype, y_dtype = np.dtype(x.dtype).name, np.dtype(y.dtype).name
+    # the VNNI rows kernel: up to 4 taps a kernel row, 16 windows in 64 bytes, weights within int8;
+    # it reads unsigned bytes, so int8 inputs are copied + 128 (and their zero point with them)
+    rows = (vnni_target() and KW <= 4 and strides[0] == strides[1] and dil[0] == dil[1]
+            and strides[0] * 15 + (KW - 1) * dil[1] < 64 and wdata.min(initial=0) >= -128
+            and wdata.max(initial=0) <= 127)
+    shift = 128 if rows and x_dtype == "int8" else 0
+    pad_dtype = "uint8" if shift else x_dtype
     zero_x = int(np.asarray(zx.data).reshape(-1)[0]) if zx is not None else 0
-    comp = -zero_x * wdata.sum(axis=1)
+    comp = -(zero_x + shift) * wdata.sum(axis=1)
     if bias is not None:
         comp = comp + np.asarray(bias.data, np.int64).reshape(-1)
     if np.abs(comp).max(initial=0) >= 2**31 or np.abs(wdata).max(initial=0) > 255:
         return None
     mult = ((np.asarray(sx.data, np.float32).reshape(-1)[0]
              * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (C,))) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
-    x_dtype, y_dtype = np.dtype(x.dtype).name, np.dtype(y.dtype).name
     lo, hi = (0, 255) if y_dtype == "uint8" else (-128, 127)
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
 
     from .scratch import scratch_value
-    # slack: the flat loop's last positions read up to s * OH * Wp + taps past a plane's start
-    slack = max(0, strides[0] * OH * Wp + (KH - 1) * dil[0] * Wp + (KW - 1) * dil[1] - Hp * Wp) + 64
-    padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), x.dtype, tag="dwpad")
-    pad = Source().line(kernel_header(2)).indent()
+    # slack: the flat loop's last positions (the micro-kernel's: whole groups of 64, each row read
+    # as 64 bytes) read up to s * OH * Wp + taps past a plane's start
+    slack = max(0, strides[0] * (OH * Wp + 64) + (KH - 1) * dil[0] * Wp + 64 - Hp * Wp) + 64
+    padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), pad_dtype, tag="dwpad")
+    fill = f"np.{pad_dtype}({zero_x + shift})"
+    copy = "p0[ib + ww]" if not shift else "np.uint8(np.int32(p0[ib + ww]) + 128)"
+    pad = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     pad.line("for item in range(begin, end):").indent()
     pad.line(f"for hh in range({Hp}):").indent()
     pad.line(f"h = hh - {pt}")
     pad.line(f"ob = (item * {Hp} + hh) * {Wp}")
     pad.line(f"if h >= 0 and h < {H}:").indent()
     pad.line(f"ib = (item * {H} + h) * {W}")
-    pad.line(f"for ww in range({Wp}):").indent()
-    pad.line(f"wv = ww - {pl}")
-    pad.line(f"p1[ob + ww] = p0[ib + wv] if wv >= 0 and wv < {W} else np.{x_dtype}({zero_x})").dedent().dedent()
+    # the row: pad columns, then a plain copy (vectorised), then pad columns
+    wend = min(Wp, pl + W)
+    pad.line(f"for ww in range({pl}):").indent().line(f"p1[ob + ww] = {fill}").dedent()
+    pad.line(f"for ww in range({wend - pl}):").indent().line(f"p1[ob + {pl} + ww] = {copy}").dedent()
+    pad.line(f"for ww in range({wend}, {Wp}):").indent().line(f"p1[ob + ww] = {fill}").dedent()
+    pad.dedent()
     pad.line("else:").indent()
     pad.line(f"for ww in range({Wp}):").indent()
-    pad.line(f"p1[ob + ww] = np.{x_dtype}({zero_x})")
+    pad.line(f"p1[ob + ww] = {fill}")
     pad.dedent().dedent().dedent().dedent()
     pad.line(f"if end == {N * C}:").indent()
     pad.line(f"for i in range({slack}):").indent()
-    pad.line(f"p1[{N * C * Hp * Wp} + i] = np.{x_dtype}({zero_x})")
-    pad_kernel = Kernel("QDwPad", pad.text(), (x_dtype, x_dtype))
+    pad.line(f"p1[{N * C * Hp * Wp} + i] = {fill}")
+    pad_kernel = Kernel("QDwPad", pad.text(), (x_dtype, pad_dtype))
 
     # Flat over each plane's padded grid: output position p = oh * Wp + ow reads x at s*p + tap offset
     # (one loop of OH * Wp iterations that vectorises, where a row of 7 or 14 would not); the
     # columns ow >= OW are computed and dropped when the rows are copied out.
     flat = OH * Wp
     sflat = scratch_value(graph, node, (N * C * flat,), y.dtype, tag="dwflat")
+    if rows:
+        rows_uk = Int8DwSpec(kh=KH, kw=KW, wp=Wp, s=strides[0], d=dil[0], out="u8" if y_dtype == "uint8" else "s8",
+                             zy=zero_y)
+        # each kernel row's 4 bytes of weights (zero past kw) and the multiplier's bits (an i64 argument)
+        wrows = np.zeros((C, KH, 4), np.int8)
+        wrows[:, :, :KW] = wdata.reshape(C, KH, KW)
+        src = Source()
+        for line in rows_uk.declaration("dwrow").splitlines():
+            src.line(line)
+        src.line(NOALIAS_MARK).line(kernel_header(6)).indent()
+        src.line("for item in range(begin, end):").indent()
+        src.line(f"c = item % {C}")
+        src.line(f"fb = item * {flat}").line(f"yb = item * {OH * OW}")
+        src.line(f"dwrow(p0, item * {Hp * Wp}, p1, c * {KH * 4}, p4, fb, {flat}, np.int64(p2[c]), np.int64(p3[c]))")
+        src.line(f"for oh in range({OH}):").indent()
+        src.line(f"for ow in range({OW}):").indent()
+        src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
+        conv = Kernel("QDwConv", src.text(), ("uint8", "int8", "int32", "int32", y_dtype, y_dtype))
+        label = "int8 (depthwise, vnni)"
+        return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+                KernelCall(conv, [padded, wrows.reshape(-1), comp.astype(np.int32), mult.view(np.int32), sflat, y.name],
+                           N * C, node.name, precision=label, n_outputs=2)]
     src = Source().line(NOALIAS_MARK).line(kernel_header(6)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"c = item % {C}")
@@ -293,50 +328,3 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) 
     return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
             KernelCall(conv, [padded, wdata.astype(np.int32).reshape(-1), comp.astype(np.int32), mult, sflat, y.name],
                        N * C, node.name, precision=label, n_outputs=2)]
-
-
-# ---------------------------------------------------------------- float fallback
-
-FLOAT_FALLBACK = "float32 (the QDQ form: no int8 kernel on this target)"
-
-def lower_qlinear_conv_float(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
-    """A QLinearConv that passes/fold_qdq.py made from a QDQ Conv (attribute `fallback` = "float"),
-    on a target without the int8 kernel: computed as the QDQ graph it came from (DequantizeLinear,
-    a float32 conv on the weights dequantised at build time, QuantizeLinear), on the float conv
-    kernels, not on the scalar integer loops, which are many times slower."""
-    from cuvil.evaluate import evaluate_exact
-    from cuvil.ir import Node, Value
-
-    from . import conv as float_conv, quant
-    from .scratch import scratch_value
-    if node.attr("fallback") != "float" or not (w.is_const and sw.is_const and (zw is None or zw.is_const)
-                                                and sx.is_const and (bias is None or bias.is_const)):
-        return None
-    axis = {"axis": 0}
-    wf = evaluate_exact("DequantizeLinear", "", [np.asarray(w.data), np.asarray(sw.data),
-                                                 None if zw is None else np.asarray(zw.data)], axis)
-    if wf is None:
-        return None
-
-    def constant(tag, array):
-        name = f"__{tag}__{node.name}"
-        graph.values[name] = Value(name, array.dtype, tuple(array.shape), array)
-        return name
-    inputs = [None, constant("qconv_wf", wf[0].astype(np.float32))]
-    if bias is not None:
-        scale = (np.asarray(sx.data, np.float32).reshape(-1)[0]
-                 * np.asarray(sw.data, np.float32).reshape(-1)).astype(np.float32)
-        bf = evaluate_exact("DequantizeLinear", "", [np.asarray(bias.data), scale, None], axis)
-        inputs.append(constant("qconv_bf", bf[0].astype(np.float32)))
-    xf = scratch_value(graph, node, x.shape, np.float32, tag="qconv_xf")
-    yf = scratch_value(graph, node, y.shape, np.float32, tag="qconv_yf")
-    inputs[0] = xf
-    attrs = {k: v for k, v in node.attrs.items() if k != "fallback"}
-    calls = quant.lower_dequantize_linear(Node("DequantizeLinear", node.name, [x.name, sx.name, zx.name if zx else ""],
-                                               [xf]), graph).calls
-    calls += float_conv.lower_conv(Node("Conv", node.name, inputs, [yf], attrs), graph).calls
-    calls += quant.lower_quantize_linear(Node("QuantizeLinear", node.name, [yf, sy.name, zy.name if zy else ""],
-                                              [y.name]), graph).calls
-    for call in calls:
-        call.precision = FLOAT_FALLBACK
-    return calls

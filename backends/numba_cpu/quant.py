@@ -565,9 +565,15 @@ def lower_qlinear_conv(node, graph) -> Lowered:
     _check(node, y, {"uint8", "int8"})
     for v in (sx, sw, sy):
         _check(node, v, {"float32", "float16"})
-    fast = qconv.lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) \
-        or qconv.lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) \
-        or qconv.lower_qlinear_conv_float(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y)
+    pads = None
+    if len(x.shape) == 4 and len(y.shape) == 4 and len(w.shape) == 4:
+        pads = _conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
+                          list(node.attr("dilations", [1, 1])), list(y.shape[2:]))
+    fast = None
+    if pads is not None:
+        fast = qconv.lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) \
+            or qconv.lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+    fast = fast or _qlinear_conv_float(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y)
     if fast:
         return Lowered(fast)
 
@@ -682,3 +688,50 @@ def lower_qlookup(node, graph) -> Lowered:
     src.line(f"p2[i] = p1[np.int32(p0[i]) + {offset}]")
     kernel = Kernel("QLookup", src.text(), (np.dtype(x.dtype).name, np.dtype(table.dtype).name, np.dtype(y.dtype).name))
     return Lowered([KernelCall(kernel, [x.name, np.ascontiguousarray(table.data), y.name], y.size, node.name)])
+
+
+# ---------------------------------------------------------------- float fallback
+
+FLOAT_FALLBACK = "float32 (the QDQ form: no int8 kernel on this target)"
+
+def _qlinear_conv_float(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y) -> list | None:
+    """A QLinearConv that passes/fold_qdq.py made from a QDQ Conv (attribute `fallback` = "float"),
+    on a target without the int8 kernel: computed as the QDQ graph it came from (DequantizeLinear,
+    a float32 conv on the weights dequantised at build time, QuantizeLinear), on the float conv
+    kernels, not on the scalar integer loops, which are many times slower."""
+    from cuvil.evaluate import evaluate_exact
+    from cuvil.ir import Node, Value
+
+    from . import conv as float_conv
+    from .scratch import scratch_value
+    if node.attr("fallback") != "float" or not (w.is_const and sw.is_const and (zw is None or zw.is_const)
+                                                and sx.is_const and (bias is None or bias.is_const)):
+        return None
+    axis = {"axis": 0}
+    wf = evaluate_exact("DequantizeLinear", "", [np.asarray(w.data), np.asarray(sw.data),
+                                                 None if zw is None else np.asarray(zw.data)], axis)
+    if wf is None:
+        return None
+
+    def constant(tag, array):
+        name = f"__{tag}__{node.name}"
+        graph.values[name] = Value(name, array.dtype, tuple(array.shape), array)
+        return name
+    inputs = [None, constant("qconv_wf", wf[0].astype(np.float32))]
+    if bias is not None:
+        scale = (np.asarray(sx.data, np.float32).reshape(-1)[0]
+                 * np.asarray(sw.data, np.float32).reshape(-1)).astype(np.float32)
+        bf = evaluate_exact("DequantizeLinear", "", [np.asarray(bias.data), scale, None], axis)
+        inputs.append(constant("qconv_bf", bf[0].astype(np.float32)))
+    xf = scratch_value(graph, node, x.shape, np.float32, tag="qconv_xf")
+    yf = scratch_value(graph, node, y.shape, np.float32, tag="qconv_yf")
+    inputs[0] = xf
+    attrs = {k: v for k, v in node.attrs.items() if k != "fallback"}
+    calls = lower_dequantize_linear(Node("DequantizeLinear", node.name, [x.name, sx.name, zx.name if zx else ""],
+                                               [xf]), graph).calls
+    calls += float_conv.lower_conv(Node("Conv", node.name, inputs, [yf], attrs), graph).calls
+    calls += lower_quantize_linear(Node("QuantizeLinear", node.name, [yf, sy.name, zy.name if zy else ""],
+                                              [y.name]), graph).calls
+    for call in calls:
+        call.precision = FLOAT_FALLBACK
+    return calls

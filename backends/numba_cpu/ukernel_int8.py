@@ -446,9 +446,152 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
 
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
-    return {"int8": lambda d: Int8UKSpec(**d), "int8conv": lambda d: Int8ConvSpec(**{**d, "taps": tuple(d["taps"])})}
+    return {"int8": lambda d: Int8UKSpec(**d), "int8conv": lambda d: Int8ConvSpec(**{**d, "taps": tuple(d["taps"])}),
+            "int8dw": lambda d: Int8DwSpec(**d)}
 
 
 def int8_ir(spec, vector_bits: int = 512) -> str:
     """The IR of either int8 micro-kernel."""
+    if spec.kind == "int8dw":
+        return int8_dw_ir(spec, vector_bits)
     return int8_conv_ir(spec, vector_bits) if spec.kind == "int8conv" else int8_ukernel_ir(spec, vector_bits)
+
+
+# ---------------------------------------------------------------- depthwise rows
+
+DW_ARG_NAMES = ("x", "xoff", "w", "woff", "y", "yoff", "npos", "comp", "mult")
+_DW_POINTERS = {"x", "w", "y"}
+
+
+@dataclass(frozen=True)
+class Int8DwSpec(Declared):
+    """Depthwise convolution of one plane over `npos` positions of a flat padded grid (rows of `wp`
+    pixels), a kernel of kh rows of kw <= 4 taps, stride s, dilation d:
+
+        acc(p) = comp + sum_{r < kh} sum_{h < kw} W(r, h) * X(s*p + r*d*wp + h*d)
+
+    Each kernel row is one `vpdpbusd`: a 64-byte load of the input, its bytes rearranged by a
+    constant shuffle so that lane j holds X(s*j + h*d), h < 4 (the 4 bytes one output reads in
+    that row; `vpermb` with AVX512-VBMI), times the row's 4 weights broadcast (w[woff + 4r + h],
+    zero past kw). y[yoff + p] = saturate(rint(float(acc) * mult) + zy), bytes; comp and mult are
+    the channel's (compensation + int32 bias, float32 multiplier). Positions are done 64 at a time
+    (four accumulators), the last group masked; x must be readable 64 bytes past the last window.
+
+    Signature: i32 name(ptr x, i64 xoff, ptr w, i64 woff, ptr y, i64 yoff, i64 npos, i64 comp, i64 mult_bits)"""
+    kh: int
+    kw: int
+    wp: int
+    s: int = 1
+    d: int = 1
+    out: str = "u8"
+    zy: int = 0
+    kind: str = "int8dw"
+    _ARGS: ClassVar[str] = "".join("p" if n in _DW_POINTERS else "i" for n in DW_ARG_NAMES)
+
+    def __post_init__(self):
+        assert 1 <= self.kw <= 4 and self.s * 15 + (self.kw - 1) * self.d < 64 and self.out in _RANGE
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8dw_{self.kh}x{self.kw}_s{self.s}"
+
+    def declaration(self, var: str) -> str:
+        types = {"x": "uint8", "w": "int8", "y": OUTPUTS[self.out]}
+        return typed_declaration(self, var, {i: types[n] for i, n in enumerate(DW_ARG_NAMES) if n in types})
+
+
+def int8_dw_ir(spec: Int8DwSpec, vector_bits: int = 512) -> str:
+    vi, vf, vb = "<16 x i32>", "<16 x float>", "<64 x i8>"
+    lo, hi = _RANGE[spec.out]
+    G = 4   # vectors of 16 positions a group
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
+    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
+    ir("%ybase = getelementptr i8, ptr %y, i64 %yoff")
+    ir("%c32 = trunc i64 %comp to i32")
+    csplat = _splat_i32(ir, "%c32")
+    ir("%m32 = trunc i64 %mult to i32")
+    ir("%mf = bitcast i32 %m32 to float")
+    msplat = _splat_f32(ir, "%mf")
+    wrow = {}
+    for r in range(spec.kh):
+        p = ir.tmp("wp")
+        ir(f"{p} = getelementptr i8, ptr %wbase, i64 {4 * r}")
+        word = ir.tmp("ww")
+        ir(f"{word} = load i32, ptr {p}, align 1")
+        wrow[r] = _splat_i32(ir, word)
+    index = ", ".join(f"i32 {spec.s * j + min(h, spec.kw - 1) * spec.d}" for j in range(16) for h in range(4))
+    ir("br label %loop")
+    ir.label("loop")
+    ir("%p = phi i64 [ 0, %entry ], [ %pn, %tail ]")
+    for g in range(G):
+        acc = csplat
+        base = ir.tmp("pb")
+        ir(f"{base} = add i64 %p, {16 * g}")
+        xo = ir.tmp("xo")
+        ir(f"{xo} = mul i64 {base}, {spec.s}")
+        for r in range(spec.kh):
+            xo2 = ir.tmp("xo")
+            ir(f"{xo2} = add i64 {xo}, {r * spec.d * spec.wp}")
+            ptr = ir.tmp("xp")
+            ir(f"{ptr} = getelementptr i8, ptr %xbase, i64 {xo2}")
+            raw = ir.tmp("xr")
+            ir(f"{raw} = load {vb}, ptr {ptr}, align 1")
+            win = ir.tmp("xw")
+            ir(f"{win} = shufflevector {vb} {raw}, {vb} poison, <64 x i32> <{index}>")
+            wi = ir.tmp("xi")
+            ir(f"{wi} = bitcast {vb} {win} to {vi}")
+            out = ir.tmp("d")
+            ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {acc}, {vi} {wi}, {vi} {wrow[r]})")
+            acc = out
+        f = ir.tmp("f")
+        ir(f"{f} = sitofp {vi} {acc} to {vf}")
+        y = ir.tmp("y")
+        ir(f"{y} = fmul {vf} {f}, {msplat}")
+        r1 = ir.tmp("r")
+        ir(f"{r1} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
+        r2 = ir.tmp("r")
+        ir(f"{r2} = fadd {vf} {r1}, {_const_f32(float(spec.zy))}")
+        r3 = ir.tmp("r")
+        ir(f"{r3} = call {vf} @llvm.maxnum.v16f32({vf} {r2}, {vf} {_const_f32(float(lo))})")
+        r4 = ir.tmp("r")
+        ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
+        q = ir.tmp("q")
+        ir(f"{q} = fptosi {vf} {r4} to {vi}")
+        q8 = ir.tmp("q")
+        ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
+        # lanes left: npos - base (masked store of the first ones)
+        left = ir.tmp("left")
+        ir(f"{left} = sub i64 %npos, {base}")
+        cl = ir.tmp("cl")
+        ir(f"{cl} = call i64 @llvm.smax.i64(i64 {left}, i64 0)")
+        cl2 = ir.tmp("cl")
+        ir(f"{cl2} = call i64 @llvm.smin.i64(i64 {cl}, i64 16)")
+        bits = ir.tmp("mb")
+        ir(f"{bits} = shl i64 1, {cl2}")
+        bits2 = ir.tmp("mb")
+        ir(f"{bits2} = sub i64 {bits}, 1")
+        bits3 = ir.tmp("mb")
+        ir(f"{bits3} = trunc i64 {bits2} to i16")
+        mask = ir.tmp("m")
+        ir(f"{mask} = bitcast i16 {bits3} to <16 x i1>")
+        yp = ir.tmp("yp")
+        ir(f"{yp} = getelementptr i8, ptr %ybase, i64 {base}")
+        ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {yp}, <16 x i1> {mask})")
+    ir("br label %tail")
+    ir.label("tail")
+    ir(f"%pn = add i64 %p, {16 * G}")
+    ir("%more = icmp slt i64 %pn, %npos")
+    ir("br i1 %more, label %loop, label %done")
+    ir.label("done")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _DW_POINTERS else f"i64 %{n}"
+                     for n in DW_ARG_NAMES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+             "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",
+             f"declare {vf} @llvm.roundeven.v16f32({vf})",
+             f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
+             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
+             "declare i64 @llvm.smax.i64(i64, i64)", "declare i64 @llvm.smin.i64(i64, i64)"]
+    return function_module(head, ir, {}, decls)

@@ -247,3 +247,19 @@ def test_a_folded_conv_on_a_target_without_vnni_runs_its_qdq_form_in_float():
     assert any(label.startswith("float32 (the QDQ form") for label in labels)
     got = cuvil.compile(model, target="x86_64-avx512").run(feeds)["y"].astype(np.int32)
     assert np.abs(got - run_ort(model, feeds, optimize=False)["y"].astype(np.int32)).max() <= 1
+
+
+@pytest.mark.parametrize("op,attrs", [("Flatten", {}), ("Transpose", {"perm": [0, 2, 3, 1]})])
+def test_requantising_a_moved_tensor_with_its_own_parameters_is_the_op_on_bytes(op, attrs):
+    """Q(op(DQ(x))) with DQ's scale and zero point, op only moving elements: the op on the bytes,
+    which are exactly onnxruntime's."""
+    inits = {"s": np.array(0.05, F32), "z": np.array(120, U8)}
+    nodes = [_dq("xq", "s", "z"), helper.make_node(op, ["xq_f"], ["m"], **attrs), _q("m", "s", "z", "y")]
+    model = make_model(nodes, [("xq", U8, [1, 3, 4, 5])], [("y", U8, None)], initializers=inits, opset=13)
+    fused, before, after = _fused(model)
+    ops = [n.op for n in after.nodes]
+    assert op in ops and "QuantizeLinear" not in ops
+    moved = next(n for n in after.nodes if n.op == op)
+    assert np.dtype(after.values[moved.inputs[0]].dtype) == np.uint8
+    feeds = {"xq": _ints((1, 3, 4, 5), U8, 3)}
+    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])

@@ -329,3 +329,27 @@ def test_windows_dll_runs_under_wine(tmp_path):
     lstm = zoo.export(zoo.lstm_model(inp=8, hidden=96, layers=1), {"x": (1, 6, 8)})   # threads and sync kernels
     check_against_ort(lstm, {"x": zoo.sample_input((1, 6, 8))}, tmp_path / "lstm", target="x86_64-windows",
                       platform="x86_64-windows", threads=2)
+
+
+@needs_cross
+def test_scons_tool_builds_the_cross_targets_of_a_cuvil_yaml(tmp_path):
+    """env.Cuvil("cuvil.yaml") in a monorepo's SConstruct: a node per model x target, the DLL
+    named as Windows names it (where MinGW-w64 is installed); a second run has nothing to do."""
+    windows = shutil.which(MINGW) is not None
+    (tmp_path / "cuvil.yaml").write_text(
+        "version: 1\noutput_dir: out\ncache: {dir: %s}\nmodels:\n  - name: tiny_cnn\n    source: %s\n"
+        "    inputs: {input: [1, 3, 32, 32]}\n    targets: [aarch64-linux%s]\n"
+        % (os.environ["CUVIL_CACHE_DIR"], EXAMPLE, ", x86_64-windows" if windows else ""))
+    (tmp_path / "SConstruct").write_text(
+        f'env = Environment(tools=["default", "cuvil"], toolpath=[{str(ROOT / "site_scons" / "site_tools")!r}])\n'
+        'env.Cuvil("cuvil.yaml")\n')
+    scons = [os.sys.executable, "-c", "import SCons.Script; SCons.Script.main()", "-Q"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    first = subprocess.run(scons, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert library_platform(tmp_path / "out/tiny_cnn/aarch64-linux/libtiny_cnn.so") == "aarch64-linux"
+    if windows:
+        assert library_platform(tmp_path / "out/tiny_cnn/x86_64-windows/tiny_cnn.dll") == "x86_64-windows"
+        assert (tmp_path / "out/tiny_cnn/x86_64-windows/libtiny_cnn.dll.a").is_file()
+    second = subprocess.run(scons, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert second.returncode == 0 and "is up to date" in second.stdout, second.stdout + second.stderr

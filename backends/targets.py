@@ -4,11 +4,12 @@ LLVM is told the CPU and features explicitly (never "whatever this machine
 is", except for `native`), and AVX-512 targets ask for 512-bit vectors: LLVM's
 default on AVX-512 CPUs is to prefer 256-bit ones.
 
-Cross targets (`aarch64-linux`, `aarch64-neon-fp16-dotprod`) are built on this
-x86-64 machine for another one: their triple picks LLVM's backend for the
-kernels, and their C compiler (CROSS_TOOLCHAINS: a Debian cross gcc) compiles
-the driver and links the library. Their libraries cannot be loaded here; they
-run on their machine, or under qemu-user (tests/cross.py).
+Cross targets (`aarch64-linux`, `aarch64-neon-fp16-dotprod`, `x86_64-windows`)
+are built on this x86-64 Linux machine for another one: their triple picks
+LLVM's backend and object format for the kernels, and their C compiler
+(CROSS_TOOLCHAINS: a Debian cross gcc, MinGW-w64) compiles the driver and links
+the library. Their libraries cannot be loaded here; they run on their machine,
+or under qemu-user / Wine (cuvil/cross.py).
 """
 from __future__ import annotations
 

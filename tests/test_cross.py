@@ -114,6 +114,13 @@ def test_aarch64_kernels_carry_no_x86_intrinsics():
             assembly = machine.emit_assembly(module)
             assert "CNTVCT_EL0" in assembly and "CNTFRQ_EL0" in assembly
         assert ukernel_ir(SyncSpec(op), 512) == ukernel_ir(SyncSpec(op), 512, "x86_64")
+    # and a kernel that did carry one is refused by name (LLVM would abort the compile worker)
+    from backends.numba_cpu.emit import emit_object
+    x86_only = ('define void @"cfunc.k"() {\n  call void @llvm.x86.sse2.pause()\n  ret void\n}\n'
+                "declare void @llvm.x86.sse2.pause()\n")
+    with pytest.raises(ValueError, match="kernel k1: x86 intrinsics in code for the aarch64 target aarch64-linux"):
+        emit_object(x86_only, "k1", TARGETS["aarch64-linux"])
+    assert emit_object(x86_only, "k1", TARGETS["generic"])[:4] == b"\x7fELF"
 
 
 def test_missing_cross_compiler_names_the_debian_package(monkeypatch):

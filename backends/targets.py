@@ -3,10 +3,18 @@
 LLVM is told the CPU and features explicitly (never "whatever this machine
 is", except for `native`), and AVX-512 targets ask for 512-bit vectors: LLVM's
 default on AVX-512 CPUs is to prefer 256-bit ones.
+
+Cross targets (`aarch64-linux`, `aarch64-neon-fp16-dotprod`, `x86_64-windows`)
+are built on this x86-64 Linux machine for another one: their triple picks
+LLVM's backend and object format for the kernels, and their C compiler
+(CROSS_TOOLCHAINS: a Debian cross gcc, MinGW-w64) compiles the driver and links
+the library. Their libraries cannot be loaded here; they run on their machine,
+or under qemu-user / Wine (cuvil/cross.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from cuvil.errors import CuvilError
 
@@ -26,6 +34,26 @@ class CpuTarget:
     gcc_flags: tuple[str, ...]  # for the C driver
     l1d_ways: int = DEFAULT_L1D_WAYS  # associativity of the L1 data cache (kernels avoid reading more aliasing rows)
 
+    @property
+    def arch(self) -> str:
+        """The ISA, from the triple: "x86_64" or "aarch64"."""
+        return self.triple.split("-", 1)[0]
+
+    @property
+    def system(self) -> str:
+        """The operating system, from the triple: "linux" or "windows"."""
+        return "windows" if "-windows" in self.triple else "linux"
+
+    def library_file(self, name: str) -> str:
+        """The shared library's file name: lib<name>.so, or <name>.dll on Windows."""
+        return f"{name}.dll" if self.system == "windows" else f"lib{name}.so"
+
+    @property
+    def is_cross(self) -> bool:
+        """Whether the library is for another kind of machine than this x86-64 one (it cannot be
+        loaded here: see CROSS_TOOLCHAINS for how it is compiled and run)."""
+        return self.triple in CROSS_TOOLCHAINS
+
     def as_key(self) -> dict:
         return {"name": self.name, "triple": self.triple, "cpu": self.cpu, "features": self.features,
                 "vector_bits": self.vector_bits, "gcc_flags": list(self.gcc_flags), "l1d_ways": self.l1d_ways}
@@ -36,6 +64,8 @@ class CpuTarget:
 
 
 _TRIPLE = "x86_64-unknown-linux-gnu"
+_AARCH64 = "aarch64-unknown-linux-gnu"
+_WINDOWS = "x86_64-pc-windows-gnu"
 
 TARGETS = {
     "generic": CpuTarget("generic", _TRIPLE, "x86-64", "", 128, ("-march=x86-64",)),
@@ -46,7 +76,77 @@ TARGETS = {
     "x86_64-znver4": CpuTarget("x86_64-znver4", _TRIPLE, "znver4", "", 512, ("-march=znver4",)),
     "x86_64-sapphirerapids": CpuTarget("x86_64-sapphirerapids", _TRIPLE, "sapphirerapids", "", 512,
                                        ("-march=sapphirerapids",)),
+    # 64-bit Arm Linux: any ARMv8-A core (Advanced SIMD is part of it), 128-bit vectors. The variant is
+    # for ARMv8.2-A cores with half-precision arithmetic and the dot-product instructions (Cortex-A78
+    # of the Jetson Orin, Neoverse N1/V1 of Graviton 2/3): its library checks both (HWCAP) before
+    # it makes a session.
+    "aarch64-linux": CpuTarget("aarch64-linux", _AARCH64, "generic", "+neon,+fp-armv8", 128, ("-march=armv8-a",)),
+    "aarch64-neon-fp16-dotprod": CpuTarget("aarch64-neon-fp16-dotprod", _AARCH64, "generic",
+                                           "+v8.2a,+neon,+fp-armv8,+fullfp16,+dotprod", 128,
+                                           ("-march=armv8.2-a+fp16+dotprod",)),
+    # 64-bit Windows: a DLL for any x86-64 CPU (the `generic` target's code), built with MinGW-w64.
+    "x86_64-windows": CpuTarget("x86_64-windows", _WINDOWS, "x86-64", "", 128, ("-march=x86-64",)),
 }
+
+
+@dataclass(frozen=True)
+class CrossToolchain:
+    """How a cross target's C side is built and its programs run on this x86-64 Linux machine."""
+    cc: str                  # the C compiler (gcc driver) for the triple; CC_<triple> in the environment overrides it
+    package: str             # the Debian package that installs it
+    sysroot: str             # the target's C library, as the Debian cross packages install it
+    emulators: tuple[str, ...]   # the programs that can run the target's programs here (the first found)
+    emulator_package: str
+
+    def find_emulator(self) -> str | None:
+        import shutil
+        return next((found for name in self.emulators if (found := shutil.which(name))), None)
+
+    def run_prefix(self, cpu: str | None = None) -> list[str]:
+        """The command prefix that runs one of the target's programs here: qemu-user with the
+        target's libc (`cpu`: the CPU it emulates; default its "max", with every feature), or Wine."""
+        emulator = self.find_emulator()
+        if emulator is None:
+            raise CuvilError(f"{self.emulators[0]} is not installed", hint=f"apt-get install {self.emulator_package}")
+        if "qemu" in Path(emulator).name:
+            return [emulator, *(["-cpu", cpu] if cpu else []), "-L", self.sysroot]
+        return [emulator]
+
+
+CROSS_TOOLCHAINS = {
+    _AARCH64: CrossToolchain("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu", "/usr/aarch64-linux-gnu",
+                             ("qemu-aarch64",), "qemu-user"),
+    # Debian's wine64 package installs its loader outside PATH; the `wine` package adds `wine`.
+    _WINDOWS: CrossToolchain("x86_64-w64-mingw32-gcc", "gcc-mingw-w64-x86-64", "/usr/x86_64-w64-mingw32",
+                             ("wine", "wine64", "/usr/lib/wine/wine64"), "wine64"),
+}
+
+
+def cc_variable(triple: str) -> str:
+    """The environment variable naming a triple's C compiler (the convention of Rust's cc crate):
+    CC_aarch64_unknown_linux_gnu."""
+    return "CC_" + triple.replace("-", "_").replace(".", "_")
+
+
+def c_compiler(target) -> str:
+    """The C compiler that compiles `target`'s driver and links its library: $CC (default gcc) for
+    this machine's targets; for a cross target $CC_<triple>, else its cross gcc, which must be
+    installed (a CuvilError naming the Debian package otherwise)."""
+    import os
+    import shutil
+    toolchain = CROSS_TOOLCHAINS.get(getattr(target, "triple", None))
+    if toolchain is None:
+        return os.environ.get("CC", "gcc")
+    cc = os.environ.get(cc_variable(target.triple), toolchain.cc)
+    if shutil.which(cc) is None:
+        raise CuvilError(f"target '{target.name}' needs the C cross compiler '{cc}', which is not installed",
+                         hint=f"install it: apt-get install {toolchain.package} (or set "
+                              f"{cc_variable(target.triple)} to another {target.arch} C compiler)")
+    return cc
+
+
+def cross_toolchain(target) -> CrossToolchain | None:
+    return CROSS_TOOLCHAINS.get(getattr(target, "triple", None))
 
 
 # The instruction-set features (LLVM's names) whose absence a library checks before it makes a
@@ -79,11 +179,18 @@ def has_feature(target: CpuTarget, feature: str) -> bool:
     return feature in CPU_FEATURES.get(target.cpu, ())
 
 
+# AArch64: what a library checks in the kernel's HWCAP bits (getauxval(AT_HWCAP), driver.py
+# HWCAP_BITS). Advanced SIMD ("neon") is in every ARMv8-A Linux machine but checked all the same.
+CHECKED_FEATURES_AARCH64 = ("neon", "fullfp16", "dotprod")
+
+
 def required_features(target: CpuTarget) -> list[str]:
-    """The CHECKED_FEATURES code for `target` may use: what a CPU running its library must have."""
+    """The features code for `target` may use that a CPU running its library must have:
+    CHECKED_FEATURES (CPUID) for x86-64, CHECKED_FEATURES_AARCH64 (HWCAP) for AArch64."""
     if is_cuda(target):
         return []
-    return [f for f in CHECKED_FEATURES if has_feature(target, f)]
+    checked = CHECKED_FEATURES_AARCH64 if target.arch == "aarch64" else CHECKED_FEATURES
+    return [f for f in checked if has_feature(target, f)]
 
 
 def _native() -> CpuTarget:
@@ -117,6 +224,9 @@ def init_llvm():
         import llvmlite.binding as llvm
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
+        # every backend this llvmlite has (AArch64 for the cross targets)
+        llvm.initialize_all_targets()
+        llvm.initialize_all_asmprinters()
         _llvm_ready = True
 
 

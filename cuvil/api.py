@@ -61,7 +61,14 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False,
             accuracy=None) -> CompiledModel:
+    from backends.targets import TARGETS
+
     from .build import VariantSpec, build_variant
+    if target in TARGETS and TARGETS[target].is_cross:
+        raise CuvilError(f"target '{target}': cuvil.compile loads the library it builds into this process, and a "
+                         f"library for {TARGETS[target].arch} cannot be loaded on this machine",
+                         hint="build cross targets with `cuvil build` (targets: in cuvil.yaml) or cuvil.build."
+                              "build_variant; the README's \"Cross targets\" shows how to run them")
     if enable_fp16:
         if precision not in ("fp32", "fp16"):
             raise CuvilError(f"enable_fp16=True asks for fp16, but precision={precision!r} was given too",

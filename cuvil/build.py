@@ -97,8 +97,9 @@ def tool_versions() -> dict:
 
 
 @lru_cache(maxsize=None)
-def compiler_version() -> str:
-    cc = os.environ.get("CC", "gcc")
+def compiler_version(cc: str | None = None) -> str:
+    """The first line of `cc --version` (default $CC, else gcc): in every link step's key."""
+    cc = cc or os.environ.get("CC", "gcc")
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
         return out.splitlines()[0]
@@ -120,12 +121,19 @@ def _variant_params(params: dict) -> pipeline.VariantParams:
                                   params["memory"], params["max_arena_mb"])
 
 
+def _cpu_provenance(target: dict) -> dict:
+    """A CPU target's machine in the provenance: its CPU and triple, and the features it names (not
+    native's: those are this machine's, a long list; its cpu says as much)."""
+    named = {"features": target["features"]} if target["features"] and target["name"] != "native" else {}
+    return {"cpu": target["cpu"], "triple": target["triple"], **named}
+
+
 def _run_codegen(dag, graph, params):
     planned = pipeline.plan(graph, _variant_params(params))
     provenance = {
         "name": params["name"],
         "target": params["target_name"],
-        **({"cpu": params["target"]["cpu"]} if "cpu" in params["target"] else {"gpu_arch": "sm_%d%d" % tuple(params["target"]["cc"])}),
+        **(_cpu_provenance(params["target"]) if "cpu" in params["target"] else {"gpu_arch": "sm_%d%d" % tuple(params["target"]["cc"])}),
         "precision": params["precision"],
         "threads": params["threads"],
         "symbol_prefix": params["symbol_prefix"],
@@ -165,6 +173,8 @@ def add_kernel_steps(dag, link_step: str, bundle: dict) -> list[str]:
 def _run_link(dag, bundle, params):
     """The library (shared, static or both), its header, its pkg-config file and CMake package
     (consumers.py), and the manifest listing each file's sha256."""
+    from backends.targets import target_from_key
+
     from .consumers import consumer_files
     kernels = json.loads(bundle["kernels.json"])
     steps = add_kernel_steps(dag, params["link_step"], bundle)
@@ -172,7 +182,8 @@ def _run_link(dag, bundle, params):
     name = params["name"]
     gpu = params["target"].get("kind") == "cuda"
     files = pipeline.link(name, params["symbol_prefix"], bundle["driver.c"], bundle["weights.bin"], objects,
-                          sanitize=params["sanitize"], gpu=gpu, mode=params["link"])
+                          sanitize=params["sanitize"], gpu=gpu, mode=params["link"],
+                          target=None if gpu else target_from_key(params["target"]))
     info = json.loads(bundle["info.json"])
     files = {**files, f"{name}.h": bundle["header.h"], **consumer_files(info, sorted(files), gpu)}
     if params["sanitize"]:
@@ -210,6 +221,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     to install: the link step, or for bf16 / fp16 the accuracy step after it (which also plans
     the float32 build it compares with, its steps named with the tag "fp32-reference")."""
     from backends.native.link import CFLAGS, LDFLAGS
+    from backends.targets import c_compiler
 
     from .config import LINK_MODES
     if spec.link not in LINK_MODES:
@@ -254,7 +266,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
 
     def add_link(step_name, mode):
         link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": CFLAGS, "ldflags": LDFLAGS,
-                       "sanitize": spec.sanitize, "cc": compiler_version(), "target": target.as_key(),
+                       "sanitize": spec.sanitize, "cc": compiler_version(c_compiler(target)), "target": target.as_key(),
                        "link_step": step_name, "link": mode}
         return dag.add(Step(step_name, "link", link_params, [codegen],
                             lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files,
@@ -329,7 +341,7 @@ def install(files: dict[str, bytes], out_dir: Path) -> bool:
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
-                os.chmod(tmp, 0o755 if name.endswith(".so") else 0o644)
+                os.chmod(tmp, 0o755 if name.endswith((".so", ".dll")) else 0o644)
                 os.replace(tmp, path)
             except BaseException:
                 os.unlink(tmp)
@@ -358,7 +370,7 @@ def _listed_files(manifest: Path) -> set[str]:
 
 
 def artifacts_of(files, out_dir, seconds, changed) -> Artifacts:
-    lib = next((n for n in files if n.endswith(".so")), None) or next(n for n in files if n.endswith(".a"))
+    lib = next((n for n in files if n.endswith((".so", ".dll"))), None) or next(n for n in files if n.endswith(".a"))
     header = next(n for n in files if n.endswith(".h"))
     info = json.loads(files["manifest.json"])
     info.pop("files", None)

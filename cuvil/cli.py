@@ -536,9 +536,11 @@ def _preview(array, count=6) -> str:
 # --- inspect
 
 def cmd_inspect(args) -> int:
+    from .cross import describe, is_foreign
     from .runtime import load
 
-    library = load(args.library)
+    # a cross target's library (aarch64) cannot be loaded here: its description is read from its bytes
+    library = describe(args.library) if is_foreign(args.library) else load(args.library)
     info = library.info
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
@@ -546,7 +548,8 @@ def cmd_inspect(args) -> int:
     print(f"{_shown(library.path)}")
     print(f"  model      {info.get('name', '?')} (ABI {info.get('abi_version', '?')}, "
           f"symbol prefix {library.prefix})")
-    cpu = f" (cpu {info['cpu']})" if info.get("cpu") else ""
+    cpu = f" (cpu {info['cpu']}{' ' + info['features'] if info.get('features') else ''})" if info.get("cpu") else ""
+    cpu += f", {info['triple']}" if info.get("triple") else ""
     print(f"  target     {info.get('target', '?')}{cpu}, precision {info.get('precision', '?')}, "
           f"threads {info.get('threads', '?')}")
     for kind in ("inputs", "outputs"):

@@ -155,6 +155,11 @@ def resolve_variant_target(target: str, precision: str):
     if is_cuda(resolved) and precision != "fp32":
         raise UnsupportedOpError(f"precision '{precision}' is not supported yet for CUDA targets ('{target}')",
                                  hint="build CUDA targets in fp32; bf16/fp16/int4 run on the CPU targets")
+    if getattr(resolved, "is_cross", False) and precision != "fp32":
+        # A reduced-precision build measures its library against the float32 one (accuracy.py), here.
+        raise UnsupportedOpError(f"precision '{precision}' is not supported yet for the cross target '{target}': "
+                                 f"its accuracy report would have to run the library on this machine",
+                                 hint="build cross targets in fp32")
     return resolved
 
 
@@ -255,7 +260,7 @@ def generate(planned: Planned, info: dict, symbol_prefix: str, threads: int) -> 
         header = driver_cuda.header(symbol_prefix, info["name"], info)
     else:
         driver_c = driver.generate(planned.graph, planned.schedule, planned.arena, planned.weight_offsets, info,
-                                   symbol_prefix, threads, required_features(planned.target))
+                                   symbol_prefix, threads, required_features(planned.target), planned.target.arch)
         header = driver.header(symbol_prefix, info["name"], info)
     kernels = sorted((k.as_spec() for k in planned.kernels.values()), key=lambda k: k["symbol"])
     return {"driver.c": driver_c.encode(), "weights.bin": planned.weights,
@@ -274,22 +279,32 @@ def compile_kernel(spec: dict, target) -> bytes:
 
 
 def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects: dict[str, bytes],
-         sanitize: bool = False, gpu: bool = False, mode: str = "shared") -> dict[str, bytes]:
+         sanitize: bool = False, gpu: bool = False, mode: str = "shared", target=None) -> dict[str, bytes]:
     """The driver, the weights and the kernel objects linked by SCons (for a GPU target `objects`
-    are the kernels' fatbins, embedded as data) into `lib<name>.so` (mode "shared"), the static
-    archive `lib<name>.a` ("static") or both ("both"): {file name: bytes}."""
+    are the kernels' fatbins, embedded as data) into `lib<name>.so` (mode "shared"; `<name>.dll` and
+    its import library `lib<name>.dll.a` for Windows), the static archive `lib<name>.a` ("static")
+    or both ("both"): {file name: bytes}. The C compiler is the target's (backends/targets.py
+    c_compiler: a cross gcc for the cross targets)."""
     import tempfile
 
     from backends.native.link import run_scons, write_link_inputs
-    library = f"lib{name}.so" if mode in ("shared", "both") else None
+    from backends.targets import c_compiler, cross_toolchain
+    toolchain = cross_toolchain(target)
+    tools = {"cc": c_compiler(target)} if toolchain else {}
+    if getattr(target, "system", "linux") == "windows":   # a DLL and its import library lib<name>.dll.a
+        if mode != "shared":
+            raise CuvilError(f"model '{name}': link: {mode} is not supported for the Windows target",
+                             hint="link: shared builds <name>.dll and its import library lib<name>.dll.a")
+        tools.update(system="windows", import_library=f"lib{name}.dll.a", libs=("m", "pthread"))
+    library = (target.library_file(name) if target is not None else f"lib{name}.so") if mode in ("shared", "both") else None
     archive = f"lib{name}.a" if mode in ("static", "both") else None
     kernels, fatbins = ({}, objects) if gpu else (objects, None)
     with tempfile.TemporaryDirectory(prefix="cuvil-link-") as tmp:
         tmp = Path(tmp)
         write_link_inputs(tmp, symbol_prefix, driver_c.decode(), weights, kernels, library, sanitize=sanitize,
-                          fatbins=fatbins, archive=archive)
+                          fatbins=fatbins, archive=archive, **tools)
         run_scons(tmp)
-        return {file: (tmp / file).read_bytes() for file in (library, archive) if file}
+        return {file: (tmp / file).read_bytes() for file in (library, archive, tools.get("import_library")) if file}
 
 
 # -- check -------------------------------------------------------------------------------------

@@ -17,8 +17,40 @@ from .errors import CuvilError, RuntimeFailure
 
 SUPPORTED_ABI = 1
 
+# e_machine of the ELF header (the System V ABI's list) -> the ISA names of backends/targets.py.
+ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
+HOST_ARCH = "x86_64"
 
-def _find_prefix(path: Path) -> str:
+
+def elf_arch(path) -> str | None:
+    """The ISA of an ELF file ("x86_64", "aarch64"), or None when it is not a 64-bit little-endian ELF
+    of a known machine (a library of a cross target is not loadable here: cuvil/cross.py)."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+        return None
+    return ELF_MACHINES.get(int.from_bytes(head[18:20], "little"))
+
+
+HOST_PLATFORM = "x86_64-linux"
+
+
+def library_platform(path) -> str | None:
+    """Where a library runs, as "<ISA>-<system>": "x86_64-linux", "aarch64-linux" (ELF) or
+    "x86_64-windows" (a PE DLL of machine AMD64); None for anything else."""
+    arch = elf_arch(path)
+    if arch:
+        return f"{arch}-linux"
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head[:2] == b"MZ" and len(head) >= 64:
+        pe = int.from_bytes(head[60:64], "little")
+        if head[pe:pe + 4] == b"PE\0\0" and int.from_bytes(head[pe + 4:pe + 6], "little") == 0x8664:
+            return "x86_64-windows"
+    return None
+
+
+def find_prefix(path: Path) -> str:
     """The symbol prefix of a library: the name before `abi_version` in its dynamic symbols."""
     data = path.read_bytes()
     candidates = sorted(set(re.findall(rb"\x00([A-Za-z_][A-Za-z0-9_]*?)abi_version\x00", data)))
@@ -163,11 +195,18 @@ class Library:
             raise CuvilError(f"{self.path}: a static archive cannot be loaded, only linked into a program",
                              hint="load the shared library (build with `link: shared` or `both`); the "
                                   "archive's description is in manifest.json beside it")
+        platform = library_platform(self.path)
+        if platform is not None and platform != HOST_PLATFORM:
+            raise CuvilError(f"{self.path}: a library for {platform} (a cross target), which this {HOST_PLATFORM} "
+                             f"machine cannot load",
+                             hint=f"run it on an {platform} machine, or here under qemu-user or Wine "
+                                  f"(cuvil.cross.run_emulated; the README's \"Cross targets\"); `cuvil inspect` "
+                                  f"describes it")
         try:
             self._lib = ctypes.CDLL(str(self.path))
         except OSError as exc:
             raise CuvilError(f"{self.path}: cannot be loaded: {exc}") from None
-        self.prefix = prefix if prefix is not None else _find_prefix(self.path)
+        self.prefix = prefix if prefix is not None else find_prefix(self.path)
         p = self.prefix
         try:
             self._abi = getattr(self._lib, f"{p}abi_version")

@@ -140,10 +140,42 @@ def cpu_check(features: list[str], target_name: str) -> str:
     return "\n".join(lines)
 
 
+# Where Linux reports each feature backends/targets.py CHECKED_FEATURES_AARCH64 names: the bits of
+# getauxval(AT_HWCAP) (arch/arm64/include/uapi/asm/hwcap.h), all of which must be set. LLVM's
+# fullfp16 is half-precision arithmetic in both the scalar FP unit (FPHP) and Advanced SIMD (ASIMDHP).
+HWCAP_BITS = {"neon": (1,), "fullfp16": (9, 10), "dotprod": (20,)}
+
+
+def cpu_check_aarch64(features: list[str], target_name: str) -> str:
+    """C for `missing_cpu_feature()` on AArch64 Linux: the first of `features` the kernel's HWCAP
+    bits say this CPU lacks, or NULL (the AArch64 CPUID registers are not readable from user space
+    everywhere; HWCAP is the documented interface)."""
+    lines = ["static const char* missing_cpu_feature(void) {"]
+    if features:
+        lines.append("    unsigned long hwcap = getauxval(AT_HWCAP);")
+        for feature in features:
+            mask = " | ".join(f"(1ul << {bit})" for bit in HWCAP_BITS[feature])
+            lines.append(f"    if ((hwcap & ({mask})) != ({mask})) return {c_string(feature)};")
+    lines += ["    return NULL;", "}",
+              f"static const char target_name[] = {c_string(target_name)};"]
+    return "\n".join(lines)
+
+
+# What differs between the ISAs in the driver: the header of the feature check, how it reads the
+# features, and the attribute that compiles session_create (which runs the check) for any CPU of
+# the ISA.
+ARCH_INCLUDES = {"x86_64": "#include <cpuid.h>", "aarch64": "#include <sys/auxv.h>"}
+BASELINE_ATTRIBUTE = {"x86_64": '__attribute__((target("arch=x86-64")))\n', "aarch64": ""}
+
+
 def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, threads: int,
-             cpu_features: tuple = ()) -> str:
-    """The driver's C. `cpu_features`: what the kernels' target may use (backends/targets.py
-    required_features); session_create refuses a CPU without one (session_error(NULL) says which)."""
+             cpu_features: tuple = (), arch: str = "x86_64") -> str:
+    """The driver's C for `arch` ("x86_64" or "aarch64", the target's ISA). `cpu_features`: what the
+    kernels' target may use (backends/targets.py required_features); session_create refuses a CPU
+    without one (session_error(NULL) says which)."""
+    if arch not in ARCH_INCLUDES:
+        raise ValueError(f"no C driver for the ISA {arch!r}")
+    check = cpu_check_aarch64 if arch == "aarch64" else cpu_check
     input_index = {n: i for i, n in enumerate(graph.inputs)}
     output_index = {}
     for i, n in enumerate(graph.outputs):
@@ -252,10 +284,21 @@ static void shared_release(void) {
 #include <stdio.h>
 #include <time.h>
 #include <pthread.h>
-#include <cpuid.h>
+{ARCH_INCLUDES[arch]}
 
+#ifdef _WIN32
+/* A DLL (target x86_64-windows, MinGW-w64): exported by dllexport, so nothing else is; the C
+   runtime has no aligned_alloc, and what _aligned_malloc returns goes back to _aligned_free
+   (every block this file frees is one of those). */
+#include <malloc.h>
+#define HIDDEN
+#define EXPORT __declspec(dllexport)
+#define aligned_alloc(align, size) _aligned_malloc((size), (align))
+#define free(block) _aligned_free(block)
+#else
 #define HIDDEN __attribute__((visibility("hidden")))
 #define EXPORT __attribute__((visibility("default")))
+#endif
 #define ARENA_BYTES {max(plan.arena_bytes, 64)}
 
 extern const unsigned char {P}weights[] HIDDEN;
@@ -298,7 +341,7 @@ static void print_profile(const {P}session* s) {{
 static const char model_info[] =
     {c_string(json.dumps(info, sort_keys=True))};
 
-{cpu_check(list(cpu_features), info.get("target", ""))}
+{check(list(cpu_features), info.get("target", ""))}
 
 /* Why the last session_create returned NULL (session_error(NULL) returns it). */
 static char create_error[512];
@@ -312,8 +355,7 @@ EXPORT int {P}abi_version(void) {{ return {ABI_VERSION}; }}
 
 EXPORT const char* {P}model_info(void) {{ return model_info; }}
 
-__attribute__((target("arch=x86-64")))
-EXPORT {P}session* {P}session_create(void) {{
+{BASELINE_ATTRIBUTE[arch]}EXPORT {P}session* {P}session_create(void) {{
     /* The CPU first: the kernels were compiled for the target's instructions. */
     const char* missing = missing_cpu_feature();
     if (missing) {{
@@ -442,6 +484,8 @@ struct pool {
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
 #endif
 }
 

@@ -35,6 +35,21 @@ WEIGHTS_ASM = """\t.section .rodata.{prefix}weights,"a"
 \t.section .note.GNU-stack,"",@progbits
 """
 
+# The weights in a COFF object (the x86_64-windows target's DLL): a read-only section of its own.
+WEIGHTS_ASM_COFF = """\t.section .rdata${prefix}weights,"dr"
+\t.balign 64
+\t.globl {prefix}weights
+{prefix}weights:
+\t.incbin "weights.bin"
+\t.byte 0
+"""
+
+# A DLL: no ELF options; no time stamp in the PE header (reproducible bytes); no symbol table or
+# debug sections (those of the static runtime libraries: -s); libgcc and the
+# winpthreads runtime (the driver's threads and clock) linked in, so the DLL needs only the
+# system's DLLs; the import library (lib<name>.dll.a) written beside it.
+LDFLAGS_WINDOWS = ["-shared", "-static-libgcc", "-static", "-s", "-Wl,--no-insert-timestamp"]
+
 # A GPU kernel's fatbin, embedded as read-only data the driver hands to cuModuleLoadData
 # (backends/native/driver_cuda.py): 8-byte aligned, as the loader wants.
 FATBIN_ASM = """\t.section .rodata.{symbol},"a"
@@ -53,10 +68,11 @@ prefix_map = ["-ffile-prefix-map=" + Dir("#").abspath + "=."]
 env = Environment(ENV={{"PATH": os.environ.get("PATH", ""), "SOURCE_DATE_EPOCH": "0"}},
                   CC={cc!r}, CCFLAGS={cflags!r} + prefix_map, ASFLAGS=["-fPIC"], SHLINKFLAGS={ldflags!r},
                   SHLIBPREFIX="", SHLIBSUFFIX="", LIBPREFIX="", LIBSUFFIX="", LIBS={libs!r},
-                  ARFLAGS=["rcD"], RANLIBFLAGS=["-D"], OBJCOPY=os.environ.get("OBJCOPY", "objcopy"),
+                  ARFLAGS=["rcD"], RANLIBFLAGS=["-D"], OBJCOPY={objcopy},
                   # kernel objects come from LLVM (position independent), not from a SCons builder
                   STATIC_AND_SHARED_OBJECTS_ARE_THE_SAME=1)
 env.Decider("content")
+env.Replace(**{tools!r})  # a cross compiler's ar and ranlib
 if {sanitize!r}:
     # ASan and UBSan in the driver; the runtime comes from the program that loads the
     # library (link it with -fsanitize=address,undefined, or LD_PRELOAD libasan).
@@ -78,13 +94,17 @@ if {archive!r}:
 
 def write_link_inputs(build_dir: Path, prefix: str, driver_c: str, weights: bytes, kernel_objects: dict[str, bytes],
                       library: str | None, extra_cflags=(), sanitize: bool = False,
-                      fatbins: dict[str, bytes] | None = None, libs=("m",), archive: str | None = None) -> None:
+                      fatbins: dict[str, bytes] | None = None, libs=("m",), archive: str | None = None,
+                      cc: str | None = None, system: str = "linux", import_library: str | None = None) -> None:
     """The link's inputs in `build_dir`: the driver, the weights, the kernel objects (CPU) or the
     kernels' fatbins (CUDA: embedded as data), and the SConstruct that links them into the shared
-    `library` and/or the static `archive` (None: not built)."""
+    `library` and/or the static `archive` (None: not built). `cc`: the C compiler (a cross target's:
+    its binutils are found beside it, aarch64-linux-gnu-gcc -> aarch64-linux-gnu-ar, -objcopy);
+    None: $CC, default gcc. `system` "windows": `library` is a DLL, its import library
+    `import_library`."""
     (build_dir / "driver.c").write_text(driver_c)
     (build_dir / "weights.bin").write_bytes(weights)
-    (build_dir / "weights.S").write_text(WEIGHTS_ASM.format(prefix=prefix))
+    (build_dir / "weights.S").write_text((WEIGHTS_ASM_COFF if system == "windows" else WEIGHTS_ASM).format(prefix=prefix))
     if fatbins:
         for symbol, blob in fatbins.items():
             (build_dir / f"{symbol}.fatbin").write_bytes(blob)
@@ -95,9 +115,22 @@ def write_link_inputs(build_dir: Path, prefix: str, driver_c: str, weights: byte
         name = f"{symbol}.os"  # SCons links only "shared" objects into a shared library
         (build_dir / name).write_bytes(kernel_objects[symbol])
         names.append(name)
+    tools = cross_binutils(cc) if cc else {}
+    objcopy = repr(tools["OBJCOPY"]) if tools else 'os.environ.get("OBJCOPY", "objcopy")'
     (build_dir / "SConstruct").write_text(SCONSTRUCT.format(
-        cc=os.environ.get("CC", "gcc"), cflags=CFLAGS + list(extra_cflags), ldflags=LDFLAGS,
+        cc=cc or os.environ.get("CC", "gcc"), objcopy=objcopy, tools=tools, cflags=CFLAGS + list(extra_cflags),
+        ldflags=LDFLAGS if system != "windows" else LDFLAGS_WINDOWS + [f"-Wl,--out-implib,{import_library}"],
         kernels=names, library=library, archive=archive, sanitize=sanitize, fatbins=bool(fatbins), libs=list(libs)))
+
+
+def cross_binutils(cc: str) -> dict:
+    """The archiver and objcopy that go with a cross gcc (named <triple>-gcc): <triple>-ar... ;
+    none for a compiler not named that way (the host's are then used)."""
+    name = Path(cc).name
+    if not name.endswith("-gcc"):
+        return {}
+    stem = cc[: len(cc) - len("gcc")]
+    return {"AR": stem + "ar", "RANLIB": stem + "ranlib", "OBJCOPY": stem + "objcopy"}
 
 
 def run_scons(build_dir: Path) -> None:

@@ -149,7 +149,8 @@ def _add_function_attributes(ir: str, attrs: str) -> str:
 
 
 def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> bytes:
-    """Optimise kernel IR for `target` and emit an ELF object exporting only `symbol` (hidden).
+    """Optimise kernel IR for `target` and emit an object file (ELF; COFF for Windows) exporting only
+    `symbol` (hidden).
 
     The micro-kernels `source` declares (see ukernel.py) are generated for the
     target's vector width and linked into the module first."""
@@ -161,9 +162,12 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
         kind = getattr(spec, "kind", "")
-        generate = (int8_ir if kind in INT8_KINDS else nbits_ir if kind in NBITS_KINDS
-                    else ukernel_lowp_ir if kind in LOWP_KINDS else ukernel_ir)
-        module.link_in(llvm.parse_assembly(generate(spec, target.vector_bits)))
+        if kind in INT8_KINDS or kind in NBITS_KINDS or kind in LOWP_KINDS:
+            generate = int8_ir if kind in INT8_KINDS else nbits_ir if kind in NBITS_KINDS else ukernel_lowp_ir
+            text = generate(spec, target.vector_bits)
+        else:   # the fp32 micro-kernels: only their synchronisation kernels depend on the ISA
+            text = ukernel_ir(spec, target.vector_bits, target.arch)
+        module.link_in(llvm.parse_assembly(text))
     helpers = 0
     for fn in module.functions:
         if fn.is_declaration:
@@ -187,7 +191,11 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     attrs = f'"target-cpu"="{target.cpu}" "prefer-vector-width"="{target.vector_bits}"'
     if target.features:
         attrs += f' "target-features"="{target.features}"'
-    module = llvm.parse_assembly(_add_function_attributes(str(module), attrs))
+    text = str(module)
+    if target.arch != "x86_64" and "@llvm.x86." in text:
+        # LLVM would abort the worker process on them; say which kernel instead
+        raise ValueError(f"kernel {symbol}: x86 intrinsics in code for the {target.arch} target {target.name}")
+    module = llvm.parse_assembly(_add_function_attributes(text, attrs))
     module.triple = target.triple
     machine = llvm.Target.from_triple(target.triple).create_target_machine(
         cpu=target.cpu, features=target.features, opt=3, reloc="pic", codemodel="default")

@@ -289,8 +289,10 @@ def function_module(head: str, ir: IRBuilder, rename: dict, decls: list) -> str:
     return f"{head}\n{body}\n}}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
-def ukernel_ir(spec, vector_bits: int) -> str:
-    """The LLVM IR (a module of one function named spec.name) for the target's vector width."""
+def ukernel_ir(spec, vector_bits: int, arch: str = "x86_64") -> str:
+    """The LLVM IR (a module of one function named spec.name) for the target's vector width; only
+    the synchronisation kernels depend on the ISA `arch` (the others are portable vector IR, which
+    LLVM lowers to SSE/AVX on x86-64 and to NEON, `fmla`, on AArch64)."""
     if isinstance(spec, GatherSpec):
         return gather_ir(spec, vector_bits)
     if isinstance(spec, DwRowSpec):
@@ -298,7 +300,7 @@ def ukernel_ir(spec, vector_bits: int) -> str:
     if isinstance(spec, TSpec):
         return tkernel_ir(spec, vector_bits)
     if isinstance(spec, SyncSpec):
-        return sync_ir(spec)
+        return sync_ir(spec, arch)
     L = min(lanes_for(vector_bits), 16)
     assert spec.nr % L == 0 and spec.nr <= 64
     V = spec.nr // L
@@ -583,7 +585,45 @@ SYNC_YIELD_SPINS = 1000   # "wait" spins this many times (tens of microseconds),
                           # checks: a partner thread on the same core (a new pool, before the OS moves it) runs
 
 
-def sync_ir(spec: SyncSpec) -> str:
+# The ISA-specific pieces of the synchronisation kernels: the spin-wait hint and the time stamp of
+# "adopt", whose timeout (its argument) is in x86 time-stamp counter ticks (~3 GHz). AArch64: YIELD
+# (hint #1) and the virtual counter CNTVCT_EL0, read with MRS (LLVM's readcyclecounter reads
+# PMCCNTR_EL0 there, which Linux does not let a user program read, and its readsteadycounter
+# folded to 0, so the timeout never came); the timeout is converted with the counter's frequency
+# CNTFRQ_EL0 (1 GHz on ARMv8.6 cores, 31.25 MHz on a Jetson Orin) to the same ~3 us.
+SPIN_HINT = {"x86_64": ("call void @llvm.x86.sse2.pause()", "declare void @llvm.x86.sse2.pause()"),
+             "aarch64": ("call void @llvm.aarch64.hint(i32 1)", "declare void @llvm.aarch64.hint(i32)")}
+TSC_HZ = 3_000_000_000
+_AARCH64_COUNTER = "call i64 @llvm.read_volatile_register.i64(metadata !0)"
+_AARCH64_TIMEOUT = f"""  %frq = call i64 @llvm.read_volatile_register.i64(metadata !1)
+  %arg_f = mul i64 %arg, %frq
+  %limit = udiv i64 %arg_f, {TSC_HZ}
+"""
+# clang's __builtin_arm_rsr64: the registers by name (no inline assembly, which llvmlite's
+# AArch64 object writer cannot parse)
+_AARCH64_REGISTERS = """
+declare i64 @llvm.read_volatile_register.i64(metadata)
+!0 = !{!"cntvct_el0"}
+!1 = !{!"cntfrq_el0"}
+"""
+
+
+def sync_ir(spec: SyncSpec, arch: str = "x86_64") -> str:
+    text = _sync_ir(spec)
+    if arch == "x86_64":
+        return text
+    pause, declare_pause = SPIN_HINT[arch]
+    text = (text.replace("call void @llvm.x86.sse2.pause()", pause)
+            .replace("declare void @llvm.x86.sse2.pause()", declare_pause)
+            .replace("call i64 @llvm.readcyclecounter()", _AARCH64_COUNTER)
+            .replace("declare i64 @llvm.readcyclecounter()\n", ""))
+    if spec.op == "adopt":
+        text = text.replace("  br label %check\ncheck:", _AARCH64_TIMEOUT + "  br label %check\ncheck:", 1)
+        text = text.replace("icmp ugt i64 %dt, %arg", "icmp ugt i64 %dt, %limit")
+    return text + (_AARCH64_REGISTERS if "read_volatile_register" in text else "")
+
+
+def _sync_ir(spec: SyncSpec) -> str:
     head = f"define i32 @{spec.name}(ptr %p, i64 %off, i64 %arg) #0 {{\nentry:\n" \
            "  %q = getelementptr i32, ptr %p, i64 %off\n  %a = trunc i64 %arg to i32\n"
     if spec.op == "claim":

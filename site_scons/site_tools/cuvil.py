@@ -89,7 +89,11 @@ OUTPUT_VARIABLES = [*DEFAULTS, "_CUVIL_VERSIONS"]
 CUVILCOM = ("cuvil-compile $SOURCE -o ${TARGET.dir} --target $CUVIL_TARGET --precision $CUVIL_PRECISION "
             "--threads $CUVIL_THREADS --prefix $CUVIL_PREFIX --opt-level $CUVIL_OPT_LEVEL")
 
-_LIBRARY_NAME = re.compile(r"lib([A-Za-z_][A-Za-z0-9_]*)\.so")
+_LIBRARY_NAME = re.compile(r"lib([A-Za-z_][A-Za-z0-9_]*)\.so|([A-Za-z_][A-Za-z0-9_]*)\.dll")  # the DLL: x86_64-windows
+
+
+def _model_name(match) -> str:
+    return match.group(1) or match.group(2)
 
 # SCons runs function actions of a `-j` build in threads; cuvil's build spreads
 # its own kernel compiles over CUVIL_JOBS threads, one model at a time.
@@ -165,7 +169,7 @@ def _variant_spec(target, source, env):
     except (TypeError, ValueError):
         raise _Error(f"CUVIL_INPUTS: every shape must be a list of integers, got {inputs!r}") from None
     return VariantSpec(
-        name=match.group(1), source=source[0].abspath, input_shapes=shapes,
+        name=_model_name(match), source=source[0].abspath, input_shapes=shapes,
         target=env.subst("$CUVIL_TARGET"), precision=env.subst("$CUVIL_PRECISION"),
         opt_level=_as_int(env, "CUVIL_OPT_LEVEL"), passes=_as_list(env, "CUVIL_PASSES"),
         disable_passes=_as_list(env, "CUVIL_DISABLE_PASSES") or [], threads=_as_int(env, "CUVIL_THREADS"),
@@ -225,8 +229,10 @@ def _emit(target, source, env):
         raise SCons.Errors.UserError(
             f"CuvilModel: the target must be named lib<name>.so with <name> a C identifier, got {library.name!r}")
     folder = library.dir
-    name = match.group(1)
+    name = _model_name(match)
     files = [f"{name}.h", f"{name}.pc", f"{name}Config.cmake", f"{name}ConfigVersion.cmake", "manifest.json"]
+    if library.name.endswith(".dll"):
+        files.append(f"lib{name}.dll.a")   # the DLL's import library
     return [library] + [folder.File(file) for file in files], source
 
 
@@ -242,12 +248,16 @@ def _cuvil_project(env, config="cuvil.yaml"):
         spec = load_config(config_node.srcnode().abspath)
     except CuvilError as error:
         raise SCons.Errors.UserError(f"cuvil: error: {error}") from None
+    from backends.targets import TARGETS
+
     libraries = []
     for model in spec.models:
         for target in model.targets:
             folder = spec.output_dir / model.name / target
+            library = TARGETS[target].library_file(model.name) if target in TARGETS else f"lib{model.name}.so"
             nodes = env.CuvilModel(
-                str(folder / f"lib{model.name}.so"), [env.File(str(model.source)), config_node],
+                # a node, not a string: the builder's lib prefix is not added to <name>.dll
+                env.File(str(folder / library)), [env.File(str(model.source)), config_node],
                 CUVIL_INPUTS={name: list(shape) for name, shape in model.inputs.items()},
                 CUVIL_TARGET=target, CUVIL_PRECISION=model.precision, CUVIL_THREADS=model.threads,
                 CUVIL_PREFIX=model.symbol_prefix, CUVIL_OPT_LEVEL=model.opt_level, CUVIL_PASSES=model.passes,

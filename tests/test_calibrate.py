@@ -215,3 +215,16 @@ def test_a_model_without_products_is_refused():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(CuvilError, match="no Conv, MatMul or Gemm"):
         calibrate.quantize_model(model.SerializeToString(), {}, {})
+
+
+def test_cuvil_check_accepts_int8(tmp_path, capsys):
+    """`cuvil check` calibrates as the build does and reports the integer ops, not a refusal."""
+    from tests.test_cli import write_example_project
+
+    from cuvil.cli import main
+    config = write_example_project(tmp_path)
+    config.write_text(config.read_text().replace("    precision: fp32", "    precision: int8", 1))
+    assert "precision: int8" in config.read_text()
+    assert main(["check", "-f", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "unsupported" not in out and "int8" in out

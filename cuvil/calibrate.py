@@ -21,7 +21,8 @@ Which tensors are quantised (each gets QuantizeLinear -> DequantizeLinear):
     a MatMul's constant bias Add is part of it (the Add's output is quantised, the bias is int32);
     a Relu that is the only reader of such an output is dropped: the output's range starts at 0, so
     its zero point is 0 and QuantizeLinear's saturation at 0 is the Relu (as onnxruntime does);
-    both inputs and the output of an Add of two activations (residual);
+    both inputs and the output of an Add of two activations (residual), a Relu after it dropped
+    the same way (fold_qdq's QLinearAdd requantises with the same saturation);
     MaxPool / Flatten / Reshape / Transpose / Squeeze / Unsqueeze of a quantised tensor: the output
     takes the input's scale and zero point (fold_qdq runs them on the bytes).
 Everything else stays float32 between a DequantizeLinear and the next QuantizeLinear.
@@ -240,6 +241,7 @@ def quantize_model(model_bytes: bytes, input_shapes: dict, options: dict) -> byt
 
     # 2. the quantised tensors: {name: the name whose parameters it takes (itself, or a mover's input)}
     quantised: dict[str, str] = {}
+    relus = [(p["bias_add"] or p["node"], p["relu"]) for p in products if p["relu"] is not None]
     for p in products:
         quantised[p["node"].input[0]] = p["node"].input[0]
         quantised[p["end"]] = p["end"]
@@ -247,7 +249,11 @@ def quantize_model(model_bytes: bytes, input_shapes: dict, options: dict) -> byt
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Add" and len(node.input) == 2 and all(activation(i) for i in node.input):
-            for name in (*node.input, node.output[0]):
+            # a Relu reading only the sum goes into its requantisation too (zero point 0 saturates)
+            relu = only_reader(node.output[0], "Relu")
+            if relu is not None:
+                relus.append((node, relu))
+            for name in (*node.input, relu.output[0] if relu is not None else node.output[0]):
                 quantised[name] = name
     changed = True
     while changed:      # movers: in topological order the input is decided first; repeat for chains
@@ -271,15 +277,10 @@ def quantize_model(model_bytes: bytes, input_shapes: dict, options: dict) -> byt
 
     # 4. rewrite: drop the Relus, quantise weights and biases, put Q -> DQ on the quantised tensors
     writer = _Writer(model)
-    kept = []
-    for node in graph.node:
-        relu_of = next((p for p in products if p["relu"] is node), None)
-        if relu_of is None:
-            kept.append(node)
-    for p in products:
-        if p["relu"] is not None:
-            last = p["bias_add"] or p["node"]
-            last.output[0] = p["relu"].output[0]
+    dropped = {id(relu) for _, relu in relus}
+    kept = [node for node in graph.node if id(node) not in dropped]
+    for last, relu in relus:
+        last.output[0] = relu.output[0]
     for p in products:
         node, axis = p["node"], p["axis"]
         w = numpy_helper.to_array(weights[node.input[1]]).astype(np.float32)

@@ -126,7 +126,7 @@ def weight_params(w: np.ndarray, axis: int, per_channel: bool) -> tuple[np.ndarr
         shape[axis] = -1
     else:
         amax, shape = np.asarray(np.abs(w).max()), [1] * w.ndim
-    scale = (amax / np.float32(127)).astype(np.float32)
+    scale = np.atleast_1d(np.asarray(amax / np.float32(127), np.float32))
     scale[scale == 0] = np.float32(1.0)
     q = np.clip(np.rint(w / scale.reshape(shape)), -127, 127).astype(np.int8)
     return q, scale.reshape(-1) if per_channel else scale.reshape(())

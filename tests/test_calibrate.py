@@ -241,3 +241,29 @@ def test_own_int8_resnet18_full_size_meets_the_issue():
     from int8_accuracy import measure
     result = measure("resnet18", samples=8, held_out=8)
     assert result["cosine"] >= 0.995 and result["top1_agreement"] >= 0.875
+
+
+def test_per_tensor_weights(mlp):
+    model = onnx.load_model_from_string(calibrate.quantize_model(mlp, {}, {"samples": 2, "per_channel": False}))
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    weight_dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
+                  and inits[n.input[0]].dtype == np.int8]
+    assert len(weight_dqs) == 3 and all(inits[n.input[1]].size == 1 for n in weight_dqs)
+
+
+def test_cuvil_quantize_user_errors(tmp_path, capsys):
+    from onnx import TensorProto, helper
+
+    from cuvil.cli import main
+    assert main(["quantize", str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "q.onnx")]) == 2
+    assert "model file not found" in capsys.readouterr().err
+    w = onnx.numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])], [w])
+    source = tmp_path / "dynamic.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    assert main(["quantize", str(source), "-o", str(tmp_path / "q.onnx")]) == 2
+    assert "input 'x' has no static shape" in capsys.readouterr().err
+    assert main(["quantize", str(source), "-o", str(tmp_path / "q.onnx"), "--shape", "x=2,4"]) == 0
+    assert (tmp_path / "q.onnx").is_file()

@@ -84,7 +84,7 @@ def code_fingerprint() -> str:
 # The modules of cuvil/ that shape what a step produces (the CLI, the config
 # loader, the runtime loader and the cache do not).
 _OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py",
-                     "consumers.py")
+                     "consumers.py", "calibrate.py", "accuracy.py")
 
 
 @lru_cache(maxsize=None)
@@ -243,7 +243,9 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
         # and the options; the import then reads those bytes as it reads an imported QDQ model.
         from . import calibrate
         options = {**calibrate.DEFAULTS, **(spec.calibration or {})}
-        key = {"model_sha256": model_sha, "inputs": shapes, "calibration": calibrate.options_key(options)}
+        # onnxruntime runs the float model to find the ranges: its version is part of the key
+        key = {"model_sha256": model_sha, "inputs": shapes, "calibration": calibrate.options_key(options),
+               "onnxruntime": calibrate.engine_version()}
         if kind == "torchscript":
             run_calibration = lambda d, onnx_bytes: calibrate.quantize_model(onnx_bytes, shapes, options)
         else:

@@ -42,6 +42,12 @@ MOVERS = ("MaxPool", "Flatten", "Reshape", "Transpose", "Squeeze", "Unsqueeze")
 DEFAULTS = {"inputs": "random", "samples": 8, "method": "minmax", "percentile": 99.99, "per_channel": True}
 
 
+def engine_version() -> str:
+    """The version of what runs the float model (onnxruntime)."""
+    import onnxruntime
+    return onnxruntime.__version__
+
+
 def options_key(options: dict) -> dict:
     """The calibration's step parameters: its options, and the samples file by content hash."""
     key = {**DEFAULTS, **options, "seed": CALIBRATION_SEED}

@@ -267,3 +267,31 @@ def test_cuvil_quantize_user_errors(tmp_path, capsys):
     assert "input 'x' has no static shape" in capsys.readouterr().err
     assert main(["quantize", str(source), "-o", str(tmp_path / "q.onnx"), "--shape", "x=2,4"]) == 0
     assert (tmp_path / "q.onnx").is_file()
+
+
+def test_cuvil_build_int8_with_npz_calibration(mlp, tmp_path, capsys):
+    """cuvil.yaml's calibration: reaches the build (a project's calibrate step reads the .npz), and
+    the build prints the accuracy report against its float32 build."""
+    import json
+
+    from cuvil.cli import main
+    (tmp_path / "net.onnx").write_bytes(mlp)
+    np.savez(tmp_path / "calib.npz", input=np.stack(_held_out((4, 64))))
+    (tmp_path / "cuvil.yaml").write_text(textwrap.dedent(f"""\
+        version: 1
+        cache: {{dir: {tmp_path / "cache"}}}
+        models:
+          - name: net
+            source: net.onnx
+            precision: int8
+            calibration: {{inputs: calib.npz, samples: 4}}
+        """))
+    assert main(["build", "-f", str(tmp_path / "cuvil.yaml")]) == 0
+    assert "accuracy vs fp32" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "build" / "cuvil" / "net" / "native" / "manifest.json").read_text())
+    assert manifest["precision"] == "int8" and manifest["accuracy"]["outputs"]["output"]["cosine"] >= 0.99
+    from cuvil.project import plan_project
+    from cuvil.config import load_config
+    dag, _ = plan_project(load_config(tmp_path / "cuvil.yaml"), progress=None)
+    (calibrate_step,) = [n for n in dag.g.nodes if n.endswith("/calibrate")]
+    assert dag.step(calibrate_step).params["calibration"]["inputs"]["file"] == "calib.npz"

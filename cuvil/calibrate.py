@@ -189,7 +189,6 @@ def quantize_model(model_bytes: bytes, input_shapes: dict, options: dict) -> byt
                          hint="export the model at opset 13 or later")
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
     readers: dict[str, list] = {}
     for n in graph.node:
         for i in n.input:
@@ -266,8 +265,7 @@ def quantize_model(model_bytes: bytes, input_shapes: dict, options: dict) -> byt
         changed = False
         for node in graph.node:
             if node.op_type in MOVERS and node.domain in ("", "ai.onnx") and len(node.output) == 1 \
-                    and node.input[0] in quantised and node.output[0] not in quantised \
-                    and (node.op_type != "MaxPool" or len(node.output) == 1):
+                    and node.input[0] in quantised and node.output[0] not in quantised:
                 quantised[node.output[0]] = quantised[node.input[0]]
                 changed = True
     # a mover's output read again by a product keeps the input's parameters (step 2 set it to itself)

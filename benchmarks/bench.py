@@ -24,6 +24,9 @@ on two seeded inputs), the others by `quantize_dynamic` (int8 weights,
 DynamicQuantizeLinear + MatMulInteger). cuvil builds the file as it is (its
 passes fold the quantised products into integer ones, passes/fold_qdq.py);
 the rel err column then compares with onnxruntime on the same quantised file.
+`--precision int8-own` does the same with the file Cuvil's own calibration
+writes (`cuvil quantize`, cuvil/calibrate.py: 8 seeded random inputs, minmax),
+which is what `precision: int8` builds.
 
 A spinning thread pool of one engine would slow the other on a small
 machine, so they never run at the same time. Each process does a warm-up and
@@ -189,8 +192,14 @@ def check_outputs(library, shapes, ref, feeds=None) -> float:
 CONVOLUTIONAL = ("resnet18", "resnet50", "mobilenet_v2")
 
 
-def quantise(name, model_path: Path, shapes) -> Path:
-    """The model as onnxruntime's quantisation tools write it (see the module docstring)."""
+def quantise(name, model_path: Path, shapes, precision: str = "int8") -> Path:
+    """The model as onnxruntime's quantisation tools write it (see the module docstring); int8-own:
+    as Cuvil's own calibration writes it (`cuvil quantize`, 8 seeded random samples, minmax)."""
+    if precision == "int8-own":
+        from cuvil.calibrate import quantize_model
+        target = model_path.with_suffix(".own-int8.onnx")
+        target.write_bytes(quantize_model(model_path.read_bytes(), shapes, {"samples": 8}))
+        return target
     from onnxruntime import quantization as q
     target = model_path.with_suffix(".int8.onnx")
     if name in CONVOLUTIONAL:
@@ -213,7 +222,7 @@ def build(name, model_path, shapes, threads, cache_dir, jobs, precision="fp32"):
     t = time.perf_counter()
     # int8: the file is quantised already; cuvil builds it as it is
     compiled = cuvil.compile(str(model_path), input_shapes=shapes, threads=threads, cache_dir=cache_dir, jobs=jobs,
-                             name=name, precision="fp32" if precision == "int8" else precision)
+                             name=name, precision="fp32" if precision.startswith("int8") else precision)
     return compiled, time.perf_counter() - t
 
 
@@ -230,8 +239,8 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
         model = _zoo().export(module, shapes)
     model_path = workdir / f"{name}.onnx"
     model_path.write_bytes(model.SerializeToString())
-    if precision == "int8":
-        model_path = quantise(name, model_path, shapes)
+    if precision.startswith("int8"):
+        model_path = quantise(name, model_path, shapes, precision)
     cache_dir = workdir / f"cache-{name}-{threads}" if cold else None
     compiled, build_s = build(name, model_path, shapes, threads, cache_dir, jobs, precision)
     lib_dir = workdir / f"{name}-t{threads}-{precision}"
@@ -255,7 +264,7 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
         if openvino:
             processes["ov"].append(openvino_times(model_path, shapes, threads, runs, warm,
                                                   save_output=ov_output if round_ == 0 else None,
-                                                  precision="fp32" if precision == "int8" else precision))
+                                                  precision="fp32" if precision.startswith("int8") else precision))
     best = {k: ctime.best_process_median(v) for k, v in processes.items()}
     c, p, o = best.get("c"), best["py"], best["ort"]
     all_calls = lambda k: statistics.median([t for times in processes[k] for t in times])
@@ -286,8 +295,9 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--no-openvino", action="store_true", help="leave OpenVINO out even when it is installed")
     parser.add_argument("--precision", default="fp32",
-                        help="cuvil's (and OpenVINO's) precisions, comma separated (fp32,bf16,fp16,int8); onnxruntime: "
-                             "fp32, or with int8 the same quantised file")
+                        help="cuvil's (and OpenVINO's) precisions, comma separated (fp32,bf16,fp16,int8,int8-own); "
+                             "onnxruntime: fp32, or with int8 / int8-own the same quantised file (int8-own: "
+                             "quantised by cuvil's own calibration)")
     args = parser.parse_args(argv)
     ov_version = None if args.no_openvino else openvino_version()
     flags = set(cpu_flags())
@@ -295,7 +305,7 @@ def main(argv=None):
                        "amx_tile") if f in flags]
     print(f"# {cpu_name()} ({os.cpu_count()} cores; {' '.join(isa)}), onnxruntime {ort.__version__}, "
           + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}")
-    print(f"{'model':<14}{'thr':>4}{'prec':>5}{'cuvil C ms':>12}{'cuvil py ms':>13}{'ort ms':>10}{'ratio':>7}{'rel err':>9}"
+    print(f"{'model':<14}{'thr':>4}{'prec':>9}{'cuvil C ms':>12}{'cuvil py ms':>13}{'ort ms':>10}{'ratio':>7}{'rel err':>9}"
           + (f"{'ov ms':>10}{'vs ov':>7}{'ov err':>9}" if ov_version else "") + f"{'build s':>9}")
     results = []
     workdir = Path(tempfile.mkdtemp(prefix="cuvil-bench-"))
@@ -308,7 +318,7 @@ def main(argv=None):
                 ov = (f"{r['openvino_ms']:>10.3f}{r['ratio_openvino']:>7.2f}{r['openvino_rel_err']:>9.1e}"
                       if "openvino_ms" in r else " " * 26 if ov_version else "")
                 c_ms = f"{r['cuvil_c_ms']:>12.3f}" if r["cuvil_c_ms"] is not None else f"{'-':>12}"
-                print(f"{name:<14}{threads:>4}{precision:>5}{c_ms}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
+                print(f"{name:<14}{threads:>4}{precision:>9}{c_ms}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
                       f"{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{ov}{r['build_s']:>9.1f}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

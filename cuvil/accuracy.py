@@ -21,10 +21,11 @@ from .errors import ConfigError, CuvilError
 SEED = 0
 
 
-def sample_inputs(info: dict, samples: int, source: str = "random") -> list[dict]:
-    """`samples` feeds for a library whose description is `info`."""
+def sample_inputs(info: dict, samples: int, source: str = "random", seed: int = SEED,
+                  what: str = "accuracy.inputs") -> list[dict]:
+    """`samples` feeds for a library whose description is `info` (random ones drawn with `seed`)."""
     if source == "random":
-        rng = np.random.default_rng(SEED)
+        rng = np.random.default_rng(seed)
         feeds = []
         for _ in range(samples):
             feed = {}
@@ -41,10 +42,10 @@ def sample_inputs(info: dict, samples: int, source: str = "random") -> list[dict
     try:
         arrays = np.load(source, allow_pickle=False)
     except (OSError, ValueError) as error:
-        raise ConfigError(f"accuracy.inputs: cannot read {source} as an .npz file: {error}") from None
+        raise ConfigError(f"{what}: cannot read {source} as an .npz file: {error}") from None
     missing = [spec["name"] for spec in info["inputs"] if spec["name"] not in arrays]
     if missing:
-        raise ConfigError(f"accuracy.inputs: {source} has no array for input(s) {missing}",
+        raise ConfigError(f"{what}: {source} has no array for input(s) {missing}",
                           hint="one array per input name, its first axis the sample")
     count = min(samples, *(len(arrays[spec["name"]]) for spec in info["inputs"]))
     return [{spec["name"]: np.asarray(arrays[spec["name"]][i], dtype=spec["dtype"]) for spec in info["inputs"]}

@@ -57,10 +57,23 @@ def _accuracy_options(accuracy) -> dict:
                               "min_cosine: -1..1 or None}") from None
 
 
+def _calibration_options(calibration) -> dict:
+    """`calibration=` checked like cuvil.yaml's calibration: block (config.CalibrationConfig)."""
+    import pydantic
+    from .config import CalibrationConfig
+    try:
+        return CalibrationConfig.model_validate(calibration).model_dump()
+    except pydantic.ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'calibration'}: {e['msg']}" for e in error.errors())
+        raise CuvilError(f"calibration={calibration!r}: {problems}",
+                         hint="calibration takes {inputs: 'random' or an .npz path, samples: 1-4096, "
+                              "method: 'minmax' or 'percentile', percentile: 50-100, per_channel: bool}") from None
+
+
 def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False,
-            accuracy=None) -> CompiledModel:
+            accuracy=None, calibration=None) -> CompiledModel:
     from backends.targets import TARGETS
 
     from .build import VariantSpec, build_variant
@@ -79,6 +92,7 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
         raise CuvilError(f"threads must be >= 1, got {threads}")
     if accuracy is not None:
         accuracy = _accuracy_options(accuracy)
+    calibration = _calibration_options(calibration or {})
     source = model
     if not isinstance(model, (str, os.PathLike, bytes)):
         import onnx
@@ -89,7 +103,8 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
                        target=target, precision=precision, opt_level=opt_level, passes=passes,
                        disable_passes=list(disable_passes), pass_options=dict(pass_options or {}),
                        threads=threads, symbol_prefix=symbol_prefix,
-                       max_arena_mb=max_arena_mb, sanitize=sanitize, accuracy=accuracy)
+                       max_arena_mb=max_arena_mb, sanitize=sanitize, accuracy=accuracy,
+                       calibration=calibration)
     cache = Cache(Path(cache_dir) if cache_dir else default_cache_dir())
     workdir = tempfile.TemporaryDirectory(prefix="cuvil-")
     artifacts = build_variant(spec, Path(workdir.name), cache, jobs=jobs, progress=progress)

@@ -48,6 +48,8 @@ class VariantSpec:
     sanitize: bool = False
     # bf16 / fp16: {samples, inputs, min_cosine} of the report against the float32 build (accuracy.py)
     accuracy: dict | None = None
+    # int8: {inputs, samples, method, per_channel} of the calibration (calibrate.py)
+    calibration: dict | None = None
     link: str = "shared"                 # shared: lib<name>.so, static: lib<name>.a, both
 
 
@@ -82,7 +84,7 @@ def code_fingerprint() -> str:
 # The modules of cuvil/ that shape what a step produces (the CLI, the config
 # loader, the runtime loader and the cache do not).
 _OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py",
-                     "consumers.py")
+                     "consumers.py", "calibrate.py", "accuracy.py")
 
 
 @lru_cache(maxsize=None)
@@ -213,6 +215,8 @@ def spec_hash(model_sha: str, spec: VariantSpec, pass_names) -> str:
                "threads": spec.threads, "symbol_prefix": spec.symbol_prefix}
     if spec.pass_options:
         payload["pass_options"] = spec.pass_options
+    if spec.precision in pipeline.CALIBRATED and spec.calibration:
+        payload["calibration"] = {k: v for k, v in sorted(spec.calibration.items()) if k != "inputs"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -245,7 +249,23 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
         importer = lambda d: pipeline.import_model(spec.source, shapes)
     else:
         importer = lambda d: pipeline.import_model(model_bytes, shapes)
-    last = dag.add(Step(f"{base}/import", "import", {"model_sha256": model_sha, "inputs": shapes}, deps,
+    import_params = {"model_sha256": model_sha, "inputs": shapes}
+    if spec.precision in pipeline.CALIBRATED:
+        # The float model calibrated and rewritten as QDQ (ONNX bytes), keyed by the samples' hash
+        # and the options; the import then reads those bytes as it reads an imported QDQ model.
+        from . import calibrate
+        options = {**calibrate.DEFAULTS, **(spec.calibration or {})}
+        # onnxruntime runs the float model to find the ranges: its version is part of the key
+        key = {"model_sha256": model_sha, "inputs": shapes, "calibration": calibrate.options_key(options),
+               "onnxruntime": calibrate.engine_version()}
+        if kind == "torchscript":
+            run_calibration = lambda d, onnx_bytes: calibrate.quantize_model(onnx_bytes, shapes, options)
+        else:
+            run_calibration = lambda d: calibrate.quantize_model(model_bytes, shapes, options)
+        deps = [dag.add(Step(f"{base}/calibrate", "calibrate", key, deps, run_calibration, bytes, bytes))]
+        importer = lambda d, onnx_bytes: pipeline.import_model(onnx_bytes, shapes)
+        import_params["calibration"] = key["calibration"]
+    last = dag.add(Step(f"{base}/import", "import", import_params, deps,
                         importer, encode_graph, decode_graph))
     for k, name in enumerate(pass_names):
         options = pass_options[name]
@@ -288,7 +308,7 @@ def _plan_accuracy(dag: StepGraph, spec: VariantSpec, base: str, link_name: str,
     from . import accuracy
     options = {"samples": 8, "inputs": "random", "min_cosine": None, **(spec.accuracy or {})}
     reference = plan_variant(dag, dataclasses.replace(spec, precision="fp32", sanitize=False, accuracy=None,
-                                                      link="shared"), tag="fp32-reference")
+                                                      calibration=None, link="shared"), tag="fp32-reference")
     params = {**options, "seed": accuracy.SEED}
     if options["inputs"] != "random":
         path = Path(options["inputs"])

@@ -189,6 +189,24 @@ def _parser() -> argparse.ArgumentParser:
                                              "docs/cuvil.schema.json holds the same text.")
     schema.set_defaults(command=cmd_schema)
 
+    quantize = commands.add_parser("quantize", parents=[common], help="calibrate a float model and write it as "
+                                   "int8 QDQ ONNX", description="Calibrate a float ONNX (or TorchScript) model on "
+                                   "sample inputs and write the QDQ model precision int8 builds (uint8 activations, "
+                                   "int8 per-channel weights, int32 biases), for cuvil or any other engine.")
+    quantize.add_argument("model", type=Path, metavar="MODEL", help="the float model (.onnx, .pt)")
+    quantize.add_argument("-o", "--output", type=Path, required=True, metavar="FILE.onnx", help="the QDQ model to write")
+    quantize.add_argument("--samples", type=_positive_int, default=8, metavar="N",
+                          help="calibration inputs (default 8)")
+    quantize.add_argument("--inputs", default="random", metavar="FILE.npz",
+                          help="an .npz file with an array per input name, first axis the sample (default: "
+                               "seeded random inputs)")
+    quantize.add_argument("--method", choices=("minmax", "percentile"), default="minmax",
+                          help="how each activation's range is chosen (default minmax)")
+    quantize.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor, not per channel")
+    quantize.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2,...",
+                          help="static shape of an input whose shape the model leaves open (repeatable)")
+    quantize.set_defaults(command=cmd_quantize)
+
     bench = commands.add_parser("bench", parents=[common], help="time a library or a model (vs onnxruntime)",
                                 description="Time a built library (LIB.so) or build and time a model "
                                             "(an .onnx file). Each engine runs in its own process: the library "
@@ -612,6 +630,28 @@ def cmd_bench(args) -> int:
 
 
 # --- check
+
+def cmd_quantize(args) -> int:
+    from .bench import parse_shapes
+    from .pipeline import calibrated_source
+    options = {"samples": args.samples, "inputs": args.inputs, "method": args.method,
+               "per_channel": not args.per_tensor}
+    if args.inputs != "random" and not Path(args.inputs).is_file():
+        raise CuvilError(f"--inputs: file not found: {args.inputs}", hint="an .npz file with an array per input name")
+    data = calibrated_source(args.model, parse_shapes(args.shape), "int8", options)
+    _write_bytes(args.output, data)
+    print(f"wrote {args.output} (int8 QDQ, calibrated on {args.samples} "
+          f"{'random' if args.inputs == 'random' else Path(args.inputs).name} inputs, {args.method})")
+    return EXIT_OK
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    except OSError as error:
+        raise CuvilError(f"cannot write {path}: {error.strerror}", hint="check that the folder is writable") from None
+
 
 def cmd_schema(args) -> int:
     from .config import json_schema

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, WithJsonSchema,
@@ -212,6 +212,22 @@ class QuantizationConfig(_Strict):
                             "point per group too (the range of each group's own minimum and maximum).")
 
 
+class CalibrationConfig(_Strict):
+    """precision int8: how the float model is calibrated before it is written as QDQ (cuvil/calibrate.py):
+    uint8 asymmetric activations, int8 symmetric weights, int32 biases."""
+
+    inputs: str = Field("random", description='"random" (seeded normal floats, other than the accuracy '
+                        "report's), or an .npz file with an array per input name whose first axis is the sample "
+                        "(relative to this file).")
+    samples: int = Field(8, ge=1, le=4096, description="How many inputs the float model runs on to find each "
+                         "activation's range.")
+    method: Literal["minmax", "percentile"] = Field("minmax", description="minmax: each activation's smallest "
+                                                    "and largest value; percentile: clipped at `percentile`.")
+    percentile: float = Field(99.99, gt=50.0, le=100.0, description="method percentile: the share (in %) of "
+                              "values inside the range, at each end.")
+    per_channel: bool = Field(True, description="One weight scale per output channel (true) or per tensor.")
+
+
 class _Settings(_Strict):
     """What `defaults:` may set for every model; the field defaults are the built-in ones."""
 
@@ -229,8 +245,8 @@ class _Settings(_Strict):
     precision: Precision = Field(
         "fp32", description="Arithmetic precision: fp32, or bf16 / fp16: the weight products (Gemm, MatMul "
         "with constant weights) compute on 16-bit operands with float32 sums; int4: those weights are "
-        "quantised to 4 bits by group (see quantization:), activations stay float32. (int8 is accepted here "
-        "and refused by `cuvil check` and `cuvil build` until its kernels exist.)")
+        "quantised to 4 bits by group (see quantization:), activations stay float32; int8: the model is "
+        "calibrated (see calibration:) and Conv/MatMul/Gemm run on uint8 activations and int8 weights.")
     opt_level: int = Field(2, ge=0, le=3, description="0: no passes; 1-3: the default pass lists, from safest "
                            "to most aggressive.")
     passes: Annotated[list[str] | None, AfterValidator(_pass_names)] = Field(None, description="An explicit ordered pass list replaces the opt level's "
@@ -255,6 +271,8 @@ class _Settings(_Strict):
                                      "themselves against the float32 build.")
     quantization: QuantizationConfig = Field(QuantizationConfig(), description="int4 builds: the group size and "
                                              "form of the weights' quantisation.")
+    calibration: CalibrationConfig = Field(CalibrationConfig(), description="int8 builds: the inputs and method "
+                                           "that choose the activations' scales.")
     link: Annotated[str, *_one_of(LINK_MODES, "link")] = Field(
         "shared", description="What the link makes: shared (lib<name>.so), static (lib<name>.a, the same "
         "exported symbols), or both; <name>.pc and <name>Config.cmake point at what was made.")
@@ -335,6 +353,7 @@ class ModelConfig(BaseModel):
     sanitize: bool = False
     accuracy: AccuracyConfig = AccuracyConfig()
     quantization: QuantizationConfig = QuantizationConfig()
+    calibration: CalibrationConfig = CalibrationConfig()
     serve: ServeConfig = ServeConfig()
     link: str = "shared"
     line: int | None = None
@@ -455,6 +474,14 @@ def _resolve(raw, root_node, path):
                       serve=entry.serve or ServeConfig())
         values["accuracy"] = {**defaults["accuracy"], **values["accuracy"]}   # a model's keys over defaults'
         values["quantization"] = {**defaults["quantization"], **values["quantization"]}
+        values["calibration"] = {**defaults["calibration"], **values["calibration"]}
+        if values["calibration"]["inputs"] != "random":
+            inputs = (root / Path(values["calibration"]["inputs"]).expanduser()).resolve()
+            if not inputs.is_file():
+                raise ConfigError(f"models[{index}].calibration.inputs: file not found: {inputs}", file=path,
+                                  hint=f"'random', or an .npz file relative to the folder of {path.name} ({root})",
+                                  **_position_of(root_node, where))
+            values["calibration"] = {**values["calibration"], "inputs": str(inputs)}
         if values["precision"] == "int4":   # the pass that quantises takes them as its options
             values["pass_options"]["quantize_weights"] = {**values["quantization"],
                                                           **values["pass_options"].get("quantize_weights", {})}

@@ -154,10 +154,11 @@ def _precision(call, node) -> str:
 
 
 def explain_model(source, input_shapes=None, opt_level=2, passes=None, disable_passes=(), pass_options=None,
-                  name="model", target="native", threads=1, precision="fp32") -> Explanation:
+                  name="model", target="native", threads=1, precision="fp32", calibration=None) -> Explanation:
     """Import a model (path, bytes or onnx.ModelProto) and run its passes here, uncached."""
     from . import pipeline
 
+    source = pipeline.calibrated_source(source, input_shapes or {}, precision, calibration)
     graph = pipeline.import_model(source, input_shapes or {})
     names, options = pipeline.pass_list(opt_level, passes, disable_passes, pass_options, precision)
     stages = [("import", graph)]

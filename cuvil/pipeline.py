@@ -24,8 +24,11 @@ from .errors import CuvilError, UnsupportedOpError
 
 # What the compiler computes in today; config.PRECISIONS are the values cuvil.yaml may name.
 # bf16 and fp16: the weight products compute in that precision (passes/assign_precision.py);
-# int4: weight-only, the weight matrices quantised to 4 bits by group (passes/quantize_weights.py).
-PRECISIONS_SUPPORTED = ("fp32", "bf16", "fp16", "int4")
+# int4: weight-only, the weight matrices quantised to 4 bits by group (passes/quantize_weights.py);
+# int8: the float model calibrated and written as QDQ (cuvil/calibrate.py), lowered by fold_qdq.
+PRECISIONS_SUPPORTED = ("fp32", "bf16", "fp16", "int4", "int8")
+# Precisions whose model is rewritten before import (a calibrate step), not by a pass.
+CALIBRATED = ("int8",)
 # Weight-only precisions: the pass that quantises the weights runs first, with these bits.
 WEIGHT_ONLY_BITS = {"int4": 4}
 
@@ -83,6 +86,18 @@ def import_any(source, input_shapes: dict):
     return import_model(source, input_shapes)
 
 
+def calibrated_source(source, input_shapes: dict, precision: str, calibration: dict | None = None):
+    """The source as the variant imports it: for int8 the float model calibrated and written as
+    QDQ ONNX bytes (cuvil/calibrate.py; `cuvil build` caches this as its calibrate step)."""
+    if precision not in CALIBRATED:
+        return source
+    from .calibrate import quantize_model
+    data, kind = read_source(source)
+    if kind == "torchscript":
+        data = export_onnx(source, input_shapes)
+    return quantize_model(data, input_shapes, calibration or {})
+
+
 # -- passes ------------------------------------------------------------------------------------
 
 # Passes whose rewrites only the CPU backend lowers (x86 kernels for the fused or transformed
@@ -115,7 +130,7 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
         if "quantize_weights" not in names:
             names.insert(0, "quantize_weights")
         options["quantize_weights"] = {**options.get("quantize_weights", {}), "bits": WEIGHT_ONLY_BITS[precision]}
-    elif precision != "fp32" and "assign_precision" not in names:
+    elif precision not in ("fp32", *CALIBRATED) and "assign_precision" not in names:
         names.append("assign_precision")
     if "assign_precision" in names:
         options["assign_precision"] = {**options.get("assign_precision", {}), "precision": precision}
@@ -154,7 +169,7 @@ def resolve_variant_target(target: str, precision: str):
     from backends.targets import is_cuda
     if is_cuda(resolved) and precision != "fp32":
         raise UnsupportedOpError(f"precision '{precision}' is not supported yet for CUDA targets ('{target}')",
-                                 hint="build CUDA targets in fp32; bf16/fp16/int4 run on the CPU targets")
+                                 hint="build CUDA targets in fp32; bf16/fp16/int4/int8 run on the CPU targets")
     if getattr(resolved, "is_cross", False) and precision != "fp32":
         # A reduced-precision build measures its library against the float32 one (accuracy.py), here.
         raise UnsupportedOpError(f"precision '{precision}' is not supported yet for the cross target '{target}': "

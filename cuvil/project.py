@@ -83,7 +83,8 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                     disable_passes=list(model.disable_passes), pass_options=dict(model.pass_options),
                     threads=model.threads,
                     symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize,
-                    accuracy=model.accuracy.model_dump(), link=model.link)
+                    accuracy=model.accuracy.model_dump(), link=model.link,
+                    calibration=model.calibration.model_dump())
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
     return dag, planned
@@ -138,7 +139,11 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
     from . import pipeline
 
     with _located(spec, model):
-        graph = pipeline.import_any(model.source, dict(model.inputs))
+        source = model.source
+        if model.precision in pipeline.CALIBRATED:
+            source = pipeline.calibrated_source(source, dict(model.inputs), model.precision,
+                                                model.calibration.model_dump())
+        graph = pipeline.import_any(source, dict(model.inputs))
         report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
                              _tensors(graph, graph.outputs), graph.op_counts())
         # A precision not built yet is reported per target below (as the build refuses it).

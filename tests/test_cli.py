@@ -239,7 +239,8 @@ def test_check_reports_an_unsupported_op(tmp_path, capsys):
 @pytest.mark.parametrize("changes, refused", [
     ({"targets": "[native, cuda-sm90]", "precision": "bf16"},
      "target 'cuda-sm90', precision 'bf16': precision 'bf16' is not supported yet for CUDA targets"),
-    ({"precision": "int8"}, "target 'native', precision 'int8': precision 'int8' is not supported yet"),
+    ({"targets": "[native, cuda-sm90]", "precision": "int8"},
+     "target 'cuda-sm90', precision 'int8': precision 'int8' is not supported yet for CUDA targets"),
 ])
 def test_check_refuses_what_build_refuses(tmp_path, capsys, changes, refused):
     """cuvil.yaml accepts every target and precision the project plans; what `cuvil build` cannot

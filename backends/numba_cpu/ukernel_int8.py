@@ -109,6 +109,22 @@ def _const_f32(value: float, L: int = 16) -> str:
     return f"<{', '.join([f'float {float_ir(value)}'] * L)}>"
 
 
+def _requantise(ir: IRBuilder, y: str, zy: int, lo: int, hi: int, vf: str, vi: str) -> str:
+    """A 16-lane float32 `y` (already scaled) to the output's integers as onnxruntime rounds them:
+    round half to even, + zero point, clamped to [lo, hi]; returns the i32 vector."""
+    r = ir.tmp("r")
+    ir(f"{r} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
+    r2 = ir.tmp("r")
+    ir(f"{r2} = fadd {vf} {r}, {_const_f32(float(zy))}")
+    r3 = ir.tmp("r")
+    ir(f"{r3} = call {vf} @llvm.maxnum.v16f32({vf} {r2}, {vf} {_const_f32(float(lo))})")
+    r4 = ir.tmp("r")
+    ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
+    q = ir.tmp("q")
+    ir(f"{q} = fptosi {vf} {r4} to {vi}")
+    return q
+
+
 def int8_ukernel_ir(spec: Int8UKSpec, vector_bits: int = 512) -> str:
     """The LLVM IR (a module of one function named spec.name); needs AVX512-VNNI."""
     L = 16
@@ -230,16 +246,7 @@ def int8_ukernel_ir(spec: Int8UKSpec, vector_bits: int = 512) -> str:
                 ir(f"call void @llvm.masked.store.v16f32.p0({vf} {y}, ptr align 1 {p}, <16 x i1> {masks[v]})")
                 continue
             lo, hi = _RANGE[spec.out]
-            r = ir.tmp("r")
-            ir(f"{r} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
-            r2 = ir.tmp("r")
-            ir(f"{r2} = fadd {vf} {r}, {_const_f32(float(spec.zy))}")
-            r3 = ir.tmp("r")
-            ir(f"{r3} = call {vf} @llvm.maxnum.v16f32({vf} {r2}, {vf} {_const_f32(float(lo))})")
-            r4 = ir.tmp("r")
-            ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
-            q = ir.tmp("q")
-            ir(f"{q} = fptosi {vf} {r4} to {vi}")
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
             q8 = ir.tmp("q")
             ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
             ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {masks[v]})")
@@ -410,16 +417,7 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
             ir(f"{f} = sitofp {vi} {x} to {vf}")
             y = ir.tmp("y")
             ir(f"{y} = fmul {vf} {f}, {msplat}")
-            r = ir.tmp("r")
-            ir(f"{r} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
-            r2 = ir.tmp("r")
-            ir(f"{r2} = fadd {vf} {r}, {_const_f32(float(spec.zy))}")
-            r3 = ir.tmp("r")
-            ir(f"{r3} = call {vf} @llvm.maxnum.v16f32({vf} {r2}, {vf} {_const_f32(float(lo))})")
-            r4 = ir.tmp("r")
-            ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
-            q = ir.tmp("q")
-            ir(f"{q} = fptosi {vf} {r4} to {vi}")
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
             packed = ir.tmp("qc")   # compressed in a register: a compress store to memory is microcoded on Zen 4
             ir(f"{packed} = call {vi} @llvm.experimental.vector.compress.v16i32({vi} {q}, <16 x i1> {masks[v]}, "
                f"{vi} poison)")
@@ -548,16 +546,7 @@ def int8_dw_ir(spec: Int8DwSpec, vector_bits: int = 512) -> str:
         ir(f"{f} = sitofp {vi} {acc} to {vf}")
         y = ir.tmp("y")
         ir(f"{y} = fmul {vf} {f}, {msplat}")
-        r1 = ir.tmp("r")
-        ir(f"{r1} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
-        r2 = ir.tmp("r")
-        ir(f"{r2} = fadd {vf} {r1}, {_const_f32(float(spec.zy))}")
-        r3 = ir.tmp("r")
-        ir(f"{r3} = call {vf} @llvm.maxnum.v16f32({vf} {r2}, {vf} {_const_f32(float(lo))})")
-        r4 = ir.tmp("r")
-        ir(f"{r4} = call {vf} @llvm.minnum.v16f32({vf} {r3}, {vf} {_const_f32(float(hi))})")
-        q = ir.tmp("q")
-        ir(f"{q} = fptosi {vf} {r4} to {vi}")
+        q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
         q8 = ir.tmp("q")
         ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
         # lanes left: npos - base (masked store of the first ones)

@@ -89,23 +89,35 @@ def header(prefix: str, model_name: str, info: dict) -> str:
     return "\n".join(lines)
 
 
-def _pointer(name, graph, plan, weights_offsets, input_index, output_index):
+def storage(name, plan, weights_offsets, input_index, output_index) -> tuple[str, int]:
+    """Where a value lives, following the memory plan's aliases: ("output" | "input", its index)
+    or ("weights" | "shared" | "arena", its byte offset). Both drivers (this one and
+    driver_cuda.py) spell the place in their own C."""
     if name in output_index:
-        return f"outputs[{output_index[name]}]"
+        return "output", output_index[name]
     root = name
     while root in plan.alias:
         root = plan.alias[root]
         if root in output_index:
-            return f"outputs[{output_index[root]}]"
+            return "output", output_index[root]
     if root in input_index:
-        return f"(void*)inputs[{input_index[root]}]"
+        return "input", input_index[root]
     if root in weights_offsets:
-        return f"(void*)(W + {weights_offsets[root]})"
+        return "weights", weights_offsets[root]
     if root in plan.shared:
-        return f"(void*)(shared_block + {plan.shared[root]})"
+        return "shared", plan.shared[root]
     if root in plan.offsets:
-        return f"(void*)(A + {plan.offsets[root]})"
+        return "arena", plan.offsets[root]
     raise AssertionError(f"value {name!r} has no storage")
+
+
+_PLACES = {"output": "outputs[{}]", "input": "(void*)inputs[{}]", "weights": "(void*)(W + {})",
+           "shared": "(void*)(shared_block + {})", "arena": "(void*)(A + {})"}
+
+
+def _pointer(name, graph, plan, weights_offsets, input_index, output_index):
+    kind, where = storage(name, plan, weights_offsets, input_index, output_index)
+    return _PLACES[kind].format(where)
 
 
 # Where CPUID reports each feature backends/targets.py CHECKED_FEATURES names: (leaf, subleaf,

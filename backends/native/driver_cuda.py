@@ -15,7 +15,7 @@ import json
 
 from backends.schedule import KernelCall, View
 
-from .driver import ABI_VERSION, ERROR_CODES, c_string
+from .driver import ABI_VERSION, ERROR_CODES, c_string, storage
 
 CUDA_ERROR_CODES = {**ERROR_CODES, "ERR_DEVICE": 4}
 
@@ -76,22 +76,15 @@ CU_STREAM_NON_BLOCKING = 1
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 
 
-def _pointer(name, plan, weights_offsets, input_index, output_index, io="s->d_io"):
+_PLACES = {"output": "OUT({})", "input": "IN({})", "weights": "(s->d_weights + {})", "arena": "(s->d_arena + {})"}
+
+
+def _pointer(name, plan, weights_offsets, input_index, output_index):
     """The device address of a value, as a C expression of type uint64_t."""
-    if name in output_index:
-        return f"OUT({output_index[name]})"
-    root = name
-    while root in plan.alias:
-        root = plan.alias[root]
-        if root in output_index:
-            return f"OUT({output_index[root]})"
-    if root in input_index:
-        return f"IN({input_index[root]})"
-    if root in weights_offsets:
-        return f"(s->d_weights + {weights_offsets[root]})"
-    if root in plan.offsets:
-        return f"(s->d_arena + {plan.offsets[root]})"
-    raise ValueError(f"value {name!r} has no storage")
+    kind, where = storage(name, plan, weights_offsets, input_index, output_index)
+    if kind not in _PLACES:   # a CUDA plan has no host-side shared block
+        raise ValueError(f"value {name!r} has no storage on the device ({kind})")
+    return _PLACES[kind].format(where)
 
 
 def generate(graph, schedule, plan, weights_offsets, weights_bytes: int, info: dict, prefix: str,

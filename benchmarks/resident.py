@@ -30,15 +30,11 @@ IMAGE = (1, 3, 224, 224)
 
 def peak_rss_mb(library: Path, runs: int) -> tuple[float, float]:
     """(peak RSS in MB, median ms per run) of the C program running `library`."""
-    from cuvil.bench import _info, harness
-    info = _info(library)
-    size = lambda v: int(np.prod(v["shape"], dtype=np.int64)) * np.dtype(v["dtype"]).itemsize
-    args = [str(harness()), str(library), info.get("symbol_prefix", "cuvil_"), str(runs), "1"]
-    args += [str(len(info["inputs"]))] + [str(size(v)) for v in info["inputs"]]
-    args += [str(len(info["outputs"]))] + [str(size(v)) for v in info["outputs"]]
-    result = subprocess.run(args, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"{library}: the C program failed ({result.returncode}): {result.stderr.strip()}")
+    from cuvil.bench import run_harness
+    try:
+        result = run_harness(library, runs, warmup=1)
+    except subprocess.CalledProcessError as error:
+        raise SystemExit(f"{library}: the C program failed ({error.returncode}): {error.stderr.strip()}") from None
     # VmHWM, the peak of this process's own memory map: a fork's ru_maxrss would count the pages
     # of the Python process it was forked from (Linux keeps the high-water mark across exec)
     hwm = next(int(line.split()[1]) for line in result.stderr.splitlines() if line.startswith("VmHWM:"))

@@ -128,16 +128,21 @@ def _info(lib: Path) -> dict:
     return Library(lib).info
 
 
-def time_library(lib, runs: int = 100, warmup: int = 10, info: dict | None = None) -> list[float]:
-    """Seconds per call of session_run, measured in C."""
+def run_harness(lib, runs: int = 100, warmup: int = 10, info: dict | None = None) -> subprocess.CompletedProcess:
+    """The C timing program run on `lib`: stdout has the nanoseconds of each timed call, stderr
+    the process's peak resident memory (VmHWM) as it ends. Raises CalledProcessError if it fails."""
     lib = Path(lib).resolve()
     info = info or _info(lib)
     size = lambda v: int(np.prod(v["shape"], dtype=np.int64)) * np.dtype(v["dtype"]).itemsize
     args = [str(harness()), str(lib), info.get("symbol_prefix", "cuvil_"), str(runs), str(warmup)]
     args += [str(len(info["inputs"]))] + [str(size(v)) for v in info["inputs"]]
     args += [str(len(info["outputs"]))] + [str(size(v)) for v in info["outputs"]]
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    return [float(line) * 1e-9 for line in out.split()]
+    return subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+def time_library(lib, runs: int = 100, warmup: int = 10, info: dict | None = None) -> list[float]:
+    """Seconds per call of session_run, measured in C."""
+    return [float(line) * 1e-9 for line in run_harness(lib, runs, warmup, info).stdout.split()]
 
 
 # The timing processes: each reads a JSON job on argv, prints a JSON list of seconds. A worker

@@ -148,6 +148,16 @@ def _add_function_attributes(ir: str, attrs: str) -> str:
     return ir
 
 
+def void_wrapper(ir: str) -> str:
+    """Numba's cfunc wrapper of a `void(...)` signature returns a null pointer; the driver declares
+    the kernel void. x86-64 and AArch64 ignore the register it leaves, but a WebAssembly call must
+    match the callee's type exactly (wasm-ld links a mismatch to a trap): the wrapper returns void."""
+    def fix(match):
+        return match.group(1) + "void" + match.group(2) + re.sub(r"^(\s*)ret ptr [^\n]*$", r"\1ret void",
+                                                                  match.group(3), flags=re.M)
+    return re.sub(r"^(define )ptr( @\"?cfunc\.[^\n]*\{\n)(.*?^\})", fix, ir, count=1, flags=re.M | re.S)
+
+
 def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> bytes:
     """Optimise kernel IR for `target` and emit an object file (ELF; COFF for Windows) exporting only
     `symbol` (hidden).
@@ -159,6 +169,8 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     # Numba's cfunc wrapper calls the kernel body through a noinline call site; the body is
     # inlined instead (see alwaysinline below).
     ir = re.sub(r"^(attributes #\d+ = \{.*?)\bnoinline\b", r"\1 nounwind", ir, flags=re.M)
+    if target.arch == "wasm32":
+        ir = void_wrapper(ir)
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
         kind = getattr(spec, "kind", "")

@@ -347,8 +347,11 @@ class WasmModule:
         self.memory = self.exports["memory"]
 
     def call(self, name: str, *args):
-        return self.exports[self.described.prefix + name if name.startswith(("session_", "abi_", "model_"))
-                            else name](self.store, *args)
+        """Call an exported function: a C ABI one by its name without the prefix ("session_run"),
+        or malloc / free."""
+        from backends.native.link import WASM_HOST_EXPORTS
+        export = name if name in WASM_HOST_EXPORTS else self.described.prefix + name
+        return self.exports[export](self.store, *args)
 
     def malloc(self, nbytes: int) -> int:
         pointer = self.call("malloc", max(int(nbytes), 1))

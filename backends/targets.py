@@ -134,8 +134,10 @@ CROSS_TOOLCHAINS = {
                                 (), "wasmtime (pip install wasmtime)"),
 }
 
-# What a wasm32 link needs beside clang: the linker clang runs, wasi-libc, compiler-rt's builtins.
-WASM_LINK_PARTS = (("wasm-ld", "lld"), ("/usr/lib/wasm32-wasi/libc.a", "wasi-libc"))
+# What a wasm32 link needs beside clang: the linker clang runs, wasi-libc, compiler-rt's builtins
+# (a path pattern: the one of Debian's clang).
+WASM_LINK_PARTS = (("wasm-ld", "lld"), ("/usr/lib/wasm32-wasi/libc.a", "wasi-libc"),
+                   ("/usr/lib/llvm-*/lib/clang/*/lib/wasi/libclang_rt.builtins-wasm32.a", "libclang-rt-14-dev-wasm32"))
 
 
 def cc_variable(triple: str) -> str:
@@ -165,9 +167,10 @@ def c_compiler(target) -> str:
 
 def wasm_link_problem() -> str | None:
     """What a wasm32 link lacks beside clang (the linker, the C library), naming its Debian package; or None."""
+    import glob
     import shutil
     for part, package in WASM_LINK_PARTS:
-        if not (Path(part).is_file() if part.startswith("/") else shutil.which(part)):
+        if not (glob.glob(part) if part.startswith("/") else shutil.which(part)):
             return f"{part} (Debian package {package}), which is not installed"
     return None
 

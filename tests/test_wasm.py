@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -224,3 +225,30 @@ def test_mobilenet_v2_at_224_in_wasmtime(tmp_path):
     zoo = _zoo()
     model = zoo.export(zoo.mobilenet_v2(), {"input": (1, 3, 224, 224)})
     check_against_ort(model, {"input": zoo.sample_input((1, 3, 224, 224))}, tmp_path)
+
+
+NODE_PROGRAM = """import { readFileSync } from "node:fs";
+const { instance } = await WebAssembly.instantiate(readFileSync(process.argv[2]));
+const m = instance.exports, input = new Float32Array(readFileSync(process.argv[3]).buffer);
+const x = m.malloc(input.byteLength), out = m.malloc(10 * 4), table = m.malloc(8);
+new Float32Array(m.memory.buffer, x, input.length).set(input);
+new Uint32Array(m.memory.buffer, table, 2).set([x, out]);   // const void* inputs[1], void* outputs[1]
+const s = m.cuvil_session_create();
+if (m.cuvil_session_run(s, table, table + 4) !== 0) throw new Error("cuvil: run failed");
+process.stdout.write(Buffer.from(new Float32Array(m.memory.buffer, out, 10).slice().buffer));
+"""
+
+
+@needs_wasm
+@pytest.mark.skipif(shutil.which("node") is None, reason="node (Node.js) is not installed")
+def test_example_runs_in_node(tmp_path):
+    """Another engine (V8, as in Chrome) runs the same module with no import object: the README's
+    JavaScript, reading a raw input file and writing the output's bytes."""
+    artifacts = build(EXAMPLE, {"input": [1, 3, 32, 32]}, tmp_path / "out", name="tiny_cnn")
+    feeds = {"input": np.random.default_rng(5).standard_normal((1, 3, 32, 32)).astype(np.float32)}
+    (tmp_path / "in.bin").write_bytes(feeds["input"].tobytes())
+    (tmp_path / "run.mjs").write_text(NODE_PROGRAM)
+    result = subprocess.run(["node", str(tmp_path / "run.mjs"), str(artifacts.library), str(tmp_path / "in.bin")],
+                            capture_output=True, check=True)
+    got = np.frombuffer(result.stdout, np.float32).reshape(1, 10)
+    assert_close({"probs": got}, run_ort(onnx.load(EXAMPLE), feeds))

@@ -345,6 +345,7 @@ class WasmModule:
         # imports nothing (backends/native/driver.py WASM_PRELUDE): an empty import list
         self.exports = wasmtime.Instance(self.store, module, []).exports(self.store)
         self.memory = self.exports["memory"]
+        self.exports["_initialize"](self.store)   # a WASI reactor: its constructors, once (link.py LDFLAGS_WASM)
 
     def call(self, name: str, *args):
         """Call an exported function: a C ABI one by its name without the prefix ("session_run"),

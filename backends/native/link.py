@@ -151,10 +151,13 @@ def run_scons(build_dir: Path) -> None:
 WASM_TARGET_FLAG = "--target=wasm32-wasi"
 CFLAGS_WASM = [WASM_TARGET_FLAG, "-msimd128", "-O2", "-fvisibility=hidden", "-fno-ident", "-g0", "-std=c11", "-Wall",
                "-Wno-unused-function", "-Wno-unused-const-variable"]
-# A module, not a program: no _start (-nostartfiles, --no-entry); only the C ABI and the allocator
-# the host puts the tensors in are exported (what else is unreachable goes: --gc-sections); the
-# stack (1 MiB) first in memory, so that an overflow traps instead of overwriting the weights.
-LDFLAGS_WASM = [WASM_TARGET_FLAG, "-nostartfiles", "-Wl,--no-entry", "-Wl,--gc-sections", "-Wl,--stack-first",
+# A library module, not a program: a WASI "reactor" (no _start; `_initialize`, which the host calls
+# once before anything else, runs the C library's constructors), not a "command", whose every
+# export wasm-ld wraps to run the constructors before and the exit handlers after each call. Only
+# the C ABI and the allocator the host puts the tensors in are exported (what else is unreachable
+# goes: --gc-sections); the stack (1 MiB) first in memory, so that an overflow traps instead of
+# overwriting the weights.
+LDFLAGS_WASM = [WASM_TARGET_FLAG, "-mexec-model=reactor", "-Wl,--gc-sections", "-Wl,--stack-first",
                 "-Wl,-z,stack-size=1048576"]
 ABI_FUNCTIONS = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy")
 # Beside the C ABI a module exports malloc and free: the host has no other way to get memory
@@ -163,7 +166,7 @@ WASM_HOST_EXPORTS = ("malloc", "free")
 
 
 def wasm_exports(prefix: str) -> list[str]:
-    """The functions a wasm32 module exports (with its memory, "memory")."""
+    """The functions a wasm32 module exports besides its memory ("memory") and `_initialize`."""
     return [prefix + f for f in ABI_FUNCTIONS] + list(WASM_HOST_EXPORTS)
 
 

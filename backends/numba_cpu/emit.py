@@ -158,6 +158,23 @@ def void_wrapper(ir: str) -> str:
     return re.sub(r"^(define )ptr( @\"?cfunc\.[^\n]*\{\n)(.*?^\})", fix, ir, count=1, flags=re.M | re.S)
 
 
+# WebAssembly's floating point differs from x86's and Arm's in two places that LLVM otherwise
+# lowers, lane by lane, to calls of wasi-libc's software routines (the example's conv made 512
+# fmaxf calls; its run took 6.5x longer with the fmaf calls):
+# - no fused multiply-add: llvm.fmuladd lets it multiply and add (two roundings) instead;
+# - f32.max / f32x4.max return NaN when an operand is NaN (IEEE 754-2019 maximum) where
+#   llvm.maxnum returns the other operand: the kernels' max and min (ReLU, clamps, max pooling)
+#   become llvm.maximum / llvm.minimum, which propagate a NaN instead of dropping it.
+WASM_INTRINSICS = {"@llvm.fma.": "@llvm.fmuladd.", "@llvm.maxnum.": "@llvm.maximum.", "@llvm.minnum.": "@llvm.minimum."}
+
+
+def wasm_intrinsics(ir: str) -> str:
+    """The kernel IR with WASM_INTRINSICS' replacements."""
+    for old, new in WASM_INTRINSICS.items():
+        ir = ir.replace(old, new)
+    return ir
+
+
 def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> bytes:
     """Optimise kernel IR for `target` and emit an object file (ELF; COFF for Windows) exporting only
     `symbol` (hidden).
@@ -204,6 +221,8 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     if target.features:
         attrs += f' "target-features"="{target.features}"'
     text = str(module)
+    if target.arch == "wasm32":
+        text = wasm_intrinsics(text)
     if target.arch != "x86_64" and "@llvm.x86." in text:
         # LLVM would abort the worker process on them; say which kernel instead
         raise ValueError(f"kernel {symbol}: x86 intrinsics in code for the {target.arch} target {target.name}")

@@ -176,6 +176,38 @@ def wasm_exports(data: bytes) -> list[str]:
     return names
 
 
+def wasm_function_names(data: bytes) -> list[str]:
+    """The function names of a WebAssembly module's "name" section (its debug names: the C library's
+    functions a module links show there), in index order; [] when it has none."""
+    at = 8
+    try:
+        while at < len(data):
+            section, at = data[at], at + 1
+            size, at = _leb128(data, at)
+            end = at + size
+            if section == 0:
+                length, k = _leb128(data, at)
+                if data[k:k + length] == b"name":
+                    k += length
+                    while k < end:
+                        sub, k = data[k], k + 1
+                        sub_size, k = _leb128(data, k)
+                        if sub == 1:
+                            count, k = _leb128(data, k)
+                            names = []
+                            for _ in range(count):
+                                _, k = _leb128(data, k)
+                                length, k = _leb128(data, k)
+                                names.append(data[k:k + length].decode("utf-8", "replace"))
+                                k += length
+                            return names
+                        k += sub_size
+            at = end
+    except IndexError:
+        pass
+    return []
+
+
 def wasm_prefix(data: bytes, path: Path) -> str:
     """The symbol prefix of a wasm32 module built by cuvil: the name before `abi_version` in its exports."""
     candidates = sorted(name[: -len("abi_version")] for name in wasm_exports(data) if name.endswith("abi_version"))

@@ -266,3 +266,38 @@ def test_example_runs_in_node(tmp_path):
                             capture_output=True, check=True)
     got = np.frombuffer(result.stdout, np.float32).reshape(1, 10)
     assert_close({"probs": got}, run_ort(onnx.load(EXAMPLE), feeds))
+
+
+@needs_wasm
+def test_one_build_and_the_scons_tool_make_the_wasm_module_beside_the_native_library(tmp_path):
+    """`targets: [native, wasm32]` in one `cuvil build`; then the SCons tool's env.Cuvil declares the
+    module as <name>.wasm with its header and manifest (no pkg-config or CMake files), and a
+    second scons run has nothing to do."""
+    cache = os.environ["CUVIL_CACHE_DIR"]
+    (tmp_path / "cuvil.yaml").write_text(
+        "version: 1\noutput_dir: out\ncache: {dir: %s}\nmodels:\n  - name: tiny_cnn\n    source: %s\n"
+        "    inputs: {input: [1, 3, 32, 32]}\n    targets: [native, wasm32]\n" % (cache, EXAMPLE))
+    result = subprocess.run([os.sys.executable, "-m", "cuvil", "build", "-f", str(tmp_path / "cuvil.yaml")],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    module = tmp_path / "out/tiny_cnn/wasm32/tiny_cnn.wasm"
+    assert library_platform(tmp_path / "out/tiny_cnn/native/libtiny_cnn.so") == "x86_64-linux"
+    assert library_platform(module) == "wasm32"
+    feeds = {"input": np.random.default_rng(3).standard_normal((1, 3, 32, 32)).astype(np.float32)}
+    assert_close(run_emulated(module, feeds), run_ort(onnx.load(EXAMPLE), feeds))
+
+    (tmp_path / "scons").mkdir()
+    (tmp_path / "scons/cuvil.yaml").write_text((tmp_path / "cuvil.yaml").read_text().replace("[native, wasm32]",
+                                                                                             "[wasm32]"))
+    (tmp_path / "scons/SConstruct").write_text(
+        f'env = Environment(tools=["default", "cuvil"], toolpath=[{str(ROOT / "site_scons" / "site_tools")!r}])\n'
+        'env.Cuvil("cuvil.yaml")\n')
+    scons = [os.sys.executable, "-c", "import SCons.Script; SCons.Script.main()", "-Q"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    first = subprocess.run(scons, cwd=tmp_path / "scons", capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    built = tmp_path / "scons/out/tiny_cnn/wasm32"
+    assert sorted(p.name for p in built.iterdir()) == ["manifest.json", "tiny_cnn.h", "tiny_cnn.wasm"]
+    assert (built / "tiny_cnn.wasm").read_bytes() == module.read_bytes()
+    second = subprocess.run(scons, cwd=tmp_path / "scons", capture_output=True, text=True, env=env)
+    assert second.returncode == 0 and "is up to date" in second.stdout, second.stdout + second.stderr

@@ -175,6 +175,22 @@ def wasm_link_problem() -> str | None:
     return None
 
 
+# A wasm32 module's memory: 4 GiB of 32-bit addresses, less its stack and the C library's data.
+WASM32_MEMORY_BYTES = (4 << 30) - (16 << 20)
+
+
+def check_memory(target, weights_bytes: int, working_bytes: int, model: str = "") -> None:
+    """A wasm32 module holds its weights and every session's working memory in 4 GiB of linear memory
+    (memory64, 64-bit pointers, is not a target yet): a model that cannot fit one session is refused."""
+    if getattr(target, "triple", None) != WASM_TRIPLE or weights_bytes + working_bytes <= WASM32_MEMORY_BYTES:
+        return
+    where = f"model '{model}': " if model else ""
+    raise CuvilError(f"{where}{weights_bytes / 2**20:.0f} MiB of weights and {working_bytes / 2**20:.0f} MiB of working "
+                     f"memory do not fit in the 4 GiB memory of a wasm32 module",
+                     hint="build a smaller model or smaller input shapes for wasm32, or int4/int8 weights on a "
+                          "native target")
+
+
 def check_threads(target, threads: int, model: str = "") -> None:
     """wasm32 libraries run one thread: the module has no thread pool (WebAssembly threads need a
     shared memory and a host that starts the workers). More is refused, not clamped, so that a

@@ -301,3 +301,14 @@ def test_one_build_and_the_scons_tool_make_the_wasm_module_beside_the_native_lib
     assert (built / "tiny_cnn.wasm").read_bytes() == module.read_bytes()
     second = subprocess.run(scons, cwd=tmp_path / "scons", capture_output=True, text=True, env=env)
     assert second.returncode == 0 and "is up to date" in second.stdout, second.stdout + second.stderr
+
+
+def test_wasm32_refuses_a_model_over_its_4_gib_memory():
+    """Weights and a session's working memory share the module's 32-bit memory."""
+    from backends.targets import check_memory
+    check_memory(TARGETS["wasm32"], 3 << 30, 512 << 20)   # fits
+    check_memory(TARGETS["aarch64-linux"], 6 << 30, 1 << 30)   # a 64-bit target: no such limit
+    with pytest.raises(CuvilError) as error:
+        check_memory(TARGETS["wasm32"], 3 << 30, 1 << 30, model="big")
+    assert "model 'big': 3072 MiB of weights and 1024 MiB of working memory" in error.value.message
+    assert "4 GiB memory of a wasm32 module" in error.value.message

@@ -179,25 +179,23 @@ def wasm_link_problem() -> str | None:
 WASM32_MEMORY_BYTES = (4 << 30) - (16 << 20)
 
 
-def check_memory(target, weights_bytes: int, working_bytes: int, model: str = "") -> None:
+def check_memory(target, weights_bytes: int, working_bytes: int) -> None:
     """A wasm32 module holds its weights and every session's working memory in 4 GiB of linear memory
     (memory64, 64-bit pointers, is not a target yet): a model that cannot fit one session is refused."""
     if getattr(target, "triple", None) != WASM_TRIPLE or weights_bytes + working_bytes <= WASM32_MEMORY_BYTES:
         return
-    where = f"model '{model}': " if model else ""
-    raise CuvilError(f"{where}{weights_bytes / 2**20:.0f} MiB of weights and {working_bytes / 2**20:.0f} MiB of working "
+    raise CuvilError(f"{weights_bytes / 2**20:.0f} MiB of weights and {working_bytes / 2**20:.0f} MiB of working "
                      f"memory do not fit in the 4 GiB memory of a wasm32 module",
                      hint="build a smaller model or smaller input shapes for wasm32, or int4/int8 weights on a "
                           "native target")
 
 
-def check_threads(target, threads: int, model: str = "") -> None:
+def check_threads(target, threads: int) -> None:
     """wasm32 libraries run one thread: the module has no thread pool (WebAssembly threads need a
     shared memory and a host that starts the workers). More is refused, not clamped, so that a
     cuvil.yaml never says one thing and builds another."""
     if getattr(target, "triple", None) == WASM_TRIPLE and threads > 1:
-        where = f"model '{model}': " if model else ""
-        raise CuvilError(f"{where}threads: {threads} for target '{target.name}': a WebAssembly module runs one "
+        raise CuvilError(f"threads: {threads} for target '{target.name}': a WebAssembly module runs one "
                          f"thread (it has no thread pool)",
                          hint="set threads: 1 for this model, or build wasm32 in a model entry of its own")
 

@@ -236,7 +236,7 @@ def plan(graph, params: VariantParams) -> Planned:
     from backends.native.weights import pack_weights
     from backends.targets import check_memory, check_threads
 
-    check_threads(params.target, params.threads, params.name)
+    check_threads(params.target, params.threads)
     schedule = lower(graph, params.target, params.threads)
     weights, weight_offsets = pack_weights(graph, schedule)
     shared = shared_values(schedule)
@@ -248,7 +248,7 @@ def plan(graph, params: VariantParams) -> Planned:
         raise CuvilError(f"model '{params.name}': a session would need {arena.arena_bytes / 2**20:.1f} MiB of working "
                          f"memory, over the limit of {params.max_arena_mb} MiB",
                          hint="check the input shapes, or raise max_arena_mb in cuvil.yaml")
-    check_memory(params.target, len(weights), arena.arena_bytes + arena.shared_bytes, params.name)
+    check_memory(params.target, len(weights), arena.arena_bytes + arena.shared_bytes)
     return Planned(graph, schedule, weights, weight_offsets, arena, params.target)
 
 

@@ -156,9 +156,10 @@ CFLAGS_WASM = [WASM_TARGET_FLAG, "-msimd128", "-O2", "-fvisibility=hidden", "-fn
 # export wasm-ld wraps to run the constructors before and the exit handlers after each call. Only
 # the C ABI and the allocator the host puts the tensors in are exported (what else is unreachable
 # goes: --gc-sections); the stack (1 MiB) first in memory, so that an overflow traps instead of
-# overwriting the weights.
-LDFLAGS_WASM = [WASM_TARGET_FLAG, "-mexec-model=reactor", "-Wl,--gc-sections", "-Wl,--stack-first",
-                "-Wl,-z,stack-size=1048576"]
+# overwriting the weights. Debian's wasi-libc carries DWARF (43 KB of the example's 136 KB module):
+# --strip-debug drops it and keeps the "name" section (function names in a trap's backtrace).
+LDFLAGS_WASM = [WASM_TARGET_FLAG, "-mexec-model=reactor", "-Wl,--gc-sections", "-Wl,--strip-debug",
+                "-Wl,--stack-first", "-Wl,-z,stack-size=1048576"]
 ABI_FUNCTIONS = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy")
 # Beside the C ABI a module exports malloc and free: the host has no other way to get memory
 # inside the module for the input and output tensors and the pointer arrays (and its memory).

@@ -1,5 +1,6 @@
-"""How fast a wasm32 module runs in wasmtime against the same model's native cuvil library and
-onnxruntime, one thread each (docs/cross.md).
+"""How fast a wasm32 module runs in wasmtime against the same model's native cuvil libraries (this
+CPU's target, and `generic`: SSE2, 4-float vectors and no FMA, as SIMD128) and onnxruntime, one
+thread each (docs/cross.md).
 
     python benchmarks/wasm_speed.py [--models tiny_cnn resnet18] [--runs 30]
 
@@ -89,23 +90,26 @@ def main() -> None:
     from cuvil.build import VariantSpec, build_variant
     from cuvil.cache import Cache, default_cache_dir
     cache = Cache(default_cache_dir())
-    print("| model | wasm32 in wasmtime | cuvil native | onnxruntime | wasm32 / native | wasm32 / onnxruntime |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | wasm32 in wasmtime | cuvil native | cuvil generic | onnxruntime | wasm32 / native | "
+          "wasm32 / generic | wasm32 / onnxruntime |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, source, shapes in models(args.models):
             onnx_path = Path(tmp) / f"{name}.onnx"
             onnx_path.write_bytes(source)
             paths = {"onnxruntime": onnx_path}
-            for engine, target in (("wasmtime", "wasm32"), ("cuvil", "native")):
-                paths[engine] = build_variant(VariantSpec(name, source, shapes, target=target),
-                                              Path(tmp) / f"{name}-{target}", cache).library
+            for key, target in (("wasm32", "wasm32"), ("native", "native"), ("generic", "generic")):
+                paths[key] = build_variant(VariantSpec(name, source, shapes, target=target),
+                                           Path(tmp) / f"{name}-{target}", cache).library
             ms = {}
-            for engine, path in paths.items():
+            for key, path in paths.items():
+                engine = {"wasm32": "wasmtime", "native": "cuvil", "generic": "cuvil"}.get(key, key)
                 out = subprocess.run([sys.executable, __file__, "--runs", str(args.runs), "--worker", engine, str(path),
                                       json.dumps(shapes)], capture_output=True, text=True, check=True)
-                ms[engine] = float(out.stdout.strip().splitlines()[-1])
-            print(f"| {name} | {ms['wasmtime']:.3f} ms | {ms['cuvil']:.3f} ms | {ms['onnxruntime']:.3f} ms | "
-                  f"{ms['wasmtime'] / ms['cuvil']:.2f} | {ms['wasmtime'] / ms['onnxruntime']:.2f} |", flush=True)
+                ms[key] = float(out.stdout.strip().splitlines()[-1])
+            wasm = ms["wasm32"]
+            print(f"| {name} | {wasm:.3f} ms | {ms['native']:.3f} ms | {ms['generic']:.3f} ms | {ms['onnxruntime']:.3f} ms"
+                  f" | {wasm / ms['native']:.2f} | {wasm / ms['generic']:.2f} | {wasm / ms['onnxruntime']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

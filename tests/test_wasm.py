@@ -175,6 +175,10 @@ def test_example_runs_in_wasmtime_and_is_reproducible(tmp_path):
                              text=True, cwd=ROOT)
     assert inspect.returncode == 0, inspect.stderr
     assert f"target     wasm32 (cpu generic +simd128), {WASM_TRIPLE}" in inspect.stdout
+    # the header is valid C for the target's compiler (a host written in C and compiled to wasm32)
+    (tmp_path / "app.c").write_text('#include "tiny_cnn.h"\nint ok(void) { return tc_abi_version() == TC_ABI_VERSION; }\n')
+    subprocess.run([c_compiler(TARGETS["wasm32"]), "--target=wasm32-wasi", "-std=c11", "-Wall", "-Werror",
+                    "-fsyntax-only", f"-I{module.parent}", str(tmp_path / "app.c")], check=True)
 
 
 @needs_wasm

@@ -179,6 +179,13 @@ def wasm_link_problem() -> str | None:
 WASM32_MEMORY_BYTES = (4 << 30) - (16 << 20)
 
 
+def data_layout(triple: str) -> str:
+    """LLVM's data layout of a triple (the pointer width and alignments the kernels are laid out by)."""
+    import llvmlite.binding as llvm
+    init_llvm()
+    return str(llvm.Target.from_triple(triple).create_target_machine().target_data)
+
+
 def check_memory(target, weights_bytes: int, working_bytes: int) -> None:
     """A wasm32 module holds its weights and every session's working memory in 4 GiB of linear memory
     (memory64, 64-bit pointers, is not a target yet): a model that cannot fit one session is refused."""

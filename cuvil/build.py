@@ -127,6 +127,9 @@ def _cpu_provenance(target: dict) -> dict:
     """A CPU target's machine in the provenance: its CPU and triple, and the features it names (not
     native's: those are this machine's, a long list; its cpu says as much)."""
     named = {"features": target["features"]} if target["features"] and target["name"] != "native" else {}
+    from backends.targets import WASM_TRIPLE, data_layout
+    if target["triple"] == WASM_TRIPLE:   # the pointer width is what a host must know of a wasm32 module
+        named.update(data_layout=data_layout(target["triple"]), vector_bits=target["vector_bits"])
     return {"cpu": target["cpu"], "triple": target["triple"], **named}
 
 

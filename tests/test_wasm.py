@@ -166,6 +166,7 @@ def test_example_runs_in_wasmtime_and_is_reproducible(tmp_path):
     # the description: in the manifest and in the module, read without running it
     manifest = json.loads(builds[0].manifest.read_text())
     assert manifest["target"] == "wasm32" and manifest["triple"] == WASM_TRIPLE and manifest["threads"] == 1
+    assert "-p:32:32" in manifest["data_layout"] and manifest["vector_bits"] == 128   # 32-bit pointers, SIMD128
     described = describe(module)
     assert described.platform == "wasm32" and described.prefix == "tc_" and described.info["triple"] == WASM_TRIPLE
     with pytest.raises(CuvilError, match="a library for wasm32") as error:

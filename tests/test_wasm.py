@@ -108,6 +108,19 @@ def test_wasm32_kernel_is_32_bit_and_returns_nothing():
     assert b"\x60\x04\x7f\x7f\x7e\x7e\x00" in obj
 
 
+def test_wasm32_kernels_get_no_x86_intrinsics_and_no_software_float():
+    """A kernel carrying an x86 intrinsic is refused by name (LLVM would abort the compile worker);
+    llvm.fma and llvm.maxnum, which WebAssembly has no instruction for, become fmuladd and maximum."""
+    from backends.numba_cpu.emit import emit_object, wasm_intrinsics
+    x86_only = ('define void @"cfunc.k"() {\n  call void @llvm.x86.sse2.pause()\n  ret void\n}\n'
+                "declare void @llvm.x86.sse2.pause()\n")
+    with pytest.raises(ValueError, match="kernel k1: x86 intrinsics in code for the wasm32 target wasm32"):
+        emit_object(x86_only, "k1", TARGETS["wasm32"])
+    ir = "call <4 x float> @llvm.fma.v4f32(...)\ncall float @llvm.maxnum.f32(...)\ncall float @llvm.minnum.f32(...)"
+    assert wasm_intrinsics(ir) == ("call <4 x float> @llvm.fmuladd.v4f32(...)\ncall float @llvm.maximum.f32(...)\n"
+                                   "call float @llvm.minimum.f32(...)")
+
+
 def test_wasm32_refuses_threads_and_other_link_modes():
     with pytest.raises(CuvilError) as error:
         build(EXAMPLE, {"input": [1, 3, 32, 32]}, Path("unused"), threads=4)

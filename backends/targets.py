@@ -197,6 +197,18 @@ def check_memory(target, weights_bytes: int, working_bytes: int) -> None:
                           "native target")
 
 
+def check_link(target, link: str, sanitize: bool) -> None:
+    """A wasm32 build makes the module (`link: shared`) without sanitizers (ASan and UBSan have no
+    WebAssembly runtime here): anything else is refused before anything is compiled."""
+    if getattr(target, "triple", None) != WASM_TRIPLE:
+        return
+    if link != "shared":
+        raise CuvilError(f"link: {link} is not supported for the wasm32 target", hint="link: shared builds <name>.wasm")
+    if sanitize:
+        raise CuvilError("sanitize: true is not supported for the wasm32 target",
+                         hint="check the driver with sanitize on a native target")
+
+
 def check_threads(target, threads: int) -> None:
     """wasm32 libraries run one thread: the module has no thread pool (WebAssembly threads need a
     shared memory and a host that starts the workers). More is refused, not clamped, so that a

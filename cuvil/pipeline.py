@@ -314,10 +314,7 @@ def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects
             raise CuvilError(f"model '{name}': link: {mode} is not supported for the Windows target",
                              hint="link: shared builds <name>.dll and its import library lib<name>.dll.a")
         tools.update(system="windows", import_library=f"lib{name}.dll.a", libs=("m", "pthread"))
-    if getattr(target, "system", "linux") == "wasm":   # <name>.wasm, linked by clang + wasm-ld
-        if mode != "shared" or sanitize:
-            raise CuvilError(f"model '{name}': link: {mode}{' with sanitize' if sanitize else ''} is not supported "
-                             f"for the wasm32 target", hint="link: shared builds <name>.wasm")
+    if getattr(target, "system", "linux") == "wasm":   # <name>.wasm, linked by clang + wasm-ld (targets.check_link)
         tools.update(system="wasm", libs=("m",))
     library = (target.library_file(name) if target is not None else f"lib{name}.so") if mode in ("shared", "both") else None
     archive = f"lib{name}.a" if mode in ("static", "both") else None

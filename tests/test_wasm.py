@@ -132,6 +132,10 @@ def test_wasm32_refuses_threads_and_other_link_modes():
     with pytest.raises(CuvilError) as error:
         build(EXAMPLE, {"input": [1, 3, 32, 32]}, Path("unused"), precision="bf16")
     assert "cross target 'wasm32'" in error.value.message
+    for options, refused in (({"link": "static"}, "link: static"), ({"sanitize": True}, "sanitize: true")):
+        with pytest.raises(CuvilError) as error:   # before anything is compiled
+            build(EXAMPLE, {"input": [1, 3, 32, 32]}, Path("unused"), **options)
+        assert f"{refused} is not supported for the wasm32 target" in error.value.message
 
 
 def test_missing_wasm_compiler_names_the_debian_packages(monkeypatch):

@@ -235,7 +235,8 @@ static int format_message(char* out, size_t size, const char* format, ...) {
 
 def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, threads: int,
              cpu_features: tuple = (), arch: str = "x86_64") -> str:
-    """The driver's C for `arch` ("x86_64" or "aarch64", the target's ISA). `cpu_features`: what the
+    """The driver's C for `arch` ("x86_64", "aarch64" or "wasm32", the target's ISA; wasm32: threads 1,
+    the WASM_PRELUDE). `cpu_features`: what the
     kernels' target may use (backends/targets.py required_features); session_create refuses a CPU
     without one (session_error(NULL) says which)."""
     if arch not in CPU_CHECKS:

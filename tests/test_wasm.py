@@ -292,25 +292,34 @@ def test_example_runs_in_node(tmp_path):
 
 @needs_wasm
 def test_one_build_and_the_scons_tool_make_the_wasm_module_beside_the_native_library(tmp_path):
-    """`targets: [native, wasm32]` in one `cuvil build`; then the SCons tool's env.Cuvil declares the
-    module as <name>.wasm with its header and manifest (no pkg-config or CMake files), and a
-    second scons run has nothing to do."""
+    """`targets: [native, aarch64-linux, wasm32, x86_64-windows]` (the README's) in one `cuvil build`,
+    the aarch64 and Windows ones where their cross compilers are installed; then the SCons tool's
+    env.Cuvil declares the module as <name>.wasm with its header and manifest (no pkg-config or
+    CMake files), and a second scons run has nothing to do."""
     cache = os.environ["CUVIL_CACHE_DIR"]
+    cross = {}   # target: (library, platform), where its cross compiler is installed (only built, not run)
+    if shutil.which("aarch64-linux-gnu-gcc") and Path("/usr/aarch64-linux-gnu").is_dir():
+        cross["aarch64-linux"] = ("libtiny_cnn.so", "aarch64-linux")
+    if shutil.which("x86_64-w64-mingw32-gcc"):
+        cross["x86_64-windows"] = ("tiny_cnn.dll", "x86_64-windows")
+    targets = ["native", *(t for t in cross if t == "aarch64-linux"), "wasm32", *(t for t in cross if t != "aarch64-linux")]
     (tmp_path / "cuvil.yaml").write_text(
         "version: 1\noutput_dir: out\ncache: {dir: %s}\nmodels:\n  - name: tiny_cnn\n    source: %s\n"
-        "    inputs: {input: [1, 3, 32, 32]}\n    targets: [native, wasm32]\n" % (cache, EXAMPLE))
+        "    inputs: {input: [1, 3, 32, 32]}\n    targets: [%s]\n" % (cache, EXAMPLE, ", ".join(targets)))
     result = subprocess.run([os.sys.executable, "-m", "cuvil", "build", "-f", str(tmp_path / "cuvil.yaml")],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     module = tmp_path / "out/tiny_cnn/wasm32/tiny_cnn.wasm"
     assert library_platform(tmp_path / "out/tiny_cnn/native/libtiny_cnn.so") == "x86_64-linux"
     assert library_platform(module) == "wasm32"
+    for target, (library, platform) in cross.items():
+        assert library_platform(tmp_path / "out/tiny_cnn" / target / library) == platform
     feeds = {"input": np.random.default_rng(3).standard_normal((1, 3, 32, 32)).astype(np.float32)}
     assert_close(run_emulated(module, feeds), run_ort(onnx.load(EXAMPLE), feeds))
 
     (tmp_path / "scons").mkdir()
-    (tmp_path / "scons/cuvil.yaml").write_text((tmp_path / "cuvil.yaml").read_text().replace("[native, wasm32]",
-                                                                                             "[wasm32]"))
+    (tmp_path / "scons/cuvil.yaml").write_text((tmp_path / "cuvil.yaml").read_text().replace(
+        f"[{', '.join(targets)}]", "[wasm32]"))
     (tmp_path / "scons/SConstruct").write_text(
         f'env = Environment(tools=["default", "cuvil"], toolpath=[{str(ROOT / "site_scons" / "site_tools")!r}])\n'
         'env.Cuvil("cuvil.yaml")\n')

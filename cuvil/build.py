@@ -236,8 +236,9 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     if spec.link not in LINK_MODES:
         raise CuvilError(f"model '{spec.name}': unknown link {spec.link!r}", hint=f"one of: {', '.join(LINK_MODES)}")
     target = pipeline.resolve_variant_target(spec.target, spec.precision)
-    from backends.targets import check_link
-    check_link(target, spec.link, spec.sanitize)
+    from backends.targets import check_link, check_threads
+    check_link(target, spec.link, spec.sanitize)   # before anything is compiled (and before the C compiler is looked for)
+    check_threads(target, spec.threads)
     pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options,
                                                   spec.precision, gpu=pipeline.is_gpu(target))
     model_bytes, kind = pipeline.read_source(spec.source)

@@ -4,12 +4,12 @@ LLVM is told the CPU and features explicitly (never "whatever this machine
 is", except for `native`), and AVX-512 targets ask for 512-bit vectors: LLVM's
 default on AVX-512 CPUs is to prefer 256-bit ones.
 
-Cross targets (`aarch64-linux`, `aarch64-neon-fp16-dotprod`, `x86_64-windows`)
-are built on this x86-64 Linux machine for another one: their triple picks
-LLVM's backend and object format for the kernels, and their C compiler
-(CROSS_TOOLCHAINS: a Debian cross gcc, MinGW-w64) compiles the driver and links
-the library. Their libraries cannot be loaded here; they run on their machine,
-or under qemu-user / Wine (cuvil/cross.py).
+Cross targets (`aarch64-linux`, `aarch64-neon-fp16-dotprod`, `x86_64-windows`,
+`wasm32`) are built on this x86-64 Linux machine for another one: their triple
+picks LLVM's backend and object format for the kernels, and their C compiler
+(CROSS_TOOLCHAINS: a Debian cross gcc, MinGW-w64, clang + wasm-ld) compiles the
+driver and links the library. Their libraries cannot be loaded here; they run on
+their machine, or under qemu-user / Wine / wasmtime (cuvil/cross.py).
 """
 from __future__ import annotations
 
@@ -41,12 +41,13 @@ class CpuTarget:
 
     @property
     def system(self) -> str:
-        """The operating system, from the triple: "linux" or "windows"."""
-        return "windows" if "-windows" in self.triple else "linux"
+        """The operating system, from the triple: "linux", "windows", or "wasm" (a WebAssembly module,
+        run by an engine such as wasmtime or a browser)."""
+        return "windows" if "-windows" in self.triple else "wasm" if self.arch == "wasm32" else "linux"
 
     def library_file(self, name: str) -> str:
-        """The shared library's file name: lib<name>.so, or <name>.dll on Windows."""
-        return f"{name}.dll" if self.system == "windows" else f"lib{name}.so"
+        """The shared library's file name: lib<name>.so, <name>.dll on Windows, <name>.wasm for wasm32."""
+        return {"windows": f"{name}.dll", "wasm": f"{name}.wasm"}.get(self.system, f"lib{name}.so")
 
     @property
     def is_cross(self) -> bool:
@@ -66,6 +67,9 @@ class CpuTarget:
 _TRIPLE = "x86_64-unknown-linux-gnu"
 _AARCH64 = "aarch64-unknown-linux-gnu"
 _WINDOWS = "x86_64-pc-windows-gnu"
+# WebAssembly, 32-bit linear memory: the C library is wasi-libc's, linked in whole (the module
+# imports nothing; see WASM_TOOLCHAIN).
+WASM_TRIPLE = "wasm32-unknown-wasi"
 
 TARGETS = {
     "generic": CpuTarget("generic", _TRIPLE, "x86-64", "", 128, ("-march=x86-64",)),
@@ -86,6 +90,10 @@ TARGETS = {
                                            ("-march=armv8.2-a+fp16+dotprod",)),
     # 64-bit Windows: a DLL for any x86-64 CPU (the `generic` target's code), built with MinGW-w64.
     "x86_64-windows": CpuTarget("x86_64-windows", _WINDOWS, "x86-64", "", 128, ("-march=x86-64",)),
+    # WebAssembly with SIMD128 (4-float vectors; every current browser engine and wasmtime has it),
+    # 32-bit pointers, one thread. LLVM's "generic" wasm CPU also enables bulk-memory (memcpy and
+    # memset as instructions), sign-ext, mutable globals, non-trapping float-to-int and multivalue.
+    "wasm32": CpuTarget("wasm32", WASM_TRIPLE, "generic", "+simd128", 128, ("-msimd128",)),
 }
 
 
@@ -119,7 +127,17 @@ CROSS_TOOLCHAINS = {
     # Debian's wine64 package installs its loader outside PATH; the `wine` package adds `wine`.
     _WINDOWS: CrossToolchain("x86_64-w64-mingw32-gcc", "gcc-mingw-w64-x86-64", "/usr/x86_64-w64-mingw32",
                              ("wine", "wine64", "/usr/lib/wine/wine64"), "wine64"),
+    # wasm32: clang compiles the driver, wasm-ld (Debian's lld) links it with the kernels and
+    # wasi-libc's libc.a and libm.a (memcpy, malloc, expf...) into a module that imports nothing.
+    # No emulator: wasmtime's Python API runs the module (cuvil/cross.py run_wasm).
+    WASM_TRIPLE: CrossToolchain("clang", "clang lld wasi-libc libclang-rt-14-dev-wasm32", "/usr/lib/wasm32-wasi",
+                                (), "wasmtime (pip install wasmtime)"),
 }
+
+# What a wasm32 link needs beside clang: the linker clang runs, wasi-libc, compiler-rt's builtins
+# (a path pattern: the one of Debian's clang).
+WASM_LINK_PARTS = (("wasm-ld", "lld"), ("/usr/lib/wasm32-wasi/libc.a", "wasi-libc"),
+                   ("/usr/lib/llvm-*/lib/clang/*/lib/wasi/libclang_rt.builtins-wasm32.a", "libclang-rt-14-dev-wasm32"))
 
 
 def cc_variable(triple: str) -> str:
@@ -142,7 +160,63 @@ def c_compiler(target) -> str:
         raise CuvilError(f"target '{target.name}' needs the C cross compiler '{cc}', which is not installed",
                          hint=f"install it: apt-get install {toolchain.package} (or set "
                               f"{cc_variable(target.triple)} to another {target.arch} C compiler)")
+    if target.triple == WASM_TRIPLE and (missing := wasm_link_problem()):
+        raise CuvilError(f"target '{target.name}' needs {missing}", hint=f"install it: apt-get install {toolchain.package}")
     return cc
+
+
+def wasm_link_problem() -> str | None:
+    """What a wasm32 link lacks beside clang (the linker, the C library), naming its Debian package; or None."""
+    import glob
+    import shutil
+    for part, package in WASM_LINK_PARTS:
+        if not (glob.glob(part) if part.startswith("/") else shutil.which(part)):
+            return f"{part} (Debian package {package}), which is not installed"
+    return None
+
+
+# A wasm32 module's memory: 4 GiB of 32-bit addresses, less its stack and the C library's data.
+WASM32_MEMORY_BYTES = (4 << 30) - (16 << 20)
+
+
+def data_layout(triple: str) -> str:
+    """LLVM's data layout of a triple (the pointer width and alignments the kernels are laid out by)."""
+    import llvmlite.binding as llvm
+    init_llvm()
+    return str(llvm.Target.from_triple(triple).create_target_machine().target_data)
+
+
+def check_memory(target, weights_bytes: int, working_bytes: int) -> None:
+    """A wasm32 module holds its weights and every session's working memory in 4 GiB of linear memory
+    (memory64, 64-bit pointers, is not a target yet): a model that cannot fit one session is refused."""
+    if getattr(target, "triple", None) != WASM_TRIPLE or weights_bytes + working_bytes <= WASM32_MEMORY_BYTES:
+        return
+    raise CuvilError(f"{weights_bytes / 2**20:.0f} MiB of weights and {working_bytes / 2**20:.0f} MiB of working "
+                     f"memory do not fit in the 4 GiB memory of a wasm32 module",
+                     hint="build a smaller model or smaller input shapes for wasm32, or int4/int8 weights on a "
+                          "native target")
+
+
+def check_link(target, link: str, sanitize: bool) -> None:
+    """A wasm32 build makes the module (`link: shared`) without sanitizers (ASan and UBSan have no
+    WebAssembly runtime here): anything else is refused before anything is compiled."""
+    if getattr(target, "triple", None) != WASM_TRIPLE:
+        return
+    if link != "shared":
+        raise CuvilError(f"link: {link} is not supported for the wasm32 target", hint="link: shared builds <name>.wasm")
+    if sanitize:
+        raise CuvilError("sanitize: true is not supported for the wasm32 target",
+                         hint="check the driver with sanitize on a native target")
+
+
+def check_threads(target, threads: int) -> None:
+    """wasm32 libraries run one thread: the module has no thread pool (WebAssembly threads need a
+    shared memory and a host that starts the workers). More is refused, not clamped, so that a
+    cuvil.yaml never says one thing and builds another."""
+    if getattr(target, "triple", None) == WASM_TRIPLE and threads > 1:
+        raise CuvilError(f"threads: {threads} for target '{target.name}': a WebAssembly module runs one "
+                         f"thread (it has no thread pool)",
+                         hint="set threads: 1 for this model, or build wasm32 in a model entry of its own")
 
 
 def cross_toolchain(target) -> CrossToolchain | None:
@@ -187,7 +261,7 @@ CHECKED_FEATURES_AARCH64 = ("neon", "fullfp16", "dotprod")
 def required_features(target: CpuTarget) -> list[str]:
     """The features code for `target` may use that a CPU running its library must have:
     CHECKED_FEATURES (CPUID) for x86-64, CHECKED_FEATURES_AARCH64 (HWCAP) for AArch64."""
-    if is_cuda(target):
+    if is_cuda(target) or target.arch == "wasm32":   # a wasm engine checks SIMD128 when it compiles the module
         return []
     checked = CHECKED_FEATURES_AARCH64 if target.arch == "aarch64" else CHECKED_FEATURES
     return [f for f in checked if has_feature(target, f)]

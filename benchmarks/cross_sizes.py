@@ -1,6 +1,8 @@
 """Sizes of the libraries of the example and ResNet-18 for this machine and the cross targets
 (docs/cross.md), and how long one run takes under qemu-aarch64 or Wine (emulated: not the speed
-of an aarch64 machine; Wine runs x86-64 code natively but starts a Windows environment).
+of an aarch64 machine; Wine runs x86-64 code natively but starts a Windows environment) or, for
+wasm32, in wasmtime (with the module's compilation by Cranelift; benchmarks/wasm_speed.py times
+the runs alone).
 
     python benchmarks/cross_sizes.py [--targets native aarch64-linux] [--no-run]
 """
@@ -34,7 +36,7 @@ def main() -> None:
     from cuvil.cache import Cache, default_cache_dir
     from cuvil.cross import run_emulated
     cache = Cache(default_cache_dir())
-    print("| model | target | library bytes | weights bytes | one run (qemu-aarch64 / Wine, with start) |")
+    print("| model | target | library bytes | weights bytes | one run (qemu-aarch64 / Wine / wasmtime, with start) |")
     print("|---|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for label, source, shapes in models():

@@ -127,6 +127,9 @@ def _cpu_provenance(target: dict) -> dict:
     """A CPU target's machine in the provenance: its CPU and triple, and the features it names (not
     native's: those are this machine's, a long list; its cpu says as much)."""
     named = {"features": target["features"]} if target["features"] and target["name"] != "native" else {}
+    from backends.targets import WASM_TRIPLE, data_layout
+    if target["triple"] == WASM_TRIPLE:   # the pointer width is what a host must know of a wasm32 module
+        named.update(data_layout=data_layout(target["triple"]), vector_bits=target["vector_bits"])
     return {"cpu": target["cpu"], "triple": target["triple"], **named}
 
 
@@ -187,7 +190,9 @@ def _run_link(dag, bundle, params):
                           sanitize=params["sanitize"], gpu=gpu, mode=params["link"],
                           target=None if gpu else target_from_key(params["target"]))
     info = json.loads(bundle["info.json"])
-    files = {**files, f"{name}.h": bundle["header.h"], **consumer_files(info, sorted(files), gpu)}
+    # A WebAssembly module is loaded by its host's engine, not linked: no pkg-config file or CMake package.
+    wasm = any(file.endswith(".wasm") for file in files)
+    files = {**files, f"{name}.h": bundle["header.h"], **({} if wasm else consumer_files(info, sorted(files), gpu))}
     if params["sanitize"]:
         info["sanitize"] = ["address", "undefined"]
     manifest = {**info, "files": {file: hashlib.sha256(data).hexdigest() for file, data in sorted(files.items())}}
@@ -224,13 +229,16 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     """Add the steps of one variant; returns the name of its last step, whose output is the files
     to install: the link step, or for bf16 / fp16 the accuracy step after it (which also plans
     the float32 build it compares with, its steps named with the tag "fp32-reference")."""
-    from backends.native.link import CFLAGS, LDFLAGS
+    from backends.native.link import link_flags
     from backends.targets import c_compiler
 
     from .config import LINK_MODES
     if spec.link not in LINK_MODES:
         raise CuvilError(f"model '{spec.name}': unknown link {spec.link!r}", hint=f"one of: {', '.join(LINK_MODES)}")
     target = pipeline.resolve_variant_target(spec.target, spec.precision)
+    from backends.targets import check_link, check_threads
+    check_link(target, spec.link, spec.sanitize)   # before anything is compiled (and before the C compiler is looked for)
+    check_threads(target, spec.threads)
     pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options,
                                                   spec.precision, gpu=pipeline.is_gpu(target))
     model_bytes, kind = pipeline.read_source(spec.source)
@@ -285,7 +293,8 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
                            lambda d, g: _run_codegen(d, g, params), pack_files, unpack_files))
 
     def add_link(step_name, mode):
-        link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": CFLAGS, "ldflags": LDFLAGS,
+        cflags, ldflags = link_flags(target, spec.symbol_prefix)
+        link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": cflags, "ldflags": ldflags,
                        "sanitize": spec.sanitize, "cc": compiler_version(c_compiler(target)), "target": target.as_key(),
                        "link_step": step_name, "link": mode}
         return dag.add(Step(step_name, "link", link_params, [codegen],
@@ -390,7 +399,8 @@ def _listed_files(manifest: Path) -> set[str]:
 
 
 def artifacts_of(files, out_dir, seconds, changed) -> Artifacts:
-    lib = next((n for n in files if n.endswith((".so", ".dll"))), None) or next(n for n in files if n.endswith(".a"))
+    lib = (next((n for n in files if n.endswith((".so", ".dll", ".wasm"))), None)
+           or next(n for n in files if n.endswith(".a")))
     header = next(n for n in files if n.endswith(".h"))
     info = json.loads(files["manifest.json"])
     info.pop("files", None)

@@ -33,7 +33,7 @@ from .errors import ConfigError
 
 # backends/targets.py resolves each (known_targets() there lists the same names; a test checks).
 TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4", "x86_64-sapphirerapids",
-           "aarch64-linux", "aarch64-neon-fp16-dotprod", "x86_64-windows", "cuda-sm80", "cuda-sm86", "cuda-sm89", "cuda-sm90", "cuda-a10", "cuda-a100", "cuda-l4", "cuda-h100",
+           "aarch64-linux", "aarch64-neon-fp16-dotprod", "x86_64-windows", "wasm32", "cuda-sm80", "cuda-sm86", "cuda-sm89", "cuda-sm90", "cuda-a10", "cuda-a100", "cuda-l4", "cuda-h100",
            "cuda-h200")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most important first
@@ -238,8 +238,8 @@ class _Settings(_Strict):
         description="What to build for; one library per target: native (this machine's CPU), generic (any "
         "x86-64), x86_64-avx2, x86_64-avx512, x86_64-znver4 (AMD Zen 4), x86_64-sapphirerapids (Intel), a "
         "CUDA GPU (cuda-sm80, cuda-sm90, cuda-h100...), or, cross-compiled, aarch64-linux (any 64-bit Arm "
-        "Linux), aarch64-neon-fp16-dotprod (ARMv8.2 cores with fp16 and dot product: Jetson Orin, Graviton) and "
-        "x86_64-windows (a DLL for 64-bit Windows). "
+        "Linux), aarch64-neon-fp16-dotprod (ARMv8.2 cores with fp16 and dot product: Jetson Orin, Graviton), "
+        "x86_64-windows (a DLL for 64-bit Windows) and wasm32 (a WebAssembly module with SIMD128, one thread). "
         "A library run on a CPU without its target's instructions refuses to make a session, with an error "
         "naming them.")
     precision: Precision = Field(

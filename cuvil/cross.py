@@ -9,7 +9,9 @@ done with one here:
 - run it: `run_emulated` compiles a small C program (HARNESS) with the target's cross compiler,
   which loads the library (dlopen; LoadLibrary on Windows), runs one session on raw input files
   and writes the outputs as raw files; qemu-aarch64 runs the program with the target's libc from
-  the Debian cross packages (-L /usr/aarch64-linux-gnu), Wine runs the Windows one.
+  the Debian cross packages (-L /usr/aarch64-linux-gnu), Wine runs the Windows one. A wasm32
+  module runs in this process through wasmtime's Python API (`run_wasm`): what a host program in
+  a browser or another engine does, in a few lines.
 
 The same program runs on the real machine: `cuvil-run libm.so cuvil_ 1 in.bin 1 out.bin:4000`.
 """
@@ -129,7 +131,7 @@ def describe(path) -> Description:
     if not path.is_file():
         raise CuvilError(f"library not found: {path}")
     data = path.read_bytes()
-    prefix = find_prefix(path)
+    prefix = wasm_prefix(data, path) if data[:4] == b"\0asm" else find_prefix(path)
     # json.dumps(sort_keys=True) puts "abi_version" first; the string ends at its NUL.
     match = re.search(rb'\{"abi_version": [^\x00]*', data)
     try:
@@ -140,6 +142,78 @@ def describe(path) -> Description:
         raise CuvilError(f"{path}: no cuvil description found in the library",
                          hint="was it built by cuvil? manifest.json beside it describes it too")
     return Description(path, library_platform(path), prefix, info)
+
+
+def _leb128(data: bytes, at: int) -> tuple[int, int]:
+    """An unsigned LEB128 number at `at`: (value, the offset after it)."""
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        shift += 7
+        if byte < 0x80:
+            return value, at
+
+
+def wasm_exports(data: bytes) -> list[str]:
+    """The names a WebAssembly module exports (its export section, id 7), in their order."""
+    at, names = 8, []
+    try:
+        while at < len(data):
+            section, at = data[at], at + 1
+            size, at = _leb128(data, at)
+            if section == 7:
+                count, k = _leb128(data, at)
+                for _ in range(count):
+                    length, k = _leb128(data, k)
+                    names.append(data[k:k + length].decode("utf-8"))
+                    _, k = _leb128(data, k + length + 1)   # the export's kind (a byte), then its index
+                return names
+            at += size
+    except (IndexError, UnicodeDecodeError):
+        pass
+    return names
+
+
+def wasm_function_names(data: bytes) -> list[str]:
+    """The function names of a WebAssembly module's "name" section (its debug names: the C library's
+    functions a module links show there), in index order; [] when it has none."""
+    at = 8
+    try:
+        while at < len(data):
+            section, at = data[at], at + 1
+            size, at = _leb128(data, at)
+            end = at + size
+            if section == 0:
+                length, k = _leb128(data, at)
+                if data[k:k + length] == b"name":
+                    k += length
+                    while k < end:
+                        sub, k = data[k], k + 1
+                        sub_size, k = _leb128(data, k)
+                        if sub == 1:
+                            count, k = _leb128(data, k)
+                            names = []
+                            for _ in range(count):
+                                _, k = _leb128(data, k)
+                                length, k = _leb128(data, k)
+                                names.append(data[k:k + length].decode("utf-8", "replace"))
+                                k += length
+                            return names
+                        k += sub_size
+            at = end
+    except IndexError:
+        pass
+    return []
+
+
+def wasm_prefix(data: bytes, path: Path) -> str:
+    """The symbol prefix of a wasm32 module built by cuvil: the name before `abi_version` in its exports."""
+    candidates = sorted(name[: -len("abi_version")] for name in wasm_exports(data) if name.endswith("abi_version"))
+    if not candidates:
+        raise CuvilError(f"{path}: not a module built by cuvil (no *abi_version export)")
+    return candidates[0]
 
 
 def is_foreign(path) -> bool:
@@ -167,8 +241,10 @@ def _cross_cc(platform: str) -> str:
 
 
 def emulator_problem(platform: str) -> str | None:
-    """Why a library for `platform` ("aarch64-linux", "x86_64-windows") cannot be built and run
-    here (its cross compiler, C library or emulator is missing, naming the Debian package), or None."""
+    """Why a library for `platform` ("aarch64-linux", "x86_64-windows", "wasm32") cannot be built and
+    run here (its cross compiler, C library or emulator is missing, naming the Debian package), or None."""
+    if platform == "wasm32":
+        return wasm_problem()
     _, toolchain = _toolchain(platform)
     cc = _cross_cc(platform)
     if shutil.which(cc) is None:
@@ -223,6 +299,8 @@ def run_emulated(library, feeds: dict, cpu: str | None = None, timeout: float = 
     platform = described.platform
     if platform is None or platform == HOST_PLATFORM:
         raise CuvilError(f"{described.path}: not a library for another machine", hint="load it with cuvil.load")
+    if platform == "wasm32":
+        return run_wasm(described, feeds)
     exe = harness(platform)
     _, toolchain = _toolchain(platform)
     windows = platform.endswith("-windows")
@@ -260,3 +338,126 @@ def run_emulated(library, feeds: dict, cpu: str | None = None, timeout: float = 
             data = np.fromfile(tmp / f"out{i}.bin", dtype=np.dtype(spec["dtype"]))
             outputs[spec["name"]] = data.reshape(spec["shape"])
         return outputs
+
+
+# -- wasm32 modules: run with wasmtime (pip install wasmtime; the test extra) ----------------------
+
+def wasm_problem() -> str | None:
+    """Why a wasm32 module cannot be built and run here (clang, wasm-ld, wasi-libc or wasmtime
+    missing, naming the package), or None."""
+    from backends.targets import CROSS_TOOLCHAINS, WASM_TRIPLE, cc_variable, wasm_link_problem
+    toolchain = CROSS_TOOLCHAINS[WASM_TRIPLE]
+    cc = os.environ.get(cc_variable(WASM_TRIPLE), toolchain.cc)
+    if shutil.which(cc) is None:
+        return f"the wasm32 C compiler {cc} is not installed (apt-get install {toolchain.package})"
+    missing = wasm_link_problem()
+    if missing:
+        return f"the wasm32 link needs {missing}"
+    try:
+        import wasmtime  # noqa: F401
+    except ImportError:
+        return "the WebAssembly engine wasmtime is not installed (pip install wasmtime)"
+    return None
+
+
+class WasmModule:
+    """A wasm32 module built by cuvil, instantiated in wasmtime: the same C ABI as a native library,
+    with the tensors copied into and out of the module's memory (allocated by its exported malloc)."""
+
+    def __init__(self, path):
+        try:
+            import wasmtime
+        except ImportError:
+            raise CuvilError("running a wasm32 module needs wasmtime", hint="pip install wasmtime") from None
+        self.described = describe(path)
+        if self.described.platform != "wasm32":
+            raise CuvilError(f"{self.described.path}: not a WebAssembly module")
+        self.store = wasmtime.Store(wasmtime.Engine())
+        module = wasmtime.Module.from_file(self.store.engine, str(self.described.path))
+        # imports nothing (backends/native/driver.py WASM_PRELUDE): an empty import list
+        self.exports = wasmtime.Instance(self.store, module, []).exports(self.store)
+        self.memory = self.exports["memory"]
+        self.exports["_initialize"](self.store)   # a WASI reactor: its constructors, once (link.py LDFLAGS_WASM)
+
+    def call(self, name: str, *args):
+        """Call an exported function: a C ABI one by its name without the prefix ("session_run"),
+        or malloc / free."""
+        from backends.native.link import WASM_HOST_EXPORTS
+        export = name if name in WASM_HOST_EXPORTS else self.described.prefix + name
+        return self.exports[export](self.store, *args)
+
+    def malloc(self, nbytes: int) -> int:
+        pointer = self.call("malloc", max(int(nbytes), 1))
+        if not pointer:
+            raise RuntimeFailure(f"{self.described.path.name}: the module is out of memory ({nbytes} bytes)")
+        return pointer
+
+    def string(self, pointer: int) -> str:
+        data = bytearray()
+        while pointer and (byte := self.memory.read(self.store, pointer, pointer + 1)) != b"\0":
+            data += byte
+            pointer += 1
+        return data.decode("utf-8", "replace")
+
+    def run(self, feeds: dict) -> dict:
+        """One session on numpy arrays by input name: its outputs by name (graph order)."""
+        info = self.described.info
+        pointers, blocks = [], []
+        try:
+            for spec in info["inputs"]:
+                arr = _checked_input(feeds, spec, info)
+                pointer = self.malloc(arr.nbytes)
+                blocks.append(pointer)
+                self.memory.write(self.store, arr.tobytes(), pointer)
+                pointers.append(pointer)
+            outs = []
+            for spec in info["outputs"]:
+                nbytes = int(np.prod(spec["shape"], dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize
+                outs.append((self.malloc(nbytes), nbytes))
+                blocks.append(outs[-1][0])
+            table = self.malloc(4 * (len(pointers) + len(outs)))   # const void* inputs[], void* outputs[]
+            blocks.append(table)
+            addresses = np.array(pointers + [p for p, _ in outs], dtype="<u4")
+            self.memory.write(self.store, addresses.tobytes(), table)
+            session = self.call("session_create")
+            if not session:
+                raise RuntimeFailure(f"{self.described.path.name}: session_create failed: "
+                                     f"{self.string(self.call('session_error', 0))}")
+            try:
+                code = self.call("session_run", session, table, table + 4 * len(pointers))
+                if code:
+                    raise RuntimeFailure(f"{self.described.path.name}: session_run returned {code}: "
+                                         f"{self.string(self.call('session_error', session))}")
+            finally:
+                self.call("session_destroy", session)
+            outputs = {}
+            for spec, (pointer, nbytes) in zip(info["outputs"], outs):
+                if spec["name"] not in outputs:
+                    data = self.memory.read(self.store, pointer, pointer + nbytes)
+                    outputs[spec["name"]] = np.frombuffer(data, dtype=np.dtype(spec["dtype"])).reshape(spec["shape"])
+            return outputs
+        finally:
+            for pointer in blocks:
+                self.call("free", pointer)
+
+
+def _checked_input(feeds: dict, spec: dict, info: dict) -> np.ndarray:
+    if spec["name"] not in feeds:
+        raise CuvilError(f"missing input '{spec['name']}'", hint=f"inputs are {[s['name'] for s in info['inputs']]}")
+    arr = np.ascontiguousarray(feeds[spec["name"]], dtype=np.dtype(spec["dtype"]))
+    if list(arr.shape) != list(spec["shape"]):
+        raise CuvilError(f"input '{spec['name']}': shape {list(arr.shape)}, the model was built for {spec['shape']}")
+    return arr
+
+
+def run_wasm(library, feeds: dict) -> dict:
+    """Run a wasm32 module once in wasmtime on numpy arrays by input name; its outputs by name.
+    Raises RuntimeFailure with the module's message when a session cannot be made or the run
+    fails, or when the module traps."""
+    import wasmtime
+    module = library if isinstance(library, WasmModule) else WasmModule(
+        library.path if isinstance(library, Description) else library)
+    try:
+        return module.run(feeds)
+    except wasmtime.Trap as trap:
+        raise RuntimeFailure(f"{module.described.path.name} trapped in wasmtime: {str(trap).strip()[:2000]}") from None

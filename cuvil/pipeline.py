@@ -234,7 +234,9 @@ def plan(graph, params: VariantParams) -> Planned:
     from, and what explain and check report."""
     from backends.native.memory import place_shared_values, plan_arena, shared_values
     from backends.native.weights import pack_weights
+    from backends.targets import check_memory, check_threads
 
+    check_threads(params.target, params.threads)
     schedule = lower(graph, params.target, params.threads)
     weights, weight_offsets = pack_weights(graph, schedule)
     shared = shared_values(schedule)
@@ -246,6 +248,7 @@ def plan(graph, params: VariantParams) -> Planned:
         raise CuvilError(f"model '{params.name}': a session would need {arena.arena_bytes / 2**20:.1f} MiB of working "
                          f"memory, over the limit of {params.max_arena_mb} MiB",
                          hint="check the input shapes, or raise max_arena_mb in cuvil.yaml")
+    check_memory(params.target, len(weights), arena.arena_bytes + arena.shared_bytes)
     return Planned(graph, schedule, weights, weight_offsets, arena, params.target)
 
 
@@ -311,6 +314,8 @@ def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects
             raise CuvilError(f"model '{name}': link: {mode} is not supported for the Windows target",
                              hint="link: shared builds <name>.dll and its import library lib<name>.dll.a")
         tools.update(system="windows", import_library=f"lib{name}.dll.a", libs=("m", "pthread"))
+    if getattr(target, "system", "linux") == "wasm":   # <name>.wasm, linked by clang + wasm-ld (targets.check_link)
+        tools.update(system="wasm", libs=("m",))
     library = (target.library_file(name) if target is not None else f"lib{name}.so") if mode in ("shared", "both") else None
     archive = f"lib{name}.a" if mode in ("static", "both") else None
     kernels, fatbins = ({}, objects) if gpu else (objects, None)

@@ -36,13 +36,16 @@ HOST_PLATFORM = "x86_64-linux"
 
 
 def library_platform(path) -> str | None:
-    """Where a library runs, as "<ISA>-<system>": "x86_64-linux", "aarch64-linux" (ELF) or
-    "x86_64-windows" (a PE DLL of machine AMD64); None for anything else."""
+    """Where a library runs, as "<ISA>-<system>": "x86_64-linux", "aarch64-linux" (ELF),
+    "x86_64-windows" (a PE DLL of machine AMD64) or "wasm32" (a WebAssembly module, any engine);
+    None for anything else."""
     arch = elf_arch(path)
     if arch:
         return f"{arch}-linux"
     with open(path, "rb") as f:
         head = f.read(4096)
+    if head[:8] == b"\0asm\x01\0\0\0":
+        return "wasm32"
     if head[:2] == b"MZ" and len(head) >= 64:
         pe = int.from_bytes(head[60:64], "little")
         if head[pe:pe + 4] == b"PE\0\0" and int.from_bytes(head[pe + 4:pe + 6], "little") == 0x8664:
@@ -199,9 +202,10 @@ class Library:
         if platform is not None and platform != HOST_PLATFORM:
             raise CuvilError(f"{self.path}: a library for {platform} (a cross target), which this {HOST_PLATFORM} "
                              f"machine cannot load",
-                             hint=f"run it on an {platform} machine, or here under qemu-user or Wine "
-                                  f"(cuvil.cross.run_emulated; the README's \"Cross targets\"); `cuvil inspect` "
-                                  f"describes it")
+                             hint=(f"run it on an {platform} machine, or here under qemu-user or Wine "
+                                   if platform != "wasm32" else "run it with a WebAssembly engine, here wasmtime ")
+                                  + "(cuvil.cross.run_emulated; the README's \"Cross targets\"); `cuvil inspect` "
+                                    "describes it")
         try:
             self._lib = ctypes.CDLL(str(self.path))
         except OSError as exc:

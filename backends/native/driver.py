@@ -176,18 +176,74 @@ def cpu_check_aarch64(features: list[str], target_name: str) -> str:
 # What differs between the ISAs in the driver: the header of the feature check, how it reads the
 # features, and the attribute that compiles session_create (which runs the check) for any CPU of
 # the ISA.
-ARCH_INCLUDES = {"x86_64": "#include <cpuid.h>", "aarch64": "#include <sys/auxv.h>"}
-BASELINE_ATTRIBUTE = {"x86_64": '__attribute__((target("arch=x86-64")))\n', "aarch64": ""}
+ARCH_INCLUDES = {"x86_64": "#include <cpuid.h>", "aarch64": "#include <sys/auxv.h>", "wasm32": ""}
+BASELINE_ATTRIBUTE = {"x86_64": '__attribute__((target("arch=x86-64")))\n', "aarch64": "", "wasm32": ""}
+
+
+def cpu_check_wasm(features: list[str], target_name: str) -> str:
+    """wasm32: nothing to check at run time. A WebAssembly engine validates the whole module when it
+    compiles it, so one without SIMD128 refuses the module before any session exists."""
+    return "\n".join(["static const char* missing_cpu_feature(void) { return NULL; }",
+                      f"static const char target_name[] = {c_string(target_name)};"])
+
+
+CPU_CHECKS = {"x86_64": cpu_check, "aarch64": cpu_check_aarch64, "wasm32": cpu_check_wasm}
+
+# wasm32 (backends/targets.py WASM_TRIPLE): a module that imports nothing. One thread (no pthreads in
+# the module: the shared block's lock is a no-op), no profile (no environment, clock or stderr to
+# reach without importing WASI functions), and the messages formatted here: wasi-libc's snprintf
+# links its stdio, whose exit path imports WASI's fd_write, fd_seek and fd_close.
+WASM_PRELUDE = r"""#if defined(__wasm__)
+#include <stdarg.h>
+typedef int pthread_mutex_t;
+#define PTHREAD_MUTEX_INITIALIZER 0
+#define pthread_mutex_lock(m) ((void)(m))
+#define pthread_mutex_unlock(m) ((void)(m))
+/* snprintf for the driver's messages: %s and %lld only */
+static int format_message(char* out, size_t size, const char* format, ...) {
+    va_list args;
+    size_t n = 0;
+    va_start(args, format);
+#define PUT(c) do { if (n + 1 < size) out[n] = (c); n++; } while (0)
+    for (const char* f = format; *f; f++) {
+        if (f[0] == '%' && f[1] == 's') {
+            for (const char* t = va_arg(args, const char*); *t; t++) PUT(*t);
+            f += 1;
+        } else if (f[0] == '%' && f[1] == 'l' && f[2] == 'l' && f[3] == 'd') {
+            long long v = va_arg(args, long long);
+            unsigned long long u = v < 0 ? 0ull - (unsigned long long)v : (unsigned long long)v;
+            char digits[24];
+            int k = 0;
+            do digits[k++] = (char)('0' + u % 10); while (u /= 10);
+            if (v < 0) PUT('-');
+            while (k) PUT(digits[--k]);
+            f += 3;
+        } else {
+            PUT(*f);
+        }
+    }
+#undef PUT
+    if (size) out[n < size ? n : size - 1] = 0;
+    va_end(args);
+    return (int)n;
+}
+#define snprintf format_message
+#else
+#include <pthread.h>
+#endif"""
 
 
 def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, threads: int,
              cpu_features: tuple = (), arch: str = "x86_64") -> str:
-    """The driver's C for `arch` ("x86_64" or "aarch64", the target's ISA). `cpu_features`: what the
+    """The driver's C for `arch` ("x86_64", "aarch64" or "wasm32", the target's ISA; wasm32: threads 1,
+    the WASM_PRELUDE). `cpu_features`: what the
     kernels' target may use (backends/targets.py required_features); session_create refuses a CPU
     without one (session_error(NULL) says which)."""
-    if arch not in ARCH_INCLUDES:
+    if arch not in CPU_CHECKS:
         raise ValueError(f"no C driver for the ISA {arch!r}")
-    check = cpu_check_aarch64 if arch == "aarch64" else cpu_check
+    if arch == "wasm32" and threads > 1:
+        raise ValueError("a wasm32 driver runs one thread")   # targets.check_threads says so to the user first
+    check = CPU_CHECKS[arch]
     input_index = {n: i for i, n in enumerate(graph.inputs)}
     output_index = {}
     for i, n in enumerate(graph.outputs):
@@ -295,7 +351,7 @@ static void shared_release(void) {
 #include <string.h>
 #include <stdio.h>
 #include <time.h>
-#include <pthread.h>
+{WASM_PRELUDE}
 {ARCH_INCLUDES[arch]}
 
 #ifdef _WIN32
@@ -332,14 +388,21 @@ static const char* const step_names[{n_prof}] = {{
     {prof_names}
 }};
 static double now_ns(void) {{
+#if defined(__wasm__)
+    return 0.0;
+#else
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec * 1e9 + t.tv_nsec;
+#endif
 }}
 #define PROF_BEGIN(k) double t_##k = s->profile ? now_ns() : 0.0
 #define PROF_END(k) if (s->profile) s->step_ns[k] += now_ns() - t_##k
 
 static void print_profile(const {P}session* s) {{
+#if defined(__wasm__)
+    (void)s;
+#else
     double total = 0;
     for (int i = 0; i < {len(profiled)}; i++) total += s->step_ns[i];
     if (s->runs == 0 || total <= 0) return;
@@ -347,6 +410,7 @@ static void print_profile(const {P}session* s) {{
     for (int i = 0; i < {len(profiled)}; i++)
         fprintf(stderr, "cuvil profile: %4d %9.3f ms %5.1f%%  %s\\n", i, s->step_ns[i] / s->runs / 1e6,
                 100.0 * s->step_ns[i] / total, step_names[i]);
+#endif
 }}
 
 {shared}
@@ -385,8 +449,10 @@ EXPORT const char* {P}model_info(void) {{ return model_info; }}
         snprintf(create_error, sizeof create_error, "out of memory for the arena (%lld bytes)", (long long)ARENA_BYTES);
         free(s); return NULL;
     }}
+#if !defined(__wasm__)
     const char* prof = getenv("CUVIL_PROFILE");
     s->profile = prof && prof[0] && prof[0] != '0';
+#endif
 {pool_init}{shared_init}    return s;
 }}
 

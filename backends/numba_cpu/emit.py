@@ -148,6 +148,33 @@ def _add_function_attributes(ir: str, attrs: str) -> str:
     return ir
 
 
+def void_wrapper(ir: str) -> str:
+    """Numba's cfunc wrapper of a `void(...)` signature returns a null pointer; the driver declares
+    the kernel void. x86-64 and AArch64 ignore the register it leaves, but a WebAssembly call must
+    match the callee's type exactly (wasm-ld links a mismatch to a trap): the wrapper returns void."""
+    def fix(match):
+        return match.group(1) + "void" + match.group(2) + re.sub(r"^(\s*)ret ptr [^\n]*$", r"\1ret void",
+                                                                  match.group(3), flags=re.M)
+    return re.sub(r"^(define )ptr( @\"?cfunc\.[^\n]*\{\n)(.*?^\})", fix, ir, count=1, flags=re.M | re.S)
+
+
+# WebAssembly's floating point differs from x86's and Arm's in two places that LLVM otherwise
+# lowers, lane by lane, to calls of wasi-libc's software routines (the example's conv made 512
+# fmaxf calls; its run took 6.5x longer with the fmaf calls):
+# - no fused multiply-add: llvm.fmuladd lets it multiply and add (two roundings) instead;
+# - f32.max / f32x4.max return NaN when an operand is NaN (IEEE 754-2019 maximum) where
+#   llvm.maxnum returns the other operand: the kernels' max and min (ReLU, clamps, max pooling)
+#   become llvm.maximum / llvm.minimum, which propagate a NaN instead of dropping it.
+WASM_INTRINSICS = {"@llvm.fma.": "@llvm.fmuladd.", "@llvm.maxnum.": "@llvm.maximum.", "@llvm.minnum.": "@llvm.minimum."}
+
+
+def wasm_intrinsics(ir: str) -> str:
+    """The kernel IR with WASM_INTRINSICS' replacements."""
+    for old, new in WASM_INTRINSICS.items():
+        ir = ir.replace(old, new)
+    return ir
+
+
 def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> bytes:
     """Optimise kernel IR for `target` and emit an object file (ELF; COFF for Windows) exporting only
     `symbol` (hidden).
@@ -159,6 +186,8 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     # Numba's cfunc wrapper calls the kernel body through a noinline call site; the body is
     # inlined instead (see alwaysinline below).
     ir = re.sub(r"^(attributes #\d+ = \{.*?)\bnoinline\b", r"\1 nounwind", ir, flags=re.M)
+    if target.arch == "wasm32":
+        ir = void_wrapper(ir)
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
         kind = getattr(spec, "kind", "")
@@ -192,6 +221,8 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     if target.features:
         attrs += f' "target-features"="{target.features}"'
     text = str(module)
+    if target.arch == "wasm32":
+        text = wasm_intrinsics(text)
     if target.arch != "x86_64" and "@llvm.x86." in text:
         # LLVM would abort the worker process on them; say which kernel instead
         raise ValueError(f"kernel {symbol}: x86 intrinsics in code for the {target.arch} target {target.name}")

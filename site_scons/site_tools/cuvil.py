@@ -89,11 +89,12 @@ OUTPUT_VARIABLES = [*DEFAULTS, "_CUVIL_VERSIONS"]
 CUVILCOM = ("cuvil-compile $SOURCE -o ${TARGET.dir} --target $CUVIL_TARGET --precision $CUVIL_PRECISION "
             "--threads $CUVIL_THREADS --prefix $CUVIL_PREFIX --opt-level $CUVIL_OPT_LEVEL")
 
-_LIBRARY_NAME = re.compile(r"lib([A-Za-z_][A-Za-z0-9_]*)\.so|([A-Za-z_][A-Za-z0-9_]*)\.dll")  # the DLL: x86_64-windows
+# the DLL: x86_64-windows; the module: wasm32
+_LIBRARY_NAME = re.compile(r"lib([A-Za-z_][A-Za-z0-9_]*)\.so|([A-Za-z_][A-Za-z0-9_]*)\.dll|([A-Za-z_][A-Za-z0-9_]*)\.wasm")
 
 
 def _model_name(match) -> str:
-    return match.group(1) or match.group(2)
+    return match.group(1) or match.group(2) or match.group(3)
 
 # SCons runs function actions of a `-j` build in threads; cuvil's build spreads
 # its own kernel compiles over CUVIL_JOBS threads, one model at a time.
@@ -233,6 +234,8 @@ def _emit(target, source, env):
     files = [f"{name}.h", f"{name}.pc", f"{name}Config.cmake", f"{name}ConfigVersion.cmake", "manifest.json"]
     if library.name.endswith(".dll"):
         files.append(f"lib{name}.dll.a")   # the DLL's import library
+    if library.name.endswith(".wasm"):     # a module: no pkg-config file or CMake package
+        files = [f"{name}.h", "manifest.json"]
     return [library] + [folder.File(file) for file in files], source
 
 

@@ -595,5 +595,12 @@ def test_small_plane_conv_channels_in_lanes(target, x_shape, w_shape, attrs, act
     graph = run_passes(graph, [p for p in names if p != "plan_memory"])
     convs = [c for c in lower(graph) if c.kernel.family == "Conv"]
     assert len(convs) == 1 and "cuvil_ukt_" in convs[0].kernel.source
+    # tol is relative to the largest output. Without FMA (the `generic` target: emit.lacks_fma)
+    # every product is rounded before its add, twice the roundings of the fused path, and for Clip
+    # the largest output is the bound 0.5 while the 432-term sums it clips are several times larger:
+    # the Clip tolerance of test_conv_epilogue_in_microkernel_registers (1e-4) applies there.
+    from backends.numba_cpu.emit import lacks_fma
+    from backends.targets import TARGETS
+    tol = 1e-4 if act == "Clip" and lacks_fma(TARGETS[target]) else 1e-5
     for threads in (1, 2):
-        assert_matches_ort(model, feeds, tol=1e-5, threads=threads, target=target, **direct_convs)
+        assert_matches_ort(model, feeds, tol=tol, threads=threads, target=target, **direct_convs)

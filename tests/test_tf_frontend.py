@@ -203,6 +203,10 @@ def test_bad_tensorflow_sources_are_clear_errors(tmp_path):
         cuvil.compile(tmp_path / "saved", input_shapes={"seq": [1, 10, 4]}, signature="predict")
     with pytest.raises(cuvil.CuvilError, match="input seq has shape \\[\\?, 10, 4\\] in the model but \\[1, 9, 4\\]"):
         cuvil.compile(model, input_shapes={"seq": [1, 9, 4]})
+    lgamma = tf.function(lambda x: tf.math.lgamma(x) * 2.0,
+                         input_signature=[tf.TensorSpec([3], tf.float32, name="x")]).get_concrete_function()
+    with pytest.raises(cuvil.CuvilError, match="no ONNX conversion \\(tf2onnx\\): Lgamma \\(node"):
+        cuvil.compile(lgamma)
     (tmp_path / "empty").mkdir()
     with pytest.raises(cuvil.CuvilError, match="not a TensorFlow SavedModel"):
         cuvil.compile(tmp_path / "empty")

@@ -25,7 +25,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from ..errors import CuvilError, ModelError, ShapeError
+from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 
 OPSET = 17
 # Bumped when this module changes what it makes from the same files (part of the conversion step's key).
@@ -73,7 +73,7 @@ def _tf():
         raise CuvilError(f"compiling a TensorFlow model needs tensorflow and tf2onnx ({exc})",
                          hint="pip install 'cuvil[tf]'") from None
     import logging
-    logging.getLogger("tf2onnx").setLevel(logging.ERROR)
+    logging.getLogger("tf2onnx").setLevel(logging.CRITICAL)  # its failures become our errors
     return tf
 
 
@@ -291,10 +291,21 @@ def _function_to_onnx(tf, tf2onnx, where, call, specs, names):
     return proto
 
 
+def _all_nodes(graph):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == attr.GRAPH:
+                yield from _all_nodes(attr.g)
+            for sub in attr.graphs:
+                yield from _all_nodes(sub)
+
+
 def to_onnx_proto(source, input_shapes: dict | None = None, signature: str | None = None):
     """Convert a TensorFlow source (path or object) to an onnx.ModelProto whose inputs and outputs
     carry the model's names (signature keys, Keras input names, placeholder names)."""
     tf = _tf()
+    import onnx
     import tf2onnx
     where = str(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__
     try:
@@ -309,9 +320,15 @@ def to_onnx_proto(source, input_shapes: dict | None = None, signature: str | Non
         raise ModelError(f"{where}: converting the TensorFlow graph to ONNX (tf2onnx) failed: "
                          f"{type(exc).__name__}: {message[0] if message else ''}",
                          hint="ops tf2onnx cannot convert are listed in docs/tensorflow.md") from None
-    unsupported = sorted({n.op_type for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
-    if unsupported:
-        raise ModelError(f"{where}: the TensorFlow graph has ops with no ONNX form: {', '.join(unsupported)}",
-                         hint="tf2onnx keeps such ops as custom nodes; cuvil compiles standard ONNX only")
+    # tf2onnx leaves an op it cannot convert in the graph under its TensorFlow name
+    unconverted = {}
+    for node in _all_nodes(proto.graph):
+        if node.domain not in ("", "ai.onnx") or not onnx.defs.has(node.op_type):
+            unconverted.setdefault(node.op_type, node.name)
+    if unconverted:
+        found = ", ".join(f"{op} (node '{name}')" for op, name in sorted(unconverted.items()))
+        raise UnsupportedOpError(f"{where}: TensorFlow ops with no ONNX conversion (tf2onnx): {found}",
+                                 hint="rewrite them with ops tf2onnx converts (docs/tensorflow.md), or export "
+                                      "the model to ONNX another way")
     proto.producer_name, proto.producer_version = "cuvil-tf2onnx", ""
     return proto

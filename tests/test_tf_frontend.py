@@ -109,6 +109,7 @@ def test_keras_lstm_from_keras_file_and_savedmodel(tmp_path):
         _close(_run_one(compiled, {"seq": x}), want)
 
 
+@pytest.mark.slow  # keeps the default TF tests under a minute with a cold kernel cache
 def test_keras_gru_returning_sequences_from_savedmodel(tmp_path):
     keras.utils.set_random_seed(4)
     model = keras.Sequential([keras.Input((10, 4), name="seq"), keras.layers.GRU(6, return_sequences=True)])
@@ -118,6 +119,7 @@ def test_keras_gru_returning_sequences_from_savedmodel(tmp_path):
     _close(_run_one(compiled, {"seq": x}), model(x).numpy())
 
 
+@pytest.mark.slow  # keeps the default TF tests under a minute with a cold kernel cache
 def test_embedding_and_multi_head_attention_from_keras_object():
     keras.utils.set_random_seed(5)
     ids = keras.Input((12,), dtype="int32", name="ids")

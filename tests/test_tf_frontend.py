@@ -131,6 +131,32 @@ def test_embedding_and_multi_head_attention_from_keras_object():
     _close(_run_one(compiled, {"ids": tokens}), model(tokens).numpy())
 
 
+def test_two_input_two_output_functional_and_subclassed_keras_models():
+    keras.utils.set_random_seed(7)
+    a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
+    h = keras.layers.Dense(8, activation="gelu")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model([a, b], [keras.layers.Dense(2)(h), keras.layers.Dense(3, activation="sigmoid")(h)])
+    xa, xb = _rand(5, 6, seed=12), _rand(5, 4, seed=13)
+    want = [t.numpy() for t in model([xa, xb])]
+    # other names than the model's, as many: taken in order, and the library's inputs carry them
+    compiled = cuvil.compile(model, input_shapes={"left": [5, 6], "right": [5, 4]})
+    assert compiled.input_names == ["left", "right"] and compiled.output_names == ["output_0", "output_1"]
+    got = compiled.run({"left": xa, "right": xb})
+    _close(got["output_0"], want[0])
+    _close(got["output_1"], want[1])
+
+    class Residual(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(6, activation="tanh")
+
+        def call(self, x):
+            return x + self.dense(x)
+    subclassed = Residual()
+    want = subclassed(xa).numpy()
+    _close(_run_one(cuvil.compile(subclassed, input_shapes={"x": [5, 6]}), {"x": xa}), want)
+
+
 class _Control(tf.Module):
     """tf.cond on run-time data (both branches are computed, Where selects) and a tf.while_loop
     whose trip count is known once the loop is traced (unrolled)."""

@@ -29,7 +29,7 @@ from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 
 OPSET = 17
 # Bumped when this module changes what it makes from the same files (part of the conversion step's key).
-CONVERTER_REVISION = 1
+CONVERTER_REVISION = 2
 KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
 GRAPHDEF_SUFFIXES = (".pb",)
 DEFAULT_SIGNATURE = "serving_default"
@@ -47,8 +47,9 @@ def is_tensorflow_source(source) -> bool:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         return is_savedmodel(path) or path.suffix.lower() in KERAS_SUFFIXES + GRAPHDEF_SUFFIXES
-    module = type(source).__module__ or ""
-    return module.split(".")[0] in ("keras", "tensorflow", "tf_keras")
+    # by the class's bases: a user's subclass of keras.Model lives in the user's module
+    return any((cls.__module__ or "").split(".")[0] in ("keras", "tensorflow", "tf_keras")
+               for cls in type(source).__mro__)
 
 
 def source_bytes(path) -> bytes:
@@ -137,18 +138,29 @@ def _static_specs(declared, input_shapes, where):
     return specs
 
 
+def tf_float32():
+    return _tf().float32
+
+
 def _keras_callable(model, input_shapes, where):
-    declared = [(t.name, tuple(t.shape), t.dtype) for t in model.inputs] if getattr(model, "inputs", None) else None
-    if not declared:
-        raise ModelError(f"{where}: the Keras model has no defined inputs (a subclassed model never called)",
-                         hint="build it with keras.Input, or call it once on a batch before compiling")
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # a subclassed model has none
+        inputs = None
+    if inputs:
+        declared = [(t.name, tuple(t.shape), t.dtype) for t in inputs]
+    elif input_shapes:  # a subclassed model: float32 inputs of the given shapes, in call order
+        declared = [(name, tuple(shape), tf_float32()) for name, shape in input_shapes.items()]
+    else:
+        raise ModelError(f"{where}: the Keras model declares no inputs (a subclassed model)",
+                         hint="give input_shapes={name: shape, ...} in the order call() takes them, "
+                              "or build the model with keras.Input")
     specs = _static_specs(declared, input_shapes, where)
-    outputs = model.outputs or []
-    names = [f"output_{k}" for k in range(max(1, len(outputs)))]
+    names = None   # output_0, output_1, ... as many as the call returns (as model.export names them)
 
     def call(*args):
         result = model(args[0] if len(args) == 1 else list(args), training=False)
-        return result if isinstance(result, (list, tuple)) else [result]
+        return _tf().nest.flatten(result)   # a tensor, a list, or a dict (by sorted key)
     return call, specs, names
 
 
@@ -247,7 +259,7 @@ def _graphdef_to_onnx(path, input_shapes):
     proto, _ = tf2onnx.convert.from_graph_def(
         graph_def, input_names=inputs, output_names=[f"{name}:0" for name in outputs], opset=OPSET,
         shape_override={tensor: list(spec.shape) for tensor, spec in zip(inputs, specs)},
-        tensors_to_rename=rename)
+        tensors_to_rename=rename, custom_op_handlers=dict(_HANDLERS))
     return proto
 
 
@@ -278,16 +290,37 @@ def _callable(source, input_shapes, signature):
                           "ConcreteFunction")
 
 
+def _erfc(ctx, node, name, args):
+    """tf2onnx 1.17 has no Erfc (exact GELU, keras `activation="gelu"`, computes with it):
+    erfc(x) = 1 - erf(x), written as Erf, Neg, Add 1. The absolute error stays within float32's
+    (erfc's relative accuracy is lost only where it is below ~1e-7, where GELU multiplies it by x)."""
+    import numpy as np
+    from tf2onnx import utils
+    dtype = utils.ONNX_TO_NUMPY_DTYPE[ctx.get_dtype(node.input[0])]
+    node.type = "Erf"
+    neg = ctx.insert_new_node_on_output("Neg", node.output[0], name=utils.make_name(f"{name}_neg"))
+    one = ctx.make_const(utils.make_name(f"{name}_one"), np.array(1, dtype))
+    ctx.insert_new_node_on_output("Add", neg.output[0], name=utils.make_name(f"{name}_add"),
+                                  inputs=[neg.output[0], one.output[0]])
+
+
+# TensorFlow ops tf2onnx does not convert, written here with ONNX ops (its custom_op_handlers).
+_HANDLERS = {"Erfc": (_erfc, [])}
+
+
 def _function_to_onnx(tf, tf2onnx, where, call, specs, names):
-    if len(set(names)) != len(names):
+    """`names`: the outputs' names, or None for output_0, output_1, ..."""
+    if names is not None and len(set(names)) != len(names):
         raise ModelError(f"{where}: output names repeat: {names}")
 
     def named(*values):
         results = call(*values)
-        if len(results) != len(names):
-            raise ModelError(f"{where}: the model returned {len(results)} outputs, expected {len(names)}")
-        return {name: tf.identity(value) for name, value in zip(names, results)}
-    proto, _ = tf2onnx.convert.from_function(tf.function(named), input_signature=specs, opset=OPSET)
+        given = names or [f"output_{k}" for k in range(len(results))]
+        if len(results) != len(given):
+            raise ModelError(f"{where}: the model returned {len(results)} outputs, expected {len(given)}")
+        return {name: tf.identity(value) for name, value in zip(given, results)}
+    proto, _ = tf2onnx.convert.from_function(tf.function(named), input_signature=specs, opset=OPSET,
+                                             custom_op_handlers=dict(_HANDLERS))
     return proto
 
 

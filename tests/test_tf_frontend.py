@@ -244,3 +244,15 @@ def test_bad_tensorflow_sources_are_clear_errors(tmp_path):
     (tmp_path / "junk.keras").write_bytes(b"not a zip")
     with pytest.raises(cuvil.CuvilError, match="junk.keras: cannot be loaded as a Keras model"):
         cuvil.compile(tmp_path / "junk.keras")
+
+
+def test_cuvil_yaml_source_must_be_a_model_file_or_a_savedmodel_folder(tmp_path):
+    from cuvil.config import load_config
+    from cuvil.errors import ConfigError
+    (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: m\n    source: not_a_model\n")
+    with pytest.raises(ConfigError, match="cuvil.yaml:4:.*folder is not a TensorFlow SavedModel"):
+        load_config(tmp_path / "cuvil.yaml")
+    (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: m\n    source: model.tflite\n")
+    with pytest.raises(ConfigError, match=r"must end in one of .*\.keras.*or be a TensorFlow SavedModel folder"):
+        load_config(tmp_path / "cuvil.yaml")

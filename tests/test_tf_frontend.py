@@ -256,3 +256,18 @@ def test_cuvil_yaml_source_must_be_a_model_file_or_a_savedmodel_folder(tmp_path)
     (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: m\n    source: model.tflite\n")
     with pytest.raises(ConfigError, match=r"must end in one of .*\.keras.*or be a TensorFlow SavedModel folder"):
         load_config(tmp_path / "cuvil.yaml")
+
+
+def test_onnx_builds_do_not_import_tensorflow():
+    """TensorFlow costs seconds to import: only a TensorFlow source may load it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; from cuvil import pipeline; "
+            "pipeline.import_any('examples/models/tiny_cnn.onnx', {'input': [1, 3, 32, 32]}); "
+            "print(sorted(m for m in ('tensorflow', 'tf2onnx', 'keras') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

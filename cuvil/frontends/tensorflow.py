@@ -1,15 +1,15 @@
 """TensorFlow / Keras -> ONNX, so the ONNX frontend takes it from there.
 
-Every TensorFlow source becomes one `tf.function` over named, static-shaped
-inputs that returns a dict of named outputs; tf2onnx freezes it (variables
-become constants, convert_variables_to_constants_v2) and converts the frozen
-GraphDef to ONNX at opset 17: Keras layers, fused LSTM/GRU where TensorFlow
-has them, and `tf.cond` / `tf.while_loop` as ONNX If / Loop.
+Every TensorFlow source but a frozen GraphDef becomes one `tf.function` over
+named, static-shaped inputs that returns a dict of named outputs; tf2onnx
+freezes it (variables become constants, convert_variables_to_constants_v2) and
+converts the frozen GraphDef to ONNX at opset 17: Keras layers, fused LSTM/GRU
+where TensorFlow has them, and `tf.cond` / `tf.while_loop` as ONNX If / Loop.
 
-    SavedModel folder   tf.saved_model.load, one signature (serving_default unless named)
-    .keras / .h5        keras.models.load_model (no training config)
-    frozen GraphDef .pb  imported and pruned: Placeholders in, unconsumed nodes out
-    tf.keras.Model, tf.function, ConcreteFunction   (cuvil.compile)
+    SavedModel folder    tf.saved_model.load, one signature (serving_default unless named)
+    .keras / .h5         keras.models.load_model (no training config)
+    frozen GraphDef .pb  converted as it is (from_graph_def): Placeholders in, unconsumed nodes out
+    keras.Model, tf.function, ConcreteFunction   (cuvil.compile)
 
 Why tf2onnx.convert.from_function and not from_keras: from_keras of tf2onnx
 1.17 reads `model.output_names`, which Keras 3 no longer sets (KeyError:
@@ -234,7 +234,8 @@ def _graphdef_to_onnx(path, input_shapes):
         graph_def.ParseFromString(Path(path).read_bytes())
     except Exception as exc:
         raise ModelError(f"{path}: not a frozen TensorFlow GraphDef ({type(exc).__name__}: {exc})",
-                         hint="write it with tf.io.write_graph(frozen.graph.as_graph_def(), ..., as_text=False)") from None
+                         hint="write it with tf.io.write_graph(frozen.graph.as_graph_def(), ..., "
+                              "as_text=False)") from None
     nodes = list(graph_def.node)
     if any(n.op in ("VarHandleOp", "VariableV2", "ReadVariableOp") for n in nodes):
         raise ModelError(f"{path}: the GraphDef still has variables; it is not frozen",

@@ -49,6 +49,7 @@ def test_fraud_hybrid_dynamo_export_matches_onnxruntime(threads):
     assert np.abs(list(got.values())[0] - want).max() <= TOL * np.abs(want).max()
 
 
+@pytest.mark.slow  # the new default-run tests (TF frontend, this file) stay near a minute together
 def test_fraud_hybrid_torchscript_export_matches_onnxruntime():
     """scatter_add (ScatterElements add over an Expand-ed index) as the TorchScript exporter writes it."""
     module = zoo.fraud_hybrid(NODES, STEPS, FEATURES, edges=EDGES, style="scatter").eval()

@@ -1,7 +1,8 @@
 """cuvil vs onnxruntime latency over the model zoo, each engine in its own process.
 
-For every model: export it to ONNX (GraphSAGE and GAT at 10k nodes / 100k edges with the
-dynamo exporter, on a fixed random edge list: their inputs are given, not random floats),
+For every model: export it to ONNX (GraphSAGE and GAT at 10k nodes / 100k edges, and the
+LSTM + GraphSAGE fraud hybrid at batch 256, with the dynamo exporter, on a fixed random edge
+list: their inputs are given, not random floats),
 build it with cuvil (the cold build time
 is measured with an empty cache), then time, each in a fresh process, one
 after the other and repeated `--rounds` times:
@@ -123,10 +124,27 @@ def gnn(name, nodes=10_000, edges=100_000, features=32):
     return model, {"x": (nodes, features), "edge_index": (2, edges)}, {"x": x, "edge_index": edge_index}
 
 
+def fraud_hybrid(nodes=256, steps=16, features=8, edges=2048):
+    """The design document's LSTM + GraphSAGE fraud detector at batch 256 (tests/zoo.py), on a
+    random transaction graph, exported by torch's dynamo exporter (index_add_ with repeated payees)."""
+    import warnings
+
+    import torch
+    zoo = _zoo()
+    module = zoo.fraud_hybrid(nodes, steps, features, edges=edges)
+    seq, edge_index = zoo.sample_input((nodes, steps, features)), zoo.random_edges(nodes, edges)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        model = torch.onnx.export(module.eval(), (torch.from_numpy(seq), torch.from_numpy(edge_index)), dynamo=True,
+                                  verbose=False, input_names=["seq", "edge_index"]).model_proto
+    return model, {"seq": (nodes, steps, features), "edge_index": (2, edges)}, {"seq": seq, "edge_index": edge_index}
+
+
 # Models given as (ONNX model, shapes, feeds) rather than a torch module to export with zero inputs.
 EXPORTED = {
     "graphsage": lambda: gnn("graphsage"),
     "gat": lambda: gnn("gat"),
+    "fraud_hybrid": fraud_hybrid,
 }
 
 MODELS = {
@@ -138,7 +156,7 @@ MODELS = {
     "encoder_t16": lambda: (encoder(layers=1), {"x": (1, 16, 256)}),
     "lstm": lambda: (lstm(), {"x": (32, 1, 64)}),
 }
-DEFAULT_MODELS = "mlp,resnet18,resnet50,mobilenet_v2,encoder,encoder_t16,lstm,graphsage,gat"
+DEFAULT_MODELS = "mlp,resnet18,resnet50,mobilenet_v2,encoder,encoder_t16,lstm,graphsage,gat,fraud_hybrid"
 
 
 def cpu_name() -> str:

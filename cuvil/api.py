@@ -73,7 +73,7 @@ def _calibration_options(calibration) -> dict:
 def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False,
-            accuracy=None, calibration=None) -> CompiledModel:
+            accuracy=None, calibration=None, signature=None) -> CompiledModel:
     from backends.targets import TARGETS
 
     from .build import VariantSpec, build_variant
@@ -96,7 +96,10 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
     source = model
     if not isinstance(model, (str, os.PathLike, bytes)):
         import onnx
-        if not isinstance(model, onnx.ModelProto):
+        from .frontends import tensorflow
+        if tensorflow.is_tensorflow_source(model):  # a keras.Model, tf.function or ConcreteFunction
+            source = tensorflow.to_onnx_proto(model, input_shapes)
+        elif not isinstance(model, onnx.ModelProto):
             from .frontends.torch import to_onnx_proto
             source = to_onnx_proto(model, input_shapes)
     spec = VariantSpec(name=name or _model_name(model), source=source, input_shapes=dict(input_shapes or {}),
@@ -104,7 +107,7 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
                        disable_passes=list(disable_passes), pass_options=dict(pass_options or {}),
                        threads=threads, symbol_prefix=symbol_prefix,
                        max_arena_mb=max_arena_mb, sanitize=sanitize, accuracy=accuracy,
-                       calibration=calibration)
+                       calibration=calibration, signature=signature)
     cache = Cache(Path(cache_dir) if cache_dir else default_cache_dir())
     workdir = tempfile.TemporaryDirectory(prefix="cuvil-")
     artifacts = build_variant(spec, Path(workdir.name), cache, jobs=jobs, progress=progress)

@@ -5,7 +5,7 @@ function of the pipeline (pipeline.py):
 
     [export] -> import -> pass:<name> ... -> codegen -> link (-> kernel:<symbol> ...)
 
-`export` (TorchScript / PyTorch sources only) writes ONNX; `import` makes
+`export` (TorchScript / PyTorch and TensorFlow sources only) writes ONNX; `import` makes
 CIR; each pass rewrites it; `codegen` lowers it to kernel calls, plans
 memory, packs the weights and writes the C driver; `link` compiles every
 distinct kernel (one cached step each, shared across variants and models)
@@ -51,6 +51,7 @@ class VariantSpec:
     # int8: {inputs, samples, method, per_channel} of the calibration (calibrate.py)
     calibration: dict | None = None
     link: str = "shared"                 # shared: lib<name>.so, static: lib<name>.a, both
+    signature: str | None = None         # TensorFlow SavedModel: the signature to build (serving_default)
 
 
 @dataclass
@@ -220,6 +221,8 @@ def spec_hash(model_sha: str, spec: VariantSpec, pass_names) -> str:
                "threads": spec.threads, "symbol_prefix": spec.symbol_prefix}
     if spec.pass_options:
         payload["pass_options"] = spec.pass_options
+    if spec.signature:
+        payload["signature"] = spec.signature
     if spec.precision in pipeline.CALIBRATED and spec.calibration:
         payload["calibration"] = {k: v for k, v in sorted(spec.calibration.items()) if k != "inputs"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -248,9 +251,13 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     encode_graph, decode_graph = _graph_codec(dag.cache)
 
     deps = []
-    if kind == "torchscript":
-        export = dag.add(Step(f"{base}/export", "export", {"model_sha256": model_sha, "inputs": shapes}, [],
-                              lambda d: pipeline.export_onnx(spec.source, shapes), bytes, bytes))
+    if pipeline.exported_kind(kind):
+        export_params = {"model_sha256": model_sha, "inputs": shapes}
+        if kind == "tensorflow":  # tf2onnx's output depends on its and TensorFlow's versions
+            from .frontends.tensorflow import converter_key
+            export_params.update(signature=spec.signature, converter=converter_key())
+        export = dag.add(Step(f"{base}/export", "export", export_params, [],
+                              lambda d: pipeline.export_onnx(spec.source, shapes, spec.signature), bytes, bytes))
         deps = [export]
         importer = lambda d, onnx_bytes: pipeline.import_model(onnx_bytes, shapes)
     elif isinstance(spec.source, (str, os.PathLike)):
@@ -266,7 +273,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
         # onnxruntime runs the float model to find the ranges: its version is part of the key
         key = {"model_sha256": model_sha, "inputs": shapes, "calibration": calibrate.options_key(options),
                "onnxruntime": calibrate.engine_version()}
-        if kind == "torchscript":
+        if pipeline.exported_kind(kind):
             run_calibration = lambda d, onnx_bytes: calibrate.quantize_model(onnx_bytes, shapes, options)
         else:
             run_calibration = lambda d: calibrate.quantize_model(model_bytes, shapes, options)

@@ -41,7 +41,8 @@ DIFF_MODES = ("syntactic", "semantic")
 EXECUTORS = ("local", "dask")  # `executor: kind:`: this machine, or a Dask cluster (cluster.py)
 LINK_MODES = ("shared", "static", "both")  # `link:`: lib<name>.so, lib<name>.a, or both
 GROUP_SIZES = (32, 64, 128)  # `quantization: group_size:` (precision int4)
-SOURCE_SUFFIXES = (".onnx", ".pt", ".pth")
+# TensorFlow: Keras files and frozen GraphDefs; a SavedModel is a folder (a source with no suffix).
+SOURCE_SUFFIXES = (".onnx", ".pt", ".pth", ".keras", ".h5", ".hdf5", ".pb")
 DEFAULT_SYMBOL_PREFIX = "cuvil_"
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -72,8 +73,9 @@ def _dimension(value):
 
 
 def _source_suffix(value):
-    if Path(value).suffix.lower() not in SOURCE_SUFFIXES:
-        raise ValueError(f"model source {value!r} must end in one of {', '.join(SOURCE_SUFFIXES)}")
+    if Path(value).suffix and Path(value).suffix.lower() not in SOURCE_SUFFIXES:
+        raise ValueError(f"model source {value!r} must end in one of {', '.join(SOURCE_SUFFIXES)}, "
+                         f"or be a TensorFlow SavedModel folder")
     return value
 
 
@@ -107,7 +109,8 @@ Dimension = Annotated[Any, AfterValidator(_dimension), WithJsonSchema({"type": "
 # Paths are the one place a str must be converted, so they opt out of strict mode.
 LaxPath = Annotated[Path, Strict(False), WithJsonSchema({"type": "string"})]
 Source = Annotated[str, AfterValidator(_source_suffix), WithJsonSchema(
-    {"type": "string", "pattern": r"\.([oO][nN][nN][xX]|[pP][tT][hH]?)$"})]
+    {"type": "string", "pattern": r"(\.([oO][nN][nN][xX]|[pP][tT][hH]?|[kK][eE][rR][aA][sS]|[hH](5|[dD][fF]5)|[pP][bB])"
+                                  r"|(^|/)[^./]+/?)$"})]
 Version = Annotated[int, AfterValidator(_version), WithJsonSchema({"type": "integer", "const": 1})]
 
 
@@ -284,8 +287,11 @@ class _Model(_Settings):
     model_config = ConfigDict(title="model")
 
     name: Identifier = Field(description="Name of the library (lib<name>.so) and of its folder: an identifier.")
-    source: Source = Field(description="The model file: .onnx, or TorchScript .pt/.pth (exported to ONNX first); "
-                           "relative to this file.")
+    source: Source = Field(description="The model: .onnx, TorchScript .pt/.pth, or TensorFlow (a SavedModel "
+                           "folder, Keras .keras/.h5, frozen GraphDef .pb); TorchScript and TensorFlow are "
+                           "converted to ONNX first. Relative to this file.")
+    signature: str | None = Field(None, description="TensorFlow SavedModel: the signature to build (default "
+                                  "serving_default, or the only one).")
     inputs: dict[str, list[Dimension]] | None = Field(
         None, description="Static shape of every input whose shape in the model is not fully fixed; libraries "
         "are specialised to these shapes.")
@@ -356,6 +362,7 @@ class ModelConfig(BaseModel):
     calibration: CalibrationConfig = CalibrationConfig()
     serve: ServeConfig = ServeConfig()
     link: str = "shared"
+    signature: str | None = None
     line: int | None = None
 
 
@@ -461,8 +468,10 @@ def _resolve(raw, root_node, path):
         line = _position_of(root_node, where).get("line")
         first_line[entry.name] = line
         source = (root / Path(entry.source).expanduser()).resolve()
-        if not source.is_file():
-            raise ConfigError(f"models[{index}].source: model file not found: {source}", file=path,
+        if not (source.is_file() or (source.is_dir() and (source / "saved_model.pb").is_file())):
+            what = "folder is not a TensorFlow SavedModel (no saved_model.pb)" if source.is_dir() else \
+                "model file not found"
+            raise ConfigError(f"models[{index}].source: {what}: {source}", file=path,
                               hint=f"paths are relative to the folder of {path.name} ({root})",
                               **_position_of(root_node, (*where, "source")))
         values = {**defaults, **entry.model_dump(exclude_unset=True)}

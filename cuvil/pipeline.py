@@ -1,6 +1,6 @@
 """The one path from a model to a library. Every caller goes through it.
 
-    model file  --read_source / export_onnx-->  ONNX bytes           (TorchScript is exported first)
+    model file  --read_source / export_onnx-->  ONNX bytes           (TorchScript, TensorFlow are exported first)
                 --import_model-->               CIR Graph            cuvil/frontends/
                 --run_pass, in order-->         rewritten Graph      passes/
                 --plan-->                       Planned: kernel calls, weights blob, arena plan
@@ -37,15 +37,32 @@ TORCHSCRIPT_SUFFIXES = (".pt", ".pth")
 
 # -- the source --------------------------------------------------------------------------------
 
+def source_kind(path) -> str:
+    """'onnx', 'torchscript' or 'tensorflow', from a model path's suffix (a folder: a SavedModel)."""
+    from .frontends import tensorflow
+    path = Path(path)
+    if path.is_dir() and not tensorflow.is_savedmodel(path):
+        raise CuvilError(f"{path} is a folder but not a TensorFlow SavedModel (it has no saved_model.pb)",
+                         hint="a model source is an .onnx, .pt/.pth, .keras/.h5 or frozen .pb file, "
+                              "or a SavedModel folder")
+    if tensorflow.is_tensorflow_source(path):
+        return "tensorflow"
+    return "torchscript" if path.suffix.lower() in TORCHSCRIPT_SUFFIXES else "onnx"
+
+
 def read_source(source) -> tuple[bytes, str]:
-    """The model's bytes and its kind ('onnx' or 'torchscript'): a path, bytes or an onnx.ModelProto."""
+    """The model's bytes and its kind ('onnx', 'torchscript' or 'tensorflow'): a path, bytes or an
+    onnx.ModelProto. A TensorFlow SavedModel folder's "bytes" list its files' hashes."""
     if isinstance(source, bytes):
         return source, "onnx"
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if not path.is_file():
+        if not path.exists():
             raise CuvilError(f"model file not found: {path}")
-        kind = "torchscript" if path.suffix.lower() in TORCHSCRIPT_SUFFIXES else "onnx"
+        kind = source_kind(path)
+        if kind == "tensorflow":
+            from .frontends.tensorflow import source_bytes
+            return source_bytes(path), kind
         return path.read_bytes(), kind
     import onnx
     if isinstance(source, onnx.ModelProto):
@@ -53,10 +70,19 @@ def read_source(source) -> tuple[bytes, str]:
     raise CuvilError(f"cannot build a model from {type(source).__name__}")
 
 
-def export_onnx(source, input_shapes: dict) -> bytes:
-    """A TorchScript file (or a torch module) as ONNX bytes (cuvil/frontends/torch.py)."""
+def export_onnx(source, input_shapes: dict, signature: str | None = None) -> bytes:
+    """A TorchScript file or torch module (cuvil/frontends/torch.py), or a TensorFlow source
+    (cuvil/frontends/tensorflow.py; `signature` picks a SavedModel's signature), as ONNX bytes."""
+    from .frontends import tensorflow
+    if tensorflow.is_tensorflow_source(source):
+        return tensorflow.to_onnx_proto(source, input_shapes, signature).SerializeToString()
     from .frontends.torch import to_onnx_proto
     return to_onnx_proto(source, input_shapes).SerializeToString()
+
+
+def exported_kind(kind: str) -> bool:
+    """Whether a source of this kind is exported to ONNX before the import."""
+    return kind in ("torchscript", "tensorflow")
 
 
 def has_kernel(domain: str, op: str) -> bool:
@@ -79,22 +105,23 @@ def import_model(source, input_shapes: dict):
     return graph
 
 
-def import_any(source, input_shapes: dict):
-    """CIR of any source a variant may name: TorchScript files are exported to ONNX first."""
-    if isinstance(source, (str, os.PathLike)) and Path(source).suffix.lower() in TORCHSCRIPT_SUFFIXES:
-        return import_model(export_onnx(source, input_shapes), input_shapes)
+def import_any(source, input_shapes: dict, signature: str | None = None):
+    """CIR of any source a variant may name: TorchScript and TensorFlow sources are exported to ONNX first."""
+    if isinstance(source, (str, os.PathLike)) and exported_kind(source_kind(source)):
+        return import_model(export_onnx(source, input_shapes, signature), input_shapes)
     return import_model(source, input_shapes)
 
 
-def calibrated_source(source, input_shapes: dict, precision: str, calibration: dict | None = None):
+def calibrated_source(source, input_shapes: dict, precision: str, calibration: dict | None = None,
+                      signature: str | None = None):
     """The source as the variant imports it: for int8 the float model calibrated and written as
     QDQ ONNX bytes (cuvil/calibrate.py; `cuvil build` caches this as its calibrate step)."""
     if precision not in CALIBRATED:
         return source
     from .calibrate import quantize_model
     data, kind = read_source(source)
-    if kind == "torchscript":
-        data = export_onnx(source, input_shapes)
+    if exported_kind(kind):
+        data = export_onnx(source, input_shapes, signature)
     return quantize_model(data, input_shapes, calibration or {})
 
 

@@ -84,7 +84,7 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                     threads=model.threads,
                     symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize,
                     accuracy=model.accuracy.model_dump(), link=model.link,
-                    calibration=model.calibration.model_dump())
+                    calibration=model.calibration.model_dump(), signature=model.signature)
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
     return dag, planned
@@ -142,8 +142,8 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
         source = model.source
         if model.precision in pipeline.CALIBRATED:
             source = pipeline.calibrated_source(source, dict(model.inputs), model.precision,
-                                                model.calibration.model_dump())
-        graph = pipeline.import_any(source, dict(model.inputs))
+                                                model.calibration.model_dump(), model.signature)
+        graph = pipeline.import_any(source, dict(model.inputs), model.signature)
         report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
                              _tensors(graph, graph.outputs), graph.op_counts())
         # A precision not built yet is reported per target below (as the build refuses it).

@@ -1,5 +1,6 @@
-"""If with a constant condition, Loop with a static trip count and Scan are compiled
-by inlining / unrolling at import; results match onnxruntime."""
+"""If with a constant condition, Loop with a static trip count (or a condition that folds
+every iteration) and Scan are compiled by inlining / unrolling at import; an If decided at
+run time computes both branches and selects; results match onnxruntime."""
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -37,10 +38,54 @@ def test_if_on_a_shape_comparison_folds():
     assert_matches_ort(model, {"x": rand(2, 3)})
 
 
-def test_if_on_runtime_data_is_refused():
-    nodes = [helper.make_node("ReduceSum", ["x"], ["t"], keepdims=0), helper.make_node("Greater", ["t", "z"], ["c"])]
-    model = make_model(_if_model(nodes), [("x", F, [2, 3])], [("y", F, None)], {"z": np.array(0, F)})
-    with pytest.raises(cuvil.CuvilError, match="If.*run time"):
+def _runtime_if_model(else_branch):
+    nodes = [helper.make_node("ReduceSum", ["x"], ["t"], keepdims=0), helper.make_node("Greater", ["t", "z"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=_branch("Relu", "then"), else_branch=else_branch)]
+    return make_model(nodes, [("x", F, [2, 3])], [("y", F, None)], {"z": np.array(0, F)})
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_if_on_runtime_data_computes_both_branches_and_selects(sign):
+    # sign picks the branch at run time: sum(x) > 0 takes Relu, else Neg (same shape: Where selects).
+    feeds = {"x": (np.abs(rand(2, 3)) * sign).astype(F)}
+    assert_matches_ort(_runtime_if_model(_branch("Neg", "else")), feeds)
+
+
+def test_if_on_runtime_data_with_differing_shapes_is_refused():
+    other = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["else_out"], keepdims=0)], "else", [],
+                              [helper.make_tensor_value_info("else_out", TensorProto.FLOAT, [])])
+    with pytest.raises(cuvil.CuvilError, match="If.*run time.*in one branch.*in the other"):
+        cuvil.compile(_runtime_if_model(other))
+
+
+def _while_body(limit_source):
+    # acc = acc * 0.5 + x while i + 1 < limit: the loop has no trip count, only a condition
+    # (the form converters give tf.while_loop); the condition folds when limit is a constant.
+    return helper.make_graph(
+        [helper.make_node("Add", ["i", "one"], ["next"]), helper.make_node("Less", ["next", limit_source], ["cond_out"]),
+         helper.make_node("Mul", ["acc_in", "half"], ["h"]), helper.make_node("Add", ["h", "x"], ["acc_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [2, 3])],
+        initializer=[helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]),
+                     helper.make_tensor("one", TensorProto.INT64, [], [1])])
+
+
+def test_loop_without_trip_count_runs_while_its_condition_folds_true():
+    nodes = [helper.make_node("Loop", ["", "cond", "acc0"], ["acc"], body=_while_body("limit"))]
+    model = make_model(nodes, [("x", F, [2, 3]), ("acc0", F, [2, 3])], [("acc", F, None)],
+                       {"cond": np.array(True), "limit": np.array(6, np.int64)})
+    assert_matches_ort(model, {"x": rand(2, 3), "acc0": rand(2, 3, seed=1)})
+
+
+def test_loop_whose_condition_never_folds_false_is_refused():
+    nodes = [helper.make_node("Loop", ["", "cond", "acc0"], ["acc"], body=_while_body("limit"))]
+    model = make_model(nodes, [("x", F, [2, 3]), ("acc0", F, [2, 3])], [("acc", F, None)],
+                       {"cond": np.array(True), "limit": np.array(1 << 40, np.int64)})
+    with pytest.raises(cuvil.CuvilError, match="Loop.*still holds after 4096"):
         cuvil.compile(model)
 
 

@@ -422,3 +422,33 @@ def gat(nodes, features=32, heads=4, channels=8, out=8, style="index_add", seed=
 
     torch.manual_seed(seed)
     return GAT()
+
+
+def fraud_hybrid(nodes=256, steps=16, features=8, hidden=32, edges=2048, style="index_add", seed=0):
+    """The design document's fraud detector: an LSTM over each account's last `steps`
+    transactions (seq [nodes, steps, features]), its last hidden state the account's embedding;
+    one GraphSAGE layer (mean of the neighbours' embeddings, lin_l(mean) + lin_r(self)) over the
+    transaction graph (edge_index [2, edges]: payer -> payee); a small head to one fraud
+    probability per account (sigmoid), [nodes, 1]. Segment sums written as `style` says."""
+    torch = _torch()
+    nn = torch.nn
+
+    class FraudHybrid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(features, hidden, batch_first=True)
+            self.lin_l, self.lin_r = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden, bias=False)
+            self.head = nn.Sequential(nn.Linear(2 * hidden, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, seq, edge_index):
+            _, (h, _) = self.rnn(seq)
+            emb = h[-1]                                                     # [nodes, hidden]
+            src, dst = edge_index[0], edge_index[1]
+            index = dst.unsqueeze(1).expand(-1, hidden)
+            total = _segment_sum(torch, (nodes, hidden), index, dst, emb[src], style)
+            count = _segment_sum(torch, (nodes,), dst, dst, torch.ones_like(dst, dtype=emb.dtype), style)
+            graph = torch.relu(self.lin_l(total / count.clamp(min=1).unsqueeze(1)) + self.lin_r(emb))
+            return torch.sigmoid(self.head(torch.cat([emb, graph], dim=1)))
+
+    torch.manual_seed(seed)
+    return _randomise(FraudHybrid(), seed)   # He-scaled Linear weights: the probabilities spread out

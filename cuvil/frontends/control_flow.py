@@ -1,7 +1,8 @@
 """If, Loop and Scan whose control is known at build time become straight-line code.
 
 An If whose condition is a constant is replaced by the nodes of the branch it
-takes; a Loop with a constant trip count (and a condition that folds to a
+takes; an If decided at run time computes both branches and selects with Where
+(when both give the same shapes); a Loop with a constant trip count (and a condition that folds to a
 constant every iteration) and a Scan over a static sequence are unrolled. The
 body's nodes are copied with their names prefixed per iteration and handed
 back to the importer one by one, so constants keep folding through them and
@@ -16,6 +17,9 @@ from onnx import helper
 
 from ..errors import UnsupportedOpError
 from ..ir import Value
+
+# Loops run at most this many iterations at build time (each one copies the body).
+_MAX_UNROLL = 4096
 
 
 def _subgraph(proto, key):
@@ -99,11 +103,36 @@ class Inliner:
     # -- If ---------------------------------------------------------------------------
     def inline_if(self, proto, name):
         cond = self.imp.values.get(proto.input[0])
-        if cond is None or not cond.is_const:
-            raise UnsupportedOpError(f"node '{name}' (If): its condition is only known at run time",
-                                     hint="only an If whose condition is known at build time can be compiled")
+        if cond is None:
+            raise UnsupportedOpError(f"node '{name}' (If): its condition '{proto.input[0]}' is not defined")
+        if not cond.is_const:
+            self._select_if(proto, name, cond)
+            return
         branch = _subgraph(proto, "then_branch" if bool(np.asarray(cond.data).reshape(-1)[0]) else "else_branch")
         self._bind(self.run_body(branch, f"{name}/", {}), list(proto.output), name)
+
+    def _select_if(self, proto, name, cond):
+        """An If decided at run time: both branches are computed and Where picks one result.
+        ONNX branches are pure, so this is exact; it costs the branch not taken. It needs each
+        output to have the same shape and dtype in both branches (Where must not broadcast)."""
+        if cond.size != 1:
+            raise UnsupportedOpError(f"node '{name}' (If): its condition has {cond.size} elements, not 1")
+        then = self.run_body(_subgraph(proto, "then_branch"), f"{name}/then/", {})
+        other = self.run_body(_subgraph(proto, "else_branch"), f"{name}/else/", {})
+        for out, a, b in zip(proto.output, then, other):
+            va, vb = self.imp.values[a], self.imp.values[b]
+            if tuple(va.shape) != tuple(vb.shape) or np.dtype(va.dtype) != np.dtype(vb.dtype):
+                raise UnsupportedOpError(
+                    f"node '{name}' (If): its condition is only known at run time and output '{out}' is "
+                    f"{np.dtype(va.dtype)}{list(va.shape)} in one branch, {np.dtype(vb.dtype)}{list(vb.shape)} "
+                    f"in the other", hint="cuvil compiles a run-time If when both branches give outputs of "
+                                          "the same shapes; or make the condition known at build time")
+        scalar = self._fresh(f"{name}/cond")
+        self._emit("Reshape", [proto.input[0], self._const(f"{name}/scalar", np.zeros(0, np.int64))], [scalar],
+                   f"{name}/cond_scalar")
+        for out, a, b in zip(proto.output, then, other):
+            if out:
+                self._emit("Where", [scalar, a, b], [out], f"{name}/select:{out}")
 
     # -- Loop -------------------------------------------------------------------------
     def inline_loop(self, proto, name):
@@ -111,12 +140,20 @@ class Inliner:
         trip, cond = inputs[0], inputs[1]
         carried = [i for i in proto.input[2:]]
         body = _subgraph(proto, "body")
-        if not trip or not self.imp.values[trip].is_const:
+        if trip and not self.imp.values[trip].is_const:
             raise UnsupportedOpError(f"node '{name}' (Loop): its trip count is not known at build time",
                                      hint="only loops with a constant trip count can be compiled")
-        count = int(np.asarray(self.imp.values[trip].data).reshape(-1)[0])
-        if count > 4096:
-            raise UnsupportedOpError(f"node '{name}' (Loop): {count} iterations is too many to unroll (limit 4096)")
+        if not trip and not cond:
+            raise UnsupportedOpError(f"node '{name}' (Loop): it has neither a trip count nor a condition")
+        # No trip count (or a huge one, as tf.while_loop's converters write): the loop runs while its
+        # condition, folded at build time every iteration, holds; it must stop within the limit.
+        count = int(np.asarray(self.imp.values[trip].data).reshape(-1)[0]) if trip else None
+        if count is not None and count > _MAX_UNROLL and not cond:
+            raise UnsupportedOpError(f"node '{name}' (Loop): {count} iterations is too many to unroll "
+                                     f"(limit {_MAX_UNROLL})")
+        bounded = count is not None and count <= _MAX_UNROLL
+        if not bounded:
+            count = _MAX_UNROLL + 1
         keep_going = True
         if cond:
             value = self.imp.values[cond]
@@ -142,6 +179,9 @@ class Inliner:
             state = results[1:1 + n_carried]
             for k, value in enumerate(results[1 + n_carried:]):
                 scans[k].append(value)
+        if keep_going and not bounded:
+            raise UnsupportedOpError(f"node '{name}' (Loop): its condition still holds after {_MAX_UNROLL} "
+                                     f"iterations; too many to unroll")
         self._bind(state, list(proto.output[:n_carried]), name)
         for k, (parts, out) in enumerate(zip(scans, proto.output[n_carried:])):
             self._stack(parts, out, 0, f"{name}/scan{k}")

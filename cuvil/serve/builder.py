@@ -84,15 +84,16 @@ def graph_hash(graph) -> str:
 
 def _source_hash(model, diff_mode: str) -> str:
     if diff_mode == "syntactic":
-        digest = hashlib.sha256(Path(model.source).read_bytes()).hexdigest()
+        from ..pipeline import read_source   # a SavedModel folder: its files' hashes
+        digest = hashlib.sha256(read_source(Path(model.source))[0]).hexdigest()
         return _sha("bytes", digest)
-    return _sha("graph", graph_hash(_import_graph(model.source, dict(model.inputs))))
+    return _sha("graph", graph_hash(_import_graph(model.source, dict(model.inputs), model.signature)))
 
 
-def _import_graph(source, input_shapes):
-    """The graph the build imports (TorchScript exported first), through the pipeline's own import."""
+def _import_graph(source, input_shapes, signature=None):
+    """The graph the build imports (TorchScript, TensorFlow exported first), through the pipeline's own import."""
     from ..pipeline import import_any
-    return import_any(source, input_shapes)
+    return import_any(source, input_shapes, signature)
 
 
 def model_key(model, diff_mode: str) -> str:

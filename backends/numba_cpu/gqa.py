@@ -7,13 +7,13 @@ GroupQueryAttention is two calls, one after the other (the driver's barrier betw
    copied: the cache is updated in place); then the S new key rows (rotated) and value rows are
    written at rows past_seqlen .. past_seqlen + S - 1 of present.
 2. `GQA`, one work item per (batch, head, run of query rows): the query row rotated into scratch,
-   scores q.k * scale over rows 0 .. past_seqlen + i of present only (the work follows the real
+   scores q.k * scale over rows 0 .. min(past_seqlen + i, seqlens_k) of present only (the work follows the real
    length, never the cache's), softmax (max, vexp, sum, 1/sum), then the value rows weighted by
    the probabilities into the output row [B, S, N H].
 
 past_seqlen = seqlens_k[b] + 1 - S (0 for a first prompt, S == total_sequence_length), clamped so
 that a wrong seqlens_k cannot write outside present; the rotary position of row i is
-past_seqlen + i (first prompt: i, and 1 for padding rows past seqlens_k, as onnxruntime does).
+past_seqlen + i (a first prompt's padding rows past seqlens_k too, as onnxruntime 1.32 does).
 Rotary (half = R / 2): non-interleaved pairs (x[i], x[i + half]), interleaved (x[2i], x[2i + 1]);
 y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin; dims past R pass through.
 
@@ -65,10 +65,7 @@ def _past_lines(src, form, seqlens, b):
 
 
 def _position_lines(src, form, max_pos):
-    if form["first_prompt"]:
-        src.line("pos = s if s < total else 1")
-    else:
-        src.line("pos = past + s")
+    src.line("pos = past + s")
     src.line(f"if pos > {max_pos - 1}:").indent().line(f"pos = {max_pos - 1}").dedent()
 
 
@@ -150,7 +147,11 @@ def _attention_call(node, graph, form, query, seqlens, cos, sin, pres_k, pres_v,
     if rot:
         _position_lines(src, form, max_pos)
     _rotate_lines(src, form, "p0", "qs", ws, "w", "pos", cs, sn)
+    # a first prompt's padding rows attend to the real rows only (onnxruntime's product covers
+    # seqlens_k + 1 columns); otherwise past + s + 1 <= total already
     src.line("n = past + s + 1")
+    src.line("if n > total:").indent().line("n = total").dedent()
+    src.line("if n < 1:").indent().line("n = 1").dedent()
     # scores and their maximum
     src.line(f"m = {literal(-np.inf, F32)}")
     src.line("for t in range(n):").indent()

@@ -151,6 +151,19 @@ def test_gqa_matches_onnxruntime(S, C, past_len, packed, rotary, interleaved):
     _check_gqa(got, want, S, past_len, bound, kv_bound)
 
 
+@pytest.mark.parametrize("S,past_len", [(1, 40), (16, 7)])
+def test_gqa_two_threads_matches_onnxruntime(S, past_len):
+    """With 2 threads the head groups are split and a prefill's rows dealt into runs
+    (gqa.py _split): the same bound holds."""
+    H, heads, kv_heads, C = 16, 4, 2, 64
+    model = gqa_model(S, C, heads, kv_heads, H)
+    feeds = gqa_feeds(S, C, past_len, heads, kv_heads, H)
+    compiled = cuvil.compile(model, name="gqa_t2", threads=2)
+    got = run_sharing(compiled, feeds, {"present_key": "past_key", "present_value": "past_value"})
+    bound, kv_bound = _gqa_bound(feeds, S, past_len, H, heads, kv_heads, True)
+    _check_gqa(got, run_ort(model, feeds), S, past_len, bound, kv_bound)
+
+
 @pytest.mark.parametrize("past", [True, False])
 def test_gqa_first_prompt_matches_onnxruntime(past):
     """S == total_sequence_length (onnxruntime's first prompt): past_seqlen is 0 whatever seqlens_k

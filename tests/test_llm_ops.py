@@ -389,6 +389,21 @@ def _prefill_then_decode(path, C=64, S=8):
     want_step = run_ort(oracle, step)
     got_step = run_sharing(decode, step, shared)
     _close(got_step, want_step, S + 1)
+    # greedy decoding on: each engine on its own cache, the same tokens (the logits agree within
+    # the tolerance above, far below this model's top-1 margins)
+    tokens = {}
+    for engine in ("cuvil", "ort"):
+        cache = {n: got[shared_name].copy() for shared_name, n in shared.items()}
+        token, out = int(step["input_ids"][0, 0]), []
+        for pos in range(S, S + 12):
+            feed = {"input_ids": np.array([[token]], np.int64),
+                    "attention_mask": (np.arange(C) < pos + 1).astype(np.int64)[None], **cache}
+            res = run_sharing(decode, feed, shared) if engine == "cuvil" else run_ort(oracle, feed)
+            cache = {n: res[shared_name] for shared_name, n in shared.items()}
+            token = int(np.argmax(res["logits"][0, -1]))
+            out.append(token)
+        tokens[engine] = out
+    assert tokens["cuvil"] == tokens["ort"]
 
 
 def test_genai_fp32_decoder_prefill_and_decode(genai_folder):

@@ -151,6 +151,18 @@ def test_gqa_matches_onnxruntime(S, C, past_len, packed, rotary, interleaved):
     _check_gqa(got, want, S, past_len, bound, kv_bound)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gqa_partial_rotary_matches_onnxruntime(interleaved):
+    """cos_cache narrower than head_size / 2: the first 2 * cos_cache.shape[1] dims rotate, the
+    others pass through."""
+    S, C, past_len, H, heads, kv_heads = 4, 64, 10, 32, 4, 2
+    model = gqa_model(S, C, heads, kv_heads, H, interleaved=interleaved, rotary_dim=16)
+    feeds = gqa_feeds(S, C, past_len, heads, kv_heads, H)
+    got, want = cuvil.compile(model, name="gqa_partial").run(feeds), run_ort(model, feeds)
+    bound, kv_bound = _gqa_bound(feeds, S, past_len, H, heads, kv_heads, True)
+    _check_gqa(got, want, S, past_len, bound, kv_bound)
+
+
 @pytest.mark.parametrize("S,past_len", [(1, 40), (16, 7)])
 def test_gqa_two_threads_matches_onnxruntime(S, past_len):
     """With 2 threads the head groups are split and a prefill's rows dealt into runs
@@ -234,8 +246,9 @@ def _single(op, domain, inputs, outputs, inits=(), **attrs):
     return model
 
 
-@pytest.mark.parametrize("layout,interleaved", [("bsnh", False), ("bsnh", True), ("bnsh", False)])
-def test_rotary_embedding_matches_onnxruntime(layout, interleaved):
+@pytest.mark.parametrize("layout,interleaved,start", [("bsnh", False, False), ("bsnh", True, False),
+                                                       ("bnsh", False, False), ("bsnh", False, True)])
+def test_rotary_embedding_matches_onnxruntime(layout, interleaved, start):
     """RotaryEmbedding (com.microsoft): each output is x1 cos - x2 sin (or x2 cos + x1 sin) of the
     same float32 inputs in both engines: within 2 gamma(2) * max|x| apart."""
     B, S, N, H = 1, 5, 3, 16
@@ -244,12 +257,13 @@ def test_rotary_embedding_matches_onnxruntime(layout, interleaved):
     shape = [B, S, N * H] if layout == "bsnh" else [B, N, S, H]
     model = _single("RotaryEmbedding", "com.microsoft",
                     [helper.make_tensor_value_info("x", f, shape),
-                     helper.make_tensor_value_info("pos", TensorProto.INT64, [B, S])],
+                     helper.make_tensor_value_info("pos", TensorProto.INT64, [1] if start else [B, S])],
                     [helper.make_tensor_value_info("y", f, shape)],
                     [onnx.numpy_helper.from_array(cos, "cos"), onnx.numpy_helper.from_array(sin, "sin")],
                     interleaved=int(interleaved), num_heads=N)
     rng = np.random.default_rng(1)
-    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "pos": np.array([[3, 4, 5, 9, 40]], np.int64)}
+    pos = np.array([7], np.int64) if start else np.array([[3, 4, 5, 9, 40]], np.int64)   # [1]: a start position
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "pos": pos}
     got, want = cuvil.compile(model, name="rope").run(feeds), run_ort(model, feeds)
     assert np.abs(got["y"] - want["y"]).max() <= 2 * gamma(2) * np.abs(feeds["x"]).max()
 
@@ -412,3 +426,18 @@ def test_genai_fp32_decoder_prefill_and_decode(genai_folder):
 
 def test_genai_int4_decoder_prefill_and_decode(genai_folder):
     _prefill_then_decode(build_genai_model(genai_folder, "int4"))
+
+
+def test_gqa_refuses_position_ids_and_a_runtime_total_length():
+    model = gqa_model(1, 64)
+    gqa = model.graph.node[-1]
+    gqa.input.extend(["pos"])           # position_ids (input 9)
+    model.graph.input.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [1, 1]))
+    with pytest.raises(CuvilError, match="position_ids is not supported"):
+        cuvil.compile(model, name="gqa_pos")
+    model = gqa_model(1, 64)
+    gqa = model.graph.node[-1]
+    gqa.input[6] = "total_in"           # total_sequence_length fed at run time
+    model.graph.input.append(helper.make_tensor_value_info("total_in", TensorProto.INT32, [1]))
+    with pytest.raises(CuvilError, match="total_sequence_length .* computed at run time"):
+        cuvil.compile(model, name="gqa_total")

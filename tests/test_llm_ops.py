@@ -381,11 +381,11 @@ def genai_folder(tmp_path_factory):
     return tmp_path_factory.mktemp("genai")
 
 
-def _prefill_then_decode(path, C=64, S=8):
+def _prefill_then_decode(path, C=64, S=8, threads=1):
     model = onnx.load(str(path))
     oracle = float_oracle(model)
-    prefill = cuvil.compile(str(path), input_shapes=static_shapes(path, S, C), name="genai_prefill")
-    decode = cuvil.compile(str(path), input_shapes=static_shapes(path, 1, C), name="genai_decode")
+    prefill = cuvil.compile(str(path), input_shapes=static_shapes(path, S, C), name="genai_prefill", threads=threads)
+    decode = cuvil.compile(str(path), input_shapes=static_shapes(path, 1, C), name="genai_decode", threads=threads)
     rng = np.random.default_rng(0)
     pasts = [v["name"] for v in prefill.info["inputs"] if v["name"].startswith("past_key_values.")]
     feeds = {"input_ids": rng.integers(3, 512, (1, S)).astype(np.int64),
@@ -425,7 +425,8 @@ def test_genai_fp32_decoder_prefill_and_decode(genai_folder):
 
 
 def test_genai_int4_decoder_prefill_and_decode(genai_folder):
-    _prefill_then_decode(build_genai_model(genai_folder, "int4"))
+    # at 2 threads: the split paths of the attention and of the products
+    _prefill_then_decode(build_genai_model(genai_folder, "int4"), S=16, threads=2)
 
 
 def test_gqa_refuses_position_ids_and_a_runtime_total_length():

@@ -282,14 +282,19 @@ def test_simplified_layer_norms_match_onnxruntime():
     plain = _single("SimplifiedLayerNormalization", "", [x], [helper.make_tensor_value_info("y", f, [1, 3, size])],
                     [gamma_w], epsilon=1e-6, axis=-1, stash_type=1)
     plain.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    skip = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "s", "g"], ["y", "", "", "sum"],
-                            domain="com.microsoft", epsilon=1e-6)
-    skip_model = helper.make_model(helper.make_graph(
-        [skip], "skip", [x, s], [helper.make_tensor_value_info("y", f, [1, 3, size]),
-                                 helper.make_tensor_value_info("sum", f, [1, 3, size])], [gamma_w]),
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    skip_model.ir_version = 8
-    for model, name in ((plain, "rms"), (skip_model, "skiprms")):
+    bias_w = onnx.numpy_helper.from_array(rng.standard_normal(size).astype(np.float32), "bias")
+    skip_models = []
+    for extra in ([], ["bias"]):        # input + skip, and input + skip + bias
+        skip = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "s", "g"] + extra, ["y", "", "", "sum"],
+                                domain="com.microsoft", epsilon=1e-6)
+        skip_model = helper.make_model(helper.make_graph(
+            [skip], "skip", [x, s], [helper.make_tensor_value_info("y", f, [1, 3, size]),
+                                     helper.make_tensor_value_info("sum", f, [1, 3, size])],
+            [gamma_w] + ([bias_w] if extra else [])),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        skip_model.ir_version = 8
+        skip_models.append((skip_model, f"skiprms{len(extra)}"))
+    for model, name in [(plain, "rms")] + skip_models:
         feed = {k: v for k, v in feeds.items() if k in {i.name for i in model.graph.input}}
         got, want = cuvil.compile(model, name=name).run(feed), run_ort(model, feed)
         assert np.abs(got["y"] - want["y"]).max() <= 2 * gamma(size + 4) * np.abs(want["y"]).max()

@@ -447,3 +447,19 @@ def test_gqa_refuses_position_ids_and_a_runtime_total_length():
     model.graph.input.append(helper.make_tensor_value_info("total_in", TensorProto.INT32, [1]))
     with pytest.raises(CuvilError, match="total_sequence_length .* computed at run time"):
         cuvil.compile(model, name="gqa_total")
+
+
+def test_gqa_right_padded_first_prompt():
+    """A prompt of n tokens in a bucket of S > n with the mask's ones for the n tokens only (past 0,
+    C > S): past_seqlen = n - S < 0 clamps to 0, so the n real rows are exactly onnxruntime's for
+    the unpadded prompt (onnxruntime itself does not take this form). The padding rows are written
+    at rows n .. S - 1 of present, which the next step overwrites."""
+    S, n, C, H, heads, kv_heads = 16, 10, 64, 16, 4, 2
+    padded = gqa_feeds(S, C, 0, heads, kv_heads, H)
+    padded["attention_mask"][0, n:] = 0
+    got = cuvil.compile(gqa_model(S, C, heads, kv_heads, H), name="gqa_padded").run(padded)
+    exact = dict(padded, qkv=padded["qkv"][:, :n])
+    want = run_ort(gqa_model(n, C, heads, kv_heads, H), exact)
+    bound, kv_bound = _gqa_bound(exact, n, 0, H, heads, kv_heads, True)
+    _check_gqa({"out": got["out"][:, :n], "present_key": got["present_key"], "present_value": got["present_value"]},
+               want, n, 0, bound, kv_bound)

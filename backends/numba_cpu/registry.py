@@ -24,7 +24,11 @@ from . import fused
 
 # nbits.py (weight-only int4/int8 products: onnxruntime's MatMulNBits and precision: int4)
 from cuvil import nbits as nbits_form
-from . import nbits
+from . import nbits_gemm   # many rows: dequantised panels; else nbits.py's packed-code kernel
+
+# gqa.py (onnxruntime's LLM attention ops; cuvil/contrib.py has their forms)
+from cuvil import contrib
+from . import gqa
 
 GENERATORS = {
     # elementwise (elementwise.py)
@@ -71,6 +75,7 @@ GENERATORS = {
     "MeanVarianceNormalization": norm.lower_mean_variance_normalization,
     "LpNormalization": norm.lower_lp_normalization,
     "Gelu": norm.lower_gelu,
+    "SimplifiedLayerNormalization": norm.lower_simplified_layer_normalization,  # onnxruntime's RMSNorm
     # linear quantisation (quant.py)
     "QuantizeLinear": quant.lower_quantize_linear,
     "DequantizeLinear": quant.lower_dequantize_linear,
@@ -142,7 +147,11 @@ GENERATORS = {
 
 # Ops of other domains (com.microsoft contrib ops), by (domain, op).
 DOMAIN_GENERATORS = {
-    (nbits_form.DOMAIN, nbits_form.OP): nbits.lower_matmul_nbits,
+    (nbits_form.DOMAIN, nbits_form.OP): nbits_gemm.lower_matmul_nbits,
+    (contrib.MS, "GroupQueryAttention"): gqa.lower_group_query_attention,
+    (contrib.MS, "RotaryEmbedding"): gqa.lower_rotary_embedding,
+    (contrib.MS, "SimplifiedLayerNormalization"): norm.lower_simplified_layer_normalization,
+    (contrib.MS, "SkipSimplifiedLayerNormalization"): norm.lower_skip_simplified_layer_normalization,
 }
 
 

@@ -92,8 +92,9 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
 
 def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
                   cache=None, output_dir: Path | None = None, scheduler: str | None = None,
-                  listener=None) -> ProjectBuild:
-    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/.
+                  listener=None, folder_of=None) -> ProjectBuild:
+    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/
+    (or the folder `folder_of(model, target)` names: cuvil-compile's --output).
 
     The steps run on this machine, or on the Dask cluster whose scheduler is at `scheduler`
     (default: `executor:` of the config; cluster.py), whose workers write them to the shared
@@ -114,7 +115,9 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
                        planner=plan_project, where=lambda model: _where(spec, model))
     built = []
     for model, target, out_dir, link in planned:
-        if output_dir is not None:
+        if folder_of is not None:
+            out_dir = Path(folder_of(model, target))
+        elif output_dir is not None:
             out_dir = Path(output_dir) / model.name / target
         with _located(spec, model):
             t0 = time.perf_counter()

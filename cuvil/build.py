@@ -185,7 +185,7 @@ def _run_link(dag, bundle, params):
     gpu = params["target"].get("kind") == "cuda"
     files = pipeline.link(name, params["symbol_prefix"], bundle["driver.c"], bundle["weights.bin"], objects,
                           sanitize=params["sanitize"], gpu=gpu, mode=params["link"],
-                          target=None if gpu else target_from_key(params["target"]))
+                          target=None if gpu else target_from_key(params["target"]), cache=dag.cache)
     info = json.loads(bundle["info.json"])
     files = {**files, f"{name}.h": bundle["header.h"], **consumer_files(info, sorted(files), gpu)}
     if params["sanitize"]:

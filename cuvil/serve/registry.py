@@ -1,6 +1,6 @@
 """The models a server holds: one loaded version each, swapped atomically, unloaded when drained.
 
-A built library is copied under a content-addressed name
+A built library is hard-linked (or copied) under a content-addressed name
 (`<store>/lib<model>-<sha256[:16]>.so`) before it is opened: the dynamic
 loader keys libraries by path, so the old and the new version of a model can
 be open side by side, and the same bytes are never loaded twice. A new version
@@ -109,6 +109,16 @@ class ModelEntry:
         return self.current is not None
 
 
+def _link_or_copy(source: Path, path: Path) -> None:
+    """`path` with `source`'s bytes: a hard link where the file system allows (no copy of a large
+    library; a build never rewrites its output in place, it renames a new file over it), else a copy."""
+    path.unlink(missing_ok=True)
+    try:
+        os.link(source, path)
+    except OSError:
+        shutil.copyfile(source, path)
+
+
 class Registry:
     def __init__(self, models: list[ModelConfig], store: Path, say=print):
         self.entries = {m.name: ModelEntry(m) for m in models}
@@ -129,15 +139,20 @@ class Registry:
     def install(self, name: str, built: Path, source_key: str | None = None) -> Installed:
         """Load `built` as the model's next version, warm it up and swap it in."""
         entry = self.entries[name]
-        version = file_sha256(built)[:16]
+        partial = self.store / f".lib{name}.{threading.get_ident()}.partial"
+        _link_or_copy(built, partial)
+        # the version names the bytes that will be loaded: those of the store's file, not of `built`,
+        # which a build may replace meanwhile
+        version = file_sha256(partial)[:16]
         current = entry.current
         if current is not None and current.version == version:
+            partial.unlink()
             entry.source_key = source_key or entry.source_key
             return Installed("unchanged", current)
         path = self.store / f"lib{name}-{version}.so"
-        if not path.exists():
-            partial = path.with_name(path.name + f".{os.getpid()}.partial")
-            shutil.copyfile(built, partial)
+        if path.exists():
+            partial.unlink()
+        else:
             partial.replace(path)
         fresh = ModelVersion(name, path, version, entry.config.symbol_prefix, entry.config.serve.max_concurrency)
         try:

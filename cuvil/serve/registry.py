@@ -30,7 +30,8 @@ from ..config import ModelConfig
 from ..runtime import Library
 from .protocol import RequestError, Signature
 
-WARMUP_TIMED_RUNS = 3
+WARMUP_TIMED_RUNS = 3  # the first version of a model: the scheduler's first estimate
+SWAP_TIMED_RUNS = 1    # a new version of a serving model (same signature): a first sample, not a delay
 
 
 def file_sha256(path: Path) -> str:
@@ -54,13 +55,13 @@ class ModelVersion:
         self.inflight = 0
         self.retired = False
 
-    def warm_up(self) -> float:
-        """Run every session once on zeros; return the median of a few timed runs, in seconds."""
+    def warm_up(self, timed_runs: int = WARMUP_TIMED_RUNS) -> float:
+        """Run every session once on zeros; return the median of `timed_runs` timed runs, in seconds."""
         feeds = {t.name: np.zeros(t.shape, t.dtype) for t in self.signature.inputs}
         for session in self._all:
             session.run(feeds)
         times = []
-        for _ in range(WARMUP_TIMED_RUNS):
+        for _ in range(timed_runs):
             start = time.perf_counter()
             self._all[0].run(feeds)
             times.append(time.perf_counter() - start)
@@ -156,7 +157,7 @@ class Registry:
             partial.replace(path)
         fresh = ModelVersion(name, path, version, entry.config.symbol_prefix, entry.config.serve.max_concurrency)
         try:
-            estimate = fresh.warm_up()
+            estimate = fresh.warm_up(WARMUP_TIMED_RUNS if current is None else SWAP_TIMED_RUNS)
         except Exception:
             fresh.close()
             raise

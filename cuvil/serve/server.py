@@ -108,7 +108,8 @@ class Server:
         if installed.outcome in ("loaded", "swapped"):
             version = installed.version
             self._locked(self.scheduler.set_threads, name, version.threads)
-            self._locked(self.scheduler.set_estimate, name, installed.estimate_s)
+            if installed.outcome == "loaded":  # a swap (same signature, new weights) keeps the measured history
+                self._locked(self.scheduler.set_estimate, name, installed.estimate_s)
             self.metrics.ready.labels(name).set(1)
         return installed
 

@@ -93,6 +93,7 @@ class Installed:
     version: "ModelVersion | None"
     estimate_s: float = 0.0
     reason: str = ""
+    previous_threads: int | None = None  # "swapped": the threads of the version it replaced
 
 
 @dataclass
@@ -172,7 +173,8 @@ class Registry:
             entry.history.append(version)
             if old is not None:
                 self._retire(old)
-        return Installed("swapped" if old is not None else "loaded", fresh, estimate)
+        return Installed("swapped" if old is not None else "loaded", fresh, estimate,
+                         previous_threads=old.threads if old is not None else None)
 
     def unload(self, name: str) -> bool:
         entry = self.entry(name)

@@ -11,6 +11,11 @@ symbols (kernels, weights, the driver's helpers) are made local, so it exports
 what the shared library exports and two models' archives link into one
 program even when they hold the same kernels; `ar D` keeps it free of
 timestamps, uids and modes.
+
+`link_files` is the entry point: the full link through SCons, or, when the step
+cache holds the template of an earlier full link whose inputs differed only in
+the weights' and the model description's data, that template with the new data
+spliced in (relink.py), byte-identical to the full link.
 """
 from __future__ import annotations
 

@@ -386,7 +386,7 @@ def _identifier(text):
 
 def _check_compile_args(parser, args) -> None:
     """What argparse cannot check alone; each mistake is a usage error (exit 2, no traceback)."""
-    from .config import SOURCE_SUFFIXES, _Model
+    from .config import SOURCE_SUFFIXES, ModelConfig
     if not args.model.is_file():
         parser.error(f"argument --model: file not found: {args.model}")
     if args.model.suffix.lower() not in SOURCE_SUFFIXES:
@@ -406,7 +406,7 @@ def _check_compile_args(parser, args) -> None:
         args.name = re.sub(r"[^A-Za-z0-9_]", "_", stem)
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.name):
             parser.error(f"argument --output: no model name can be made from {args.output.name!r}: give --name")
-    if args.max_context is not None and "generate" not in _Model.model_fields:
+    if args.max_context is not None and "generate" not in ModelConfig.model_fields:
         parser.error("argument --max-context: needs a decoder model's `generate:` settings (a static KV cache), "
                      "which this version of cuvil does not have yet")
 

@@ -197,11 +197,13 @@ def splice(template: bytes, driver_object: bytes, weights: bytes) -> bytes | Non
             or driver_object[:o_start] != old_object[:o_start]
             or driver_object[o_start + o_size:] != old_object[o_start + o_size:]):
         return None
-    # one copy of each part into the result (the weights may be most of it)
-    library = bytearray(header["library_size"])
-    view, parts = memoryview(library), memoryview(body)
-    view[:w_start] = parts[:w_start]
-    view[w_start:w_start + w_size] = weights
-    view[w_start + w_size:] = parts[w_start:rest]
-    view[i_start:i_start + i_size] = driver_object[o_start:o_start + o_size]
-    return bytes(library)
+    # The library's bytes in order: the template's, with the two ranges replaced; one copy in all.
+    stripped = memoryview(body)[:rest]
+    at = lambda position: position if position <= w_start else position - w_size  # in `stripped`
+    regions = sorted([(w_start, w_size, weights), (i_start, i_size, driver_object[o_start:o_start + o_size])])
+    parts, position = [], 0
+    for start, size, data in regions:
+        parts += [stripped[at(position):at(start)], data]
+        position = start + size
+    parts.append(stripped[at(position):])
+    return b"".join(parts)

@@ -74,6 +74,7 @@ class StepGraph:
         self._writer: cf.ThreadPoolExecutor | None = None
         self._writes: list[cf.Future] = []
         self._depth = threading.local()
+        self.defer_writes = False  # True: the outermost get does not wait; the owner calls flush()
 
     def fork(self, cache=None) -> "StepGraph":
         """The same steps and keys (shared, so steps added to one are in both) with outputs and
@@ -124,7 +125,7 @@ class StepGraph:
             return self._get(name)
         finally:
             self._depth.value = depth
-            if depth == 0:
+            if depth == 0 and not self.defer_writes:
                 self.flush()
 
     def flush(self) -> None:

@@ -26,6 +26,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -153,15 +154,30 @@ def _keys_job(config_path: str, names: list[str], diff_mode: str) -> dict:
     return {"keys": keys}
 
 
+# The cache entries of the last build, written on a thread of the worker after it has answered (the
+# server loads the installed library meanwhile); the next build waits for them first (the entries are
+# written atomically, so nothing reads half of one; waiting bounds the memory and the disk traffic).
+_PENDING_WRITES: list[threading.Thread] = []
+
+
+def _wait_for_writes():
+    while _PENDING_WRITES:
+        _PENDING_WRITES.pop().join()
+
+
 def _build_job(config_path: str, name: str) -> dict:
     from ..config import load_config
     from ..project import build_project
+    _wait_for_writes()
     try:
         spec = load_config(config_path)
         model = spec.model(name)
-        result = build_project(spec, [name], progress=None)
+        result = build_project(spec, [name], progress=None, defer_cache_writes=True)
     except CuvilError as error:
         return {"error": str(error)}
+    writes = threading.Thread(target=result.dag.flush, name="cuvil-cache-writes", daemon=True)
+    writes.start()
+    _PENDING_WRITES.append(writes)
     served = next(a for a in result.artifacts if a.info["target"] == model.targets[0])
     return {"library": str(served.library)}
 

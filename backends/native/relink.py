@@ -135,7 +135,7 @@ def template_key(cc: str, cflags: list, ldflags: list, libs, prefix: str, librar
     payload = {
         "format": _FORMAT, "code": sha(Path(__file__).read_bytes()),
         "link_code": sha(Path(__file__).with_name("link.py").read_bytes()),
-        "cc": cc, "cc_version": _tool_line(cc, "--version"), "ld_version": _tool_line("ld", "--version"),
+        "cc": cc, "cc_version": _tool_line(cc, "--version"), "ld_version": _tool_line(_tool_line(cc, "-print-prog-name=ld"), "--version"),
         "cflags": list(cflags), "ldflags": list(ldflags), "libs": list(libs), "prefix": prefix, "library": library,
         # the driver's text without its description: the description is spliced, and checked in the object
         "driver": sha(_INFO_DEFINITION.sub("model_info", driver_c, count=1).encode()),

@@ -97,10 +97,10 @@ def ort_session(model):
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def write_project(folder: Path, resnet: bool, cache: Path) -> Path:
+def write_project(folder: Path, resnet: bool, cache: Path, mlps: bool = True) -> Path:
     (folder / "models").mkdir(parents=True)
     lines = ["version: 1", "output_dir: out", f"cache: {{dir: {cache}}}", "models:"]
-    for name, (priority, deadline, batch, sizes, _, concurrency) in MODELS.items():
+    for name, (priority, deadline, batch, sizes, _, concurrency) in (MODELS.items() if mlps else ()):
         save(mlp(batch, sizes, seed=0), folder / "models" / f"{name}.onnx")
         lines += [f"  - name: {name}", f"    source: models/{name}.onnx", f"    symbol_prefix: {name}_",
                   f"    serve: {{priority: {priority}, deadline_ms: {deadline}, max_concurrency: {concurrency}}}"]
@@ -273,13 +273,18 @@ def main():
     parser.add_argument("--overload", type=float, default=2.0, help="offered load / measured capacity")
     parser.add_argument("--resnet", action="store_true", help="also time a one-weight change of ResNet-18")
     parser.add_argument("--workers", type=int, help="the server's compute threads (default: its own, the cores)")
+    parser.add_argument("--rebuilds", type=int, metavar="N",
+                        help="only phase 5: a server of ResNet-18 alone, its one-weight change timed N times")
+    parser.add_argument("--cache", type=Path, default=ROOT / ".cuvil-cache" / "bench", help="the step cache")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.rebuilds:
+        return rebuilds_only(args)
 
     report = {"machine": {"cpus": len(os.sched_getaffinity(0))}, "command": " ".join(sys.argv)}
     with tempfile.TemporaryDirectory(prefix="cuvil-serve-bench-") as tmp:
         folder = Path(tmp)
-        config = write_project(folder, args.resnet, ROOT / ".cuvil-cache" / "bench")
+        config = write_project(folder, args.resnet, args.cache)
         print("building and starting the server...", flush=True)
         server = ServerProcess(config, lifetime=3600, workers=args.workers)
         client = triton.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=256,
@@ -431,6 +436,28 @@ def resnet_phase(client, server, folder) -> dict:
     result = {"write_to_new_version_s": seen - written, "server_log": [l.strip() for l in own]}
     print(f"  resnet18: {result}", flush=True)
     return result
+
+
+def rebuilds_only(args) -> None:
+    """`--rebuilds N`: the one-weight change of phase 5, N times in a row on one server (the first
+    rebuild after start-up also makes the link's template: relink.py), and their median."""
+    report = {"machine": {"cpus": len(os.sched_getaffinity(0))}, "command": " ".join(sys.argv), "runs": []}
+    with tempfile.TemporaryDirectory(prefix="cuvil-serve-bench-") as tmp:
+        folder = Path(tmp)
+        config = write_project(folder, True, args.cache, mlps=False)
+        print("building and starting the server...", flush=True)
+        server = ServerProcess(config, lifetime=3600, workers=args.workers)
+        client = triton.InferenceServerClient(f"127.0.0.1:{server.port}", connection_timeout=60, network_timeout=120)
+        try:
+            for _ in range(args.rebuilds):
+                report["runs"].append(resnet_phase(client, server, folder))
+        finally:
+            server.stop()
+    times = [run["write_to_new_version_s"] for run in report["runs"]]
+    report["median_s"], report["max_s"] = statistics.median(times), max(times)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ def _run_link(dag, bundle, params):
     gpu = params["target"].get("kind") == "cuda"
     files = pipeline.link(name, params["symbol_prefix"], bundle["driver.c"], bundle["weights.bin"], objects,
                           sanitize=params["sanitize"], gpu=gpu, mode=params["link"],
-                          target=None if gpu else target_from_key(params["target"]))
+                          target=None if gpu else target_from_key(params["target"]), cache=dag.cache)
     info = json.loads(bundle["info.json"])
     # A WebAssembly module is loaded by its host's engine, not linked: no pkg-config file or CMake package.
     wasm = any(file.endswith(".wasm") for file in files)

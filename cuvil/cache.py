@@ -143,8 +143,9 @@ class Cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=path.parent)
-            with os.fdopen(fd, "wb") as f:
-                f.write(_seal(data))
+            with os.fdopen(fd, "wb") as f:  # _seal's layout, without a copy of a large entry
+                f.write(hashlib.sha256(data).digest())
+                f.write(data)
             os.replace(tmp, path)
         except OSError as exc:
             # A cache that cannot be written slows builds down; it must not fail them.

@@ -22,17 +22,32 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3
 
 
 def main(argv=None) -> int:
+    return _main(_parser, argv, "cuvil")
+
+
+def compile_main(argv=None) -> int:
+    """The `cuvil-compile` console script: one model, settings as flags (see cmd_compile)."""
+    return _main(_compile_parser, argv, "cuvil-compile")
+
+
+def _main(make_parser, argv, prog: str) -> int:
+    parser = make_parser()
     try:
-        args = _parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as exit:  # --help, --version and usage errors: argparse has printed them
         return exit.code if isinstance(exit.code, int) else EXIT_ERROR
     args.debug = getattr(args, "debug", False)
     try:
+        if hasattr(args, "validate"):  # checks argparse cannot make alone, reported as usage errors
+            try:
+                args.validate(parser, args)
+            except SystemExit as exit:
+                return exit.code if isinstance(exit.code, int) else EXIT_ERROR
         return args.command(args)
     except CuvilError as error:
         if args.debug:
             traceback.print_exc()
-        print(f"cuvil: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         if getattr(args, "json", False):  # a script reading --json output gets the error as JSON too
             print(json.dumps({"error": {"message": error.message, "hint": error.hint}}, indent=2))
         return EXIT_ERROR
@@ -274,6 +289,13 @@ def cmd_build(args) -> int:
     if args.json:
         print(json.dumps(_build_report(spec, result, args), indent=2))
         return EXIT_OK
+    _print_build(spec, result, args)
+    return EXIT_OK
+
+
+def _print_build(spec, result, args) -> None:
+    """The summary `cuvil build` and `cuvil-compile` print: each variant's library and figures, the steps."""
+    built = result.artifacts
     print()
     for artifacts in built:
         info = artifacts.info
@@ -285,7 +307,7 @@ def cmd_build(args) -> int:
             print(f"    {summary(info['accuracy'])}")
     print(f"{len(built)} variant{'s' if len(built) != 1 else ''}: {result.dag.summary()} steps "
           f"in {result.seconds:.2f} s (cache: {_shown(spec.cache.dir)})")
-    if args.timeline:
+    if getattr(args, "timeline", None):
         print(f"step timeline: {_shown(args.timeline)}")
     if getattr(args, "explain", False):
         from .explain import explain_variant, render
@@ -293,7 +315,167 @@ def cmd_build(args) -> int:
             info = artifacts.info
             print()
             print(render(explain_variant(result.dag, f"{info['name']}/{info['target']}/link", info["name"])))
+
+
+# --- cuvil-compile: the one-shot form of `cuvil build` for one model
+
+# --opt-level is cuvil.yaml's opt_level (passes/__init__.py OPT_LEVELS): 0 runs no pass at all (every
+# buffer apart, no fusion), 1 the clean-ups (constant folding, dead code, common subexpressions) and the
+# memory plan, 2 (the default) adds the fusions and Winograd, 3 adds elementwise-chain fusion.
+_OUTPUT_LINK = {".so": "shared", ".a": "static", ".dll": "shared"}
+
+
+def _compile_parser() -> argparse.ArgumentParser:
+    from .config import PRECISIONS, TARGETS
+    parser = argparse.ArgumentParser(
+        prog="cuvil-compile", description="Compile one model into a shared library in one command: the same "
+        "cached build as `cuvil build` with a one-model cuvil.yaml of these settings, and the same bytes. "
+        "Beside the library go its header, pkg-config file, CMake package and manifest.json.",
+        epilog="example: cuvil-compile --model m.onnx --target x86_64-avx512 --opt-level 3 --precision int4 "
+               "--threads 2 --output build/m.so --input-shape x=1,128")
+    parser.add_argument("--version", action="version", version=f"cuvil-compile {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--model", required=True, type=Path, metavar="FILE",
+                        help="the model: .onnx, or TorchScript .pt/.pth")
+    parser.add_argument("-o", "--output", required=True, type=Path, metavar="FILE.so",
+                        help="the library to write (.so; .a: a static archive; .dll: target x86_64-windows); "
+                             "its folder gets the header and the other files")
+    parser.add_argument("--target", default="native", choices=TARGETS, metavar="TARGET",
+                        help=f"what to build for (default native): {', '.join(TARGETS)}; cuda-a10, cuda-a100, "
+                             "cuda-l4, cuda-h100, cuda-h200 are the cuda-smXY target of that GPU")
+    parser.add_argument("--opt-level", type=int, default=2, choices=range(4), metavar="{0,1,2,3}",
+                        help="0: no passes; 1: clean-ups + memory plan; 2 (default): + fusions; "
+                             "3: + elementwise-chain fusion (cuvil.yaml's opt_level)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS, help="default fp32")
+    parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                        help="threads each session runs on (default 1)")
+    parser.add_argument("--input-shape", action="append", default=[], type=_input_shape, dest="input_shapes",
+                        metavar="NAME=D1,D2,...", help="static shape of an input the model leaves open (repeat "
+                                                       "per input)")
+    parser.add_argument("--max-context", type=_positive_int, metavar="N",
+                        help="decoder models: tokens of the KV cache (cuvil.yaml's generate: max_context)")
+    parser.add_argument("--name", type=_identifier, metavar="NAME",
+                        help="the model's name in the library (lib<NAME>.so, <NAME>.h; default: from --output)")
+    parser.add_argument("--prefix", type=_identifier, metavar="PREFIX",
+                        help="prefix of the exported C symbols (default cuvil_)")
+    parser.add_argument("-j", "--jobs", type=_positive_int, default=1, metavar="N",
+                        help="compile up to N kernels in parallel (default 1)")
+    parser.add_argument("--cache-dir", type=Path, metavar="DIR",
+                        help="the step cache (default: $CUVIL_CACHE_DIR, else ~/.cache/cuvil)")
+    parser.set_defaults(command=cmd_compile, validate=_check_compile_args)
+    return parser
+
+
+def _input_shape(text):
+    name, sep, dims = text.partition("=")
+    try:
+        shape = [int(d) for d in dims.split(",")] if sep and name else None
+    except ValueError:
+        shape = None
+    if not shape or any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(f"expected NAME=D1,D2,... with positive integer dims, got {text!r}")
+    return name, shape
+
+
+def _identifier(text):
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an identifier (letters, digits, _; not starting "
+                                         "with a digit)")
+    return text
+
+
+def _check_compile_args(parser, args) -> None:
+    """What argparse cannot check alone; each mistake is a usage error (exit 2, no traceback)."""
+    from .config import SOURCE_SUFFIXES, ModelConfig
+    if not args.model.is_file():
+        parser.error(f"argument --model: file not found: {args.model}")
+    if args.model.suffix.lower() not in SOURCE_SUFFIXES:
+        parser.error(f"argument --model: {args.model.name} is not a model file ({', '.join(SOURCE_SUFFIXES)})")
+    suffix = args.output.suffix.lower()
+    if suffix not in _OUTPUT_LINK:
+        parser.error(f"argument --output: {args.output.name} must end in .so (or .a for a static archive, "
+                     ".dll for target x86_64-windows)")
+    if (suffix == ".dll") != (args.target == "x86_64-windows"):
+        parser.error("argument --output: target x86_64-windows writes a .dll" if suffix != ".dll" else
+                     "argument --output: a .dll is built for --target x86_64-windows only")
+    names = [name for name, _ in args.input_shapes]
+    if len(set(names)) != len(names):
+        parser.error(f"argument --input-shape: an input is given twice ({', '.join(names)})")
+    if args.name is None:
+        stem = args.output.stem[3:] if args.output.stem.startswith("lib") and suffix != ".dll" else args.output.stem
+        args.name = re.sub(r"[^A-Za-z0-9_]", "_", stem)
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.name):
+            parser.error(f"argument --output: no model name can be made from {args.output.name!r}: give --name")
+    if args.max_context is not None and "generate" not in ModelConfig.model_fields:
+        parser.error("argument --max-context: needs a decoder model's `generate:` settings (a static KV cache), "
+                     "which this version of cuvil does not have yet")
+
+
+def compile_config(args):
+    """The one-model cuvil.yaml (a BuildSpec) that the flags of cuvil-compile stand for."""
+    import yaml
+
+    from backends.targets import CUDA_ALIASES
+
+    from .cache import default_cache_dir
+    from .config import parse_config
+    folder = args.output.resolve().parent
+    model = {"name": args.name, "source": str(args.model.resolve()),
+             "targets": [CUDA_ALIASES.get(args.target, args.target)], "precision": args.precision,
+             "opt_level": args.opt_level, "threads": args.threads}
+    if args.input_shapes:
+        model["inputs"] = dict(args.input_shapes)
+    if args.prefix:
+        model["symbol_prefix"] = args.prefix
+    if _OUTPUT_LINK[args.output.suffix.lower()] != "shared":
+        model["link"] = _OUTPUT_LINK[args.output.suffix.lower()]
+    if args.max_context is not None:
+        model["generate"] = {"max_context": args.max_context}
+    cache = (args.cache_dir or default_cache_dir()).expanduser().resolve()
+    text = yaml.safe_dump({"version": 1, "output_dir": str(folder), "cache": {"dir": str(cache)},
+                           "models": [model]}, sort_keys=False)
+    # Never written: the path only names the flags in a message and is the base of no relative path.
+    return parse_config(text, folder / "cuvil-compile (command line)")
+
+
+def cmd_compile(args) -> int:
+    """`cuvil-compile`: the build of a one-model config, installed into the folder of --output; the
+    library is also linked (hard link, else a copy) under --output's own name when that is not
+    lib<name>.so, so the folder holds exactly what `cuvil build` writes plus that name."""
+    from .progress import BuildDisplay
+    from .project import build_project, open_project_cache
+
+    spec = compile_config(args)
+    folder = args.output.resolve().parent
+    with BuildDisplay(sys.stdout) as display:
+        result = build_project(spec, jobs=args.jobs, progress=display.say, cache=open_project_cache(spec),
+                               listener=display.step, folder_of=lambda model, target: folder)
+    (artifacts,) = result.artifacts
+    if artifacts.library.name != args.output.name:
+        _link_or_copy(artifacts.library, folder / args.output.name)
+        artifacts.library = folder / args.output.name
+    _print_build(spec, result, args)
     return EXIT_OK
+
+
+def _link_or_copy(source: Path, path: Path) -> None:
+    """`path` with the bytes of `source`, replaced atomically (a process that has the old one mapped
+    keeps it); a hard link where the file system allows, so a large library is not stored twice."""
+    import os
+    import shutil
+    if path.is_file() and os.path.samefile(source, path):
+        return
+    tmp = path.with_name(f".cuvil-tmp-{path.name}")
+    try:
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copy2(source, tmp)
+        os.replace(tmp, path)
+    except OSError as error:
+        raise CuvilError(f"cannot write {path}: {error.strerror}",
+                         hint="check that the output folder is writable") from None
 
 
 def _build_report(spec, result, args) -> dict:

@@ -68,6 +68,13 @@ class StepGraph:
         self._lock = threading.RLock()
         self._t0 = time.perf_counter()
         self._ran = 0   # records with status "ran"
+        # A step's output is encoded and written to the cache on a writer thread while the steps after
+        # it run (hashing and writing release the GIL); the outermost `get` of a thread waits for
+        # every write, so when it returns, all it ran is in the cache.
+        self._writer: cf.ThreadPoolExecutor | None = None
+        self._writes: list[cf.Future] = []
+        self._depth = threading.local()
+        self.defer_writes = False  # True: the outermost get does not wait; the owner calls flush()
 
     def fork(self, cache=None) -> "StepGraph":
         """The same steps and keys (shared, so steps added to one are in both) with outputs and
@@ -112,6 +119,31 @@ class StepGraph:
     # -- evaluation ----------------------------------------------------------------
     def get(self, name: str) -> Any:
         """The output of a step: from memory, from the cache, or by running it."""
+        depth = getattr(self._depth, "value", 0)
+        self._depth.value = depth + 1
+        try:
+            return self._get(name)
+        finally:
+            self._depth.value = depth
+            if depth == 0 and not self.defer_writes:
+                self.flush()
+
+    def flush(self) -> None:
+        """Wait for the cache writes under way (an encoding error is raised here)."""
+        while True:
+            with self._lock:
+                if not self._writes:
+                    return
+                future = self._writes.pop(0)
+            future.result()
+
+    def _write(self, step: Step, key: str, output: Any) -> None:
+        with self._lock:
+            if self._writer is None:
+                self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="cuvil-cache-writer")
+            self._writes.append(self._writer.submit(lambda: self.cache.put(key, step.encode(output))))
+
+    def _get(self, name: str) -> Any:
         with self._lock:
             if name in self._outputs:
                 return self._outputs[name]
@@ -128,7 +160,7 @@ class StepGraph:
         inputs = self.get_many(step.deps)
         start = time.perf_counter()
         output = step.run(self, *inputs)
-        self.cache.put(key, step.encode(output))
+        self._write(step, key, output)
         self._finish(step, key, "ran", start, output)
         self.announce(name)
         return output

@@ -324,15 +324,16 @@ def compile_kernel(spec: dict, target) -> bytes:
 
 
 def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects: dict[str, bytes],
-         sanitize: bool = False, gpu: bool = False, mode: str = "shared", target=None) -> dict[str, bytes]:
+         sanitize: bool = False, gpu: bool = False, mode: str = "shared", target=None, cache=None) -> dict[str, bytes]:
     """The driver, the weights and the kernel objects linked by SCons (for a GPU target `objects`
     are the kernels' fatbins, embedded as data) into `lib<name>.so` (mode "shared"; `<name>.dll` and
     its import library `lib<name>.dll.a` for Windows), the static archive `lib<name>.a` ("static")
     or both ("both"): {file name: bytes}. The C compiler is the target's (backends/targets.py
-    c_compiler: a cross gcc for the cross targets)."""
+    c_compiler: a cross gcc for the cross targets). With the step `cache`, a link whose inputs differ
+    from an earlier one's only in the weights' data is spliced from it (backends/native/relink.py)."""
     import tempfile
 
-    from backends.native.link import run_scons, write_link_inputs
+    from backends.native.link import link_files
     from backends.targets import c_compiler, cross_toolchain
     toolchain = cross_toolchain(target)
     tools = {"cc": c_compiler(target)} if toolchain else {}
@@ -348,10 +349,8 @@ def link(name: str, symbol_prefix: str, driver_c: bytes, weights: bytes, objects
     kernels, fatbins = ({}, objects) if gpu else (objects, None)
     with tempfile.TemporaryDirectory(prefix="cuvil-link-") as tmp:
         tmp = Path(tmp)
-        write_link_inputs(tmp, symbol_prefix, driver_c.decode(), weights, kernels, library, sanitize=sanitize,
-                          fatbins=fatbins, archive=archive, **tools)
-        run_scons(tmp)
-        return {file: (tmp / file).read_bytes() for file in (library, archive, tools.get("import_library")) if file}
+        return link_files(tmp, symbol_prefix, driver_c.decode(), weights, kernels, library, cache=cache,
+                          sanitize=sanitize, fatbins=fatbins, archive=archive, **tools)
 
 
 # -- check -------------------------------------------------------------------------------------

@@ -92,8 +92,12 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
 
 def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
                   cache=None, output_dir: Path | None = None, scheduler: str | None = None,
-                  listener=None) -> ProjectBuild:
-    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/.
+                  listener=None, folder_of=None, defer_cache_writes: bool = False) -> ProjectBuild:
+    """Build each selected model for each of its targets into <output_dir>/<model>/<target>/
+    (or the folder `folder_of(model, target)` names: cuvil-compile's --output).
+    With `defer_cache_writes` it returns once the files are installed, the steps' cache entries
+    possibly still being written: the caller then calls `result.dag.flush()` (the server's build
+    worker does, after answering).
 
     The steps run on this machine, or on the Dask cluster whose scheduler is at `scheduler`
     (default: `executor:` of the config; cluster.py), whose workers write them to the shared
@@ -106,6 +110,7 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
     start = time.perf_counter()
     say = progress or (lambda message: None)
     dag, planned = plan_project(spec, models, jobs, progress, cache, listener)
+    dag.defer_writes = defer_cache_writes
     if scheduler is None and spec.executor.kind == "dask":
         scheduler = spec.executor.address
     if scheduler:
@@ -114,7 +119,9 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
                        planner=plan_project, where=lambda model: _where(spec, model))
     built = []
     for model, target, out_dir, link in planned:
-        if output_dir is not None:
+        if folder_of is not None:
+            out_dir = Path(folder_of(model, target))
+        elif output_dir is not None:
             out_dir = Path(output_dir) / model.name / target
         with _located(spec, model):
             t0 = time.perf_counter()

@@ -88,11 +88,13 @@ def server(tmp_path_factory):
     log = []
     srv = Server(folder / "cuvil.yaml", port=0, token=TOKEN, max_body_bytes=1 << 20, say=log.append)
     srv.folder, srv.log = folder, log
+    srv.factors = {}  # version of `scale` -> its factor: each hot-update case starts from whatever serves
     # a safety net: the server stops itself even if the teardown below never runs
     timer = threading.Timer(600, srv.stop)
     timer.daemon = True
     timer.start()
     srv.start()
+    srv.factors[srv.registry.entries["scale"].current.version] = 2.0
     yield srv
     timer.cancel()
     srv.stop()
@@ -355,13 +357,20 @@ def swaps_counted(server, result):
     return float(next((l[len(prefix):] for l in text.splitlines() if l.startswith(prefix)), 0))
 
 
+def serving_factor(server):
+    """The version of `scale` serving now and its factor (the cases below do not depend on their order)."""
+    version = server.registry.entries["scale"].current.version
+    return version, server.factors[version]
+
+
 def x_scale(seed):
     return np.random.default_rng(seed).standard_normal((2, 4)).astype(np.float32)
 
 
 def test_hot_swap_under_load_fails_nothing_and_serves_the_new_weights(server):
     folder, events = server.folder, len(scale_events(server))
-    old_version = server.registry.entries["scale"].current.version
+    old_version, old_factor = serving_factor(server)
+    new_factor = old_factor + 1.0
     stop, answers, errors = threading.Event(), [], []
 
     def load():
@@ -382,8 +391,9 @@ def test_hot_swap_under_load_fails_nothing_and_serves_the_new_weights(server):
     try:
         while len(answers) < 20 and thread.is_alive():
             time.sleep(0.01)
-        save(scale_model(3.0), folder / "models" / "scale.onnx")
+        save(scale_model(new_factor), folder / "models" / "scale.onnx")
         event = wait_for_event(server, events + 1)
+        server.factors[event.version] = new_factor
         after = len(answers)
         while len(answers) < after + 20 and thread.is_alive():
             time.sleep(0.01)
@@ -392,7 +402,7 @@ def test_hot_swap_under_load_fails_nothing_and_serves_the_new_weights(server):
         thread.join(timeout=60)
     assert event.result == "swapped", event
     assert not errors, errors[:3]
-    weights = {old_version: scale_model(2.0), event.version: scale_model(3.0)}
+    weights = {old_version: scale_model(old_factor), event.version: scale_model(new_factor)}
     versions = [v for _, v, _ in answers]
     assert set(versions) == {old_version, event.version}
     first_new = versions.index(event.version)
@@ -403,8 +413,8 @@ def test_hot_swap_under_load_fails_nothing_and_serves_the_new_weights(server):
 
 def test_semantically_null_edit_swaps_nothing(server):
     folder, events = server.folder, len(scale_events(server))
-    version = server.registry.entries["scale"].current.version
-    save(scale_model(3.0, rename=True), folder / "models" / "scale.onnx")
+    version, factor = serving_factor(server)
+    save(scale_model(factor, rename=True), folder / "models" / "scale.onnx")
     event = wait_for_event(server, events + 1)
     assert event.result == "same_key" and event.version == version
     assert server.registry.entries["scale"].current.version == version
@@ -412,14 +422,14 @@ def test_semantically_null_edit_swaps_nothing(server):
 
 def test_broken_save_keeps_the_old_version_and_says_why(server):
     folder, events = server.folder, len(scale_events(server))
-    version = server.registry.entries["scale"].current.version
+    version, factor = serving_factor(server)
     save(scale_model(5.0).SerializeToString()[:40], folder / "models" / "scale.onnx")
     event = wait_for_event(server, events + 1)
     assert event.result == "build_failed" and "scale" in event.reason
     x = x_scale(1)
     result = infer(client(server), "scale", x)
     assert result.get_response()["model_version"] == version
-    assert_close(result.as_numpy("y"), run_ort(scale_model(3.0), {"x": x})["y"])
+    assert_close(result.as_numpy("y"), run_ort(scale_model(factor), {"x": x})["y"])
 
 
 def test_changed_signature_is_reported_not_swapped(server):
@@ -435,6 +445,7 @@ def test_changed_signature_is_reported_not_swapped(server):
     save(scale_model(6.0), folder / "models" / "scale.onnx")
     event = wait_for_event(server, events + 2)
     assert event.result == "swapped" and swaps_counted(server, "swapped") == swapped + 1
+    server.factors[event.version] = 6.0
     x = x_scale(2)
     assert_close(infer(client(server), "scale", x).as_numpy("y"), run_ort(scale_model(6.0), {"x": x})["y"])
 
@@ -467,7 +478,8 @@ def test_a_model_that_does_not_build_is_unavailable_with_its_reason(tmp_path):
 @pytest.mark.slow
 def test_repeated_swaps_under_load_from_four_clients(server):
     folder, events = server.folder, len(scale_events(server))
-    weights = {server.registry.entries["scale"].current.version: 6.0}  # where the case above left it
+    version, factor = serving_factor(server)
+    weights = {version: factor}
     stop, answers, errors = threading.Event(), [], []
 
     def load(index):
@@ -490,7 +502,7 @@ def test_repeated_swaps_under_load_from_four_clients(server):
             save(scale_model(factor), folder / "models" / "scale.onnx")
             event = wait_for_event(server, events + k)
             assert event.result == "swapped", event
-            weights[event.version] = factor
+            weights[event.version] = server.factors[event.version] = factor
             time.sleep(0.2)
     finally:
         stop.set()

@@ -11,6 +11,11 @@ symbols (kernels, weights, the driver's helpers) are made local, so it exports
 what the shared library exports and two models' archives link into one
 program even when they hold the same kernels; `ar D` keeps it free of
 timestamps, uids and modes.
+
+`link_files` is the entry point: the full link through SCons, or, when the step
+cache holds the template of an earlier full link whose inputs differed only in
+the weights' and the model description's data, that template with the new data
+spliced in (relink.py), byte-identical to the full link.
 """
 from __future__ import annotations
 
@@ -134,6 +139,55 @@ def cross_binutils(cc: str) -> dict:
         return {}
     stem = cc[: len(cc) - len("gcc")]
     return {"AR": stem + "ar", "RANLIB": stem + "ranlib", "OBJCOPY": stem + "objcopy"}
+
+
+def link_files(build_dir: Path, prefix: str, driver_c: str, weights: bytes, kernel_objects: dict[str, bytes],
+               library: str | None, cache=None, sanitize: bool = False, fatbins: dict[str, bytes] | None = None,
+               archive: str | None = None, cc: str | None = None, import_library: str | None = None,
+               **options) -> dict[str, bytes]:
+    """The link's output files {name: bytes}: the full link through SCons in `build_dir`, or, when
+    `cache` holds the template of a full link whose inputs differed only in the weights' and the
+    model description's data, that template with the new data spliced in (relink.py): the same
+    bytes, without assembling and linking the weights again. A full link of a shared library for
+    this machine stores the next template in `cache`."""
+    from . import relink
+
+    host_cc = cc or os.environ.get("CC", "gcc")
+    libs = options.get("libs", ("m",))
+    splice = (cache is not None and library is not None and archive is None and not fatbins and not sanitize
+              and cc is None and options.get("system", "linux") == "linux")
+    key = None
+    if splice:
+        key = relink.template_key(host_cc, CFLAGS, LDFLAGS, libs, prefix, library, driver_c, len(weights),
+                                  kernel_objects)
+        template = cache.get(key)
+        if template is not None:
+            spliced = relink.splice(template, compile_driver(build_dir, driver_c, host_cc), weights)
+            if spliced is not None:
+                return {library: spliced}
+    write_link_inputs(build_dir, prefix, driver_c, weights, kernel_objects, library, sanitize=sanitize,
+                      fatbins=fatbins, archive=archive, cc=cc, import_library=import_library, **options)
+    run_scons(build_dir)
+    files = {f: (build_dir / f).read_bytes() for f in (library, archive, import_library) if f}
+    if key is not None:
+        template = relink.make_template(files[library], (build_dir / "driver.os").read_bytes(), weights, prefix)
+        if template is not None:
+            cache.put(key, template)
+    return files
+
+
+def compile_driver(build_dir: Path, driver_c: str, cc: str) -> bytes:
+    """driver.c compiled as the SConstruct compiles it (the same command, environment and folder
+    mapping): its object's bytes."""
+    (build_dir / "driver.c").write_text(driver_c)
+    command = [cc, "-o", "driver.os", "-c", *CFLAGS, f"-ffile-prefix-map={Path(build_dir).resolve()}=.", "-fPIC",
+               "driver.c"]
+    env = {"PATH": os.environ.get("PATH", ""), "SOURCE_DATE_EPOCH": "0"}
+    result = subprocess.run(command, cwd=build_dir, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BuildError(f"compiling the driver failed in {build_dir}:\n{(result.stdout + result.stderr)[-4000:]}",
+                         hint="this is a bug in cuvil's generated code unless the C compiler is missing (set CC)")
+    return (build_dir / "driver.os").read_bytes()
 
 
 def run_scons(build_dir: Path) -> None:

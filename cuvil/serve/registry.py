@@ -1,6 +1,6 @@
 """The models a server holds: one loaded version each, swapped atomically, unloaded when drained.
 
-A built library is copied under a content-addressed name
+A built library is hard-linked (or copied) under a content-addressed name
 (`<store>/lib<model>-<sha256[:16]>.so`) before it is opened: the dynamic
 loader keys libraries by path, so the old and the new version of a model can
 be open side by side, and the same bytes are never loaded twice. A new version
@@ -30,7 +30,8 @@ from ..config import ModelConfig
 from ..runtime import Library
 from .protocol import RequestError, Signature
 
-WARMUP_TIMED_RUNS = 3
+WARMUP_TIMED_RUNS = 3  # the first version of a model: the scheduler's first estimate
+SWAP_TIMED_RUNS = 1    # a new version of a serving model (same signature): a first sample, not a delay
 
 
 def file_sha256(path: Path) -> str:
@@ -54,13 +55,13 @@ class ModelVersion:
         self.inflight = 0
         self.retired = False
 
-    def warm_up(self) -> float:
-        """Run every session once on zeros; return the median of a few timed runs, in seconds."""
+    def warm_up(self, timed_runs: int = WARMUP_TIMED_RUNS) -> float:
+        """Run every session once on zeros; return the median of `timed_runs` timed runs, in seconds."""
         feeds = {t.name: np.zeros(t.shape, t.dtype) for t in self.signature.inputs}
         for session in self._all:
             session.run(feeds)
         times = []
-        for _ in range(WARMUP_TIMED_RUNS):
+        for _ in range(timed_runs):
             start = time.perf_counter()
             self._all[0].run(feeds)
             times.append(time.perf_counter() - start)
@@ -92,6 +93,7 @@ class Installed:
     version: "ModelVersion | None"
     estimate_s: float = 0.0
     reason: str = ""
+    previous_threads: int | None = None  # "swapped": the threads of the version it replaced
 
 
 @dataclass
@@ -107,6 +109,16 @@ class ModelEntry:
     @property
     def ready(self) -> bool:
         return self.current is not None
+
+
+def _link_or_copy(source: Path, path: Path) -> None:
+    """`path` with `source`'s bytes: a hard link where the file system allows (no copy of a large
+    library; a build never rewrites its output in place, it renames a new file over it), else a copy."""
+    path.unlink(missing_ok=True)
+    try:
+        os.link(source, path)
+    except OSError:
+        shutil.copyfile(source, path)
 
 
 class Registry:
@@ -129,19 +141,24 @@ class Registry:
     def install(self, name: str, built: Path, source_key: str | None = None) -> Installed:
         """Load `built` as the model's next version, warm it up and swap it in."""
         entry = self.entries[name]
-        version = file_sha256(built)[:16]
+        partial = self.store / f".lib{name}.{threading.get_ident()}.partial"
+        _link_or_copy(built, partial)
+        # the version names the bytes that will be loaded: those of the store's file, not of `built`,
+        # which a build may replace meanwhile
+        version = file_sha256(partial)[:16]
         current = entry.current
         if current is not None and current.version == version:
+            partial.unlink()
             entry.source_key = source_key or entry.source_key
             return Installed("unchanged", current)
         path = self.store / f"lib{name}-{version}.so"
-        if not path.exists():
-            partial = path.with_name(path.name + f".{os.getpid()}.partial")
-            shutil.copyfile(built, partial)
+        if path.exists():
+            partial.unlink()
+        else:
             partial.replace(path)
         fresh = ModelVersion(name, path, version, entry.config.symbol_prefix, entry.config.serve.max_concurrency)
         try:
-            estimate = fresh.warm_up()
+            estimate = fresh.warm_up(WARMUP_TIMED_RUNS if current is None else SWAP_TIMED_RUNS)
         except Exception:
             fresh.close()
             raise
@@ -156,7 +173,8 @@ class Registry:
             entry.history.append(version)
             if old is not None:
                 self._retire(old)
-        return Installed("swapped" if old is not None else "loaded", fresh, estimate)
+        return Installed("swapped" if old is not None else "loaded", fresh, estimate,
+                         previous_threads=old.threads if old is not None else None)
 
     def unload(self, name: str) -> bool:
         entry = self.entry(name)

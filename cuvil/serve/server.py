@@ -107,8 +107,10 @@ class Server:
             installed = self.registry.install(name, library, key)
         if installed.outcome in ("loaded", "swapped"):
             version = installed.version
+            same_cost = installed.outcome == "swapped" and installed.previous_threads == version.threads
             self._locked(self.scheduler.set_threads, name, version.threads)
-            self._locked(self.scheduler.set_estimate, name, installed.estimate_s)
+            if not same_cost:  # a swap of the same signature and threads keeps the measured history
+                self._locked(self.scheduler.set_estimate, name, installed.estimate_s)
             self.metrics.ready.labels(name).set(1)
         return installed
 

@@ -25,6 +25,10 @@ from ..errors import CuvilError
 from ..watch import relevant_change, watched_paths
 
 
+# How long the watcher waits for changes before it yields an empty round (and looks at its stop flag).
+WATCH_TIMEOUT_MS = 200
+
+
 @dataclass
 class UpdateEvent:
     model: str
@@ -47,6 +51,7 @@ class Updater:
         self._touched: set[str] = set()  # models whose files changed since their key was computed
         self._diff_s = 0.0  # how long the last round's keys took
         self._stop = threading.Event()
+        self._watching = threading.Event()  # set once the file watch is in place
         self._thread = None
         self.checks = 0  # rounds of checks done, for tests and logs
 
@@ -59,9 +64,12 @@ class Updater:
             extra.add(p if p.is_dir() else p.parent)
         return sorted(set(watched_paths(self.spec.path, self.spec)) | {p for p in extra if p.exists()})
 
-    def start(self):
+    def start(self, timeout: float = 30):
+        """Watch on a thread of its own; returns once the watch is in place (or after `timeout`), so a
+        change saved after start() returns is never missed."""
         self._thread = threading.Thread(target=self._loop, name="cuvil-serve-updater", daemon=True)
         self._thread.start()
+        self._watching.wait(timeout)
 
     def stop(self):
         self._stop.set()
@@ -73,13 +81,22 @@ class Updater:
         paths = self.paths()
         self.server.say(f"hot updates: watching {', '.join(str(p) for p in paths)} "
                         f"(diff_mode: {self.config.diff_mode})")
+        # yield_on_timeout: the first (empty) round says the watch is in place; a change made between
+        # the models' keys at start-up and that moment is then found by one check against those keys.
         for changes in watchfiles.watch(*paths, debounce=self.spec.watch.debounce_ms, stop_event=self._stop,
-                                        rust_timeout=1000, yield_on_timeout=False, raise_interrupt=False):
-            if relevant_change(changes, self.spec.path, self.spec):
-                try:
-                    self.check()
-                except Exception as error:  # the watcher must outlive any one bad round
-                    self.server.say(f"hot update: internal error: {type(error).__name__}: {error}")
+                                        rust_timeout=WATCH_TIMEOUT_MS, yield_on_timeout=True,
+                                        raise_interrupt=False):
+            if not self._watching.is_set():
+                self._watching.set()
+                self._round()
+            elif changes and relevant_change(changes, self.spec.path, self.spec):
+                self._round()
+
+    def _round(self):
+        try:
+            self.check()
+        except Exception as error:  # the watcher must outlive any one bad round
+            self.server.say(f"hot update: internal error: {type(error).__name__}: {error}")
 
     def check(self) -> list[UpdateEvent]:
         """Recompute every loaded model's key; rebuild and swap those that moved."""

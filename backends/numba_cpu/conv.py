@@ -43,7 +43,7 @@ import numpy as np
 from .ukernel import specs_in
 from cuvil.errors import UnsupportedOpError
 
-from . import conv1d, convgemm, convsmall, dwstride, winograd
+from . import conv1d, convgemm, convim2col, convsmall, dwstride, winograd
 from .epilogue import Epilogue, epilogue_of
 from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
 from .kernel import (InPlace, Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header,
@@ -167,6 +167,8 @@ def _gemm_paths(node, graph, dtype, X, W, B, Y, group, kernel, strides, dilation
     gemm_ok = W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
         and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:]))
     lowp = lowp if gemm_ok else None
+    if not lowp and convim2col.prefer(X, W, B, Y, group, kernel, strides, dilations):
+        return Lowered(convim2col.lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lower_conv))
     if not lowp and convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
         return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                                                   res_arg, res_strides, epilogue, pointwise))

@@ -118,11 +118,39 @@ def onnx_classes(model_path, shapes) -> dict:
             for v in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)}
     consts = {t.name: numpy_helper.to_array(t).shape for t in model.graph.initializer}
     consts.update({n.output[0]: None for n in model.graph.node if n.op_type == "Constant"})
-    classes = {}
+    classes, producers = {}, {}
     for node in model.graph.node:
         shape = lambda name: list(consts[name]) if consts.get(name) is not None else dims.get(name, [])
         classes[node.name] = (node.op_type, shape_class(node, shape, consts))
-    return classes
+        producers.update({out: node for out in node.output})
+    return classes, producers
+
+
+def resolve(name: str, op: str, classes: dict, producers: dict):
+    """The (op, class) of the ONNX node an engine's step or profiled node stands for: its own name;
+    a name an optimiser extended (onnxruntime's '<node>/MatMulAddFusion', cuvil's
+    '<node>_residual_view'); or onnxruntime's NCHWc '<tensor>_nchwc' for the node that makes the
+    tensor, walking back over the activations it fused to the node of its own op. Fused steps
+    count under the node they are named after (cuvil's attention under its Softmax)."""
+    if name in classes:
+        return classes[name]
+    parts = name.split("/")
+    for cut in range(len(parts) - 1, 1, -1):
+        if "/".join(parts[:cut]) in classes:
+            return classes["/".join(parts[:cut])]
+    for suffix in ("_nchwc", "_residual_view"):
+        if name.endswith(suffix):
+            base = name[:-len(suffix)]
+            if base in classes:
+                return classes[base]
+            node = producers.get(base)
+            for _ in range(4):
+                if node is None or node.op_type == op or not node.input:
+                    break
+                node = producers.get(node.input[0])
+            if node is not None:
+                return classes[node.name]
+    return None
 
 
 def shape_class(node, shape, consts) -> str:
@@ -161,15 +189,15 @@ def shape_class(node, shape, consts) -> str:
 def report_rows(name, batch, threads, library, info, model_path, shapes, runs) -> list[dict]:
     """Per (op, shape class): cuvil's and onnxruntime's ms per run (see the module docstring)."""
     from benchmarks.profile import profile_library
-    classes = onnx_classes(model_path, shapes)
+    classes, producers = onnx_classes(model_path, shapes)
     total, steps = profile_library(library, info, runs)
     ort_times, ort_ops = ort_node_times(model_path, shapes, threads, runs)
     groups = defaultdict(lambda: [0.0, 0.0])
     for _, ms, family, node in steps:
-        groups[classes.get(node, (f"[{family}]", "-"))][0] += ms
+        groups[resolve(node, family, classes, producers) or (f"[{family}]", "-")][0] += ms
     for node, ms in ort_times.items():
-        key = classes.get(node) or classes.get(node.rsplit("_", 1)[0]) or (f"[{ort_ops.get(node, '?')}]", "-")
-        groups[key][1] += ms
+        op = ort_ops.get(node, "?")
+        groups[resolve(node, op, classes, producers) or (f"[{op}]", "-")][1] += ms
     return [{"model": name, "batch": batch, "threads": threads, "op": op, "class": cls, "cuvil_ms": c, "ort_ms": o,
              "ratio": c / o if o > 0 else None} for (op, cls), (c, o) in sorted(groups.items())]
 

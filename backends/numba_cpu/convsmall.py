@@ -85,9 +85,9 @@ def eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides=No
     OC = int(W.shape[0])
     icg, ocg = int(X.shape[1]) // group, OC // group
     OH, OW = (int(v) for v in Y.shape[2:])
-    taps = int(np.prod(kernel))
-    if ocg < 32 or icg * taps < 8 or (icg < 8 and taps < 16):
+    if ocg < 32 or icg < 8:
         return False
+    taps = int(np.prod(kernel))
     (mr, nr), useful = _tile(OW, ocg, taps)
     if pointwise and OW % mr:
         return False   # (a row's last tile would read past the end of X)

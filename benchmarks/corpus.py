@@ -135,7 +135,7 @@ def resolve(name: str, op: str, classes: dict, producers: dict):
     if name in classes:
         return classes[name]
     parts = name.split("/")
-    for cut in range(len(parts) - 1, 1, -1):
+    for cut in range(len(parts) - 1, 0, -1):
         if "/".join(parts[:cut]) in classes:
             return classes["/".join(parts[:cut])]
     for suffix in ("_nchwc", "_residual_view"):

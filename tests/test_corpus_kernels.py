@@ -106,3 +106,37 @@ def _values(x_shape, w_shape, y_shape):
 def test_selection_rule(x_shape, w_shape, y_shape, kernel, strides, fires):
     X, W, B, Y = _values(x_shape, w_shape, y_shape)
     assert convim2col.prefer(X, W, B, Y, 1, kernel, strides, [1, 1]) is fires
+
+
+def resize_model(x_shape, scales, opset=17, mode="nearest", **attrs):
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode, **attrs)
+    return make_model([node], [("x", np.float32, x_shape)], [("y", np.float32, None)],
+                      {"scales": np.asarray(scales, dtype=np.float32)}, opset=opset), {"x": rand(*x_shape)}
+
+
+# A nearest upsample copies elements: cuvil must equal onnxruntime exactly (tol 0).
+@pytest.mark.parametrize("x_shape,scales,attrs", [
+    ((1, 64, 20, 20), [1, 1, 2, 2], dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor")),  # torch
+    ((2, 8, 5, 7), [1, 1, 4, 4], dict()),                                     # half_pixel, round_prefer_floor
+    ((1, 3, 6, 5), [1, 1, 3, 2], dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor")),
+    ((1, 4, 9), [1, 1, 8], dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor")),        # 1-D
+])
+def test_nearest_integer_upsample_is_a_copy(x_shape, scales, attrs):
+    model, feeds = resize_model(x_shape, scales, **attrs)
+    assert families(model) == ["Resize"]
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    graph, _ = import_onnx(model)
+    assert "acc" not in lower(graph)[0].kernel.source     # the copy, not the weighted taps
+    assert_matches_ort(model, feeds, tol=0.0)
+
+
+def test_fractional_or_linear_resize_keeps_the_tables():
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    for model, feeds in (resize_model((1, 2, 6, 6), [1, 1, 1.5, 1.5]),
+                         resize_model((1, 2, 6, 6), [1, 1, 2, 2], mode="linear")):
+        graph, _ = import_onnx(model)
+        assert "acc" in lower(graph)[0].kernel.source
+        # weighted taps summed in float64 then rounded once to float32: within one float32 rounding
+        assert_matches_ort(model, feeds, tol=2 * U)

@@ -169,7 +169,7 @@ def shape_class(node, shape, consts) -> str:
         if kernel == strides and max(kernel) > 2:
             kind = f"patch{'x'.join(map(str, kernel))}"
         stride = f" s{max(strides)}" if max(strides) > 1 else ""
-        size = "out<=16" if out <= 16 else "out<=256" if out <= 256 else "out>256"
+        size = "out?" if out == 0 else "out<=16" if out <= 16 else "out<=256" if out <= 256 else "out>256"
         return f"{rank}d {kind}{stride} cin{'<8' if w[1] < 8 else '>=8'} {size}"
     if node.op_type in ("MatMul", "Gemm"):
         a, b = shape(node.input[0]), shape(node.input[1])

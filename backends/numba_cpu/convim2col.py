@@ -6,7 +6,7 @@
 An STFT written as a Conv1d (1 input channel, kernel 256, stride 128, 7 frames) or a ViT
 patch embedding (3 channels, 16 x 16, stride 16: 196 patches) has few channels and hundreds of
 taps. The implicit-GEMM kernels unroll their tap loop (one statement or one micro-kernel step
-per tap, phases images per stride phase): hundreds of taps make code larger than the
+per tap, phase images per stride phase): hundreds of taps make code larger than the
 instruction cache and, at a large stride, as many phase images as the stride. Copying the
 frames once (`col`: K = C x T rows of the output positions; the STFT's rows are its
 overlapping frames, a patch embedding's a reshuffle with no duplication) leaves a plain GEMM,

@@ -140,3 +140,14 @@ def test_fractional_or_linear_resize_keeps_the_tables():
         assert "acc" in lower(graph)[0].kernel.source
         # weighted taps summed in float64 then rounded once to float32: within one float32 rounding
         assert_matches_ort(model, feeds, tol=2 * U)
+
+
+@pytest.mark.parametrize("T", [250, 256])
+def test_attention_rows_off_the_1kb_stride(T):
+    """Whisper's 250 tokens: rows of scores padded to 256 floats would be 1 KB apart; attention.py
+    pads them one vector more. Sums of S = T products of P (in [0, 1], summing to 1) by V, and of
+    D = 64 products for the scores: tol(T)."""
+    from tests.test_attention import heads
+    model, feeds = heads(T=T, S=T, H=2, D=64)
+    assert "FusedAttention" in families(model)
+    assert_matches_ort(model, feeds, tol=tol(T))

@@ -43,7 +43,7 @@ import numpy as np
 from .ukernel import specs_in
 from cuvil.errors import UnsupportedOpError
 
-from . import convgemm, convsmall, dwstride, winograd
+from . import conv1d, convgemm, convim2col, convsmall, dwstride, winograd
 from .epilogue import Epilogue, epilogue_of
 from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
 from .kernel import (InPlace, Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header,
@@ -118,32 +118,16 @@ def lower_conv(node, graph) -> Lowered:
     # A residual laid out like the output, with no reader after this conv, may become the output's
     # buffer: the conv then accumulates onto it (one pass over it instead of a read and a write).
     in_place_residual = isinstance(res_arg, str) and res_strides == tuple(dims_strides(Y.shape))
-    transform = winograd.choose(dtype, X, W, group, kernel, strides, dilations, Y) \
-        if W.is_const and node.attr("winograd", 0) else None
-    if transform is not None:
-        return Lowered(winograd.lower_winograd(node, graph, transform, X, W, B, Y, pads, res_arg, res_strides,
-                                               epilogue))
-    # A conv marked bf16/fp16 (passes/assign_precision.py) takes the implicit GEMM where it can, 1x1
-    # convs included (one tap): its micro-kernels are the reduced-precision ones.
-    lowp = convgemm.lowp_conv(node, group, C // group)
-    gemm_ok = W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
-        and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:]))
-    lowp = lowp if gemm_ok else None
-    if not lowp and convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
-        return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
-                                                  res_arg, res_strides, epilogue, pointwise))
-    if dwstride.eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue):
-        return Lowered([dwstride.lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue)])
-    if gemm_ok and (lowp or not pointwise):
-        calls = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
-                                         res_arg, res_strides, epilogue, lowp=lowp)
-        if in_place_residual:
-            # The scratch the conv reads is already in the graph: only the conv call has another form.
-            form = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
-                                            None, None, epilogue, accumulate=True, scratch=calls[-1].args[0],
-                                            lowp=lowp)[-1]
-            calls[-1].in_place = InPlace(res_arg, form.kernel, form.args, form.work)
-        return Lowered(calls)
+    lowered = _gemm_paths(node, graph, dtype, X, W, B, Y, group, kernel, strides, dilations, pads, res_arg,
+                          res_strides, epilogue, pointwise, in_place_residual)
+    if lowered is None and len(X.shape) == 3 and W.is_const and not pointwise:
+        # A 1-D conv is a 2-D conv with one row (conv1d.py): the 2-D GEMM kernels may take it.
+        X2, W2, Y2, kernel2, strides2, dilations2, pads2, res2 = conv1d.as_2d(X, W, Y, kernel, strides, dilations,
+                                                                              pads, res_strides)
+        lowered = _gemm_paths(node, graph, dtype, X2, W2, B, Y2, group, kernel2, strides2, dilations2, pads2, res_arg,
+                              res2, epilogue, False, in_place_residual)
+    if lowered is not None:
+        return lowered
     if pointwise:
         pixels = int(np.prod(X.shape[2:]))
         kernel_obj, work, packed = _pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None,
@@ -166,6 +150,41 @@ def lower_conv(node, graph) -> Lowered:
         args.append(res_arg)
     args.append(Y.name)
     return Lowered([KernelCall(kernel_obj, args, work, node.name)])
+
+
+def _gemm_paths(node, graph, dtype, X, W, B, Y, group, kernel, strides, dilations, pads, res_arg, res_strides,
+                epilogue, pointwise, in_place_residual) -> Lowered | None:
+    """The conv on one of the GEMM-shaped kernels (Winograd, convsmall.py, dwstride.py,
+    convgemm.py) when one takes it, else None (the pointwise GEMM or the direct kernel)."""
+    transform = winograd.choose(dtype, X, W, group, kernel, strides, dilations, Y) \
+        if W.is_const and node.attr("winograd", 0) else None
+    if transform is not None:
+        return Lowered(winograd.lower_winograd(node, graph, transform, X, W, B, Y, pads, res_arg, res_strides,
+                                               epilogue))
+    # A conv marked bf16/fp16 (passes/assign_precision.py) takes the implicit GEMM where it can, 1x1
+    # convs included (one tap): its micro-kernels are the reduced-precision ones.
+    lowp = convgemm.lowp_conv(node, group, int(X.shape[1]) // group)
+    gemm_ok = W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
+        and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:]))
+    lowp = lowp if gemm_ok else None
+    if not lowp and convim2col.prefer(X, W, B, Y, group, kernel, strides, dilations):
+        return Lowered(convim2col.lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lower_conv))
+    if not lowp and convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
+        return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                                  res_arg, res_strides, epilogue, pointwise))
+    if dwstride.eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue):
+        return Lowered([dwstride.lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue)])
+    if gemm_ok and (lowp or not pointwise):
+        calls = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                         res_arg, res_strides, epilogue, lowp=lowp)
+        if in_place_residual:
+            # The scratch the conv reads is already in the graph: only the conv call has another form.
+            form = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                            None, None, epilogue, accumulate=True, scratch=calls[-1].args[0],
+                                            lowp=lowp)[-1]
+            calls[-1].in_place = InPlace(res_arg, form.kernel, form.args, form.work)
+        return Lowered(calls)
+    return None
 
 
 def _flat_spatial(strides, dims):

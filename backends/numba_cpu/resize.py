@@ -24,6 +24,7 @@ from cuvil.errors import UnsupportedOpError
 
 from .elementwise import check_dtypes, compute_type, load, pointer_type, store, with_helpers
 from .kernel import Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal
+from .upsample import lower_nearest, nearest_factors
 
 
 def _nearest(ratio, mode):
@@ -204,6 +205,9 @@ def lower_resize(node, graph) -> Lowered:
         idx, w = axis_tables(in_shape[a], out_shape[a], scales[a], mode, attrs, roi[a])
         resized.append(a)
         tables += [idx.reshape(-1), w.reshape(-1)]
+    factors = nearest_factors(in_shape, [int(d) for d in y.shape], resized, tables) if mode == "nearest" else None
+    if factors is not None and resized:
+        return Lowered([lower_nearest(node, x, y, factors)])   # an integer-factor upsample: a copy (upsample.py)
     in_strides = dims_strides(in_shape)
     ct = compute_type(y.dtype)
     acc_t = "float64"

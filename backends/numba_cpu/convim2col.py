@@ -1,0 +1,124 @@
+"""Convolutions with many taps and few output positions: im2col, then a 1x1 conv.
+
+    col[n, c*T + t, o] = Xpad[n, c, o_h*s_h + kh*d_h, o_w*s_w + kw*d_w]      (t = kh*KW + kw)
+    Y[n, oc, o]        = B[oc] + sum_k W[oc, k] * col[n, k, o]                (k = c*T + t)
+
+An STFT written as a Conv1d (1 input channel, kernel 256, stride 128, 7 frames) or a ViT
+patch embedding (3 channels, 16 x 16, stride 16: 196 patches) has few channels and hundreds of
+taps. The implicit-GEMM kernels unroll their tap loop (one statement or one micro-kernel step
+per tap, phase images per stride phase): hundreds of taps make code larger than the
+instruction cache and, at a large stride, as many phase images as the stride. Copying the
+frames once (`col`: K = C x T rows of the output positions; the STFT's rows are its
+overlapping frames, a patch embedding's a reshuffle with no duplication) leaves a plain GEMM,
+M = output channels, N = positions, K = C x T, which conv.py lowers as the 1x1 conv it is (the
+channels-in-lanes micro-kernel when the positions are few, the micro-kernel GEMM otherwise),
+with the node's epilogue (bias, residual, activation). The copy writes K x N floats for
+M x K x N multiply-adds: 1/M of the work.
+
+`prefer` is the selection rule between this path and the implicit GEMM of convgemm.py /
+convsmall.py: a cost model of the instructions the tap loop unrolls and of the phase images
+(see TAPS_UNROLLED); the decision is a function of the node's shapes, so it is part of the
+kernel source and of every cache key downstream.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuvil.ir import Node, Value
+
+from .kernel import Kernel, KernelCall, Source, kernel_header, literal
+from .scratch import scratch_value
+
+# The implicit-GEMM kernels unroll their tap loop: past this many taps per input channel the
+# micro-kernel's code outgrows the instruction cache (256 taps x 7 broadcasts x 2-3 FMAs ~ 40 KB
+# against a 32 KB L1i). One-node models, one thread, timed from C (AMD EPYC, shared machine):
+# the STFT conv (1 -> 258, k256 s128, 7 frames) 0.750 ms on the direct kernel, 0.029 ms on
+# convsmall's taps micro-kernel, 0.0097 ms here; 124 frames 5.78 / 0.235 / 0.072 ms
+# (onnxruntime through Python 0.015 and 0.086 ms).
+TAPS_UNROLLED = 64
+# Past this many phase images (each a few positions wide), convgemm's per-tap panels are short
+# runs: ViT's patch embedding (3 -> 192, 16x16 stride 16: 256 phases) 2.07 ms there, 0.26 ms here
+# (onnxruntime 0.23 ms).
+PHASES_MAX = 16
+COL_MAX_BYTES = 8 << 20   # the frames buffer stays below this (it lives in the arena while the conv runs)
+
+
+def prefer(X, W, B, Y, group, kernel, strides, dilations) -> bool:
+    """Whether this path beats the implicit GEMM for a float32 2-D conv with constant weights."""
+    if np.dtype(Y.dtype) != np.float32 or len(X.shape) != 4 or not W.is_const or (B is not None and not B.is_const):
+        return False
+    if group != 1:
+        return False
+    taps = int(np.prod(kernel))
+    N, C = int(X.shape[0]), int(X.shape[1])
+    positions = int(np.prod(Y.shape[2:]))
+    if taps <= 1 or positions < 1 or 4 * N * C * taps * positions > COL_MAX_BYTES:
+        return False
+    phases = int(np.prod([min(s, k) for s, k in zip(strides, kernel)]))
+    return taps > TAPS_UNROLLED or phases > PHASES_MAX
+
+
+def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple[Kernel, int]:
+    """X (N, C, H, W) -> col (N, C*T, OH*OW); one work item per (image, channel, tap) row."""
+    KH, KW = kernel
+    (s_h, s_w), (d_h, d_w), (p_t, p_l) = strides, dilations, pads
+    T, P = KH * KW, OH * OW
+    zero = literal(0, np.float32)
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"t = item % {T}").line(f"plane = item // {T}")
+    src.line(f"kh = t // {KW}").line(f"kw = t % {KW}")
+    src.line(f"xb = plane * {H * W}").line(f"ob = item * {P}")
+    # Columns whose input is inside the row: [j_lo, j_hi) (the rest is the zero padding).
+    src.line(f"off = kw * {d_w} - {p_l}")
+    src.line(f"j_lo = 0 if off >= 0 else min({OW}, (-off + {s_w - 1}) // {s_w})")
+    src.line(f"j_hi = max(j_lo, min({OW}, ({W - 1} - off) // {s_w} + 1))")
+    src.line(f"for oh in range({OH}):").indent()
+    src.line(f"r = oh * {s_h} + kh * {d_h} - {p_t}").line(f"o = ob + oh * {OW}")
+    src.line(f"if r < 0 or r >= {H}:").indent()
+    src.line(f"for j in range({OW}):").indent().line(f"p1[o + j] = {zero}").dedent()
+    src.dedent().line("else:").indent()
+    src.line(f"x = xb + r * {W} + off")
+    src.line("for j in range(j_lo):").indent().line(f"p1[o + j] = {zero}").dedent()
+    src.line("for j in range(j_lo, j_hi):").indent().line(f"p1[o + j] = p0[x + j * {s_w}]").dedent()
+    src.line(f"for j in range(j_hi, {OW}):").indent().line(f"p1[o + j] = {zero}").dedent()
+    return Kernel("Im2col", src.text(), ("float32", "float32")), N * C * T
+
+
+def lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lower_conv) -> list:
+    """The Im2col call, then the calls `lower_conv` makes of the 1x1 conv over its frames (a
+    node of the same op, epilogue and residual, weights W reshaped to (OC, C*T, 1, 1))."""
+    N, C, H, Wd = (int(v) for v in X.shape)
+    OC = int(W.shape[0])
+    OH, OW = (int(v) for v in Y.shape[2:])
+    T = int(np.prod(kernel))
+    col_name = scratch_value(graph, node, (N, C * T, OH, OW), np.float32, tag="im2col")
+    col_kernel, work = im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads)
+    w_name = f"__im2col_w__{node.name}"
+    graph.values[w_name] = Value(w_name, np.dtype(np.float32), (OC, C * T, 1, 1),
+                                 np.ascontiguousarray(np.asarray(W.data, dtype=np.float32).reshape(OC, C * T, 1, 1)))
+    # The 1x1 conv writes the node's output, which may be a 1-D conv's (N, OC, L): a view of the
+    # same bytes as (N, OC, 1, L) is what the pointwise kernels read.
+    y_name = Y.name
+    inputs = [col_name, w_name] + list(node.inputs[2:])
+    attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel_shape", "strides", "dilations", "pads", "auto_pad")}
+    pointwise = Node(node.op, node.name, inputs, [y_name], attrs, node.domain)
+    views = [y_name] + ([node.inputs[-1]] if int(node.attr("has_residual", 0)) else [])
+    saved = {name: graph.values[name] for name in views}
+    if len(saved[y_name].shape) == 3:
+        for name in views:
+            graph.values[name] = _row_view(saved[name])
+    try:
+        calls = lower_conv(pointwise, graph).calls
+    finally:
+        graph.values.update(saved)
+    return [KernelCall(col_kernel, [X.name, col_name], work, node.name)] + list(calls)
+
+
+def _row_view(value: Value) -> Value:
+    """A 1-D conv's output (or a residual broadcast to it) as the 2-D one of one row: the same
+    bytes, shape (N, C, L) -> (N, C, 1, L), lower ranks aligned on the right first."""
+    shape = [1] * (3 - len(value.shape)) + list(value.shape)
+    shape = tuple(shape[:2] + [1] + shape[2:])
+    data = None if value.data is None else np.asarray(value.data).reshape(shape)
+    return Value(value.name, value.dtype, shape, data)

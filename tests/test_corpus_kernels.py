@@ -1,0 +1,153 @@
+"""The conv paths issue 27's corpus asked for, against onnxruntime: 1-D convs on the 2-D GEMM
+kernels (conv1d.py), long-kernel / large-stride convs as im2col + a 1x1 conv (convim2col.py: the
+STFT as a Conv1d, ViT's patch embedding), with epilogues and residuals, and the selection rule
+between them. No timing here (benchmarks/corpus.py does that).
+
+Tolerances: every output is a float32 sum of K = channels x taps products, which cuvil and
+onnxruntime add in different orders. The rounding error of such a sum is at most about
+K * u * sum|w x| (u = 2**-24, the float32 unit roundoff) and with independent roundings
+typically sqrt(K) * u * sum|w x|; the weights and inputs here are standard normal (or scaled so),
+so sum|w x| is within ~sqrt(K) of max|y|, and K * u * max|y| bounds the relative error we
+compare: `tol(K) = 4 * K * u` (4: a margin for the epilogue's own roundings; K = 768 gives
+1.8e-4, K = 9 gives 2.1e-6, below which we keep 1e-5 as the other conv tests do).
+"""
+import numpy as np
+import pytest
+from onnx import helper
+
+from backends.numba_cpu import convim2col
+from cuvil.ir import Value
+from tests.helpers import assert_matches_ort, make_model, rand
+
+U = 2.0 ** -24
+
+
+def tol(k: int) -> float:
+    return max(4 * k * U, 1e-5)
+
+
+def families(model) -> list[str]:
+    """The kernel families of the model's schedule after cuvil's passes (one thread)."""
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    from passes import resolve_passes, run_passes
+    graph, _ = import_onnx(model)
+    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    return [c.kernel.family for c in lower(graph)]
+
+
+def conv_model(x_shape, w_shape, bias=True, relu=False, residual=False, seed=0, **attrs):
+    k = int(np.prod(w_shape[1:]))
+    inits = {"w": (rand(*w_shape, seed=seed + 1) / np.sqrt(k)).astype(np.float32)}
+    if bias:
+        inits["b"] = rand(w_shape[0], seed=seed + 2)
+    nodes = [helper.make_node("Conv", ["x", "w"] + (["b"] if bias else []), ["c"], **attrs)]
+    inputs, feeds, last = [("x", np.float32, x_shape)], {"x": rand(*x_shape, seed=seed + 3)}, "c"
+    if residual:
+        from onnx.reference import ReferenceEvaluator
+        y_shape = ReferenceEvaluator(make_model(nodes, inputs, [("c", np.float32, None)], inits)).run(None, feeds)[0].shape
+        inputs.append(("r", np.float32, y_shape))
+        feeds["r"] = rand(*y_shape, seed=seed + 4)
+        nodes.append(helper.make_node("Add", ["c", "r"], ["s"]))
+        last = "s"
+    if relu:
+        nodes.append(helper.make_node("Relu", [last], ["y"]))
+        last = "y"
+    return make_model(nodes, inputs, [(last, np.float32, None)], inits), feeds
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
+    ((1, 1, 1024), (258, 1, 256), dict(strides=[128]), {}),                              # STFT: 7 frames
+    ((2, 1, 2000), (258, 1, 256), dict(strides=[128]), dict(bias=False)),                # STFT, batch 2, 14 frames
+    ((1, 2, 300), (40, 2, 80), dict(strides=[10], pads=[35, 35]), dict(relu=True)),      # padded, 2 channels
+    ((1, 1, 700), (32, 1, 100), dict(strides=[7], dilations=[2]), dict(residual=True, relu=True)),
+])
+def test_long_kernel_conv1d_as_im2col_gemm(x_shape, w_shape, attrs, extra):
+    model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
+    assert "Im2col" in families(model)
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
+    ((1, 3, 224, 224), (192, 3, 16, 16), dict(strides=[16, 16]), {}),                  # ViT-tiny patch embedding
+    ((2, 3, 64, 48), (64, 3, 8, 8), dict(strides=[8, 8]), dict(relu=True)),             # batch 2, 8x6 patches
+    ((1, 4, 40, 40), (48, 4, 9, 9), dict(strides=[4, 4], pads=[4, 4, 4, 4]), dict(residual=True)),  # overlapping
+])
+def test_patch_embedding_as_im2col_gemm(x_shape, w_shape, attrs, extra):
+    model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
+    assert families(model)[0] == "Im2col"
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
+    ((1, 64, 200), (64, 64, 3), dict(pads=[1, 1]), dict(relu=True)),                    # a TCN layer
+    ((2, 80, 100), (96, 80, 3), dict(pads=[1, 1], strides=[2]), {}),                     # Whisper's second conv
+    ((1, 48, 120), (64, 48, 5), dict(pads=[4, 4], dilations=[2]), dict(residual=True)),
+])
+def test_conv1d_on_the_2d_gemm_kernels(x_shape, w_shape, attrs, extra):
+    model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
+    assert "Im2col" not in families(model)
+    assert "ConvPad" in families(model)     # the 2-D phase images: the conv runs as 2-D of one row
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
+
+
+def _values(x_shape, w_shape, y_shape):
+    return (Value("x", np.dtype(np.float32), x_shape), Value("w", np.dtype(np.float32), w_shape, np.zeros(w_shape)),
+            None, Value("y", np.dtype(np.float32), y_shape))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,y_shape,kernel,strides,fires", [
+    ((1, 1, 1, 1024), (258, 1, 1, 256), (1, 258, 1, 7), [1, 256], [1, 128], True),      # STFT: 256 taps
+    ((1, 3, 224, 224), (192, 3, 16, 16), (1, 192, 14, 14), [16, 16], [16, 16], True),    # patch: 256 phases
+    ((1, 64, 56, 56), (64, 64, 3, 3), (1, 64, 56, 56), [3, 3], [1, 1], False),           # must not fire: 3x3
+    ((1, 3, 224, 224), (64, 3, 7, 7), (1, 64, 112, 112), [7, 7], [2, 2], False),         # ResNet stem: 49 taps
+    ((1, 16, 8, 8), (16, 16, 9, 9), (1, 16, 8, 8), [9, 9], [1, 1], True),                # 81 taps
+])
+def test_selection_rule(x_shape, w_shape, y_shape, kernel, strides, fires):
+    X, W, B, Y = _values(x_shape, w_shape, y_shape)
+    assert convim2col.prefer(X, W, B, Y, 1, kernel, strides, [1, 1]) is fires
+
+
+def resize_model(x_shape, scales, opset=17, mode="nearest", **attrs):
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode, **attrs)
+    return make_model([node], [("x", np.float32, x_shape)], [("y", np.float32, None)],
+                      {"scales": np.asarray(scales, dtype=np.float32)}, opset=opset), {"x": rand(*x_shape)}
+
+
+# A nearest upsample copies elements: cuvil must equal onnxruntime exactly (tol 0).
+@pytest.mark.parametrize("x_shape,scales,attrs", [
+    ((1, 64, 20, 20), [1, 1, 2, 2], dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor")),  # torch
+    ((2, 8, 5, 7), [1, 1, 4, 4], dict()),                                     # half_pixel, round_prefer_floor
+    ((1, 3, 6, 5), [1, 1, 3, 2], dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor")),
+    ((1, 4, 9), [1, 1, 8], dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor")),        # 1-D
+])
+def test_nearest_integer_upsample_is_a_copy(x_shape, scales, attrs):
+    model, feeds = resize_model(x_shape, scales, **attrs)
+    assert families(model) == ["Resize"]
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    graph, _ = import_onnx(model)
+    assert "acc" not in lower(graph)[0].kernel.source     # the copy, not the weighted taps
+    assert_matches_ort(model, feeds, tol=0.0)
+
+
+def test_fractional_or_linear_resize_keeps_the_tables():
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    for model, feeds in (resize_model((1, 2, 6, 6), [1, 1, 1.5, 1.5]),
+                         resize_model((1, 2, 6, 6), [1, 1, 2, 2], mode="linear")):
+        graph, _ = import_onnx(model)
+        assert "acc" in lower(graph)[0].kernel.source
+        # weighted taps summed in float64 then rounded once to float32: within one float32 rounding
+        assert_matches_ort(model, feeds, tol=2 * U)
+
+
+@pytest.mark.parametrize("T", [250, 256])
+def test_attention_rows_off_the_1kb_stride(T):
+    """Whisper's 250 tokens: rows of scores padded to 256 floats would be 1 KB apart; attention.py
+    pads them one vector more. Sums of S = T products of P (in [0, 1], summing to 1) by V, and of
+    D = 64 products for the scores: tol(T)."""
+    from tests.test_attention import heads
+    model, feeds = heads(T=T, S=T, H=2, D=64)
+    assert "FusedAttention" in families(model)
+    assert_matches_ort(model, feeds, tol=tol(T))

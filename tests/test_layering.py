@@ -2,7 +2,7 @@
 (those inside functions too): no import cycle, each layer imports only the
 layers below it, and no module imports another's private name.
 
-    core        cuvil.errors, cuvil.ir, cuvil.ops, cuvil.evaluate, cuvil.nbits (imports nothing of ours)
+    core        cuvil.errors, cuvil.ir, cuvil.ops, cuvil.evaluate, cuvil.nbits, cuvil.contrib (imports nothing of ours)
     passes      passes.*                                    core
     schedule    backends.schedule, backends.targets         core
     numba_cpu   backends.numba_cpu.*                        core, schedule
@@ -16,7 +16,7 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cuvil", "passes", "backends")
-CORE = {"cuvil.errors", "cuvil.ir", "cuvil.ops", "cuvil.evaluate", "cuvil.nbits"}
+CORE = {"cuvil.errors", "cuvil.ir", "cuvil.ops", "cuvil.evaluate", "cuvil.nbits", "cuvil.contrib"}
 SCHEDULE = {"backends.schedule", "backends.targets"}
 
 

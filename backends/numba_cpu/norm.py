@@ -237,3 +237,62 @@ def lower_gelu(node, graph) -> Lowered:
     src.line(f"p1[{yi}] = v")
     kernel = Kernel("Gelu", src.text(), (dtype.name, dtype.name), in_place=True)
     return Lowered([KernelCall(kernel, [x.name, y.name], work, node.name)])
+
+
+def _rms_lines(src, size, sum_expr, eps):
+    """Lines: acc = sum over the row of v*v (v from `sum_expr`), inv = 1 / sqrt(mean + eps)."""
+    dtype = np.dtype(np.float32)
+    src.line(f"acc = {literal(0, dtype)}")
+    src.line(f"for j in range({size}):").indent()
+    for line in sum_expr:
+        src.line(line)
+    src.line("acc += v * v").dedent()
+    src.line(f"inv = {literal(1, dtype)} / math.sqrt(acc * {literal(1.0 / size, dtype)} + {literal(eps, dtype)})")
+
+
+def lower_simplified_layer_normalization(node, graph) -> Lowered:
+    """SimplifiedLayerNormalization (RMSNorm): y = x / sqrt(mean(x^2) + epsilon) * scale, one row
+    per work item (cuvil/contrib.py checks the form)."""
+    from cuvil import contrib
+    form = contrib.norm_form(node, graph.values, skip=False)
+    size = form["size"]
+    x, scale = node.inputs[0], node.inputs[1]
+    src = Source().line(kernel_header(3)).indent()
+    src.line("for r in range(begin, end):").indent().line(f"base = r * {size}")
+    _rms_lines(src, size, ["v = p0[base + j]"], form["epsilon"])
+    src.line(f"for j in range({size}):").indent().line("p2[base + j] = p0[base + j] * inv * p1[j]")
+    kernel = Kernel("RMSNorm", src.text(), ("float32",) * 3)
+    return Lowered([KernelCall(kernel, [x, np.asarray(graph.values[scale].data, np.float32).reshape(-1)
+                                        if graph.values[scale].is_const else scale, node.outputs[0]],
+                               form["rows"], node.name)])
+
+
+def lower_skip_simplified_layer_normalization(node, graph) -> Lowered:
+    """SkipSimplifiedLayerNormalization (com.microsoft), fused: s = input + skip (+ bias) is written
+    (output 3) as it is summed; y = s / sqrt(mean(s^2) + epsilon) * gamma. One row per work item."""
+    from cuvil import contrib
+    form = contrib.norm_form(node, graph.values, skip=True)
+    size = form["size"]
+    ins = list(node.inputs) + [""] * 4
+    x, skip, gamma, bias = ins[:4]
+    outs = list(node.outputs) + [""] * 4
+    y, s_out = outs[0], outs[3]
+
+    def param(name):
+        v = graph.values[name]
+        return np.asarray(v.data, np.float32).reshape(-1) if v.is_const else name
+    args = [x, skip, param(gamma)] + ([param(bias)] if bias else [])
+    k = len(args)
+    plus = f" + p{k - 1}[j]" if bias else ""
+    targets = [o for o in (y, s_out) if o]
+    py = f"p{k}" if y else None
+    ps = f"p{k + (1 if y else 0)}" if s_out else None
+    src = Source().line(kernel_header(k + len(targets))).indent()
+    src.line("for r in range(begin, end):").indent().line(f"base = r * {size}")
+    body = [f"v = p0[base + j] + p1[base + j]{plus}"] + ([f"{ps}[base + j] = v"] if ps else [])
+    _rms_lines(src, size, body, form["epsilon"])
+    if py:
+        src.line(f"for j in range({size}):").indent()
+        src.line(f"{py}[base + j] = (p0[base + j] + p1[base + j]{plus}) * inv * p2[j]")
+    kernel = Kernel("SkipRMSNorm", src.text(), ("float32",) * (k + len(targets)))
+    return Lowered([KernelCall(kernel, args + targets, form["rows"], node.name, n_outputs=len(targets))])

@@ -26,6 +26,10 @@ from . import fused
 from cuvil import nbits as nbits_form
 from . import nbits
 
+# gqa.py (onnxruntime's LLM attention ops; cuvil/contrib.py has their forms)
+from cuvil import contrib
+from . import gqa
+
 GENERATORS = {
     # elementwise (elementwise.py)
     **{op: ew.lower_elementwise for op in ew.UNARY if op != "Identity"},
@@ -71,6 +75,7 @@ GENERATORS = {
     "MeanVarianceNormalization": norm.lower_mean_variance_normalization,
     "LpNormalization": norm.lower_lp_normalization,
     "Gelu": norm.lower_gelu,
+    "SimplifiedLayerNormalization": norm.lower_simplified_layer_normalization,  # onnxruntime's RMSNorm
     # linear quantisation (quant.py)
     "QuantizeLinear": quant.lower_quantize_linear,
     "DequantizeLinear": quant.lower_dequantize_linear,
@@ -143,6 +148,10 @@ GENERATORS = {
 # Ops of other domains (com.microsoft contrib ops), by (domain, op).
 DOMAIN_GENERATORS = {
     (nbits_form.DOMAIN, nbits_form.OP): nbits.lower_matmul_nbits,
+    (contrib.MS, "GroupQueryAttention"): gqa.lower_group_query_attention,
+    (contrib.MS, "RotaryEmbedding"): gqa.lower_rotary_embedding,
+    (contrib.MS, "SimplifiedLayerNormalization"): norm.lower_simplified_layer_normalization,
+    (contrib.MS, "SkipSimplifiedLayerNormalization"): norm.lower_skip_simplified_layer_normalization,
 }
 
 

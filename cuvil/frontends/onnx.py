@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .. import nbits
+from .. import contrib, nbits
 from ..evaluate import evaluate_exact
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
@@ -344,6 +344,12 @@ class _Importer:
             node = Node(op=proto.op_type, name=name, inputs=list(proto.input), outputs=list(proto.output),
                         attrs=_attrs(proto), domain=proto.domain)
             return [nbits.check(node, self.values)]
+        domain = "" if proto.domain in ("", "ai.onnx") else proto.domain
+        if (domain, proto.op_type) in contrib.RULES:
+            # onnxruntime's LLM contrib ops (cuvil/contrib.py): shapes and checks of their own.
+            node = Node(op=proto.op_type, name=name, inputs=list(proto.input), outputs=list(proto.output),
+                        attrs=_attrs(proto), domain=domain)
+            return contrib.infer(node, self.values)
         if proto.op_type == "MeanVarianceNormalization" and proto.domain in ("", "ai.onnx"):
             # ONNX's strict inference trips over this op's function body when `axes` is
             # left at its default; the output is the input's shape and type in any case.

@@ -294,10 +294,12 @@ def plan_generation(graphs: list, params: VariantParams) -> list[Planned]:
     if is_gpu(params.target):
         raise UnsupportedOpError(f"model '{params.name}': generation libraries (generate:) build for CPU targets only",
                                  hint="build the decoder for a CPU target")
+    from backends.numba_cpu.kernel import sharing_weights
     blob = Blob()
     planned, shared_base = [], 0
     for graph in graphs:
-        entry = plan(graph, params, blob)
+        with sharing_weights():     # one packed layout of each weight for every entry's row count
+            entry = plan(graph, params, blob)
         entry.arena.shared = {name: offset + shared_base for name, offset in entry.arena.shared.items()}
         shared_base += entry.arena.shared_bytes
         planned.append(entry)

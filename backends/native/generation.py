@@ -140,7 +140,7 @@ static int gen_run(struct {P}session* s, int k, const int64_t* tokens, int64_t m
 }}
 
 static int gen_check(struct {P}session* s, const int64_t* tokens, int64_t n) {{
-    if (n < 1) return fail(s, {E['ERR_BAD_ARGUMENT']}, "prefill: n must be at least 1");
+
     if (s->position + n > GEN_CONTEXT) {{
         snprintf(s->error, sizeof s->error, "context full: %lld tokens in the cache + %lld new > max_context %lld "
                  "(session_reset starts again; build with a larger generate.max_context)",
@@ -158,6 +158,7 @@ static int gen_check(struct {P}session* s, const int64_t* tokens, int64_t n) {{
 
 EXPORT int {P}session_prefill({P}session* s, const int64_t* tokens, int64_t n, float* logits_out) {{
     if (!s) return {E['ERR_NULL_SESSION']};
+    if (n < 1) return fail(s, {E['ERR_BAD_ARGUMENT']}, "prefill: n must be at least 1");
     if (!tokens) return fail(s, {E['ERR_NULL_ARGUMENT']}, "prefill: tokens is NULL");
     int rc = gen_check(s, tokens, n);
     if (rc) return rc;

@@ -140,7 +140,7 @@ def _run_codegen(dag, graph, params):
 
 def _run_codegen_generation(dag, graphs, params, layout):
     """The codegen of a generation library: every entry's graph planned, one driver (pipeline.py)."""
-    planned = pipeline.plan_generation(list(graphs), _variant_params(params))
+    planned = pipeline.plan_generation(list(graphs), _variant_params(params), layout)
     info = pipeline.describe_generation(planned, layout, _provenance(dag, params))
     return pipeline.generate_generation(planned, layout, info, params["symbol_prefix"], params["threads"])
 

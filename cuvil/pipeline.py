@@ -286,11 +286,15 @@ def generate(planned: Planned, info: dict, symbol_prefix: str, threads: int) -> 
 
 # -- generation libraries (a decoder's prefill and decode entries, cuvil/generation.py) --------
 
-def plan_generation(graphs: list, params: VariantParams) -> list[Planned]:
+def plan_generation(graphs: list, params: VariantParams, layout) -> list[Planned]:
     """Each entry's graph planned like `plan`, all their weights in one blob (identical arrays once:
     the weights are stored once for every entry) and each entry's run-once values in a block of
-    its own; the arena of a session is the largest entry's (one entry runs at a time)."""
+    its own; the arena of a session is the largest entry's (one entry runs at a time). A prefill
+    entry computes the logits of the prompt's last row only (generation.last_row_logits)."""
     from backends.native.weights import Blob
+
+    from .generation import last_row_logits
+    graphs = [g if tokens == 1 else last_row_logits(g, layout) for g, tokens in zip(graphs, layout.entries)]
     if is_gpu(params.target):
         raise UnsupportedOpError(f"model '{params.name}': generation libraries (generate:) build for CPU targets only",
                                  hint="build the decoder for a CPU target")
@@ -325,7 +329,8 @@ def describe_generation(planned: list[Planned], layout, provenance: dict) -> dic
     info["steps"] = sum(len(p.calls) for p in planned)
     info["generate"] = {"max_context": layout.max_context, "prefill_buckets": list(layout.buckets),
                         "vocab_size": int(vocab), "pad_token": layout.pad_token, "eos_tokens": list(layout.eos_tokens),
-                        "entries": [{"tokens": t, "arena_bytes": p.arena.arena_bytes, "steps": len(p.calls)}
+                        "entries": [{"tokens": t, "arena_bytes": p.arena.arena_bytes, "steps": len(p.calls),
+                                     "logits_rows": p.graph.values[layout.logits].shape[1]}
                                     for t, p in zip(layout.entries, planned)]}
     return info
 

@@ -113,6 +113,8 @@ def test_weights_are_stored_once(fp32):
     assert memory["weights_bytes"] <= 1.1 * model_bytes, (memory, model_bytes)
     assert lib.artifacts.library.stat().st_size <= 1.1 * model_bytes + (2 << 20)
     assert [e["tokens"] for e in lib.info["generate"]["entries"]] == [1, 16]
+    # the prefill entry computes the logits of the prompt's last row only (last_row_logits)
+    assert [e["logits_rows"] for e in lib.info["generate"]["entries"]] == [1, 1]
     # the KV cache: 2 layers x key and value x [1, 2 kv heads, 128, 16] float32
     assert memory["kv_cache_bytes"] == 2 * 2 * 2 * 128 * 16 * 4
 
@@ -363,6 +365,8 @@ def test_toy_decoder_matches_onnxruntime_step_by_step(tmp_path):
     C = 16
     lib = cuvil.compile(path, name="toy", generate={"max_context": C, "prefill_buckets": [4]})
     session = ort.InferenceSession(str(path))
+    # its logits come from a Reshape, not a product: every row is computed (last_row_logits does not fire)
+    assert [e["logits_rows"] for e in lib.info["generate"]["entries"]] == [1, 4]
 
     def greedy(prompt, n):
         """onnxruntime on the unpadded prompt, the cache carried from present to past."""

@@ -54,6 +54,9 @@ def generation_c(prefix: str, entries: list[Entry], layout, vocab: int) -> dict[
     ids_t, mask_t = _ctype(graph, layout.input_ids), _ctype(graph, layout.attention_mask)
     pos_t = _ctype(graph, layout.position_ids) if layout.position_ids else "int64_t"
     presents = {present: past for past, present in layout.pairs}
+    # logits rows each entry writes: a prefill entry's every row, or its last real one (LAST_ROW)
+    rows = [e.graph.values[layout.logits].shape[1] for e in entries]
+    logits_floats = max(rows) * vocab
     E = ERROR_CODES
 
     binders = []
@@ -67,6 +70,8 @@ def generation_c(prefix: str, entries: list[Entry], layout, vocab: int) -> dict[
                 ins.append(f"s->mask")
             elif name == layout.position_ids:
                 ins.append(f"s->pos_ids")
+            elif name == layout.last_row:
+                ins.append(f"&s->last_row")
             else:
                 ins.append(f"s->kv + {regions[name]}")
         outs = []
@@ -82,7 +87,8 @@ def generation_c(prefix: str, entries: list[Entry], layout, vocab: int) -> dict[
     {ids_t}* ids;              /* [{longest}] the tokens of one entry */
     {mask_t}* mask;            /* [{C}] attention_mask */
     {pos_t}* pos_ids;          /* [{longest}] position_ids */
-    float* logits;             /* [{longest} x {vocab}] the prefill entries' logits */
+    float* logits;             /* [{max(rows)} x {vocab}] the prefill entries' logits */
+    int64_t last_row;          /* the prompt's last real row in a prefill entry */
 """
     create = f"""    {{
         void {P}session_destroy({P}session* s);
@@ -90,7 +96,7 @@ def generation_c(prefix: str, entries: list[Entry], layout, vocab: int) -> dict[
         s->ids = ({ids_t}*)aligned_alloc(64, {(longest * 8 + 63) // 64 * 64});
         s->mask = ({mask_t}*)aligned_alloc(64, {(C * 8 + 63) // 64 * 64});
         s->pos_ids = ({pos_t}*)aligned_alloc(64, {(longest * 8 + 63) // 64 * 64});
-        s->logits = (float*)aligned_alloc(64, {(longest * vocab * 4 + 63) // 64 * 64});
+        s->logits = (float*)aligned_alloc(64, {(logits_floats * 4 + 63) // 64 * 64});
         if (!s->kv || !s->ids || !s->mask || !s->pos_ids || !s->logits) {{
             snprintf(create_error, sizeof create_error, "out of memory for the KV cache (%lld bytes)",
                      (long long){kv_bytes});
@@ -112,6 +118,7 @@ def generation_c(prefix: str, entries: list[Entry], layout, vocab: int) -> dict[
 typedef int (*gen_entry_fn)({P}session*, float*);
 static const gen_entry_fn gen_entries[{len(entries)}] = {{{entry_list}}};
 static const int64_t gen_tokens[{len(entries)}] = {{{', '.join(map(str, tokens))}}};
+static const int64_t gen_rows[{len(entries)}] = {{{', '.join(map(str, rows))}}};   /* logits rows written */
 
 /* The entry for `left` tokens at cache position `past`: the smallest that holds them, else the
    largest that fits in the context (a chunk); the decode entry (1 token) always fits. */
@@ -132,6 +139,7 @@ static int gen_run(struct {P}session* s, int k, const int64_t* tokens, int64_t m
         s->pos_ids[i] = ({pos_t})(past + i);
     }}
     for (int64_t i = 0; i < GEN_CONTEXT; i++) s->mask[i] = i < past + S;
+    s->last_row = m - 1;
     int rc = gen_entries[k](s, logits);
     if (rc) return rc;
     s->position = past + m;
@@ -169,7 +177,8 @@ EXPORT int {P}session_prefill({P}session* s, const int64_t* tokens, int64_t n, f
         rc = gen_run(s, k, tokens + done, m, s->logits);
         if (rc) return rc;
         done += m;
-        if (done == n && logits_out) memcpy(logits_out, s->logits + (m - 1) * GEN_VOCAB, GEN_VOCAB * sizeof(float));
+        if (done == n && logits_out)
+            memcpy(logits_out, s->logits + (gen_rows[k] == 1 ? 0 : m - 1) * GEN_VOCAB, GEN_VOCAB * sizeof(float));
     }}
     s->error[0] = 0;
     return 0;

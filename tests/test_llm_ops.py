@@ -151,6 +151,21 @@ def test_gqa_matches_onnxruntime(S, C, past_len, packed, rotary, interleaved):
     _check_gqa(got, want, S, past_len, bound, kv_bound)
 
 
+@pytest.mark.parametrize("past", [True, False])
+def test_gqa_first_prompt_matches_onnxruntime(past):
+    """S == total_sequence_length (onnxruntime's first prompt): past_seqlen is 0 whatever seqlens_k
+    says, and padding rows (mask 0) are still written and attend causally, rotated at their own
+    positions."""
+    S = C = 16
+    H, heads, kv_heads = 16, 4, 2
+    model = gqa_model(S, C, heads, kv_heads, H, past=past)
+    feeds = gqa_feeds(S, C, 0, heads, kv_heads, H, past=past)
+    feeds["attention_mask"][0, 10:] = 0
+    got, want = cuvil.compile(model, name="gqa_first").run(feeds), run_ort(model, feeds)
+    bound, kv_bound = _gqa_bound(feeds, S, 0, H, heads, kv_heads, True)
+    _check_gqa(got, want, S, 0, bound, kv_bound)
+
+
 def run_sharing(library, feeds: dict, shared: dict) -> dict:
     """Run a loaded library through the C ABI with output `o` bound to the buffer of input
     `shared[o]` (the runtime's in-place KV cache); return every output, the shared ones as the

@@ -6,14 +6,16 @@ GroupQueryAttention is two calls, one after the other (the driver's barrier betw
    [0, past_seqlen) are copied into present (when the caller binds one buffer to both, nothing is
    copied: the cache is updated in place); then the S new key rows (rotated) and value rows are
    written at rows past_seqlen .. past_seqlen + S - 1 of present.
-2. `GQA`, one work item per (batch, head, run of query rows): the query row rotated into scratch,
-   scores q.k * scale over rows 0 .. past_seqlen + i of present only (the work follows the real
-   length, never the cache's), softmax (max, vexp, sum, 1/sum), then the value rows weighted by
-   the probabilities into the output row [B, S, N H].
+2. `GQA`, one work item per (batch, group of heads sharing a kv head, run of query rows): the
+   query rows rotated into scratch, scores q.k * scale over rows 0 .. min(past_seqlen + i,
+   seqlens_k) of present only (the work follows the real length, never the cache's), each key
+   row read once for the group's heads; softmax (max, vexp,
+   sum, 1/sum), then the value rows weighted by the probabilities (each read once for the group)
+   into the output rows [B, S, N H].
 
 past_seqlen = seqlens_k[b] + 1 - S (0 for a first prompt, S == total_sequence_length), clamped so
 that a wrong seqlens_k cannot write outside present; the rotary position of row i is
-past_seqlen + i (first prompt: i, and 1 for padding rows past seqlens_k, as onnxruntime does).
+past_seqlen + i (a first prompt's padding rows past seqlens_k too, as onnxruntime 1.32 does).
 Rotary (half = R / 2): non-interleaved pairs (x[i], x[i + half]), interleaved (x[2i], x[2i + 1]);
 y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin; dims past R pass through.
 
@@ -65,10 +67,7 @@ def _past_lines(src, form, seqlens, b):
 
 
 def _position_lines(src, form, max_pos):
-    if form["first_prompt"]:
-        src.line("pos = s if s < total else 1")
-    else:
-        src.line("pos = past + s")
+    src.line("pos = past + s")
     src.line(f"if pos > {max_pos - 1}:").indent().line(f"pos = {max_pos - 1}").dedent()
 
 
@@ -115,21 +114,29 @@ def _kv_call(node, form, qd, key, value, past_k, past_v, seqlens, cos, sin, pres
     return KernelCall(kernel, args + [pres_k, pres_v], B * Nkv, node.name, n_outputs=2)
 
 
-def _runs(form) -> int:
-    """Runs of query rows per (batch, head): enough items for the session's threads (rows are dealt
-    round-robin, so a causal prefill's long and short rows mix in every run)."""
-    items = form["B"] * form["heads"]
-    want = 4 * session_threads() if session_threads() > 1 else 1
-    return max(1, min(form["S"], -(-want // items)))
+def _split(form) -> tuple[int, int]:
+    """(heads per item, runs of query rows per (batch, head group)). An item takes the heads that
+    share a key/value head together, so each key and value row is read once for all of them; with
+    more threads than (batch, kv head) pairs the groups are split, then the rows are dealt
+    round-robin into runs (a causal prefill's long and short rows mix in every run)."""
+    threads = session_threads()
+    want = 4 * threads if threads > 1 else 1
+    group = form["heads"] // form["kv_heads"]
+    per_item = group
+    while per_item % 2 == 0 and form["B"] * form["heads"] // per_item < want:
+        per_item //= 2
+    items = form["B"] * form["heads"] // per_item
+    return per_item, max(1, min(form["S"], -(-want // items)))
 
 
 def _attention_call(node, graph, form, query, seqlens, cos, sin, pres_k, pres_v, out) -> KernelCall:
     B, S, H, N, Nkv, C = form["B"], form["S"], form["H"], form["heads"], form["kv_heads"], form["present"]
     qd, _, _, _ = _sources(form)
     group = N // Nkv
-    runs = _runs(form)
-    items = B * N * runs
-    slot = -(-(2 * H + C) // 16) * 16        # q row, scores, output accumulator: floats per item
+    GS, runs = _split(form)
+    items = B * (N // GS) * runs
+    # per item: its heads' query rows, scores, output accumulators and 1/sum
+    slot = -(-(GS * (2 * H + C + 1)) // 16) * 16
     scratch = scratch_value(graph, node, (items * slot,), F32, tag="gqa")
     rot = form["do_rotary"]
     args = [query, pres_k, pres_v, seqlens] + ([cos, sin] if rot else []) + [scratch, out]
@@ -140,36 +147,52 @@ def _attention_call(node, graph, form, query, seqlens, cos, sin, pres_k, pres_v,
     zero = literal(0, F32)
     src = Source().line(kernel_header(len(args))).indent()
     src.line("for item in range(begin, end):").indent()
-    src.line(f"run = item % {runs}").line(f"bh = item // {runs}")
-    src.line(f"b = bh // {N}").line(f"h = bh % {N}")
-    src.line(f"kv = (b * {Nkv} + h // {group}) * {C * H}")
-    src.line(f"w = item * {slot}").line(f"sc = w + {H}").line(f"acc = w + {H} + {C}")
+    src.line(f"run = item % {runs}").line(f"bg = item // {runs}")
+    src.line(f"b = bg // {N // GS}").line(f"h0 = (bg % {N // GS}) * {GS}")
+    src.line(f"kv = (b * {Nkv} + h0 // {group}) * {C * H}")
+    src.line(f"w = item * {slot}").line(f"sc = w + {GS * H}").line(f"acc = sc + {GS * C}").line(f"iv = acc + {GS * H}")
     _past_lines(src, form, "p3", "b")
     src.line(f"for s in range(run, {S}, {runs}):").indent()
-    src.line(f"qs = (b * {S} + s) * {qd} + h * {H}")
     if rot:
         _position_lines(src, form, max_pos)
-    _rotate_lines(src, form, "p0", "qs", ws, "w", "pos", cs, sn)
-    src.line("n = past + s + 1")
-    # scores and their maximum
-    src.line(f"m = {literal(-np.inf, F32)}")
-    src.line("for t in range(n):").indent()
-    src.line(f"d = {zero}").line(f"kr = kv + t * {H}")
-    src.line(f"for i in range({H}):").indent().line(f"d += {ws}[w + i] * p1[kr + i]").dedent()
-    src.line(f"d = d * {literal(form['scale'], F32)}")
-    src.line(f"{ws}[sc + t] = d").line("m = vmax(m, d)")
+    src.line(f"for g in range({GS}):").indent()
+    src.line(f"qs = (b * {S} + s) * {qd} + (h0 + g) * {H}").line(f"qw = w + g * {H}")
+    _rotate_lines(src, form, "p0", "qs", ws, "qw", "pos", cs, sn)
     src.dedent()
+    # a first prompt's padding rows attend to the real rows only (onnxruntime's product covers
+    # seqlens_k + 1 columns); otherwise past + s + 1 <= total already
+    src.line("n = past + s + 1")
+    src.line("if n > total:").indent().line("n = total").dedent()
+    src.line("if n < 1:").indent().line("n = 1").dedent()
+    # scores: each key row read once for the item's heads
+    src.line("for t in range(n):").indent()
+    src.line(f"kr = kv + t * {H}")
+    src.line(f"for g in range({GS}):").indent()
+    src.line(f"d = {zero}").line(f"qw = w + g * {H}")
+    src.line(f"for i in range({H}):").indent().line(f"d += {ws}[qw + i] * p1[kr + i]").dedent()
+    src.line(f"{ws}[sc + g * {C} + t] = d * {literal(form['scale'], F32)}")
+    src.dedent().dedent()
+    # softmax of each head's scores
+    src.line(f"for g in range({GS}):").indent()
+    src.line(f"r0 = sc + g * {C}")
+    src.line(f"m = {ws}[r0]")
+    src.line("for t in range(n):").indent().line(f"m = vmax(m, {ws}[r0 + t])").dedent()
     src.line(f"tot = {zero}")
     src.line("for t in range(n):").indent()
-    src.line(f"e = math.exp({ws}[sc + t] - m)").line(f"{ws}[sc + t] = e").line("tot += e").dedent()
-    src.line(f"inv = {literal(1, F32)} / tot")
-    src.line(f"for i in range({H}):").indent().line(f"{ws}[acc + i] = {zero}").dedent()
-    src.line("for t in range(n):").indent()
-    src.line(f"pt = {ws}[sc + t] * inv").line(f"vr = kv + t * {H}")
-    src.line(f"for i in range({H}):").indent().line(f"{ws}[acc + i] += pt * p2[vr + i]").dedent()
+    src.line(f"e = math.exp({ws}[r0 + t] - m)").line(f"{ws}[r0 + t] = e").line("tot += e").dedent()
+    src.line(f"{ws}[iv + g] = {literal(1, F32)} / tot")
+    src.line(f"for i in range({H}):").indent().line(f"{ws}[acc + g * {H} + i] = {zero}").dedent()
     src.dedent()
-    src.line(f"o = (b * {S} + s) * {N * H} + h * {H}")
-    src.line(f"for i in range({H}):").indent().line(f"{po}[o + i] = {ws}[acc + i]").dedent()
+    # the value rows, each read once for the item's heads
+    src.line("for t in range(n):").indent()
+    src.line(f"vr = kv + t * {H}")
+    src.line(f"for g in range({GS}):").indent()
+    src.line(f"pt = {ws}[sc + g * {C} + t] * {ws}[iv + g]").line(f"ag = acc + g * {H}")
+    src.line(f"for i in range({H}):").indent().line(f"{ws}[ag + i] += pt * p2[vr + i]").dedent()
+    src.dedent().dedent()
+    src.line(f"for g in range({GS}):").indent()
+    src.line(f"o = (b * {S} + s) * {N * H} + (h0 + g) * {H}")
+    src.line(f"for i in range({H}):").indent().line(f"{po}[o + i] = {ws}[acc + g * {H} + i]").dedent()
     kernel = Kernel("GQA", src.text(), types)
     return KernelCall(kernel, args, items, node.name, n_outputs=2)
 

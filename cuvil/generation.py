@@ -191,6 +191,17 @@ def layout(model, settings: dict, config: dict, name: str) -> Layout:
                   tuple(settings["prefill_buckets"]), int(pad), tuple(int(e) for e in eos), shapes)
 
 
+def decode_shapes(source, generate: dict, name: str) -> dict[str, list[int]]:
+    """The static input shapes of a model file's decode entry (`cuvil check` imports it so)."""
+    import onnx
+    settings = check_settings(generate, f"model '{name}': generate")
+    try:
+        model = onnx.load(str(source), load_external_data=False)
+    except Exception as exc:
+        raise CuvilError(f"{source}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    return layout(model, settings, genai_config(source), name).input_shapes(1)
+
+
 def external_data_sha256(model, source) -> dict[str, str]:
     """sha256 of each external data file a model file's tensors name (model.onnx.data): the
     import reads them, so the key of every step after it must change with them."""

@@ -140,10 +140,14 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
 
     with _located(spec, model):
         source = model.source
+        inputs = dict(model.inputs)
+        if model.generate is not None:   # a generation library: checked at its decode entry's shapes
+            from . import generation
+            inputs = generation.decode_shapes(source, model.generate, model.name)
         if model.precision in pipeline.CALIBRATED:
-            source = pipeline.calibrated_source(source, dict(model.inputs), model.precision,
+            source = pipeline.calibrated_source(source, inputs, model.precision,
                                                 model.calibration.model_dump())
-        graph = pipeline.import_any(source, dict(model.inputs))
+        graph = pipeline.import_any(source, inputs)
         report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
                              _tensors(graph, graph.outputs), graph.op_counts())
         # A precision not built yet is reported per target below (as the build refuses it).

@@ -436,3 +436,20 @@ def test_cuvil_yaml_generate_block(tmp_path):
         parse_config(text.replace("[4, 8]", "[4, 32]"), tmp_path / "cuvil.yaml")
     with pytest.raises(ConfigError, match="unknown key 'buckets'"):
         parse_config(text.replace("prefill_buckets", "buckets"), tmp_path / "cuvil.yaml")
+
+
+def test_cuvil_build_and_check_of_a_generate_model(fp32, tmp_path):
+    from cuvil.cli import main
+    from cuvil.runtime import load
+    folder, lib = fp32
+    config = tmp_path / "cuvil.yaml"
+    config.write_text(f"version: 1\noutput_dir: out\nmodels:\n  - name: llm\n    source: {folder / 'model.onnx'}\n"
+                      f"    generate: {{max_context: 128, prefill_buckets: [16], tokenizer: {folder / 'tokenizer.json'}}}\n")
+    assert main(["check", "-f", str(config)]) == 0      # at the decode entry's shapes
+    assert main(["build", "-f", str(config)]) == 0
+    built = tmp_path / "out" / "llm" / "native"
+    assert (built / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    # the same settings as compile(generate=...): the same library, byte for byte
+    assert (built / "libllm.so").read_bytes() == lib.artifacts.library.read_bytes()
+    assert list(load(built / "libllm.so").generate(PROMPT[:5], max_new_tokens=8)) == \
+        list(lib.generate(PROMPT[:5], max_new_tokens=8))

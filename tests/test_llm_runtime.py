@@ -179,6 +179,25 @@ def test_context_full_and_bad_tokens_are_clear_errors(fp32):
     session.close()
 
 
+def test_prefill_chunks_and_the_end_of_the_context(fp32):
+    """A prompt longer than the bucket goes in chunks; where no bucket fits in what is left of the
+    context, its tokens go through the decode entry: the logits are those of one prefill."""
+    _, lib = fp32
+    session = lib.session()
+    prompt = [3 + (7 * i) % 500 for i in range(125)]
+    whole = session.prefill(prompt)                  # 7 chunks of 16, then 13 in the bucket (128 = C)
+    session.reset()
+    session.prefill(prompt[:120])
+    tail = session.prefill(prompt[120:])             # 120 + 16 > 128: five decode steps
+    assert session.position == 125
+    # the same function through kernels for 1 and 16 rows, which sum in other orders: float32
+    # rounding (~1e-7 relative a product, over two layers and a softmax) stays far below 1e-4
+    # of the largest logit
+    assert np.abs(whole - tail).max() <= 1e-4 * np.abs(whole).max()
+    assert np.argmax(whole) == np.argmax(tail)
+    session.close()
+
+
 def test_generate_text_through_the_tokenizer(fp32):
     folder, lib = fp32
     ids = genai_greedy(folder, [5, 6, 7], 8)

@@ -151,6 +151,31 @@ def test_gqa_matches_onnxruntime(S, C, past_len, packed, rotary, interleaved):
     _check_gqa(got, want, S, past_len, bound, kv_bound)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gqa_partial_rotary_matches_onnxruntime(interleaved):
+    """cos_cache narrower than head_size / 2: the first 2 * cos_cache.shape[1] dims rotate, the
+    others pass through."""
+    S, C, past_len, H, heads, kv_heads = 4, 64, 10, 32, 4, 2
+    model = gqa_model(S, C, heads, kv_heads, H, interleaved=interleaved, rotary_dim=16)
+    feeds = gqa_feeds(S, C, past_len, heads, kv_heads, H)
+    got, want = cuvil.compile(model, name="gqa_partial").run(feeds), run_ort(model, feeds)
+    bound, kv_bound = _gqa_bound(feeds, S, past_len, H, heads, kv_heads, True)
+    _check_gqa(got, want, S, past_len, bound, kv_bound)
+
+
+@pytest.mark.parametrize("S,past_len", [(1, 40), (16, 7)])
+def test_gqa_two_threads_matches_onnxruntime(S, past_len):
+    """With 2 threads the head groups are split and a prefill's rows dealt into runs
+    (gqa.py _split): the same bound holds."""
+    H, heads, kv_heads, C = 16, 4, 2, 64
+    model = gqa_model(S, C, heads, kv_heads, H)
+    feeds = gqa_feeds(S, C, past_len, heads, kv_heads, H)
+    compiled = cuvil.compile(model, name="gqa_t2", threads=2)
+    got = run_sharing(compiled, feeds, {"present_key": "past_key", "present_value": "past_value"})
+    bound, kv_bound = _gqa_bound(feeds, S, past_len, H, heads, kv_heads, True)
+    _check_gqa(got, run_ort(model, feeds), S, past_len, bound, kv_bound)
+
+
 @pytest.mark.parametrize("past", [True, False])
 def test_gqa_first_prompt_matches_onnxruntime(past):
     """S == total_sequence_length (onnxruntime's first prompt): past_seqlen is 0 whatever seqlens_k
@@ -221,8 +246,9 @@ def _single(op, domain, inputs, outputs, inits=(), **attrs):
     return model
 
 
-@pytest.mark.parametrize("layout,interleaved", [("bsnh", False), ("bsnh", True), ("bnsh", False)])
-def test_rotary_embedding_matches_onnxruntime(layout, interleaved):
+@pytest.mark.parametrize("layout,interleaved,start", [("bsnh", False, False), ("bsnh", True, False),
+                                                       ("bnsh", False, False), ("bsnh", False, True)])
+def test_rotary_embedding_matches_onnxruntime(layout, interleaved, start):
     """RotaryEmbedding (com.microsoft): each output is x1 cos - x2 sin (or x2 cos + x1 sin) of the
     same float32 inputs in both engines: within 2 gamma(2) * max|x| apart."""
     B, S, N, H = 1, 5, 3, 16
@@ -231,12 +257,13 @@ def test_rotary_embedding_matches_onnxruntime(layout, interleaved):
     shape = [B, S, N * H] if layout == "bsnh" else [B, N, S, H]
     model = _single("RotaryEmbedding", "com.microsoft",
                     [helper.make_tensor_value_info("x", f, shape),
-                     helper.make_tensor_value_info("pos", TensorProto.INT64, [B, S])],
+                     helper.make_tensor_value_info("pos", TensorProto.INT64, [1] if start else [B, S])],
                     [helper.make_tensor_value_info("y", f, shape)],
                     [onnx.numpy_helper.from_array(cos, "cos"), onnx.numpy_helper.from_array(sin, "sin")],
                     interleaved=int(interleaved), num_heads=N)
     rng = np.random.default_rng(1)
-    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "pos": np.array([[3, 4, 5, 9, 40]], np.int64)}
+    pos = np.array([7], np.int64) if start else np.array([[3, 4, 5, 9, 40]], np.int64)   # [1]: a start position
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "pos": pos}
     got, want = cuvil.compile(model, name="rope").run(feeds), run_ort(model, feeds)
     assert np.abs(got["y"] - want["y"]).max() <= 2 * gamma(2) * np.abs(feeds["x"]).max()
 
@@ -376,6 +403,21 @@ def _prefill_then_decode(path, C=64, S=8):
     want_step = run_ort(oracle, step)
     got_step = run_sharing(decode, step, shared)
     _close(got_step, want_step, S + 1)
+    # greedy decoding on: each engine on its own cache, the same tokens (the logits agree within
+    # the tolerance above, far below this model's top-1 margins)
+    tokens = {}
+    for engine in ("cuvil", "ort"):
+        cache = {n: got[shared_name].copy() for shared_name, n in shared.items()}
+        token, out = int(step["input_ids"][0, 0]), []
+        for pos in range(S, S + 12):
+            feed = {"input_ids": np.array([[token]], np.int64),
+                    "attention_mask": (np.arange(C) < pos + 1).astype(np.int64)[None], **cache}
+            res = run_sharing(decode, feed, shared) if engine == "cuvil" else run_ort(oracle, feed)
+            cache = {n: res[shared_name] for shared_name, n in shared.items()}
+            token = int(np.argmax(res["logits"][0, -1]))
+            out.append(token)
+        tokens[engine] = out
+    assert tokens["cuvil"] == tokens["ort"]
 
 
 def test_genai_fp32_decoder_prefill_and_decode(genai_folder):
@@ -384,3 +426,18 @@ def test_genai_fp32_decoder_prefill_and_decode(genai_folder):
 
 def test_genai_int4_decoder_prefill_and_decode(genai_folder):
     _prefill_then_decode(build_genai_model(genai_folder, "int4"))
+
+
+def test_gqa_refuses_position_ids_and_a_runtime_total_length():
+    model = gqa_model(1, 64)
+    gqa = model.graph.node[-1]
+    gqa.input.extend(["pos"])           # position_ids (input 9)
+    model.graph.input.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [1, 1]))
+    with pytest.raises(CuvilError, match="position_ids is not supported"):
+        cuvil.compile(model, name="gqa_pos")
+    model = gqa_model(1, 64)
+    gqa = model.graph.node[-1]
+    gqa.input[6] = "total_in"           # total_sequence_length fed at run time
+    model.graph.input.append(helper.make_tensor_value_info("total_in", TensorProto.INT32, [1]))
+    with pytest.raises(CuvilError, match="total_sequence_length .* computed at run time"):
+        cuvil.compile(model, name="gqa_total")

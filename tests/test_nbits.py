@@ -119,6 +119,11 @@ CASES = [
     (128, 32, (6, 128), 8, 128, None, True),        # 8 bits symmetric, a full tile and a tail tile
     (64, 130, (2, 3, 64), 4, 32, "u8", True),       # batch dims on A, a 3-column last group
     (96, 150, (1, 96), 4, 32, "u8", False),         # an odd number of blocks: nibble zero points, 3 groups
+    # 16 rows or more (a prefill): dequantised panels and the float32 micro-kernel (nbits_gemm.py)
+    (256, 100, (20, 256), 4, 32, "u8", False),      # nibble zero points, a partial last group, a tail tile
+    (200, 40, (17, 200), 8, 64, "u8", False),       # 8 bits, a partial last block
+    (128, 80, (16, 128), 4, 16, "f32", False),      # float zero points
+    (640, 130, (2, 12, 640), 4, 32, None, False),   # symmetric, batch dims, three passes over k, 3 groups
 ]
 
 

@@ -32,6 +32,7 @@ from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal,
 from .scratch import scratch_value
 
 F32 = np.float32
+SINGLE_ITEM_FLOATS = 8192   # new key/value floats up to which GQAKV is one work item
 
 
 def _rotate_lines(src, form, x, xbase, y, ybase, pos, cos, sin, scale=None):
@@ -90,8 +91,13 @@ def _kv_call(node, form, qd, key, value, past_k, past_v, seqlens, cos, sin, pres
     types = ["float32", "float32"] + (["float32"] * 2 if P else []) + ["int32"] + \
         (["float32"] * 2 if form["do_rotary"] else []) + ["float32", "float32"]
     max_pos = int(form["cos"].shape[0]) if form["do_rotary"] else 1
+    # A decode step writes a row or two per kv head: one work item for all (the driver runs a
+    # single item on the calling thread; waking the pool would cost more than the rows).
+    single = S * B * Nkv * H <= SINGLE_ITEM_FLOATS
+    items = B * Nkv
     src = Source().line(kernel_header(len(types))).indent()
-    src.line("for item in range(begin, end):").indent()
+    src.line(f"for item in range(begin * {items}, end * {items}):" if single else "for item in range(begin, end):")
+    src.indent()
     src.line(f"b = item // {Nkv}").line(f"j = item % {Nkv}")
     _past_lines(src, form, names["sl"], "b")
     src.line(f"pres = item * {C * H}")
@@ -111,7 +117,7 @@ def _kv_call(node, form, qd, key, value, past_k, past_v, seqlens, cos, sin, pres
     _rotate_lines(src, form, names["k"], "ks", pk_, "dst", "pos", names.get("cos"), names.get("sin"))
     src.line(f"for i in range({H}):").indent().line(f"{pv_}[dst + i] = {names['v']}[vs + i]").dedent()
     kernel = Kernel("GQAKV", src.text(), tuple(types))
-    return KernelCall(kernel, args + [pres_k, pres_v], B * Nkv, node.name, n_outputs=2)
+    return KernelCall(kernel, args + [pres_k, pres_v], 1 if single else items, node.name, n_outputs=2)
 
 
 def _split(form) -> tuple[int, int]:

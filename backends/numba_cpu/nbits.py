@@ -318,7 +318,7 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
 
 # -- build-time packing --------------------------------------------------------------------------
 
-def _f16_exact(scales: np.ndarray) -> bool:
+def f16_exact(scales: np.ndarray) -> bool:
     """Whether every scale is a float16 value (the library may then keep them in 2 bytes)."""
     with np.errstate(over="ignore"):
         return bool(np.array_equal(scales.astype(np.float16).astype(np.float32), scales))
@@ -391,7 +391,7 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     mr, V = tile_shape(M)
     NC = LANES * V
     target = lowering_target()
-    f16 = _f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
+    f16 = f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
     arrays = pack(weight, V, f16)
     zp_kind = "const" if weight.zero_points is None else ("u8" if weight.zero_points.dtype == np.uint8 else "f32")
     lut = int(weight.bits == 4 and zp_kind != "f32" and target is not None and has_feature(target, "avx512f") and target.vector_bits >= 512)

@@ -24,7 +24,7 @@ from . import fused
 
 # nbits.py (weight-only int4/int8 products: onnxruntime's MatMulNBits and precision: int4)
 from cuvil import nbits as nbits_form
-from . import nbits
+from . import nbits_gemm   # many rows: dequantised panels; else nbits.py's packed-code kernel
 
 # gqa.py (onnxruntime's LLM attention ops; cuvil/contrib.py has their forms)
 from cuvil import contrib
@@ -147,7 +147,7 @@ GENERATORS = {
 
 # Ops of other domains (com.microsoft contrib ops), by (domain, op).
 DOMAIN_GENERATORS = {
-    (nbits_form.DOMAIN, nbits_form.OP): nbits.lower_matmul_nbits,
+    (nbits_form.DOMAIN, nbits_form.OP): nbits_gemm.lower_matmul_nbits,
     (contrib.MS, "GroupQueryAttention"): gqa.lower_group_query_attention,
     (contrib.MS, "RotaryEmbedding"): gqa.lower_rotary_embedding,
     (contrib.MS, "SimplifiedLayerNormalization"): norm.lower_simplified_layer_normalization,

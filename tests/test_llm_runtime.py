@@ -292,7 +292,11 @@ def test_sampled_generation_is_reproducible_with_a_seed(fp32):
 
 def test_int4_agrees_with_onnxruntime_genai(models):
     folder = make_decoder(models, "int4")
-    lib = cuvil.compile(folder / "model.onnx", name="llm4", generate=GENERATE)
+    lib = cuvil.compile(folder / "model.onnx", name="llm4", generate={**GENERATE, "prefill_buckets": [8, 16]})
+    model = onnx.load(str(folder / "model.onnx"))
+    # the packed int4 weights stored once for the three entries (1, 8 and 16 rows), as in fp32
+    assert lib.info["memory"]["weights_bytes"] <= 1.1 * sum(numpy_helper.to_array(t).nbytes
+                                                            for t in model.graph.initializer)
     want = genai_greedy(folder, PROMPT, 64)
     # The builder's MatMulNBits (accuracy_level 4) has onnxruntime quantise the activations to
     # int8; Cuvil computes them in float32, so logits differ by that rounding and a random model's

@@ -222,6 +222,8 @@ def main(argv=None) -> int:
                 # rounds alternate between the engines, so a burst of load elsewhere hits both
                 runs = {"cuvil": [], "genai": []}
                 for _ in range(args.rounds):
+                    # the bandwidth too, between the runs: the best of its measurements, as theirs
+                    bandwidth[threads] = max(bandwidth[threads], read_bandwidth(threads))
                     runs["cuvil"].append(in_process("cuvil", library, prompt, args.new, args.repeat, threads))
                     runs["genai"].append(in_process("genai", str(peer_folder), prompt, args.new, args.repeat, threads))
                 ours, peer = best(runs["cuvil"]), best(runs["genai"])

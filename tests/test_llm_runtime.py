@@ -476,3 +476,11 @@ def test_cuvil_build_and_check_of_a_generate_model(fp32, tmp_path):
     assert (built / "libllm.so").read_bytes() == lib.artifacts.library.read_bytes()
     assert list(load(built / "libllm.so").generate(PROMPT[:5], max_new_tokens=8)) == \
         list(lib.generate(PROMPT[:5], max_new_tokens=8))
+
+
+@pytest.mark.slow
+def test_two_thread_library_generates_the_same_tokens(fp32):
+    """threads: 2 (each entry's steps split over the session's pool): onnxruntime-genai's tokens."""
+    folder, _ = fp32
+    lib = cuvil.compile(folder / "model.onnx", name="llm2", threads=2, generate=GENERATE)
+    assert list(lib.generate(PROMPT, max_new_tokens=64)) == genai_greedy(folder, PROMPT, 64)

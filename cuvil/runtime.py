@@ -206,7 +206,7 @@ class Session:
         return int(self.library._generation().position(self._handle))
 
     def kv_cache(self) -> np.ndarray:
-        """The session's KV cache as bytes (a view: it changes as the session runs)."""
+        """The session's KV cache as bytes (a view: it changes as the session runs, valid while it lives)."""
         size = ctypes.c_int64()
         address = self.library._generation().kv_cache(self._handle, ctypes.byref(size))
         return np.ctypeslib.as_array((ctypes.c_uint8 * size.value).from_address(address))

@@ -65,13 +65,13 @@ def generation_c(prefix: str, entries: list[Entry], layout, vocab: int) -> dict[
         ins = []
         for i, name in enumerate(g.inputs):
             if name == layout.input_ids:
-                ins.append(f"s->ids")
+                ins.append("s->ids")
             elif name == layout.attention_mask:
-                ins.append(f"s->mask")
+                ins.append("s->mask")
             elif name == layout.position_ids:
-                ins.append(f"s->pos_ids")
+                ins.append("s->pos_ids")
             elif name == layout.last_row:
-                ins.append(f"&s->last_row")
+                ins.append("&s->last_row")
             else:
                 ins.append(f"s->kv + {regions[name]}")
         outs = []

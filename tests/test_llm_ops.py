@@ -282,14 +282,19 @@ def test_simplified_layer_norms_match_onnxruntime():
     plain = _single("SimplifiedLayerNormalization", "", [x], [helper.make_tensor_value_info("y", f, [1, 3, size])],
                     [gamma_w], epsilon=1e-6, axis=-1, stash_type=1)
     plain.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    skip = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "s", "g"], ["y", "", "", "sum"],
-                            domain="com.microsoft", epsilon=1e-6)
-    skip_model = helper.make_model(helper.make_graph(
-        [skip], "skip", [x, s], [helper.make_tensor_value_info("y", f, [1, 3, size]),
-                                 helper.make_tensor_value_info("sum", f, [1, 3, size])], [gamma_w]),
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    skip_model.ir_version = 8
-    for model, name in ((plain, "rms"), (skip_model, "skiprms")):
+    bias_w = onnx.numpy_helper.from_array(rng.standard_normal(size).astype(np.float32), "bias")
+    skip_models = []
+    for extra in ([], ["bias"]):        # input + skip, and input + skip + bias
+        skip = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "s", "g"] + extra, ["y", "", "", "sum"],
+                                domain="com.microsoft", epsilon=1e-6)
+        skip_model = helper.make_model(helper.make_graph(
+            [skip], "skip", [x, s], [helper.make_tensor_value_info("y", f, [1, 3, size]),
+                                     helper.make_tensor_value_info("sum", f, [1, 3, size])],
+            [gamma_w] + ([bias_w] if extra else [])),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        skip_model.ir_version = 8
+        skip_models.append((skip_model, f"skiprms{len(extra)}"))
+    for model, name in [(plain, "rms")] + skip_models:
         feed = {k: v for k, v in feeds.items() if k in {i.name for i in model.graph.input}}
         got, want = cuvil.compile(model, name=name).run(feed), run_ort(model, feed)
         assert np.abs(got["y"] - want["y"]).max() <= 2 * gamma(size + 4) * np.abs(want["y"]).max()
@@ -381,11 +386,11 @@ def genai_folder(tmp_path_factory):
     return tmp_path_factory.mktemp("genai")
 
 
-def _prefill_then_decode(path, C=64, S=8):
+def _prefill_then_decode(path, C=64, S=8, threads=1):
     model = onnx.load(str(path))
     oracle = float_oracle(model)
-    prefill = cuvil.compile(str(path), input_shapes=static_shapes(path, S, C), name="genai_prefill")
-    decode = cuvil.compile(str(path), input_shapes=static_shapes(path, 1, C), name="genai_decode")
+    prefill = cuvil.compile(str(path), input_shapes=static_shapes(path, S, C), name="genai_prefill", threads=threads)
+    decode = cuvil.compile(str(path), input_shapes=static_shapes(path, 1, C), name="genai_decode", threads=threads)
     rng = np.random.default_rng(0)
     pasts = [v["name"] for v in prefill.info["inputs"] if v["name"].startswith("past_key_values.")]
     feeds = {"input_ids": rng.integers(3, 512, (1, S)).astype(np.int64),
@@ -425,7 +430,8 @@ def test_genai_fp32_decoder_prefill_and_decode(genai_folder):
 
 
 def test_genai_int4_decoder_prefill_and_decode(genai_folder):
-    _prefill_then_decode(build_genai_model(genai_folder, "int4"))
+    # at 2 threads: the split paths of the attention and of the products
+    _prefill_then_decode(build_genai_model(genai_folder, "int4"), S=16, threads=2)
 
 
 def test_gqa_refuses_position_ids_and_a_runtime_total_length():
@@ -441,3 +447,19 @@ def test_gqa_refuses_position_ids_and_a_runtime_total_length():
     model.graph.input.append(helper.make_tensor_value_info("total_in", TensorProto.INT32, [1]))
     with pytest.raises(CuvilError, match="total_sequence_length .* computed at run time"):
         cuvil.compile(model, name="gqa_total")
+
+
+def test_gqa_right_padded_first_prompt():
+    """A prompt of n tokens in a bucket of S > n with the mask's ones for the n tokens only (past 0,
+    C > S): past_seqlen = n - S < 0 clamps to 0, so the n real rows are exactly onnxruntime's for
+    the unpadded prompt (onnxruntime itself does not take this form). The padding rows are written
+    at rows n .. S - 1 of present, which the next step overwrites."""
+    S, n, C, H, heads, kv_heads = 16, 10, 64, 16, 4, 2
+    padded = gqa_feeds(S, C, 0, heads, kv_heads, H)
+    padded["attention_mask"][0, n:] = 0
+    got = cuvil.compile(gqa_model(S, C, heads, kv_heads, H), name="gqa_padded").run(padded)
+    exact = dict(padded, qkv=padded["qkv"][:, :n])
+    want = run_ort(gqa_model(n, C, heads, kv_heads, H), exact)
+    bound, kv_bound = _gqa_bound(exact, n, 0, H, heads, kv_heads, True)
+    _check_gqa({"out": got["out"][:, :n], "present_key": got["present_key"], "present_value": got["present_value"]},
+               want, n, 0, bound, kv_bound)

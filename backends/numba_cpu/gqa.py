@@ -28,6 +28,7 @@ import numpy as np
 
 from cuvil import contrib
 
+from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, session_threads
 from .scratch import scratch_value
 
@@ -151,7 +152,9 @@ def _attention_call(node, graph, form, query, seqlens, cos, sin, pres_k, pres_v,
     ws, po = f"p{len(args) - 2}", f"p{len(args) - 1}"
     max_pos = int(form["cos"].shape[0]) if rot else 1
     zero = literal(0, F32)
-    src = Source().line(kernel_header(len(args))).indent()
+    # query, cache, tables, scratch and output are distinct buffers (present is never the query's
+    # or the output's): LLVM may keep the accumulators in registers across the key/value rows
+    src = Source().line(NOALIAS_MARK).line(kernel_header(len(args))).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"run = item % {runs}").line(f"bg = item // {runs}")
     src.line(f"b = bg // {N // GS}").line(f"h0 = (bg % {N // GS}) * {GS}")

@@ -20,6 +20,8 @@ import cuvil
 from cuvil.errors import CuvilError, RuntimeFailure
 
 ROOT = Path(__file__).resolve().parents[1]
+# one worker runs the module: its decoders are written and built once (module fixtures)
+pytestmark = pytest.mark.xdist_group("llm_runtime")
 # A LLaMA from a transformers config (tests/test_llm_ops.py uses the same shape)
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, vocab_size=512, max_position_embeddings=512)

@@ -126,7 +126,6 @@ def build_cuvil(folder: Path, threads: int, prompt: int, new: int, out: Path) ->
 def weight_bytes_per_token(folder: Path) -> int:
     """Bytes of initializers a decode step reads: all but those read only by Gather (the embedding)."""
     import onnx
-    from onnx import numpy_helper
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     readers = {}
     for node in model.graph.node:

@@ -4,7 +4,6 @@ model builder writes (cuvil/generation.py, backends/native/generation.py)."""
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import shutil
 import subprocess

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .driver import ERROR_CODES, Entry, c_string
+from .driver import ERROR_CODES, Entry
 
 _C_TYPES = {"int64": "int64_t", "int32": "int32_t"}
 

@@ -157,6 +157,20 @@ def worker_ort(args) -> dict:
     return {"ms": ms, "logits0": float(binding.get_outputs()[0].numpy().reshape(-1)[0])}
 
 
+def profile_summary(text: str) -> str:
+    """Time per kernel family in the driver's profile lines (the vocabulary product apart)."""
+    import re
+    families: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"cuvil profile: +\d+ +([\d.]+) ms +[\d.]+% +(\S+)\t(.*)", line)
+        if m:
+            family = "lm_head" if "lm_head" in m.group(3) else m.group(2)
+            families[family] = families.get(family, 0.0) + float(m.group(1))
+    total = sum(families.values()) or 1.0
+    return "per family: " + ", ".join(f"{f} {ms * 1e3:.0f} us ({ms / total:.0%})"
+                                      for f, ms in sorted(families.items(), key=lambda kv: -kv[1]) if ms > 0)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -197,6 +211,7 @@ def main():
                         row["profile"] = "\n".join(l for l in out.stderr.splitlines() if l.startswith("cuvil profile"))
         if args.profile:
             print(row["profile"])
+            print(profile_summary(row["profile"]))
         c, o = row["cuvil"]["ms"], row["ort"]["ms"]
         what = "ms/token" if args.seq == 1 else f"ms per {args.seq}-token prefill"
         print(f"threads {threads}: cuvil {c:.2f} {what}, onnxruntime {o:.2f}, cuvil/ort {c / o:.2f}x time "

@@ -463,3 +463,19 @@ def test_gqa_right_padded_first_prompt():
     bound, kv_bound = _gqa_bound(exact, n, 0, H, heads, kv_heads, True)
     _check_gqa({"out": got["out"][:, :n], "present_key": got["present_key"], "present_value": got["present_value"]},
                want, n, 0, bound, kv_bound)
+
+
+def test_gqa_batch_of_two_lengths():
+    """Batch 2, each sequence with its own seqlens_k (past 20 and 33): each row is its own."""
+    S, C, H, heads, kv_heads = 1, 64, 16, 4, 2
+    model = gqa_model(S, C, heads, kv_heads, H)
+    for vi in list(model.graph.input) + list(model.graph.output):
+        vi.type.tensor_type.shape.dim[0].dim_value = 2
+    parts = [gqa_feeds(S, C, 20, heads, kv_heads, H), gqa_feeds(S, C, 33, heads, kv_heads, H, seed=1)]
+    feeds = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    got, want = cuvil.compile(model, name="gqa_b2").run(feeds), run_ort(model, feeds)
+    for b, past_len in enumerate((20, 33)):
+        one = {k: v[b:b + 1] for k, v in feeds.items()}
+        bound, kv_bound = _gqa_bound(one, S, past_len, H, heads, kv_heads, True)
+        _check_gqa({k: v[b:b + 1] for k, v in got.items()}, {k: v[b:b + 1] for k, v in want.items()},
+                   S, past_len, bound, kv_bound)

@@ -36,24 +36,23 @@ F32 = np.float32
 SINGLE_ITEM_FLOATS = 8192   # new key/value floats up to which GQAKV is one work item
 
 
-def _rotate_lines(src, form, x, xbase, y, ybase, pos, cos, sin, scale=None):
-    """Lines writing y[ybase + i] = rotary(x[xbase + i]) at position `pos` (times `scale`)."""
+def _rotate_lines(src, form, x, xbase, y, ybase, pos, cos, sin):
+    """Lines writing y[ybase + i] = rotary(x[xbase + i]) at position `pos`."""
     H, R = form["H"], form["rotary_dim"]
     half = R // 2
-    mul = f" * {scale}" if scale else ""
     if not form["do_rotary"]:
-        src.line(f"for i in range({H}):").indent().line(f"{y}[{ybase} + i] = {x}[{xbase} + i]{mul}").dedent()
+        src.line(f"for i in range({H}):").indent().line(f"{y}[{ybase} + i] = {x}[{xbase} + i]").dedent()
         return
     src.line(f"cb = {pos} * {half}")
     src.line(f"for i in range({half}):").indent()
     src.line(f"c = {cos}[cb + i]").line(f"sn = {sin}[cb + i]")
     a, b = ("2 * i", "2 * i + 1") if form["interleaved"] else ("i", f"i + {half}")
     src.line(f"x1 = {x}[{xbase} + {a}]").line(f"x2 = {x}[{xbase} + {b}]")
-    src.line(f"{y}[{ybase} + {a}] = (x1 * c - x2 * sn){mul}")
-    src.line(f"{y}[{ybase} + {b}] = (x2 * c + x1 * sn){mul}")
+    src.line(f"{y}[{ybase} + {a}] = (x1 * c - x2 * sn)")
+    src.line(f"{y}[{ybase} + {b}] = (x2 * c + x1 * sn)")
     src.dedent()
     if R < H:
-        src.line(f"for i in range({R}, {H}):").indent().line(f"{y}[{ybase} + i] = {x}[{xbase} + i]{mul}").dedent()
+        src.line(f"for i in range({R}, {H}):").indent().line(f"{y}[{ybase} + i] = {x}[{xbase} + i]").dedent()
 
 
 def _past_lines(src, form, seqlens, b):
@@ -74,7 +73,8 @@ def _position_lines(src, form, max_pos):
 
 
 def _sources(form):
-    """(row width, offset of K, offset of V) in the query/key/value sources."""
+    """(query row width, offset of K, offset of V, key/value row width) in the sources: one packed
+    row per token, or query, key and value apart."""
     N, Nkv, H = form["heads"], form["kv_heads"], form["H"]
     if form["packed"]:
         D = (N + 2 * Nkv) * H
@@ -82,7 +82,7 @@ def _sources(form):
     return N * H, 0, 0, Nkv * H
 
 
-def _kv_call(node, form, qd, key, value, past_k, past_v, seqlens, cos, sin, pres_k, pres_v) -> KernelCall:
+def _kv_call(node, form, key, value, past_k, past_v, seqlens, cos, sin, pres_k, pres_v) -> KernelCall:
     B, S, H, Nkv, P, C = form["B"], form["S"], form["H"], form["kv_heads"], form["past"], form["present"]
     _, koff, voff, kvd = _sources(form)
     args = [key, value] + ([past_k, past_v] if P else []) + [seqlens] + ([cos, sin] if form["do_rotary"] else [])
@@ -110,7 +110,7 @@ def _kv_call(node, form, qd, key, value, past_k, past_v, seqlens, cos, sin, pres
             src.line(f"for t in range(keep * {H}):").indent().line(f"{pres}[pres + t] = {past}[item * {P * H} + t]")
             src.dedent().dedent()
     src.line(f"for s in range({S}):").indent()
-    src.line(f"row = (b * {S} + s) * {kvd if not form['packed'] else qd}")
+    src.line(f"row = (b * {S} + s) * {kvd}")
     src.line(f"dst = pres + (past + s) * {H}")
     src.line(f"ks = row + {koff} + j * {H}").line(f"vs = row + {voff} + j * {H}")
     if form["do_rotary"]:
@@ -213,14 +213,13 @@ def lower_group_query_attention(node, graph) -> Lowered:
     cos, sin = ins[7], ins[8]
     if form["packed"]:
         key = value = query
-    qd = _sources(form)[0]
     out, pres_k, pres_v = node.outputs[:3]
     calls = []
     if not pres_k or not pres_v:
         # onnxruntime always writes present; without it here the new rows still need a home
         pres_k = pres_k or scratch_value(graph, node, (form["B"], form["kv_heads"], form["present"], form["H"]), F32, "gqak")
         pres_v = pres_v or scratch_value(graph, node, (form["B"], form["kv_heads"], form["present"], form["H"]), F32, "gqav")
-    calls.append(_kv_call(node, form, qd, key, value, past_k, past_v, seqlens, cos, sin, pres_k, pres_v))
+    calls.append(_kv_call(node, form, key, value, past_k, past_v, seqlens, cos, sin, pres_k, pres_v))
     calls.append(_attention_call(node, graph, form, query, seqlens, cos, sin, pres_k, pres_v, out))
     return Lowered(calls)
 

@@ -70,10 +70,29 @@ def _calibration_options(calibration) -> dict:
                               "method: 'minmax' or 'percentile', percentile: 50-100, per_channel: bool}") from None
 
 
+def _generate_options(generate) -> dict:
+    """`generate=` checked like cuvil.yaml's generate: block (config.GenerateConfig); the tokenizer
+    path relative to the current folder."""
+    import pydantic
+    from .config import GenerateConfig
+    try:
+        options = GenerateConfig.model_validate(generate).model_dump()
+    except pydantic.ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'generate'}: {e['msg']}" for e in error.errors())
+        raise CuvilError(f"generate={generate!r}: {problems}",
+                         hint="generate takes {max_context: >= 2, prefill_buckets: [positive ints <= max_context], "
+                              "tokenizer: a tokenizer.json path or None, pad_token: a token id or None}") from None
+    if options["tokenizer"] is not None:
+        options["tokenizer"] = str(Path(options["tokenizer"]).resolve())
+    return options
+
+
 def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False,
-            accuracy=None, calibration=None, signature=None) -> CompiledModel:
+            accuracy=None, calibration=None, signature=None, generate=None) -> CompiledModel:
+    """Build `model` and load it. generate={max_context, prefill_buckets, tokenizer, pad_token}
+    builds an ONNX decoder as a generation library (lib.generate(...), README "LLM generation")."""
     from backends.targets import TARGETS
 
     from .build import VariantSpec, build_variant
@@ -107,7 +126,8 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
                        disable_passes=list(disable_passes), pass_options=dict(pass_options or {}),
                        threads=threads, symbol_prefix=symbol_prefix,
                        max_arena_mb=max_arena_mb, sanitize=sanitize, accuracy=accuracy,
-                       calibration=calibration, signature=signature)
+                       calibration=calibration, signature=signature,
+                       generate=_generate_options(generate) if generate is not None else None)
     cache = Cache(Path(cache_dir) if cache_dir else default_cache_dir())
     workdir = tempfile.TemporaryDirectory(prefix="cuvil-")
     artifacts = build_variant(spec, Path(workdir.name), cache, jobs=jobs, progress=progress)

@@ -52,6 +52,8 @@ class VariantSpec:
     calibration: dict | None = None
     link: str = "shared"                 # shared: lib<name>.so, static: lib<name>.a, both
     signature: str | None = None         # TensorFlow SavedModel: the signature to build (serving_default)
+    # a generation library (cuvil/generation.py): {max_context, prefill_buckets, tokenizer, pad_token}
+    generate: dict | None = None
 
 
 @dataclass
@@ -84,7 +86,7 @@ def code_fingerprint() -> str:
 
 # The modules of cuvil/ that shape what a step produces (the CLI, the config
 # loader, the runtime loader and the cache do not).
-_OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py",
+_OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "generation.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py",
                      "consumers.py", "calibrate.py", "accuracy.py")
 
 
@@ -136,7 +138,19 @@ def _cpu_provenance(target: dict) -> dict:
 
 def _run_codegen(dag, graph, params):
     planned = pipeline.plan(graph, _variant_params(params))
-    provenance = {
+    info = pipeline.describe(planned, _provenance(dag, params))
+    return pipeline.generate(planned, info, params["symbol_prefix"], params["threads"])
+
+
+def _run_codegen_generation(dag, graphs, params, layout):
+    """The codegen of a generation library: every entry's graph planned, one driver (pipeline.py)."""
+    planned = pipeline.plan_generation(list(graphs), _variant_params(params), layout)
+    info = pipeline.describe_generation(planned, layout, _provenance(dag, params))
+    return pipeline.generate_generation(planned, layout, info, params["symbol_prefix"], params["threads"])
+
+
+def _provenance(dag, params) -> dict:
+    return {
         "name": params["name"],
         "target": params["target_name"],
         **(_cpu_provenance(params["target"]) if "cpu" in params["target"] else {"gpu_arch": "sm_%d%d" % tuple(params["target"]["cc"])}),
@@ -150,8 +164,6 @@ def _run_codegen(dag, graph, params):
         "source_sha256": params["source_sha256"],
         "spec_hash": params["spec_hash"],
     }
-    info = pipeline.describe(planned, provenance)
-    return pipeline.generate(planned, info, params["symbol_prefix"], params["threads"])
 
 
 def kernel_step(target, spec: dict) -> Step:
@@ -176,7 +188,7 @@ def add_kernel_steps(dag, link_step: str, bundle: dict) -> list[str]:
     return steps
 
 
-def _run_link(dag, bundle, params):
+def _run_link(dag, bundle, params, extra_files=None):
     """The library (shared, static or both), its header, its pkg-config file and CMake package
     (consumers.py), and the manifest listing each file's sha256."""
     from backends.targets import target_from_key
@@ -193,7 +205,8 @@ def _run_link(dag, bundle, params):
     info = json.loads(bundle["info.json"])
     # A WebAssembly module is loaded by its host's engine, not linked: no pkg-config file or CMake package.
     wasm = any(file.endswith(".wasm") for file in files)
-    files = {**files, f"{name}.h": bundle["header.h"], **({} if wasm else consumer_files(info, sorted(files), gpu))}
+    files = {**files, f"{name}.h": bundle["header.h"], **({} if wasm else consumer_files(info, sorted(files), gpu)),
+             **(extra_files or {})}
     if params["sanitize"]:
         info["sanitize"] = ["address", "undefined"]
     manifest = {**info, "files": {file: hashlib.sha256(data).hexdigest() for file, data in sorted(files.items())}}
@@ -232,9 +245,6 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     """Add the steps of one variant; returns the name of its last step, whose output is the files
     to install: the link step, or for bf16 / fp16 the accuracy step after it (which also plans
     the float32 build it compares with, its steps named with the tag "fp32-reference")."""
-    from backends.native.link import link_flags
-    from backends.targets import c_compiler
-
     from .config import LINK_MODES
     if spec.link not in LINK_MODES:
         raise CuvilError(f"model '{spec.name}': unknown link {spec.link!r}", hint=f"one of: {', '.join(LINK_MODES)}")
@@ -248,7 +258,8 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     model_sha = hashlib.sha256(model_bytes).hexdigest()
     shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}
     base = f"{spec.name}/{spec.target}" + (f"/{tag}" if tag else "")
-    encode_graph, decode_graph = _graph_codec(dag.cache)
+    if spec.generate is not None:
+        return _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options)
 
     deps = []
     if pipeline.exported_kind(kind):
@@ -280,6 +291,27 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
         deps = [dag.add(Step(f"{base}/calibrate", "calibrate", key, deps, run_calibration, bytes, bytes))]
         importer = lambda d, onnx_bytes: pipeline.import_model(onnx_bytes, shapes)
         import_params["calibration"] = key["calibration"]
+    last = _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options)
+    params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
+              "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
+              "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names),
+              "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options)}
+    if spec.pass_options:
+        params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
+    codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
+                           lambda d, g: _run_codegen(d, g, params), pack_files, unpack_files))
+    link_name = _add_link(dag, spec, target, codegen, f"{base}/link", spec.link)
+    if spec.precision == "fp32":
+        return link_name
+    # The measurement loads a shared library: a static-only variant links one beside its archive.
+    measured = link_name if spec.link != "static" else _add_link(dag, spec, target, codegen, f"{base}/link:shared",
+                                                                 "shared")
+    return _plan_accuracy(dag, spec, base, link_name, measured)
+
+
+def _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options) -> str:
+    """The import step and one step per pass after it; returns the last one's name."""
+    encode_graph, decode_graph = _graph_codec(dag.cache)
     last = dag.add(Step(f"{base}/import", "import", import_params, deps,
                         importer, encode_graph, decode_graph))
     for k, name in enumerate(pass_names):
@@ -290,30 +322,67 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
         last = dag.add(Step(step_name, "pass", {"pass": name, "options": options}, [last],
                             lambda d, g, name=name, options=options: pipeline.run_pass(g, name, options),
                             encode_graph, decode_graph))
+    return last
+
+
+def _add_link(dag, spec, target, codegen: str, step_name: str, mode: str, extra_files: dict | None = None) -> str:
+    """The link step after `codegen`; `extra_files` ({name: bytes}, in its key by sha256) are
+    installed beside the library (a generation library's tokenizer.json)."""
+    from backends.native.link import link_flags
+    from backends.targets import c_compiler
+    cflags, ldflags = link_flags(target, spec.symbol_prefix)
+    link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": cflags, "ldflags": ldflags,
+                   "sanitize": spec.sanitize, "cc": compiler_version(c_compiler(target)), "target": target.as_key(),
+                   "link_step": step_name, "link": mode}
+    if extra_files:
+        link_params["extra_files"] = {n: hashlib.sha256(b).hexdigest() for n, b in sorted(extra_files.items())}
+    return dag.add(Step(step_name, "link", link_params, [codegen],
+                        lambda d, bundle: _run_link(d, bundle, link_params, extra_files), pack_files, unpack_files,
+                        expand=lambda d, bundle: add_kernel_steps(d, step_name, bundle)))
+
+
+def _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options) -> str:
+    """A generation library (cuvil/generation.py): for each entry (every prefill bucket, decode) the
+    import and passes with that entry's static shapes, then one codegen step over all of them and
+    one link: one library, one weights blob, one KV cache per session."""
+    import onnx
+
+    from . import generation
+    where = f"model '{spec.name}': generate"
+    if kind != "onnx":
+        raise CuvilError(f"{where}: generation libraries are built from ONNX decoders (onnxruntime-genai's "
+                         f"model builder writes them), not TorchScript")
+    if pipeline.is_gpu(target) or spec.precision in pipeline.CALIBRATED:
+        raise CuvilError(f"{where}: target {spec.target!r} / precision {spec.precision!r} is not supported for "
+                         f"generation yet", hint="build on a CPU target in fp32 or int4 (or a MatMulNBits model in fp32)")
+    settings = generation.check_settings(spec.generate, where)
+    model = onnx.load_model_from_string(model_bytes)
+    layout = generation.layout(model, settings, generation.genai_config(spec.source), spec.name)
+    external = generation.external_data_sha256(model, spec.source)
+    if isinstance(spec.source, (str, os.PathLike)):
+        source = spec.source
+    else:
+        source = model_bytes
+    lasts = []
+    for tokens in layout.entries:
+        shapes = layout.input_shapes(tokens)
+        params = {"model_sha256": model_sha, "inputs": shapes, **({"external_data": external} if external else {})}
+        importer = lambda d, shapes=shapes: pipeline.import_model(source, shapes)
+        lasts.append(_plan_passes(dag, f"{base}/{tokens}-tokens", params, [], importer, pass_names, pass_options))
+    spec_key = hashlib.sha256(json.dumps({"spec": spec_hash(model_sha, spec, pass_names), "generate": layout.as_key(),
+                                          "external_data": external}, sort_keys=True).encode()).hexdigest()
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
               "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
-              "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names),
-              "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options)}
+              "source_sha256": model_sha, "spec_hash": spec_key, "max_arena_mb": spec.max_arena_mb,
+              "memory": pipeline.memory_options(pass_names, pass_options), "generate": layout.as_key()}
     if spec.pass_options:
         params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
-    codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
-                           lambda d, g: _run_codegen(d, g, params), pack_files, unpack_files))
-
-    def add_link(step_name, mode):
-        cflags, ldflags = link_flags(target, spec.symbol_prefix)
-        link_params = {"name": spec.name, "symbol_prefix": spec.symbol_prefix, "cflags": cflags, "ldflags": ldflags,
-                       "sanitize": spec.sanitize, "cc": compiler_version(c_compiler(target)), "target": target.as_key(),
-                       "link_step": step_name, "link": mode}
-        return dag.add(Step(step_name, "link", link_params, [codegen],
-                            lambda d, bundle: _run_link(d, bundle, link_params), pack_files, unpack_files,
-                            expand=lambda d, bundle: add_kernel_steps(d, step_name, bundle)))
-
-    link_name = add_link(f"{base}/link", spec.link)
-    if spec.precision == "fp32":
-        return link_name
-    # The measurement loads a shared library: a static-only variant links one beside its archive.
-    measured = link_name if spec.link != "static" else add_link(f"{base}/link:shared", "shared")
-    return _plan_accuracy(dag, spec, base, link_name, measured)
+    codegen = dag.add(Step(f"{base}/codegen", "codegen", params, lasts,
+                           lambda d, *graphs: _run_codegen_generation(d, graphs, params, layout),
+                           pack_files, unpack_files))
+    extra = {"tokenizer.json": Path(settings["tokenizer"]).read_bytes()} if settings["tokenizer"] else None
+    # No accuracy step: a reduced precision is measured by the tokens it generates (tests, benchmarks).
+    return _add_link(dag, spec, target, codegen, f"{base}/link", spec.link, extra)
 
 
 def _plan_accuracy(dag: StepGraph, spec: VariantSpec, base: str, link_name: str, measured: str) -> str:

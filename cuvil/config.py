@@ -231,6 +231,31 @@ class CalibrationConfig(_Strict):
     per_channel: bool = Field(True, description="One weight scale per output channel (true) or per tensor.")
 
 
+class GenerateConfig(_Strict):
+    """Build the model as a generation library (a decoder with a static KV cache; cuvil/generation.py):
+    one library with a compiled prefill entry per bucket and a one-token decode entry, sharing the
+    weights, and the C ABI session_prefill / session_decode / session_reset / sample. Tensor names
+    come from genai_config.json beside the model (onnxruntime-genai's builder writes it)."""
+
+    max_context: int = Field(512, ge=2, description="Tokens the KV cache of a session holds (prompt and "
+                             "generated); more is an error (ERR_CONTEXT_FULL).")
+    prefill_buckets: list[Annotated[int, Field(ge=1)]] = Field(
+        [16, 64], description="Prompt lengths with a compiled prefill entry: a prompt goes to the smallest "
+        "bucket that holds it (padded), a longer one in chunks of the largest; each at most max_context.")
+    tokenizer: LaxPath | None = Field(None, description="A tokenizer.json (Hugging Face tokenizers) installed "
+                                      "beside the library, for text in / out (lib.generate_text); relative to "
+                                      "this file.")
+    pad_token: int | None = Field(None, ge=0, description="Token id that pads a prompt to its bucket; null: "
+                                  "genai_config.json's pad_token_id, else 0.")
+
+    @model_validator(mode="after")
+    def _buckets_fit(self):
+        longer = [b for b in self.prefill_buckets if b > self.max_context]
+        if longer:
+            raise ValueError(f"prefill_buckets {longer} are longer than max_context {self.max_context}")
+        return self
+
+
 class _Settings(_Strict):
     """What `defaults:` may set for every model; the field defaults are the built-in ones."""
 
@@ -296,6 +321,8 @@ class _Model(_Settings):
         None, description="Static shape of every input whose shape in the model is not fully fixed; libraries "
         "are specialised to these shapes.")
     serve: ServeConfig | None = Field(None, description="How `cuvil serve` schedules this model's requests.")
+    generate: GenerateConfig | None = Field(None, description="Build a decoder as a generation library: a static "
+                                            "KV cache, prefill and decode entries, next-token sampling in C.")
 
 
 class _File(_Strict):
@@ -363,6 +390,7 @@ class ModelConfig(BaseModel):
     serve: ServeConfig = ServeConfig()
     link: str = "shared"
     signature: str | None = None
+    generate: dict | None = None    # GenerateConfig's keys, the tokenizer path absolute
     line: int | None = None
 
 
@@ -494,6 +522,16 @@ def _resolve(raw, root_node, path):
         if values["precision"] == "int4":   # the pass that quantises takes them as its options
             values["pass_options"]["quantize_weights"] = {**values["quantization"],
                                                           **values["pass_options"].get("quantize_weights", {})}
+        if entry.generate is not None:
+            generate = entry.generate.model_dump()
+            if generate["tokenizer"] is not None:
+                tokenizer = (root / Path(generate["tokenizer"]).expanduser()).resolve()
+                if not tokenizer.is_file():
+                    raise ConfigError(f"models[{index}].generate.tokenizer: file not found: {tokenizer}", file=path,
+                                      hint=f"paths are relative to the folder of {path.name} ({root})",
+                                      **_position_of(root_node, (*where, "generate", "tokenizer")))
+                generate["tokenizer"] = str(tokenizer)
+            values["generate"] = generate
         if values["accuracy"]["inputs"] != "random":
             inputs = (root / Path(values["accuracy"]["inputs"]).expanduser()).resolve()
             if not inputs.is_file():

@@ -256,16 +256,17 @@ def lower(graph, target, threads: int = 1) -> list:
     return lower_graph(graph, threads, target=target)
 
 
-def plan(graph, params: VariantParams) -> Planned:
+def plan(graph, params: VariantParams, blob=None) -> Planned:
     """Lower the graph, pack the weights and plan the arena: what codegen generates the driver
-    from, and what explain and check report."""
+    from, and what explain and check report. With `blob` (backends/native/weights.Blob) the
+    weights go into that shared blob (a generation library's entries)."""
     from backends.native.memory import place_shared_values, plan_arena, shared_values
     from backends.native.weights import pack_weights
     from backends.targets import check_memory, check_threads
 
     check_threads(params.target, params.threads)
     schedule = lower(graph, params.target, params.threads)
-    weights, weight_offsets = pack_weights(graph, schedule)
+    weights, weight_offsets = pack_weights(graph, schedule, blob)
     shared = shared_values(schedule)
     external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(shared)
     arena = plan_arena(graph, schedule, external, strategy=params.memory["strategy"],
@@ -311,6 +312,77 @@ def generate(planned: Planned, info: dict, symbol_prefix: str, threads: int) -> 
     return {"driver.c": driver_c.encode(), "weights.bin": planned.weights,
             "header.h": header.encode(),
             "info.json": json.dumps(info, sort_keys=True).encode(), "kernels.json": json.dumps(kernels).encode()}
+
+
+# -- generation libraries (a decoder's prefill and decode entries, cuvil/generation.py) --------
+
+def plan_generation(graphs: list, params: VariantParams, layout) -> list[Planned]:
+    """Each entry's graph planned like `plan`, all their weights in one blob (identical arrays once:
+    the weights are stored once for every entry) and each entry's run-once values in a block of
+    its own; the arena of a session is the largest entry's (one entry runs at a time). A prefill
+    entry computes the logits of the prompt's last row only (generation.last_row_logits)."""
+    from backends.native.weights import Blob
+
+    from .generation import last_row_logits
+    graphs = [g if tokens == 1 else last_row_logits(g, layout) for g, tokens in zip(graphs, layout.entries)]
+    if is_gpu(params.target):
+        raise UnsupportedOpError(f"model '{params.name}': generation libraries (generate:) build for CPU targets only",
+                                 hint="build the decoder for a CPU target")
+    from backends.numba_cpu.kernel import sharing_weights
+    blob = Blob()
+    planned, shared_base = [], 0
+    for graph in graphs:
+        with sharing_weights():     # one packed layout of each weight for every entry's row count
+            entry = plan(graph, params, blob)
+        entry.arena.shared = {name: offset + shared_base for name, offset in entry.arena.shared.items()}
+        shared_base += entry.arena.shared_bytes
+        planned.append(entry)
+    weights = bytes(blob.data)
+    for entry in planned:
+        entry.weights = weights
+    return planned
+
+
+def describe_generation(planned: list[Planned], layout, provenance: dict) -> dict:
+    """The description of a generation library: the decode entry's tensors (what session_run
+    takes), the memory figures (the largest arena, the weights once, the KV cache) and the entries."""
+    from backends.native.generation import state_regions
+    from backends.native.driver import Entry
+    info = describe(planned[0], provenance)
+    _, kv_bytes = state_regions([Entry(p.graph, p.schedule, p.arena, p.weight_offsets) for p in planned], layout)
+    vocab = planned[0].graph.values[layout.logits].shape[-1]
+    info["memory"]["arena_bytes"] = max(p.arena.arena_bytes for p in planned)
+    info["memory"]["naive_bytes"] = max(p.arena.naive_bytes for p in planned)
+    info["memory"]["shared_bytes"] = sum(p.arena.shared_bytes for p in planned)
+    info["memory"]["kv_cache_bytes"] = kv_bytes
+    info["kernels"] = len({s for p in planned for s in p.kernels})
+    info["steps"] = sum(len(p.calls) for p in planned)
+    info["generate"] = {"max_context": layout.max_context, "prefill_buckets": list(layout.buckets),
+                        "vocab_size": int(vocab), "pad_token": layout.pad_token, "eos_tokens": list(layout.eos_tokens),
+                        "entries": [{"tokens": t, "arena_bytes": p.arena.arena_bytes, "steps": len(p.calls),
+                                     "logits_rows": p.graph.values[layout.logits].shape[1]}
+                                    for t, p in zip(layout.entries, planned)]}
+    return info
+
+
+def generate_generation(planned: list[Planned], layout, info: dict, symbol_prefix: str, threads: int) -> dict[str, bytes]:
+    """The files of a generation library's codegen (as `generate`): one driver with a run function per
+    entry and the generation ABI (backends/native/generation.py), one weights blob."""
+    from backends.native import driver, generation
+    from backends.targets import required_features
+    entries = [driver.Entry(p.graph, p.schedule, p.arena, p.weight_offsets) for p in planned]
+    vocab = info["generate"]["vocab_size"]
+    pieces = generation.generation_c(symbol_prefix, entries, layout, vocab)
+    target = planned[0].target
+    driver_c = driver.generate_entries(entries, 0, info, symbol_prefix, threads, required_features(target),
+                                       target.arch, **pieces)
+    header = driver.header(symbol_prefix, info["name"], info, generation.header_section(symbol_prefix, layout, vocab))
+    kernels = {}
+    for p in planned:
+        kernels.update(p.kernels)
+    specs = sorted((k.as_spec() for k in kernels.values()), key=lambda k: k["symbol"])
+    return {"driver.c": driver_c.encode(), "weights.bin": planned[0].weights, "header.h": header.encode(),
+            "info.json": json.dumps(info, sort_keys=True).encode(), "kernels.json": json.dumps(specs).encode()}
 
 
 def compile_kernel(spec: dict, target) -> bytes:

@@ -84,7 +84,8 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                     threads=model.threads,
                     symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize,
                     accuracy=model.accuracy.model_dump(), link=model.link,
-                    calibration=model.calibration.model_dump(), signature=model.signature)
+                    calibration=model.calibration.model_dump(), signature=model.signature,
+                    generate=model.generate)
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
     return dag, planned
@@ -147,10 +148,14 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
 
     with _located(spec, model):
         source = model.source
+        inputs = dict(model.inputs)
+        if model.generate is not None:   # a generation library: checked at its decode entry's shapes
+            from . import generation
+            inputs = generation.decode_shapes(source, model.generate, model.name)
         if model.precision in pipeline.CALIBRATED:
-            source = pipeline.calibrated_source(source, dict(model.inputs), model.precision,
+            source = pipeline.calibrated_source(source, inputs, model.precision,
                                                 model.calibration.model_dump(), model.signature)
-        graph = pipeline.import_any(source, dict(model.inputs), model.signature)
+        graph = pipeline.import_any(source, inputs, model.signature)
         report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
                              _tensors(graph, graph.outputs), graph.op_counts())
         # A precision not built yet is reported per target below (as the build refuses it).

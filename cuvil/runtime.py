@@ -174,6 +174,70 @@ class Session:
                 results[name] = fresh[i] if staged is None else staged.copy()
             return results
 
+    # -- generation libraries (built with generate:): the session owns the KV cache ------------
+
+    def _check(self, code: int, what: str):
+        if code != 0:
+            message = self.library._error(self._handle).decode("utf-8", "replace")
+            raise RuntimeFailure(f"{self.library.path.name}: {what} failed with code {code}: {message}")
+
+    def prefill(self, tokens) -> np.ndarray:
+        """Append prompt tokens to the cache; returns the logits after the last one."""
+        lib = self.library._generation()
+        ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1))
+        logits = np.empty(lib.vocab_size, np.float32)
+        with self._lock:
+            self._check(lib.prefill(self._handle, _address(ids) if ids.size else None, ids.size, _address(logits)),
+                        "prefill")
+        return logits
+
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token; returns the logits after it."""
+        lib = self.library._generation()
+        logits = np.empty(lib.vocab_size, np.float32)
+        with self._lock:
+            self._check(lib.decode(self._handle, int(token), _address(logits)), "decode")
+        return logits
+
+    def reset(self):
+        """Empty the KV cache."""
+        self._check(self.library._generation().reset(self._handle), "reset")
+
+    @property
+    def position(self) -> int:
+        """Tokens in the KV cache."""
+        return int(self.library._generation().position(self._handle))
+
+    def kv_cache(self) -> np.ndarray:
+        """The session's KV cache as bytes (a view: it changes as the session runs, valid while it lives)."""
+        size = ctypes.c_int64()
+        address = self.library._generation().kv_cache(self._handle, ctypes.byref(size))
+        return np.ctypeslib.as_array((ctypes.c_uint8 * size.value).from_address(address))
+
+    def generate(self, prompt_ids, max_new_tokens: int = 32, sampling=None, seed: int = 0, stop_tokens=None,
+                 reset: bool = True):
+        """Yield up to `max_new_tokens` new token ids, one at a time (streaming), after the prompt.
+        sampling: None (greedy) or {temperature, top_k, top_p} (generation.py's algorithm, in C),
+        drawn from a generator seeded with `seed`. Stops after a token of `stop_tokens` (default:
+        the model's EOS tokens, from genai_config.json). reset=False continues the cached text."""
+        lib = self.library._generation()
+        params = lib.sampling_params(sampling)
+        stops = set(lib.eos_tokens if stop_tokens is None else stop_tokens)
+        rng = ctypes.c_uint64(seed & 0xFFFFFFFFFFFFFFFF)
+        if reset:
+            self.reset()
+        if max_new_tokens < 1:
+            return
+        logits = self.prefill(prompt_ids)
+        for produced in range(max_new_tokens):
+            token = lib.sample(_address(logits), params, ctypes.byref(rng))
+            if token < 0:
+                raise RuntimeFailure(f"{self.library.path.name}: sampling failed (out of memory)")
+            yield int(token)
+            if token in stops or produced + 1 == max_new_tokens:
+                return
+            logits = self.decode(token)
+
     def close(self):
         if getattr(self, "_handle", None):
             self._handle_arg = None  # a closed session runs with NULL: an error, not a use after free
@@ -185,6 +249,43 @@ class Session:
             self.close()
         except Exception:
             pass
+
+
+class Sampling(ctypes.Structure):
+    """<prefix>sampling of a generation library's header."""
+    _fields_ = [("temperature", ctypes.c_float), ("top_k", ctypes.c_int32), ("top_p", ctypes.c_float)]
+
+
+class _Generation:
+    """The generation functions of a library built with generate: (backends/native/generation.py)."""
+
+    def __init__(self, lib, prefix: str, info: dict):
+        def fn(name, restype, *argtypes):
+            f = lib[f"{prefix}{name}"]
+            f.restype, f.argtypes = restype, list(argtypes)
+            return f
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.prefill = fn("session_prefill", ctypes.c_int, p, p, i64, p)
+        self.decode = fn("session_decode", ctypes.c_int, p, i64, p)
+        self.reset = fn("session_reset", ctypes.c_int, p)
+        self.position = fn("session_position", i64, p)
+        self.kv_cache = fn("session_kv_cache", p, p, ctypes.POINTER(i64))
+        self.sample = fn("sample", i64, p, ctypes.POINTER(Sampling), ctypes.POINTER(ctypes.c_uint64))
+        self.vocab_size = int(fn("vocab_size", i64)())
+        self.max_context = int(fn("max_context", i64)())
+        self.eos_tokens = tuple(info["generate"].get("eos_tokens", ()))
+
+    @staticmethod
+    def sampling_params(sampling):
+        """None (greedy), or a dict / Sampling of temperature, top_k, top_p."""
+        if sampling is None:
+            return None
+        if isinstance(sampling, Sampling):
+            return ctypes.pointer(sampling)
+        if not isinstance(sampling, dict) or set(sampling) - {"temperature", "top_k", "top_p"}:
+            raise CuvilError(f"sampling={sampling!r}: expected None (greedy) or a dict of temperature, top_k, top_p")
+        return ctypes.pointer(Sampling(float(sampling.get("temperature", 1.0)), int(sampling.get("top_k", 0)),
+                                       float(sampling.get("top_p", 1.0))))
 
 
 class Library:
@@ -240,6 +341,66 @@ class Library:
     def session(self) -> Session:
         """A new session: sessions run concurrently, one run at a time each."""
         return Session(self)
+
+    # -- generation libraries: on the library's own session (lib.session() makes others) ---------
+
+    def _generation(self) -> _Generation:
+        if "generate" not in self.info:
+            raise CuvilError(f"{self.path.name} is not a generation library",
+                             hint="build the decoder with a generate: block (cuvil.yaml) or generate={...} (compile)")
+        if getattr(self, "_gen", None) is None:
+            self._gen = _Generation(self._lib, self.prefix, self.info)
+        return self._gen
+
+    def _default(self) -> Session:
+        if self._session is None:
+            self._session = Session(self)
+        return self._session
+
+    def generate(self, prompt_ids, max_new_tokens: int = 32, sampling=None, seed: int = 0, stop_tokens=None,
+                 reset: bool = True):
+        """Token ids generated after `prompt_ids`, as an iterator (Session.generate)."""
+        self._generation()
+        return self._default().generate(prompt_ids, max_new_tokens, sampling, seed, stop_tokens, reset)
+
+    def prefill(self, tokens) -> np.ndarray:
+        return self._default().prefill(tokens)
+
+    def decode(self, token: int) -> np.ndarray:
+        return self._default().decode(token)
+
+    def reset(self):
+        self._default().reset()
+
+    @property
+    def position(self) -> int:
+        return self._default().position
+
+    @property
+    def tokenizer(self):
+        """The `tokenizers.Tokenizer` of the tokenizer.json installed beside the library."""
+        if getattr(self, "_tokenizer", None) is None:
+            path = self.path.parent / "tokenizer.json"
+            if not path.is_file():
+                raise CuvilError(f"{self.path.name}: no tokenizer.json beside the library",
+                                 hint="name one in the generate block (generate: {tokenizer: path/to/tokenizer.json})")
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                raise CuvilError("text in/out needs the `tokenizers` package", hint="pip install 'cuvil[llm]'") from None
+            self._tokenizer = Tokenizer.from_file(str(path))
+        return self._tokenizer
+
+    def generate_text(self, prompt: str, max_new_tokens: int = 32, sampling=None, seed: int = 0,
+                      stream: bool = False):
+        """The text generated after `prompt` (tokenized with the library's tokenizer.json); with
+        stream=True an iterator of the text of each new token."""
+        tokenizer = self.tokenizer
+        ids = tokenizer.encode(prompt).ids
+        tokens = self.generate(ids, max_new_tokens, sampling, seed)
+        if stream:
+            return (tokenizer.decode([t]) for t in tokens)
+        return tokenizer.decode(list(tokens))
 
     def run(self, feeds: dict) -> dict:
         """Run the model on numpy arrays by input name; return outputs by name, in graph order."""

@@ -7,6 +7,7 @@ each step's work range is split over a pool the session creates once.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,6 +20,10 @@ ERROR_CODES = {
     "ERR_NULL_SESSION": 1,
     "ERR_NULL_ARGUMENT": 2,
     "ERR_OUT_OF_MEMORY": 3,
+    # generation libraries (backends/native/generation.py)
+    "ERR_CONTEXT_FULL": 4,
+    "ERR_BAD_TOKEN": 5,
+    "ERR_BAD_ARGUMENT": 6,
 }
 
 
@@ -41,7 +46,8 @@ def c_string(text: str) -> str:
     return "\n    ".join(out)
 
 
-def header(prefix: str, model_name: str, info: dict) -> str:
+def header(prefix: str, model_name: str, info: dict, extra: list[str] = ()) -> str:
+    """The library's header; `extra`: declarations of a generation library (generation.py)."""
     guard = f"CUVIL_{prefix.upper()}{''.join(c if c.isalnum() else '_' for c in model_name).upper()}_H"
     ios = []
     for kind in ("inputs", "outputs"):
@@ -52,6 +58,7 @@ def header(prefix: str, model_name: str, info: dict) -> str:
         f"#ifndef {guard}",
         f"#define {guard}",
         "",
+        *(["#include <stdint.h>", ""] if extra else []),
         "#ifdef __cplusplus",
         'extern "C" {',
         "#endif",
@@ -80,6 +87,7 @@ def header(prefix: str, model_name: str, info: dict) -> str:
         f"const char* {prefix}session_error(const {prefix}session* session);",
         f"void {prefix}session_destroy({prefix}session* session);",
         "",
+        *extra,
         "#ifdef __cplusplus",
         "}",
         "#endif",
@@ -233,35 +241,43 @@ static int format_message(char* out, size_t size, const char* format, ...) {
 #endif"""
 
 
-def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, threads: int,
-             cpu_features: tuple = (), arch: str = "x86_64") -> str:
-    """The driver's C for `arch` ("x86_64", "aarch64" or "wasm32", the target's ISA; wasm32: threads 1,
-    the WASM_PRELUDE). `cpu_features`: what the
-    kernels' target may use (backends/targets.py required_features); session_create refuses a CPU
-    without one (session_error(NULL) says which)."""
-    if arch not in CPU_CHECKS:
-        raise ValueError(f"no C driver for the ISA {arch!r}")
-    if arch == "wasm32" and threads > 1:
-        raise ValueError("a wasm32 driver runs one thread")   # targets.check_threads says so to the user first
-    check = CPU_CHECKS[arch]
+@dataclass
+class Entry:
+    """One compiled graph of a library: its schedule, arena plan and weight offsets. A plain
+    library has one; a generation library one per prefill bucket and one for decode."""
+    graph: object
+    schedule: list
+    plan: object
+    weights_offsets: dict
+
+
+@dataclass
+class _EntryCode:
+    kernels: dict = field(default_factory=dict)     # symbol -> number of pointer arguments
+    body: list = field(default_factory=list)        # the C statements of one run
+    once: list = field(default_factory=list)        # the run-once calls
+    step_fns: list = field(default_factory=list)    # the pool's step functions (threads > 1)
+    profiled: list = field(default_factory=list)    # (family, node) of each timed step
+
+
+def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_base: int = 0) -> _EntryCode:
+    """The C of one entry's run: kernel calls in schedule order, views, output copies. `tag`
+    keeps the step functions of several entries apart; `prof_base` numbers their timed steps."""
+    graph, schedule, plan, weights_offsets = entry.graph, entry.schedule, entry.plan, entry.weights_offsets
     input_index = {n: i for i, n in enumerate(graph.inputs)}
     output_index = {}
     for i, n in enumerate(graph.outputs):
         output_index.setdefault(n, i)
     ptr = lambda n: _pointer(n, graph, plan, weights_offsets, input_index, output_index)
-
-    kernels = {}
+    code = _EntryCode()
     for call in schedule:
         if isinstance(call, KernelCall):
-            kernels[call.kernel.symbol] = len(call.args)
-    body = []
-    once = []   # the run-once calls (KernelCall.once): the first session_create makes the shared block
-    step_fns = []
-    profiled = []  # (family, node) of each timed step, for CUVIL_PROFILE
+            code.kernels[call.kernel.symbol] = len(call.args)
+    body = code.body
     for step, call in enumerate(schedule):
         if isinstance(call, KernelCall) and call.once:
-            once.append(f"            {call.kernel.symbol}({', '.join(ptr(a) for a in call.args)}, 0, {call.work});"
-                        f" /* {_comment(call.node)} */")
+            code.once.append(f"            {call.kernel.symbol}({', '.join(ptr(a) for a in call.args)}, 0, {call.work});"
+                             f" /* {_comment(call.node)} */")
             continue
         if isinstance(call, View):
             # A view whose destination is a graph output needs its own copy of the bytes.
@@ -270,16 +286,17 @@ def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, th
                 body.append(f"    memcpy({ptr(call.dst)}, {ptr(call.src)}, {nbytes}); /* {call.node} */")
             continue
         args = ", ".join(ptr(a) for a in call.args)
-        k = len(profiled)
-        profiled.append((call.kernel.family, call.node))
+        k = prof_base + len(code.profiled)
+        code.profiled.append((call.kernel.family, call.node))
         body.append(f"    PROF_BEGIN({k});")
         if threads == 1 or _serial(call, graph):
             body.append(f"    {call.kernel.symbol}({args}, 0, {call.work}); /* {_comment(call.node)} */")
         else:
-            fn = f"step_{step}"
-            step_fns.append(f"static void {fn}(unsigned char* A, const void* const* inputs, void* const* outputs, int64_t b, int64_t e) {{\n"
-                            f"    const unsigned char* W = {prefix}weights; (void)W; (void)A; (void)inputs; (void)outputs;\n"
-                            f"    {call.kernel.symbol}({args}, b, e);\n}}")
+            fn = f"{tag}step_{step}"
+            code.step_fns.append(
+                f"static void {fn}(unsigned char* A, const void* const* inputs, void* const* outputs, int64_t b, int64_t e) {{\n"
+                f"    const unsigned char* W = {prefix}weights; (void)W; (void)A; (void)inputs; (void)outputs;\n"
+                f"    {call.kernel.symbol}({args}, b, e);\n}}")
             # A GEMM's or conv's few items (gemm.split_work balances them) are taken one at a time;
             # many small items (a depthwise conv's channels) in chunks, or the threads would pass
             # the counter's cache line back and forth for each.
@@ -293,14 +310,67 @@ def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, th
         if i != first or (name not in written and not any(isinstance(c, View) and c.dst == name for c in schedule)):
             src = ptr(name) if i != first else _pointer_source(name, graph, plan, weights_offsets, input_index)
             body.append(f"    memcpy(outputs[{i}], {src}, {graph.values[name].nbytes});")
+    return code
 
-    decls = "\n".join(f"HIDDEN void {sym}({', '.join(['void*'] * n)}, int64_t, int64_t);" for sym, n in sorted(kernels.items()))
-    null_checks = []
+
+def _null_checks(graph) -> list[str]:
+    checks = []
     for kind, names in (("inputs", graph.inputs), ("outputs", graph.outputs)):
         for i, name in enumerate(names):
-            null_checks.append(f"    if (!{kind}[{i}]) return fail(s, {ERROR_CODES['ERR_NULL_ARGUMENT']}, "
-                               f"{c_string(f'{kind[:-1]} {i} ({json.dumps(name)}) is NULL')});")
-    P = prefix
+            checks.append(f"    if (!{kind}[{i}]) return fail(s, {ERROR_CODES['ERR_NULL_ARGUMENT']}, "
+                          f"{c_string(f'{kind[:-1]} {i} ({json.dumps(name)}) is NULL')});")
+    return checks
+
+
+def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, threads: int,
+             cpu_features: tuple = (), arch: str = "x86_64") -> str:
+    """The driver's C for `arch` ("x86_64", "aarch64" or "wasm32", the target's ISA; wasm32: threads 1,
+    the WASM_PRELUDE). `cpu_features`: what the
+    kernels' target may use (backends/targets.py required_features); session_create refuses a CPU
+    without one (session_error(NULL) says which)."""
+    entry = Entry(graph, schedule, plan, weights_offsets)
+    code = _entry_code(entry, prefix, threads)
+    run = "\n".join(["    unsigned char* A = s->arena;", f"    const unsigned char* W = {prefix}weights;",
+                     "    (void)A; (void)W;", *code.body])
+    return _driver_file(prefix, info, threads, cpu_features, arch, code.kernels, code.once, code.step_fns,
+                        code.profiled, plan.arena_bytes, plan.shared_bytes, _null_checks(graph), run)
+
+
+def generate_entries(entries: list[Entry], run_entry: int, info: dict, prefix: str, threads: int,
+                     cpu_features: tuple = (), arch: str = "x86_64", session_fields: str = "",
+                     create: str = "", destroy: str = "", tail: str = "") -> str:
+    """The driver of a library of several entries (a generation library: prefill buckets and decode)
+    sharing one weights blob and one arena (the largest entry's): `static int run_entry_<k>(s,
+    inputs, outputs)` each; session_run runs entry `run_entry` on the caller's tensors. The
+    caller adds the session's own fields, what session_create / destroy do with them, and the
+    functions after the entries (backends/native/generation.py)."""
+    kernels, once, step_fns, profiled, run_fns = {}, [], [], [], []
+    for k, entry in enumerate(entries):
+        code = _entry_code(entry, prefix, threads, tag=f"e{k}_", prof_base=len(profiled))
+        kernels.update(code.kernels)
+        once += code.once
+        step_fns += code.step_fns
+        profiled += code.profiled
+        run_fns.append(f"static int run_entry_{k}({prefix}session* s, const void* const* inputs, void* const* outputs) {{\n"
+                       f"    unsigned char* A = s->arena;\n    const unsigned char* W = {prefix}weights;\n"
+                       f"    (void)A; (void)W; (void)inputs; (void)outputs;\n"
+                       + "\n".join(code.body) + "\n    return 0;\n}")
+    arena_bytes = max(e.plan.arena_bytes for e in entries)
+    shared_bytes = sum(e.plan.shared_bytes for e in entries)
+    run = f"    int rc = run_entry_{run_entry}(s, inputs, outputs);\n    if (rc) return rc;"
+    return _driver_file(prefix, info, threads, cpu_features, arch, kernels, once, step_fns + run_fns, profiled,
+                        arena_bytes, shared_bytes, _null_checks(entries[run_entry].graph), run,
+                        session_fields=session_fields, create=create, destroy=destroy, tail=tail)
+
+
+def _driver_file(P, info, threads, cpu_features, arch, kernels, once, step_fns, profiled, arena_bytes, shared_bytes,
+                 null_checks, run_body, session_fields="", create="", destroy="", tail="") -> str:
+    if arch not in CPU_CHECKS:
+        raise ValueError(f"no C driver for the ISA {arch!r}")
+    if arch == "wasm32" and threads > 1:
+        raise ValueError("a wasm32 driver runs one thread")   # targets.check_threads says so to the user first
+    check = CPU_CHECKS[arch]
+    decls = "\n".join(f"HIDDEN void {sym}({', '.join(['void*'] * n)}, int64_t, int64_t);" for sym, n in sorted(kernels.items()))
     pool = _POOL if threads > 1 else ""
     pool_fields = "    struct pool pool;\n" if threads > 1 else ""
     pool_init = f"    if (pool_start(&s->pool, {threads}) != 0) {{ free(s->arena); free(s); return NULL; }}\n" if threads > 1 else ""
@@ -311,7 +381,7 @@ def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, th
     shared = ""
     if once:
         shared = (f"""
-/* Values made once from the weights (run-once steps: Winograd-transformed weights), {plan.shared_bytes}
+/* Values made once from the weights (run-once steps: Winograd-transformed weights), {shared_bytes}
    bytes shared by every session of the loaded library: the first session_create makes them, the
    last session_destroy frees them. */
 static unsigned char* shared_block;
@@ -322,7 +392,7 @@ static int shared_acquire(void) {{
     int ok = 1;
     pthread_mutex_lock(&shared_lock);
     if (shared_users == 0) {{
-        shared_block = (unsigned char*)aligned_alloc(64, {max(64, (plan.shared_bytes + 63) // 64 * 64)});
+        shared_block = (unsigned char*)aligned_alloc(64, {max(64, (shared_bytes + 63) // 64 * 64)});
         if (!shared_block) ok = 0;
         else {{
             const unsigned char* W = {P}weights; (void)W;
@@ -367,7 +437,7 @@ static void shared_release(void) {
 #define HIDDEN __attribute__((visibility("hidden")))
 #define EXPORT __attribute__((visibility("default")))
 #endif
-#define ARENA_BYTES {max(plan.arena_bytes, 64)}
+#define ARENA_BYTES {max(arena_bytes, 64)}
 
 extern const unsigned char {P}weights[] HIDDEN;
 {decls}
@@ -376,7 +446,7 @@ typedef struct {P}session {P}session;
 {pool}
 struct {P}session {{
     unsigned char* arena;
-{pool_fields}    char error[512];
+{pool_fields}{session_fields}    char error[512];
     int profile;               /* CUVIL_PROFILE set at session_create: time every step */
     long runs;
     double step_ns[{n_prof}];
@@ -453,13 +523,13 @@ EXPORT const char* {P}model_info(void) {{ return model_info; }}
     const char* prof = getenv("CUVIL_PROFILE");
     s->profile = prof && prof[0] && prof[0] != '0';
 #endif
-{pool_init}{shared_init}    return s;
+{pool_init}{shared_init}{create}    return s;
 }}
 
 EXPORT void {P}session_destroy({P}session* s) {{
     if (!s) return;
     if (s->profile) print_profile(s);
-{pool_stop}{shared_stop}    free(s->arena);
+{pool_stop}{shared_stop}{destroy}    free(s->arena);
     free(s);
 }}
 
@@ -474,15 +544,12 @@ EXPORT int {P}session_run({P}session* s, const void* const* inputs, void* const*
     if (!s) return {ERROR_CODES['ERR_NULL_SESSION']};
     if (!inputs || !outputs) return fail(s, {ERROR_CODES['ERR_NULL_ARGUMENT']}, "inputs or outputs array is NULL");
 {chr(10).join(null_checks)}
-    unsigned char* A = s->arena;
-    const unsigned char* W = {P}weights;
-    (void)A; (void)W;
-{chr(10).join(body)}
+{run_body}
     s->runs++;
     s->error[0] = 0;
     return 0;
 }}
-"""
+{tail}"""
 
 
 # Kernels that size their own work ranges by their arithmetic (Kernel.self_sized: gemm.py, conv.py,

@@ -10,25 +10,32 @@ from backends.schedule import KernelCall
 ALIGN = 64
 
 
-def pack_weights(graph, schedule) -> tuple[bytes, dict[str, int]]:
-    """Every constant a kernel reads (and every build-time packed array) in one blob, each
-    64-byte aligned, identical arrays once; the packed arrays in the schedule's calls are
-    replaced by the names they get here (`__packed_<n>`). Returns the blob and each name's offset."""
-    blob = bytearray()
-    offsets: dict[str, int] = {}
-    by_digest: dict[str, str] = {}
+class Blob:
+    """The bytes of a weights blob being packed: identical arrays are stored once, so the several
+    graphs of a generation library (prefill buckets, decode) share the weights they all read."""
 
-    def place(name, arr):
+    def __init__(self):
+        self.data = bytearray()
+        self._by_digest: dict[str, int] = {}
+
+    def place(self, arr) -> int:
+        """The offset of `arr`'s bytes in the blob (64-byte aligned), adding them if new."""
         arr = np.ascontiguousarray(arr)
         digest = hashlib.sha256(arr.dtype.str.encode() + arr.tobytes()).hexdigest()
-        if digest in by_digest:
-            offsets[name] = offsets[by_digest[digest]]
-            return
-        by_digest[digest] = name
-        blob.extend(b"\0" * (-len(blob) % ALIGN))
-        offsets[name] = len(blob)
-        blob.extend(arr.tobytes())
+        if digest not in self._by_digest:
+            self.data.extend(b"\0" * (-len(self.data) % ALIGN))
+            self._by_digest[digest] = len(self.data)
+            self.data.extend(arr.tobytes())
+        return self._by_digest[digest]
 
+
+def pack_weights(graph, schedule, blob: Blob | None = None) -> tuple[bytes, dict[str, int]]:
+    """Every constant a kernel reads (and every build-time packed array) in one blob, each
+    64-byte aligned, identical arrays once; the packed arrays in the schedule's calls are
+    replaced by the names they get here (`__packed_<n>`). Returns the blob and each name's offset.
+    With `blob`, the arrays go into that shared blob (offsets are then this graph's own)."""
+    blob = blob if blob is not None else Blob()
+    offsets: dict[str, int] = {}
     packed = 0
     for call in schedule:
         if not isinstance(call, KernelCall):
@@ -38,11 +45,11 @@ def pack_weights(graph, schedule) -> tuple[bytes, dict[str, int]]:
                 if isinstance(arg, np.ndarray):
                     name = f"__packed_{packed}"
                     packed += 1
-                    place(name, arg)
+                    offsets[name] = blob.place(arg)
                     args[i] = name
                 elif arg not in offsets and graph.values[arg].is_const:
-                    place(arg, graph.values[arg].data)
+                    offsets[arg] = blob.place(graph.values[arg].data)
     for name in graph.outputs:
         if name not in offsets and graph.values[name].is_const:
-            place(name, graph.values[name].data)
-    return bytes(blob), offsets
+            offsets[name] = blob.place(graph.values[name].data)
+    return bytes(blob.data), offsets

@@ -30,7 +30,7 @@ from .ukernel import LOADC_EPILOGUE
 
 from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, l1d_ways,
-                     literal, session_threads, work_items)
+                     literal, one_weight_layout, session_threads, work_items)
 from .scratch import scratch_value
 
 ROW_BLOCK = 4      # output rows accumulated together (share each B load)
@@ -197,7 +197,8 @@ def choose_tile(M: int, N: int, mode: str = "rows") -> tuple[int, int]:
     """The micro-tile that wastes least on edge tiles (partial rows and columns) for an M x N output,
     weighted by the tile's speed. Fewer than 12 rows: 6 x 64 (its edge kernels keep the most
     accumulators per row)."""
-    if M < 12:
+    if M < 12 or (mode == "rows" and one_weight_layout()):
+        # (the second: entries of several row counts read one packed copy of each weight)
         return UK_MR, UK_NR
 
     def score(tile):

@@ -53,6 +53,25 @@ def lowering_for(threads: int, l1d_ways: int = DEFAULT_L1D_WAYS, target=None):
         _THREADS.reset(token)
 
 
+_ONE_WEIGHT_LAYOUT = contextvars.ContextVar("cuvil_one_weight_layout", default=False)
+
+
+def one_weight_layout() -> bool:
+    """Whether graphs of different row counts share the weights they read (a generation library's
+    prefill and decode entries, cuvil/generation.py): constant matrices are then packed in the one
+    layout every row count reads (gemm.choose_tile), so the library stores them once."""
+    return _ONE_WEIGHT_LAYOUT.get()
+
+
+@contextlib.contextmanager
+def sharing_weights():
+    token = _ONE_WEIGHT_LAYOUT.set(True)
+    try:
+        yield
+    finally:
+        _ONE_WEIGHT_LAYOUT.reset(token)
+
+
 def work_items() -> int:
     """Work items a large GEMM or convolution aims for: at least 8 (measured: 1, 2, 4 or 8 items
     run a ResNet-18 equally fast on one thread), and four per thread beyond two threads."""

@@ -47,7 +47,7 @@ from backends.targets import has_feature
 from cuvil import nbits as form
 from cuvil.errors import UnsupportedOpError
 
-from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
+from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target, one_weight_layout
 from .lowp import column_masks, typed_declaration
 from .scratch import scratch_value
 from .ukernel import Declared, IRBuilder, function_module
@@ -372,6 +372,10 @@ def pack(weight: form.NBitsWeight, V: int, f16_scales: bool) -> dict:
 def tile_shape(M: int) -> tuple[int, int]:
     """(rows, 16-column vectors) of the tile: one row, 64 columns with split accumulators for a
     GEMV; up to 4 rows x 32 columns otherwise (accumulators and y: 2 * 4 * 2 = 16 vectors)."""
+    if M > 1 and one_weight_layout():
+        # entries of several row counts share one packed copy (a generation library): the GEMV's
+        # 64-column groups, 2 rows a tile (accumulators and y: 2 * 4 * 2 = 16 vectors)
+        return min(M, 2), 4
     return (1, 4) if M == 1 else (min(M, MAX_ROWS), 2)
 
 

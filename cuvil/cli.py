@@ -354,6 +354,9 @@ def _compile_parser() -> argparse.ArgumentParser:
                                                        "per input)")
     parser.add_argument("--max-context", type=_positive_int, metavar="N",
                         help="decoder models: tokens of the KV cache (cuvil.yaml's generate: max_context)")
+    parser.add_argument("--prefill-buckets", type=_positive_ints, metavar="N1,N2,...",
+                        help="decoder models: prompt lengths with a compiled prefill (generate: prefill_buckets; "
+                             "needs --max-context)")
     parser.add_argument("--name", type=_identifier, metavar="NAME",
                         help="the model's name in the library (lib<NAME>.so, <NAME>.h; default: from --output)")
     parser.add_argument("--prefix", type=_identifier, metavar="PREFIX",
@@ -377,6 +380,16 @@ def _input_shape(text):
     return name, shape
 
 
+def _positive_ints(text):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
 def _identifier(text):
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an identifier (letters, digits, _; not starting "
@@ -386,7 +399,9 @@ def _identifier(text):
 
 def _check_compile_args(parser, args) -> None:
     """What argparse cannot check alone; each mistake is a usage error (exit 2, no traceback)."""
-    from .config import SOURCE_SUFFIXES, ModelConfig
+    if args.prefill_buckets and args.max_context is None:
+        parser.error("argument --prefill-buckets: needs --max-context (a decoder's generation library)")
+    from .config import SOURCE_SUFFIXES
     if not args.model.is_file():
         parser.error(f"argument --model: file not found: {args.model}")
     if args.model.suffix.lower() not in SOURCE_SUFFIXES:
@@ -406,9 +421,6 @@ def _check_compile_args(parser, args) -> None:
         args.name = re.sub(r"[^A-Za-z0-9_]", "_", stem)
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.name):
             parser.error(f"argument --output: no model name can be made from {args.output.name!r}: give --name")
-    if args.max_context is not None and "generate" not in ModelConfig.model_fields:
-        parser.error("argument --max-context: needs a decoder model's `generate:` settings (a static KV cache), "
-                     "which this version of cuvil does not have yet")
 
 
 def compile_config(args):
@@ -431,6 +443,8 @@ def compile_config(args):
         model["link"] = _OUTPUT_LINK[args.output.suffix.lower()]
     if args.max_context is not None:
         model["generate"] = {"max_context": args.max_context}
+        if args.prefill_buckets:
+            model["generate"]["prefill_buckets"] = args.prefill_buckets
     cache = (args.cache_dir or default_cache_dir()).expanduser().resolve()
     text = yaml.safe_dump({"version": 1, "output_dir": str(folder), "cache": {"dir": str(cache)},
                            "models": [model]}, sort_keys=False)

@@ -127,7 +127,8 @@ def test_flags_become_a_one_model_config(tmp_path):
     (["--output", "m.dll"], "a .dll is built for --target x86_64-windows only"),
     (["--output", "9.so"], "no model name can be made from '9.so': give --name"),
     (["--name", "my-model"], "argument --name: 'my-model' is not an identifier"),
-    (["--max-context", "512"], "argument --max-context: needs a decoder model's `generate:` settings"),
+    (["--prefill-buckets", "16,0"], "argument --prefill-buckets: expected positive integers"),
+    (["--prefill-buckets", "16"], "argument --prefill-buckets: needs --max-context"),
 ])
 def test_mistakes_are_usage_errors(tmp_path, capsys, extra, message):
     model = _mlp(tmp_path / "m.onnx")

@@ -485,3 +485,30 @@ def test_two_thread_library_generates_the_same_tokens(fp32):
     folder, _ = fp32
     lib = cuvil.compile(folder / "model.onnx", name="llm2", threads=2, generate=GENERATE)
     assert list(lib.generate(PROMPT, max_new_tokens=64)) == genai_greedy(folder, PROMPT, 64)
+
+
+def test_cuvil_compile_max_context_builds_the_generation_library(tmp_path, capsys):
+    """`cuvil-compile --max-context N --prefill-buckets ...` is cuvil.yaml's `generate:` block: the same
+    library, byte for byte, as cuvil.compile(generate=...) with the same settings."""
+    from cuvil.cli import compile_main
+    from cuvil.runtime import load
+    path = tmp_path / "toy.onnx"
+    onnx.save(toy_decoder(), str(path))
+    out = tmp_path / "out" / "libtoy.so"
+    assert compile_main(["--model", str(path), "--output", str(out), "--max-context", "16", "--prefill-buckets", "4,8",
+                         "--cache-dir", str(tmp_path / "cache")]) == 0
+    lib = cuvil.compile(path, name="toy", generate={"max_context": 16, "prefill_buckets": [4, 8]},
+                        cache_dir=tmp_path / "cache")
+    assert out.read_bytes() == lib.artifacts.library.read_bytes()
+    assert load(out).info["generate"]["max_context"] == 16
+    # a model without a KV cache is a clear usage error naming what is missing
+    relu = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])]),
+                             opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(relu, str(tmp_path / "relu.onnx"))
+    capsys.readouterr()
+    assert compile_main(["--model", str(tmp_path / "relu.onnx"), "--output", str(tmp_path / "r" / "librelu.so"),
+                         "--max-context", "16", "--prefill-buckets", "4", "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert "no input named 'input_ids'" in err and "Traceback" not in err

@@ -20,6 +20,9 @@ from cuvil.build import VariantSpec, build_variants
 from cuvil.cache import Cache
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from cuvil.frontends.tensorflow import triton_first  # noqa: E402
+
+triton_first()   # before TensorFlow: Triton imported after it crashes the process (docstring there)
 tf = pytest.importorskip("tensorflow", reason="the TensorFlow frontend needs tensorflow (pip install 'cuvil[tf]')")
 pytest.importorskip("tf2onnx", reason="the TensorFlow frontend needs tf2onnx (pip install 'cuvil[tf]')")
 import keras  # noqa: E402

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
@@ -65,8 +66,20 @@ def source_bytes(path) -> bytes:
     return ("savedmodel\n" + "".join(lines)).encode()
 
 
+def triton_first() -> None:
+    """Import Triton (when installed: PyTorch's CUDA builds bring it) before TensorFlow. Imported
+    after TensorFlow, in the same process, Triton's import crashes the process (a segmentation
+    fault, seen with tensorflow-cpu 2.21 and triton 3.7.1: both carry LLVM), and torch.export /
+    torch.onnx.export(dynamo=True) import Triton: a build of a TensorFlow model followed by a
+    dynamo export in one process died. Imported first, both load."""
+    from importlib.util import find_spec
+    if "tensorflow" not in sys.modules and "triton" not in sys.modules and find_spec("triton") is not None:
+        import triton  # noqa: F401
+
+
 def _tf():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    triton_first()
     try:
         import tensorflow as tf
         import tf2onnx  # noqa: F401  (checked here so the hint names both)

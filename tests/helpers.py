@@ -1,9 +1,14 @@
 """Shared test helpers: build small ONNX models and compare cuvil with onnxruntime."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import helper, numpy_helper
 
 import cuvil
@@ -54,3 +59,31 @@ def assert_matches_ort(model: onnx.ModelProto, feeds: dict, tol: float = 1e-4, i
 
 def rand(*shape, seed=0, dtype=np.float32):
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+# onnxruntime-genai decoders (tests/test_llm_ops.py, tests/test_llm_runtime.py)
+DECODER_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=512, max_position_embeddings=512)
+
+
+def genai_decoder(folder: Path, precision: str) -> Path:
+    """The model folder (model.onnx, genai_config.json, tokenizer.json) onnxruntime-genai's builder
+    writes for a LLaMA with seeded random weights and a word-level tokenizer; nothing downloaded."""
+    pytest.importorskip("onnxruntime_genai")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    hf = folder / "hf"
+    if not (hf / "config.json").exists():
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER_CONFIG)).save_pretrained(hf)
+        # ids 0-2 are the special tokens only (a word sharing one would give the tokenizer a 513th id)
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, DECODER_CONFIG["vocab_size"])}}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                             eos_token="</s>").save_pretrained(hf)
+    out = folder / precision
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o", str(out),
+                    "-p", precision, "-e", "cpu", "-c", str(folder / "cache")], check=True, capture_output=True)
+    return out

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -29,7 +27,7 @@ from onnx import TensorProto, helper
 
 import cuvil
 from cuvil.errors import CuvilError
-from tests.helpers import run_ort
+from tests.helpers import genai_decoder, run_ort
 
 U = 2.0 ** -24
 
@@ -319,33 +317,7 @@ def test_gqa_refuses_what_it_does_not_compile(attr, value, words):
 
 # --- a whole decoder written by onnxruntime-genai's model builder --------------------------------
 
-BUILDER_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=512, max_position_embeddings=512)
 WHOLE_TOL = 1e-3    # max |diff| / max |ref|, as the float32 zoo models (tests/test_zoo.py)
-
-
-def build_genai_model(folder, precision: str):
-    """A LLaMA from a transformers config (seeded random weights, a word-level tokenizer), written by
-    onnxruntime-genai's builder into `folder`/`precision`; nothing is downloaded."""
-    pytest.importorskip("onnxruntime_genai")
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    hf = folder / "hf"
-    if not (hf / "config.json").exists():
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**BUILDER_CONFIG)).save_pretrained(hf)
-        vocab = {f"t{i}": i for i in range(BUILDER_CONFIG["vocab_size"])}
-        vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                             eos_token="</s>").save_pretrained(hf)
-    out = folder / precision
-    # the builder's command line, as users run it (its Python entry points change between releases)
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o", str(out),
-                    "-p", precision, "-e", "cpu", "-c", str(folder / "cache")], check=True, capture_output=True)
-    return out / "model.onnx"
 
 
 def static_shapes(path, S: int, C: int) -> dict:
@@ -426,12 +398,12 @@ def _prefill_then_decode(path, C=64, S=8, threads=1):
 
 
 def test_genai_fp32_decoder_prefill_and_decode(genai_folder):
-    _prefill_then_decode(build_genai_model(genai_folder, "fp32"))
+    _prefill_then_decode(genai_decoder(genai_folder, "fp32") / "model.onnx")
 
 
 def test_genai_int4_decoder_prefill_and_decode(genai_folder):
     # at 2 threads: the split paths of the attention and of the products
-    _prefill_then_decode(build_genai_model(genai_folder, "int4"), S=16, threads=2)
+    _prefill_then_decode(genai_decoder(genai_folder, "int4") / "model.onnx", S=16, threads=2)
 
 
 def test_gqa_refuses_position_ids_and_a_runtime_total_length():

@@ -7,7 +7,6 @@ import ctypes
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,39 +15,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import cuvil
+from tests.helpers import DECODER_CONFIG, genai_decoder
 from cuvil.errors import CuvilError, RuntimeFailure
 
 ROOT = Path(__file__).resolve().parents[1]
 # one worker runs the module: its decoders are written and built once (module fixtures)
 pytestmark = pytest.mark.xdist_group("llm_runtime")
 # A LLaMA from a transformers config (tests/test_llm_ops.py uses the same shape)
-CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=128, vocab_size=512, max_position_embeddings=512)
 GENERATE = {"max_context": 128, "prefill_buckets": [16]}
 PROMPT = list(range(3, 40))    # 37 tokens: prefilled in chunks 16 + 16 + 5 (the last padded to 16)
-
-
-def make_decoder(folder: Path, precision: str) -> Path:
-    """The model folder (model.onnx, genai_config.json, tokenizer.json) onnxruntime-genai's builder
-    writes for a LLaMA with seeded random weights and a word-level tokenizer; nothing downloaded."""
-    pytest.importorskip("onnxruntime_genai")
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    hf = folder / "hf"
-    if not (hf / "config.json").exists():
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(hf)
-        # ids 0-2 are the special tokens only (a word sharing one would give the tokenizer a 513th id)
-        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, CONFIG["vocab_size"])}}
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                             eos_token="</s>").save_pretrained(hf)
-    out = folder / precision
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o", str(out),
-                    "-p", precision, "-e", "cpu", "-c", str(folder / "cache")], check=True, capture_output=True)
-    return out
 
 
 def genai_greedy(folder: Path, prompt, new_tokens: int) -> list[int]:
@@ -73,7 +48,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp32(models):
-    folder = make_decoder(models, "fp32")
+    folder = genai_decoder(models, "fp32")
     lib = cuvil.compile(folder / "model.onnx", name="llm", generate={**GENERATE, "tokenizer": folder / "tokenizer.json"})
     return folder, lib
 
@@ -122,7 +97,7 @@ def test_weights_are_stored_once(fp32):
 
 def _kv_rows(lib, session):
     """The session's KV cache as [pair, kv_heads, max_context, head] float32."""
-    C, kv, head = 128, CONFIG["num_key_value_heads"], CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+    C, kv, head = 128, DECODER_CONFIG["num_key_value_heads"], DECODER_CONFIG["hidden_size"] // DECODER_CONFIG["num_attention_heads"]
     return session.kv_cache().view(np.float32).reshape(-1, kv, C, head)
 
 
@@ -292,7 +267,7 @@ def test_sampled_generation_is_reproducible_with_a_seed(fp32):
 # -- int4 (MatMulNBits) ------------------------------------------------------------------------
 
 def test_int4_agrees_with_onnxruntime_genai(models):
-    folder = make_decoder(models, "int4")
+    folder = genai_decoder(models, "int4")
     lib = cuvil.compile(folder / "model.onnx", name="llm4", generate={**GENERATE, "prefill_buckets": [8, 16]})
     model = onnx.load(str(folder / "model.onnx"))
     # the packed int4 weights stored once for the three entries (1, 8 and 16 rows), as in fp32

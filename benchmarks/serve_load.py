@@ -419,6 +419,23 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     return result
 
 
+PART = re.compile(r"(\w[\w.]*) (\d+)")
+
+
+def server_parts(lines) -> dict:
+    """The parts of one hot update as the server logs them, in ms: notice, diff, build, load and their
+    own parts (build.plan, build.pass, ..., load.warmup, ...)."""
+    parts = {}
+    for i, line in enumerate(lines):
+        head = re.search(r"\((\d+) ms: (.*)\)\s*$", line)
+        if "hot update [" in line and head:
+            parts["server_total"] = float(head.group(1))
+            parts.update((k, float(v)) for k, v in PART.findall(head.group(2)))
+            if i + 1 < len(lines) and "parts (ms):" in lines[i + 1]:
+                parts.update((k, float(v)) for k, v in PART.findall(lines[i + 1].split(":", 1)[1]))
+    return parts
+
+
 def resnet_phase(client, server, folder) -> dict:
     path = folder / "models" / "resnet18.onnx"
     model = onnx.load(path)
@@ -427,13 +444,24 @@ def resnet_phase(client, server, folder) -> dict:
     array = numpy_helper.to_array(init).copy()
     array.flat[0] += 0.25 + (time.time_ns() % 1000) / 1e6  # a new value each run: the build is never cached
     init.CopyFrom(numpy_helper.from_array(array, init.name))
+    data = model.SerializeToString()
+    x = triton.InferInput("input", [1, 3, 224, 224], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 3, 224, 224), np.float32))
     seen_lines = len(server.lines)
-    save(model, path)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(data)
+    partial.replace(path)
     written = time.perf_counter()
     version, seen = wait_version(client, "resnet18", old)
+    # the first answer of the new version: a request sent once the metadata names it
+    answer = client.infer("resnet18", [x])
+    answered = time.perf_counter()
+    if answer.get_response()["model_version"] != version:
+        raise SystemExit(f"resnet18: answered by {answer.get_response()['model_version']}, not {version}")
     time.sleep(0.5)
-    own = [l for l in server.lines[seen_lines:] if "hot update [resnet18]" in l]
-    result = {"write_to_new_version_s": seen - written, "server_log": [l.strip() for l in own]}
+    own = [l.strip() for l in server.lines[seen_lines:]]
+    result = {"write_to_new_version_s": seen - written, "write_to_first_answer_s": answered - written,
+              "parts_ms": server_parts(own), "server_log": [l for l in own if "hot update [resnet18]" in l]}
     print(f"  resnet18: {result}", flush=True)
     return result
 
@@ -453,8 +481,12 @@ def rebuilds_only(args) -> None:
                 report["runs"].append(resnet_phase(client, server, folder))
         finally:
             server.stop()
-    times = [run["write_to_new_version_s"] for run in report["runs"]]
+    times = [run["write_to_first_answer_s"] for run in report["runs"]]
     report["median_s"], report["max_s"] = statistics.median(times), max(times)
+    names = dict.fromkeys(k for run in report["runs"] for k in run["parts_ms"])
+    report["parts_median_ms"] = {k: statistics.median(run["parts_ms"].get(k, 0.0) for run in report["runs"])
+                                 for k in names}
+    report["load_average"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

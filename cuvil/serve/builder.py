@@ -167,20 +167,29 @@ def _wait_for_writes():
 
 
 def _build_job(config_path: str, name: str) -> dict:
+    import time
+
     from ..config import load_config
     from ..project import build_project
+    start = time.perf_counter()
     _wait_for_writes()
+    timings = {"wait_writes": time.perf_counter() - start}
     try:
         spec = load_config(config_path)
         model = spec.model(name)
-        result = build_project(spec, [name], progress=None, defer_cache_writes=True)
+        result = build_project(spec, [name], progress=None, defer_cache_writes=True, timings=timings)
     except CuvilError as error:
         return {"error": str(error)}
     writes = threading.Thread(target=result.dag.flush, name="cuvil-cache-writes", daemon=True)
     writes.start()
     _PENDING_WRITES.append(writes)
     served = next(a for a in result.artifacts if a.info["target"] == model.targets[0])
-    return {"library": str(served.library)}
+    # the steps that ran (or were read from the cache) by kind: import, pass, codegen, kernel, link
+    for record in result.dag.records.values():
+        kind = record.kind if record.status == "ran" else "cached"
+        timings[kind] = timings.get(kind, 0.0) + record.seconds
+    timings["worker"] = time.perf_counter() - start
+    return {"library": str(served.library), "timings": timings}
 
 
 def _exit_with_parent(parent: int):
@@ -208,6 +217,7 @@ class Builder:
     def __init__(self, config_path: Path):
         self.config_path = str(config_path)
         self._pool = None
+        self.timings: dict = {}  # seconds of the last build's parts in the worker (plan, steps by kind, install)
 
     def _call(self, fn, *args):
         for attempt in (1, 2):
@@ -234,9 +244,14 @@ class Builder:
 
     def build(self, name: str) -> Path:
         """Build one model (what is cached is not rebuilt); returns its served library."""
+        import time
+        start = time.perf_counter()
         result = self._call(_build_job, self.config_path, name)
         if "error" in result:
             raise BuildFailed(result["error"])
+        self.timings = dict(result.get("timings", {}))
+        if "worker" in self.timings:  # the round trip to the worker and back
+            self.timings["ipc"] = time.perf_counter() - start - self.timings.pop("worker")
         return Path(result["library"])
 
     def close(self):

@@ -94,6 +94,8 @@ class Installed:
     estimate_s: float = 0.0
     reason: str = ""
     previous_threads: int | None = None  # "swapped": the threads of the version it replaced
+    # seconds of each part: store (link and hash the file), open (dlopen, sessions), warmup, check, swap
+    steps: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -141,6 +143,13 @@ class Registry:
     def install(self, name: str, built: Path, source_key: str | None = None) -> Installed:
         """Load `built` as the model's next version, warm it up and swap it in."""
         entry = self.entries[name]
+        steps, mark = {}, time.perf_counter()
+
+        def lap(part):
+            nonlocal mark
+            now = time.perf_counter()
+            steps[part] = now - mark
+            mark = now
         partial = self.store / f".lib{name}.{threading.get_ident()}.partial"
         _link_or_copy(built, partial)
         # the version names the bytes that will be loaded: those of the store's file, not of `built`,
@@ -150,49 +159,58 @@ class Registry:
         if current is not None and current.version == version:
             partial.unlink()
             entry.source_key = source_key or entry.source_key
-            return Installed("unchanged", current)
+            lap("store")
+            return Installed("unchanged", current, steps=steps)
         path = self.store / f"lib{name}-{version}.so"
         if path.exists():
             partial.unlink()
         else:
             partial.replace(path)
+        lap("store")
         fresh = ModelVersion(name, path, version, entry.config.symbol_prefix, entry.config.serve.max_concurrency)
+        lap("open")
         try:
             estimate = fresh.warm_up(WARMUP_TIMED_RUNS if current is None else SWAP_TIMED_RUNS)
         except Exception:
             fresh.close()
             raise
+        lap("warmup")
         if current is not None and fresh.signature != current.signature:
             reason = (f"model '{name}': the rebuilt library's signature {fresh.signature.describe()} differs from "
                       f"the serving one {current.signature.describe()}; version {current.version} keeps serving")
             fresh.close()
-            return Installed("signature_changed", current, reason=reason)
+            return Installed("signature_changed", current, reason=reason, steps=steps)
+        lap("check")
         with self._lock:
             old, entry.current = entry.current, fresh
             entry.source_key, entry.reason, entry.wanted = source_key, "", True
             entry.history.append(version)
-            if old is not None:
-                self._retire(old)
+            drained = old is not None and self._retire(old)
+        if drained:  # unloaded outside the lock: requests of other models never wait for a dlclose
+            old.close()
+        lap("swap")
         return Installed("swapped" if old is not None else "loaded", fresh, estimate,
-                         previous_threads=old.threads if old is not None else None)
+                         previous_threads=old.threads if old is not None else None, steps=steps)
 
     def unload(self, name: str) -> bool:
         entry = self.entry(name)
         with self._lock:
             old, entry.current = entry.current, None
             entry.reason, entry.wanted = "unloaded by a repository request", False
-            if old is not None:
-                self._retire(old)
+            drained = old is not None and self._retire(old)
+        if drained:
+            old.close()
         return old is not None
 
     def fail(self, name: str, reason: str):
         """A load that failed: the model stays as it is, with the reason to report."""
         self.entries[name].reason = reason
 
-    def _retire(self, version: ModelVersion):
+    def _retire(self, version: ModelVersion) -> bool:
+        """Mark `version` retired (under the lock); True when no request runs on it: the caller closes
+        it, after releasing the lock. Otherwise its last request closes it."""
         version.retired = True
-        if version.inflight == 0:
-            version.close()
+        return version.inflight == 0
 
     # --- running (called from the compute threads)
 
@@ -215,15 +233,20 @@ class Registry:
             with self._lock:
                 version._free.append(session)
                 version.inflight -= 1
-                if version.retired and version.inflight == 0:
-                    version.close()
+                drained = version.retired and version.inflight == 0
+            if drained:
+                version.close()
 
     def close(self):
+        drained = []
         with self._lock:
             for entry in self.entries.values():
                 if entry.current is not None:
-                    self._retire(entry.current)
+                    if self._retire(entry.current):
+                        drained.append(entry.current)
                     entry.current = None
+        for version in drained:
+            version.close()
         try:
             self.store.rmdir()  # empty unless a request is still running somewhere
         except OSError:

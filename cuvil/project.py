@@ -59,6 +59,9 @@ class ProjectBuild:
     artifacts: list
     dag: object
     seconds: float
+    # (model, target, the step whose output is the installed files) per variant: what a caller that
+    # installed into other folders (folder_of) can install again from memory (the serve worker)
+    finals: list = field(default_factory=list)
 
 
 def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
@@ -138,7 +141,8 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
             say(f"[{model.name}/{target}] {'built' if changed else 'up to date'}: {_relative(out_dir)}")
     if timings is not None:
         timings.update(plan=planned_at - start, install=installing)
-    return ProjectBuild(built, dag, time.perf_counter() - start)
+    return ProjectBuild(built, dag, time.perf_counter() - start,
+                        [(model.name, target, link) for model, target, _, link in planned])
 
 
 def open_project_cache(spec: BuildSpec):

@@ -17,6 +17,7 @@ its last request is done.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import threading
@@ -31,7 +32,9 @@ from ..runtime import Library
 from .protocol import RequestError, Signature
 
 WARMUP_TIMED_RUNS = 3  # the first version of a model: the scheduler's first estimate
-SWAP_TIMED_RUNS = 1    # a new version of a serving model (same signature): a first sample, not a delay
+# a new version of a serving model: no run beyond the warm-up's, whose time is the sample (the swap keeps
+# the model's measured estimate when the signature and threads are the same)
+SWAP_TIMED_RUNS = 0
 
 
 def file_sha256(path: Path) -> str:
@@ -50,16 +53,27 @@ class ModelVersion:
         self.library = Library(path, prefix)
         self.signature = Signature.of(self.library.info)
         self.threads = int(self.library.info.get("threads", 1))
-        self._free = [self.library.session() for _ in range(sessions)]
+        try:
+            self._free = [self.library.session() for _ in range(sessions)]
+        finally:
+            # the mapping outlives the name: nothing is left in the store when the server is killed,
+            # and a later file of the same name (the same bytes again) is never removed by this one
+            path.unlink(missing_ok=True)
         self._all = list(self._free)
         self.inflight = 0
         self.retired = False
 
     def warm_up(self, timed_runs: int = WARMUP_TIMED_RUNS) -> float:
-        """Run every session once on zeros; return the median of `timed_runs` timed runs, in seconds."""
+        """Run every session once on zeros; return the median of `timed_runs` timed runs, in seconds
+        (with none, the longest of the warm-up runs)."""
         feeds = {t.name: np.zeros(t.shape, t.dtype) for t in self.signature.inputs}
+        warm = []
         for session in self._all:
+            start = time.perf_counter()
             session.run(feeds)
+            warm.append(time.perf_counter() - start)
+        if timed_runs == 0:
+            return max(warm)
         times = []
         for _ in range(timed_runs):
             start = time.perf_counter()
@@ -68,7 +82,7 @@ class ModelVersion:
         return sorted(times)[len(times) // 2]
 
     def close(self):
-        """Destroy the sessions, unload the library and remove its content-addressed copy."""
+        """Destroy the sessions and unload the library (its file was removed once it was open)."""
         for session in self._all:
             session.close()
         self._all, self._free = [], []
@@ -78,10 +92,6 @@ class ModelVersion:
             import _ctypes
             _ctypes.dlclose(handle)
         except (ImportError, OSError):
-            pass
-        try:
-            self.path.unlink()
-        except OSError:
             pass
 
 
@@ -130,6 +140,7 @@ class Registry:
         self.store.mkdir(parents=True, exist_ok=True)
         self.say = say
         self._lock = threading.Lock()
+        self._stages = itertools.count()
 
     def entry(self, name: str) -> ModelEntry:
         """The entry of a configured model; a name is only ever looked up here, never used as a path."""
@@ -140,8 +151,14 @@ class Registry:
 
     # --- loading and swapping (called from the startup and hot-update threads)
 
-    def install(self, name: str, built: Path, source_key: str | None = None) -> Installed:
-        """Load `built` as the model's next version, warm it up and swap it in."""
+    def stage(self, name: str) -> Path:
+        """A new folder name in the store for the build worker to install a build of `name` into (on
+        the store's file system, so the library is linked into the store, not copied)."""
+        return self.store / f".stage-{name}-{os.getpid()}-{next(self._stages)}"
+
+    def install(self, name: str, built: Path, source_key: str | None = None, sha256: str | None = None) -> Installed:
+        """Load `built` as the model's next version, warm it up and swap it in. `sha256`: the file's,
+        when the build worker hashed it (a staged build, which nothing rewrites before it is removed)."""
         entry = self.entries[name]
         steps, mark = {}, time.perf_counter()
 
@@ -150,24 +167,34 @@ class Registry:
             now = time.perf_counter()
             steps[part] = now - mark
             mark = now
-        partial = self.store / f".lib{name}.{threading.get_ident()}.partial"
-        _link_or_copy(built, partial)
-        # the version names the bytes that will be loaded: those of the store's file, not of `built`,
-        # which a build may replace meanwhile
-        version = file_sha256(partial)[:16]
         current = entry.current
-        if current is not None and current.version == version:
-            partial.unlink()
-            entry.source_key = source_key or entry.source_key
-            lap("store")
-            return Installed("unchanged", current, steps=steps)
-        path = self.store / f"lib{name}-{version}.so"
-        if path.exists():
-            partial.unlink()
+        if sha256 is not None:
+            version = sha256[:16]
+            if current is not None and current.version == version:
+                entry.source_key = source_key or entry.source_key
+                lap("store")
+                return Installed("unchanged", current, steps=steps)
+            path = self.store / f"lib{name}-{version}.so"
+            _link_or_copy(built, path)
         else:
+            partial = self.store / f".lib{name}.{threading.get_ident()}.partial"
+            _link_or_copy(built, partial)
+            # the version names the bytes that will be loaded: those of the store's file, not of
+            # `built`, which a build may replace meanwhile
+            version = file_sha256(partial)[:16]
+            if current is not None and current.version == version:
+                partial.unlink()
+                entry.source_key = source_key or entry.source_key
+                lap("store")
+                return Installed("unchanged", current, steps=steps)
+            path = self.store / f"lib{name}-{version}.so"
             partial.replace(path)
         lap("store")
-        fresh = ModelVersion(name, path, version, entry.config.symbol_prefix, entry.config.serve.max_concurrency)
+        try:
+            fresh = ModelVersion(name, path, version, entry.config.symbol_prefix, entry.config.serve.max_concurrency)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         lap("open")
         try:
             estimate = fresh.warm_up(WARMUP_TIMED_RUNS if current is None else SWAP_TIMED_RUNS)
@@ -247,7 +274,5 @@ class Registry:
                     entry.current = None
         for version in drained:
             version.close()
-        try:
-            self.store.rmdir()  # empty unless a request is still running somewhere
-        except OSError:
-            pass
+        shutil.rmtree(self.store, ignore_errors=True)  # stages left by a failed build; the libraries are open
+        # (unlinked) or closed

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +35,20 @@ from .scheduler import Scheduler
 from .updater import Updater
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def store_folder(output_dir: Path) -> Path:
+    """Where the loaded libraries' files go: a new folder in the tmpfs /dev/shm where there is one (the
+    build worker writes a rebuilt library there and the server links it, never waiting on a busy
+    disk), else <output_dir>/.serve/<pid>. One folder per server process: two servers of one project
+    never remove each other's files."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        try:
+            return Path(tempfile.mkdtemp(prefix=f"cuvil-serve-{os.getpid()}-", dir=shm))
+        except OSError:
+            pass
+    return Path(output_dir) / ".serve" / str(os.getpid())
 
 
 def default_workers() -> int:
@@ -54,7 +70,7 @@ class Server:
         self.say = say
         self.metrics = Metrics()
         # one folder per server process: two servers of one project never remove each other's copies
-        self.registry = Registry(self.spec.models, self.spec.output_dir / ".serve" / str(os.getpid()), say)
+        self.registry = Registry(self.spec.models, store_folder(self.spec.output_dir), say)
         self.scheduler = Scheduler(self.workers, max_queue=max_queue)
         for model in self.spec.models:
             s = model.serve
@@ -93,8 +109,8 @@ class Server:
         try:
             if key is None and self.updater is not None:  # what hot updates compare the next change with
                 key = self.updater.keys([name]).get(name, {}).get("key")
-            library = self.builder.build(name)
-            installed = self.install(name, library, key)
+            installed = self.build_and_install(name, key)
+            self.builder.settle()  # a load returns with the output folder written (a hot update does not wait)
         except CuvilError as error:
             self.registry.fail(name, str(error))
             return str(error)
@@ -102,9 +118,24 @@ class Server:
                  f"{installed.estimate_s * 1000:.2f} ms a run, {time.perf_counter() - start:.2f} s")
         return None
 
-    def install(self, name: str, library: Path, key: str | None):
+    def build_and_install(self, name: str, key: str | None, steps: dict | None = None):
+        """Build `name` in the worker (staged in the registry's store) and install it; `steps` gets the
+        seconds of the build and of the load."""
+        stage = self.registry.stage(name)
+        try:
+            start = time.perf_counter()
+            built = self.builder.build(name, stage)
+            middle = time.perf_counter()
+            installed = self.install(name, built.library, key, built.sha256)
+            if steps is not None:
+                steps.update(build=middle - start, load=time.perf_counter() - middle)
+            return installed
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    def install(self, name: str, library: Path, key: str | None, sha256: str | None = None):
         with self._install_lock:  # one load at a time: startup, repository loads and hot updates
-            installed = self.registry.install(name, library, key)
+            installed = self.registry.install(name, library, key, sha256)
         if installed.outcome in ("loaded", "swapped"):
             version = installed.version
             same_cost = installed.outcome == "swapped" and installed.previous_threads == version.threads

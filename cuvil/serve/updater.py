@@ -27,6 +27,9 @@ from ..watch import relevant_change, watched_paths
 
 # How long the watcher waits for changes before it yields an empty round (and looks at its stop flag).
 WATCH_TIMEOUT_MS = 200
+# After a change, the watcher yields once no further change came for this long (or `watch.debounce_ms`
+# passed): watchfiles' `step`, 50 ms by default. A save is a write and a rename, microseconds apart.
+WATCH_STEP_MS = 5
 
 
 @dataclass
@@ -45,13 +48,14 @@ class UpdateEvent:
 
 
 def _notice_lag(changes) -> float | None:
-    """Seconds from the newest modification time among the changed files to now: how long the watch
-    (its debounce included) took to report the change. None when none of them exists any more."""
+    """Seconds from the newest change among the changed files (inode change time: a rename sets it, and
+    a write; a large write's modification time is its start) to now: how long the watch (its debounce
+    included) took to report the change. None when none of them exists any more."""
     import os
     newest = None
     for _, path in changes:
         try:
-            mtime = os.stat(path).st_mtime_ns
+            mtime = os.stat(path).st_ctime_ns
         except OSError:
             continue
         newest = mtime if newest is None else max(newest, mtime)
@@ -101,7 +105,8 @@ class Updater:
                         f"(diff_mode: {self.config.diff_mode})")
         # yield_on_timeout: the first (empty) round says the watch is in place; a change made between
         # the models' keys at start-up and that moment is then found by one check against those keys.
-        for changes in watchfiles.watch(*paths, debounce=self.spec.watch.debounce_ms, stop_event=self._stop,
+        for changes in watchfiles.watch(*paths, debounce=self.spec.watch.debounce_ms,
+                                        step=max(1, min(WATCH_STEP_MS, self.spec.watch.debounce_ms)), stop_event=self._stop,
                                         rust_timeout=WATCH_TIMEOUT_MS, yield_on_timeout=True,
                                         raise_interrupt=False):
             if not self._watching.is_set():
@@ -180,11 +185,7 @@ class Updater:
         steps["diff"] = self._diff_s
         builder = self.server.builder
         try:
-            start = time.perf_counter()
-            library = builder.build(name)
-            steps["build"] = time.perf_counter() - start
-            installed = self.server.install(name, library, key)
-            steps["load"] = time.perf_counter() - start - steps["build"]
+            installed = self.server.build_and_install(name, key, steps)
         except CuvilError as error:
             return self._report(name, "build_failed", self.server.registry.entries[name].current, seen, str(error),
                                 steps)

@@ -154,23 +154,29 @@ class ServerProcess:
 # --- one request
 
 class Recorder:
-    def __init__(self):
-        self.rows = []  # (model, scheduled, done, status, version, output, sent)
+    def __init__(self, timing=False):
+        self.rows = []  # (model, scheduled, done, status, version, output, sent, server marks)
+        # ask the server for its clock at each stage (response parameters cuvil_received, _parsed,
+        # _started, _computed, _resumed: time.monotonic, the clock of perf_counter here)
+        self.parameters = {"cuvil_timing": True} if timing else None
 
     def send(self, client, model, x, scheduled, keep_output=False):
         sent = time.perf_counter()  # later than `scheduled` when the client itself lags
         tensor = triton.InferInput("x", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x)
+        marks = None
         try:
-            result = client.infer(model, [tensor])
+            result = client.infer(model, [tensor], parameters=self.parameters)
             status = 200
-            version = result.get_response()["model_version"]
+            response = result.get_response()
+            version = response["model_version"]
             output = result.as_numpy("y") if keep_output else None
+            marks = response.get("parameters")
         except triton.InferenceServerException as error:
             status, version, output = int(error.status() or 0), None, error.message()
         except Exception as error:  # noqa: BLE001  a transport failure: counted, never hidden
             status, version, output = -1, None, repr(error)
-        self.rows.append((model, scheduled, time.perf_counter(), status, version, output, sent))
+        self.rows.append((model, scheduled, time.perf_counter(), status, version, output, sent, marks))
 
 
 def inputs():
@@ -194,6 +200,49 @@ def closed_loop(client, seconds, clients) -> float:
     gevent.joinall([gevent.spawn(one) for _ in range(clients)])
     ok = sum(1 for row in rec.rows if row[3] == 200)
     return ok / seconds
+
+
+def class_client(port, model, rate, seconds, start_at, seed, pipe):
+    """In a process of its own: Poisson arrivals of `model` at `rate` per second for `seconds` from
+    `start_at` (perf_counter: the machine's monotonic clock); sends its rows back through `pipe`."""
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}", concurrency=256, connection_timeout=60,
+                                          network_timeout=120)
+    rec, rng, x = Recorder(timing=True), np.random.default_rng(seed), inputs()[model]
+    greenlets = []
+    delay = start_at - time.perf_counter()
+    if delay > 0:
+        gevent.sleep(delay)
+    t = t0 = start_at
+    while t - t0 < seconds:
+        t += rng.exponential(1 / rate)
+        delay = t - time.perf_counter()
+        if delay > 0:
+            gevent.sleep(delay)
+        greenlets.append(gevent.spawn(rec.send, client, model, x, t))
+    gevent.joinall(greenlets, timeout=120)
+    pipe.send([row[:5] + (None if row[3] == 200 else row[5],) + row[6:] for row in rec.rows])
+    pipe.close()
+
+
+def open_loop_processes(port, rate, seconds) -> Recorder:
+    """The request mix at `rate` per second as one client process per model (each its own Poisson
+    arrivals at its share): a class's answers are not held up by another class's load on the
+    client's single gevent thread (the server still shares the cores with all of them)."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    start_at = time.perf_counter() + 3.0  # the processes start (imports) before the load does
+    procs = []
+    for seed, (name, spec) in enumerate(MODELS.items()):
+        ours, theirs = context.Pipe(duplex=False)
+        proc = context.Process(target=class_client, args=(port, name, rate * spec[4], seconds, start_at, 10 + seed,
+                                                          theirs))
+        proc.start()
+        procs.append((proc, ours))
+    rec = Recorder()
+    for proc, pipe in procs:
+        rec.rows += pipe.recv()
+        proc.join(60)
+    return rec
 
 
 def open_loop(client, rate, seconds) -> Recorder:
@@ -232,6 +281,23 @@ def class_table(rec: Recorder, seconds: float) -> dict:
             "within_deadline_from_send": (sum(v <= deadline for v in from_send) / len(ok)) if ok else float("nan"),
             "client_lag_p99_ms": percentile([(r[6] - r[1]) * 1000 for r in rows], 99),
             "answers_per_s": len(ok) / seconds}
+        timed = [r for r in rows if r[3] == 200 and r[7]]
+        if timed:
+            # where an answer's time went, by the server's stamps (one monotonic clock on the machine)
+            stages = {"send_to_handler": lambda r, m: m["cuvil_received"] - r[6],
+                      "parse": lambda r, m: m["cuvil_parsed"] - m["cuvil_received"],
+                      "queue": lambda r, m: m["cuvil_started"] - m["cuvil_parsed"],
+                      "compute": lambda r, m: m["cuvil_computed"] - m["cuvil_started"],
+                      "back_to_loop": lambda r, m: m["cuvil_resumed"] - m["cuvil_computed"],
+                      "answer_to_client": lambda r, m: r[2] - m["cuvil_resumed"]}
+            table[name]["stages_ms"] = {
+                stage: {"p50": percentile([f(r, r[7]) * 1000 for r in timed], 50),
+                        "p99": percentile([f(r, r[7]) * 1000 for r in timed], 99)} for stage, f in stages.items()}
+            # the stages of the answers slower than the class's p99 from the send: what made them slow
+            slow_cut = np.percentile([(r[2] - r[6]) for r in timed], 99)
+            slow = [r for r in timed if r[2] - r[6] >= slow_cut]
+            table[name]["slowest_1pct_stages_mean_ms"] = {
+                stage: float(np.mean([f(r, r[7]) * 1000 for r in slow])) for stage, f in stages.items()}
     return table
 
 
@@ -297,7 +363,9 @@ def main():
             report["capacity_per_s"] = capacity
             print(f"capacity (closed loop): {capacity:.0f} answers/s", flush=True)
             before = server_means(server.port)
-            rec = open_loop(client, args.overload * capacity, args.seconds)
+            load_before = os.getloadavg()
+            rec = open_loop_processes(server.port, args.overload * capacity, args.seconds)
+            report["load_average_overload"] = [load_before, os.getloadavg()]
             report["overload"] = {"offered_per_s": args.overload * capacity, "seconds": args.seconds,
                                   "classes": class_table(rec, args.seconds)}
             after = server_means(server.port)
@@ -309,7 +377,8 @@ def main():
                 within = after[("within", name)][0] - before[("within", name)][0]
                 answered = after[("within", name)][1] - before[("within", name)][1]
                 row["within_deadline_in_server"] = within / answered if answered else float("nan")
-            report["swaps"] = swap_phase(client, folder, capacity / 2, args.swaps)
+            if args.swaps:
+                report["swaps"] = swap_phase(client, folder, capacity / 2, args.swaps)
             if args.resnet:
                 report["resnet18"] = resnet_phase(client, server, folder)
         finally:
@@ -392,7 +461,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     null_swapped = weights.pop("null_edit_swapped")
     sessions = {}
     wrong = 0
-    for _, _, _, status, version, output, _ in rec.rows:
+    for _, _, _, status, version, output, *_ in rec.rows:
         if status != 200:
             continue
         if version not in sessions:

@@ -230,9 +230,16 @@ class Routes:
         except web.HTTPRequestEntityTooLarge:
             metrics.failures.labels(name, "bad_request").inc()
             raise
+        marks = {"received": start, "parsed": time.monotonic()}
+
+        def compute():
+            marks["started"] = time.monotonic()
+            try:
+                return self.registry.run(name, parsed.feeds)
+            finally:
+                marks["computed"] = time.monotonic()
         try:
-            version, outputs, _ = await self.server.dispatcher.run(
-                name, lambda: self.registry.run(name, parsed.feeds))
+            version, outputs, _ = await self.server.dispatcher.run(name, compute)
         except Refused as error:
             metrics.failures.labels(name, "rejected" if error.status == 429 else "shed").inc()
             raise
@@ -242,7 +249,8 @@ class Routes:
         except Exception:
             metrics.failures.labels(name, "error").inc()
             raise
-        body, headers = encode_infer_response(name, version, parsed, outputs)
+        marks["resumed"] = time.monotonic()  # the event loop has the answer back
+        body, headers = encode_infer_response(name, version, parsed, outputs, marks)
         metrics.request_seconds.labels(name).observe(time.monotonic() - start)
         return web.Response(body=body, headers=headers)
 

@@ -84,10 +84,16 @@ class _Model:
 class Scheduler:
     SMOOTHING = 0.2  # weight of the newest compute time in a model's estimate
 
-    def __init__(self, slots: int, max_queue: int = 256, headroom: float = 0.5):
+    def __init__(self, slots: int, max_queue: int = 256, headroom: float = 0.5, reserve: int = 0):
         if slots < 1:
             raise ValueError("the scheduler needs at least one slot")
+        if not 0 <= reserve < slots:
+            raise ValueError("the slots reserved for critical jobs must leave at least one for the others")
         self.slots = slots
+        # slots only critical jobs may take: the others run on `slots - reserve` at most, so a critical
+        # job never waits for a long lower-class run, and the cores left idle by the lower classes
+        # serve HTTP (parsing, answering) while they are overloaded
+        self.reserve = reserve
         self.headroom = headroom
         self.max_queue = max_queue
         self.models: dict[str, _Model] = {}
@@ -126,8 +132,9 @@ class Scheduler:
         queued = sorted(self.queued(), key=lambda j: j.order)
         ahead = [j for j in queued if j.order < job.order]
         behind = [j for j in queued if j.order > job.order]
-        start = now + self._running_work(now) / self.slots
-        finish = start + (sum(self._work(j) for j in ahead) + self._work(job)) / self.slots
+        slots = self._slots_for(job)
+        start = now + self._running_work(now) / slots
+        finish = start + (sum(self._work(j) for j in ahead) + self._work(job)) / slots
         shed = []
         if finish > job.target:
             victims = sorted((j for j in ahead if j.rank > job.rank), key=lambda j: (-j.rank, -j.deadline, -j.seq))
@@ -135,7 +142,7 @@ class Scheduler:
                 if finish <= job.target:
                     break
                 shed.append(victim)
-                finish -= self._work(victim) / self.slots
+                finish -= self._work(victim) / slots
             # Shedding aims at the plan; only a critical job is still admitted when it then ends
             # between its plan and its deadline: the lower classes are the ones that absorb overload.
             if finish > (job.deadline if job.rank == 0 else job.target):
@@ -144,8 +151,8 @@ class Scheduler:
         # Would the newcomer make a more important queued job late?
         pushed = finish
         for other in behind:
-            pushed += self._work(other) / self.slots
-            if other.rank < job.rank and pushed > other.target >= pushed - self._work(job) / self.slots:
+            pushed += self._work(other) / slots
+            if other.rank < job.rank and pushed > other.target >= pushed - self._work(job) / slots:
                 raise Refused(f"model '{job.model}': the server is at capacity for requests of priority "
                               f"{PRIORITIES[job.rank]}", 429, self.drain_time(now))
         for victim in shed:
@@ -158,6 +165,8 @@ class Scheduler:
         started = []
         while True:
             free = self.slots - sum(j.cost for j in self.running)
+            # what the lower classes may still take: the slots less the reserve and their own runs
+            free_lower = self.slots - self.reserve - sum(j.cost for j in self.running if j.rank > 0)
             heads = [min(m.queue, key=lambda j: j.order) for m in self.models.values()
                      if m.queue and m.running < m.max_concurrency]
             if not heads:
@@ -165,6 +174,14 @@ class Scheduler:
             job = min(heads, key=lambda j: j.order)
             if job.cost > free:  # wait for slots rather than let smaller jobs starve it
                 return started
+            # (a lower-class library with more threads than the unreserved slots runs when all are free)
+            if job.rank > 0 and min(job.cost, self.slots - self.reserve) > free_lower:
+                # the earliest is a lower-class job and the rest is reserved: a queued critical job
+                # (a later deadline) may still start now
+                critical = [j for j in heads if j.rank == 0 and j.cost <= free]
+                if not critical:
+                    return started
+                job = min(critical, key=lambda j: j.order)
             model = self.models[job.model]
             model.queue.remove(job)
             model.running += 1
@@ -195,6 +212,10 @@ class Scheduler:
         return [j for m in self.models.values() for j in m.queue]
 
     # --- estimates
+
+    def _slots_for(self, job: Job) -> int:
+        """The slots a job's class may run on: all for a critical one, the unreserved for the others."""
+        return self.slots if job.rank == 0 else self.slots - self.reserve
 
     def _work(self, job: Job) -> float:
         """Slot-seconds of a job."""

@@ -61,7 +61,7 @@ def default_workers() -> int:
 class Server:
     def __init__(self, config_path, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
                  workers: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queue: int = 256,
-                 say=print):
+                 say=print, reserve: int | None = None):
         self.config_path = Path(config_path)
         self.spec = load_config(self.config_path)
         self.host, self.port, self.token = host, port, token
@@ -71,7 +71,11 @@ class Server:
         self.metrics = Metrics()
         # one folder per server process: two servers of one project never remove each other's copies
         self.registry = Registry(self.spec.models, store_folder(self.spec.output_dir), say)
-        self.scheduler = Scheduler(self.workers, max_queue=max_queue)
+        priorities = {model.serve.priority for model in self.spec.models}
+        # one compute slot kept for the critical models when others share the pool (scheduler.py)
+        if reserve is None:
+            reserve = 1 if self.workers >= 2 and "critical" in priorities and len(priorities) > 1 else 0
+        self.scheduler = Scheduler(self.workers, max_queue=max_queue, reserve=min(reserve, self.workers - 1))
         for model in self.spec.models:
             s = model.serve
             self.scheduler.add_model(model.name, s.priority, s.deadline_ms, s.max_concurrency, model.threads)

@@ -52,6 +52,11 @@ class Dispatcher:
         self.scheduler, self.executor, self.metrics = scheduler, executor, metrics
         self.lock = threading.Lock()  # guards the scheduler: the loop and the compute threads call it
 
+    def precheck(self, model: str):
+        """Raise Refused if a request of `model` arriving now would be refused (scheduler.precheck)."""
+        with self.lock:
+            self.scheduler.precheck(model, time.monotonic())
+
     async def run(self, model: str, fn):
         """Queue `fn` as a job of `model`; wait for its result (or Refused)."""
         loop = asyncio.get_running_loop()
@@ -221,6 +226,14 @@ class Routes:
         metrics.requests.labels(name).inc()
         try:
             entry, current = self._version(request)
+            self.server.dispatcher.precheck(name)  # under overload: refused before the body is read
+        except Refused as error:
+            metrics.failures.labels(name, "rejected" if error.status == 429 else "shed").inc()
+            raise
+        except RequestError as error:
+            metrics.failures.labels(name, "unavailable" if error.status == 503 else "bad_request").inc()
+            raise
+        try:
             body = await request.read()
             parsed = parse_infer_request(body, request.headers.get("Inference-Header-Content-Length"),
                                          current.signature, name)

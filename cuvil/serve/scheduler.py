@@ -125,6 +125,21 @@ class Scheduler:
 
     def offer(self, job: Job, now: float) -> list[Job]:
         """Queue `job`, or raise Refused (429). Returns the queued jobs shed (503) to make room for it."""
+        shed = self._plan(job, now)
+        for victim in shed:
+            self.models[victim.model].queue.remove(victim)
+        self.models[job.model].queue.append(job)
+        return shed
+
+    def precheck(self, model: str, now: float) -> None:
+        """Raise Refused if a job of `model` arriving now would be refused; change nothing. The server
+        asks before it reads a request's body, so a refusal under overload costs little."""
+        m = self.models[model]
+        self._plan(Job(model, now + m.deadline_s, now, now + self.headroom * m.deadline_s, None,
+                       RANKS[m.priority], m.cost, next(self._seq)), now)
+
+    def _plan(self, job: Job, now: float) -> list[Job]:
+        """Admission of `job` (see the module docstring): the queued jobs to shed for it, or Refused."""
         model = self.models[job.model]
         if len(model.queue) >= self.max_queue:
             raise Refused(f"model '{job.model}': its queue is full ({self.max_queue} requests)", 503,
@@ -155,9 +170,6 @@ class Scheduler:
             if other.rank < job.rank and pushed > other.target >= pushed - self._work(job) / slots:
                 raise Refused(f"model '{job.model}': the server is at capacity for requests of priority "
                               f"{PRIORITIES[job.rank]}", 429, self.drain_time(now))
-        for victim in shed:
-            self.models[victim.model].queue.remove(victim)
-        model.queue.append(job)
         return shed
 
     def dispatch(self, now: float) -> list[Job]:

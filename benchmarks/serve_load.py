@@ -137,6 +137,11 @@ class ServerProcess:
         for line in self.proc.stdout:
             self.lines.append(line)
 
+    def cpu_seconds(self) -> float:
+        """The server process's CPU time so far (user + system, all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -245,9 +250,9 @@ def open_loop_processes(port, rate, seconds) -> Recorder:
     return rec
 
 
-def open_loop(client, rate, seconds) -> Recorder:
+def open_loop(client, rate, seconds, timing=False) -> Recorder:
     """Poisson arrivals of the request mix at `rate` per second for `seconds`."""
-    rec, rng, xs = Recorder(), np.random.default_rng(2), inputs()
+    rec, rng, xs = Recorder(timing), np.random.default_rng(2), inputs()
     greenlets, t0 = [], time.perf_counter()
     t = t0
     while t - t0 < seconds:
@@ -342,6 +347,8 @@ def main():
     parser.add_argument("--rebuilds", type=int, metavar="N",
                         help="only phase 5: a server of ResNet-18 alone, its one-weight change timed N times")
     parser.add_argument("--cache", type=Path, default=ROOT / ".cuvil-cache" / "bench", help="the step cache")
+    parser.add_argument("--client-per-class", action="store_true",
+                        help="overload phase: one client process per model instead of one for all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.rebuilds:
@@ -364,10 +371,16 @@ def main():
             print(f"capacity (closed loop): {capacity:.0f} answers/s", flush=True)
             before = server_means(server.port)
             load_before = os.getloadavg()
-            rec = open_loop_processes(server.port, args.overload * capacity, args.seconds)
+            cpu_before, client_cpu_before = server.cpu_seconds(), time.process_time()
+            if args.client_per_class:
+                rec = open_loop_processes(server.port, args.overload * capacity, args.seconds)
+            else:
+                rec = open_loop(client, args.overload * capacity, args.seconds, timing=True)
+            report["overload"] = {"server_cpu_cores": (server.cpu_seconds() - cpu_before) / args.seconds,
+                                  "client_cpu_cores": (time.process_time() - client_cpu_before) / args.seconds}
             report["load_average_overload"] = [load_before, os.getloadavg()]
-            report["overload"] = {"offered_per_s": args.overload * capacity, "seconds": args.seconds,
-                                  "classes": class_table(rec, args.seconds)}
+            report["overload"].update({"offered_per_s": args.overload * capacity, "seconds": args.seconds,
+                                       "classes": class_table(rec, args.seconds)})
             after = server_means(server.port)
             for name, row in report["overload"]["classes"].items():
                 for what in ("queue", "compute"):

@@ -134,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--reserve-critical", type=int, default=None, metavar="N",
                        help="compute threads only critical models may use (default: 1 when there are 2 or more "
                             "threads and both critical and other models, else 0)")
+    serve.add_argument("--nice-lower", type=int, default=10, metavar="N",
+                       help="run the non-critical models' requests on threads N nice levels lower than the rest "
+                            "(default 10; 0: the same), when there are critical models")
     serve.add_argument("--max-body-mb", type=_positive_int, default=64, metavar="MB",
                        help="largest request body accepted (default 64)")
     serve.add_argument("--stop-after", type=float, default=None, help=argparse.SUPPRESS)
@@ -566,7 +569,8 @@ def cmd_serve(args) -> int:
     if args.reserve_critical is not None and args.reserve_critical < 0:
         raise CuvilError("--reserve-critical must be 0 or more")
     server = Server(args.file, host=args.host, port=args.port, token=token, workers=args.workers,
-                    max_body_bytes=args.max_body_mb * 1024 * 1024, say=_say, reserve=args.reserve_critical)
+                    max_body_bytes=args.max_body_mb * 1024 * 1024, say=_say, reserve=args.reserve_critical,
+                    lower_nice=max(0, args.nice_lower))
     server.serve_forever(stop_after=args.stop_after)
     return EXIT_OK
 

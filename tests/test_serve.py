@@ -162,6 +162,12 @@ def test_timing_parameter_returns_the_servers_clock_at_each_stage(server):
     assert "parameters" not in infer(c, "affine", x).get_response()  # only when asked
     # affine is critical and scale is not: one compute thread is kept for affine when there are two
     assert server.scheduler.reserve == (1 if server.workers >= 2 else 0)
+    # and scale's runs go to threads 10 nice levels below the rest
+    x = x_scale(1)
+    assert_close(infer(c, "scale", x).as_numpy("y"), run_ort(scale_model(serving_factor(server)[1]), {"x": x})["y"])
+    lower = list(server.lower_executor._threads)
+    assert lower and all(os.getpriority(os.PRIO_PROCESS, t.native_id) == os.getpriority(os.PRIO_PROCESS, 0) + 10
+                         for t in lower)
 
 
 def test_infer_one_output_and_default_outputs(server):

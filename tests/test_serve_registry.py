@@ -55,13 +55,13 @@ def test_in_flight_requests_finish_on_the_old_library_which_is_then_unloaded(tmp
 
     installed = registry.install("m", libraries[1])
     assert installed.outcome == "swapped" and old.retired and old.library is not None  # still running there
-    version, outputs, _ = registry.run("m", {"x": x})
+    version, outputs, *_ = registry.run("m", {"x": x})
     assert version == installed.version.version
     np.testing.assert_array_equal(outputs["y"], 3 * x)
 
     held.release.set()
     running.join(60)
-    version, outputs, _ = result["old"]
+    version, outputs, *_ = result["old"]
     assert version == old.version
     np.testing.assert_array_equal(outputs["y"], 2 * x)
     assert old.library is None and not old.path.exists()  # closed and unloaded

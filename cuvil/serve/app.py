@@ -48,8 +48,10 @@ class Dispatcher:
     is busy parsing requests under load; only the answer goes back to the loop.
     """
 
-    def __init__(self, scheduler, executor, metrics):
+    def __init__(self, scheduler, executor, metrics, lower_executor=None):
         self.scheduler, self.executor, self.metrics = scheduler, executor, metrics
+        # the jobs of the lower classes run on threads of their own when given (at a lower OS priority)
+        self.lower_executor = lower_executor or executor
         self.lock = threading.Lock()  # guards the scheduler: the loop and the compute threads call it
 
     def precheck(self, model: str):
@@ -85,19 +87,19 @@ class Dispatcher:
             jobs = self.scheduler.dispatch(now)
         for job in jobs:
             self.metrics.queue_seconds.labels(job.model).observe(now - job.arrival)
-            self.executor.submit(self._work, job)
+            (self.executor if job.rank == 0 else self.lower_executor).submit(self._work, job)
 
     def _work(self, job):
         """On a compute thread: run the job, free its slots, start what comes next, then answer."""
         fn, loop, future = job.payload
-        compute_s, outcome, failed = None, None, False
+        compute_s, work_s, outcome, failed = None, None, None, False
         try:
             outcome = fn()
-            compute_s = outcome[2]
+            compute_s, work_s = outcome[2], outcome[3]
         except BaseException as error:  # noqa: BLE001  handed to the waiting request
             outcome, failed = error, True
         with self.lock:
-            self.scheduler.finish(job, compute_s)
+            self.scheduler.finish(job, work_s)
         if compute_s is not None:
             self.metrics.compute_seconds.labels(job.model).observe(compute_s)
             if time.monotonic() > job.deadline:
@@ -252,7 +254,7 @@ class Routes:
             finally:
                 marks["computed"] = time.monotonic()
         try:
-            version, outputs, _ = await self.server.dispatcher.run(name, compute)
+            version, outputs, *_ = await self.server.dispatcher.run(name, compute)
         except Refused as error:
             metrics.failures.labels(name, "rejected" if error.status == 429 else "shed").inc()
             raise

@@ -62,6 +62,15 @@ def event_loop_factory():
     return uvloop.new_event_loop
 
 
+def _lower_priority(nice: int):
+    """In a new compute thread of the lower classes: raise its nice value by `nice` (a thread may
+    always lower its own priority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except (AttributeError, OSError):
+        pass
+
+
 def default_workers() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -72,7 +81,7 @@ def default_workers() -> int:
 class Server:
     def __init__(self, config_path, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
                  workers: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queue: int = 256,
-                 say=print, reserve: int | None = None):
+                 say=print, reserve: int | None = None, lower_nice: int = 10):
         self.config_path = Path(config_path)
         self.spec = load_config(self.config_path)
         self.host, self.port, self.token = host, port, token
@@ -91,7 +100,13 @@ class Server:
             s = model.serve
             self.scheduler.add_model(model.name, s.priority, s.deadline_ms, s.max_concurrency, model.threads)
         self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="cuvil-serve-compute")
-        self.dispatcher = Dispatcher(self.scheduler, self.executor, self.metrics)
+        # the lower classes' runs on threads of a lower OS priority (nice +lower_nice): on a machine
+        # short of cores, the HTTP event loop and the critical runs get the CPU first
+        self.lower_executor = None
+        if lower_nice and "critical" in priorities and len(priorities) > 1:
+            self.lower_executor = ThreadPoolExecutor(self.workers, thread_name_prefix="cuvil-serve-lower",
+                                                     initializer=_lower_priority, initargs=(lower_nice,))
+        self.dispatcher = Dispatcher(self.scheduler, self.executor, self.metrics, self.lower_executor)
         self.builder = Builder(self.config_path)
         self.updater = Updater(self) if self.spec.incremental.enabled else None
         self._install_lock = threading.Lock()
@@ -216,6 +231,8 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.lower_executor is not None:
+            self.lower_executor.shutdown(wait=True, cancel_futures=True)
         self.builder.close()
         self.registry.close()
 

@@ -211,3 +211,21 @@ def test_a_lower_class_library_wider_than_the_unreserved_slots_runs_when_all_are
 def test_the_reserve_must_leave_a_slot():
     with pytest.raises(ValueError):
         Scheduler(2, reserve=2)
+
+
+def test_refusals_let_an_inflated_estimate_decay_back_to_the_warm_up_measure():
+    # one run stalled for 500 ms (a busy machine) raises the 1 ms model's estimate past its 50 ms
+    # deadline; refused requests bring no new runs, so each refusal takes a tenth of the excess back
+    s = scheduler(crit=("critical", 50, 1))
+    job, _ = offer(s, "crit")
+    s.dispatch(0.0)
+    s.finish(job, 0.5)
+    assert s.models["crit"].estimate_s > 0.05
+    refusals = 0
+    while True:
+        try:
+            offer(s, "crit", now=1.0 + refusals)
+            break
+        except Refused:
+            refusals += 1
+    assert 0 < refusals < 40 and s.models["crit"].estimate_s <= 0.05

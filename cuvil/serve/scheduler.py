@@ -77,6 +77,7 @@ class _Model:
     estimate_s: float  # what admission plans with: mean + 2 x deviation
     mean_s: float = 0.0
     deviation_s: float = 0.0
+    base_s: float = 0.0  # the warm-up's measure: what a refusal lets the estimate decay towards
     queue: list[Job] = field(default_factory=list)
     running: int = 0
 
@@ -106,11 +107,11 @@ class Scheduler:
                   threads: int = 1, estimate_s: float = 0.001):
         # A library built for more threads than the pool has still runs: on all of it.
         self.models[name] = _Model(priority, deadline_ms / 1000, max_concurrency, min(threads, self.slots),
-                                   estimate_s, estimate_s)
+                                   estimate_s, estimate_s, base_s=estimate_s)
 
     def set_estimate(self, name: str, seconds: float):
         model = self.models[name]
-        model.estimate_s = model.mean_s = seconds
+        model.estimate_s = model.mean_s = model.base_s = seconds
         model.deviation_s = 0.0
 
     def set_threads(self, name: str, threads: int):
@@ -161,6 +162,7 @@ class Scheduler:
             # Shedding aims at the plan; only a critical job is still admitted when it then ends
             # between its plan and its deadline: the lower classes are the ones that absorb overload.
             if finish > (job.deadline if job.rank == 0 else job.target):
+                self._decay(model)
                 raise Refused(f"model '{job.model}': the server is at capacity; this request would miss its "
                               f"{(job.deadline - job.arrival) * 1000:.0f} ms deadline", 429, self.drain_time(now))
         # Would the newcomer make a more important queued job late?
@@ -211,6 +213,14 @@ class Scheduler:
             model.mean_s += self.SMOOTHING * error
             model.deviation_s += self.SMOOTHING * (abs(error) - model.deviation_s)
             model.estimate_s = model.mean_s + 2 * model.deviation_s
+
+    def _decay(self, model: _Model):
+        """A refused job brings no measurement: without this, one run stalled on a busy machine could
+        raise a model's estimate past its deadline and have every later request refused. Each refusal
+        takes a tenth of the estimate's excess over the warm-up's measure back."""
+        model.mean_s = model.base_s + 0.9 * max(0.0, model.mean_s - model.base_s)
+        model.deviation_s *= 0.9
+        model.estimate_s = model.mean_s + 2 * model.deviation_s
 
     def discard(self, job: Job) -> bool:
         """Forget a queued job (its client went away); False if it is not queued."""

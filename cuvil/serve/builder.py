@@ -160,6 +160,13 @@ def _keys_job(config_path: str, names: list[str], diff_mode: str) -> dict:
 # server loads the installed library meanwhile); the next build waits for them first (the entries are
 # written atomically, so nothing reads half of one; waiting bounds the memory and the disk traffic).
 _PENDING_WRITES: list[threading.Thread] = []
+_WRITE_ERRORS: list[str] = []  # what those writes could not do, for the next answer to report
+
+
+def _write_errors() -> list[str]:
+    errors = list(_WRITE_ERRORS)
+    _WRITE_ERRORS.clear()
+    return errors
 
 
 def _wait_for_writes():
@@ -179,6 +186,7 @@ def _build_job(config_path: str, name: str, stage: str | None = None) -> dict:
     from ..project import build_project
     start = time.perf_counter()
     _wait_for_writes()
+    warnings = _write_errors()
     timings = {"wait_writes": time.perf_counter() - start}
     try:
         spec = load_config(config_path)
@@ -187,9 +195,9 @@ def _build_job(config_path: str, name: str, stage: str | None = None) -> dict:
         result = build_project(spec, [name], progress=None, defer_cache_writes=True, timings=timings,
                                folder_of=folder_of)
     except CuvilError as error:
-        return {"error": str(error)}
+        return {"error": str(error), "warnings": warnings}
     served = next(a for a in result.artifacts if a.info["target"] == model.targets[0])
-    answer = {"library": str(served.library)}
+    answer = {"library": str(served.library), "warnings": warnings}
     if stage:
         t0 = time.perf_counter()
         answer["sha256"] = file_sha256(served.library)
@@ -200,10 +208,14 @@ def _build_job(config_path: str, name: str, stage: str | None = None) -> dict:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         except (AttributeError, OSError):
             pass
-        if stage:  # the output folder as `cuvil build` leaves it, from the outputs still in memory
-            for model_name, target, final in result.finals:
-                install(result.dag.get(final), spec.output_dir / model_name / target)
-        result.dag.flush()
+        try:
+            if stage:  # the output folder as `cuvil build` leaves it, from the outputs still in memory
+                for model_name, target, final in result.finals:
+                    install(result.dag.get(final), spec.output_dir / model_name / target)
+            result.dag.flush()
+        except Exception as error:  # noqa: BLE001  reported with the next answer (the build has served)
+            _WRITE_ERRORS.append(f"model '{name}': writing the output folder or the step cache after the "
+                                 f"build failed: {error}")
     writes = threading.Thread(target=after_answer, name="cuvil-cache-writes", daemon=True)
     writes.start()
     _PENDING_WRITES.append(writes)
@@ -237,9 +249,9 @@ def _exit_with_parent(parent: int):
     threading.Thread(target=watch, name="cuvil-build-worker-watch", daemon=True).start()
 
 
-def _settle_job() -> bool:
+def _settle_job() -> list[str]:
     _wait_for_writes()
-    return True
+    return _write_errors()
 
 
 def _warm_job() -> bool:
@@ -262,6 +274,7 @@ class Builder:
         self.config_path = str(config_path)
         self._pool = None
         self.timings: dict = {}  # seconds of the last build's parts in the worker (plan, steps by kind, install)
+        self.warnings: list[str] = []  # what the worker's writes after the build before failed to do
 
     def _call(self, fn, *args):
         for attempt in (1, 2):
@@ -279,9 +292,10 @@ class Builder:
     def warm(self):
         self._call(_warm_job)
 
-    def settle(self):
-        """Wait until the worker has written what it defers (the output folder, the cache entries)."""
-        self._call(_settle_job)
+    def settle(self) -> list[str]:
+        """Wait until the worker has written what it defers (the output folder, the cache entries);
+        what it could not write."""
+        return self._call(_settle_job)
 
     def keys(self, names: list[str], diff_mode: str) -> dict[str, dict]:
         """{model: {"key": ...} or {"error": ...}} from the config as it is on disk now."""
@@ -297,6 +311,7 @@ class Builder:
         import time
         start = time.perf_counter()
         result = self._call(_build_job, self.config_path, name, str(stage) if stage else None)
+        self.warnings = result.get("warnings", [])
         if "error" in result:
             raise BuildFailed(result["error"])
         self.timings = dict(result.get("timings", {}))

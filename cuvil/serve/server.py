@@ -52,9 +52,8 @@ def store_folder(output_dir: Path) -> Path:
 
 
 def event_loop_factory():
-    """uvloop's event loop when it is installed (the `serve` extra installs it: the HTTP side costs about
-    half as much CPU per request, which is what a critical request waits for under overload), else
-    asyncio's."""
+    """uvloop's event loop when it is installed (the `serve` extra installs it: a faster event loop for
+    the HTTP side, whose backlog is what a critical request waits for under overload), else asyncio's."""
     try:
         import uvloop
     except ImportError:
@@ -140,7 +139,8 @@ class Server:
             if key is None and self.updater is not None:  # what hot updates compare the next change with
                 key = self.updater.keys([name]).get(name, {}).get("key")
             installed = self.build_and_install(name, key)
-            self.builder.settle()  # a load returns with the output folder written (a hot update does not wait)
+            for warning in self.builder.settle():  # a load returns with the output folder written
+                self.say(f"warning: {warning}")     # (a hot update does not wait for it)
         except CuvilError as error:
             self.registry.fail(name, str(error))
             return str(error)
@@ -154,7 +154,11 @@ class Server:
         stage = self.registry.stage(name)
         try:
             start = time.perf_counter()
-            built = self.builder.build(name, stage)
+            try:
+                built = self.builder.build(name, stage)
+            finally:
+                for warning in self.builder.warnings:
+                    self.say(f"warning: {warning}")
             middle = time.perf_counter()
             installed = self.install(name, built.library, key, built.sha256)
             if steps is not None:

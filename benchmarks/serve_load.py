@@ -17,19 +17,27 @@ in this process. Phases:
 2. capacity: closed loop, 4 clients per compute thread, the request mix
    below: answers per second;
 3. overload: open loop (Poisson arrivals) at `--overload` x capacity for
-   `--seconds`; per class: sent, answered, 429, 503, other failures, p50/p99
-   latency from the scheduled send to the answer, share of answers within
-   the deadline;
+   `--seconds` (capacity measured in the same run, just before); per class:
+   sent, answered, 429, 503, other failures, p50/p99 latency from the
+   scheduled send to the answer, share of answers within the deadline, and
+   where the time went by the server's own clock (request parameter
+   `cuvil_timing`: send -> handler, parse, queue, compute, back to the event
+   loop, answer -> client; p50/p99 and the mean over the slowest 1 %); the
+   server's and the client's CPU (cores) during the phase;
 4. hot swaps: at half capacity, `--swaps` rewrites of fraud.onnx with new
    weights, then one semantically null edit (internal names changed). Every
    answer is checked against onnxruntime on the weights of the version that
    answered; reports failed requests, time from the write to the first new
    answer, the longest gap between two answers of fraud (and the median gap);
 5. with --resnet: one weight of ResNet-18 changed; time from the write until
-   the server reports the new version, and the server's own measure (change
-   seen -> new version serving).
+   the first answer of the new version (the metadata names it, then one
+   request), and the parts of the server's own measure (watch notice, diff,
+   the build's parts in the worker, load, warm-up, swap). `--rebuilds N`
+   runs this phase alone N times on a server of ResNet-18 alone and reports
+   the medians.
 
     python benchmarks/serve_load.py [--seconds 20] [--swaps 20] [--overload 2] [--resnet] [--json out.json]
+    python benchmarks/serve_load.py --rebuilds 12
 """
 from __future__ import annotations
 
@@ -442,8 +450,11 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     def swapper(t0):
         version = first
         gevent.sleep(1.0)
+        # the file is written on a thread of gevent's pool: a write blocks on a busy disk for tens of
+        # ms, which on the hub would stall this client's requests and show as a gap in the answers
+        pool = gevent.get_hub().threadpool
         for seed in range(1, swaps + 1):
-            save(versions[seed], path)
+            pool.apply(save, (versions[seed], path))
             written = time.perf_counter()
             version, seen = wait_version(client, model_name, version)
             weights[version] = seed
@@ -451,7 +462,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
             windows.append((written, seen + 0.1))
             gevent.sleep(0.3)
         # a semantically null edit: the same weights, every internal name changed
-        save(null_edit, path)
+        pool.apply(save, (null_edit, path))
         gevent.sleep(2.0)
         null_version = client.get_model_metadata(model_name)["versions"][0]
         weights["null_edit_swapped"] = null_version != version
@@ -460,7 +471,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     # requests at a constant rate (not Poisson: a pause must stand out from the gaps between
     # arrivals) until the swapper is done
     start = time.perf_counter()
-    rec = Recorder()
+    rec = Recorder(timing=True)
     side = gevent.spawn(swapper, start)
     greenlets, t = [], start
     while not side.ready():
@@ -497,6 +508,16 @@ def swap_phase(client, folder, rate, swaps) -> dict:
               "latency_otherwise_ms": {"p50": percentile(outside, 50), "p99": percentile(outside, 99),
                                        "max": max(outside, default=float("nan")), "n": len(outside)},
               "offered_per_s": rate, "null_edit_swapped": null_swapped}
+    # the answers around the longest gaps: where their time went (server stamps, as in class_table)
+    timed = sorted((r for r in rec.rows if r[3] == 200 and r[7]), key=lambda r: r[2])
+    slow = sorted(timed, key=lambda r: r[2] - r[6])[-10:]
+    result["slowest_answers_stages_ms"] = [
+        {"total": (r[2] - r[6]) * 1000, "send_to_handler": (r[7]["cuvil_received"] - r[6]) * 1000,
+         "queue": (r[7]["cuvil_started"] - r[7]["cuvil_parsed"]) * 1000,
+         "compute": (r[7]["cuvil_computed"] - r[7]["cuvil_started"]) * 1000,
+         "back_to_loop": (r[7]["cuvil_resumed"] - r[7]["cuvil_computed"]) * 1000,
+         "answer_to_client": (r[2] - r[7]["cuvil_resumed"]) * 1000,
+         "in_swap_window": any(a <= r[6] <= b for a, b in windows)} for r in slow]
     print(f"  swaps: {result}", flush=True)
     return result
 

@@ -510,6 +510,10 @@ def swap_phase(client, folder, rate, swaps) -> dict:
               "offered_per_s": rate, "null_edit_swapped": null_swapped}
     # the answers around the longest gaps: where their time went (server stamps, as in class_table)
     timed = sorted((r for r in rec.rows if r[3] == 200 and r[7]), key=lambda r: r[2])
+    # the longest gap between two answers as the server gave them (its event loop had them back): the
+    # pauses of the server alone, without this client's own (the gap above counts both)
+    resumed = np.sort([r[7]["cuvil_resumed"] for r in timed])
+    result["longest_gap_in_server_ms"] = float(np.diff(resumed).max() * 1000) if len(resumed) > 1 else 0.0
     slow = sorted(timed, key=lambda r: r[2] - r[6])[-10:]
     result["slowest_answers_stages_ms"] = [
         {"total": (r[2] - r[6]) * 1000, "send_to_handler": (r[7]["cuvil_received"] - r[6]) * 1000,

@@ -94,8 +94,12 @@ def mlp(batch, sizes, seed, rename=False):
 
 
 def save(model, path: Path):
+    save_bytes(model.SerializeToString(), path)
+
+
+def save_bytes(data: bytes, path: Path):
     partial = path.with_suffix(".partial")
-    partial.write_bytes(model.SerializeToString())
+    partial.write_bytes(data)
     partial.replace(path)
 
 
@@ -444,8 +448,10 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     # made before the load starts: building a model takes the client's only thread for ~0.1 s,
     # which would show up as a pause in the answers
     path = folder / "models" / f"{model_name}.onnx"
+    # serialized beforehand too: SerializeToString holds the GIL for tens of ms (a client-side gap)
     versions = {seed: mlp(batch, sizes, seed=seed) for seed in range(1, swaps + 1)}
-    null_edit = mlp(batch, sizes, seed=swaps, rename=True)
+    null_edit = mlp(batch, sizes, seed=swaps, rename=True).SerializeToString()
+    files = {seed: model.SerializeToString() for seed, model in versions.items()}
 
     def swapper(t0):
         version = first
@@ -454,7 +460,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
         # ms, which on the hub would stall this client's requests and show as a gap in the answers
         pool = gevent.get_hub().threadpool
         for seed in range(1, swaps + 1):
-            pool.apply(save, (versions[seed], path))
+            pool.apply(save_bytes, (files[seed], path))
             written = time.perf_counter()
             version, seen = wait_version(client, model_name, version)
             weights[version] = seed
@@ -462,7 +468,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
             windows.append((written, seen + 0.1))
             gevent.sleep(0.3)
         # a semantically null edit: the same weights, every internal name changed
-        pool.apply(save, (null_edit, path))
+        pool.apply(save_bytes, (null_edit, path))
         gevent.sleep(2.0)
         null_version = client.get_model_metadata(model_name)["versions"][0]
         weights["null_edit_swapped"] = null_version != version

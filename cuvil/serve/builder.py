@@ -27,9 +27,9 @@ import json
 import multiprocessing
 import os
 import threading
-from dataclasses import dataclass
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

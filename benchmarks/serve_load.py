@@ -17,19 +17,27 @@ in this process. Phases:
 2. capacity: closed loop, 4 clients per compute thread, the request mix
    below: answers per second;
 3. overload: open loop (Poisson arrivals) at `--overload` x capacity for
-   `--seconds`; per class: sent, answered, 429, 503, other failures, p50/p99
-   latency from the scheduled send to the answer, share of answers within
-   the deadline;
+   `--seconds` (capacity measured in the same run, just before); per class:
+   sent, answered, 429, 503, other failures, p50/p99 latency from the
+   scheduled send to the answer, share of answers within the deadline, and
+   where the time went by the server's own clock (request parameter
+   `cuvil_timing`: send -> handler, parse, queue, compute, back to the event
+   loop, answer -> client; p50/p99 and the mean over the slowest 1 %); the
+   server's and the client's CPU (cores) during the phase;
 4. hot swaps: at half capacity, `--swaps` rewrites of fraud.onnx with new
    weights, then one semantically null edit (internal names changed). Every
    answer is checked against onnxruntime on the weights of the version that
    answered; reports failed requests, time from the write to the first new
    answer, the longest gap between two answers of fraud (and the median gap);
 5. with --resnet: one weight of ResNet-18 changed; time from the write until
-   the server reports the new version, and the server's own measure (change
-   seen -> new version serving).
+   the first answer of the new version (the metadata names it, then one
+   request), and the parts of the server's own measure (watch notice, diff,
+   the build's parts in the worker, load, warm-up, swap). `--rebuilds N`
+   runs this phase alone N times on a server of ResNet-18 alone and reports
+   the medians.
 
     python benchmarks/serve_load.py [--seconds 20] [--swaps 20] [--overload 2] [--resnet] [--json out.json]
+    python benchmarks/serve_load.py --rebuilds 12
 """
 from __future__ import annotations
 
@@ -86,8 +94,12 @@ def mlp(batch, sizes, seed, rename=False):
 
 
 def save(model, path: Path):
+    save_bytes(model.SerializeToString(), path)
+
+
+def save_bytes(data: bytes, path: Path):
     partial = path.with_suffix(".partial")
-    partial.write_bytes(model.SerializeToString())
+    partial.write_bytes(data)
     partial.replace(path)
 
 
@@ -137,6 +149,11 @@ class ServerProcess:
         for line in self.proc.stdout:
             self.lines.append(line)
 
+    def cpu_seconds(self) -> float:
+        """The server process's CPU time so far (user + system, all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -154,23 +171,29 @@ class ServerProcess:
 # --- one request
 
 class Recorder:
-    def __init__(self):
-        self.rows = []  # (model, scheduled, done, status, version, output, sent)
+    def __init__(self, timing=False):
+        self.rows = []  # (model, scheduled, done, status, version, output, sent, server marks)
+        # ask the server for its clock at each stage (response parameters cuvil_received, _parsed,
+        # _started, _computed, _resumed: time.monotonic, the clock of perf_counter here)
+        self.parameters = {"cuvil_timing": True} if timing else None
 
     def send(self, client, model, x, scheduled, keep_output=False):
         sent = time.perf_counter()  # later than `scheduled` when the client itself lags
         tensor = triton.InferInput("x", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x)
+        marks = None
         try:
-            result = client.infer(model, [tensor])
+            result = client.infer(model, [tensor], parameters=self.parameters)
             status = 200
-            version = result.get_response()["model_version"]
+            response = result.get_response()
+            version = response["model_version"]
             output = result.as_numpy("y") if keep_output else None
+            marks = response.get("parameters")
         except triton.InferenceServerException as error:
             status, version, output = int(error.status() or 0), None, error.message()
         except Exception as error:  # noqa: BLE001  a transport failure: counted, never hidden
             status, version, output = -1, None, repr(error)
-        self.rows.append((model, scheduled, time.perf_counter(), status, version, output, sent))
+        self.rows.append((model, scheduled, time.perf_counter(), status, version, output, sent, marks))
 
 
 def inputs():
@@ -196,9 +219,52 @@ def closed_loop(client, seconds, clients) -> float:
     return ok / seconds
 
 
-def open_loop(client, rate, seconds) -> Recorder:
+def class_client(port, model, rate, seconds, start_at, seed, pipe):
+    """In a process of its own: Poisson arrivals of `model` at `rate` per second for `seconds` from
+    `start_at` (perf_counter: the machine's monotonic clock); sends its rows back through `pipe`."""
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}", concurrency=256, connection_timeout=60,
+                                          network_timeout=120)
+    rec, rng, x = Recorder(timing=True), np.random.default_rng(seed), inputs()[model]
+    greenlets = []
+    delay = start_at - time.perf_counter()
+    if delay > 0:
+        gevent.sleep(delay)
+    t = t0 = start_at
+    while t - t0 < seconds:
+        t += rng.exponential(1 / rate)
+        delay = t - time.perf_counter()
+        if delay > 0:
+            gevent.sleep(delay)
+        greenlets.append(gevent.spawn(rec.send, client, model, x, t))
+    gevent.joinall(greenlets, timeout=120)
+    pipe.send([row[:5] + (None if row[3] == 200 else row[5],) + row[6:] for row in rec.rows])
+    pipe.close()
+
+
+def open_loop_processes(port, rate, seconds) -> Recorder:
+    """The request mix at `rate` per second as one client process per model (each its own Poisson
+    arrivals at its share): a class's answers are not held up by another class's load on the
+    client's single gevent thread (the server still shares the cores with all of them)."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    start_at = time.perf_counter() + 3.0  # the processes start (imports) before the load does
+    procs = []
+    for seed, (name, spec) in enumerate(MODELS.items()):
+        ours, theirs = context.Pipe(duplex=False)
+        proc = context.Process(target=class_client, args=(port, name, rate * spec[4], seconds, start_at, 10 + seed,
+                                                          theirs))
+        proc.start()
+        procs.append((proc, ours))
+    rec = Recorder()
+    for proc, pipe in procs:
+        rec.rows += pipe.recv()
+        proc.join(60)
+    return rec
+
+
+def open_loop(client, rate, seconds, timing=False) -> Recorder:
     """Poisson arrivals of the request mix at `rate` per second for `seconds`."""
-    rec, rng, xs = Recorder(), np.random.default_rng(2), inputs()
+    rec, rng, xs = Recorder(timing), np.random.default_rng(2), inputs()
     greenlets, t0 = [], time.perf_counter()
     t = t0
     while t - t0 < seconds:
@@ -232,6 +298,23 @@ def class_table(rec: Recorder, seconds: float) -> dict:
             "within_deadline_from_send": (sum(v <= deadline for v in from_send) / len(ok)) if ok else float("nan"),
             "client_lag_p99_ms": percentile([(r[6] - r[1]) * 1000 for r in rows], 99),
             "answers_per_s": len(ok) / seconds}
+        timed = [r for r in rows if r[3] == 200 and r[7]]
+        if timed:
+            # where an answer's time went, by the server's stamps (one monotonic clock on the machine)
+            stages = {"send_to_handler": lambda r, m: m["cuvil_received"] - r[6],
+                      "parse": lambda r, m: m["cuvil_parsed"] - m["cuvil_received"],
+                      "queue": lambda r, m: m["cuvil_started"] - m["cuvil_parsed"],
+                      "compute": lambda r, m: m["cuvil_computed"] - m["cuvil_started"],
+                      "back_to_loop": lambda r, m: m["cuvil_resumed"] - m["cuvil_computed"],
+                      "answer_to_client": lambda r, m: r[2] - m["cuvil_resumed"]}
+            table[name]["stages_ms"] = {
+                stage: {"p50": percentile([f(r, r[7]) * 1000 for r in timed], 50),
+                        "p99": percentile([f(r, r[7]) * 1000 for r in timed], 99)} for stage, f in stages.items()}
+            # the stages of the answers slower than the class's p99 from the send: what made them slow
+            slow_cut = np.percentile([(r[2] - r[6]) for r in timed], 99)
+            slow = [r for r in timed if r[2] - r[6] >= slow_cut]
+            table[name]["slowest_1pct_stages_mean_ms"] = {
+                stage: float(np.mean([f(r, r[7]) * 1000 for r in slow])) for stage, f in stages.items()}
     return table
 
 
@@ -276,6 +359,8 @@ def main():
     parser.add_argument("--rebuilds", type=int, metavar="N",
                         help="only phase 5: a server of ResNet-18 alone, its one-weight change timed N times")
     parser.add_argument("--cache", type=Path, default=ROOT / ".cuvil-cache" / "bench", help="the step cache")
+    parser.add_argument("--client-per-class", action="store_true",
+                        help="overload phase: one client process per model instead of one for all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.rebuilds:
@@ -297,9 +382,17 @@ def main():
             report["capacity_per_s"] = capacity
             print(f"capacity (closed loop): {capacity:.0f} answers/s", flush=True)
             before = server_means(server.port)
-            rec = open_loop(client, args.overload * capacity, args.seconds)
-            report["overload"] = {"offered_per_s": args.overload * capacity, "seconds": args.seconds,
-                                  "classes": class_table(rec, args.seconds)}
+            load_before = os.getloadavg()
+            cpu_before, client_cpu_before = server.cpu_seconds(), time.process_time()
+            if args.client_per_class:
+                rec = open_loop_processes(server.port, args.overload * capacity, args.seconds)
+            else:
+                rec = open_loop(client, args.overload * capacity, args.seconds, timing=True)
+            report["overload"] = {"server_cpu_cores": (server.cpu_seconds() - cpu_before) / args.seconds,
+                                  "client_cpu_cores": (time.process_time() - client_cpu_before) / args.seconds}
+            report["load_average_overload"] = [load_before, os.getloadavg()]
+            report["overload"].update({"offered_per_s": args.overload * capacity, "seconds": args.seconds,
+                                       "classes": class_table(rec, args.seconds)})
             after = server_means(server.port)
             for name, row in report["overload"]["classes"].items():
                 for what in ("queue", "compute"):
@@ -309,7 +402,8 @@ def main():
                 within = after[("within", name)][0] - before[("within", name)][0]
                 answered = after[("within", name)][1] - before[("within", name)][1]
                 row["within_deadline_in_server"] = within / answered if answered else float("nan")
-            report["swaps"] = swap_phase(client, folder, capacity / 2, args.swaps)
+            if args.swaps:
+                report["swaps"] = swap_phase(client, folder, capacity / 2, args.swaps)
             if args.resnet:
                 report["resnet18"] = resnet_phase(client, server, folder)
         finally:
@@ -354,14 +448,19 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     # made before the load starts: building a model takes the client's only thread for ~0.1 s,
     # which would show up as a pause in the answers
     path = folder / "models" / f"{model_name}.onnx"
+    # serialized beforehand too: SerializeToString holds the GIL for tens of ms (a client-side gap)
     versions = {seed: mlp(batch, sizes, seed=seed) for seed in range(1, swaps + 1)}
-    null_edit = mlp(batch, sizes, seed=swaps, rename=True)
+    null_edit = mlp(batch, sizes, seed=swaps, rename=True).SerializeToString()
+    files = {seed: model.SerializeToString() for seed, model in versions.items()}
 
     def swapper(t0):
         version = first
         gevent.sleep(1.0)
+        # the file is written on a thread of gevent's pool: a write blocks on a busy disk for tens of
+        # ms, which on the hub would stall this client's requests and show as a gap in the answers
+        pool = gevent.get_hub().threadpool
         for seed in range(1, swaps + 1):
-            save(versions[seed], path)
+            pool.apply(save_bytes, (files[seed], path))
             written = time.perf_counter()
             version, seen = wait_version(client, model_name, version)
             weights[version] = seed
@@ -369,7 +468,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
             windows.append((written, seen + 0.1))
             gevent.sleep(0.3)
         # a semantically null edit: the same weights, every internal name changed
-        save(null_edit, path)
+        pool.apply(save_bytes, (null_edit, path))
         gevent.sleep(2.0)
         null_version = client.get_model_metadata(model_name)["versions"][0]
         weights["null_edit_swapped"] = null_version != version
@@ -378,7 +477,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     # requests at a constant rate (not Poisson: a pause must stand out from the gaps between
     # arrivals) until the swapper is done
     start = time.perf_counter()
-    rec = Recorder()
+    rec = Recorder(timing=True)
     side = gevent.spawn(swapper, start)
     greenlets, t = [], start
     while not side.ready():
@@ -392,7 +491,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     null_swapped = weights.pop("null_edit_swapped")
     sessions = {}
     wrong = 0
-    for _, _, _, status, version, output, _ in rec.rows:
+    for _, _, _, status, version, output, *_ in rec.rows:
         if status != 200:
             continue
         if version not in sessions:
@@ -415,8 +514,39 @@ def swap_phase(client, folder, rate, swaps) -> dict:
               "latency_otherwise_ms": {"p50": percentile(outside, 50), "p99": percentile(outside, 99),
                                        "max": max(outside, default=float("nan")), "n": len(outside)},
               "offered_per_s": rate, "null_edit_swapped": null_swapped}
+    # the answers around the longest gaps: where their time went (server stamps, as in class_table)
+    timed = sorted((r for r in rec.rows if r[3] == 200 and r[7]), key=lambda r: r[2])
+    # the longest gap between two answers as the server gave them (its event loop had them back): the
+    # pauses of the server alone, without this client's own (the gap above counts both)
+    resumed = np.sort([r[7]["cuvil_resumed"] for r in timed])
+    result["longest_gap_in_server_ms"] = float(np.diff(resumed).max() * 1000) if len(resumed) > 1 else 0.0
+    slow = sorted(timed, key=lambda r: r[2] - r[6])[-10:]
+    result["slowest_answers_stages_ms"] = [
+        {"total": (r[2] - r[6]) * 1000, "send_to_handler": (r[7]["cuvil_received"] - r[6]) * 1000,
+         "queue": (r[7]["cuvil_started"] - r[7]["cuvil_parsed"]) * 1000,
+         "compute": (r[7]["cuvil_computed"] - r[7]["cuvil_started"]) * 1000,
+         "back_to_loop": (r[7]["cuvil_resumed"] - r[7]["cuvil_computed"]) * 1000,
+         "answer_to_client": (r[2] - r[7]["cuvil_resumed"]) * 1000,
+         "in_swap_window": any(a <= r[6] <= b for a, b in windows)} for r in slow]
     print(f"  swaps: {result}", flush=True)
     return result
+
+
+PART = re.compile(r"(\w[\w.]*) (\d+)")
+
+
+def server_parts(lines) -> dict:
+    """The parts of one hot update as the server logs them, in ms: notice, diff, build, load and their
+    own parts (build.plan, build.pass, ..., load.warmup, ...)."""
+    parts = {}
+    for i, line in enumerate(lines):
+        head = re.search(r"\((\d+) ms: (.*)\)\s*$", line)
+        if "hot update [" in line and head:
+            parts["server_total"] = float(head.group(1))
+            parts.update((k, float(v)) for k, v in PART.findall(head.group(2)))
+            if i + 1 < len(lines) and "parts (ms):" in lines[i + 1]:
+                parts.update((k, float(v)) for k, v in PART.findall(lines[i + 1].split(":", 1)[1]))
+    return parts
 
 
 def resnet_phase(client, server, folder) -> dict:
@@ -427,13 +557,24 @@ def resnet_phase(client, server, folder) -> dict:
     array = numpy_helper.to_array(init).copy()
     array.flat[0] += 0.25 + (time.time_ns() % 1000) / 1e6  # a new value each run: the build is never cached
     init.CopyFrom(numpy_helper.from_array(array, init.name))
+    data = model.SerializeToString()
+    x = triton.InferInput("input", [1, 3, 224, 224], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 3, 224, 224), np.float32))
     seen_lines = len(server.lines)
-    save(model, path)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(data)
+    partial.replace(path)
     written = time.perf_counter()
     version, seen = wait_version(client, "resnet18", old)
+    # the first answer of the new version: a request sent once the metadata names it
+    answer = client.infer("resnet18", [x])
+    answered = time.perf_counter()
+    if answer.get_response()["model_version"] != version:
+        raise SystemExit(f"resnet18: answered by {answer.get_response()['model_version']}, not {version}")
     time.sleep(0.5)
-    own = [l for l in server.lines[seen_lines:] if "hot update [resnet18]" in l]
-    result = {"write_to_new_version_s": seen - written, "server_log": [l.strip() for l in own]}
+    own = [l.strip() for l in server.lines[seen_lines:]]
+    result = {"write_to_new_version_s": seen - written, "write_to_first_answer_s": answered - written,
+              "parts_ms": server_parts(own), "server_log": [l for l in own if "hot update [resnet18]" in l]}
     print(f"  resnet18: {result}", flush=True)
     return result
 
@@ -453,8 +594,12 @@ def rebuilds_only(args) -> None:
                 report["runs"].append(resnet_phase(client, server, folder))
         finally:
             server.stop()
-    times = [run["write_to_new_version_s"] for run in report["runs"]]
+    times = [run["write_to_first_answer_s"] for run in report["runs"]]
     report["median_s"], report["max_s"] = statistics.median(times), max(times)
+    names = dict.fromkeys(k for run in report["runs"] for k in run["parts_ms"])
+    report["parts_median_ms"] = {k: statistics.median(run["parts_ms"].get(k, 0.0) for run in report["runs"])
+                                 for k in names}
+    report["load_average"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

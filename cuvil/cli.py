@@ -131,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer <the file's text>` on every endpoint but /v2/health")
     serve.add_argument("--workers", type=_positive_int, metavar="N",
                        help="compute threads shared by all models (default: the usable CPU cores)")
+    serve.add_argument("--reserve-critical", type=int, default=None, metavar="N",
+                       help="compute threads only critical models may use (default: 1 when there are 2 or more "
+                            "threads and both critical and other models, else 0)")
+    serve.add_argument("--nice-lower", type=int, default=10, metavar="N",
+                       help="run the non-critical models' requests on threads N nice levels lower than the rest "
+                            "(default 10; 0: the same), when there are critical models")
     serve.add_argument("--max-body-mb", type=_positive_int, default=64, metavar="MB",
                        help="largest request body accepted (default 64)")
     serve.add_argument("--stop-after", type=float, default=None, help=argparse.SUPPRESS)
@@ -560,8 +566,11 @@ def cmd_serve(args) -> int:
             raise CuvilError(f"cannot read the token file {args.token_file}: {error}") from None
         if not token:
             raise CuvilError(f"the token file {args.token_file} is empty")
+    if args.reserve_critical is not None and args.reserve_critical < 0:
+        raise CuvilError("--reserve-critical must be 0 or more")
     server = Server(args.file, host=args.host, port=args.port, token=token, workers=args.workers,
-                    max_body_bytes=args.max_body_mb * 1024 * 1024, say=_say)
+                    max_body_bytes=args.max_body_mb * 1024 * 1024, say=_say, reserve=args.reserve_critical,
+                    lower_nice=max(0, args.nice_lower))
     server.serve_forever(stop_after=args.stop_after)
     return EXIT_OK
 

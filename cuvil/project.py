@@ -59,6 +59,9 @@ class ProjectBuild:
     artifacts: list
     dag: object
     seconds: float
+    # (model, target, the step whose output is the installed files) per variant: what a caller that
+    # installed into other folders (folder_of) can install again from memory (the serve worker)
+    finals: list = field(default_factory=list)
 
 
 def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
@@ -93,12 +96,14 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
 
 def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1, progress=print,
                   cache=None, output_dir: Path | None = None, scheduler: str | None = None,
-                  listener=None, folder_of=None, defer_cache_writes: bool = False) -> ProjectBuild:
+                  listener=None, folder_of=None, defer_cache_writes: bool = False,
+                  timings: dict | None = None) -> ProjectBuild:
     """Build each selected model for each of its targets into <output_dir>/<model>/<target>/
     (or the folder `folder_of(model, target)` names: cuvil-compile's --output).
     With `defer_cache_writes` it returns once the files are installed, the steps' cache entries
     possibly still being written: the caller then calls `result.dag.flush()` (the server's build
-    worker does, after answering).
+    worker does, after answering). `timings`, when given, gets the seconds of the planning (config,
+    the sources read and hashed, step keys) and of the installs; the steps' own are in `dag.records`.
 
     The steps run on this machine, or on the Dask cluster whose scheduler is at `scheduler`
     (default: `executor:` of the config; cluster.py), whose workers write them to the shared
@@ -112,6 +117,8 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
     say = progress or (lambda message: None)
     dag, planned = plan_project(spec, models, jobs, progress, cache, listener)
     dag.defer_writes = defer_cache_writes
+    planned_at = time.perf_counter()
+    installing = 0.0
     if scheduler is None and spec.executor.kind == "dask":
         scheduler = spec.executor.address
     if scheduler:
@@ -127,10 +134,15 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
         with _located(spec, model):
             t0 = time.perf_counter()
             files = dag.get(link)
+            t1 = time.perf_counter()
             changed = install(files, out_dir)
+            installing += time.perf_counter() - t1
             built.append(artifacts_of(files, out_dir, time.perf_counter() - t0, changed))
             say(f"[{model.name}/{target}] {'built' if changed else 'up to date'}: {_relative(out_dir)}")
-    return ProjectBuild(built, dag, time.perf_counter() - start)
+    if timings is not None:
+        timings.update(plan=planned_at - start, install=installing)
+    return ProjectBuild(built, dag, time.perf_counter() - start,
+                        [(model.name, target, link) for model, target, _, link in planned])
 
 
 def open_project_cache(spec: BuildSpec):

@@ -9,6 +9,7 @@ import json
 import numpy as np
 from onnx import helper
 
+from backends.native import link as link_module
 from backends.native import relink
 from backends.native.link import link_files
 from cuvil.build import VariantSpec, add_kernel_steps, plan_variant, tool_versions
@@ -65,10 +66,18 @@ def test_a_weight_change_is_spliced_byte_identical_to_a_full_link(tmp_path):
     assert first[2] == second[2]                              # the same kernels
     templates, spliced = Cache(tmp_path / "templates"), []
     _link(tmp_path, "first", first, templates, spliced)       # full link: stores the template
-    library = _link(tmp_path, "second", second, templates, spliced)
+    compiled = []
+    original = link_module.compile_driver
+    link_module.compile_driver = lambda *args: compiled.append(args) or original(*args)
+    try:
+        library = _link(tmp_path, "second", second, templates, spliced)
+    finally:
+        link_module.compile_driver = original
     full = _link(tmp_path, "full", second, None, spliced)     # no cache: SCons
     assert spliced == [False, True, False]
     assert library == full
+    # the description had the same length: the driver object came from the template, not the compiler
+    assert compiled == []
 
     # and the spliced library runs: same answers as onnxruntime on the second weights
     path = tmp_path / "libm.so"
@@ -97,6 +106,13 @@ def test_a_template_whose_driver_object_differs_elsewhere_is_refused(tmp_path):
     driver_object = (tmp_path / "first" / "driver.os").read_bytes()
     template = relink.make_template(library, driver_object, weights, "m_")
     assert template is not None
+    # the description's bytes read from the driver's text are the compiler's, and the object made
+    # from the template for that text is the compiled one; a description of another length is not
+    start, size = relink._info_range(relink.Elf(driver_object))
+    assert relink.info_bytes(driver) == driver_object[start:start + size]
+    assert relink.object_from_template(template, driver) == driver_object
+    longer = driver.replace('model_info[] =\n    "', 'model_info[] =\n    "  ', 1)
+    assert longer != driver and relink.object_from_template(template, longer) is None
     assert relink.splice(template, driver_object, weights) == library
     changed = bytearray(driver_object)
     changed[64] ^= 1  # a byte of the ELF header's neighbourhood, outside model_info

@@ -9,6 +9,7 @@ last in this file because they change that model.
 """
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -146,6 +147,27 @@ def test_infer_matches_onnxruntime(server, binary):
         assert_close(result.as_numpy("z"), want["z"])
         assert result.get_response()["id"] == f"r{seed}"
         assert ("parameters" in result.get_output("y")) == binary
+
+
+def test_timing_parameter_returns_the_servers_clock_at_each_stage(server):
+    c = client(server)
+    x = x_affine(3)
+    sent = time.monotonic()  # the server runs in this process: one clock
+    result = infer(c, "affine", x, parameters={"cuvil_timing": True})
+    done = time.monotonic()
+    assert_close(result.as_numpy("y"), run_ort(affine_model(), {"x": x})["y"])
+    marks = result.get_response()["parameters"]
+    stages = [marks[f"cuvil_{stage}"] for stage in ("received", "parsed", "started", "computed", "resumed")]
+    assert sent <= stages[0] and stages == sorted(stages) and stages[-1] <= done
+    assert "parameters" not in infer(c, "affine", x).get_response()  # only when asked
+    # affine is critical and scale is not: one compute thread is kept for affine when there are two
+    assert server.scheduler.reserve == (1 if server.workers >= 2 else 0)
+    # and scale's runs go to threads 10 nice levels below the rest
+    x = x_scale(1)
+    assert_close(infer(c, "scale", x).as_numpy("y"), run_ort(scale_model(serving_factor(server)[1]), {"x": x})["y"])
+    lower = list(server.lower_executor._threads)
+    assert lower and all(os.getpriority(os.PRIO_PROCESS, t.native_id) == os.getpriority(os.PRIO_PROCESS, 0) + 10
+                         for t in lower)
 
 
 def test_infer_one_output_and_default_outputs(server):
@@ -409,6 +431,10 @@ def test_hot_swap_under_load_fails_nothing_and_serves_the_new_weights(server):
     assert all(v == event.version for v in versions[first_new:]), "an old answer came after a new one"
     for seed, version, got in answers:
         assert_close(got, run_ort(weights[version], {"x": x_scale(seed)})["y"])
+    # the worker installs into the output folder after the swap: there, once it is done, the same bytes
+    server.builder.settle()
+    library = next((folder / "out" / "scale" / "native").glob("lib*.so"))
+    assert hashlib.sha256(library.read_bytes()).hexdigest()[:16] == event.version
 
 
 def test_semantically_null_edit_swaps_nothing(server):

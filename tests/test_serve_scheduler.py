@@ -9,9 +9,9 @@ import pytest
 from cuvil.serve.scheduler import Refused, Scheduler
 
 
-def scheduler(slots=1, headroom=1.0, **models):
+def scheduler(slots=1, headroom=1.0, reserve=0, **models):
     """models: name=(priority, deadline_ms, estimate_ms[, max_concurrency[, threads]])."""
-    s = Scheduler(slots, headroom=headroom)
+    s = Scheduler(slots, headroom=headroom, reserve=reserve)
     for name, (priority, deadline_ms, estimate_ms, *rest) in models.items():
         concurrency, threads = (rest + [1, 1])[:2] if rest else (1, 1)
         s.add_model(name, priority, deadline_ms, concurrency, threads, estimate_ms / 1000)
@@ -162,3 +162,70 @@ def test_a_full_queue_answers_503_and_a_discarded_job_leaves_it():
     assert refused.value.status == 503 and "queue is full" in str(refused.value)
     assert s.discard(first) and not s.discard(first)
     offer(s, "m")
+
+
+def test_a_reserved_slot_runs_only_critical_jobs():
+    s = scheduler(slots=2, reserve=1, crit=("critical", 50, 1, 2), low=("low", 1000, 5, 2), mid=("normal", 20, 5))
+    offer(s, "low", tag="low1")
+    offer(s, "low", tag="low2")
+    offer(s, "mid", tag="mid")
+    assert started(s) == ["mid"]  # the earliest deadline; the second slot is the reserve
+    assert started(s) == []
+    offer(s, "crit", tag="crit")  # queued behind nothing that can hold it: starts at once
+    assert started(s) == ["crit"]
+    # a critical job whose deadline is later than a queued lower one still takes the reserve
+    (mid,) = [j for j in s.running if j.payload == "mid"]
+    s.finish(mid)
+    assert started(s) == ["low1"]
+    (crit,) = [j for j in s.running if j.payload == "crit"]
+    s.finish(crit)
+    offer(s, "crit", 0.0, tag="crit2")
+    assert started(s) == ["crit2"]  # low2 (deadline 1 s) and crit2 (50 ms): the reserve is critical's
+
+
+def test_lower_classes_are_admitted_against_the_unreserved_slots_only():
+    # two slots, one reserved: 4 low jobs of 10 ms take 40 ms on the one slot they may use, so a
+    # fifth with a 45 ms deadline would finish at 50 ms: rejected (on two slots it would fit)
+    s = scheduler(slots=2, reserve=1, low=("low", 45, 10, 8))
+    for i in range(4):
+        offer(s, "low", tag=i)
+    with pytest.raises(Refused) as refused:
+        offer(s, "low", tag=4)
+    assert refused.value.status == 429
+    unreserved = scheduler(slots=2, reserve=0, low=("low", 45, 10, 8))
+    for i in range(5):  # 5 x 10 ms over two slots: done at 25 ms
+        offer(unreserved, "low", tag=i)
+    assert len(unreserved.queued()) == 5
+
+
+def test_a_lower_class_library_wider_than_the_unreserved_slots_runs_when_all_are_free():
+    s = scheduler(slots=2, reserve=1, wide=("low", 1000, 5, 1, 2), crit=("critical", 50, 1))
+    offer(s, "wide", tag="wide")
+    assert started(s) == ["wide"]  # not starved: it takes both slots while nothing else runs
+    offer(s, "crit", tag="crit")
+    assert started(s) == []  # no slot free until it is done
+    s.finish(s.running[0])
+    assert started(s) == ["crit"]
+
+
+def test_the_reserve_must_leave_a_slot():
+    with pytest.raises(ValueError):
+        Scheduler(2, reserve=2)
+
+
+def test_refusals_let_an_inflated_estimate_decay_back_to_the_warm_up_measure():
+    # one run stalled for 500 ms (a busy machine) raises the 1 ms model's estimate past its 50 ms
+    # deadline; refused requests bring no new runs, so each refusal takes a tenth of the excess back
+    s = scheduler(crit=("critical", 50, 1))
+    job, _ = offer(s, "crit")
+    s.dispatch(0.0)
+    s.finish(job, 0.5)
+    assert s.models["crit"].estimate_s > 0.05
+    refusals = 0
+    while True:
+        try:
+            offer(s, "crit", now=1.0 + refusals)
+            break
+        except Refused:
+            refusals += 1
+    assert 0 < refusals < 40 and s.models["crit"].estimate_s <= 0.05

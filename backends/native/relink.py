@@ -179,6 +179,59 @@ def make_template(library: bytes, driver_object: bytes, weights: bytes, prefix: 
             + driver_object)
 
 
+def info_bytes(driver_c: str) -> bytes | None:
+    """The bytes of `model_info` as the compiler lays them out (the string literal's bytes and its
+    NUL), read from the driver's text; None when the literal holds anything but what
+    backends/native/driver.py's c_string writes (plain characters, \\, \", octal escapes)."""
+    found = _INFO_DEFINITION.search(driver_c)
+    if found is None:
+        return None
+    definition = found.group(0)
+    pieces = re.findall(r'"((?:[^"\\\n]|\\.)*)"', definition[definition.index("=") + 1:])
+    text, out, i = "".join(pieces), bytearray(), 0
+    while i < len(text):
+        ch = text[i]
+        if ch != "\\":
+            if ord(ch) >= 128:
+                return None
+            out.append(ord(ch))
+            i += 1
+            continue
+        digits = re.match(r"[0-7]{1,3}", text[i + 1:i + 4])
+        if digits:
+            out.append(int(digits.group(0), 8) & 0xFF)
+            i += 1 + len(digits.group(0))
+        elif text[i + 1:i + 2] in ('\\', '"'):
+            out.append(ord(text[i + 1]))
+            i += 2
+        else:
+            return None
+    return bytes(out) + b"\0"
+
+
+def object_from_template(template: bytes, driver_c: str) -> bytes | None:
+    """The driver object a compile of `driver_c` makes, without the compiler, when the template's key
+    matched (so the driver's text outside `model_info` is the template's, compiled by the same
+    compiler with the same flags) and the new description has the template's length: the
+    template's object with the description's bytes replaced. The array's contents are data the
+    compiler copies (checked when the template was made: not mergeable, no relocation on it);
+    with the same text around it and the same size, nothing else in the object can differ.
+    None when the length differs (the caller compiles)."""
+    try:
+        (size,) = struct.unpack_from("<Q", template, 0)
+        header = json.loads(template[8:8 + size])
+    except (struct.error, ValueError):
+        return None
+    info = info_bytes(driver_c)
+    o_start, o_size = header["object_info"]
+    if info is None or len(info) != o_size:
+        return None
+    old_object = template[8 + size + header["library_size"] - header["weights"][1]:]
+    if len(old_object) != header["object_size"]:
+        return None
+    return old_object[:o_start] + info + old_object[o_start + o_size:]
+
+
 def splice(template: bytes, driver_object: bytes, weights: bytes) -> bytes | None:
     """The library a full link of `driver_object` and `weights` would make, from the template of a link
     whose inputs differed at most in those two's data; None when the driver differs anywhere else."""

@@ -21,11 +21,14 @@ class Blob:
     def place(self, arr) -> int:
         """The offset of `arr`'s bytes in the blob (64-byte aligned), adding them if new."""
         arr = np.ascontiguousarray(arr)
-        digest = hashlib.sha256(arr.dtype.str.encode() + arr.tobytes()).hexdigest()
+        raw = arr.reshape(-1).view(np.uint8)  # the bytes, not copied (tobytes copies: 45 MB for ResNet-18)
+        digest = hashlib.sha256(arr.dtype.str.encode())
+        digest.update(raw)
+        digest = digest.hexdigest()
         if digest not in self._by_digest:
             self.data.extend(b"\0" * (-len(self.data) % ALIGN))
             self._by_digest[digest] = len(self.data)
-            self.data.extend(arr.tobytes())
+            self.data.extend(raw)
         return self._by_digest[digest]
 
 

@@ -48,9 +48,16 @@ class Dispatcher:
     is busy parsing requests under load; only the answer goes back to the loop.
     """
 
-    def __init__(self, scheduler, executor, metrics):
+    def __init__(self, scheduler, executor, metrics, lower_executor=None):
         self.scheduler, self.executor, self.metrics = scheduler, executor, metrics
+        # the jobs of the lower classes run on threads of their own when given (at a lower OS priority)
+        self.lower_executor = lower_executor or executor
         self.lock = threading.Lock()  # guards the scheduler: the loop and the compute threads call it
+
+    def precheck(self, model: str):
+        """Raise Refused if a request of `model` arriving now would be refused (scheduler.precheck)."""
+        with self.lock:
+            self.scheduler.precheck(model, time.monotonic())
 
     async def run(self, model: str, fn):
         """Queue `fn` as a job of `model`; wait for its result (or Refused)."""
@@ -80,19 +87,21 @@ class Dispatcher:
             jobs = self.scheduler.dispatch(now)
         for job in jobs:
             self.metrics.queue_seconds.labels(job.model).observe(now - job.arrival)
-            self.executor.submit(self._work, job)
+            (self.executor if job.rank == 0 else self.lower_executor).submit(self._work, job)
 
     def _work(self, job):
         """On a compute thread: run the job, free its slots, start what comes next, then answer."""
         fn, loop, future = job.payload
-        compute_s, outcome, failed = None, None, False
+        compute_s, work_s, outcome, failed = None, None, None, False
         try:
             outcome = fn()
-            compute_s = outcome[2]
+            compute_s, work_s = outcome[2], outcome[3]
         except BaseException as error:  # noqa: BLE001  handed to the waiting request
             outcome, failed = error, True
         with self.lock:
-            self.scheduler.finish(job, compute_s)
+            # a critical run is planned on its CPU time (its own slot, the event loop's cores spared
+            # by the niced lower classes); the others' on the wall time they get at their priority
+            self.scheduler.finish(job, work_s if job.rank == 0 else compute_s)
         if compute_s is not None:
             self.metrics.compute_seconds.labels(job.model).observe(compute_s)
             if time.monotonic() > job.deadline:
@@ -221,6 +230,14 @@ class Routes:
         metrics.requests.labels(name).inc()
         try:
             entry, current = self._version(request)
+            self.server.dispatcher.precheck(name)  # under overload: refused before the body is read
+        except Refused as error:
+            metrics.failures.labels(name, "rejected" if error.status == 429 else "shed").inc()
+            raise
+        except RequestError as error:
+            metrics.failures.labels(name, "unavailable" if error.status == 503 else "bad_request").inc()
+            raise
+        try:
             body = await request.read()
             parsed = parse_infer_request(body, request.headers.get("Inference-Header-Content-Length"),
                                          current.signature, name)
@@ -230,9 +247,16 @@ class Routes:
         except web.HTTPRequestEntityTooLarge:
             metrics.failures.labels(name, "bad_request").inc()
             raise
+        marks = {"received": start, "parsed": time.monotonic()}
+
+        def compute():
+            marks["started"] = time.monotonic()
+            try:
+                return self.registry.run(name, parsed.feeds)
+            finally:
+                marks["computed"] = time.monotonic()
         try:
-            version, outputs, _ = await self.server.dispatcher.run(
-                name, lambda: self.registry.run(name, parsed.feeds))
+            version, outputs, *_ = await self.server.dispatcher.run(name, compute)
         except Refused as error:
             metrics.failures.labels(name, "rejected" if error.status == 429 else "shed").inc()
             raise
@@ -242,7 +266,8 @@ class Routes:
         except Exception:
             metrics.failures.labels(name, "error").inc()
             raise
-        body, headers = encode_infer_response(name, version, parsed, outputs)
+        marks["resumed"] = time.monotonic()  # the event loop has the answer back
+        body, headers = encode_infer_response(name, version, parsed, outputs, marks)
         metrics.request_seconds.labels(name).observe(time.monotonic() - start)
         return web.Response(body=body, headers=headers)
 

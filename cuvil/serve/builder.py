@@ -29,6 +29,7 @@ import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,13 @@ def _keys_job(config_path: str, names: list[str], diff_mode: str) -> dict:
 # server loads the installed library meanwhile); the next build waits for them first (the entries are
 # written atomically, so nothing reads half of one; waiting bounds the memory and the disk traffic).
 _PENDING_WRITES: list[threading.Thread] = []
+_WRITE_ERRORS: list[str] = []  # what those writes could not do, for the next answer to report
+
+
+def _write_errors() -> list[str]:
+    errors = list(_WRITE_ERRORS)
+    _WRITE_ERRORS.clear()
+    return errors
 
 
 def _wait_for_writes():
@@ -166,21 +174,66 @@ def _wait_for_writes():
         _PENDING_WRITES.pop().join()
 
 
-def _build_job(config_path: str, name: str) -> dict:
+def _build_job(config_path: str, name: str, stage: str | None = None) -> dict:
+    """Build one model. With `stage` (a new folder in the server's store, on the same file system),
+    the variants are installed there and the job answers with the served library and its sha256;
+    the install into the output folder follows on a thread after the answer, with the cache
+    writes (a 50 MB file written to a busy disk takes ~1 s; the store is a tmpfs where one exists)."""
+    import time
+
+    from ..build import install
     from ..config import load_config
     from ..project import build_project
+    start = time.perf_counter()
     _wait_for_writes()
+    warnings = _write_errors()
+    timings = {"wait_writes": time.perf_counter() - start}
     try:
         spec = load_config(config_path)
         model = spec.model(name)
-        result = build_project(spec, [name], progress=None, defer_cache_writes=True)
+        folder_of = (lambda m, target: Path(stage) / target) if stage else None
+        result = build_project(spec, [name], progress=None, defer_cache_writes=True, timings=timings,
+                               folder_of=folder_of)
     except CuvilError as error:
-        return {"error": str(error)}
-    writes = threading.Thread(target=result.dag.flush, name="cuvil-cache-writes", daemon=True)
+        return {"error": str(error), "warnings": warnings}
+    served = next(a for a in result.artifacts if a.info["target"] == model.targets[0])
+    answer = {"library": str(served.library), "warnings": warnings}
+    if stage:
+        t0 = time.perf_counter()
+        answer["sha256"] = file_sha256(served.library)
+        timings["hash"] = time.perf_counter() - t0
+
+    def after_answer():
+        try:  # behind the server's load and warm-up of the new library on the same cores
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        try:
+            if stage:  # the output folder as `cuvil build` leaves it, from the outputs still in memory
+                for model_name, target, final in result.finals:
+                    install(result.dag.get(final), spec.output_dir / model_name / target)
+            result.dag.flush()
+        except Exception as error:  # noqa: BLE001  reported with the next answer (the build has served)
+            _WRITE_ERRORS.append(f"model '{name}': writing the output folder or the step cache after the "
+                                 f"build failed: {error}")
+    writes = threading.Thread(target=after_answer, name="cuvil-cache-writes", daemon=True)
     writes.start()
     _PENDING_WRITES.append(writes)
-    served = next(a for a in result.artifacts if a.info["target"] == model.targets[0])
-    return {"library": str(served.library)}
+    # the steps that ran (or were read from the cache) by kind: import, pass, codegen, kernel, link
+    for record in result.dag.records.values():
+        kind = record.kind if record.status == "ran" else "cached"
+        timings[kind] = timings.get(kind, 0.0) + record.seconds
+    timings["worker"] = time.perf_counter() - start
+    answer["timings"] = timings
+    return answer
+
+
+def file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _exit_with_parent(parent: int):
@@ -196,10 +249,22 @@ def _exit_with_parent(parent: int):
     threading.Thread(target=watch, name="cuvil-build-worker-watch", daemon=True).start()
 
 
+def _settle_job() -> list[str]:
+    _wait_for_writes()
+    return _write_errors()
+
+
 def _warm_job() -> bool:
     from .. import pipeline, project  # noqa: F401  (imports the compiler once, before the first build needs it)
     _remember_imports(pipeline)
     return True
+
+
+@dataclass
+class Built:
+    library: Path
+    sha256: str | None = None  # the library's, when the worker hashed it (a staged build)
+    stage: Path | None = None  # the staging folder the library is in: the caller removes it
 
 
 class Builder:
@@ -208,6 +273,8 @@ class Builder:
     def __init__(self, config_path: Path):
         self.config_path = str(config_path)
         self._pool = None
+        self.timings: dict = {}  # seconds of the last build's parts in the worker (plan, steps by kind, install)
+        self.warnings: list[str] = []  # what the worker's writes after the build before failed to do
 
     def _call(self, fn, *args):
         for attempt in (1, 2):
@@ -225,6 +292,11 @@ class Builder:
     def warm(self):
         self._call(_warm_job)
 
+    def settle(self) -> list[str]:
+        """Wait until the worker has written what it defers (the output folder, the cache entries);
+        what it could not write."""
+        return self._call(_settle_job)
+
     def keys(self, names: list[str], diff_mode: str) -> dict[str, dict]:
         """{model: {"key": ...} or {"error": ...}} from the config as it is on disk now."""
         result = self._call(_keys_job, self.config_path, list(names), diff_mode)
@@ -232,12 +304,20 @@ class Builder:
             raise BuildFailed(result["error"])
         return result["keys"]
 
-    def build(self, name: str) -> Path:
-        """Build one model (what is cached is not rebuilt); returns its served library."""
-        result = self._call(_build_job, self.config_path, name)
+    def build(self, name: str, stage: Path | None = None) -> "Built":
+        """Build one model (what is cached is not rebuilt); its served library. With `stage` (a folder
+        that does not exist yet) the worker installs there and hashes the library, and installs into
+        the output folder after answering (see _build_job)."""
+        import time
+        start = time.perf_counter()
+        result = self._call(_build_job, self.config_path, name, str(stage) if stage else None)
+        self.warnings = result.get("warnings", [])
         if "error" in result:
             raise BuildFailed(result["error"])
-        return Path(result["library"])
+        self.timings = dict(result.get("timings", {}))
+        if "worker" in self.timings:  # the round trip to the worker and back
+            self.timings["ipc"] = time.perf_counter() - start - self.timings.pop("worker")
+        return Built(Path(result["library"]), result.get("sha256"), stage)
 
     def close(self):
         if self._pool is not None:

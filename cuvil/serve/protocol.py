@@ -86,6 +86,9 @@ class InferRequest:
     id: str | None
     feeds: dict[str, np.ndarray]
     outputs: list[tuple[str, bool]]  # (name, as binary) in the order to return them
+    # request parameter `cuvil_timing: true`: the response's parameters carry the server's clock
+    # (time.monotonic, CLOCK_MONOTONIC: one clock for every process of the machine) at each stage
+    timing: bool = False
 
 
 def _json_object(data: bytes, model: str) -> dict:
@@ -141,7 +144,10 @@ def parse_infer_request(body: bytes, header_length: str | None, signature: Signa
     if offset != len(binary):
         raise RequestError(f"model '{model}': {len(binary) - offset} bytes of binary data after the last "
                            f"input's binary_data_size")
-    return InferRequest(request_id, feeds, _requested_outputs(request, signature, model))
+    timing = _parameters(request, f"model '{model}'").get("cuvil_timing", False)
+    if not isinstance(timing, bool):
+        raise RequestError(f"model '{model}': parameter cuvil_timing must be true or false")
+    return InferRequest(request_id, feeds, _requested_outputs(request, signature, model), timing)
 
 
 def _tensor(item: dict, spec: Tensor, binary: memoryview, offset: int, model: str):
@@ -212,8 +218,10 @@ def _requested_outputs(request: dict, signature: Signature, model: str) -> list[
     return result
 
 
-def encode_infer_response(model: str, version: str, request: InferRequest, results: dict) -> tuple[bytes, dict]:
-    """The response body and its headers: JSON alone, or JSON then each binary output's bytes."""
+def encode_infer_response(model: str, version: str, request: InferRequest, results: dict,
+                          timing: dict | None = None) -> tuple[bytes, dict]:
+    """The response body and its headers: JSON alone, or JSON then each binary output's bytes.
+    `timing` (the request asked for it): the response's parameters, `cuvil_<stage>` seconds."""
     outputs, blobs = [], []
     for name, binary in request.outputs:
         array = np.ascontiguousarray(results[name])
@@ -228,6 +236,8 @@ def encode_infer_response(model: str, version: str, request: InferRequest, resul
     response = {"model_name": model, "model_version": version, "outputs": outputs}
     if request.id is not None:
         response["id"] = request.id
+    if request.timing and timing:
+        response["parameters"] = {f"cuvil_{stage}": seconds for stage, seconds in timing.items()}
     header = json.dumps(response).encode()
     if not blobs:
         return header, {"Content-Type": "application/json"}

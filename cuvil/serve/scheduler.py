@@ -77,6 +77,7 @@ class _Model:
     estimate_s: float  # what admission plans with: mean + 2 x deviation
     mean_s: float = 0.0
     deviation_s: float = 0.0
+    base_s: float = 0.0  # the warm-up's measure: what a refusal lets the estimate decay towards
     queue: list[Job] = field(default_factory=list)
     running: int = 0
 
@@ -84,10 +85,16 @@ class _Model:
 class Scheduler:
     SMOOTHING = 0.2  # weight of the newest compute time in a model's estimate
 
-    def __init__(self, slots: int, max_queue: int = 256, headroom: float = 0.5):
+    def __init__(self, slots: int, max_queue: int = 256, headroom: float = 0.5, reserve: int = 0):
         if slots < 1:
             raise ValueError("the scheduler needs at least one slot")
+        if not 0 <= reserve < slots:
+            raise ValueError("the slots reserved for critical jobs must leave at least one for the others")
         self.slots = slots
+        # slots only critical jobs may take: the others run on `slots - reserve` at most, so a critical
+        # job never waits for a long lower-class run, and the cores left idle by the lower classes
+        # serve HTTP (parsing, answering) while they are overloaded
+        self.reserve = reserve
         self.headroom = headroom
         self.max_queue = max_queue
         self.models: dict[str, _Model] = {}
@@ -100,11 +107,11 @@ class Scheduler:
                   threads: int = 1, estimate_s: float = 0.001):
         # A library built for more threads than the pool has still runs: on all of it.
         self.models[name] = _Model(priority, deadline_ms / 1000, max_concurrency, min(threads, self.slots),
-                                   estimate_s, estimate_s)
+                                   estimate_s, estimate_s, base_s=estimate_s)
 
     def set_estimate(self, name: str, seconds: float):
         model = self.models[name]
-        model.estimate_s = model.mean_s = seconds
+        model.estimate_s = model.mean_s = model.base_s = seconds
         model.deviation_s = 0.0
 
     def set_threads(self, name: str, threads: int):
@@ -119,6 +126,21 @@ class Scheduler:
 
     def offer(self, job: Job, now: float) -> list[Job]:
         """Queue `job`, or raise Refused (429). Returns the queued jobs shed (503) to make room for it."""
+        shed = self._plan(job, now)
+        for victim in shed:
+            self.models[victim.model].queue.remove(victim)
+        self.models[job.model].queue.append(job)
+        return shed
+
+    def precheck(self, model: str, now: float) -> None:
+        """Raise Refused if a job of `model` arriving now would be refused; change nothing. The server
+        asks before it reads a request's body, so a refusal under overload costs little."""
+        m = self.models[model]
+        self._plan(Job(model, now + m.deadline_s, now, now + self.headroom * m.deadline_s, None,
+                       RANKS[m.priority], m.cost, next(self._seq)), now)
+
+    def _plan(self, job: Job, now: float) -> list[Job]:
+        """Admission of `job` (see the module docstring): the queued jobs to shed for it, or Refused."""
         model = self.models[job.model]
         if len(model.queue) >= self.max_queue:
             raise Refused(f"model '{job.model}': its queue is full ({self.max_queue} requests)", 503,
@@ -126,8 +148,9 @@ class Scheduler:
         queued = sorted(self.queued(), key=lambda j: j.order)
         ahead = [j for j in queued if j.order < job.order]
         behind = [j for j in queued if j.order > job.order]
-        start = now + self._running_work(now) / self.slots
-        finish = start + (sum(self._work(j) for j in ahead) + self._work(job)) / self.slots
+        slots = self._slots_for(job)
+        start = now + self._running_work(now) / slots
+        finish = start + (sum(self._work(j) for j in ahead) + self._work(job)) / slots
         shed = []
         if finish > job.target:
             victims = sorted((j for j in ahead if j.rank > job.rank), key=lambda j: (-j.rank, -j.deadline, -j.seq))
@@ -135,22 +158,20 @@ class Scheduler:
                 if finish <= job.target:
                     break
                 shed.append(victim)
-                finish -= self._work(victim) / self.slots
+                finish -= self._work(victim) / slots
             # Shedding aims at the plan; only a critical job is still admitted when it then ends
             # between its plan and its deadline: the lower classes are the ones that absorb overload.
             if finish > (job.deadline if job.rank == 0 else job.target):
+                self._decay(model)
                 raise Refused(f"model '{job.model}': the server is at capacity; this request would miss its "
                               f"{(job.deadline - job.arrival) * 1000:.0f} ms deadline", 429, self.drain_time(now))
         # Would the newcomer make a more important queued job late?
         pushed = finish
         for other in behind:
-            pushed += self._work(other) / self.slots
-            if other.rank < job.rank and pushed > other.target >= pushed - self._work(job) / self.slots:
+            pushed += self._work(other) / slots
+            if other.rank < job.rank and pushed > other.target >= pushed - self._work(job) / slots:
                 raise Refused(f"model '{job.model}': the server is at capacity for requests of priority "
                               f"{PRIORITIES[job.rank]}", 429, self.drain_time(now))
-        for victim in shed:
-            self.models[victim.model].queue.remove(victim)
-        model.queue.append(job)
         return shed
 
     def dispatch(self, now: float) -> list[Job]:
@@ -158,6 +179,8 @@ class Scheduler:
         started = []
         while True:
             free = self.slots - sum(j.cost for j in self.running)
+            # what the lower classes may still take: the slots less the reserve and their own runs
+            free_lower = self.slots - self.reserve - sum(j.cost for j in self.running if j.rank > 0)
             heads = [min(m.queue, key=lambda j: j.order) for m in self.models.values()
                      if m.queue and m.running < m.max_concurrency]
             if not heads:
@@ -165,6 +188,14 @@ class Scheduler:
             job = min(heads, key=lambda j: j.order)
             if job.cost > free:  # wait for slots rather than let smaller jobs starve it
                 return started
+            # (a lower-class library with more threads than the unreserved slots runs when all are free)
+            if job.rank > 0 and min(job.cost, self.slots - self.reserve) > free_lower:
+                # the earliest is a lower-class job and the rest is reserved: a queued critical job
+                # (a later deadline) may still start now
+                critical = [j for j in heads if j.rank == 0 and j.cost <= free]
+                if not critical:
+                    return started
+                job = min(critical, key=lambda j: j.order)
             model = self.models[job.model]
             model.queue.remove(job)
             model.running += 1
@@ -183,6 +214,14 @@ class Scheduler:
             model.deviation_s += self.SMOOTHING * (abs(error) - model.deviation_s)
             model.estimate_s = model.mean_s + 2 * model.deviation_s
 
+    def _decay(self, model: _Model):
+        """A refused job brings no measurement: without this, one run stalled on a busy machine could
+        raise a model's estimate past its deadline and have every later request refused. Each refusal
+        takes a tenth of the estimate's excess over the warm-up's measure back."""
+        model.mean_s = model.base_s + 0.9 * max(0.0, model.mean_s - model.base_s)
+        model.deviation_s *= 0.9
+        model.estimate_s = model.mean_s + 2 * model.deviation_s
+
     def discard(self, job: Job) -> bool:
         """Forget a queued job (its client went away); False if it is not queued."""
         queue = self.models[job.model].queue
@@ -195,6 +234,10 @@ class Scheduler:
         return [j for m in self.models.values() for j in m.queue]
 
     # --- estimates
+
+    def _slots_for(self, job: Job) -> int:
+        """The slots a job's class may run on: all for a critical one, the unreserved for the others."""
+        return self.slots if job.rank == 0 else self.slots - self.reserve
 
     def _work(self, job: Job) -> float:
         """Slot-seconds of a job."""

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,39 @@ from .updater import Updater
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
+def store_folder(output_dir: Path) -> Path:
+    """Where the loaded libraries' files go: a new folder in the tmpfs /dev/shm where there is one (the
+    build worker writes a rebuilt library there and the server links it, never waiting on a busy
+    disk), else <output_dir>/.serve/<pid>. One folder per server process: two servers of one project
+    never remove each other's files."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        try:
+            return Path(tempfile.mkdtemp(prefix=f"cuvil-serve-{os.getpid()}-", dir=shm))
+        except OSError:
+            pass
+    return Path(output_dir) / ".serve" / str(os.getpid())
+
+
+def event_loop_factory():
+    """uvloop's event loop when it is installed (the `serve` extra installs it: a faster event loop for
+    the HTTP side, whose backlog is what a critical request waits for under overload), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def _lower_priority(nice: int):
+    """In a new compute thread of the lower classes: raise its nice value by `nice` (a thread may
+    always lower its own priority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except (AttributeError, OSError):
+        pass
+
+
 def default_workers() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -45,7 +80,7 @@ def default_workers() -> int:
 class Server:
     def __init__(self, config_path, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
                  workers: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queue: int = 256,
-                 say=print):
+                 say=print, reserve: int | None = None, lower_nice: int = 10):
         self.config_path = Path(config_path)
         self.spec = load_config(self.config_path)
         self.host, self.port, self.token = host, port, token
@@ -54,13 +89,23 @@ class Server:
         self.say = say
         self.metrics = Metrics()
         # one folder per server process: two servers of one project never remove each other's copies
-        self.registry = Registry(self.spec.models, self.spec.output_dir / ".serve" / str(os.getpid()), say)
-        self.scheduler = Scheduler(self.workers, max_queue=max_queue)
+        self.registry = Registry(self.spec.models, store_folder(self.spec.output_dir), say)
+        priorities = {model.serve.priority for model in self.spec.models}
+        # one compute slot kept for the critical models when others share the pool (scheduler.py)
+        if reserve is None:
+            reserve = 1 if self.workers >= 2 and "critical" in priorities and len(priorities) > 1 else 0
+        self.scheduler = Scheduler(self.workers, max_queue=max_queue, reserve=min(reserve, self.workers - 1))
         for model in self.spec.models:
             s = model.serve
             self.scheduler.add_model(model.name, s.priority, s.deadline_ms, s.max_concurrency, model.threads)
         self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="cuvil-serve-compute")
-        self.dispatcher = Dispatcher(self.scheduler, self.executor, self.metrics)
+        # the lower classes' runs on threads of a lower OS priority (nice +lower_nice): on a machine
+        # short of cores, the HTTP event loop and the critical runs get the CPU first
+        self.lower_executor = None
+        if lower_nice and "critical" in priorities and len(priorities) > 1:
+            self.lower_executor = ThreadPoolExecutor(self.workers, thread_name_prefix="cuvil-serve-lower",
+                                                     initializer=_lower_priority, initargs=(lower_nice,))
+        self.dispatcher = Dispatcher(self.scheduler, self.executor, self.metrics, self.lower_executor)
         self.builder = Builder(self.config_path)
         self.updater = Updater(self) if self.spec.incremental.enabled else None
         self._install_lock = threading.Lock()
@@ -93,8 +138,9 @@ class Server:
         try:
             if key is None and self.updater is not None:  # what hot updates compare the next change with
                 key = self.updater.keys([name]).get(name, {}).get("key")
-            library = self.builder.build(name)
-            installed = self.install(name, library, key)
+            installed = self.build_and_install(name, key)
+            for warning in self.builder.settle():  # a load returns with the output folder written
+                self.say(f"warning: {warning}")     # (a hot update does not wait for it)
         except CuvilError as error:
             self.registry.fail(name, str(error))
             return str(error)
@@ -102,9 +148,28 @@ class Server:
                  f"{installed.estimate_s * 1000:.2f} ms a run, {time.perf_counter() - start:.2f} s")
         return None
 
-    def install(self, name: str, library: Path, key: str | None):
+    def build_and_install(self, name: str, key: str | None, steps: dict | None = None):
+        """Build `name` in the worker (staged in the registry's store) and install it; `steps` gets the
+        seconds of the build and of the load."""
+        stage = self.registry.stage(name)
+        try:
+            start = time.perf_counter()
+            try:
+                built = self.builder.build(name, stage)
+            finally:
+                for warning in self.builder.warnings:
+                    self.say(f"warning: {warning}")
+            middle = time.perf_counter()
+            installed = self.install(name, built.library, key, built.sha256)
+            if steps is not None:
+                steps.update(build=middle - start, load=time.perf_counter() - middle)
+            return installed
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    def install(self, name: str, library: Path, key: str | None, sha256: str | None = None):
         with self._install_lock:  # one load at a time: startup, repository loads and hot updates
-            installed = self.registry.install(name, library, key)
+            installed = self.registry.install(name, library, key, sha256)
         if installed.outcome in ("loaded", "swapped"):
             version = installed.version
             same_cost = installed.outcome == "swapped" and installed.previous_threads == version.threads
@@ -138,7 +203,8 @@ class Server:
 
     def _run_thread(self):
         try:
-            asyncio.run(self._serve())
+            with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+                runner.run(self._serve())
         except BaseException as error:  # noqa: BLE001  reported to start(), which raises it
             self._failure = error
             self._started.set()
@@ -169,6 +235,8 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.lower_executor is not None:
+            self.lower_executor.shutdown(wait=True, cancel_futures=True)
         self.builder.close()
         self.registry.close()
 

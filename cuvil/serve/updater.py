@@ -27,6 +27,9 @@ from ..watch import relevant_change, watched_paths
 
 # How long the watcher waits for changes before it yields an empty round (and looks at its stop flag).
 WATCH_TIMEOUT_MS = 200
+# After a change, the watcher yields once no further change came for this long (or `watch.debounce_ms`
+# passed): watchfiles' `step`, 50 ms by default. A save is a write and a rename, microseconds apart.
+WATCH_STEP_MS = 5
 
 
 @dataclass
@@ -38,7 +41,25 @@ class UpdateEvent:
     version: str | None
     seconds: float  # from the change being seen to the new version serving (or the failure)
     reason: str = ""
-    steps: dict = field(default_factory=dict)  # seconds of each part: diff, build, load (warm-up, check, swap)
+    # seconds of each part: notice (last write -> the watcher's yield), diff, build, load; `seconds`
+    # starts after notice
+    steps: dict = field(default_factory=dict)
+    details: dict = field(default_factory=dict)  # the parts of build and load (Updater._update)
+
+
+def _notice_lag(changes) -> float | None:
+    """Seconds from the newest change among the changed files (inode change time: a rename sets it, and
+    a write; a large write's modification time is its start) to now: how long the watch (its debounce
+    included) took to report the change. None when none of them exists any more."""
+    import os
+    newest = None
+    for _, path in changes:
+        try:
+            mtime = os.stat(path).st_ctime_ns
+        except OSError:
+            continue
+        newest = mtime if newest is None else max(newest, mtime)
+    return None if newest is None else max(0.0, time.time() - newest / 1e9)
 
 
 class Updater:
@@ -50,6 +71,7 @@ class Updater:
         self._memo: dict[str, tuple[tuple, float, str]] = {}  # model -> (file stats, when, key)
         self._touched: set[str] = set()  # models whose files changed since their key was computed
         self._diff_s = 0.0  # how long the last round's keys took
+        self._notice_s = None
         self._stop = threading.Event()
         self._watching = threading.Event()  # set once the file watch is in place
         self._thread = None
@@ -83,24 +105,27 @@ class Updater:
                         f"(diff_mode: {self.config.diff_mode})")
         # yield_on_timeout: the first (empty) round says the watch is in place; a change made between
         # the models' keys at start-up and that moment is then found by one check against those keys.
-        for changes in watchfiles.watch(*paths, debounce=self.spec.watch.debounce_ms, stop_event=self._stop,
+        for changes in watchfiles.watch(*paths, debounce=self.spec.watch.debounce_ms,
+                                        step=max(1, min(WATCH_STEP_MS, self.spec.watch.debounce_ms)), stop_event=self._stop,
                                         rust_timeout=WATCH_TIMEOUT_MS, yield_on_timeout=True,
                                         raise_interrupt=False):
             if not self._watching.is_set():
                 self._watching.set()
                 self._round()
             elif changes and relevant_change(changes, self.spec.path, self.spec):
-                self._round()
+                self._round(_notice_lag(changes))
 
-    def _round(self):
+    def _round(self, notice: float | None = None):
         try:
-            self.check()
+            self.check(notice)
         except Exception as error:  # the watcher must outlive any one bad round
             self.server.say(f"hot update: internal error: {type(error).__name__}: {error}")
 
-    def check(self) -> list[UpdateEvent]:
-        """Recompute every loaded model's key; rebuild and swap those that moved."""
+    def check(self, notice: float | None = None) -> list[UpdateEvent]:
+        """Recompute every loaded model's key; rebuild and swap those that moved. `notice`: seconds
+        from the change's last write to the watcher yielding it (reported as the event's first part)."""
         seen = time.perf_counter()
+        self._notice_s = notice
         registry = self.server.registry
         names = [name for name, entry in registry.entries.items() if entry.ready]
         events = []
@@ -156,21 +181,23 @@ class Updater:
         return (stat(source), stat(self.spec.path))
 
     def _update(self, name: str, key: str, seen: float) -> UpdateEvent:
-        steps = {"diff": self._diff_s}
+        steps = {"notice": self._notice_s} if self._notice_s is not None else {}
+        steps["diff"] = self._diff_s
+        builder = self.server.builder
         try:
-            start = time.perf_counter()
-            library = self.server.builder.build(name)
-            steps["build"] = time.perf_counter() - start
-            installed = self.server.install(name, library, key)
-            steps["load"] = time.perf_counter() - start - steps["build"]
+            installed = self.server.build_and_install(name, key, steps)
         except CuvilError as error:
             return self._report(name, "build_failed", self.server.registry.entries[name].current, seen, str(error),
                                 steps)
-        return self._report(name, installed.outcome, installed.version, seen, installed.reason, steps)
+        # the parts: the build's in the worker (wait_writes, plan, steps by kind, install, ipc) and
+        # the load's (store, open, warmup, check, swap)
+        details = {**{f"build.{k}": v for k, v in builder.timings.items()},
+                   **{f"load.{k}": v for k, v in installed.steps.items()}}
+        return self._report(name, installed.outcome, installed.version, seen, installed.reason, steps, details)
 
-    def _report(self, name, result, version, seen, reason="", steps=None) -> UpdateEvent:
+    def _report(self, name, result, version, seen, reason="", steps=None, details=None) -> UpdateEvent:
         event = UpdateEvent(name, result, getattr(version, "version", None), time.perf_counter() - seen, reason,
-                            steps or {})
+                            steps or {}, details or {})
         self.events.append(event)
         self.server.metrics.swaps.labels(name, result).inc()
         what = {"swapped": f"swapped in version {event.version}",
@@ -179,6 +206,7 @@ class Updater:
                 "signature_changed": "not swapped: the signature changed",
                 "build_failed": "not swapped: the update failed"}[result]
         parts = ", ".join(f"{step} {seconds * 1000:.0f}" for step, seconds in event.steps.items())
+        detail = ", ".join(f"{step} {seconds * 1000:.0f}" for step, seconds in event.details.items())
         self.server.say(f"hot update [{name}]: {what} ({event.seconds * 1000:.0f} ms{': ' + parts if parts else ''})"
-                        + (f"\n  {reason}" if reason else ""))
+                        + (f"\n  parts (ms): {detail}" if detail else "") + (f"\n  {reason}" if reason else ""))
         return event

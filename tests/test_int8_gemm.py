@@ -205,3 +205,35 @@ def test_depthwise_qlinear_conv_is_onnxruntimes(case):
     labels = [k.precision for k in explain_model(model, target="native").kernels]
     assert ("int8 (depthwise, vnni)" if k <= 4 else "int8 (depthwise)") in labels
     np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])
+
+
+DEPTHWISE_INTO_QUADS = {
+    # name: (x shape, depthwise attrs, 1x1 output channels, fused?)
+    "3x3_14x14": ((1, 16, 14, 14), {"pads": [1, 1, 1, 1]}, 24, True),
+    "stride2_batch2_7x7": ((2, 8, 13, 13), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, 12, True),
+    "wide_rows_40": ((1, 8, 9, 40), {"pads": [1, 1, 1, 1]}, 20, True),
+    # must not fire: 6 channels is not whole quads (the depthwise keeps its own output)
+    "channels_not_quads": ((1, 6, 10, 10), {"pads": [1, 1, 1, 1]}, 8, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DEPTHWISE_INTO_QUADS))
+def test_depthwise_writes_the_next_1x1_convs_quads(case):
+    """A depthwise QLinearConv read only by a 1x1 QLinearConv writes that conv's channel quads itself
+    (Int8DwQuadSpec: no compaction, no QuadPad): bit-exact with onnxruntime, as both ops alone are."""
+    xs, attrs, OC, fused = DEPTHWISE_INTO_QUADS[case]
+    C = xs[1]
+    rng = np.random.default_rng(2)
+    inits = {"sx": np.array(0.02, F32), "zx": np.array(100, U8), "w": ints((C, 1, 3, 3), I8, 1),
+             "sw": rng.uniform(0.001, 0.01, C).astype(F32), "zw": np.zeros(C, I8), "sy": np.array(0.1, F32),
+             "zy": np.array(90, U8), "b": rng.integers(-2000, 2000, C).astype(np.int32),
+             "w2": ints((OC, C, 1, 1), I8, 3), "sw2": rng.uniform(0.001, 0.01, OC).astype(F32),
+             "zw2": np.zeros(OC, I8), "sy2": np.array(0.05, F32), "zy2": np.array(120, U8),
+             "b2": rng.integers(-2000, 2000, OC).astype(np.int32)}
+    dw = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["t"], group=C, **attrs)
+    pw = helper.make_node("QLinearConv", ["t", "sy", "zy", "w2", "sw2", "zw2", "sy2", "zy2", "b2"], ["y"])
+    model = make_model([dw, pw], [("x", U8, list(xs))], [("y", U8, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, U8, 5)}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    assert ("qdwconvquads" in symbols) == fused and ("quadpad" in symbols) != fused, symbols
+    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])

@@ -26,7 +26,7 @@ import numpy as np
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
-from .ukernel_int8 import Int8ConvSpec, Int8DwSpec
+from .ukernel_int8 import Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec
 
 MIN_SPLIT_OPS = 1 << 21
 
@@ -86,9 +86,9 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
     return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
 
 
-def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
-    """The calls, or None where the path does not apply (see the module docstring); `pads`: the
-    leading pad of each spatial axis."""
+def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> dict | None:
+    """Everything lower_qlinear_conv_vnni builds before it emits (the layout of the quads, packed
+    weights, tables), or None where the path does not apply."""
     if not vnni_target() or len(x.shape) != 4 or int(node.attr("group", 1)) != 1:
         return None
     if not (w.is_const and sx.is_const and sw.is_const and sy.is_const and (zx is None or zx.is_const)
@@ -156,10 +156,38 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     out = "u8" if np.dtype(y.dtype).name == "uint8" else "s8"
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
     slack = (chunks * NR - flat + ((KH - 1) * dil[0] // s + 1) * Wps + NR) * 4
+    return dict(locals())
 
+
+def vnni_conv_plan(node, graph) -> dict | None:
+    """_vnni_plan of a QLinearConv node, its inputs read from the graph as quant.py reads them."""
+    from .quant import _conv_pads, _input
+    x, sx, zx, w, sw, zw, sy, zy, bias = (_input(node, graph, k) for k in range(9))
+    y = graph.values[node.outputs[0]]
+    if len(x.shape) != 4 or len(y.shape) != 4 or len(w.shape) != 4:
+        return None
+    pads = _conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
+                      list(node.attr("dilations", [1, 1])), list(y.shape[2:]))
+    return _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+
+
+def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
+    """The calls, or None where the path does not apply (see the module docstring); `pads`: the
+    leading pad of each spatial axis. Where a depthwise conv before writes this conv's quads
+    itself (`depthwise_quad_consumer`), the QuadPad copy is left out."""
+    plan = _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+    if plan is None:
+        return None
+    (N, C, H, W, s, pt, pl, Hps, Wps, Cq, plane, phases, OC, OH, OW, MR, NR, chunks, tiles, taps, packed, comp,
+     mult, out, zero_y, slack, masks, starts, x_dtype, zero_x, T) = (plan[k] for k in (
+        "N", "C", "H", "W", "s", "pt", "pl", "Hps", "Wps", "Cq", "plane", "phases", "OC", "OH", "OW", "MR", "NR",
+        "chunks", "tiles", "taps", "packed", "comp", "mult", "out", "zero_y", "slack", "masks", "starts", "x_dtype",
+        "zero_x", "T"))
     from .scratch import scratch_value
     quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
     pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
+    producer = graph.producers().get(x.name)
+    chained = producer is not None and depthwise_quad_consumer(producer, graph) is node
 
     specs = {}
 
@@ -200,7 +228,8 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", "float32", "int64",
                                                        "int64", np.dtype(y.dtype).name), self_sized=True)
     label = f"int8 (vnni conv, {out} out)"
-    return [KernelCall(pad_kernel, [x.name, quads], pad_work, node.name, precision=label),
+    pad = [] if chained else [KernelCall(pad_kernel, [x.name, quads], pad_work, node.name, precision=label)]
+    return pad + [
             KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
                               masks, starts, y.name],
                        N * t_blocks * r_blocks, node.name, precision=label)]
@@ -208,12 +237,8 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
 
 # ---------------------------------------------------------------- depthwise
 
-def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
-    """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
-    with z_x, then per (image, channel) plane the int32 sums of w' (x - z_x) (w' = w - z_w) as
-    sum w' x + (bias - z_x sum w'), requantised as QLinearConv does, over the plane's flat padded
-    grid: on VNNI one `vpdpbusd` a kernel row (ukernel_int8.Int8DwSpec; int8 inputs copied + 128),
-    elsewhere one loop with the taps unrolled that vectorises in int32 lanes."""
+def _dw_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> dict | None:
+    """What lower_qlinear_depthwise computes before it emits, or None where it does not apply."""
     if len(x.shape) != 4 or not (w.is_const and sx.is_const and sw.is_const and sy.is_const
                                  and (zx is None or zx.is_const) and (zw is None or zw.is_const)
                                  and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
@@ -250,7 +275,64 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
              * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (C,))) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
     lo, hi = (0, 255) if y_dtype == "uint8" else (-128, 127)
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
+    return dict(locals())
 
+
+def _node_plan(planner, node, graph) -> dict | None:
+    """`planner` (_vnni_plan or _dw_plan) of a QLinearConv node, its inputs read as quant.py reads them."""
+    from .quant import _conv_pads, _input
+    x, sx, zx, w, sw, zw, sy, zy, bias = (_input(node, graph, k) for k in range(9))
+    y = graph.values[node.outputs[0]]
+    if len(x.shape) != 4 or len(y.shape) != 4 or len(w.shape) != 4:
+        return None
+    pads = _conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
+                      list(node.attr("dilations", [1, 1])), list(y.shape[2:]))
+    return planner(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+
+
+def depthwise_quad_consumer(node, graph):
+    """The QLinearConv that alone reads the output of this depthwise QLinearConv where the depthwise
+    kernel can write that output straight into the conv's channel quads (Int8DwQuadSpec), else None:
+    the reader is a 1x1, stride 1, unpadded conv on the VNNI kernel (its quads are then the
+    depthwise output's pixels in order, channel c at byte c % 4 of quad c // 4), the depthwise takes
+    the VNNI rows path with uint8 output, C is a multiple of 4 (every quad whole) and the reader's
+    input zero point is the depthwise output's. MobileNet's depthwise -> projection pairs: the
+    compaction of the depthwise's padded grid and the projection's QuadPad copy both go."""
+    if node.op != "QLinearConv" or node.domain or not vnni_target():
+        return None
+    y = node.outputs[0]
+    users = graph.consumers().get(y, [])
+    if y in graph.outputs or len(users) != 1:
+        return None
+    user = users[0]
+    if user.op != "QLinearConv" or user.domain or user.inputs[0] != y or y in user.inputs[1:]:
+        return None
+    dw = _node_plan(_dw_plan, node, graph)
+    if dw is None or not dw["rows"] or dw["y_dtype"] != "uint8" or dw["C"] % 4:
+        return None
+    conv = _node_plan(_vnni_plan, user, graph)
+    if conv is None or (conv["KH"], conv["KW"], conv["s"], conv["pt"], conv["pl"]) != (1, 1, 1, 0, 0):
+        return None
+    if (conv["OH"], conv["OW"], conv["Hps"], conv["Wps"]) != (conv["H"], conv["W"], conv["H"], conv["W"]):
+        return None
+    if conv["x_dtype"] != "uint8" or conv["zero_x"] != dw["zero_y"]:
+        return None
+    return user
+
+
+def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
+    """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
+    with z_x, then per (image, channel) plane the int32 sums of w' (x - z_x) (w' = w - z_w) as
+    sum w' x + (bias - z_x sum w'), requantised as QLinearConv does, over the plane's flat padded
+    grid: on VNNI one `vpdpbusd` a kernel row (ukernel_int8.Int8DwSpec; int8 inputs copied + 128),
+    elsewhere one loop with the taps unrolled that vectorises in int32 lanes."""
+    plan = _dw_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+    if plan is None:
+        return None
+    (N, C, H, W, OH, OW, KH, KW, strides, dil, pt, pl, Hp, Wp, wdata, x_dtype, y_dtype, rows, shift, pad_dtype,
+     zero_x, comp, mult, lo, hi, zero_y) = (plan[k] for k in (
+        "N", "C", "H", "W", "OH", "OW", "KH", "KW", "strides", "dil", "pt", "pl", "Hp", "Wp", "wdata", "x_dtype",
+        "y_dtype", "rows", "shift", "pad_dtype", "zero_x", "comp", "mult", "lo", "hi", "zero_y"))
     from .scratch import scratch_value
     # slack: the flat loop's last positions (the micro-kernel's: whole groups of 64, each row read
     # as 64 bytes) read up to s * OH * Wp + taps past a plane's start
@@ -284,6 +366,35 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     # (one loop of OH * Wp iterations that vectorises, where a row of 7 or 14 would not); the
     # columns ow >= OW are computed and dropped when the rows are copied out.
     flat = OH * Wp
+    consumer = depthwise_quad_consumer(node, graph) if rows else None
+    if consumer is not None:
+        # the 1x1 conv's quads (the scratch value it names, sized as it sizes it): pixel p of quad q
+        # at ((n * Cq + q) * OH * OW + p) * 4; groups of 64 grid positions with build-time tables of
+        # their output lanes and first output pixel
+        conv = _node_plan(_vnni_plan, consumer, graph)
+        Cq = C // 4
+        quads = scratch_value(graph, consumer, (N * Cq * conv["plane"] * 4 + conv["slack"],), np.uint8, tag="quads")
+        groups = -(-flat // 64)
+        pos = np.arange(groups * 64).reshape(groups, 64)
+        valid = (pos < flat) & (pos % Wp < OW)
+        masks = (valid.astype(np.uint64) << np.arange(64, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
+        starts = np.concatenate([[0], np.cumsum(valid.sum(axis=1))[:-1]]).astype(np.int64)
+        uk = Int8DwQuadSpec(kh=KH, kw=KW, wp=Wp, xplane=Hp * Wp, s=strides[0], d=dil[0], zy=zero_y)
+        wrows = np.zeros((C, KH, 4), np.int8)
+        wrows[:, :, :KW] = wdata.reshape(C, KH, KW)
+        src = Source()
+        for line in uk.declaration("dwquad").splitlines():
+            src.line(line)
+        src.line(NOALIAS_MARK).line(kernel_header(7)).indent()
+        src.line("for item in range(begin, end):").indent()
+        src.line(f"q = item % {Cq}").line(f"n = item // {Cq}")
+        src.line(f"dwquad(p0, (n * {C} + q * 4) * {Hp * Wp}, p1, q * {4 * KH * 4}, p6, item * {conv['plane'] * 4}, "
+                 f"{groups}, p2, p3, q * 4, p4, p5)")
+        kernel = Kernel("QDwConvQuads", src.text(), ("uint8", "int8", "int32", "float32", "int64", "int64", "uint8"))
+        label = "int8 (depthwise, vnni, quads out)"
+        return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+                KernelCall(kernel, [padded, wrows.reshape(-1), comp.astype(np.int32), mult, masks, starts, quads],
+                           N * Cq, node.name, precision=label)]
     sflat = scratch_value(graph, node, (N * C * flat,), y.dtype, tag="dwflat")
     if rows:
         rows_uk = Int8DwSpec(kh=KH, kw=KW, wp=Wp, s=strides[0], d=dil[0], out="u8" if y_dtype == "uint8" else "s8",

@@ -445,13 +445,15 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
     return {"int8": lambda d: Int8UKSpec(**d), "int8conv": lambda d: Int8ConvSpec(**{**d, "taps": tuple(d["taps"])}),
-            "int8dw": lambda d: Int8DwSpec(**d)}
+            "int8dw": lambda d: Int8DwSpec(**d), "int8dwq": lambda d: Int8DwQuadSpec(**d)}
 
 
 def int8_ir(spec, vector_bits: int = 512) -> str:
     """The IR of either int8 micro-kernel."""
     if spec.kind == "int8dw":
         return int8_dw_ir(spec, vector_bits)
+    if spec.kind == "int8dwq":
+        return int8_dw_quad_ir(spec, vector_bits)
     return int8_conv_ir(spec, vector_bits) if spec.kind == "int8conv" else int8_ukernel_ir(spec, vector_bits)
 
 
@@ -583,4 +585,175 @@ def int8_dw_ir(spec: Int8DwSpec, vector_bits: int = 512) -> str:
              f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
              "declare i64 @llvm.smax.i64(i64, i64)", "declare i64 @llvm.smin.i64(i64, i64)"]
+    return function_module(head, ir, {}, decls)
+
+
+# ---------------------------------------------------------------- depthwise rows, channel-quad output
+
+DWQ_ARG_NAMES = ("x", "xoff", "w", "woff", "y", "yoff", "ngroups", "comp", "mult", "coff", "masks", "starts")
+_DWQ_POINTERS = {"x", "w", "y", "comp", "mult", "masks", "starts"}
+
+
+@dataclass(frozen=True)
+class Int8DwQuadSpec(Declared):
+    """Int8DwSpec's depthwise rows for the 4 channels of one channel quad at once, written in the
+    layout the next convolution reads (qconv.py's quads: y[yoff + p*4 + h] is channel 4q + h at
+    pixel p), so that neither the compaction of the padded grid nor the next conv's QuadPad copy
+    runs. Channel h's plane is x[xoff + h*xplane ...], its kernel rows w[woff + (h*kh + r)*4 ...],
+    its compensation and multiplier comp[coff + h], mult[coff + h] (int32, float32).
+
+    Positions go 64 at a time (`ngroups` groups over the flat padded grid, rows of wp pixels);
+    masks[g] (i64) has bit j set for the positions of group g that are outputs (column < OW, inside
+    the grid), starts[g] is the output pixel of its first one. Per 16 positions the 4 channels'
+    requantised bytes are compressed to the valid lanes (in a register, as Int8ConvSpec stores),
+    interleaved into quads (64 bytes) and stored as one masked prefix.
+
+    Signature: i32 name(ptr x, i64 xoff, ptr w, i64 woff, ptr y, i64 yoff, i64 ngroups, ptr comp,
+                        ptr mult, i64 coff, ptr masks, ptr starts)"""
+    kh: int
+    kw: int
+    wp: int
+    xplane: int
+    s: int = 1
+    d: int = 1
+    zy: int = 0
+    kind: str = "int8dwq"
+    _ARGS: ClassVar[str] = "".join("p" if n in _DWQ_POINTERS else "i" for n in DWQ_ARG_NAMES)
+
+    def __post_init__(self):
+        assert 1 <= self.kw <= 4 and self.s * 15 + (self.kw - 1) * self.d < 64
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8dwq_{self.kh}x{self.kw}_s{self.s}"
+
+    def declaration(self, var: str) -> str:
+        types = {"x": "uint8", "w": "int8", "y": "uint8", "comp": "int32", "mult": "float32", "masks": "int64",
+                 "starts": "int64"}
+        return typed_declaration(self, var, {i: types[n] for i, n in enumerate(DWQ_ARG_NAMES) if n in types})
+
+
+def int8_dw_quad_ir(spec: Int8DwQuadSpec, vector_bits: int = 512) -> str:
+    vi, vf, vb = "<16 x i32>", "<16 x float>", "<64 x i8>"
+    lo, hi = _RANGE["u8"]
+    G = 4   # vectors of 16 positions a group
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
+    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
+    ir("%ybase = getelementptr i8, ptr %y, i64 %yoff")
+    csplat, msplat, wrow = {}, {}, {}
+    for h in range(4):
+        cp = ir.tmp("cp")
+        ir(f"{cp} = getelementptr i32, ptr %comp, i64 %coff")
+        cp2 = ir.tmp("cp")
+        ir(f"{cp2} = getelementptr i32, ptr {cp}, i64 {h}")
+        c = ir.tmp("c")
+        ir(f"{c} = load i32, ptr {cp2}, align 4")
+        csplat[h] = _splat_i32(ir, c)
+        mp = ir.tmp("mp")
+        ir(f"{mp} = getelementptr float, ptr %mult, i64 %coff")
+        mp2 = ir.tmp("mp")
+        ir(f"{mp2} = getelementptr float, ptr {mp}, i64 {h}")
+        m = ir.tmp("m")
+        ir(f"{m} = load float, ptr {mp2}, align 4")
+        msplat[h] = _splat_f32(ir, m)
+        for r in range(spec.kh):
+            p = ir.tmp("wp")
+            ir(f"{p} = getelementptr i8, ptr %wbase, i64 {(h * spec.kh + r) * 4}")
+            word = ir.tmp("ww")
+            ir(f"{word} = load i32, ptr {p}, align 1")
+            wrow[h, r] = _splat_i32(ir, word)
+    index = ", ".join(f"i32 {spec.s * j + min(k, spec.kw - 1) * spec.d}" for j in range(16) for k in range(4))
+    interleave = ", ".join(f"i32 {h * 16 + lane}" for lane in range(16) for h in range(4))
+    ir("br label %loop")
+    ir.label("loop")
+    ir("%g = phi i64 [ 0, %entry ], [ %gn, %loop ]")
+    ir("%mkp = getelementptr i64, ptr %masks, i64 %g")
+    ir("%mk = load i64, ptr %mkp, align 8")
+    ir("%stp = getelementptr i64, ptr %starts, i64 %g")
+    ir("%st = load i64, ptr %stp, align 8")
+    ir("%p = mul i64 %g, 64")
+    ir("%xo = mul i64 %p, " + str(spec.s))
+    running = "%st"
+    for v in range(G):
+        seg = ir.tmp("seg")
+        ir(f"{seg} = lshr i64 %mk, {v * 16}")
+        seg2 = ir.tmp("seg")
+        ir(f"{seg2} = trunc i64 {seg} to i16")
+        lanes = ir.tmp("lm")
+        ir(f"{lanes} = bitcast i16 {seg2} to <16 x i1>")
+        seg3 = ir.tmp("seg")
+        ir(f"{seg3} = zext i16 {seg2} to i64")
+        cnt = ir.tmp("cnt")
+        ir(f"{cnt} = call i64 @llvm.ctpop.i64(i64 {seg3})")
+        packed = {}
+        for h in range(4):
+            acc = csplat[h]
+            for r in range(spec.kh):
+                xo = ir.tmp("xo")
+                ir(f"{xo} = add i64 %xo, {h * spec.xplane + v * 16 * spec.s + r * spec.d * spec.wp}")
+                ptr = ir.tmp("xp")
+                ir(f"{ptr} = getelementptr i8, ptr %xbase, i64 {xo}")
+                raw = ir.tmp("xr")
+                ir(f"{raw} = load {vb}, ptr {ptr}, align 1")
+                win = ir.tmp("xw")
+                ir(f"{win} = shufflevector {vb} {raw}, {vb} poison, <64 x i32> <{index}>")
+                wi = ir.tmp("xi")
+                ir(f"{wi} = bitcast {vb} {win} to {vi}")
+                out = ir.tmp("d")
+                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {acc}, {vi} {wi}, {vi} {wrow[h, r]})")
+                acc = out
+            f = ir.tmp("f")
+            ir(f"{f} = sitofp {vi} {acc} to {vf}")
+            y = ir.tmp("y")
+            ir(f"{y} = fmul {vf} {f}, {msplat[h]}")
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            qc = ir.tmp("qc")
+            ir(f"{qc} = call {vi} @llvm.experimental.vector.compress.v16i32({vi} {q}, <16 x i1> {lanes}, {vi} poison)")
+            packed[h] = ir.tmp("q")
+            ir(f"{packed[h]} = trunc {vi} {qc} to <16 x i8>")
+        ab = ir.tmp("ab")
+        ir(f"{ab} = shufflevector <16 x i8> {packed[0]}, <16 x i8> {packed[1]}, <32 x i32> "
+           f"<{', '.join(f'i32 {k}' for k in range(32))}>")
+        cd = ir.tmp("cd")
+        ir(f"{cd} = shufflevector <16 x i8> {packed[2]}, <16 x i8> {packed[3]}, <32 x i32> "
+           f"<{', '.join(f'i32 {k}' for k in range(32))}>")
+        quads = ir.tmp("qd")
+        ir(f"{quads} = shufflevector <32 x i8> {ab}, <32 x i8> {cd}, <64 x i32> <{interleave}>")
+        # the first 4 * cnt bytes: (2^(4 cnt) - 1), all ones for cnt = 16
+        sh = ir.tmp("sh")
+        ir(f"{sh} = mul i64 {cnt}, 4")
+        sh128 = ir.tmp("sh")
+        ir(f"{sh128} = zext i64 {sh} to i128")
+        one = ir.tmp("wm")
+        ir(f"{one} = shl i128 1, {sh128}")
+        less = ir.tmp("wm")
+        ir(f"{less} = sub i128 {one}, 1")
+        bits = ir.tmp("wm")
+        ir(f"{bits} = trunc i128 {less} to i64")
+        smask = ir.tmp("sm")
+        ir(f"{smask} = bitcast i64 {bits} to <64 x i1>")
+        yo = ir.tmp("yo")
+        ir(f"{yo} = mul i64 {running}, 4")
+        yp = ir.tmp("yp")
+        ir(f"{yp} = getelementptr i8, ptr %ybase, i64 {yo}")
+        ir(f"call void @llvm.masked.store.v64i8.p0({vb} {quads}, ptr align 1 {yp}, <64 x i1> {smask})")
+        nxt = ir.tmp("run")
+        ir(f"{nxt} = add i64 {running}, {cnt}")
+        running = nxt
+    ir("%gn = add i64 %g, 1")
+    ir("%more = icmp slt i64 %gn, %ngroups")
+    ir("br i1 %more, label %loop, label %done")
+    ir.label("done")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _DWQ_POINTERS else f"i64 %{n}"
+                     for n in DWQ_ARG_NAMES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+             f"declare void @llvm.masked.store.v64i8.p0({vb}, ptr, <64 x i1>)",
+             f"declare {vf} @llvm.roundeven.v16f32({vf})",
+             f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
+             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
+             f"declare {vi} @llvm.experimental.vector.compress.v16i32({vi}, <16 x i1>, {vi})",
+             "declare i64 @llvm.ctpop.i64(i64)"]
     return function_module(head, ir, {}, decls)

@@ -237,3 +237,55 @@ def test_depthwise_writes_the_next_1x1_convs_quads(case):
     symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
     assert ("qdwconvquads" in symbols) == fused and ("quadpad" in symbols) != fused, symbols
     np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])
+
+
+def _qconv(name, x, y, w, group=1, zy=90, **attrs):
+    """A QLinearConv node and its initializers (uint8 activations, per-channel int8 weights, int32
+    bias); its input's scale and zero point are the names `x`_s, `x`_z."""
+    OC = w.shape[0]
+    rng = np.random.default_rng(len(name))
+    inits = {f"{name}_w": w, f"{name}_sw": rng.uniform(0.001, 0.01, OC).astype(F32), f"{name}_zw": np.zeros(OC, I8),
+             f"{y}_s": np.array(0.05 + 0.01 * len(name), F32), f"{y}_z": np.array(zy, U8),
+             f"{name}_b": rng.integers(-2000, 2000, OC).astype(np.int32)}
+    node = helper.make_node("QLinearConv", [x, f"{x}_s", f"{x}_z", f"{name}_w", f"{name}_sw", f"{name}_zw", f"{y}_s",
+                                            f"{y}_z", f"{name}_b"], [y], group=group, **attrs)
+    return node, inits
+
+
+CONV_INTO_DEPTHWISE = {
+    # name: (x shape, first conv (out channels, kernel, attrs), depthwise attrs, 1x1 after?, output also read?)
+    "expand_1x1_dw_project": ((1, 8, 14, 14), (24, 1, {}), {"pads": [1, 1, 1, 1]}, True, False),
+    "stem_3x3_stride2_dw": ((1, 3, 23, 23), (16, 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
+                            {"pads": [1, 1, 1, 1]}, False, False),
+    "expand_dw_stride2_batch2": ((2, 12, 9, 9), (20, 1, {}), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, True, False),
+    # must not fire: the conv's output is a graph output too (it must exist as it is)
+    "output_read_twice": ((1, 8, 10, 10), (16, 1, {}), {"pads": [1, 1, 1, 1]}, False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_INTO_DEPTHWISE))
+def test_conv_writes_the_next_depthwises_padded_planes(case):
+    """A VNNI QLinearConv read only by a depthwise QLinearConv computes on the depthwise's padded grid
+    and stores whole rows, the padding columns as the zero point (Int8ConvBlendSpec); the depthwise
+    fills only its top and bottom rows. A MobileNetV2 block (1x1 -> depthwise -> 1x1) then copies
+    nothing between its convs. Bit-exact with onnxruntime."""
+    xs, (OC, k, attrs), dw_attrs, project, twice = CONV_INTO_DEPTHWISE[case]
+    C = xs[1]
+    first, inits = _qconv("c1", "x", "t", ints((OC, C, k, k), I8, 1), **attrs)
+    dw, more = _qconv("dw", "t", "u", ints((OC, 1, 3, 3), I8, 2), group=OC, zy=77, **dw_attrs)
+    inits.update(more, x_s=np.array(0.02, F32), x_z=np.array(100, U8))
+    nodes, last = [first, dw], "u"
+    if project:
+        pw, more = _qconv("pw", "u", "y", ints((8, OC, 1, 1), I8, 3), zy=120)
+        inits.update(more)
+        nodes, last = nodes + [pw], "y"
+    outputs = [(last, U8, None)] + ([("t", U8, None)] if twice else [])
+    model = make_model(nodes, [("x", U8, list(xs))], outputs, initializers=inits, opset=13)
+    feeds = {"x": ints(xs, U8, 5)}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    assert ("qdwborder" in symbols) != twice and ("qdwpad" in symbols) == twice, symbols
+    if project:
+        assert "qdwconvquads" in symbols and symbols.count("quadpad") == 1, symbols
+    got, want = cuvil.compile(model).run(feeds), run_ort(model, feeds)
+    for name, _, _ in outputs:
+        np.testing.assert_array_equal(got[name], want[name])

@@ -26,7 +26,7 @@ import numpy as np
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
-from .ukernel_int8 import Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec
+from .ukernel_int8 import Int8ConvBlendSpec, Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec
 
 MIN_SPLIT_OPS = 1 << 21
 
@@ -86,9 +86,11 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
     return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
 
 
-def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> dict | None:
+def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None) -> dict | None:
     """Everything lower_qlinear_conv_vnni builds before it emits (the layout of the quads, packed
-    weights, tables), or None where the path does not apply."""
+    weights, tables), or None where the path does not apply. `grid` = (width, column): the grid rows
+    are `width` pixels and output column ow sits at grid column `column` + ow (the input shifted
+    right as much in the quads), the layout of the zero-padded planes of a depthwise conv after it."""
     if not vnni_target() or len(x.shape) != 4 or int(node.attr("group", 1)) != 1:
         return None
     if not (w.is_const and sx.is_const and sw.is_const and sy.is_const and (zx is None or zx.is_const)
@@ -119,6 +121,12 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> dict | None
     # the phase images, sized so that every tap of every output pixel lands inside
     Hps = OH + ((KH - 1) * dil[0]) // s
     Wps = OW + ((KW - 1) * dil[1]) // s
+    col = 0
+    if grid is not None:
+        if grid[0] < Wps + grid[1]:     # a valid lane's taps must stay in its row
+            return None
+        Wps, col = grid
+        pl = pl + s * col
     plane = Hps * Wps
     # Tiles run over whole rows of the phase grid (OH rows of Wps pixels, the last Wps - OW of each
     # not an output): a 7x7 output computes 64 lanes for 49 pixels, not 7 of every 16. The mask of
@@ -127,8 +135,9 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> dict | None
     MR, NR = choose_tile(OC, flat)
     chunks = -(-flat // NR)
     pos = np.arange(chunks * NR).reshape(chunks, NR)
-    valid = (pos < flat) & (pos % Wps < OW)
+    valid = (pos < flat) & (pos % Wps >= col) & (pos % Wps < col + OW)
     masks = (valid.astype(np.uint64) << np.arange(NR, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
+    stores = ((pos < flat).astype(np.uint64) << np.arange(NR, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
     starts = np.concatenate([[0], np.cumsum(valid.sum(axis=1))[:-1]]).astype(np.int64)
     phases = s * s
     taps = []
@@ -175,7 +184,9 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     """The calls, or None where the path does not apply (see the module docstring); `pads`: the
     leading pad of each spatial axis. Where a depthwise conv before writes this conv's quads
     itself (`depthwise_quad_consumer`), the QuadPad copy is left out."""
-    plan = _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+    into = conv_into_depthwise(node, graph)
+    grid = (into[1]["Wp"], into[1]["pl"]) if into else None
+    plan = _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid)
     if plan is None:
         return None
     (N, C, H, W, s, pt, pl, Hps, Wps, Cq, plane, phases, OC, OH, OW, MR, NR, chunks, tiles, taps, packed, comp,
@@ -187,14 +198,19 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
     pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
     producer = graph.producers().get(x.name)
-    chained = producer is not None and depthwise_quad_consumer(producer, graph) is node
+    chained = producer is not None and _same(depthwise_quad_consumer(producer, graph), node)
+    if into:    # the depthwise's padded planes: rows pt .. pt + OH - 1 whole, padding columns included
+        dw_node, dw = into
+        target = scratch_value(graph, dw_node, (dw["padded_size"],), np.uint8, tag="dwpad")
+        dw_plane = dw["Hp"] * dw["Wp"]
 
     specs = {}
 
     def spec(mr):
         if mr not in specs:
-            specs[mr] = (f"uk{len(specs)}", Int8ConvSpec(mr=mr, nr=NR, taps=tuple(taps), plane=plane, panel=MR,
-                                                         out=out, zy=zero_y))
+            make = Int8ConvBlendSpec if into else Int8ConvSpec
+            specs[mr] = (f"uk{len(specs)}", make(mr=mr, nr=NR, taps=tuple(taps), plane=plane, panel=MR, out=out,
+                                                 zy=zero_y))
         return specs[mr][0]
 
     want = work_items() if 2 * OC * C * T * OH * OW * N >= MIN_SPLIT_OPS else 1
@@ -215,8 +231,12 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         name = spec(OC % MR if edge else MR)
         body.line(f"for ch in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {chunks})):").indent()
         body.line(f"xoff = (n * {phases * Cq * plane} + ch * {NR}) * 4")
-        body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + p6[ch]")
-        body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {OH * OW}, {Cq}, p5[ch], p2, p3, oc0)")
+        if into:
+            body.line(f"yoff = (n * {OC} + oc0) * {dw_plane} + {dw['pt'] * dw['Wp']} + ch * {NR}")
+            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {dw_plane}, {Cq}, p5[ch], p2, p3, oc0, p6[ch])")
+        else:
+            body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + p6[ch]")
+            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {OH * OW}, {Cq}, p5[ch], p2, p3, oc0)")
         body.dedent()
         if OC % MR:
             body.dedent()
@@ -231,8 +251,43 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     pad = [] if chained else [KernelCall(pad_kernel, [x.name, quads], pad_work, node.name, precision=label)]
     return pad + [
             KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
-                              masks, starts, y.name],
+                              masks, plan["stores"] if into else starts, target if into else y.name],
                        N * t_blocks * r_blocks, node.name, precision=label)]
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.name == b.name
+
+
+def conv_into_depthwise(node, graph):
+    """(the depthwise QLinearConv, its _dw_plan) where this QLinearConv on the VNNI kernel writes
+    that conv's zero-padded input planes itself, else None: the depthwise alone reads this output, it
+    pads uint8 input as it is (no +128 copy), its input zero point is this output's, this conv's
+    grid widened to the padded width reaches no tap outside its row (Int8ConvBlendSpec stores whole
+    grid rows: the padding columns get the zero point), and no depthwise before writes this conv's
+    quads (depthwise_quad_consumer decides first). MobileNet's expansion -> depthwise pairs: the
+    depthwise's QDwPad copy shrinks to its top and bottom rows."""
+    if node.op != "QLinearConv" or node.domain or not vnni_target():
+        return None
+    y = node.outputs[0]
+    users = graph.consumers().get(y, [])
+    if y in graph.outputs or len(users) != 1:
+        return None
+    user = users[0]
+    if user.op != "QLinearConv" or user.domain or user.inputs[0] != y or y in user.inputs[1:]:
+        return None
+    dw = _node_plan(_dw_plan, user, graph)
+    if dw is None or dw["shift"] or dw["x_dtype"] != "uint8":
+        return None
+    own = _node_plan(_vnni_plan, node, graph)
+    if own is None or own["out"] != "u8" or own["zero_y"] != dw["zero_x"]:
+        return None
+    producer = graph.producers().get(node.inputs[0])
+    if producer is not None and _same(depthwise_quad_consumer(producer, graph), node):
+        return None
+    if _node_plan(lambda *a: _vnni_plan(*a, grid=(dw["Wp"], dw["pl"])), node, graph) is None:
+        return None
+    return user, dw
 
 
 # ---------------------------------------------------------------- depthwise
@@ -275,6 +330,10 @@ def _dw_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> dict | None:
              * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (C,))) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
     lo, hi = (0, 255) if y_dtype == "uint8" else (-128, 127)
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
+    # slack: the flat loop's last positions (the micro-kernel's: whole groups of 64, each row read
+    # as 64 bytes) read up to s * OH * Wp + taps past a plane's start
+    slack = max(0, strides[0] * (OH * Wp + 64) + (KH - 1) * dil[0] * Wp + 64 - Hp * Wp) + 64
+    padded_size = N * C * Hp * Wp + slack
     return dict(locals())
 
 
@@ -334,11 +393,25 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         "N", "C", "H", "W", "OH", "OW", "KH", "KW", "strides", "dil", "pt", "pl", "Hp", "Wp", "wdata", "x_dtype",
         "y_dtype", "rows", "shift", "pad_dtype", "zero_x", "comp", "mult", "lo", "hi", "zero_y"))
     from .scratch import scratch_value
-    # slack: the flat loop's last positions (the micro-kernel's: whole groups of 64, each row read
-    # as 64 bytes) read up to s * OH * Wp + taps past a plane's start
-    slack = max(0, strides[0] * (OH * Wp + 64) + (KH - 1) * dil[0] * Wp + 64 - Hp * Wp) + 64
-    padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), pad_dtype, tag="dwpad")
+    slack = plan["slack"]
+    padded = scratch_value(graph, node, (plan["padded_size"],), pad_dtype, tag="dwpad")
     fill = f"np.{pad_dtype}({zero_x + shift})"
+    producer = graph.producers().get(x.name)
+    if producer is not None and _same((conv_into_depthwise(producer, graph) or (None,))[0], node):
+        # the conv before wrote rows pt .. pt + H - 1 (padding columns included): the rest is filled
+        pad = Source().line(NOALIAS_MARK).line(kernel_header(1)).indent()
+        pad.line("for item in range(begin, end):").indent()
+        pad.line(f"ob = item * {Hp * Wp}")
+        pad.line(f"for i in range({pt * Wp}):").indent().line(f"p0[ob + i] = {fill}").dedent()
+        pad.line(f"for i in range({(pt + H) * Wp}, {Hp * Wp}):").indent().line(f"p0[ob + i] = {fill}").dedent()
+        pad.dedent()
+        pad.line(f"if end == {N * C}:").indent()
+        pad.line(f"for i in range({slack}):").indent()
+        pad.line(f"p0[{N * C * Hp * Wp} + i] = {fill}")
+        pad_call = KernelCall(Kernel("QDwBorder", pad.text(), (pad_dtype,)), [padded], N * C, node.name,
+                              precision="int8 (depthwise, input written by the conv before)")
+    else:
+        pad_call = None
     copy = "p0[ib + ww]" if not shift else "np.uint8(np.int32(p0[ib + ww]) + 128)"
     pad = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     pad.line("for item in range(begin, end):").indent()
@@ -392,7 +465,7 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
                  f"{groups}, p2, p3, q * 4, p4, p5)")
         kernel = Kernel("QDwConvQuads", src.text(), ("uint8", "int8", "int32", "float32", "int64", "int64", "uint8"))
         label = "int8 (depthwise, vnni, quads out)"
-        return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+        return [pad_call or KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
                 KernelCall(kernel, [padded, wrows.reshape(-1), comp.astype(np.int32), mult, masks, starts, quads],
                            N * Cq, node.name, precision=label)]
     sflat = scratch_value(graph, node, (N * C * flat,), y.dtype, tag="dwflat")
@@ -415,7 +488,7 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
         conv = Kernel("QDwConv", src.text(), ("uint8", "int8", "int32", "int32", y_dtype, y_dtype))
         label = "int8 (depthwise, vnni)"
-        return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+        return [pad_call or KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
                 KernelCall(conv, [padded, wrows.reshape(-1), comp.astype(np.int32), mult.view(np.int32), sflat, y.name],
                            N * C, node.name, precision=label, n_outputs=2)]
     src = Source().line(NOALIAS_MARK).line(kernel_header(6)).indent()
@@ -436,6 +509,6 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
     conv = Kernel("QDwConv", src.text(), (x_dtype, "int32", "int32", "float32", y_dtype, y_dtype))
     label = "int8 (depthwise)"
-    return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+    return [pad_call or KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
             KernelCall(conv, [padded, wdata.astype(np.int32).reshape(-1), comp.astype(np.int32), mult, sflat, y.name],
                        N * C, node.name, precision=label, n_outputs=2)]

@@ -329,6 +329,22 @@ class Int8ConvSpec(Declared):
         return typed_declaration(self, var, {i: types[n] for i, n in enumerate(CONV_ARG_NAMES) if n in types})
 
 
+@dataclass(frozen=True)
+class Int8ConvBlendSpec(Int8ConvSpec):
+    """Int8ConvSpec whose rows are stored in place on the grid, not compressed: the lanes set in
+    `mask` get the requantised value, the others the output zero point zy, and the lanes set in
+    `smask` (i64, one more argument) are stored from y[yoff + i*ldy] on. A conv computing on the grid
+    of the depthwise conv after it writes that conv's zero-padded planes itself: the padding columns
+    are the lanes outside `mask` (qconv.py, conv_into_depthwise).
+
+    Signature: Int8ConvSpec's, then i64 smask."""
+    kind: str = "int8convb"
+    _ARGS: ClassVar[str] = Int8ConvSpec._ARGS + "i"
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8convb_{self.mr}x{self.nr}_{self.out}"
+
+
 def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
     L = 16
     V = spec.nr // L
@@ -373,9 +389,10 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
                 cur[i, v] = out
     final = close_k_loop(ir, 0, kv, accs, cur, rename)
     lo, hi = _RANGE[spec.out]
+    blend = spec.kind == "int8convb"
     # compressed stores: the valid lanes of vector v go to prefix[v] = popcount of the mask below it
     prefix, dense, running = {}, {}, "0"
-    for v in range(V):
+    for v in range(V if not blend else 0):
         prefix[v] = running
         seg = ir.tmp("seg")
         ir(f"{seg} = lshr i64 %mask, {v * L}")
@@ -393,6 +410,14 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
         ir(f"{low3} = trunc i64 {low2} to i{L}")
         dense[v] = ir.tmp("dm")
         ir(f"{dense[v]} = bitcast i{L} {low3} to <{L} x i1>")
+    stores = {}
+    for v in range(V if blend else 0):
+        seg = ir.tmp("ss")
+        ir(f"{seg} = lshr i64 %smask, {v * L}")
+        bits = ir.tmp("ss")
+        ir(f"{bits} = trunc i64 {seg} to i{L}")
+        stores[v] = ir.tmp("sm")
+        ir(f"{stores[v]} = bitcast i{L} {bits} to <{L} x i1>")
     for i in range(spec.mr):
         row = ir.tmp("row")
         ir(f"{row} = add i64 %moff, {i}")
@@ -418,6 +443,17 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
             y = ir.tmp("y")
             ir(f"{y} = fmul {vf} {f}, {msplat}")
             q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            if blend:
+                qb = ir.tmp("qb")
+                ir(f"{qb} = select <16 x i1> {masks[v]}, {vi} {q}, {vi} <{', '.join([f'i32 {spec.zy}'] * L)}>")
+                q8 = ir.tmp("q")
+                ir(f"{q8} = trunc {vi} {qb} to <16 x i8>")
+                yi = ir.tmp("yi")
+                ir(f"{yi} = add i64 {yo2}, {v * L}")
+                p = ir.tmp("yp")
+                ir(f"{p} = getelementptr i8, ptr %y, i64 {yi}")
+                ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {stores[v]})")
+                continue
             packed = ir.tmp("qc")   # compressed in a register: a compress store to memory is microcoded on Zen 4
             ir(f"{packed} = call {vi} @llvm.experimental.vector.compress.v16i32({vi} {q}, <16 x i1> {masks[v]}, "
                f"{vi} poison)")
@@ -430,7 +466,7 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
             ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {dense[v]})")
     ir("ret i32 0")
     args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _CONV_POINTERS else f"i64 %{n}"
-                     for n in CONV_ARG_NAMES)
+                     for n in CONV_ARG_NAMES + (("smask",) if blend else ()))
     head = f"define i32 @{spec.name}({args}) #0 {{"
     decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
              "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",
@@ -445,6 +481,7 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
     return {"int8": lambda d: Int8UKSpec(**d), "int8conv": lambda d: Int8ConvSpec(**{**d, "taps": tuple(d["taps"])}),
+            "int8convb": lambda d: Int8ConvBlendSpec(**{**d, "taps": tuple(d["taps"])}),
             "int8dw": lambda d: Int8DwSpec(**d), "int8dwq": lambda d: Int8DwQuadSpec(**d)}
 
 
@@ -454,7 +491,7 @@ def int8_ir(spec, vector_bits: int = 512) -> str:
         return int8_dw_ir(spec, vector_bits)
     if spec.kind == "int8dwq":
         return int8_dw_quad_ir(spec, vector_bits)
-    return int8_conv_ir(spec, vector_bits) if spec.kind == "int8conv" else int8_ukernel_ir(spec, vector_bits)
+    return int8_conv_ir(spec, vector_bits) if spec.kind in ("int8conv", "int8convb") else int8_ukernel_ir(spec, vector_bits)
 
 
 # ---------------------------------------------------------------- depthwise rows

@@ -289,3 +289,22 @@ def test_conv_writes_the_next_depthwises_padded_planes(case):
     got, want = cuvil.compile(model).run(feeds), run_ort(model, feeds)
     for name, _, _ in outputs:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_mobilenet_block_on_two_threads(k):
+    """The same two paths split over 2 threads (work items of tiles, row blocks and quads write
+    disjoint bytes); with a 5x5 depthwise (the int32 loops, not the VNNI rows) the conv before still
+    writes its planes, and the depthwise keeps its own output: bit-exact with onnxruntime."""
+    xs, C, OC = (1, 32, 28, 28), 32, 64     # every conv above MIN_SPLIT_OPS: split in work items
+    first, inits = _qconv("c1", "x", "t", ints((OC, C, 1, 1), I8, 1))
+    dw, more = _qconv("dw", "t", "u", ints((OC, 1, k, k), I8, 2), group=OC, zy=77, pads=[k // 2] * 4)
+    pw, more2 = _qconv("pw", "u", "y", ints((48, OC, 1, 1), I8, 3), zy=120)
+    inits.update(more, **more2, x_s=np.array(0.02, F32), x_z=np.array(100, U8))
+    model = make_model([first, dw, pw], [("x", U8, list(xs))], [("y", U8, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, U8, 5)}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    assert "qdwborder" in symbols and "qdwpad" not in symbols, symbols
+    assert ("qdwconvquads" in symbols) == (k == 3), symbols
+    want = run_ort(model, feeds)["y"]
+    np.testing.assert_array_equal(cuvil.compile(model, threads=2).run(feeds)["y"], want)

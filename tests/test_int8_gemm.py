@@ -308,3 +308,41 @@ def test_mobilenet_block_on_two_threads(k):
     assert ("qdwconvquads" in symbols) == (k == 3), symbols
     want = run_ort(model, feeds)["y"]
     np.testing.assert_array_equal(cuvil.compile(model, threads=2).run(feeds)["y"], want)
+
+
+CONV_INTO_CONV = {
+    # name: (x shape, [(out channels, kernel, attrs) of each conv], quads written by a conv before)
+    "resnet_3x3_3x3": ((1, 16, 14, 14), [(32, 3, {"pads": [1] * 4}), (24, 3, {"pads": [1] * 4})], 1),
+    "stride2_then_3x3_batch2": ((2, 8, 15, 15), [(16, 3, {"strides": [2, 2], "pads": [1] * 4}),
+                                                 (16, 3, {"pads": [1] * 4})], 1),
+    "1x1_then_3x3_edge_tile": ((1, 8, 9, 11), [(20, 1, {}), (8, 3, {"pads": [1] * 4})], 1),
+    # three convs: the middle one reads what the first wrote, so it writes its own output plainly
+    "chain_of_three": ((1, 8, 12, 12), [(16, 3, {"pads": [1] * 4}), (16, 3, {"pads": [1] * 4}),
+                                        (8, 3, {"pads": [1] * 4})], 1),
+    # must not fire: a 3x3 conv's grid is wider than the unpadded 1x1's; 6 channels are not whole quads
+    "3x3_then_1x1": ((1, 8, 10, 10), [(16, 3, {"pads": [1] * 4}), (8, 1, {})], 0),
+    "channels_not_quads": ((1, 8, 10, 10), [(6, 3, {"pads": [1] * 4}), (8, 3, {"pads": [1] * 4})], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_INTO_CONV))
+def test_conv_writes_the_next_convs_quads(case):
+    """A VNNI QLinearConv read only by a stride-1 VNNI QLinearConv computes on that conv's padded grid
+    and stores its rows as interleaved channel quads (Int8ConvBlendSpec quads, padding columns as the
+    zero point); the next conv fills only its top and bottom rows (QuadBorder), no QuadPad copy.
+    Bit-exact with onnxruntime, on 1 and 2 threads."""
+    xs, convs, written = CONV_INTO_CONV[case]
+    inits = {"x_s": np.array(0.02, F32), "x_z": np.array(100, U8)}
+    nodes, C, src = [], xs[1], "x"
+    for i, (OC, k, attrs) in enumerate(convs):
+        node, more = _qconv(f"c{i}", src, f"t{i}", ints((OC, C, k, k), I8, i), zy=80 + i, **attrs)
+        nodes.append(node)
+        inits.update(more)
+        C, src = OC, f"t{i}"
+    model = make_model(nodes, [("x", U8, list(xs))], [(src, U8, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, U8, 5)}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    assert symbols.count("quadborder") == written, symbols
+    want = run_ort(model, feeds)[src]
+    for threads in (1, 2):
+        np.testing.assert_array_equal(cuvil.compile(model, threads=threads).run(feeds)[src], want)

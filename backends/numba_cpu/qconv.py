@@ -34,10 +34,13 @@ MIN_SPLIT_OPS = 1 << 21
 TILES = ((6, 64), (12, 32), (24, 16))   # output channels x pixels of a micro-tile: 24 int32 accumulators
 
 
-def choose_tile(OC: int, flat: int) -> tuple[int, int]:
+QUAD_TILES = ((8, 48), (12, 32), (24, 16))   # rows in whole quads, for a conv writing the next one's quads
+
+
+def choose_tile(OC: int, flat: int, tiles=TILES) -> tuple[int, int]:
     """The tile computing the fewest lanes for OC channels over `flat` grid positions (a 14x14 output
     on a 16-wide grid: 224 positions, 7 tiles of 32 rather than 4 of 64); ties keep the wider tile."""
-    return min(TILES, key=lambda t: (-(-OC // t[0]) * t[0] * -(-flat // t[1]) * t[1], -t[1]))
+    return min(tiles, key=lambda t: (-(-OC // t[0]) * t[0] * -(-flat // t[1]) * t[1], -t[1]))
 
 
 def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
@@ -86,7 +89,7 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
     return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
 
 
-def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None) -> dict | None:
+def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, quad_out=False) -> dict | None:
     """Everything lower_qlinear_conv_vnni builds before it emits (the layout of the quads, packed
     weights, tables), or None where the path does not apply. `grid` = (width, column): the grid rows
     are `width` pixels and output column ow sits at grid column `column` + ow (the input shifted
@@ -123,7 +126,9 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None) -> 
     Wps = OW + ((KW - 1) * dil[1]) // s
     col = 0
     if grid is not None:
-        if grid[0] < Wps + grid[1]:     # a valid lane's taps must stay in its row
+        # a valid lane's taps stay in its row, or (stride 1) run on into the next row's left
+        # padding, which holds what the row's right padding would (the zero point)
+        if grid[0] < Wps + grid[1] - (pl + grid[1] if s == 1 else 0):
             return None
         Wps, col = grid
         pl = pl + s * col
@@ -132,7 +137,7 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None) -> 
     # not an output): a 7x7 output computes 64 lanes for 49 pixels, not 7 of every 16. The mask of
     # each tile's valid lanes and the output offset of its first are build-time tables.
     flat = OH * Wps
-    MR, NR = choose_tile(OC, flat)
+    MR, NR = choose_tile(OC, flat, QUAD_TILES if quad_out else TILES)
     chunks = -(-flat // NR)
     pos = np.arange(chunks * NR).reshape(chunks, NR)
     valid = (pos < flat) & (pos % Wps >= col) & (pos % Wps < col + OW)
@@ -185,8 +190,9 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     leading pad of each spatial axis. Where a depthwise conv before writes this conv's quads
     itself (`depthwise_quad_consumer`), the QuadPad copy is left out."""
     into = conv_into_depthwise(node, graph)
-    grid = (into[1]["Wp"], into[1]["pl"]) if into else None
-    plan = _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid)
+    onto = conv_into_conv(node, graph)
+    grid = (into[1]["Wp"], into[1]["pl"]) if into else (onto[1]["Wps"], onto[1]["pl"]) if onto else None
+    plan = _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid, quad_out=bool(onto))
     if plan is None:
         return None
     (N, C, H, W, s, pt, pl, Hps, Wps, Cq, plane, phases, OC, OH, OW, MR, NR, chunks, tiles, taps, packed, comp,
@@ -199,6 +205,24 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
     producer = graph.producers().get(x.name)
     chained = producer is not None and _same(depthwise_quad_consumer(producer, graph), node)
+    if producer is not None and _same((conv_into_conv(producer, graph) or (None,))[0], node):
+        # the conv before wrote rows pt .. pt + H - 1 of every quad: the rest is filled
+        border = Source().line(NOALIAS_MARK).line(kernel_header(1)).indent()
+        border.line("for item in range(begin, end):").indent()
+        border.line(f"ob = item * {plane * 4}")
+        border.line(f"for i in range({pt * Wps * 4}):").indent().line(f"p0[ob + i] = np.uint8({zero_x})").dedent()
+        border.line(f"for i in range({(pt + H) * Wps * 4}, {plane * 4}):").indent()
+        border.line(f"p0[ob + i] = np.uint8({zero_x})").dedent().dedent()
+        border.line(f"if end == {N * Cq}:").indent()
+        border.line(f"for i in range({slack}):").indent()
+        border.line(f"p0[{N * Cq * plane * 4} + i] = np.uint8({zero_x})")
+        pad_kernel, pad_work, pad_args = Kernel("QuadBorder", border.text(), ("uint8",)), N * Cq, [quads]
+    else:
+        pad_args = [x.name, quads]
+    if onto:    # the next conv's quads: rows pt .. pt + OH - 1 of each, padding columns included
+        next_node, nxt = onto
+        target = scratch_value(graph, next_node, (N * nxt["Cq"] * nxt["plane"] * 4 + nxt["slack"],), np.uint8,
+                               tag="quads")
     if into:    # the depthwise's padded planes: rows pt .. pt + OH - 1 whole, padding columns included
         dw_node, dw = into
         target = scratch_value(graph, dw_node, (dw["padded_size"],), np.uint8, tag="dwpad")
@@ -208,9 +232,10 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
 
     def spec(mr):
         if mr not in specs:
-            make = Int8ConvBlendSpec if into else Int8ConvSpec
+            extra = {"quads": 1} if onto else {}
+            make = Int8ConvBlendSpec if into or onto else Int8ConvSpec
             specs[mr] = (f"uk{len(specs)}", make(mr=mr, nr=NR, taps=tuple(taps), plane=plane, panel=MR, out=out,
-                                                 zy=zero_y))
+                                                 zy=zero_y, **extra))
         return specs[mr][0]
 
     want = work_items() if 2 * OC * C * T * OH * OW * N >= MIN_SPLIT_OPS else 1
@@ -231,7 +256,10 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         name = spec(OC % MR if edge else MR)
         body.line(f"for ch in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {chunks})):").indent()
         body.line(f"xoff = (n * {phases * Cq * plane} + ch * {NR}) * 4")
-        if into:
+        if onto:
+            body.line(f"yoff = ((n * {nxt['Cq']} + oc0 // 4) * {nxt['plane']} + {nxt['pt'] * nxt['Wps']} + ch * {NR}) * 4")
+            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {nxt['plane'] * 4}, {Cq}, p5[ch], p2, p3, oc0, p6[ch])")
+        elif into:
             body.line(f"yoff = (n * {OC} + oc0) * {dw_plane} + {dw['pt'] * dw['Wp']} + ch * {NR}")
             body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {dw_plane}, {Cq}, p5[ch], p2, p3, oc0, p6[ch])")
         else:
@@ -248,10 +276,10 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", "float32", "int64",
                                                        "int64", np.dtype(y.dtype).name), self_sized=True)
     label = f"int8 (vnni conv, {out} out)"
-    pad = [] if chained else [KernelCall(pad_kernel, [x.name, quads], pad_work, node.name, precision=label)]
+    pad = [] if chained else [KernelCall(pad_kernel, pad_args, pad_work, node.name, precision=label)]
     return pad + [
             KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
-                              masks, plan["stores"] if into else starts, target if into else y.name],
+                              masks, plan["stores"] if into or onto else starts, target if into or onto else y.name],
                        N * t_blocks * r_blocks, node.name, precision=label)]
 
 
@@ -282,12 +310,45 @@ def conv_into_depthwise(node, graph):
     own = _node_plan(_vnni_plan, node, graph)
     if own is None or own["out"] != "u8" or own["zero_y"] != dw["zero_x"]:
         return None
-    producer = graph.producers().get(node.inputs[0])
-    if producer is not None and _same(depthwise_quad_consumer(producer, graph), node):
+    if _input_written(node, graph):
         return None
     if _node_plan(lambda *a: _vnni_plan(*a, grid=(dw["Wp"], dw["pl"])), node, graph) is None:
         return None
     return user, dw
+
+
+def _input_written(node, graph) -> bool:
+    """Whether the node before writes this conv's quads itself (its grid is then the default one)."""
+    producer = graph.producers().get(node.inputs[0])
+    return producer is not None and (_same(depthwise_quad_consumer(producer, graph), node)
+                                     or _same((conv_into_conv(producer, graph) or (None,))[0], node))
+
+
+def conv_into_conv(node, graph):
+    """(the QLinearConv, its _vnni_plan) where this VNNI QLinearConv writes the next conv's channel
+    quads itself, else None: the next conv alone reads this output, has stride 1 and uint8 input with
+    this output's zero point, C a multiple of 4; this conv computes on the next one's grid (rows as
+    wide, shifted by its left pad; QUAD_TILES, rows in whole quads) and stores whole rows
+    interleaved, the padding columns as the zero point (Int8ConvBlendSpec quads); the next conv
+    fills only its top and bottom rows (QuadBorder). ResNet's conv1 -> conv2."""
+    if node.op != "QLinearConv" or node.domain or not vnni_target():
+        return None
+    y = node.outputs[0]
+    users = graph.consumers().get(y, [])
+    if y in graph.outputs or len(users) != 1:
+        return None
+    user = users[0]
+    if user.op != "QLinearConv" or user.domain or user.inputs[0] != y or y in user.inputs[1:]:
+        return None
+    nxt = _node_plan(_vnni_plan, user, graph)
+    if nxt is None or nxt["s"] != 1 or nxt["x_dtype"] != "uint8" or nxt["C"] % 4:
+        return None
+    own = _node_plan(_vnni_plan, node, graph)
+    if own is None or own["out"] != "u8" or own["zero_y"] != nxt["zero_x"] or _input_written(node, graph):
+        return None
+    if _node_plan(lambda *a: _vnni_plan(*a, grid=(nxt["Wps"], nxt["pl"]), quad_out=True), node, graph) is None:
+        return None
+    return user, nxt
 
 
 # ---------------------------------------------------------------- depthwise

@@ -337,12 +337,44 @@ class Int8ConvBlendSpec(Int8ConvSpec):
     of the depthwise conv after it writes that conv's zero-padded planes itself: the padding columns
     are the lanes outside `mask` (qconv.py, conv_into_depthwise).
 
+    With `quads` the output is channel quads (qconv.py's layout, the next conv's input): rows 4j ..
+    4j + 3 are interleaved, 4 bytes a pixel, and stored from y[yoff + j*ldy] on (mr a multiple of 4).
+
     Signature: Int8ConvSpec's, then i64 smask."""
+    quads: int = 0
     kind: str = "int8convb"
     _ARGS: ClassVar[str] = Int8ConvSpec._ARGS + "i"
 
+    def __post_init__(self):
+        super().__post_init__()
+        assert not self.quads or self.mr % 4 == 0, self.mr
+
     def _stem(self) -> str:
         return f"cuvil_uki8convb_{self.mr}x{self.nr}_{self.out}"
+
+
+def _store_quads(ir: IRBuilder, rows: dict, v: int, j: int, lanes: str) -> None:
+    """Rows 0..3 of vector v (<16 x i8> each) interleaved, 4 bytes a pixel, stored at
+    y[yoff + j*ldy + 64 v ..] where `lanes` (<16 x i1>) is set."""
+    cat = "<" + ", ".join(f"i32 {k}" for k in range(32)) + ">"
+    ab, cd = ir.tmp("ab"), ir.tmp("cd")
+    ir(f"{ab} = shufflevector <16 x i8> {rows[0, v]}, <16 x i8> {rows[1, v]}, <32 x i32> {cat}")
+    ir(f"{cd} = shufflevector <16 x i8> {rows[2, v]}, <16 x i8> {rows[3, v]}, <32 x i32> {cat}")
+    quads = ir.tmp("qd")
+    order = ", ".join(f"i32 {h * 16 + lane}" for lane in range(16) for h in range(4))
+    ir(f"{quads} = shufflevector <32 x i8> {ab}, <32 x i8> {cd}, <64 x i32> <{order}>")
+    wide = ir.tmp("sm")
+    rep4 = ", ".join(f"i32 {lane}" for lane in range(16) for _ in range(4))
+    ir(f"{wide} = shufflevector <16 x i1> {lanes}, <16 x i1> poison, <64 x i32> <{rep4}>")
+    off = ir.tmp("yq")
+    ir(f"{off} = mul i64 %ldy, {j}")
+    off2 = ir.tmp("yq")
+    ir(f"{off2} = add i64 %yoff, {off}")
+    off3 = ir.tmp("yq")
+    ir(f"{off3} = add i64 {off2}, {v * 64}")
+    p = ir.tmp("yp")
+    ir(f"{p} = getelementptr i8, ptr %y, i64 {off3}")
+    ir(f"call void @llvm.masked.store.v64i8.p0(<64 x i8> {quads}, ptr align 1 {p}, <64 x i1> {wide})")
 
 
 def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
@@ -410,7 +442,7 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
         ir(f"{low3} = trunc i64 {low2} to i{L}")
         dense[v] = ir.tmp("dm")
         ir(f"{dense[v]} = bitcast i{L} {low3} to <{L} x i1>")
-    stores = {}
+    stores, pending = {}, {}
     for v in range(V if blend else 0):
         seg = ir.tmp("ss")
         ir(f"{seg} = lshr i64 %smask, {v * L}")
@@ -448,6 +480,11 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
                 ir(f"{qb} = select <16 x i1> {masks[v]}, {vi} {q}, {vi} <{', '.join([f'i32 {spec.zy}'] * L)}>")
                 q8 = ir.tmp("q")
                 ir(f"{q8} = trunc {vi} {qb} to <16 x i8>")
+                if spec.quads:
+                    pending[i % 4, v] = q8
+                    if i % 4 == 3:
+                        _store_quads(ir, pending, v, i // 4, stores[v])
+                    continue
                 yi = ir.tmp("yi")
                 ir(f"{yi} = add i64 {yo2}, {v * L}")
                 p = ir.tmp("yp")
@@ -470,6 +507,7 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
     head = f"define i32 @{spec.name}({args}) #0 {{"
     decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
              "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",
+             "declare void @llvm.masked.store.v64i8.p0(<64 x i8>, ptr, <64 x i1>)",
              f"declare {vf} @llvm.roundeven.v16f32({vf})",
              f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",

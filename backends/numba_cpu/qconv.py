@@ -18,6 +18,17 @@ store); every tap (kh, kw) reads the phase ((kh d) % s, (kw d) % s) at pixel off
 so the compensation with the int32 bias is one build-time constant per output channel. Applies to
 2-D convolutions with group 1, constant weights (w - z_w within int8), constant scales and zero
 points; others keep quant.py's direct loops.
+
+A tensor that only the next conv reads is written in that conv's layout by its producer, and the
+copy before the next conv shrinks to its top and bottom padding rows or goes:
+    conv -> depthwise   conv_into_depthwise: the conv computes on the depthwise's padded grid and
+                        stores whole rows, padding columns as the zero point (Int8ConvBlendSpec)
+    conv -> conv        conv_into_conv: the same on the next conv's grid, rows interleaved as
+                        quads (Int8ConvBlendSpec quads; QUAD_TILES)
+    depthwise -> 1x1    depthwise_quad_consumer: 4 channels at once, compressed to the output
+                        pixels and interleaved as quads (Int8DwQuadSpec)
+Producer and consumer are lowered apart: both ask the same predicates of the graph, and the
+buffer is the consumer's scratch value (its name comes from the consumer node).
 """
 from __future__ import annotations
 

@@ -205,3 +205,144 @@ def test_depthwise_qlinear_conv_is_onnxruntimes(case):
     labels = [k.precision for k in explain_model(model, target="native").kernels]
     assert ("int8 (depthwise, vnni)" if k <= 4 else "int8 (depthwise)") in labels
     np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])
+
+
+DEPTHWISE_INTO_QUADS = {
+    # name: (x shape, depthwise attrs, 1x1 output channels, fused?)
+    "3x3_14x14": ((1, 16, 14, 14), {"pads": [1, 1, 1, 1]}, 24, True),
+    "stride2_batch2_7x7": ((2, 8, 13, 13), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, 12, True),
+    "wide_rows_40": ((1, 8, 9, 40), {"pads": [1, 1, 1, 1]}, 20, True),
+    # must not fire: 6 channels is not whole quads (the depthwise keeps its own output)
+    "channels_not_quads": ((1, 6, 10, 10), {"pads": [1, 1, 1, 1]}, 8, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DEPTHWISE_INTO_QUADS))
+def test_depthwise_writes_the_next_1x1_convs_quads(case):
+    """A depthwise QLinearConv read only by a 1x1 QLinearConv writes that conv's channel quads itself
+    (Int8DwQuadSpec: no compaction, no QuadPad): bit-exact with onnxruntime, as both ops alone are."""
+    xs, attrs, OC, fused = DEPTHWISE_INTO_QUADS[case]
+    C = xs[1]
+    rng = np.random.default_rng(2)
+    inits = {"sx": np.array(0.02, F32), "zx": np.array(100, U8), "w": ints((C, 1, 3, 3), I8, 1),
+             "sw": rng.uniform(0.001, 0.01, C).astype(F32), "zw": np.zeros(C, I8), "sy": np.array(0.1, F32),
+             "zy": np.array(90, U8), "b": rng.integers(-2000, 2000, C).astype(np.int32),
+             "w2": ints((OC, C, 1, 1), I8, 3), "sw2": rng.uniform(0.001, 0.01, OC).astype(F32),
+             "zw2": np.zeros(OC, I8), "sy2": np.array(0.05, F32), "zy2": np.array(120, U8),
+             "b2": rng.integers(-2000, 2000, OC).astype(np.int32)}
+    dw = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["t"], group=C, **attrs)
+    pw = helper.make_node("QLinearConv", ["t", "sy", "zy", "w2", "sw2", "zw2", "sy2", "zy2", "b2"], ["y"])
+    model = make_model([dw, pw], [("x", U8, list(xs))], [("y", U8, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, U8, 5)}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    assert ("qdwconvquads" in symbols) == fused and ("quadpad" in symbols) != fused, symbols
+    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])
+
+
+def _qconv(name, x, y, w, group=1, zy=90, **attrs):
+    """A QLinearConv node and its initializers (uint8 activations, per-channel int8 weights, int32
+    bias); its input's scale and zero point are the names `x`_s, `x`_z."""
+    OC = w.shape[0]
+    rng = np.random.default_rng(len(name))
+    inits = {f"{name}_w": w, f"{name}_sw": rng.uniform(0.001, 0.01, OC).astype(F32), f"{name}_zw": np.zeros(OC, I8),
+             f"{y}_s": np.array(0.05 + 0.01 * len(name), F32), f"{y}_z": np.array(zy, U8),
+             f"{name}_b": rng.integers(-2000, 2000, OC).astype(np.int32)}
+    node = helper.make_node("QLinearConv", [x, f"{x}_s", f"{x}_z", f"{name}_w", f"{name}_sw", f"{name}_zw", f"{y}_s",
+                                            f"{y}_z", f"{name}_b"], [y], group=group, **attrs)
+    return node, inits
+
+
+CONV_INTO_DEPTHWISE = {
+    # name: (x shape, first conv (out channels, kernel, attrs), depthwise attrs, 1x1 after?, output also read?)
+    "expand_1x1_dw_project": ((1, 8, 14, 14), (24, 1, {}), {"pads": [1, 1, 1, 1]}, True, False),
+    "stem_3x3_stride2_dw": ((1, 3, 23, 23), (16, 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
+                            {"pads": [1, 1, 1, 1]}, False, False),
+    "expand_dw_stride2_batch2": ((2, 12, 9, 9), (20, 1, {}), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, True, False),
+    # must not fire: the conv's output is a graph output too (it must exist as it is)
+    "output_read_twice": ((1, 8, 10, 10), (16, 1, {}), {"pads": [1, 1, 1, 1]}, False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_INTO_DEPTHWISE))
+def test_conv_writes_the_next_depthwises_padded_planes(case):
+    """A VNNI QLinearConv read only by a depthwise QLinearConv computes on the depthwise's padded grid
+    and stores whole rows, the padding columns as the zero point (Int8ConvBlendSpec); the depthwise
+    fills only its top and bottom rows. A MobileNetV2 block (1x1 -> depthwise -> 1x1) then copies
+    nothing between its convs. Bit-exact with onnxruntime."""
+    xs, (OC, k, attrs), dw_attrs, project, twice = CONV_INTO_DEPTHWISE[case]
+    C = xs[1]
+    first, inits = _qconv("c1", "x", "t", ints((OC, C, k, k), I8, 1), **attrs)
+    dw, more = _qconv("dw", "t", "u", ints((OC, 1, 3, 3), I8, 2), group=OC, zy=77, **dw_attrs)
+    inits.update(more, x_s=np.array(0.02, F32), x_z=np.array(100, U8))
+    nodes, last = [first, dw], "u"
+    if project:
+        pw, more = _qconv("pw", "u", "y", ints((8, OC, 1, 1), I8, 3), zy=120)
+        inits.update(more)
+        nodes, last = nodes + [pw], "y"
+    outputs = [(last, U8, None)] + ([("t", U8, None)] if twice else [])
+    model = make_model(nodes, [("x", U8, list(xs))], outputs, initializers=inits, opset=13)
+    feeds = {"x": ints(xs, U8, 5)}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    assert ("qdwborder" in symbols) != twice and ("qdwpad" in symbols) == twice, symbols
+    if project:
+        assert "qdwconvquads" in symbols and symbols.count("quadpad") == 1, symbols
+    got, want = cuvil.compile(model).run(feeds), run_ort(model, feeds)
+    for name, _, _ in outputs:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_mobilenet_block_on_two_threads(k):
+    """The same two paths split over 2 threads (work items of tiles, row blocks and quads write
+    disjoint bytes); with a 5x5 depthwise (the int32 loops, not the VNNI rows) the conv before still
+    writes its planes, and the depthwise keeps its own output: bit-exact with onnxruntime."""
+    xs, C, OC = (1, 32, 28, 28), 32, 64     # every conv above MIN_SPLIT_OPS: split in work items
+    first, inits = _qconv("c1", "x", "t", ints((OC, C, 1, 1), I8, 1))
+    dw, more = _qconv("dw", "t", "u", ints((OC, 1, k, k), I8, 2), group=OC, zy=77, pads=[k // 2] * 4)
+    pw, more2 = _qconv("pw", "u", "y", ints((48, OC, 1, 1), I8, 3), zy=120)
+    inits.update(more, **more2, x_s=np.array(0.02, F32), x_z=np.array(100, U8))
+    model = make_model([first, dw, pw], [("x", U8, list(xs))], [("y", U8, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, U8, 5)}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    assert "qdwborder" in symbols and "qdwpad" not in symbols, symbols
+    assert ("qdwconvquads" in symbols) == (k == 3), symbols
+    want = run_ort(model, feeds)["y"]
+    np.testing.assert_array_equal(cuvil.compile(model, threads=2).run(feeds)["y"], want)
+
+
+CONV_INTO_CONV = {
+    # name: (x shape, [(out channels, kernel, attrs) of each conv], quads written by a conv before)
+    "resnet_3x3_3x3": ((1, 16, 14, 14), [(32, 3, {"pads": [1] * 4}), (24, 3, {"pads": [1] * 4})], 1),
+    "stride2_then_3x3_batch2": ((2, 8, 15, 15), [(16, 3, {"strides": [2, 2], "pads": [1] * 4}),
+                                                 (16, 3, {"pads": [1] * 4})], 1),
+    "1x1_then_3x3_edge_tile": ((1, 8, 9, 11), [(20, 1, {}), (8, 3, {"pads": [1] * 4})], 1),
+    # three convs: the middle one reads what the first wrote, so it writes its own output plainly
+    "chain_of_three": ((1, 8, 12, 12), [(16, 3, {"pads": [1] * 4}), (16, 3, {"pads": [1] * 4}),
+                                        (8, 3, {"pads": [1] * 4})], 1),
+    # must not fire: a 3x3 conv's grid is wider than the unpadded 1x1's; 6 channels are not whole quads
+    "3x3_then_1x1": ((1, 8, 10, 10), [(16, 3, {"pads": [1] * 4}), (8, 1, {})], 0),
+    "channels_not_quads": ((1, 8, 10, 10), [(6, 3, {"pads": [1] * 4}), (8, 3, {"pads": [1] * 4})], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_INTO_CONV))
+def test_conv_writes_the_next_convs_quads(case):
+    """A VNNI QLinearConv read only by a stride-1 VNNI QLinearConv computes on that conv's padded grid
+    and stores its rows as interleaved channel quads (Int8ConvBlendSpec quads, padding columns as the
+    zero point); the next conv fills only its top and bottom rows (QuadBorder), no QuadPad copy.
+    Bit-exact with onnxruntime, on 1 and 2 threads."""
+    xs, convs, written = CONV_INTO_CONV[case]
+    inits = {"x_s": np.array(0.02, F32), "x_z": np.array(100, U8)}
+    nodes, C, src = [], xs[1], "x"
+    for i, (OC, k, attrs) in enumerate(convs):
+        node, more = _qconv(f"c{i}", src, f"t{i}", ints((OC, C, k, k), I8, i), zy=80 + i, **attrs)
+        nodes.append(node)
+        inits.update(more)
+        C, src = OC, f"t{i}"
+    model = make_model(nodes, [("x", U8, list(xs))], [(src, U8, None)], initializers=inits, opset=13)
+    feeds = {"x": ints(xs, U8, 5)}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    assert symbols.count("quadborder") == written, symbols
+    want = run_ort(model, feeds)[src]
+    for threads in (1, 2):
+        np.testing.assert_array_equal(cuvil.compile(model, threads=threads).run(feeds)[src], want)

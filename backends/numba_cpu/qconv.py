@@ -18,6 +18,17 @@ store); every tap (kh, kw) reads the phase ((kh d) % s, (kw d) % s) at pixel off
 so the compensation with the int32 bias is one build-time constant per output channel. Applies to
 2-D convolutions with group 1, constant weights (w - z_w within int8), constant scales and zero
 points; others keep quant.py's direct loops.
+
+A tensor that only the next conv reads is written in that conv's layout by its producer, and the
+copy before the next conv shrinks to its top and bottom padding rows or goes:
+    conv -> depthwise   conv_into_depthwise: the conv computes on the depthwise's padded grid and
+                        stores whole rows, padding columns as the zero point (Int8ConvBlendSpec)
+    conv -> conv        conv_into_conv: the same on the next conv's grid, rows interleaved as
+                        quads (Int8ConvBlendSpec quads; QUAD_TILES)
+    depthwise -> 1x1    depthwise_quad_consumer: 4 channels at once, compressed to the output
+                        pixels and interleaved as quads (Int8DwQuadSpec)
+Producer and consumer are lowered apart: both ask the same predicates of the graph, and the
+buffer is the consumer's scratch value (its name comes from the consumer node).
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ import numpy as np
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
-from .ukernel_int8 import Int8ConvSpec, Int8DwSpec
+from .ukernel_int8 import Int8ConvBlendSpec, Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec
 
 MIN_SPLIT_OPS = 1 << 21
 
@@ -34,10 +45,13 @@ MIN_SPLIT_OPS = 1 << 21
 TILES = ((6, 64), (12, 32), (24, 16))   # output channels x pixels of a micro-tile: 24 int32 accumulators
 
 
-def choose_tile(OC: int, flat: int) -> tuple[int, int]:
+QUAD_TILES = ((8, 48), (12, 32), (24, 16))   # rows in whole quads, for a conv writing the next one's quads
+
+
+def choose_tile(OC: int, flat: int, tiles=TILES) -> tuple[int, int]:
     """The tile computing the fewest lanes for OC channels over `flat` grid positions (a 14x14 output
     on a 16-wide grid: 224 positions, 7 tiles of 32 rather than 4 of 64); ties keep the wider tile."""
-    return min(TILES, key=lambda t: (-(-OC // t[0]) * t[0] * -(-flat // t[1]) * t[1], -t[1]))
+    return min(tiles, key=lambda t: (-(-OC // t[0]) * t[0] * -(-flat // t[1]) * t[1], -t[1]))
 
 
 def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
@@ -86,9 +100,11 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
     return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
 
 
-def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
-    """The calls, or None where the path does not apply (see the module docstring); `pads`: the
-    leading pad of each spatial axis."""
+def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, quad_out=False) -> dict | None:
+    """Everything lower_qlinear_conv_vnni builds before it emits (the layout of the quads, packed
+    weights, tables), or None where the path does not apply. `grid` = (width, column): the grid rows
+    are `width` pixels and output column ow sits at grid column `column` + ow (the input shifted
+    right as much in the quads), the layout of the zero-padded planes of a depthwise conv after it."""
     if not vnni_target() or len(x.shape) != 4 or int(node.attr("group", 1)) != 1:
         return None
     if not (w.is_const and sx.is_const and sw.is_const and sy.is_const and (zx is None or zx.is_const)
@@ -119,16 +135,25 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     # the phase images, sized so that every tap of every output pixel lands inside
     Hps = OH + ((KH - 1) * dil[0]) // s
     Wps = OW + ((KW - 1) * dil[1]) // s
+    col = 0
+    if grid is not None:
+        # a valid lane's taps stay in its row, or (stride 1) run on into the next row's left
+        # padding, which holds what the row's right padding would (the zero point)
+        if grid[0] < Wps + grid[1] - (pl + grid[1] if s == 1 else 0):
+            return None
+        Wps, col = grid
+        pl = pl + s * col
     plane = Hps * Wps
     # Tiles run over whole rows of the phase grid (OH rows of Wps pixels, the last Wps - OW of each
     # not an output): a 7x7 output computes 64 lanes for 49 pixels, not 7 of every 16. The mask of
     # each tile's valid lanes and the output offset of its first are build-time tables.
     flat = OH * Wps
-    MR, NR = choose_tile(OC, flat)
+    MR, NR = choose_tile(OC, flat, QUAD_TILES if quad_out else TILES)
     chunks = -(-flat // NR)
     pos = np.arange(chunks * NR).reshape(chunks, NR)
-    valid = (pos < flat) & (pos % Wps < OW)
+    valid = (pos < flat) & (pos % Wps >= col) & (pos % Wps < col + OW)
     masks = (valid.astype(np.uint64) << np.arange(NR, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
+    stores = ((pos < flat).astype(np.uint64) << np.arange(NR, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
     starts = np.concatenate([[0], np.cumsum(valid.sum(axis=1))[:-1]]).astype(np.int64)
     phases = s * s
     taps = []
@@ -156,17 +181,72 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     out = "u8" if np.dtype(y.dtype).name == "uint8" else "s8"
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
     slack = (chunks * NR - flat + ((KH - 1) * dil[0] // s + 1) * Wps + NR) * 4
+    return dict(locals())
 
+
+def vnni_conv_plan(node, graph) -> dict | None:
+    """_vnni_plan of a QLinearConv node, its inputs read from the graph as quant.py reads them."""
+    from .quant import _conv_pads, _input
+    x, sx, zx, w, sw, zw, sy, zy, bias = (_input(node, graph, k) for k in range(9))
+    y = graph.values[node.outputs[0]]
+    if len(x.shape) != 4 or len(y.shape) != 4 or len(w.shape) != 4:
+        return None
+    pads = _conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
+                      list(node.attr("dilations", [1, 1])), list(y.shape[2:]))
+    return _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+
+
+def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
+    """The calls, or None where the path does not apply (see the module docstring); `pads`: the
+    leading pad of each spatial axis. Where a depthwise conv before writes this conv's quads
+    itself (`depthwise_quad_consumer`), the QuadPad copy is left out."""
+    into = conv_into_depthwise(node, graph)
+    onto = conv_into_conv(node, graph)
+    grid = (into[1]["Wp"], into[1]["pl"]) if into else (onto[1]["Wps"], onto[1]["pl"]) if onto else None
+    plan = _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid, quad_out=bool(onto))
+    if plan is None:
+        return None
+    (N, C, H, W, s, pt, pl, Hps, Wps, Cq, plane, phases, OC, OH, OW, MR, NR, chunks, tiles, taps, packed, comp,
+     mult, out, zero_y, slack, masks, starts, x_dtype, zero_x, T) = (plan[k] for k in (
+        "N", "C", "H", "W", "s", "pt", "pl", "Hps", "Wps", "Cq", "plane", "phases", "OC", "OH", "OW", "MR", "NR",
+        "chunks", "tiles", "taps", "packed", "comp", "mult", "out", "zero_y", "slack", "masks", "starts", "x_dtype",
+        "zero_x", "T"))
     from .scratch import scratch_value
     quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
     pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
+    producer = graph.producers().get(x.name)
+    chained = producer is not None and _same(depthwise_quad_consumer(producer, graph), node)
+    if producer is not None and _same((conv_into_conv(producer, graph) or (None,))[0], node):
+        # the conv before wrote rows pt .. pt + H - 1 of every quad: the rest is filled
+        border = Source().line(NOALIAS_MARK).line(kernel_header(1)).indent()
+        border.line("for item in range(begin, end):").indent()
+        border.line(f"ob = item * {plane * 4}")
+        border.line(f"for i in range({pt * Wps * 4}):").indent().line(f"p0[ob + i] = np.uint8({zero_x})").dedent()
+        border.line(f"for i in range({(pt + H) * Wps * 4}, {plane * 4}):").indent()
+        border.line(f"p0[ob + i] = np.uint8({zero_x})").dedent().dedent()
+        border.line(f"if end == {N * Cq}:").indent()
+        border.line(f"for i in range({slack}):").indent()
+        border.line(f"p0[{N * Cq * plane * 4} + i] = np.uint8({zero_x})")
+        pad_kernel, pad_work, pad_args = Kernel("QuadBorder", border.text(), ("uint8",)), N * Cq, [quads]
+    else:
+        pad_args = [x.name, quads]
+    if onto:    # the next conv's quads: rows pt .. pt + OH - 1 of each, padding columns included
+        next_node, nxt = onto
+        target = scratch_value(graph, next_node, (N * nxt["Cq"] * nxt["plane"] * 4 + nxt["slack"],), np.uint8,
+                               tag="quads")
+    if into:    # the depthwise's padded planes: rows pt .. pt + OH - 1 whole, padding columns included
+        dw_node, dw = into
+        target = scratch_value(graph, dw_node, (dw["padded_size"],), np.uint8, tag="dwpad")
+        dw_plane = dw["Hp"] * dw["Wp"]
 
     specs = {}
 
     def spec(mr):
         if mr not in specs:
-            specs[mr] = (f"uk{len(specs)}", Int8ConvSpec(mr=mr, nr=NR, taps=tuple(taps), plane=plane, panel=MR,
-                                                         out=out, zy=zero_y))
+            extra = {"quads": 1} if onto else {}
+            make = Int8ConvBlendSpec if into or onto else Int8ConvSpec
+            specs[mr] = (f"uk{len(specs)}", make(mr=mr, nr=NR, taps=tuple(taps), plane=plane, panel=MR, out=out,
+                                                 zy=zero_y, **extra))
         return specs[mr][0]
 
     want = work_items() if 2 * OC * C * T * OH * OW * N >= MIN_SPLIT_OPS else 1
@@ -187,8 +267,15 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         name = spec(OC % MR if edge else MR)
         body.line(f"for ch in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {chunks})):").indent()
         body.line(f"xoff = (n * {phases * Cq * plane} + ch * {NR}) * 4")
-        body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + p6[ch]")
-        body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {OH * OW}, {Cq}, p5[ch], p2, p3, oc0)")
+        if onto:
+            body.line(f"yoff = ((n * {nxt['Cq']} + oc0 // 4) * {nxt['plane']} + {nxt['pt'] * nxt['Wps']} + ch * {NR}) * 4")
+            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {nxt['plane'] * 4}, {Cq}, p5[ch], p2, p3, oc0, p6[ch])")
+        elif into:
+            body.line(f"yoff = (n * {OC} + oc0) * {dw_plane} + {dw['pt'] * dw['Wp']} + ch * {NR}")
+            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {dw_plane}, {Cq}, p5[ch], p2, p3, oc0, p6[ch])")
+        else:
+            body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + p6[ch]")
+            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {OH * OW}, {Cq}, p5[ch], p2, p3, oc0)")
         body.dedent()
         if OC % MR:
             body.dedent()
@@ -200,20 +287,85 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", "float32", "int64",
                                                        "int64", np.dtype(y.dtype).name), self_sized=True)
     label = f"int8 (vnni conv, {out} out)"
-    return [KernelCall(pad_kernel, [x.name, quads], pad_work, node.name, precision=label),
+    pad = [] if chained else [KernelCall(pad_kernel, pad_args, pad_work, node.name, precision=label)]
+    return pad + [
             KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
-                              masks, starts, y.name],
+                              masks, plan["stores"] if into or onto else starts, target if into or onto else y.name],
                        N * t_blocks * r_blocks, node.name, precision=label)]
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.name == b.name
+
+
+def conv_into_depthwise(node, graph):
+    """(the depthwise QLinearConv, its _dw_plan) where this QLinearConv on the VNNI kernel writes
+    that conv's zero-padded input planes itself, else None: the depthwise alone reads this output, it
+    pads uint8 input as it is (no +128 copy), its input zero point is this output's, this conv's
+    grid widened to the padded width reaches no tap outside its row (Int8ConvBlendSpec stores whole
+    grid rows: the padding columns get the zero point), and no depthwise before writes this conv's
+    quads (depthwise_quad_consumer decides first). MobileNet's expansion -> depthwise pairs: the
+    depthwise's QDwPad copy shrinks to its top and bottom rows."""
+    if node.op != "QLinearConv" or node.domain or not vnni_target():
+        return None
+    y = node.outputs[0]
+    users = graph.consumers().get(y, [])
+    if y in graph.outputs or len(users) != 1:
+        return None
+    user = users[0]
+    if user.op != "QLinearConv" or user.domain or user.inputs[0] != y or y in user.inputs[1:]:
+        return None
+    dw = _node_plan(_dw_plan, user, graph)
+    if dw is None or dw["shift"] or dw["x_dtype"] != "uint8":
+        return None
+    own = _node_plan(_vnni_plan, node, graph)
+    if own is None or own["out"] != "u8" or own["zero_y"] != dw["zero_x"]:
+        return None
+    if _input_written(node, graph):
+        return None
+    if _node_plan(lambda *a: _vnni_plan(*a, grid=(dw["Wp"], dw["pl"])), node, graph) is None:
+        return None
+    return user, dw
+
+
+def _input_written(node, graph) -> bool:
+    """Whether the node before writes this conv's quads itself (its grid is then the default one)."""
+    producer = graph.producers().get(node.inputs[0])
+    return producer is not None and (_same(depthwise_quad_consumer(producer, graph), node)
+                                     or _same((conv_into_conv(producer, graph) or (None,))[0], node))
+
+
+def conv_into_conv(node, graph):
+    """(the QLinearConv, its _vnni_plan) where this VNNI QLinearConv writes the next conv's channel
+    quads itself, else None: the next conv alone reads this output, has stride 1 and uint8 input with
+    this output's zero point, C a multiple of 4; this conv computes on the next one's grid (rows as
+    wide, shifted by its left pad; QUAD_TILES, rows in whole quads) and stores whole rows
+    interleaved, the padding columns as the zero point (Int8ConvBlendSpec quads); the next conv
+    fills only its top and bottom rows (QuadBorder). ResNet's conv1 -> conv2."""
+    if node.op != "QLinearConv" or node.domain or not vnni_target():
+        return None
+    y = node.outputs[0]
+    users = graph.consumers().get(y, [])
+    if y in graph.outputs or len(users) != 1:
+        return None
+    user = users[0]
+    if user.op != "QLinearConv" or user.domain or user.inputs[0] != y or y in user.inputs[1:]:
+        return None
+    nxt = _node_plan(_vnni_plan, user, graph)
+    if nxt is None or nxt["s"] != 1 or nxt["x_dtype"] != "uint8" or nxt["C"] % 4:
+        return None
+    own = _node_plan(_vnni_plan, node, graph)
+    if own is None or own["out"] != "u8" or own["zero_y"] != nxt["zero_x"] or _input_written(node, graph):
+        return None
+    if _node_plan(lambda *a: _vnni_plan(*a, grid=(nxt["Wps"], nxt["pl"]), quad_out=True), node, graph) is None:
+        return None
+    return user, nxt
 
 
 # ---------------------------------------------------------------- depthwise
 
-def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
-    """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
-    with z_x, then per (image, channel) plane the int32 sums of w' (x - z_x) (w' = w - z_w) as
-    sum w' x + (bias - z_x sum w'), requantised as QLinearConv does, over the plane's flat padded
-    grid: on VNNI one `vpdpbusd` a kernel row (ukernel_int8.Int8DwSpec; int8 inputs copied + 128),
-    elsewhere one loop with the taps unrolled that vectorises in int32 lanes."""
+def _dw_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> dict | None:
+    """What lower_qlinear_depthwise computes before it emits, or None where it does not apply."""
     if len(x.shape) != 4 or not (w.is_const and sx.is_const and sw.is_const and sy.is_const
                                  and (zx is None or zx.is_const) and (zw is None or zw.is_const)
                                  and (zy is None or zy.is_const) and (bias is None or bias.is_const)):
@@ -250,13 +402,88 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
              * np.broadcast_to(np.asarray(sw.data, np.float32).reshape(-1), (C,))) / np.asarray(sy.data, np.float32).reshape(-1)[0]).astype(np.float32)
     lo, hi = (0, 255) if y_dtype == "uint8" else (-128, 127)
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
-
-    from .scratch import scratch_value
     # slack: the flat loop's last positions (the micro-kernel's: whole groups of 64, each row read
     # as 64 bytes) read up to s * OH * Wp + taps past a plane's start
     slack = max(0, strides[0] * (OH * Wp + 64) + (KH - 1) * dil[0] * Wp + 64 - Hp * Wp) + 64
-    padded = scratch_value(graph, node, (N * C * Hp * Wp + slack,), pad_dtype, tag="dwpad")
+    padded_size = N * C * Hp * Wp + slack
+    return dict(locals())
+
+
+def _node_plan(planner, node, graph) -> dict | None:
+    """`planner` (_vnni_plan or _dw_plan) of a QLinearConv node, its inputs read as quant.py reads them."""
+    from .quant import _conv_pads, _input
+    x, sx, zx, w, sw, zw, sy, zy, bias = (_input(node, graph, k) for k in range(9))
+    y = graph.values[node.outputs[0]]
+    if len(x.shape) != 4 or len(y.shape) != 4 or len(w.shape) != 4:
+        return None
+    pads = _conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
+                      list(node.attr("dilations", [1, 1])), list(y.shape[2:]))
+    return planner(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+
+
+def depthwise_quad_consumer(node, graph):
+    """The QLinearConv that alone reads the output of this depthwise QLinearConv where the depthwise
+    kernel can write that output straight into the conv's channel quads (Int8DwQuadSpec), else None:
+    the reader is a 1x1, stride 1, unpadded conv on the VNNI kernel (its quads are then the
+    depthwise output's pixels in order, channel c at byte c % 4 of quad c // 4), the depthwise takes
+    the VNNI rows path with uint8 output, C is a multiple of 4 (every quad whole) and the reader's
+    input zero point is the depthwise output's. MobileNet's depthwise -> projection pairs: the
+    compaction of the depthwise's padded grid and the projection's QuadPad copy both go."""
+    if node.op != "QLinearConv" or node.domain or not vnni_target():
+        return None
+    y = node.outputs[0]
+    users = graph.consumers().get(y, [])
+    if y in graph.outputs or len(users) != 1:
+        return None
+    user = users[0]
+    if user.op != "QLinearConv" or user.domain or user.inputs[0] != y or y in user.inputs[1:]:
+        return None
+    dw = _node_plan(_dw_plan, node, graph)
+    if dw is None or not dw["rows"] or dw["y_dtype"] != "uint8" or dw["C"] % 4:
+        return None
+    conv = _node_plan(_vnni_plan, user, graph)
+    if conv is None or (conv["KH"], conv["KW"], conv["s"], conv["pt"], conv["pl"]) != (1, 1, 1, 0, 0):
+        return None
+    if (conv["OH"], conv["OW"], conv["Hps"], conv["Wps"]) != (conv["H"], conv["W"], conv["H"], conv["W"]):
+        return None
+    if conv["x_dtype"] != "uint8" or conv["zero_x"] != dw["zero_y"]:
+        return None
+    return user
+
+
+def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
+    """A depthwise QLinearConv (group = C = output channels, 2-D): the input copied into planes padded
+    with z_x, then per (image, channel) plane the int32 sums of w' (x - z_x) (w' = w - z_w) as
+    sum w' x + (bias - z_x sum w'), requantised as QLinearConv does, over the plane's flat padded
+    grid: on VNNI one `vpdpbusd` a kernel row (ukernel_int8.Int8DwSpec; int8 inputs copied + 128),
+    elsewhere one loop with the taps unrolled that vectorises in int32 lanes."""
+    plan = _dw_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
+    if plan is None:
+        return None
+    (N, C, H, W, OH, OW, KH, KW, strides, dil, pt, pl, Hp, Wp, wdata, x_dtype, y_dtype, rows, shift, pad_dtype,
+     zero_x, comp, mult, lo, hi, zero_y) = (plan[k] for k in (
+        "N", "C", "H", "W", "OH", "OW", "KH", "KW", "strides", "dil", "pt", "pl", "Hp", "Wp", "wdata", "x_dtype",
+        "y_dtype", "rows", "shift", "pad_dtype", "zero_x", "comp", "mult", "lo", "hi", "zero_y"))
+    from .scratch import scratch_value
+    slack = plan["slack"]
+    padded = scratch_value(graph, node, (plan["padded_size"],), pad_dtype, tag="dwpad")
     fill = f"np.{pad_dtype}({zero_x + shift})"
+    producer = graph.producers().get(x.name)
+    if producer is not None and _same((conv_into_depthwise(producer, graph) or (None,))[0], node):
+        # the conv before wrote rows pt .. pt + H - 1 (padding columns included): the rest is filled
+        pad = Source().line(NOALIAS_MARK).line(kernel_header(1)).indent()
+        pad.line("for item in range(begin, end):").indent()
+        pad.line(f"ob = item * {Hp * Wp}")
+        pad.line(f"for i in range({pt * Wp}):").indent().line(f"p0[ob + i] = {fill}").dedent()
+        pad.line(f"for i in range({(pt + H) * Wp}, {Hp * Wp}):").indent().line(f"p0[ob + i] = {fill}").dedent()
+        pad.dedent()
+        pad.line(f"if end == {N * C}:").indent()
+        pad.line(f"for i in range({slack}):").indent()
+        pad.line(f"p0[{N * C * Hp * Wp} + i] = {fill}")
+        pad_call = KernelCall(Kernel("QDwBorder", pad.text(), (pad_dtype,)), [padded], N * C, node.name,
+                              precision="int8 (depthwise, input written by the conv before)")
+    else:
+        pad_call = None
     copy = "p0[ib + ww]" if not shift else "np.uint8(np.int32(p0[ib + ww]) + 128)"
     pad = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     pad.line("for item in range(begin, end):").indent()
@@ -284,6 +511,35 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     # (one loop of OH * Wp iterations that vectorises, where a row of 7 or 14 would not); the
     # columns ow >= OW are computed and dropped when the rows are copied out.
     flat = OH * Wp
+    consumer = depthwise_quad_consumer(node, graph) if rows else None
+    if consumer is not None:
+        # the 1x1 conv's quads (the scratch value it names, sized as it sizes it): pixel p of quad q
+        # at ((n * Cq + q) * OH * OW + p) * 4; groups of 64 grid positions with build-time tables of
+        # their output lanes and first output pixel
+        conv = _node_plan(_vnni_plan, consumer, graph)
+        Cq = C // 4
+        quads = scratch_value(graph, consumer, (N * Cq * conv["plane"] * 4 + conv["slack"],), np.uint8, tag="quads")
+        groups = -(-flat // 64)
+        pos = np.arange(groups * 64).reshape(groups, 64)
+        valid = (pos < flat) & (pos % Wp < OW)
+        masks = (valid.astype(np.uint64) << np.arange(64, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
+        starts = np.concatenate([[0], np.cumsum(valid.sum(axis=1))[:-1]]).astype(np.int64)
+        uk = Int8DwQuadSpec(kh=KH, kw=KW, wp=Wp, xplane=Hp * Wp, s=strides[0], d=dil[0], zy=zero_y)
+        wrows = np.zeros((C, KH, 4), np.int8)
+        wrows[:, :, :KW] = wdata.reshape(C, KH, KW)
+        src = Source()
+        for line in uk.declaration("dwquad").splitlines():
+            src.line(line)
+        src.line(NOALIAS_MARK).line(kernel_header(7)).indent()
+        src.line("for item in range(begin, end):").indent()
+        src.line(f"q = item % {Cq}").line(f"n = item // {Cq}")
+        src.line(f"dwquad(p0, (n * {C} + q * 4) * {Hp * Wp}, p1, q * {4 * KH * 4}, p6, item * {conv['plane'] * 4}, "
+                 f"{groups}, p2, p3, q * 4, p4, p5)")
+        kernel = Kernel("QDwConvQuads", src.text(), ("uint8", "int8", "int32", "float32", "int64", "int64", "uint8"))
+        label = "int8 (depthwise, vnni, quads out)"
+        return [pad_call or KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+                KernelCall(kernel, [padded, wrows.reshape(-1), comp.astype(np.int32), mult, masks, starts, quads],
+                           N * Cq, node.name, precision=label)]
     sflat = scratch_value(graph, node, (N * C * flat,), y.dtype, tag="dwflat")
     if rows:
         rows_uk = Int8DwSpec(kh=KH, kw=KW, wp=Wp, s=strides[0], d=dil[0], out="u8" if y_dtype == "uint8" else "s8",
@@ -304,7 +560,7 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
         conv = Kernel("QDwConv", src.text(), ("uint8", "int8", "int32", "int32", y_dtype, y_dtype))
         label = "int8 (depthwise, vnni)"
-        return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+        return [pad_call or KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
                 KernelCall(conv, [padded, wrows.reshape(-1), comp.astype(np.int32), mult.view(np.int32), sflat, y.name],
                            N * C, node.name, precision=label, n_outputs=2)]
     src = Source().line(NOALIAS_MARK).line(kernel_header(6)).indent()
@@ -325,6 +581,6 @@ def lower_qlinear_depthwise(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     src.line(f"p5[yb + oh * {OW} + ow] = p4[fb + oh * {Wp} + ow]")
     conv = Kernel("QDwConv", src.text(), (x_dtype, "int32", "int32", "float32", y_dtype, y_dtype))
     label = "int8 (depthwise)"
-    return [KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
+    return [pad_call or KernelCall(pad_kernel, [x.name, padded], N * C, node.name, precision=label),
             KernelCall(conv, [padded, wdata.astype(np.int32).reshape(-1), comp.astype(np.int32), mult, sflat, y.name],
                        N * C, node.name, precision=label, n_outputs=2)]

@@ -329,6 +329,54 @@ class Int8ConvSpec(Declared):
         return typed_declaration(self, var, {i: types[n] for i, n in enumerate(CONV_ARG_NAMES) if n in types})
 
 
+@dataclass(frozen=True)
+class Int8ConvBlendSpec(Int8ConvSpec):
+    """Int8ConvSpec whose rows are stored in place on the grid, not compressed: the lanes set in
+    `mask` get the requantised value, the others the output zero point zy, and the lanes set in
+    `smask` (i64, one more argument) are stored from y[yoff + i*ldy] on. A conv computing on the grid
+    of the depthwise conv after it writes that conv's zero-padded planes itself: the padding columns
+    are the lanes outside `mask` (qconv.py, conv_into_depthwise).
+
+    With `quads` the output is channel quads (qconv.py's layout, the next conv's input): rows 4j ..
+    4j + 3 are interleaved, 4 bytes a pixel, and stored from y[yoff + j*ldy] on (mr a multiple of 4).
+
+    Signature: Int8ConvSpec's, then i64 smask."""
+    quads: int = 0
+    kind: str = "int8convb"
+    _ARGS: ClassVar[str] = Int8ConvSpec._ARGS + "i"
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert not self.quads or self.mr % 4 == 0, self.mr
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8convb_{self.mr}x{self.nr}_{self.out}"
+
+
+def _store_quads(ir: IRBuilder, rows: dict, v: int, j: int, lanes: str) -> None:
+    """Rows 0..3 of vector v (<16 x i8> each) interleaved, 4 bytes a pixel, stored at
+    y[yoff + j*ldy + 64 v ..] where `lanes` (<16 x i1>) is set."""
+    cat = "<" + ", ".join(f"i32 {k}" for k in range(32)) + ">"
+    ab, cd = ir.tmp("ab"), ir.tmp("cd")
+    ir(f"{ab} = shufflevector <16 x i8> {rows[0, v]}, <16 x i8> {rows[1, v]}, <32 x i32> {cat}")
+    ir(f"{cd} = shufflevector <16 x i8> {rows[2, v]}, <16 x i8> {rows[3, v]}, <32 x i32> {cat}")
+    quads = ir.tmp("qd")
+    order = ", ".join(f"i32 {h * 16 + lane}" for lane in range(16) for h in range(4))
+    ir(f"{quads} = shufflevector <32 x i8> {ab}, <32 x i8> {cd}, <64 x i32> <{order}>")
+    wide = ir.tmp("sm")
+    rep4 = ", ".join(f"i32 {lane}" for lane in range(16) for _ in range(4))
+    ir(f"{wide} = shufflevector <16 x i1> {lanes}, <16 x i1> poison, <64 x i32> <{rep4}>")
+    off = ir.tmp("yq")
+    ir(f"{off} = mul i64 %ldy, {j}")
+    off2 = ir.tmp("yq")
+    ir(f"{off2} = add i64 %yoff, {off}")
+    off3 = ir.tmp("yq")
+    ir(f"{off3} = add i64 {off2}, {v * 64}")
+    p = ir.tmp("yp")
+    ir(f"{p} = getelementptr i8, ptr %y, i64 {off3}")
+    ir(f"call void @llvm.masked.store.v64i8.p0(<64 x i8> {quads}, ptr align 1 {p}, <64 x i1> {wide})")
+
+
 def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
     L = 16
     V = spec.nr // L
@@ -373,9 +421,10 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
                 cur[i, v] = out
     final = close_k_loop(ir, 0, kv, accs, cur, rename)
     lo, hi = _RANGE[spec.out]
+    blend = spec.kind == "int8convb"
     # compressed stores: the valid lanes of vector v go to prefix[v] = popcount of the mask below it
     prefix, dense, running = {}, {}, "0"
-    for v in range(V):
+    for v in range(V if not blend else 0):
         prefix[v] = running
         seg = ir.tmp("seg")
         ir(f"{seg} = lshr i64 %mask, {v * L}")
@@ -393,6 +442,14 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
         ir(f"{low3} = trunc i64 {low2} to i{L}")
         dense[v] = ir.tmp("dm")
         ir(f"{dense[v]} = bitcast i{L} {low3} to <{L} x i1>")
+    stores, pending = {}, {}
+    for v in range(V if blend else 0):
+        seg = ir.tmp("ss")
+        ir(f"{seg} = lshr i64 %smask, {v * L}")
+        bits = ir.tmp("ss")
+        ir(f"{bits} = trunc i64 {seg} to i{L}")
+        stores[v] = ir.tmp("sm")
+        ir(f"{stores[v]} = bitcast i{L} {bits} to <{L} x i1>")
     for i in range(spec.mr):
         row = ir.tmp("row")
         ir(f"{row} = add i64 %moff, {i}")
@@ -418,6 +475,22 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
             y = ir.tmp("y")
             ir(f"{y} = fmul {vf} {f}, {msplat}")
             q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            if blend:
+                qb = ir.tmp("qb")
+                ir(f"{qb} = select <16 x i1> {masks[v]}, {vi} {q}, {vi} <{', '.join([f'i32 {spec.zy}'] * L)}>")
+                q8 = ir.tmp("q")
+                ir(f"{q8} = trunc {vi} {qb} to <16 x i8>")
+                if spec.quads:
+                    pending[i % 4, v] = q8
+                    if i % 4 == 3:
+                        _store_quads(ir, pending, v, i // 4, stores[v])
+                    continue
+                yi = ir.tmp("yi")
+                ir(f"{yi} = add i64 {yo2}, {v * L}")
+                p = ir.tmp("yp")
+                ir(f"{p} = getelementptr i8, ptr %y, i64 {yi}")
+                ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {stores[v]})")
+                continue
             packed = ir.tmp("qc")   # compressed in a register: a compress store to memory is microcoded on Zen 4
             ir(f"{packed} = call {vi} @llvm.experimental.vector.compress.v16i32({vi} {q}, <16 x i1> {masks[v]}, "
                f"{vi} poison)")
@@ -430,10 +503,11 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
             ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {dense[v]})")
     ir("ret i32 0")
     args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _CONV_POINTERS else f"i64 %{n}"
-                     for n in CONV_ARG_NAMES)
+                     for n in CONV_ARG_NAMES + (("smask",) if blend else ()))
     head = f"define i32 @{spec.name}({args}) #0 {{"
     decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
              "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",
+             "declare void @llvm.masked.store.v64i8.p0(<64 x i8>, ptr, <64 x i1>)",
              f"declare {vf} @llvm.roundeven.v16f32({vf})",
              f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
@@ -445,14 +519,17 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
     return {"int8": lambda d: Int8UKSpec(**d), "int8conv": lambda d: Int8ConvSpec(**{**d, "taps": tuple(d["taps"])}),
-            "int8dw": lambda d: Int8DwSpec(**d)}
+            "int8convb": lambda d: Int8ConvBlendSpec(**{**d, "taps": tuple(d["taps"])}),
+            "int8dw": lambda d: Int8DwSpec(**d), "int8dwq": lambda d: Int8DwQuadSpec(**d)}
 
 
 def int8_ir(spec, vector_bits: int = 512) -> str:
     """The IR of either int8 micro-kernel."""
     if spec.kind == "int8dw":
         return int8_dw_ir(spec, vector_bits)
-    return int8_conv_ir(spec, vector_bits) if spec.kind == "int8conv" else int8_ukernel_ir(spec, vector_bits)
+    if spec.kind == "int8dwq":
+        return int8_dw_quad_ir(spec, vector_bits)
+    return int8_conv_ir(spec, vector_bits) if spec.kind in ("int8conv", "int8convb") else int8_ukernel_ir(spec, vector_bits)
 
 
 # ---------------------------------------------------------------- depthwise rows
@@ -583,4 +660,175 @@ def int8_dw_ir(spec: Int8DwSpec, vector_bits: int = 512) -> str:
              f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
              "declare i64 @llvm.smax.i64(i64, i64)", "declare i64 @llvm.smin.i64(i64, i64)"]
+    return function_module(head, ir, {}, decls)
+
+
+# ---------------------------------------------------------------- depthwise rows, channel-quad output
+
+DWQ_ARG_NAMES = ("x", "xoff", "w", "woff", "y", "yoff", "ngroups", "comp", "mult", "coff", "masks", "starts")
+_DWQ_POINTERS = {"x", "w", "y", "comp", "mult", "masks", "starts"}
+
+
+@dataclass(frozen=True)
+class Int8DwQuadSpec(Declared):
+    """Int8DwSpec's depthwise rows for the 4 channels of one channel quad at once, written in the
+    layout the next convolution reads (qconv.py's quads: y[yoff + p*4 + h] is channel 4q + h at
+    pixel p), so that neither the compaction of the padded grid nor the next conv's QuadPad copy
+    runs. Channel h's plane is x[xoff + h*xplane ...], its kernel rows w[woff + (h*kh + r)*4 ...],
+    its compensation and multiplier comp[coff + h], mult[coff + h] (int32, float32).
+
+    Positions go 64 at a time (`ngroups` groups over the flat padded grid, rows of wp pixels);
+    masks[g] (i64) has bit j set for the positions of group g that are outputs (column < OW, inside
+    the grid), starts[g] is the output pixel of its first one. Per 16 positions the 4 channels'
+    requantised bytes are compressed to the valid lanes (in a register, as Int8ConvSpec stores),
+    interleaved into quads (64 bytes) and stored as one masked prefix.
+
+    Signature: i32 name(ptr x, i64 xoff, ptr w, i64 woff, ptr y, i64 yoff, i64 ngroups, ptr comp,
+                        ptr mult, i64 coff, ptr masks, ptr starts)"""
+    kh: int
+    kw: int
+    wp: int
+    xplane: int
+    s: int = 1
+    d: int = 1
+    zy: int = 0
+    kind: str = "int8dwq"
+    _ARGS: ClassVar[str] = "".join("p" if n in _DWQ_POINTERS else "i" for n in DWQ_ARG_NAMES)
+
+    def __post_init__(self):
+        assert 1 <= self.kw <= 4 and self.s * 15 + (self.kw - 1) * self.d < 64
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8dwq_{self.kh}x{self.kw}_s{self.s}"
+
+    def declaration(self, var: str) -> str:
+        types = {"x": "uint8", "w": "int8", "y": "uint8", "comp": "int32", "mult": "float32", "masks": "int64",
+                 "starts": "int64"}
+        return typed_declaration(self, var, {i: types[n] for i, n in enumerate(DWQ_ARG_NAMES) if n in types})
+
+
+def int8_dw_quad_ir(spec: Int8DwQuadSpec, vector_bits: int = 512) -> str:
+    vi, vf, vb = "<16 x i32>", "<16 x float>", "<64 x i8>"
+    lo, hi = _RANGE["u8"]
+    G = 4   # vectors of 16 positions a group
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
+    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
+    ir("%ybase = getelementptr i8, ptr %y, i64 %yoff")
+    csplat, msplat, wrow = {}, {}, {}
+    for h in range(4):
+        cp = ir.tmp("cp")
+        ir(f"{cp} = getelementptr i32, ptr %comp, i64 %coff")
+        cp2 = ir.tmp("cp")
+        ir(f"{cp2} = getelementptr i32, ptr {cp}, i64 {h}")
+        c = ir.tmp("c")
+        ir(f"{c} = load i32, ptr {cp2}, align 4")
+        csplat[h] = _splat_i32(ir, c)
+        mp = ir.tmp("mp")
+        ir(f"{mp} = getelementptr float, ptr %mult, i64 %coff")
+        mp2 = ir.tmp("mp")
+        ir(f"{mp2} = getelementptr float, ptr {mp}, i64 {h}")
+        m = ir.tmp("m")
+        ir(f"{m} = load float, ptr {mp2}, align 4")
+        msplat[h] = _splat_f32(ir, m)
+        for r in range(spec.kh):
+            p = ir.tmp("wp")
+            ir(f"{p} = getelementptr i8, ptr %wbase, i64 {(h * spec.kh + r) * 4}")
+            word = ir.tmp("ww")
+            ir(f"{word} = load i32, ptr {p}, align 1")
+            wrow[h, r] = _splat_i32(ir, word)
+    index = ", ".join(f"i32 {spec.s * j + min(k, spec.kw - 1) * spec.d}" for j in range(16) for k in range(4))
+    interleave = ", ".join(f"i32 {h * 16 + lane}" for lane in range(16) for h in range(4))
+    ir("br label %loop")
+    ir.label("loop")
+    ir("%g = phi i64 [ 0, %entry ], [ %gn, %loop ]")
+    ir("%mkp = getelementptr i64, ptr %masks, i64 %g")
+    ir("%mk = load i64, ptr %mkp, align 8")
+    ir("%stp = getelementptr i64, ptr %starts, i64 %g")
+    ir("%st = load i64, ptr %stp, align 8")
+    ir("%p = mul i64 %g, 64")
+    ir("%xo = mul i64 %p, " + str(spec.s))
+    running = "%st"
+    for v in range(G):
+        seg = ir.tmp("seg")
+        ir(f"{seg} = lshr i64 %mk, {v * 16}")
+        seg2 = ir.tmp("seg")
+        ir(f"{seg2} = trunc i64 {seg} to i16")
+        lanes = ir.tmp("lm")
+        ir(f"{lanes} = bitcast i16 {seg2} to <16 x i1>")
+        seg3 = ir.tmp("seg")
+        ir(f"{seg3} = zext i16 {seg2} to i64")
+        cnt = ir.tmp("cnt")
+        ir(f"{cnt} = call i64 @llvm.ctpop.i64(i64 {seg3})")
+        packed = {}
+        for h in range(4):
+            acc = csplat[h]
+            for r in range(spec.kh):
+                xo = ir.tmp("xo")
+                ir(f"{xo} = add i64 %xo, {h * spec.xplane + v * 16 * spec.s + r * spec.d * spec.wp}")
+                ptr = ir.tmp("xp")
+                ir(f"{ptr} = getelementptr i8, ptr %xbase, i64 {xo}")
+                raw = ir.tmp("xr")
+                ir(f"{raw} = load {vb}, ptr {ptr}, align 1")
+                win = ir.tmp("xw")
+                ir(f"{win} = shufflevector {vb} {raw}, {vb} poison, <64 x i32> <{index}>")
+                wi = ir.tmp("xi")
+                ir(f"{wi} = bitcast {vb} {win} to {vi}")
+                out = ir.tmp("d")
+                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {acc}, {vi} {wi}, {vi} {wrow[h, r]})")
+                acc = out
+            f = ir.tmp("f")
+            ir(f"{f} = sitofp {vi} {acc} to {vf}")
+            y = ir.tmp("y")
+            ir(f"{y} = fmul {vf} {f}, {msplat[h]}")
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            qc = ir.tmp("qc")
+            ir(f"{qc} = call {vi} @llvm.experimental.vector.compress.v16i32({vi} {q}, <16 x i1> {lanes}, {vi} poison)")
+            packed[h] = ir.tmp("q")
+            ir(f"{packed[h]} = trunc {vi} {qc} to <16 x i8>")
+        ab = ir.tmp("ab")
+        ir(f"{ab} = shufflevector <16 x i8> {packed[0]}, <16 x i8> {packed[1]}, <32 x i32> "
+           f"<{', '.join(f'i32 {k}' for k in range(32))}>")
+        cd = ir.tmp("cd")
+        ir(f"{cd} = shufflevector <16 x i8> {packed[2]}, <16 x i8> {packed[3]}, <32 x i32> "
+           f"<{', '.join(f'i32 {k}' for k in range(32))}>")
+        quads = ir.tmp("qd")
+        ir(f"{quads} = shufflevector <32 x i8> {ab}, <32 x i8> {cd}, <64 x i32> <{interleave}>")
+        # the first 4 * cnt bytes: (2^(4 cnt) - 1), all ones for cnt = 16
+        sh = ir.tmp("sh")
+        ir(f"{sh} = mul i64 {cnt}, 4")
+        sh128 = ir.tmp("sh")
+        ir(f"{sh128} = zext i64 {sh} to i128")
+        one = ir.tmp("wm")
+        ir(f"{one} = shl i128 1, {sh128}")
+        less = ir.tmp("wm")
+        ir(f"{less} = sub i128 {one}, 1")
+        bits = ir.tmp("wm")
+        ir(f"{bits} = trunc i128 {less} to i64")
+        smask = ir.tmp("sm")
+        ir(f"{smask} = bitcast i64 {bits} to <64 x i1>")
+        yo = ir.tmp("yo")
+        ir(f"{yo} = mul i64 {running}, 4")
+        yp = ir.tmp("yp")
+        ir(f"{yp} = getelementptr i8, ptr %ybase, i64 {yo}")
+        ir(f"call void @llvm.masked.store.v64i8.p0({vb} {quads}, ptr align 1 {yp}, <64 x i1> {smask})")
+        nxt = ir.tmp("run")
+        ir(f"{nxt} = add i64 {running}, {cnt}")
+        running = nxt
+    ir("%gn = add i64 %g, 1")
+    ir("%more = icmp slt i64 %gn, %ngroups")
+    ir("br i1 %more, label %loop, label %done")
+    ir.label("done")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _DWQ_POINTERS else f"i64 %{n}"
+                     for n in DWQ_ARG_NAMES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+             f"declare void @llvm.masked.store.v64i8.p0({vb}, ptr, <64 x i1>)",
+             f"declare {vf} @llvm.roundeven.v16f32({vf})",
+             f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
+             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
+             f"declare {vi} @llvm.experimental.vector.compress.v16i32({vi}, <16 x i1>, {vi})",
+             "declare i64 @llvm.ctpop.i64(i64)"]
     return function_module(head, ir, {}, decls)

@@ -82,14 +82,13 @@ class _Emulated:
     wasmtime (cuvil/cross.py), with the interface of a session of a library loaded here."""
 
     def __init__(self, path: Path):
-        from .cross import WasmModule, describe
+        from .cross import describe
         self.path = path
         self.info = describe(path).info
-        self.module = WasmModule(path) if path.suffix == ".wasm" else None
 
-    def run(self, feeds: dict) -> dict:
-        from .cross import run_emulated, run_wasm
-        return run_wasm(self.module, feeds) if self.module else run_emulated(self.path, feeds)
+    def run_all(self, feeds: list) -> list:
+        from .cross import run_emulated_many
+        return run_emulated_many(self.path, feeds)
 
 
 class _Loaded:
@@ -98,8 +97,8 @@ class _Loaded:
         library = Library(path)
         self.info, self.session = library.info, library.session()
 
-    def run(self, feeds: dict) -> dict:
-        return self.session.run(feeds)
+    def run_all(self, feeds: list) -> list:
+        return [self.session.run(f) for f in feeds]
 
 
 def _runner(path: Path):
@@ -131,7 +130,7 @@ def measure(files: dict, reference: dict, options: dict, shared: dict | None = N
             paths.append(Path(tmp) / folder / name)
         reduced, fp32 = (_runner(path) for path in paths)
         feeds = sample_inputs(reduced.info, options["samples"], options["inputs"])
-        outputs = compare([reduced.run(f) for f in feeds], [fp32.run(f) for f in feeds])
+        outputs = compare(reduced.run_all(feeds), fp32.run_all(feeds))
     report = {"reference": "fp32", "samples": len(feeds),
               "inputs": "random" if options["inputs"] == "random" else Path(options["inputs"]).name,
               "outputs": outputs}

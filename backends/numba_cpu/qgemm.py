@@ -1,4 +1,4 @@
-"""Integer matrix products on the AVX512-VNNI micro-kernel (ukernel_int8.py): MatMulInteger,
+"""Integer matrix products on the AVX512-VNNI or AArch64 SDOT micro-kernel (ukernel_int8.py): MatMulInteger,
 QLinearMatMul and FusedMatMulInteger (passes/fold_qdq.py) with a constant weight matrix.
 
     acc(m, n) = sum_k (A(m, k) - a_zero) * (B(k, n) - b_zero[n])        exact, int32
@@ -9,11 +9,12 @@ read in place as bytes. The zero point term is the compensation of the micro-ker
 
     sum_k (A - a_zero) B' = sum_k A_u B' - (a_zero + shift) * colsum(B'),    colsum(B') = sum_k B'(k, n)
 
-with A_u = A + shift, shift = 128 for int8 activations (the micro-kernel flips their sign bits)
-and 0 for uint8. A constant a_zero folds into a build-time table (with an int32 bias, if any);
+with A_u = A + shift (ukernel_int8.dot_shift): VNNI multiplies unsigned A, so shift = 128 for int8
+activations (the micro-kernel flips their sign bits) and 0 for uint8; SDOT multiplies signed A, so
+shift = -128 for uint8 and 0 for int8. A constant a_zero folds into a build-time table (with an int32 bias, if any);
 a run-time one (DynamicQuantizeLinear's) is read by the kernel.
 
-What does not fit (no AVX512-VNNI on the target, K not a multiple of 4, weights computed at run
+What does not fit (neither AVX512-VNNI nor the AArch64 dot product on the target, K not a multiple of 4, weights computed at run
 time, B - b_zero outside int8, a batched B) returns None and keeps quant.py's exact scalar loops.
 """
 from __future__ import annotations

@@ -250,7 +250,27 @@ def has_feature(target: CpuTarget, feature: str) -> bool:
     explicit = {f[1:]: f[0] == "+" for f in target.features.split(",") if f[:1] in "+-" and f[1:]}
     if feature in explicit:
         return explicit[feature]
+    if target.arch == "aarch64":
+        return feature in AARCH64_EQUIVALENTS
     return feature in CPU_FEATURES.get(target.cpu, ())
+
+
+# x86 features whose instructions every AArch64 core has under another name: F16C's vector
+# half <-> single conversion (vcvtph2ps / vcvtps2ph, round to nearest even) is Advanced SIMD's
+# FCVTL / FCVTN, part of ARMv8-A. The kernels ask for "f16c" and emit portable `fpext`/`fptrunc`
+# on half vectors, which LLVM lowers to either.
+AARCH64_EQUIVALENTS = ("f16c",)
+
+
+def missing_feature_reason(target, precision: str) -> str:
+    """Why products marked `precision` ("fp16") compute in float32 on `target` (cuvil explain)."""
+    name = getattr(target, "name", "?")
+    if precision == "fp16":
+        if getattr(target, "arch", "") == "wasm32":
+            return (f"the target {name} has no half-precision conversion (WebAssembly SIMD128 has none: each "
+                    f"lane would be a software call)")
+        return f"the target {name} (cpu {getattr(target, 'cpu', '?')}) has no F16C half-precision conversion"
+    return f"the target {name} has no kernel for it"
 
 
 # AArch64: what a library checks in the kernel's HWCAP bits (getauxval(AT_HWCAP), driver.py

@@ -72,21 +72,65 @@ def compare(got: list[dict], want: list[dict]) -> dict:
     return report
 
 
+# The library file of a variant's bundle: a shared library here or on aarch64 Linux, a Windows DLL,
+# a WebAssembly module.
+LIBRARY_SUFFIXES = (".so", ".dll", ".wasm")
+
+
+class _Emulated:
+    """A library for another machine (a cross target) run once per call under qemu-user, Wine or
+    wasmtime (cuvil/cross.py), with the interface of a session of a library loaded here."""
+
+    def __init__(self, path: Path):
+        from .cross import describe
+        self.path = path
+        self.info = describe(path).info
+
+    def run_all(self, feeds: list) -> list:
+        from .cross import run_emulated_many
+        return run_emulated_many(self.path, feeds)
+
+
+class _Loaded:
+    def __init__(self, path: Path):
+        from .runtime import Library
+        library = Library(path)
+        self.info, self.session = library.info, library.session()
+
+    def run_all(self, feeds: list) -> list:
+        return [self.session.run(f) for f in feeds]
+
+
+def _runner(path: Path):
+    """Something that runs the library at `path` on feeds: loaded here, or for a cross target's
+    library under its emulator (a CuvilError naming the package to install when it is missing:
+    a reduced-precision build is measured, not assumed)."""
+    from .cross import emulator_problem, is_foreign
+    from .runtime import library_platform
+    if not is_foreign(path):
+        return _Loaded(path)
+    platform = library_platform(path)
+    problem = emulator_problem(platform)
+    if problem:
+        raise CuvilError(f"the accuracy report of a reduced-precision {platform} build runs the library on this "
+                         f"machine, and {problem}",
+                         hint="install it, or build this target in fp32")
+    return _Emulated(path)
+
+
 def measure(files: dict, reference: dict, options: dict, shared: dict | None = None) -> dict:
     """The reduced-precision variant's files with the report in its manifest (the build step);
     `shared` holds the variant's shared library when `files` has only the static archive."""
-    from .runtime import Library
     with tempfile.TemporaryDirectory(prefix="cuvil-accuracy-") as tmp:
-        libraries = []
+        paths = []
         for folder, bundle in (("reduced", shared or files), ("fp32", reference)):
             (Path(tmp) / folder).mkdir()
-            name = next(n for n in bundle if n.endswith(".so"))
+            name = next(n for n in sorted(bundle) if n.endswith(LIBRARY_SUFFIXES))
             (Path(tmp) / folder / name).write_bytes(bundle[name])
-            libraries.append(Library(Path(tmp) / folder / name))
-        reduced, fp32 = libraries
+            paths.append(Path(tmp) / folder / name)
+        reduced, fp32 = (_runner(path) for path in paths)
         feeds = sample_inputs(reduced.info, options["samples"], options["inputs"])
-        session, session32 = reduced.session(), fp32.session()
-        outputs = compare([session.run(f) for f in feeds], [session32.run(f) for f in feeds])
+        outputs = compare(reduced.run_all(feeds), fp32.run_all(feeds))
     report = {"reference": "fp32", "samples": len(feeds),
               "inputs": "random" if options["inputs"] == "random" else Path(options["inputs"]).name,
               "outputs": outputs}

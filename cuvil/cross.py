@@ -33,7 +33,7 @@ from .errors import CuvilError, RuntimeFailure
 from .runtime import HOST_PLATFORM, elf_arch, find_prefix, library_platform  # noqa: F401  (elf_arch: for callers)
 
 HARNESS = r"""/* cuvil-run: run a cuvil library once on raw input files (no Python on the machine).
-   usage: cuvil-run LIB PREFIX N_IN in_0 ... N_OUT out_0:bytes ... */
+   usage: cuvil-run LIB PREFIX N_IN in_0 ... N_OUT out_0:bytes ... [the same again: another run]... */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,7 +75,7 @@ static void* read_file(const char* path) {
 }
 
 int main(int argc, char** argv) {
-    if (argc < 4) { fprintf(stderr, "usage: cuvil-run LIB PREFIX N_IN in... N_OUT out:bytes...\n"); return 2; }
+    if (argc < 4) { fprintf(stderr, "usage: cuvil-run LIB PREFIX N_IN in... N_OUT out:bytes... [N_IN in... N_OUT out:bytes...]...\n"); return 2; }
     void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
     if (!lib) { fprintf(stderr, "cuvil-run: %s\n", dlerror()); return 2; }
     const char* prefix = argv[2];
@@ -83,31 +83,34 @@ int main(int argc, char** argv) {
     run_fn run = (run_fn)symbol(lib, prefix, "session_run");
     error_fn error = (error_fn)symbol(lib, prefix, "session_error");
     destroy_fn destroy = (destroy_fn)symbol(lib, prefix, "session_destroy");
-    int a = 3, n_in = atoi(argv[a++]);
-    if (n_in < 0 || a + n_in >= argc) { fprintf(stderr, "cuvil-run: bad input count\n"); return 2; }
-    void** ins = calloc((size_t)n_in + 1, sizeof(void*));
-    for (int i = 0; i < n_in; i++) ins[i] = read_file(argv[a++]);
-    int n_out = atoi(argv[a++]);
-    if (n_out < 0 || a + n_out > argc) { fprintf(stderr, "cuvil-run: bad output count\n"); return 2; }
-    void** outs = calloc((size_t)n_out + 1, sizeof(void*));
-    size_t* sizes = calloc((size_t)n_out + 1, sizeof(size_t));
-    char** paths = calloc((size_t)n_out + 1, sizeof(char*));
-    for (int i = 0; i < n_out; i++) {
-        paths[i] = argv[a++];
-        char* colon = strrchr(paths[i], ':');
-        if (!colon) { fprintf(stderr, "cuvil-run: output %d: give PATH:BYTES\n", i); return 2; }
-        *colon = 0;
-        sizes[i] = strtoull(colon + 1, NULL, 10);
-        outs[i] = aligned_alloc(64, (sizes[i] + 63) / 64 * 64 + 64);
-    }
     void* s = create();
     if (!s) { fprintf(stderr, "cuvil-run: session_create failed: %s\n", error(NULL)); return 3; }
-    int code = run(s, (const void* const*)ins, outs);
-    if (code) { fprintf(stderr, "cuvil-run: session_run returned %d: %s\n", code, error(s)); return 4; }
-    for (int i = 0; i < n_out; i++) {
-        FILE* f = fopen(paths[i], "wb");
-        if (!f || fwrite(outs[i], 1, sizes[i], f) != sizes[i]) { fprintf(stderr, "cuvil-run: cannot write %s\n", paths[i]); return 2; }
-        fclose(f);
+    int a = 3;
+    while (a < argc) {   /* one run per group of inputs and outputs, on the same session */
+        int n_in = atoi(argv[a++]);
+        if (n_in < 0 || a + n_in >= argc) { fprintf(stderr, "cuvil-run: bad input count\n"); return 2; }
+        void** ins = calloc((size_t)n_in + 1, sizeof(void*));
+        for (int i = 0; i < n_in; i++) ins[i] = read_file(argv[a++]);
+        int n_out = atoi(argv[a++]);
+        if (n_out < 0 || a + n_out > argc) { fprintf(stderr, "cuvil-run: bad output count\n"); return 2; }
+        void** outs = calloc((size_t)n_out + 1, sizeof(void*));
+        size_t* sizes = calloc((size_t)n_out + 1, sizeof(size_t));
+        char** paths = calloc((size_t)n_out + 1, sizeof(char*));
+        for (int i = 0; i < n_out; i++) {
+            paths[i] = argv[a++];
+            char* colon = strrchr(paths[i], ':');
+            if (!colon) { fprintf(stderr, "cuvil-run: output %d: give PATH:BYTES\n", i); return 2; }
+            *colon = 0;
+            sizes[i] = strtoull(colon + 1, NULL, 10);
+            outs[i] = aligned_alloc(64, (sizes[i] + 63) / 64 * 64 + 64);
+        }
+        int code = run(s, (const void* const*)ins, outs);
+        if (code) { fprintf(stderr, "cuvil-run: session_run returned %d: %s\n", code, error(s)); return 4; }
+        for (int i = 0; i < n_out; i++) {
+            FILE* f = fopen(paths[i], "wb");
+            if (!f || fwrite(outs[i], 1, sizes[i], f) != sizes[i]) { fprintf(stderr, "cuvil-run: cannot write %s\n", paths[i]); return 2; }
+            fclose(f);
+        }
     }
     destroy(s);
     return 0;
@@ -295,12 +298,19 @@ def run_emulated(library, feeds: dict, cpu: str | None = None, timeout: float = 
     on numpy arrays by input name; its outputs by name (graph order). `cpu`: the CPU qemu emulates
     (its -cpu; default: qemu's "max", every feature). Raises RuntimeFailure with the program's
     message when a session cannot be made or the run fails."""
+    return run_emulated_many(library, [feeds], cpu, timeout)[0]
+
+
+def run_emulated_many(library, feeds_list: list, cpu: str | None = None, timeout: float = 600) -> list:
+    """run_emulated for each feeds of `feeds_list`, in turn on one session of one emulated process
+    (Wine takes seconds to start); the outputs of each run."""
     described = describe(library)
     platform = described.platform
     if platform is None or platform == HOST_PLATFORM:
         raise CuvilError(f"{described.path}: not a library for another machine", hint="load it with cuvil.load")
     if platform == "wasm32":
-        return run_wasm(described, feeds)
+        module = WasmModule(described.path)
+        return [run_wasm(module, feeds) for feeds in feeds_list]
     exe = harness(platform)
     _, toolchain = _toolchain(platform)
     windows = platform.endswith("-windows")
@@ -308,19 +318,17 @@ def run_emulated(library, feeds: dict, cpu: str | None = None, timeout: float = 
     info = described.info
     with tempfile.TemporaryDirectory(prefix="cuvil-emulated-") as tmp:
         tmp = Path(tmp)
-        args = [str(len(info["inputs"]))]
-        for i, spec in enumerate(info["inputs"]):
-            if spec["name"] not in feeds:
-                raise CuvilError(f"missing input '{spec['name']}'", hint=f"inputs are {[s['name'] for s in info['inputs']]}")
-            arr = np.ascontiguousarray(feeds[spec["name"]], dtype=np.dtype(spec["dtype"]))
-            if list(arr.shape) != list(spec["shape"]):
-                raise CuvilError(f"input '{spec['name']}': shape {list(arr.shape)}, the model was built for {spec['shape']}")
-            (tmp / f"in{i}.bin").write_bytes(arr.tobytes())
-            args.append(shown(tmp / f"in{i}.bin"))
-        args.append(str(len(info["outputs"])))
-        for i, spec in enumerate(info["outputs"]):
-            nbytes = int(np.prod(spec["shape"], dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize
-            args.append(f"{shown(tmp / f'out{i}.bin')}:{nbytes}")
+        args = []
+        for r, feeds in enumerate(feeds_list):
+            args.append(str(len(info["inputs"])))
+            for i, spec in enumerate(info["inputs"]):
+                arr = _checked_input(feeds, spec, info)
+                (tmp / f"in{r}_{i}.bin").write_bytes(arr.tobytes())
+                args.append(shown(tmp / f"in{r}_{i}.bin"))
+            args.append(str(len(info["outputs"])))
+            for i, spec in enumerate(info["outputs"]):
+                nbytes = int(np.prod(spec["shape"], dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize
+                args.append(f"{shown(tmp / f'out{r}_{i}.bin')}:{nbytes}")
         cmd = [*toolchain.run_prefix(cpu), str(exe), shown(described.path), described.prefix, *args]
         env = dict(os.environ, **WINE_ENV) if windows else None
         emulator = Path(cmd[0]).name
@@ -331,13 +339,16 @@ def run_emulated(library, feeds: dict, cpu: str | None = None, timeout: float = 
         if result.returncode != 0:
             raise RuntimeFailure(f"{described.path.name} under {emulator}: exit {result.returncode}: "
                                  f"{(result.stderr or result.stdout).strip()[-2000:]}")
-        outputs = {}
-        for i, spec in enumerate(info["outputs"]):
-            if spec["name"] in outputs:
-                continue
-            data = np.fromfile(tmp / f"out{i}.bin", dtype=np.dtype(spec["dtype"]))
-            outputs[spec["name"]] = data.reshape(spec["shape"])
-        return outputs
+        results = []
+        for r in range(len(feeds_list)):
+            outputs = {}
+            for i, spec in enumerate(info["outputs"]):
+                if spec["name"] in outputs:
+                    continue
+                data = np.fromfile(tmp / f"out{r}_{i}.bin", dtype=np.dtype(spec["dtype"]))
+                outputs[spec["name"]] = data.reshape(spec["shape"])
+            results.append(outputs)
+        return results
 
 
 # -- wasm32 modules: run with wasmtime (pip install wasmtime; the test extra) ----------------------
@@ -444,7 +455,7 @@ class WasmModule:
 def _checked_input(feeds: dict, spec: dict, info: dict) -> np.ndarray:
     if spec["name"] not in feeds:
         raise CuvilError(f"missing input '{spec['name']}'", hint=f"inputs are {[s['name'] for s in info['inputs']]}")
-    arr = np.ascontiguousarray(feeds[spec["name"]], dtype=np.dtype(spec["dtype"]))
+    arr = np.array(feeds[spec["name"]], dtype=np.dtype(spec["dtype"]), order="C")   # (0-d stays 0-d)
     if list(arr.shape) != list(spec["shape"]):
         raise CuvilError(f"input '{spec['name']}': shape {list(arr.shape)}, the model was built for {spec['shape']}")
     return arr

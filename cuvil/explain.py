@@ -108,7 +108,7 @@ def explain_graphs(model: str, stages: list[tuple[str, object]], params) -> Expl
         out = call.args[-1] if isinstance(call.args[-1], str) else ""
         shape = tuple(final.values[out].shape) if out in final.values else ()
         kernels.append(KernelRecord(call.node, node.op if node else "?", computes(node) if node else "?",
-                                    call.kernel.symbol, shape, _precision(call, node)))
+                                    call.kernel.symbol, shape, _precision(call, node, params.target)))
     edges = _kernel_edges(final, [call.node for call in planned.calls])
     arena = planned.arena
     buffers = sorted((arena.offsets[r], final.values[r].nbytes, *arena.lifetimes[r], r) for r in arena.offsets)
@@ -147,10 +147,17 @@ def _kernel_edges(graph, called: list[str]) -> list[tuple[str, str, str]]:
     return list(dict.fromkeys(edges))
 
 
-def _precision(call, node) -> str:
+def _precision(call, node, target=None) -> str:
     if call.precision or node is None or not node.attr("precision"):
         return call.precision
-    return f"float32 (marked {node.attr('precision')}: the target has no kernel for it, or its operands do not fit one)"
+    marked = node.attr("precision")
+    from backends.numba_cpu.gemm import LOWP_FORMATS
+    from backends.numba_cpu.ukernel_lowp import method_for
+    from backends.targets import is_cuda, missing_feature_reason
+    if target is not None and not is_cuda(target) and marked in LOWP_FORMATS and \
+            method_for(LOWP_FORMATS[marked], target) is None:
+        return f"float32 (marked {marked}: {missing_feature_reason(target, marked)})"
+    return f"float32 (marked {marked}: the target has no kernel for it, or its operands do not fit one)"
 
 
 def explain_model(source, input_shapes=None, opt_level=2, passes=None, disable_passes=(), pass_options=None,

@@ -135,9 +135,6 @@ def test_missing_cross_compiler_names_the_debian_package(monkeypatch):
 
 
 def test_cross_targets_refuse_what_would_run_here():
-    with pytest.raises(CuvilError) as error:
-        build(EXAMPLE, {"input": [1, 3, 32, 32]}, Path("unused"), precision="bf16")
-    assert "cross target 'aarch64-linux'" in error.value.message
     import cuvil
     with pytest.raises(CuvilError) as error:
         cuvil.compile(str(EXAMPLE), input_shapes={"input": [1, 3, 32, 32]}, target="aarch64-linux")

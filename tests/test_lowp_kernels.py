@@ -427,12 +427,15 @@ def test_default_methods_follow_the_target_features():
     from backends.numba_cpu.ukernel_lowp import method_for
     from backends.numba_cpu.lowp import best_method
     got = {name: (method_for("bf16", t), method_for("f16", t), best_method("f32", "f16", t))
-           for name, t in {**TARGETS, **LOWP_TARGETS}.items()
-           if not t.is_cross}   # cross targets build float32 only (pipeline.resolve_variant_target)
+           for name, t in {**TARGETS, **LOWP_TARGETS}.items()}
     assert set(LOWP_TARGETS) <= set(TARGETS)
+    # AArch64 converts half <-> single in NEON (FCVTL / FCVTN: F16C's equivalent); baseline x86-64
+    # (the Windows DLL) and WebAssembly SIMD128 have no such conversion
     assert got == {"generic": ("widen", None, "exact"), "x86_64-avx2": ("widen", "f16c", "hw"),
                    "x86_64-avx512": ("widen", "f16c", "hw"), "x86_64-znver4": ("dpbf16", "f16c", "hw"),
-                   "x86_64-sapphirerapids": ("dpbf16", "f16c", "hw")}
+                   "x86_64-sapphirerapids": ("dpbf16", "f16c", "hw"),
+                   "aarch64-linux": ("widen", "f16c", "hw"), "aarch64-neon-fp16-dotprod": ("widen", "f16c", "hw"),
+                   "x86_64-windows": ("widen", None, "exact"), "wasm32": ("widen", None, "exact")}
 
 
 def test_specs_round_trip_through_their_comment_lines():

@@ -1,4 +1,4 @@
-"""Integer matrix products on the AVX512-VNNI micro-kernel (ukernel_int8.py): MatMulInteger,
+"""Integer matrix products on the AVX512-VNNI or AArch64 SDOT micro-kernel (ukernel_int8.py): MatMulInteger,
 QLinearMatMul and FusedMatMulInteger (passes/fold_qdq.py) with a constant weight matrix.
 
     acc(m, n) = sum_k (A(m, k) - a_zero) * (B(k, n) - b_zero[n])        exact, int32
@@ -9,11 +9,12 @@ read in place as bytes. The zero point term is the compensation of the micro-ker
 
     sum_k (A - a_zero) B' = sum_k A_u B' - (a_zero + shift) * colsum(B'),    colsum(B') = sum_k B'(k, n)
 
-with A_u = A + shift, shift = 128 for int8 activations (the micro-kernel flips their sign bits)
-and 0 for uint8. A constant a_zero folds into a build-time table (with an int32 bias, if any);
+with A_u = A + shift (ukernel_int8.dot_shift): VNNI multiplies unsigned A, so shift = 128 for int8
+activations (the micro-kernel flips their sign bits) and 0 for uint8; SDOT multiplies signed A, so
+shift = -128 for uint8 and 0 for int8. A constant a_zero folds into a build-time table (with an int32 bias, if any);
 a run-time one (DynamicQuantizeLinear's) is read by the kernel.
 
-What does not fit (no AVX512-VNNI on the target, K not a multiple of 4, weights computed at run
+What does not fit (neither AVX512-VNNI nor the AArch64 dot product on the target, K not a multiple of 4, weights computed at run
 time, B - b_zero outside int8, a batched B) returns None and keeps quant.py's exact scalar loops.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from backends.targets import has_feature
 
 from .kernel import Kernel, KernelCall, Source, kernel_header, lowering_target, work_items
-from .ukernel_int8 import FEATURE, OUTPUTS, Int8UKSpec, pack_b_quads
+from .ukernel_int8 import FEATURE, OUTPUTS, SDOT_FEATURE, Int8UKSpec, dot_shift, pack_b_quads
 
 MR = 6                        # rows of a micro-tile (6 x 4 int32 vectors: 24 accumulators)
 NR = 64                       # columns of a micro-tile
@@ -34,6 +35,18 @@ def vnni_target() -> bool:
     """Whether the target being lowered for has AVX512-VNNI with 512-bit vectors."""
     target = lowering_target()
     return target is not None and has_feature(target, FEATURE) and target.vector_bits >= 512
+
+
+def dot_method() -> str | None:
+    """The int8 dot product of the target being lowered for: "vnni" (AVX512-VNNI, 512-bit vectors),
+    "sdot" (AArch64 with the dot-product extension: aarch64-neon-fp16-dotprod) or None (the exact
+    scalar loops of quant.py)."""
+    if vnni_target():
+        return "vnni"
+    target = lowering_target()
+    if target is not None and target.arch == "aarch64" and has_feature(target, SDOT_FEATURE):
+        return "sdot"
+    return None
 
 
 def signed_weights(b: np.ndarray, b_zero) -> np.ndarray | None:
@@ -64,7 +77,8 @@ def int8_gemm(node_name: str, A, M: int, K: int, N: int, weights: np.ndarray, ou
     scalar) float32 multiplier; ascale: a run-time Value multiplied into it ("f32"); bias: float32
     per column ("f32"); ibias: int32 per column added to the sums ("u8"/"s8"; only with a constant
     a_zero). None when the path does not apply."""
-    if not vnni_target() or K % 4 or weights is None or M < 1 or N < 1:
+    dot = dot_method()
+    if dot is None or K % 4 or weights is None or M < 1 or N < 1:
         return None
     a_name = np.dtype(A.dtype).name
     if a_name not in ("uint8", "int8"):
@@ -75,7 +89,7 @@ def int8_gemm(node_name: str, A, M: int, K: int, N: int, weights: np.ndarray, ou
     nr = NR if N >= NR else -(-N // 16) * 16
     panels = -(-N // nr)
     width = panels * nr
-    shift = 128 if a_name == "int8" else 0
+    shift = dot_shift(a_name == "int8", dot)
     colsum = weights.astype(np.int64).sum(axis=0)
     if runtime_zero:
         comp = _padded(-colsum, N, width, np.int64)
@@ -94,7 +108,7 @@ def int8_gemm(node_name: str, A, M: int, K: int, N: int, weights: np.ndarray, ou
     args.append(a_zero.name if runtime_zero else np.zeros(1, np.uint8))
     args.append(out.name)
     za_dtype = np.dtype(a_zero.dtype).name if runtime_zero else "uint8"
-    flags = dict(out=mode, a_signed=int(shift != 0), ascale=int(ascale is not None and mode == "f32"),
+    flags = dict(out=mode, a_signed=int(a_name == "int8"), dot=dot, ascale=int(ascale is not None and mode == "f32"),
                  bias=int(bias is not None and mode == "f32"), act=act[0], act_lo=float(act[1]),
                  act_hi=float(act[2]), zy=int(zy))
 
@@ -136,4 +150,4 @@ def int8_gemm(node_name: str, A, M: int, K: int, N: int, weights: np.ndarray, ou
     head.line(kernel_header(8))
     types = (a_name, "int8", "int32", "float32", "float32", "float32", za_dtype, OUTPUTS[mode])
     kernel = Kernel(f"QGemm_{mode}", head.text() + body.text(), types, self_sized=True)
-    return [KernelCall(kernel, args, n_blocks * m_blocks, node_name, precision=f"int8 (vnni, {mode} out)")]
+    return [KernelCall(kernel, args, n_blocks * m_blocks, node_name, precision=f"int8 ({dot}, {mode} out)")]

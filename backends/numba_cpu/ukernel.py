@@ -42,6 +42,15 @@ from typing import ClassVar
 from cuvil.ops import REGISTER_ACTIVATIONS
 
 MAX_ACC = {16: 24, 8: 12, 4: 12}   # accumulator registers per chunk, by lanes (zmm: 32 regs, ymm/xmm: 16)
+# AArch64 has 32 128-bit registers (v0-v31) where SSE and AVX2 have 16: 24 accumulators of 4 floats,
+# with the B row's vectors of a chunk (4) and the A panel's rows (read 4 at a time, each used by
+# lane: `fmla v.4s, v.4s, v.s[i]`) in the 8 left.
+MAX_ACC_BY_ARCH = {"aarch64": {4: 24}}
+
+
+def accumulator_budget(lanes: int, arch: str = "x86_64") -> int:
+    """How many accumulator vectors of `lanes` floats a micro-kernel chunk keeps in registers on `arch`."""
+    return MAX_ACC_BY_ARCH.get(arch, {}).get(lanes, MAX_ACC[lanes])
 
 ARG_TYPES = ("a", "aoff", "lda", "b", "boff", "ldb", "c", "coff", "ldc", "kc", "mask", "loadc", "bias", "biasoff")
 _PTR_ARGS = {"a", "b", "c", "bias"}
@@ -307,7 +316,7 @@ def ukernel_ir(spec, vector_bits: int, arch: str = "x86_64") -> str:
     vt = f"<{L} x float>"
     mt = f"<{L} x i1>"
     # Column chunks: vectors per chunk so that mr * chunk <= the accumulator budget.
-    per_chunk = max(1, min(V, MAX_ACC[L] // max(1, spec.mr)))
+    per_chunk = max(1, min(V, accumulator_budget(L, arch) // max(1, spec.mr)))
     chunks = [list(range(v0, min(V, v0 + per_chunk))) for v0 in range(0, V, per_chunk)]
     ir = IRBuilder()
     T = len(spec.taps)

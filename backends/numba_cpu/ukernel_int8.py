@@ -49,6 +49,24 @@ OUTPUTS = {"i32": "int32", "f32": "float32", "u8": "uint8", "s8": "int8"}
 _RANGE = {"u8": (0, 255), "s8": (-128, 127)}
 MAX_ACC = 24    # int32 accumulator vectors (of 32 zmm: B vectors, the A broadcast and the 0x80 constant)
 FEATURE = "avx512vnni"
+# AArch64's dot-product extension (ARMv8.2-A, FEAT_DotProd: Cortex-A78 / Jetson Orin, Neoverse N1+):
+# SDOT Vd.4S, Vn.16B, Vm.16B adds to each int32 lane the 4 products of the signed bytes in that lane.
+# The kernel keeps its 16-column vectors (the packing of pack_b_quads); each is 4 NEON registers and
+# gets 4 SDOTs, lane j of quarter q reading column 4q + j's 4 k. A is signed: uint8 activations are
+# XORed with 0x80 (A - 128) and the caller's compensation takes back -128 * colsum(B), as the +128
+# of the VNNI path; the sums are the same exact integers (|sum| < 2^31 for K < 2^16).
+SDOT_FEATURE = "dotprod"
+DOT_METHODS = ("vnni", "sdot")
+# 16-lane accumulators per chunk with sdot: 24 of the 32 NEON registers, 4 each
+MAX_ACC_SDOT = 6
+
+
+def dot_shift(a_signed: bool, dot: str) -> int:
+    """What the micro-kernel adds to every A byte (the XOR with 0x80): +128 (int8 A, vnni), -128
+    (uint8 A, sdot) or 0; the caller's compensation subtracts shift * colsum(B)."""
+    if dot == "sdot":
+        return 0 if a_signed else -128
+    return 128 if a_signed else 0
 
 
 @dataclass(frozen=True)
@@ -64,15 +82,23 @@ class Int8UKSpec(Declared):
     act_hi: float = 0.0
     zy: int = 0             # "u8" | "s8": the output zero point
     kind: str = "int8"
+    dot: str = "vnni"       # "vnni": AVX512-VNNI vpdpbusd (u8 x s8); "sdot": AArch64 SDOT (s8 x s8, see SDOT)
     _ARGS: ClassVar[str] = "".join("p" if n in _POINTERS else "i" for n in ARG_NAMES)
 
     def __post_init__(self):
         assert self.nr % 16 == 0 and 16 <= self.nr <= 64, self.nr
+        assert self.dot in DOT_METHODS, self.dot
         assert self.out in OUTPUTS, self.out
         assert self.act in ("", "Relu", "Clip"), self.act
 
     def _stem(self) -> str:
-        return f"cuvil_uki8_{self.mr}x{self.nr}_{self.out}"
+        return f"cuvil_uki8_{self.mr}x{self.nr}_{self.out}" + ("_sdot" if self.dot == "sdot" else "")
+
+    @property
+    def flip(self) -> bool:
+        """Whether each A byte is XORed with 0x80 (+-128) to give the dot product's operand type:
+        vpdpbusd wants unsigned A (flip int8), sdot signed A (flip uint8)."""
+        return bool(self.a_signed) != (self.dot == "sdot")
 
     def declaration(self, var: str, a_dtype: str = "uint8") -> str:
         types = {"a": a_dtype, "b": "int8", "c": OUTPUTS[self.out], "comp": "int32", "mult": "float32",
@@ -125,15 +151,42 @@ def _requantise(ir: IRBuilder, y: str, zy: int, lo: int, hi: int, vf: str, vi: s
     return q
 
 
+def _sdot16(ir: IRBuilder, acc: str, a4: str, b: str) -> str:
+    """acc (<16 x i32>) + the dot products of the A word a4 (<16 x i8>, 4 bytes repeated) with the
+    16 columns of b (<16 x i32>, 4 bytes each): 4 AArch64 SDOTs on the quarters, joined again."""
+    parts = []
+    for q in range(4):
+        lanes = ", ".join(f"i32 {4 * q + j}" for j in range(4))
+        aq = ir.tmp("sa")
+        ir(f"{aq} = shufflevector <16 x i32> {acc}, <16 x i32> poison, <4 x i32> <{lanes}>")
+        bq = ir.tmp("sb")
+        ir(f"{bq} = shufflevector <16 x i32> {b}, <16 x i32> poison, <4 x i32> <{lanes}>")
+        bb = ir.tmp("sb")
+        ir(f"{bb} = bitcast <4 x i32> {bq} to <16 x i8>")
+        r = ir.tmp("sd")
+        ir(f"{r} = call <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32> {aq}, <16 x i8> {a4}, <16 x i8> {bb})")
+        parts.append(r)
+    low, high = ir.tmp("sj"), ir.tmp("sj")
+    eight = ", ".join(f"i32 {j}" for j in range(8))
+    ir(f"{low} = shufflevector <4 x i32> {parts[0]}, <4 x i32> {parts[1]}, <8 x i32> <{eight}>")
+    ir(f"{high} = shufflevector <4 x i32> {parts[2]}, <4 x i32> {parts[3]}, <8 x i32> <{eight}>")
+    out = ir.tmp("sj")
+    sixteen = ", ".join(f"i32 {j}" for j in range(16))
+    ir(f"{out} = shufflevector <8 x i32> {low}, <8 x i32> {high}, <16 x i32> <{sixteen}>")
+    return out
+
+
 def int8_ukernel_ir(spec: Int8UKSpec, vector_bits: int = 512) -> str:
-    """The LLVM IR (a module of one function named spec.name); needs AVX512-VNNI."""
+    """The LLVM IR (a module of one function named spec.name); needs AVX512-VNNI (dot "vnni") or
+    AArch64's dot-product extension (dot "sdot")."""
     L = 16
     V = spec.nr // L
     vi, vf = f"<{L} x i32>", f"<{L} x float>"
+    sdot = spec.dot == "sdot"
     ir = IRBuilder()
     ir.label("entry")
     masks = column_masks(ir, V, L)
-    per_chunk = max(1, min(V, MAX_ACC // spec.mr))
+    per_chunk = max(1, min(V, (MAX_ACC_SDOT if sdot else MAX_ACC) // spec.mr))
     chunks = [list(range(v0, min(V, v0 + per_chunk))) for v0 in range(0, V, per_chunk)]
     arow = {}
     for i in range(spec.mr):
@@ -187,10 +240,17 @@ def int8_ukernel_ir(spec: Int8UKSpec, vector_bits: int = 512) -> str:
             ir(f"{p} = getelementptr i8, ptr {arow[i]}, i64 {ka}")
             word = ir.tmp("aw")
             ir(f"{word} = load i32, ptr {p}, align 1")
-            if spec.a_signed:
+            if spec.flip:
                 flipped = ir.tmp("ax")
                 ir(f"{flipped} = xor i32 {word}, -2139062144")   # 0x80808080
                 word = flipped
+            if sdot:
+                splat4 = _splat_i32(ir, word, 4)
+                a4 = ir.tmp("a4")
+                ir(f"{a4} = bitcast <4 x i32> {splat4} to <16 x i8>")
+                for v in vecs:
+                    cur[i, v] = _sdot16(ir, cur[i, v], a4, bvec[v])
+                continue
             splat = _splat_i32(ir, word)
             for v in vecs:
                 out = ir.tmp("d")
@@ -256,7 +316,9 @@ def int8_ukernel_ir(spec: Int8UKSpec, vector_bits: int = 512) -> str:
     args = ", ".join(f"ptr {'' if n == 'c' else 'noalias '}%{n}" if n in _POINTERS else f"i64 %{n}"
                      for n in ARG_NAMES)
     head = f"define i32 @{spec.name}({args}) #0 {{"
-    decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+    dot_decl = ("declare <4 x i32> @llvm.aarch64.neon.sdot.v4i32.v16i8(<4 x i32>, <16 x i8>, <16 x i8>)" if sdot
+                else f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})")
+    decls = [dot_decl,
              f"declare void @llvm.masked.store.v16i32.p0({vi}, ptr, <16 x i1>)",
              f"declare void @llvm.masked.store.v16f32.p0({vf}, ptr, <16 x i1>)",
              "declare void @llvm.masked.store.v16i8.p0(<16 x i8>, ptr, <16 x i1>)",

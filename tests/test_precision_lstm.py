@@ -85,13 +85,13 @@ def _bounds(x, w, r, b, precision):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_an_lstm_recurrence_in_reduced_precision_is_within_the_derived_bound(precision, threads):
+@pytest.mark.parametrize("threads, target", [(1, "native"), (2, "native"), (1, "x86_64-avx2")])   # avx2: bf16 widened
+def test_an_lstm_recurrence_in_reduced_precision_is_within_the_derived_bound(precision, threads, target):
     # H = 128: two halves of 64 units (the split steps); batch 2 (one tile of rows); T = 12 steps
     T, B, I, H = 12, 2, 24, 128
     model, w, r, b = _lstm_model(T, B, I, H)
     x = np.random.default_rng(1).standard_normal((T, B, I)).astype(np.float32)
-    lib = cuvil.compile(model, precision=precision, threads=threads)
+    lib = cuvil.compile(model, precision=precision, threads=threads, target=target)
     got = lib.run({"x": x})
     want = dict(zip(("y", "y_h", "y_c"), ort.InferenceSession(
         model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})))
@@ -101,7 +101,7 @@ def test_an_lstm_recurrence_in_reduced_precision_is_within_the_derived_bound(pre
         assert np.all(error <= bound), (name, float(np.max(error - bound)))
     # the operands really were rounded: a float32 recurrence would be ~100x closer than the bound
     assert np.max(np.abs(got["y"] - want["y"])) > 1e-3 * np.max(e_h)
-    labels = [k.precision for k in explain_model(model, precision=precision, threads=threads).kernels]
+    labels = [k.precision for k in explain_model(model, precision=precision, threads=threads, target=target).kernels]
     assert any(label.startswith(f"{precision} (") for label in labels), labels
     assert any(label.startswith("float32 (input projection") for label in labels), labels
 

@@ -2,7 +2,7 @@
 (the driver then times every step and prints the sums when the session is
 destroyed), and print the steps by time and the time per kernel family.
 
-    python benchmarks/profile.py resnet18 [--threads 1] [--runs 30] [--top 25]
+    python benchmarks/profile.py resnet18 [--threads 1] [--runs 30] [--top 25] [--precision bf16]
 """
 from __future__ import annotations
 
@@ -49,12 +49,14 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--disable", action="append", default=[], metavar="PASS",
                         help="build without this pass (repeatable): where the time goes without it")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="build in this precision (default fp32)")
     args = parser.parse_args(argv)
     module, shapes = MODELS[args.model]()
     compiled = cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=args.threads, jobs=2,
-                              disable_passes=args.disable)
+                              disable_passes=args.disable, precision=args.precision)
     total, steps = profile_library(compiled.artifacts.library, compiled.info, args.runs)
-    print(f"# {args.model}, threads={args.threads}: {total:.3f} ms per run (sum of steps), {len(steps)} steps")
+    print(f"# {args.model} {args.precision}, threads={args.threads}: {total:.3f} ms per run (sum of steps), {len(steps)} steps")
     families = defaultdict(float)
     for _, ms, fam, _ in steps:
         families[fam] += ms

@@ -8,13 +8,18 @@ instructions double the products per cycle:
 
     Gemm, MatMul, FusedGemm, FusedMatMul with a constant 2-D B        -> the precision
     Conv, FusedConv with constant 4-D weights, not depthwise          -> the precision
+    LSTM with a constant recurrence matrix R                          -> the precision
     everything else                                                   -> float32
 
 A marked conv computes in the precision where it runs as an implicit GEMM
 (backends/numba_cpu/convgemm.py, 1x1 convs included); a conv the backend gives to a Winograd
 transform or to a direct kernel (tiny convs), or a bf16 grouped conv with an odd channel count
 per group, stays float32 and shows so in `cuvil explain`. Depthwise convs are not marked: one
-product per tap and channel, no weight matrix to halve.
+product per tap and channel, no weight matrix to halve. A marked LSTM multiplies its state h by R
+in the precision where its steps run in two halves of the hidden units (batch <= 6, no sequence
+lengths, an even hidden size: backends/numba_cpu/rnn.py), the product that streams R once per step
+and so is bound by R's bytes; h is rounded to 16 bits once per step for that product, the cell's
+update (gates, c, h) and the input projection stay float32.
 
 Everything else stays in float32 because it is numerically sensitive or gains nothing:
 reductions and their accumulators, Softmax / LayerNorm / normalisation statistics, exp and
@@ -29,6 +34,8 @@ B packed at build time); `cuvil explain` shows each marked node and the kernel i
 from __future__ import annotations
 
 from typing import Literal
+
+import numpy as np
 
 from pydantic import BaseModel, ConfigDict
 
@@ -53,6 +60,9 @@ def _marks(node, graph: Graph, keep: set) -> bool:
         w = graph.values.get(node.inputs[1])
         return w is not None and w.is_const and len(w.shape) == 4 and w.shape[1] > 1 \
             and graph.values[node.inputs[0]].dtype.kind == "f"
+    if (node.domain, node.op) == ("", "LSTM"):
+        r = graph.values.get(node.inputs[2])
+        return r is not None and r.is_const and graph.values[node.inputs[0]].dtype == np.float32
     if (node.domain, node.op) not in PRODUCTS:
         return False
     b = graph.values.get(node.inputs[1]) if len(node.inputs) > 1 else None

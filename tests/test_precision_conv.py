@@ -22,6 +22,7 @@ import cuvil
 from cuvil.explain import explain_model
 
 U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+FORMAT = {"bf16": "bf16", "fp16": "f16"}   # the kernels' names of the formats
 
 
 def _gamma(n):
@@ -90,6 +91,8 @@ CASES = {   # x shape, out channels, kernel, stride, pad, group, residual
     "7x7 stem, 3 channels": ((1, 3, 32, 32), 16, 7, 2, 3, 1, False),
     "grouped": ((1, 32, 12, 12), 32, 3, 1, 1, 4, False),
     "residual epilogue": ((1, 32, 16, 16), 32, 3, 1, 1, 1, True),
+    # bf16: 3 channel pairs (< 16 work items: blocks of rows), the last one unpaired
+    "odd channels, few planes": ((1, 5, 11, 13), 16, 3, 1, 1, 1, False),
 }
 
 
@@ -131,3 +134,14 @@ def test_a_small_resnet_in_bf16_keeps_its_outputs():
     assert _cosine(want, _ort(model, {fp32.input_names[0]: x})) >= 0.99999
     labels = [k.precision for k in explain_model(model, precision="bf16").kernels]
     assert sum(label.startswith("bf16 (") and "converted" not in label for label in labels) >= 4, labels
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_stride_1_conv_converts_its_input_in_its_padding_pass(precision):
+    # The 16-bit phase images are written straight from X (convgemm.padded_lowp_input_kernel): no
+    # float32 ConvPad nor a separate conversion over the tensor. The numbers are test_a_conv_is_
+    # within_the_derived_bound's ("3x3 padded", "1x1", "odd channels, few planes").
+    model, _, _ = _conv_model((1, 6, 9, 9), 8, 3, 1, 1, 1, False)
+    kernels = explain_model(model, precision=precision, disable_passes=["winograd"]).kernels
+    families = ["_".join(k.symbol.split("_")[1:-1]) for k in kernels]   # cuvilk_<family>_<hash>
+    assert families == [f"convpad_{FORMAT[precision]}", "conv"], families

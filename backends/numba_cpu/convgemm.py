@@ -88,6 +88,14 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     icg_p = icg + icg % 2 if pairs else icg
     C_p = icg_p * group
     calls = []
+    if scratch is None and lowp and s_w == 1:
+        # The phase images in 16 bits straight from X: padding and conversion in one pass over the
+        # input (no float32 phase images written and read back).
+        scratch = graph.unique_name(f"{Y.name}__phases_{lowp[0]}")
+        graph.values[scratch] = Value(scratch, np.dtype(np.uint16), (N * C_p * ldb + 2 * (NR + 2 * PW + 16),))
+        pad_kernel, pad_work = padded_lowp_input_kernel(lowp[0], C, C_p, H, Wd, s_h, p_t, left, phases, PH, PW, N)
+        calls.append(KernelCall(pad_kernel, [X.name, scratch], pad_work, node.name,
+                                precision=f"{PRECISION_OF[lowp[0]]} (B converted)"))
     if scratch is None:   # (given: another form of the same conv, reading the same scratch)
         phases_name = graph.unique_name(f"{Y.name}__phases")
         graph.values[phases_name] = Value(phases_name, np.dtype(np.float32), (scratch_floats,))
@@ -272,6 +280,64 @@ def _phase_cvt_kernel(fmt: str, N: int, C: int, C_p: int, ldb: int) -> tuple[Ker
         return Kernel(f"Cvt_{fmt}", src.text(), ("float32", "uint16")), N * P
     src.line(f"cvt(p0, item * {ldb}, p1, item * {ldb}, {ldb})")
     return Kernel(f"Cvt_{fmt}", src.text(), ("float32", "uint16")), N * C
+
+
+def padded_lowp_input_kernel(fmt, C, C_p, H, W, s_h, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
+    """X (N, C, H, W) float32 -> the 16-bit phase images the conv reads (stride 1 along the rows:
+    each phase row is a contiguous run of an input row), in one pass: what padded_input_kernel
+    and _phase_cvt_kernel write one after the other, bit for bit, without the float32 images
+    between them. bf16: a work item is an (image, channel pair), the pair's two rows converted and
+    interleaved by lowp.PairCvtSpec (a last unpaired channel with itself: its pair's weights are
+    zero); fp16: an (image, channel). With few items, blocks of rows (as padded_input_kernel)."""
+    from .lowp import CvtSpec, PairCvtSpec
+    pairs = fmt == "bf16"
+    ldb = len(phases) * PH * PW
+    planes = N * C_p // 2 if pairs else N * C
+    blocks = min(PH, ROW_BLOCKS) if planes < FEW_PLANES else 1
+    rows = ceil_div(PH, blocks)
+    blocks = ceil_div(PH, rows)
+    width = 2 if pairs else 1   # 16-bit elements per phase-image column
+    src = Source()
+    spec = PairCvtSpec() if pairs else CvtSpec("f32", fmt)
+    for line in spec.declaration("cvt").splitlines():
+        src.line(line)
+    src.line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    if blocks > 1:
+        src.line(f"plane = item % {planes}").line(f"i_lo = (item // {planes}) * {rows}")
+        src.line(f"i_hi = min(i_lo + {rows}, {PH})")
+    else:
+        src.line("plane = item").line("i_lo = 0").line(f"i_hi = {PH}")
+    if pairs:
+        P = C_p // 2
+        src.line(f"n = plane // {P}").line(f"c = (plane % {P}) * 2")
+        src.line(f"xb = (n * {C} + c) * {H * W}")
+        stride = f"0 if c + 1 >= {C} else {H * W}" if C_p != C else str(H * W)
+        src.line(f"xs = {stride}")
+    else:
+        src.line(f"xb = plane * {H * W}")
+    src.line(f"sb = plane * {width * ldb}")
+    for k, (a, b) in enumerate(phases):
+        j_lo = max(0, p_l - b)
+        j_hi = min(PW, max(j_lo, W + p_l - b))
+        src.line("for i in range(i_lo, i_hi):").indent()
+        src.line(f"o = sb + {width * k * PH * PW} + i * {width * PW}")
+        src.line(f"r = i * {s_h} + {a - p_t}" if s_h > 1 else f"r = i + {a - p_t}")
+        src.line(f"if r < 0 or r >= {H}:").indent()
+        src.line(f"for j in range({width * PW}):").indent().line("p1[o + j] = 0").dedent()
+        src.dedent().line("else:").indent()
+        if j_lo > 0:
+            src.line(f"for j in range({width * j_lo}):").indent().line("p1[o + j] = 0").dedent()
+        if j_hi > j_lo:
+            x = f"xb + r * {W} + {b - p_l + j_lo}"
+            if pairs:
+                src.line(f"cvt(p0, {x}, xs, p1, o + {width * j_lo}, {j_hi - j_lo})")
+            else:
+                src.line(f"cvt(p0, {x}, p1, o + {j_lo}, {j_hi - j_lo})")
+        if j_hi < PW:
+            src.line(f"for j in range({width * j_hi}, {width * PW}):").indent().line("p1[o + j] = 0").dedent()
+        src.dedent().dedent()
+    return Kernel(f"ConvPad_{fmt}", src.text(), ("float32", "uint16")), planes * blocks
 
 
 def phase_geometry(kernel, strides, dilations, p_l, W, OH, OW):

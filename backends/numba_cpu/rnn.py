@@ -44,6 +44,7 @@ from cuvil.errors import UnsupportedOpError
 from .ukernel import SyncSpec
 
 from . import rnn_uk
+from .gemm import PRECISION_OF, lowp_label
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, session_threads
 from .scratch import scratch_value
 
@@ -140,6 +141,15 @@ def _unit_split(spec) -> int | None:
     return rnn_uk.NR * -(-panels // 2)
 
 
+def _lowp_recurrence(node, spec) -> tuple[str, str] | None:
+    """(format, method) of a split LSTM recurrence in reduced precision, or None (float32)."""
+    from .gemm import lowp_product
+    lowp = lowp_product(node)
+    if not lowp or not spec.split or spec.H % 2 or lowp[1] not in ("dpbf16", "widen", "f16c"):
+        return None
+    return lowp
+
+
 def lower_lstm(node, graph) -> Lowered:
     return _lower_rnn(node, graph, "LSTM")
 
@@ -214,6 +224,12 @@ class _Spec:
         if self.seq is not None and self.seq.is_const and np.all(np.asarray(self.seq.data) == self.T):
             self.seq = None
         self.split = _unit_split(self)
+        # A marked LSTM (passes/assign_precision.py) whose steps run in unit halves multiplies h by
+        # R in bf16 / fp16 (R's bytes, which bound a step, halved): R packed in 16 bits, h
+        # converted after each step's update into a 16-bit copy (`h16`); sums and the cell's
+        # update stay float32. Others stay float32.
+        self.lowp = _lowp_recurrence(node, self)
+        self.h16 = scratch_value(graph, node, (self.D * self.B * 2 * H,), np.uint16, tag="h16") if self.lowp else None
         self.threaded = bool(self.split) and session_threads() > 1
         self.bias_packed = None
         if Bv is not None and Bv.is_const:
@@ -362,7 +378,9 @@ def _projection_uk_call(spec, node) -> KernelCall:
     src = uk.header().line(kernel_header(len(args.values)))
     src.lines += body.lines
     kernel = Kernel(f"{spec.cell}Projection", src.text(), tuple(args.types))
-    return KernelCall(kernel, list(args.values), D * P, node.name, n_outputs=1)
+    # (a reduced-precision recurrence: the projection, one GEMM over every step, stays float32)
+    label = f"float32 (input projection; h . R in {PRECISION_OF[spec.lowp[0]]})" if spec.lowp else ""
+    return KernelCall(kernel, list(args.values), D * P, node.name, n_outputs=1, precision=label)
 
 
 def _projection_dot_call(spec, node) -> KernelCall:
@@ -501,8 +519,8 @@ def _recurrence_call(spec, node, d) -> KernelCall:
         for group in groups:
             key, lo, hi = (group[0], group[0], group[1]) if not spec.split else group
             offsets[key] = sum(p.size for p in packed)
-            packed.append(rnn_uk.panels(R[lo:hi]))
-        args.bind("R", np.concatenate(packed), dt)
+            packed.append(rnn_uk.lowp_panels(R[lo:hi], spec.lowp[0]) if spec.lowp else rnn_uk.panels(R[lo:hi]))
+        args.bind("R", np.concatenate(packed), np.uint16 if spec.lowp else dt)
     else:
         args.bind("R", spec.R.name, dt)
     if spec.lbr and spec.Bv is not None:
@@ -517,21 +535,27 @@ def _recurrence_call(spec, node, d) -> KernelCall:
         if name:
             args.bind(key, name, dt)
     args.bind("S", spec.scratch, dt)
+    if spec.lowp:
+        args.bind("h16", spec.h16, np.uint16)
     src = Source().indent()
     step = _Step(spec, d, args, src)
     if spec.uk_recurrence:
-        step.uk, step.panel_offsets = rnn_uk.MicroKernels(prefetch_b=False), offsets
+        step.uk, step.panel_offsets = rnn_uk.MicroKernels(prefetch_b=False, lowp=spec.lowp), offsets
     role, H, T, B = args.role, spec.H, spec.T, spec.B
     if spec.split:
         _split_steps(step)
         head = step.uk.header()
+        if spec.lowp:
+            from .lowp import CvtSpec
+            for line in CvtSpec("f32", spec.lowp[0]).declaration("cvt_h").splitlines():
+                head.line(line)
         for op in ("claim", "adopt", "add", "wait") if spec.threaded else ():
             for line in SyncSpec(op).declaration(f"sync_{op}").splitlines():
                 head.line(line)
         head.line(kernel_header(len(args.values)))
         kernel = Kernel(spec.cell, head.text() + src.text(), tuple(args.types))
         return KernelCall(kernel, list(args.values), 2 if spec.threaded else 1, node.name,
-                          n_outputs=len(args.values) - n_inputs)
+                          n_outputs=len(args.values) - n_inputs, precision=lowp_label(spec.lowp))
     src.line("for blk in range(begin, end):").indent()
     src.line(f"b0 = blk*{spec.block}").line(f"nb = min({spec.block}, {B} - b0)")
     # Initial states.
@@ -601,6 +625,7 @@ def _split_steps(step):
         src.line(f"for j in range(half*{us}, {us} + half*{H - us}):").indent()
         src.line(f"{p}[{base} + j] = {role[init] + '[st + j]' if init in role else spec.lit(0)}").dedent()
     step.close(opened)
+    _store_h16(step, f"half*{us}", f"{us} + half*{H - us}")
     src.dedent().dedent()
     if spec.threaded:
         src.line("if both == 0:").indent().line(f"sync_add({pS}, {progress('me')}, 1)").dedent()
@@ -619,11 +644,25 @@ def _split_steps(step):
                 src.line("if both == 0:").indent().line(f"sync_wait({pS}, {progress('other')}, s + 1)").dedent()
             _split_product(step, half, units, halves[1 - half])
         _lstm_update(step, _lstm_rows(spec), *units)
+        _store_h16(step, *units)
         src.dedent()
     src.dedent().dedent()
     if spec.threaded:
         src.line("if both == 0:").indent().line(f"sync_add({pS}, {progress('me')}, 1)").dedent()
     src.dedent().dedent()
+
+
+def _store_h16(step, lo, hi):
+    """A reduced-precision recurrence: h16[d, b, hw + j] = h[j] in 16 bits for units lo <= j < hi
+    of every batch row (the A operand of the next step's product; `hw`: the slot written)."""
+    spec, src = step.spec, step.src
+    if not spec.lowp:
+        return
+    hp, hb = step.state("h")
+    opened = step.for_rows(active=False)
+    src.line(f"cvt_h({hp}, {hb} + {lo}, {step.role['h16']}, ({step.d * spec.B} + b)*{2 * spec.H} + hw + {lo}, "
+             f"({hi}) - ({lo}))")
+    step.close(opened)
 
 
 def _split_product(step, half, units, ks):
@@ -636,11 +675,14 @@ def _split_product(step, half, units, ks):
     src.line(f"sl = {spec.proj} + {step.d * spec.B}*{spec.S}")
     src.line(f"t = {spec.T - 1} - s" if step.reverse else "t = s")
     src.line(f"xo = ({step.d * spec.T} + t)*{spec.B * spec.GH}")
+    # A: h of the last step, float32 in its scratch slot or (reduced precision) its 16-bit copy.
+    a, aoff, lda = (step.role["h16"], f"{step.d * spec.B * 2 * H + k0} + hr", 2 * H) if spec.lowp else \
+        (pS, f"sl + {spec.slot['h'] + k0} + hr", spec.S)
     for g in range(spec.G):
         base = step.panel_offsets[(half, g)]
         for p in range(rnn_uk.n_panels(u1 - u0)):
             n0 = p * NR
-            step.uk.tiles(src, "nb", pS, f"sl + {spec.slot['h'] + k0} + hr", spec.S, step.role["R"],
+            step.uk.tiles(src, "nb", a, aoff, lda, step.role["R"],
                           base + p * H * NR + k0 * NR, pS, f"xo + {g * H + u0 + n0}", spec.GH, k1 - k0,
                           min(NR, u1 - u0 - n0), 1, [spec.B])
 

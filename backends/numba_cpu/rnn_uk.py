@@ -44,6 +44,14 @@ def panels(matrix: np.ndarray) -> np.ndarray:
     return pack_b_panels(np.ascontiguousarray(np.asarray(matrix, np.float32).T), NR).reshape(-1)
 
 
+def lowp_panels(matrix: np.ndarray, fmt: str) -> np.ndarray:
+    """`panels` in 16 bits (uint16, rounded to nearest even): bf16 in the pair layout the bf16
+    micro-kernels read ([panel, K/2, 2 NR], K even), float16 as `panels`. The element offset of
+    panel p, k is p*K*NR + k*NR in either layout (k even for bf16)."""
+    from .gemm import pack_b_lowp
+    return pack_b_lowp(np.ascontiguousarray(np.asarray(matrix, np.float32).T), NR, fmt).reshape(-1)
+
+
 def n_panels(rows: int) -> int:
     return -(-rows // NR)
 
@@ -56,14 +64,19 @@ class MicroKernels:
     of B only compete with its loads (a C loop of the same shape: 1.60 against 1.47 us per step
     of h . R^T, H=128, 4H=512)."""
 
-    def __init__(self, prefetch_b: bool = True):
+    def __init__(self, prefetch_b: bool = True, lowp: tuple[str, str] | None = None):
         self.specs = {}
         self.prefetch_b = int(prefetch_b)
+        # (format, method): 16-bit A (rows) and B (lowp_panels) on ukernel_lowp's micro-kernels,
+        # float32 sums; offsets count 16-bit elements, bf16 k in pairs (kc even).
+        self.lowp = lowp
 
     def name(self, mr: int) -> str:
         from .ukernel import UKSpec
+        from .ukernel_lowp import LowpUKSpec
         if mr not in self.specs:
-            self.specs[mr] = (f"uk{mr}", UKSpec(mr=mr, nr=NR, a_packed=0, prefetch_b=self.prefetch_b))
+            self.specs[mr] = (f"uk{mr}", LowpUKSpec(mr=mr, nr=NR, dtype=self.lowp[0], method=self.lowp[1], a_packed=0)
+                              if self.lowp else UKSpec(mr=mr, nr=NR, a_packed=0, prefetch_b=self.prefetch_b))
         return self.specs[mr][0]
 
     def header(self) -> Source:
@@ -76,7 +89,13 @@ class MicroKernels:
 
     def call(self, src: Source, mr, a, aoff, lda, b, boff, c, coff, ldc, kc, mask, loadc):
         """C[mr rows, 64] (+)= A[mr rows, kc] . B[kc, 64]: a source line (mr a literal int)."""
-        src.line(f"{self.name(mr)}({a}, {aoff}, {lda}, {b}, {boff}, {NR}, {c}, {coff}, {ldc}, {kc}, {mask}, {loadc}, {a}, 0)")
+        ldb, bias = NR, a
+        if self.lowp:   # (the bias pointer, unused, must be a float32 one)
+            bias = c
+            if self.lowp[0] == "bf16":
+                assert isinstance(kc, int) and kc % 2 == 0, kc
+                ldb, kc = 2 * NR, kc // 2
+        src.line(f"{self.name(mr)}({a}, {aoff}, {lda}, {b}, {boff}, {ldb}, {c}, {coff}, {ldc}, {kc}, {mask}, {loadc}, {bias}, 0)")
 
     def rows(self, src: Source, M: int, a, abase, lda, b, boff, c, cbase, ldc, kc, mask, loadc):
         """All M rows (a compile-time count) in tiles of MR rows, then the remainder."""

@@ -38,3 +38,26 @@ def test_must_not_fire_in_float32_or_on_what_is_kept():
     assert assign_precision(before, Options(precision="fp32")) is before
     assert assign_precision(before, Options(precision="fp16", keep_fp32=["dense"])) is before
     assert assign_precision(before, Options(precision="fp16", keep_fp32=["Gemm"])) is before
+
+
+def _lstm(r_constant: bool):
+    """An LSTM (hidden 4) whose R is a constant initializer or a run-time input."""
+    H, I = 4, 3
+    inits = {"w": rand(1, 4 * H, I, seed=3)}
+    inputs = [("x", F, [2, 1, I])]
+    if r_constant:
+        inits["r"] = rand(1, 4 * H, H, seed=4)
+    else:
+        inputs.append(("r", F, [1, 4 * H, H]))
+    nodes = [helper.make_node("LSTM", ["x", "w", "r"], ["y"], name="lstm", hidden_size=H)]
+    return make_model(nodes, inputs, [("y", F, None)], inits)
+
+
+def test_marks_an_lstm_with_a_constant_recurrence_and_not_one_without():
+    before, _ = import_onnx(_lstm(True))
+    after = assign_precision(before, Options(precision="bf16"))
+    verify(after)
+    assert _marks(after) == {"lstm": "bf16"}
+    unmarked, _ = import_onnx(_lstm(False))
+    assert assign_precision(unmarked, Options(precision="bf16")) is unmarked
+    assert assign_precision(before, Options(precision="bf16", keep_fp32=["LSTM"])) is before

@@ -1,6 +1,7 @@
 """LLM generation: Cuvil's generation library against onnxruntime-genai on the same ONNX folder.
 
     python benchmarks/llm.py FOLDER [FOLDER...] [--threads 1 2] [--prompt 128] [--new 64] [--repeat 3]
+    python benchmarks/llm.py --tinyllama DIR --threads 1 --rounds 2    # the 1.1B-shaped int4 (big)
 
 FOLDER is what onnxruntime-genai's model builder writes (model.onnx, genai_config.json). For each
 folder and thread count, each engine runs in a process of its own (its peak RSS is its own) and
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +37,37 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                 intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048)
+
+
+def make_decoder(folder: Path, config: dict, precision: str = "int4", keep_hf: bool = False) -> Path:
+    """onnxruntime-genai's builder output for a LLaMA of `config` with seeded random weights (the
+    Hugging Face folder written under `folder`/hf first, deleted once built: a 1.1B model's float32
+    weights are 4.4 GB); nothing is downloaded. Returns `folder`/`precision`."""
+    out = folder / precision
+    if (out / "genai_config.json").exists():
+        return out
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    hf = folder / "hf"
+    if not (hf / "config.json").exists():
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(hf)
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, config["vocab_size"])}}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                             eos_token="</s>").save_pretrained(hf)
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o", str(out),
+                    "-p", precision, "-e", "cpu", "-c", str(folder / "cache")], check=True)
+    if not keep_hf:
+        shutil.rmtree(hf)
+        shutil.rmtree(folder / "cache", ignore_errors=True)
+    return out
 
 
 def prompt_ids(folder: Path, n: int) -> list[int]:
@@ -201,6 +234,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="generations per process (the best counts)")
     parser.add_argument("--rounds", type=int, default=3, help="processes per engine, alternating")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--tinyllama", type=Path, metavar="DIR",
+                        help="also run a TinyLlama-1.1B-shaped int4 decoder (seeded random weights), made in DIR "
+                             "by onnxruntime-genai's builder when DIR/int4 is missing (about 2 minutes, 4.4 GB of "
+                             "float32 weights on disk while it runs, 0.9 GB kept)")
     parser.add_argument("--worker", nargs=2, metavar=("ENGINE", "TARGET"), help=argparse.SUPPRESS)
     parser.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -208,6 +245,8 @@ def main(argv=None) -> int:
         args.engine, args.target = args.worker
         worker(args)
         return 0
+    if args.tinyllama:
+        args.folders.append(make_decoder(args.tinyllama.resolve(), TINYLLAMA, "int4"))
     bandwidth = {t: read_bandwidth(t) for t in sorted(set(args.threads))}
     results = []
     with tempfile.TemporaryDirectory(prefix="cuvil-llm-bench-") as tmp:
@@ -216,7 +255,9 @@ def main(argv=None) -> int:
             prompt = prompt_ids(folder, args.prompt)
             per_token = weight_bytes_per_token(folder)
             for threads in args.threads:
+                started = time.perf_counter()
                 library, info = build_cuvil(folder, threads, args.prompt, args.new, Path(tmp))
+                build_s = time.perf_counter() - started
                 peer_folder = genai_folder(folder, threads, Path(tmp) / f"{folder.name}-genai-t{threads}")
                 # rounds alternate between the engines, so a burst of load elsewhere hits both
                 runs = {"cuvil": [], "genai": []}
@@ -231,13 +272,14 @@ def main(argv=None) -> int:
                 results.append({"model": str(folder), "threads": threads, "cuvil": ours, "onnxruntime_genai": peer,
                                 "same_tokens": same, "weights_bytes": info["memory"]["weights_bytes"],
                                 "weight_bytes_per_token": per_token, "read_gb_s": bandwidth[threads],
-                                "floor_tok_s": floor})
+                                "floor_tok_s": floor, "build_s": build_s})
                 print(f"{folder.name} threads={threads}: first token {ours['first_token_ms']:.1f} ms vs "
                       f"{peer['first_token_ms']:.1f} ms ({ours['first_token_ms'] / peer['first_token_ms']:.2f}x); "
                       f"decode {ours['decode_tok_s']:.1f} vs {peer['decode_tok_s']:.1f} tok/s "
                       f"({ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x; floor {floor:.1f} tok/s, cuvil at "
                       f"{100 * ours['decode_tok_s'] / floor:.0f} %); peak RSS {ours['peak_rss_mb']:.0f} vs "
-                      f"{peer['peak_rss_mb']:.0f} MB (weights {info['memory']['weights_bytes'] / 2**20:.0f} MiB); "
+                      f"{peer['peak_rss_mb']:.0f} MB (weights {info['memory']['weights_bytes'] / 2**20:.0f} MiB: Cuvil "
+                      f"{ours['peak_rss_mb'] * 2**20 / info['memory']['weights_bytes']:.2f}x); build {build_s:.0f} s; "
                       f"same greedy tokens {same}/{args.new}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

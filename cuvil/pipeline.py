@@ -333,6 +333,7 @@ def plan_generation(graphs: list, params: VariantParams, layout) -> list[Planned
         shared_base += entry.arena.shared_bytes
         planned.append(entry)
     weights = bytes(blob.data)
+    blob.data = bytearray()          # the one copy left is `weights`
     for entry in planned:
         entry.weights = weights
     return planned

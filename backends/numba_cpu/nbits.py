@@ -343,7 +343,7 @@ def pack(weight: form.NBitsWeight, V: int, f16_scales: bool) -> dict:
     starts = np.cumsum([0] + widths[:-1])
 
     def by_group(a, dtype):   # [n_pad, rows] -> the groups' [rows, width] blocks, one after the other
-        return np.concatenate([a[s:s + w].T.reshape(-1) for s, w in zip(starts, widths)]).astype(dtype)
+        return np.concatenate([a[s:s + w].T.reshape(-1) for s, w in zip(starts, widths)]).astype(dtype, copy=False)
 
     if weight.bits == 4:
         w = by_group(q[:, 0::2] | (q[:, 1::2] << 4), np.uint8)      # [g][kp][j]
@@ -379,9 +379,13 @@ def tile_shape(M: int) -> tuple[int, int]:
     return (1, 4) if M == 1 else (min(M, MAX_ROWS), 2)
 
 
-def lower_matmul_nbits(node, graph) -> Lowered:
-    form.check(node, graph.values)
-    weight, perm = form.in_block_order(form.decode(node, graph.values))
+def lower_matmul_nbits(node, graph, decoded=None) -> Lowered:
+    """`decoded`: the (weight, permutation) of form.in_block_order when the caller has them (nbits_gemm
+    checked and decoded the node already: decoding a large weight again doubled its build time)."""
+    if decoded is None:
+        form.check(node, graph.values)
+        decoded = form.in_block_order(form.decode(node, graph.values))
+    weight, perm = decoded
     a = graph.values[node.inputs[0]]
     K, N = weight.K, weight.N
     if K % 2:

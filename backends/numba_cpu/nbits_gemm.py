@@ -44,7 +44,7 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     f16 = f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
     if M >= MIN_ROWS and weight.bias is None and perm is None and not f16 and weight.K % 2 == 0:
         return Lowered([_panel_call(node, graph, weight, M)])
-    return nbits.lower_matmul_nbits(node, graph)
+    return nbits.lower_matmul_nbits(node, graph, decoded=(weight, perm))
 
 
 def _panel_call(node, graph, weight, M: int) -> KernelCall:

@@ -368,7 +368,7 @@ def _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass
     for tokens in layout.entries:
         shapes = layout.input_shapes(tokens)
         params = {"model_sha256": model_sha, "inputs": shapes, **({"external_data": external} if external else {}),
-                  **({"kv_form": layout.kv_form} if layout.kv_form != "attention" else {})}
+                  **({"kv_form": layout.kv_form} if layout.kv_form != "static" else {})}
         importer = lambda d, shapes=shapes: generation.prepare_entry(pipeline.import_model(source, shapes), layout,
                                                                      f"model '{spec.name}'")
         lasts.append(_plan_passes(dag, f"{base}/{tokens}-tokens", params, [], importer, pass_names, pass_options))

@@ -55,7 +55,8 @@ class Layout:
     pad_token: int
     eos_tokens: tuple[int, ...]
     shapes: dict                              # name -> shape with "S", "C", "P" (C - S) for the entry's dims
-    kv_form: str = "attention"                # "attention": GroupQueryAttention; "concat": torch's Concat growth
+    kv_form: str = "static"                   # "static": the graph writes its C-row cache itself (GroupQuery-
+                                              # Attention...); "concat": torch's Concat growth
     keys: tuple[str, ...] = ()                # the present outputs holding keys (kv_form "concat")
 
     @property
@@ -74,7 +75,7 @@ class Layout:
         return {name: [sizes.get(d, d) for d in shape] for name, shape in sorted(self.shapes.items())}
 
     def as_key(self) -> dict:
-        form = {"kv_form": self.kv_form, "keys": list(self.keys)} if self.kv_form != "attention" else {}
+        form = {"kv_form": self.kv_form, "keys": list(self.keys)} if self.kv_form != "static" else {}
         return {**form, "input_ids": self.input_ids, "attention_mask": self.attention_mask,
                 "position_ids": self.position_ids, "logits": self.logits, "pairs": [list(p) for p in self.pairs],
                 "max_context": self.max_context, "buckets": list(self.buckets), "pad_token": self.pad_token,
@@ -216,26 +217,26 @@ def layout(model, settings: dict, config: dict, name: str) -> Layout:
                   tuple(keys) if form == "concat" else ())
 
 
-SUPPORTED_FORMS = ("onnxruntime-genai's GroupQueryAttention (com.microsoft) reading past and writing present, or "
-                   "a torch export's present = Concat(past, new) on the sequence axis (torch.onnx.export, dynamo or "
-                   "TorchScript: docs/generation.md)")
+SUPPORTED_FORMS = ("a cache of max_context rows the graph updates itself, present the same shape as past "
+                   "(onnxruntime-genai's GroupQueryAttention), or a torch export's present = Concat(past, new) on "
+                   "the sequence axis (torch.onnx.export, dynamo or TorchScript: docs/generation.md)")
 
 
 def kv_form(model, pairs, where: str) -> str:
-    """How an ONNX decoder updates its cache: "attention" (GroupQueryAttention reads each past and
-    writes its present) or "concat" (present = Concat(past, new), through Identity or one-input
-    Concat copies the TorchScript exporter writes); anything else is refused, naming the input."""
+    """How an ONNX decoder updates its cache: "concat" (present = Concat(past, new), through the
+    Identity or one-input Concat copies the TorchScript exporter writes) or "static" (anything
+    else: the graph takes and returns the whole cache, as GroupQueryAttention does; prepare_entry
+    checks that present's shape is past's). A decoder mixing the two is refused."""
     readers: dict[str, list] = {}
     for node in model.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     forms = {}
     for past, present in pairs:
-        name = past
+        name, forms[past] = past, "static"
         for _ in range(len(model.graph.node) + 1):
             users = readers.get(name, [])
             if any(n.op_type == "GroupQueryAttention" for n in users):
-                forms[past] = "attention"
                 break
             grow = [n for n in users if n.op_type == "Concat" and len(n.input) == 2 and n.input[0] == name]
             if grow:
@@ -247,20 +248,27 @@ def kv_form(model, pairs, where: str) -> str:
                 break
             copies = [n for n in users if n.op_type == "Identity" or (n.op_type == "Concat" and len(n.input) == 1)]
             if not copies:
-                found = ", ".join(f"{n.op_type} '{n.name}'" for n in users) or "no node"
-                raise CuvilError(f"{where}: the cache input {past!r} is read by {found}: not a KV cache form "
-                                 f"Cuvil generates with", hint=f"supported: {SUPPORTED_FORMS}")
+                break
             name = copies[0].output[0]
     if len(set(forms.values())) > 1:
-        raise CuvilError(f"{where}: the cache inputs mix GroupQueryAttention and Concat growth "
+        raise CuvilError(f"{where}: some cache inputs grow by Concat and some do not "
                          f"({sorted(forms.items())[:4]}...)", hint=f"supported: {SUPPORTED_FORMS}")
     return next(iter(forms.values()))
 
 
 def prepare_entry(graph, layout: Layout, where: str):
     """An entry's imported graph in the agreed static form: a torch export's Concat-grown cache
-    written in place (passes/write_kv_in_place.py); a GroupQueryAttention decoder as it is."""
+    written in place (passes/write_kv_in_place.py); another decoder as it is, once each present
+    is checked to have its past's shape (the cache the library binds to both)."""
     if layout.kv_form != "concat":
+        for past, present in layout.pairs:
+            have, want = graph.values[present].shape, graph.values[past].shape
+            if tuple(have) != tuple(want):
+                node = graph.producers().get(present)
+                by = f" (written by {node.op} node '{node.name}')" if node is not None else ""
+                raise CuvilError(f"{where}: the cache output {present!r}{by} has shape {list(have)} for the cache "
+                                 f"input {past!r} of shape {list(want)}: not a KV cache form Cuvil generates with",
+                                 hint=f"supported: {SUPPORTED_FORMS}")
         return graph
     from passes.write_kv_in_place import write_kv_in_place
     return write_kv_in_place(graph, layout.pairs, layout.keys, layout.attention_mask, where)

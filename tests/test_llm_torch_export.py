@@ -249,11 +249,17 @@ def test_rewrite_equals_the_export_in_onnxruntime(llama_dynamo, fuse):
             np.testing.assert_array_equal(got[present][:, :, p + S:], cache[past_name][:, :, p + S:])
 
 
-def test_genai_decoders_are_not_rewritten():
-    """Must not fire: a GroupQueryAttention decoder's entries are left as they are."""
-    layout = generation.Layout("input_ids", "attention_mask", None, "logits", (("p", "q"),), 16, (4,), 0, (), {})
-    marker = object()
-    assert generation.prepare_entry(marker, layout, "m") is marker
+def test_static_cache_decoders_are_not_rewritten():
+    """Must not fire: a decoder that keeps its cache at max_context rows itself (GroupQueryAttention,
+    tests/test_llm_runtime.py's toy) is left as it is."""
+    from cuvil.ir import Graph, Node, Value
+    f32 = np.dtype(np.float32)
+    graph = Graph("g", {n: Value(n, f32, (1, 1, 16, 2)) for n in ("past", "present")},
+                  [Node("Identity", "copy", ["past"], ["present"])], ["past"], ["present"])
+    layout = generation.Layout("input_ids", "attention_mask", None, "logits", (("past", "present"),), 16, (4,), 0, (),
+                               {})
+    assert layout.kv_form == "static"
+    assert generation.prepare_entry(graph, layout, "m") is graph
 
 
 # -- TensorScatter, the write the fallback uses -------------------------------------------------
@@ -282,9 +288,10 @@ def _decoder(past_reader: str = "Concat", position_ids: bool = True) -> onnx.Mod
              helper.make_node("Concat", ["past_key_values.0.value", "new"], ["present.0.value"], axis=2),
              helper.make_node("MatMul", ["h", "unembed"], ["logits"])]
     if past_reader != "Concat":
-        nodes[2] = helper.make_node(past_reader, ["past_key_values.0.key"], ["t"], perm=[0, 1, 3, 2])
-        nodes.insert(3, helper.make_node("Transpose", ["t"], ["t2"], perm=[0, 1, 3, 2]))
-        nodes.insert(4, helper.make_node("Concat", ["t2", "new"], ["present.0.key"], axis=2))
+        nodes[2:4] = [node for k in ("key", "value") for node in (
+            helper.make_node(past_reader, [f"past_key_values.0.{k}"], [f"t_{k}"], perm=[0, 1, 3, 2]),
+            helper.make_node("Transpose", [f"t_{k}"], [f"t2_{k}"], perm=[0, 1, 3, 2]),
+            helper.make_node("Concat", [f"t2_{k}", "new"], [f"present.0.{k}"], axis=2))]
     inputs = [("input_ids", np.int64, [1, "S"]), ("attention_mask", np.int64, [1, "T"])]
     if position_ids:
         inputs.append(("position_ids", np.int64, [1, "S"]))
@@ -294,10 +301,14 @@ def _decoder(past_reader: str = "Concat", position_ids: bool = True) -> onnx.Mod
                                                "kv_shape": np.array([1, 1, -1, 8], np.int64)})
 
 
-def test_unrecognised_kv_form_names_the_input_and_the_supported_forms():
-    with pytest.raises(CuvilError, match=r"past_key_values\.0\.key.*Transpose.*not a KV cache form") as info:
+def test_unrecognised_kv_form_names_the_tensors_and_the_supported_forms():
+    """past -> Transpose -> Transpose -> Concat(_, new) -> present: neither a cache the graph keeps
+    at max_context rows nor Concat growth of the past itself."""
+    with pytest.raises(CuvilError, match=r"'present\.0\.key' \(written by Concat .*\) has shape \[1, 1, 65, 8\] for the "
+                                         r"cache input 'past_key_values\.0\.key' of shape \[1, 1, 64, 8\]: not a KV "
+                                         r"cache form") as info:
         cuvil.compile(_decoder("Transpose"), name="dec", generate=GENERATE)
-    assert "GroupQueryAttention" in str(info.value) and "Concat(past, new)" in str(info.value)
+    assert "GroupQueryAttention" in str(info.value.hint) and "Concat(past, new)" in str(info.value.hint)
 
 
 def test_concat_form_needs_position_ids_and_buckets_below_the_context():

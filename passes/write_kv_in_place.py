@@ -232,8 +232,8 @@ def write_kv_in_place(graph: Graph, pairs, keys, attention_mask: str, where: str
     """The graph with each (past, present) pair of `pairs` (present = Concat(past, new) on axis 2)
     written in place, and the Softmax over the keys of each present in `keys` masked causally by
     real position (the module docstring); with `fuse`, each layer of transformers' attention form
-    becomes one GroupQueryAttention (without: every layer keeps its own attention). Raises ModelError naming the node or input whose form
-    is not this one."""
+    becomes one GroupQueryAttention (without: every layer keeps its own attention). Raises
+    ModelError naming the node or input whose form is not this one."""
     g = graph.copy()
     pasts = {p for p, _ in pairs}
     _bypass_copies(g, pasts)

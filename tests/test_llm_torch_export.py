@@ -323,3 +323,24 @@ def test_an_attention_without_softmax_over_the_cache_is_refused():
     the form, not an internal exception."""
     with pytest.raises(CuvilError, match="no Softmax reads the keys"):
         cuvil.compile(_decoder(), name="dec", generate=GENERATE)
+
+
+@pytest.mark.slow
+def test_fallback_attention_generates_the_same_tokens(built, monkeypatch):
+    """The TensorScatter + causal-bias form (what a layer not of transformers' attention form gets),
+    built end to end: the same greedy tokens as transformers. (fuse=False through the module the
+    build imports; a max_context of its own so that no cached fused entry is reused.)"""
+    import passes.write_kv_in_place as rewrite
+    model, path, _ = built("llama", "dynamo")
+    fused, calls = rewrite.write_kv_in_place, []
+
+    def unfused(*args, **kwargs):
+        graph = fused(*args, **kwargs, fuse=False)
+        calls.append(graph.op_counts())
+        return graph
+    monkeypatch.setattr(rewrite, "write_kv_in_place", unfused)
+    lib = cuvil.compile(path, name="dec", generate={"max_context": 48, "prefill_buckets": [8]})
+    # both entries imported through the fallback, in this process
+    assert [(c.get("TensorScatter"), c.get("GroupQueryAttention")) for c in calls] == [(2 * LAYERS, None)] * 2
+    assert list(lib.generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=())) == _hf_greedy(model, PROMPT,
+                                                                                               NEW_TOKENS)[0]

@@ -326,10 +326,11 @@ def test_an_attention_without_softmax_over_the_cache_is_refused():
 
 
 @pytest.mark.slow
-def test_fallback_attention_generates_the_same_tokens(built, monkeypatch):
+def test_fallback_attention_generates_the_same_tokens(built, monkeypatch, tmp_path):
     """The TensorScatter + causal-bias form (what a layer not of transformers' attention form gets),
     built end to end: the same greedy tokens as transformers. (fuse=False through the module the
-    build imports; a max_context of its own so that no cached fused entry is reused.)"""
+    build imports, in a step cache of its own: no cached fused entry is reused.)"""
+    monkeypatch.setenv("CUVIL_CACHE_DIR", str(tmp_path / "cache"))
     import passes.write_kv_in_place as rewrite
     model, path, _ = built("llama", "dynamo")
     fused, calls = rewrite.write_kv_in_place, []

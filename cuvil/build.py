@@ -351,7 +351,8 @@ def _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass
     where = f"model '{spec.name}': generate"
     if kind != "onnx":
         raise CuvilError(f"{where}: generation libraries are built from ONNX decoders (onnxruntime-genai's "
-                         f"model builder writes them), not TorchScript")
+                         f"model builder writes them, or torch.onnx.export of a transformers decoder), not {kind}",
+                         hint="export the decoder to ONNX with past_key_values inputs (docs/generation.md)")
     if pipeline.is_gpu(target) or spec.precision in pipeline.CALIBRATED:
         raise CuvilError(f"{where}: target {spec.target!r} / precision {spec.precision!r} is not supported for "
                          f"generation yet", hint="build on a CPU target in fp32 or int4 (or a MatMulNBits model in fp32)")
@@ -366,8 +367,10 @@ def _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass
     lasts = []
     for tokens in layout.entries:
         shapes = layout.input_shapes(tokens)
-        params = {"model_sha256": model_sha, "inputs": shapes, **({"external_data": external} if external else {})}
-        importer = lambda d, shapes=shapes: pipeline.import_model(source, shapes)
+        params = {"model_sha256": model_sha, "inputs": shapes, **({"external_data": external} if external else {}),
+                  **({"kv_form": layout.kv_form} if layout.kv_form != "static" else {})}
+        importer = lambda d, shapes=shapes: generation.prepare_entry(pipeline.import_model(source, shapes), layout,
+                                                                     f"model '{spec.name}'")
         lasts.append(_plan_passes(dag, f"{base}/{tokens}-tokens", params, [], importer, pass_names, pass_options))
     spec_key = hashlib.sha256(json.dumps({"spec": spec_hash(model_sha, spec, pass_names), "generate": layout.as_key(),
                                           "external_data": external}, sort_keys=True).encode()).hexdigest()

@@ -15,6 +15,14 @@ with C = max_context. The mask holds ones for the first past + S positions: Grou
 reads past = sum(mask) - S from it, writes the S new rows of K and V at past .. past + S - 1 and
 attends causally, in place when past and present are one buffer, as the library binds them. The
 names come from genai_config.json beside the model when there is one, else the builder's defaults.
+
+A torch export of a transformers decoder (torch.onnx.export, dynamo or TorchScript, of a wrapper
+taking input_ids, attention_mask, position_ids and past_key_values.N.key / .value, returning logits
+and present.N.key / .value) grows its cache by Concat(past, new) and attends with MatMul / Softmax
+(kv_form "concat"). Each entry is imported with past [1, kv_heads, C - S, head] (so present and the
+mask have C rows) and passes/write_kv_in_place.py turns the Concat into an in-place write at row
+sum(mask) - S of a [1, kv_heads, C, head] cache, masked causally by real position: the same
+buffers, the same C ABI. position_ids is required then (the static shapes cannot give positions).
 """
 from __future__ import annotations
 
@@ -46,7 +54,10 @@ class Layout:
     buckets: tuple[int, ...]                  # prompt lengths of the prefill entries, ascending
     pad_token: int
     eos_tokens: tuple[int, ...]
-    shapes: dict                              # name -> shape with "S" and "C" for the entry's dims
+    shapes: dict                              # name -> shape with "S", "C", "P" (C - S) for the entry's dims
+    kv_form: str = "static"                   # "static": the graph writes its C-row cache itself (GroupQuery-
+                                              # Attention...); "concat": torch's Concat growth
+    keys: tuple[str, ...] = ()                # the present outputs holding keys (kv_form "concat")
 
     @property
     def last_row(self) -> str:
@@ -60,11 +71,12 @@ class Layout:
 
     def input_shapes(self, tokens: int) -> dict[str, list[int]]:
         """The static input shapes of the entry that takes `tokens` tokens."""
-        sizes = {"S": tokens, "C": self.max_context}
+        sizes = {"S": tokens, "C": self.max_context, "P": self.max_context - tokens}
         return {name: [sizes.get(d, d) for d in shape] for name, shape in sorted(self.shapes.items())}
 
     def as_key(self) -> dict:
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+        form = {"kv_form": self.kv_form, "keys": list(self.keys)} if self.kv_form != "static" else {}
+        return {**form, "input_ids": self.input_ids, "attention_mask": self.attention_mask,
                 "position_ids": self.position_ids, "logits": self.logits, "pairs": [list(p) for p in self.pairs],
                 "max_context": self.max_context, "buckets": list(self.buckets), "pad_token": self.pad_token,
                 "eos_tokens": list(self.eos_tokens), "shapes": {k: list(v) for k, v in sorted(self.shapes.items())}}
@@ -137,7 +149,7 @@ def layout(model, settings: dict, config: dict, name: str) -> Layout:
 
     ids, mask, logits = need(inputs, "input_ids", "input"), need(inputs, "attention_mask", "input"), \
         need(outputs, "logits", "output")
-    pairs = []
+    pairs, keys = [], []
     for layer in range(len(inputs)):
         for past_key, present_key in (("past_key_names", "present_key_names"),
                                       ("past_value_names", "present_value_names")):
@@ -148,6 +160,8 @@ def layout(model, settings: dict, config: dict, name: str) -> Layout:
                                      hint="each past_key_values input needs its present output (genai_config.json "
                                           "names them)")
                 pairs.append((past, present))
+                if past_key == "past_key_names":
+                    keys.append(present)
     if not pairs:
         raise CuvilError(f"{where}: no KV cache inputs named like {names['past_key_names']!r}",
                          hint="a generation library needs a decoder with past/present key-value tensors")
@@ -158,6 +172,17 @@ def layout(model, settings: dict, config: dict, name: str) -> Layout:
     if extra or extra_out:
         raise CuvilError(f"{where}: inputs {extra} / outputs {extra_out} have no role in generation",
                          hint="Cuvil generates with input_ids, attention_mask, position_ids, the KV cache and logits only")
+    form = kv_form(model, pairs, where)
+    if form == "concat":
+        if position_ids is None:
+            raise CuvilError(f"{where}: a decoder whose cache grows by Concat (a torch export) needs a "
+                             f"{names['position_ids']!r} input", hint="export the model with position_ids as an input "
+                                                                      "(docs/generation.md): its static shapes cannot give positions")
+        full = [b for b in settings["prefill_buckets"] if b >= settings["max_context"]]
+        if full:
+            raise CuvilError(f"{where}: prefill_buckets {full} leave no past rows in a context of "
+                             f"{settings['max_context']} (a torch export's entries are imported with past = "
+                             f"max_context - bucket rows)", hint="use buckets smaller than max_context")
     heads, head_size = decoder.get("num_key_value_heads"), decoder.get("head_size")
     shapes = {ids: [1, "S"], mask: [1, "C"]}
     if position_ids:
@@ -172,7 +197,7 @@ def layout(model, settings: dict, config: dict, name: str) -> Layout:
         if not kv or not hs:
             raise CuvilError(f"{where}: the cache input {past!r} does not fix its kv_heads / head_size dims",
                              hint="put genai_config.json (num_key_value_heads, head_size) beside the model")
-        shapes[past] = [1, kv, "C", hs]
+        shapes[past] = [1, kv, "P" if form == "concat" else "C", hs]
     elem = {ids: 7, mask: (6, 7)}
     for value, types in elem.items():
         found = inputs[value].type.tensor_type.elem_type
@@ -188,7 +213,65 @@ def layout(model, settings: dict, config: dict, name: str) -> Layout:
     if pad is None:
         pad = config.get("model", {}).get("pad_token_id", 0)
     return Layout(ids, mask, position_ids, logits, tuple(pairs), settings["max_context"],
-                  tuple(settings["prefill_buckets"]), int(pad), tuple(int(e) for e in eos), shapes)
+                  tuple(settings["prefill_buckets"]), int(pad), tuple(int(e) for e in eos), shapes, form,
+                  tuple(keys) if form == "concat" else ())
+
+
+SUPPORTED_FORMS = ("a cache of max_context rows the graph updates itself, present the same shape as past "
+                   "(onnxruntime-genai's GroupQueryAttention), or a torch export's present = Concat(past, new) on "
+                   "the sequence axis (torch.onnx.export, dynamo or TorchScript: docs/generation.md)")
+
+
+def kv_form(model, pairs, where: str) -> str:
+    """How an ONNX decoder updates its cache: "concat" (present = Concat(past, new), through the
+    Identity or one-input Concat copies the TorchScript exporter writes) or "static" (anything
+    else: the graph takes and returns the whole cache, as GroupQueryAttention does; prepare_entry
+    checks that present's shape is past's). A decoder mixing the two is refused."""
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    forms = {}
+    for past, present in pairs:
+        name, forms[past] = past, "static"
+        for _ in range(len(model.graph.node) + 1):
+            users = readers.get(name, [])
+            if any(n.op_type == "GroupQueryAttention" for n in users):
+                break
+            grow = [n for n in users if n.op_type == "Concat" and len(n.input) == 2 and n.input[0] == name]
+            if grow:
+                if grow[0].output[0] != present:
+                    raise CuvilError(f"{where}: the cache input {past!r} grows in Concat node '{grow[0].name}', whose "
+                                     f"output {grow[0].output[0]!r} is not the output {present!r}",
+                                     hint=f"supported: {SUPPORTED_FORMS}")
+                forms[past] = "concat"
+                break
+            copies = [n for n in users if n.op_type == "Identity" or (n.op_type == "Concat" and len(n.input) == 1)]
+            if not copies:
+                break
+            name = copies[0].output[0]
+    if len(set(forms.values())) > 1:
+        raise CuvilError(f"{where}: some cache inputs grow by Concat and some do not "
+                         f"({sorted(forms.items())[:4]}...)", hint=f"supported: {SUPPORTED_FORMS}")
+    return next(iter(forms.values()))
+
+
+def prepare_entry(graph, layout: Layout, where: str):
+    """An entry's imported graph in the agreed static form: a torch export's Concat-grown cache
+    written in place (passes/write_kv_in_place.py); another decoder as it is, once each present
+    is checked to have its past's shape (the cache the library binds to both)."""
+    if layout.kv_form != "concat":
+        for past, present in layout.pairs:
+            have, want = graph.values[present].shape, graph.values[past].shape
+            if tuple(have) != tuple(want):
+                node = graph.producers().get(present)
+                by = f" (written by {node.op} node '{node.name}')" if node is not None else ""
+                raise CuvilError(f"{where}: the cache output {present!r}{by} has shape {list(have)} for the cache "
+                                 f"input {past!r} of shape {list(want)}: not a KV cache form Cuvil generates with",
+                                 hint=f"supported: {SUPPORTED_FORMS}")
+        return graph
+    from passes.write_kv_in_place import write_kv_in_place
+    return write_kv_in_place(graph, layout.pairs, layout.keys, layout.attention_mask, where)
 
 
 def decode_shapes(source, generate: dict, name: str) -> dict[str, list[int]]:

@@ -120,9 +120,6 @@ EXCLUDE = {
     'UnsupportedOpError: op STFT is not supported': [
         'op:STFT',
     ],
-    'UnsupportedOpError: op TensorScatter is not supported': [
-        'op:TensorScatter',
-    ],
     'UnsupportedOpError: op TfIdfVectorizer is not supported': [
         'op:TfIdfVectorizer',
     ],

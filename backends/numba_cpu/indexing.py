@@ -1,5 +1,5 @@
 """Data movement and indexing: Cast, Expand, Tile, Slice, Pad, Split, Gather,
-GatherElements, GatherND, ScatterElements, ScatterND, Trilu, OneHot, EyeLike,
+GatherElements, GatherND, ScatterElements, ScatterND, TensorScatter, Trilu, OneHot, EyeLike,
 DepthToSpace, SpaceToDepth, Einsum, ReverseSequence, Dropout (inference).
 
 Most of these are one loop nest over the output whose input index is affine
@@ -477,6 +477,59 @@ def lower_scatter_nd(node, graph) -> Lowered:
         src.line(store("p_out", "s + j", combine, data.dtype))
 
     return _scatter_kernel("ScatterND", node, data, indices, y, splat, body, parts)
+
+
+def lower_tensor_scatter(node, graph) -> Lowered:
+    """TensorScatter (opset 24; a KV cache update): y = past, then for each batch b the S rows of
+    `update` along `axis` written at rows write_indices[b] + s of y (mode "linear"; "circular"
+    wraps them modulo the axis length). One work item per outer row block (batch x heads).
+
+    When y is past's own buffer (a generation library binds one buffer to both) nothing is
+    copied: only the S new rows are written. A write index is clamped to [0, L - S] ("linear")
+    so that a wrong one cannot write outside the cache."""
+    past, update = graph.values[node.inputs[0]], graph.values[node.inputs[1]]
+    indices = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else ""
+    y = graph.values[node.outputs[0]]
+    shape = [int(d) for d in past.shape]
+    rank = len(shape)
+    axis = int(node.attr("axis", -2))
+    axis = axis + rank if axis < 0 else axis
+    mode = node.attr("mode", "linear")
+    if isinstance(mode, bytes):
+        mode = mode.decode()
+    if rank < 2 or not 1 <= axis < rank or mode not in ("linear", "circular"):
+        raise UnsupportedOpError(f"node '{node.name}' (TensorScatter): axis {node.attr('axis', -2)} of a rank-{rank} "
+                                 f"cache, mode {mode!r}", hint="the axis is not the batch axis; mode linear or circular")
+    L, S = shape[axis], int(update.shape[axis])
+    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    per_batch = outer // shape[0] if shape[0] else 1
+    ctype = copy_type(node, past.dtype)
+    src = Source().line(kernel_header(4 if indices else 3)).indent()
+    out = "p3" if indices else "p2"
+    src.line("for o in range(begin, end):").indent()
+    if indices:
+        src.line(f"start = np.int64(p2[o // {per_batch}])")
+        if mode == "linear":
+            src.line(f"if start > {L - S}:").indent().line(f"start = {L - S}").dedent()
+            src.line("if start < 0:").indent().line("start = 0").dedent()
+        else:
+            src.line(f"start = start % {L}")
+    else:
+        src.line("start = 0")
+    src.line(f"base = o * {L * inner}")
+    src.line(f"if not same_buffer(p0, {out}):").indent()
+    src.line(f"for t in range({L * inner}):").indent().line(f"{out}[base + t] = p0[base + t]").dedent().dedent()
+    src.line(f"for s in range({S}):").indent()
+    row = "start + s" if mode == "linear" else f"(start + s) % {L}"
+    src.line(f"dst = base + ({row}) * {inner}").line(f"sr = (o * {S} + s) * {inner}")
+    src.line(f"for t in range({inner}):").indent().line(f"{out}[dst + t] = p1[sr + t]").dedent()
+    types = (ctype, ctype) + (("int64",) if indices else ()) + (ctype,)
+    if indices and np.dtype(graph.values[indices].dtype) != np.int64:
+        raise UnsupportedOpError(f"node '{node.name}' (TensorScatter): write_indices must be int64")
+    kernel = Kernel("TensorScatter", src.text(), types)
+    args = [past.name, update.name] + ([indices] if indices else []) + [y.name]
+    return Lowered([KernelCall(kernel, args, outer if y.size else 0, node.name)])
 
 
 # -- Trilu, EyeLike, OneHot ---------------------------------------------------------------------

@@ -125,6 +125,7 @@ GENERATORS = {
     "ScatterElements": indexing.lower_scatter_elements,
     "Scatter": indexing.lower_scatter_elements,
     "ScatterND": indexing.lower_scatter_nd,
+    "TensorScatter": indexing.lower_tensor_scatter,
     "Trilu": indexing.lower_trilu,
     "EyeLike": indexing.lower_eye_like,
     "OneHot": indexing.lower_one_hot,

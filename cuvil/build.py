@@ -54,6 +54,9 @@ class VariantSpec:
     signature: str | None = None         # TensorFlow SavedModel: the signature to build (serving_default)
     # a generation library (cuvil/generation.py): {max_context, prefill_buckets, tokenizer, pad_token}
     generate: dict | None = None
+    # batch buckets (cuvil/batching.py): the batch sizes with a compiled entry, dim 0 of every input
+    # (or input_shapes listing one shape per bucket)
+    batch: list | None = None
 
 
 @dataclass
@@ -149,6 +152,13 @@ def _run_codegen_generation(dag, graphs, params, layout):
     return pipeline.generate_generation(planned, layout, info, params["symbol_prefix"], params["threads"])
 
 
+def _run_codegen_batched(dag, graphs, params, batches):
+    """The codegen of a library with batch buckets: every bucket's graph planned, one driver."""
+    planned = pipeline.plan_batched(list(graphs), _variant_params(params), batches)
+    info = pipeline.describe_batched(planned, batches, _provenance(dag, params))
+    return pipeline.generate_batched(planned, batches, info, params["symbol_prefix"], params["threads"])
+
+
 def _provenance(dag, params) -> dict:
     return {
         "name": params["name"],
@@ -236,6 +246,8 @@ def spec_hash(model_sha: str, spec: VariantSpec, pass_names) -> str:
         payload["pass_options"] = spec.pass_options
     if spec.signature:
         payload["signature"] = spec.signature
+    if spec.batch:
+        payload["batch"] = sorted(spec.batch)
     if spec.precision in pipeline.CALIBRATED and spec.calibration:
         payload["calibration"] = {k: v for k, v in sorted(spec.calibration.items()) if k != "inputs"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -254,12 +266,20 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     check_threads(target, spec.threads)
     pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options,
                                                   spec.precision, gpu=pipeline.is_gpu(target))
+    from .batching import split_input_shapes
+    input_shapes, batches = split_input_shapes(spec.input_shapes, spec.batch, f"model '{spec.name}'")
     model_bytes, kind = pipeline.read_source(spec.source)
     model_sha = hashlib.sha256(model_bytes).hexdigest()
-    shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}
+    shapes = {k: _shape(k, v) for k, v in sorted(input_shapes.items())}
     base = f"{spec.name}/{spec.target}" + (f"/{tag}" if tag else "")
     if spec.generate is not None:
+        if batches:
+            raise CuvilError(f"model '{spec.name}': batch buckets and generate: cannot be combined",
+                             hint="a generation library has its own prefill buckets (generate: prefill_buckets)")
         return _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options)
+    if batches:
+        return _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options,
+                             shapes, batches, tag)
 
     deps = []
     if pipeline.exported_kind(kind):
@@ -383,6 +403,56 @@ def _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass
     extra = {"tokenizer.json": Path(settings["tokenizer"]).read_bytes()} if settings["tokenizer"] else None
     # No accuracy step: a reduced precision is measured by the tokens it generates (tests, benchmarks).
     return _add_link(dag, spec, target, codegen, f"{base}/link", spec.link, extra)
+
+
+def _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options, shapes,
+                  batches, tag) -> str:
+    """A library with batch buckets (cuvil/batching.py): for each batch size the [export,] import
+    and passes with that batch in dim 0 of every input, then one codegen step over all of them
+    (one driver, one weights blob) and one link."""
+    import dataclasses
+
+    from .batching import Buckets
+    if spec.precision in pipeline.CALIBRATED:
+        raise CuvilError(f"model '{spec.name}': batch buckets are not supported for precision "
+                         f"{spec.precision!r} yet", hint="build int8 with one batch size")
+    buckets = Buckets(tuple(batches), shapes)
+    lasts = []
+    for batch in batches:
+        entry_shapes = buckets.input_shapes(batch)
+        entry_base = f"{base}/batch-{batch}"
+        deps = []
+        if pipeline.exported_kind(kind):
+            export_params = {"model_sha256": model_sha, "inputs": entry_shapes}
+            if kind == "tensorflow":
+                from .frontends.tensorflow import converter_key
+                export_params.update(signature=spec.signature, converter=converter_key())
+            deps = [dag.add(Step(f"{entry_base}/export", "export", export_params, [],
+                                 lambda d, s=entry_shapes: pipeline.export_onnx(spec.source, s, spec.signature),
+                                 bytes, bytes))]
+            importer = lambda d, onnx_bytes, s=entry_shapes: pipeline.import_model(onnx_bytes, s)
+        elif isinstance(spec.source, (str, os.PathLike)):
+            importer = lambda d, s=entry_shapes: pipeline.import_model(spec.source, s)
+        else:
+            importer = lambda d, s=entry_shapes: pipeline.import_model(model_bytes, s)
+        import_params = {"model_sha256": model_sha, "inputs": entry_shapes}
+        lasts.append(_plan_passes(dag, entry_base, import_params, deps, importer, pass_names, pass_options))
+    params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
+              "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
+              "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names),
+              "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options),
+              "batch": buckets.as_key()}
+    if spec.pass_options:
+        params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
+    codegen = dag.add(Step(f"{base}/codegen", "codegen", params, lasts,
+                           lambda d, *graphs: _run_codegen_batched(d, graphs, params, batches),
+                           pack_files, unpack_files))
+    link_name = _add_link(dag, spec, target, codegen, f"{base}/link", spec.link)
+    if spec.precision == "fp32":
+        return link_name
+    measured = link_name if spec.link != "static" else _add_link(dag, spec, target, codegen, f"{base}/link:shared",
+                                                                 "shared")
+    return _plan_accuracy(dag, spec, base, link_name, measured)
 
 
 def _plan_accuracy(dag: StepGraph, spec: VariantSpec, base: str, link_name: str, measured: str) -> str:

@@ -279,7 +279,7 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
         return _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options)
     if batches:
         return _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options,
-                             shapes, batches, tag)
+                             shapes, batches)
 
     deps = []
     if pipeline.exported_kind(kind):
@@ -406,7 +406,7 @@ def _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass
 
 
 def _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options, shapes,
-                  batches, tag) -> str:
+                  batches) -> str:
     """A library with batch buckets (cuvil/batching.py): for each batch size the [export,] import
     and passes with that batch in dim 0 of every input, then one codegen step over all of them
     (one driver, one weights blob) and one link."""
@@ -439,7 +439,10 @@ def _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_na
         lasts.append(_plan_passes(dag, entry_base, import_params, deps, importer, pass_names, pass_options))
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
               "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
-              "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names),
+              "source_sha256": model_sha,
+              # both ways of writing the buckets (batch: or a shape per bucket) are one spec
+              "spec_hash": spec_hash(model_sha, dataclasses.replace(spec, input_shapes=shapes, batch=list(batches)),
+                                     pass_names),
               "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options),
               "batch": buckets.as_key()}
     if spec.pass_options:

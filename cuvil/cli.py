@@ -799,7 +799,11 @@ def cmd_inspect(args) -> int:
     if accuracy:
         from .accuracy import summary
         print(f"  {summary(accuracy)}")
-    print(f"  source     sha256 {info.get('source_sha256', '?')}")
+    source = info.get("source_sha256") or (manifest.get("source_sha256")
+                                           if library.path.name in manifest.get("files", {}) else None)
+    if "graph_sha256" in info:   # the imported graph's semantic hash (cuvil/semantic.py)
+        print(f"  graph      sha256 {info['graph_sha256']}")
+    print(f"  source     sha256 {source or '? (no manifest beside the library)'}")
     print(f"  spec hash  {info.get('spec_hash', '?')}")
     versions = info.get("versions") or {"cuvil": info.get("cuvil_version", "?")}
     print(f"  versions   {', '.join(f'{k} {v}' for k, v in sorted(versions.items()))}")

@@ -106,7 +106,7 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
     are then read from the cache and installed here."""
     import time
 
-    from .build import artifacts_of, install
+    from .build import artifacts_of, install, installed_files
 
     start = time.perf_counter()
     say = progress or (lambda message: None)
@@ -126,7 +126,7 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
             out_dir = Path(output_dir) / model.name / target
         with _located(spec, model):
             t0 = time.perf_counter()
-            files = dag.get(link)
+            files = installed_files(dag, link)
             changed = install(files, out_dir)
             built.append(artifacts_of(files, out_dir, time.perf_counter() - t0, changed))
             say(f"[{model.name}/{target}] {'built' if changed else 'up to date'}: {_relative(out_dir)}")

@@ -155,9 +155,14 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
         if model.precision in pipeline.CALIBRATED:
             source = pipeline.calibrated_source(source, inputs, model.precision,
                                                 model.calibration.model_dump(), model.signature)
-        graph = pipeline.import_any(source, inputs, model.signature)
-        report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
-                             _tensors(graph, graph.outputs), graph.op_counts())
+        imported = pipeline.import_any(source, inputs, model.signature)
+        # the passes run on the canonical graph, as the build's do (cuvil/semantic.py); what the
+        # report says of a node names it as the file does
+        from . import semantic
+        graph = semantic.canonical(imported) if model.generate is None else imported
+        original = semantic.original_names(imported) if graph is not imported else {}
+        report = ModelReport(model.name, model.source, _tensors(imported, imported.inputs),
+                             _tensors(imported, imported.outputs), imported.op_counts())
         # A precision not built yet is reported per target below (as the build refuses it).
         precision = model.precision if model.precision in pipeline.PRECISIONS_SUPPORTED else "fp32"
         passed = {}   # gpu? -> (graph after its passes, pass names, options); CPU and GPU lists differ
@@ -169,6 +174,7 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
                 g = pipeline.run_passes(graph, names, options)
                 passed[gpu] = (g, names, options)
                 problems = pipeline.lowering_problems(g, gpu=gpu)
+                problems = [semantic.rename_in_text(p, original) for p in problems]
                 report.unsupported.extend(f"GPU targets: {p}" if gpu else p for p in problems)
             return passed[gpu]
 

@@ -146,17 +146,19 @@ def original_names(graph) -> dict[str, str]:
 def rename_in_message(error, names: dict[str, str]):
     """A CuvilError whose message and hint name `names`' originals instead of canonical names
     (quoted names: node 'Conv_3' -> node 'conv1')."""
-    import re
     if not names:
         return error
-
-    def swap(text):
-        if not text:
-            return text
-        return re.sub(r"'([^'\s]+)'", lambda m: f"'{names.get(m.group(1), m.group(1))}'", text)
-    error.message, error.hint = swap(error.message), swap(error.hint)
+    error.message, error.hint = rename_in_text(error.message, names), rename_in_text(error.hint, names)
     error.args = (str(error),)
     return error
+
+
+def rename_in_text(text, names: dict[str, str]):
+    """`text` with each quoted canonical name replaced by its original (see rename_in_message)."""
+    import re
+    if not text or not names:
+        return text
+    return re.sub(r"'([^'\s]+)'", lambda m: f"'{names.get(m.group(1), m.group(1))}'", text)
 
 
 def _canonicalize(graph) -> tuple[Graph, dict[str, str]]:

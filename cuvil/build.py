@@ -324,10 +324,12 @@ def _plan_variant_steps(dag, spec, target, base, model_bytes, kind, model_sha, p
         deps = [dag.add(Step(f"{base}/calibrate", "calibrate", key, deps, run_calibration, bytes, bytes))]
         importer = lambda d, onnx_bytes: pipeline.import_model(onnx_bytes, shapes)
         import_params["calibration"] = key["calibration"]
-    last, graph_sha = _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options)
+    by_graph = pipeline.keyed_by_graph(pass_options)
+    last, graph_sha = _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options, by_graph)
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
               "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
-              "graph_sha256": graph_sha, "spec_hash": spec_hash(graph_sha, spec, pass_names, by_graph=True),
+              **({"graph_sha256": graph_sha} if by_graph else {"source_sha256": model_sha}),
+              "spec_hash": spec_hash(graph_sha if by_graph else model_sha, spec, pass_names, by_graph=by_graph),
               "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options)}
     if spec.pass_options:
         params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
@@ -377,8 +379,10 @@ def _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_opti
 
 def _with_original_names(run, import_step: str):
     """A step run whose CuvilError names the nodes and values of the imported graph, not their
-    canonical names (semantic.canonical renames them)."""
+    canonical names (semantic.canonical renames them; a variant keyed by its file keeps them)."""
     def named(d, *inputs):
+        if f"{import_step.rsplit('/', 1)[0]}/graph" not in d.g:
+            return run(d, *inputs)
         try:
             return run(d, *inputs)
         except CuvilError as error:
@@ -476,6 +480,7 @@ def _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_na
                          f"{spec.precision!r} yet", hint="build int8 with one batch size")
     buckets = Buckets(tuple(batches), shapes)
     lasts, identities = [], []
+    by_graph = pipeline.keyed_by_graph(pass_options)
     for batch in batches:
         entry_shapes = buckets.input_shapes(batch)
         entry_base = f"{base}/batch-{batch}"
@@ -494,17 +499,19 @@ def _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_na
         else:
             importer = lambda d, s=entry_shapes: pipeline.import_model(model_bytes, s)
         import_params = {"model_sha256": model_sha, "inputs": entry_shapes}
-        last, identity = _plan_passes(dag, entry_base, import_params, deps, importer, pass_names, pass_options)
+        last, identity = _plan_passes(dag, entry_base, import_params, deps, importer, pass_names, pass_options,
+                                      by_graph)
         lasts.append(last)
         identities.append(identity)
     # the buckets' graphs together (each bucket's graph is its own)
     graph_sha = hashlib.sha256(json.dumps(identities).encode()).hexdigest()
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
               "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
-              "graph_sha256": graph_sha,
+              **({"graph_sha256": graph_sha} if by_graph else {"source_sha256": model_sha}),
               # both ways of writing the buckets (batch: or a shape per bucket) are one spec
-              "spec_hash": spec_hash(graph_sha, dataclasses.replace(spec, input_shapes=shapes, batch=list(batches)),
-                                     pass_names, by_graph=True),
+              "spec_hash": spec_hash(graph_sha if by_graph else model_sha,
+                                     dataclasses.replace(spec, input_shapes=shapes, batch=list(batches)),
+                                     pass_names, by_graph=by_graph),
               "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options),
               "batch": buckets.as_key()}
     if spec.pass_options:

@@ -164,6 +164,25 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
     return names, resolve_pass_options(names, options)
 
 
+# Pass options that name nodes: a variant that sets them keeps the file's node names (it is keyed
+# by its file, not by its imported graph's semantic identity: cuvil/semantic.py).
+NODE_NAMING_OPTIONS = ("keep_fp32",)
+
+
+def keyed_by_graph(pass_options: dict) -> bool:
+    """Whether a variant's steps after the import read the canonical graph and are keyed by its
+    identity (semantic.py): unless a pass option names nodes, which only the file's names match."""
+    return not any(options.get(key) for options in (pass_options or {}).values() for key in NODE_NAMING_OPTIONS)
+
+
+def canonical_graph(graph, pass_options: dict):
+    """The graph the passes of a variant with `pass_options` read (what the build's do)."""
+    if not keyed_by_graph(pass_options):
+        return graph
+    from .semantic import canonical
+    return canonical(graph)
+
+
 def run_pass(graph, name: str, options: dict):
     from passes import run_pass as run
     return run(name, graph, options)

@@ -159,7 +159,7 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
         # the passes run on the canonical graph, as the build's do (cuvil/semantic.py); what the
         # report says of a node names it as the file does
         from . import semantic
-        graph = semantic.canonical(imported) if model.generate is None else imported
+        graph = pipeline.canonical_graph(imported, model.pass_options) if model.generate is None else imported
         original = semantic.original_names(imported) if graph is not imported else {}
         report = ModelReport(model.name, model.source, _tensors(imported, imported.inputs),
                              _tensors(imported, imported.outputs), imported.op_counts())

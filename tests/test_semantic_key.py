@@ -175,3 +175,17 @@ def test_keras_file_and_its_onnx_export_give_one_library(tmp_path):
     changed, statuses = build(tmp_path, cache, str(tmp_path / "cnn2.keras"), "k2", shapes, name="cnn")
     assert statuses["graph"] == {"ran"}
     assert changed.library.read_bytes() != keras_lib.library.read_bytes()
+
+
+def test_a_pass_option_naming_nodes_keeps_the_files_names():
+    # keep_fp32 names nodes as the file does: such a variant is keyed by its file and its passes
+    # read the imported names, so the option still finds node 'left'
+    from cuvil.explain import explain_model
+    options = {"assign_precision": {"keep_fp32": ["left", "right", "right_out"]}}
+    lib = cuvil.compile(two_branches(), precision="bf16", pass_options=options)
+    assert "source_sha256" in lib.info and "graph_sha256" not in lib.info
+    explained = explain_model(two_branches(), precision="bf16", pass_options=options)
+    assert [p.summary for p in explained.passes if p.name == "assign_precision"] == ["no change"]
+    x = rand(4, 8, seed=3)
+    want = run_ort(two_branches(), {"x": x})["y"]
+    assert np.max(np.abs(lib.run({"x": x})["y"] - want)) <= TOL * np.max(np.abs(want))   # all float32

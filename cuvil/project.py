@@ -196,7 +196,8 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
             report.variants[target_name] = {"kernels": len(planned.kernels), "steps": len(planned.calls),
                                             "memory": planned.figures()}
             if not pipeline.is_gpu(target):
-                report.fallbacks[target_name] = pipeline.quantised_fallbacks(planned)
+                report.fallbacks[target_name] = [semantic.rename_in_text(line, original)
+                                                 for line in pipeline.quantised_fallbacks(planned)]
     return report
 
 

@@ -37,7 +37,7 @@ def _sha(*parts) -> str:
 def _canonical_attr(value, subgraph_hash):
     """An attribute value as plain JSON-able data: arrays by their bytes, subgraphs by their hash."""
     if isinstance(value, np.ndarray):
-        return ["array", value.dtype.str, list(value.shape), hashlib.sha256(value.tobytes()).hexdigest()]
+        return ["array", _dtype(value.dtype), list(value.shape), hashlib.sha256(value.tobytes()).hexdigest()]
     if isinstance(value, (list, tuple)):
         return [_canonical_attr(v, subgraph_hash) for v in value]
     if isinstance(value, dict):
@@ -49,6 +49,13 @@ def _canonical_attr(value, subgraph_hash):
     if _is_graph(value):  # a CIR subgraph (If / Loop bodies)
         return ["graph", subgraph_hash(value)]
     return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def _dtype(dtype) -> str:
+    """A dtype's key: its name too, since ml_dtypes' narrow types share one `.str` (int4 and uint4,
+    the float8 variants: '|V1')."""
+    dtype = np.dtype(dtype)
+    return f"{dtype.str}:{dtype.name}"
 
 
 def _is_graph(value) -> bool:
@@ -66,11 +73,11 @@ def _value_hashes(graph) -> tuple[dict[str, str], dict[int, str]]:
     hashes = {"": "absent"}
     for position, name in enumerate(graph.inputs):
         v = graph.values[name]
-        hashes[name] = _sha("input", position, name, np.dtype(v.dtype).str, list(v.shape))
+        hashes[name] = _sha("input", position, name, _dtype(v.dtype), list(v.shape))
     for name, v in graph.values.items():
         if v.is_const and name not in hashes:
             data = np.ascontiguousarray(v.data)
-            hashes[name] = _sha("const", data.dtype.str, list(data.shape), hashlib.sha256(data.tobytes()).hexdigest())
+            hashes[name] = _sha("const", _dtype(data.dtype), list(data.shape), hashlib.sha256(data.tobytes()).hexdigest())
     nodes = {}
     for k, node in enumerate(graph.nodes):  # topological order: every input is hashed before it is read
         nodes[k] = _node_hash(node, hashes)
@@ -106,7 +113,7 @@ def identity(graph) -> str:
     of all of it."""
     if _has_subgraphs(graph) or _duplicates(graph):
         return _sha("exact", _exact_digest(graph))
-    inputs = [(n, np.dtype(graph.values[n].dtype).str, list(graph.values[n].shape)) for n in graph.inputs]
+    inputs = [(n, _dtype(graph.values[n].dtype), list(graph.values[n].shape)) for n in graph.inputs]
     return _sha("semantic", graph_hash(graph), graph.opset, inputs)
 
 

@@ -189,3 +189,13 @@ def test_a_pass_option_naming_nodes_keeps_the_files_names():
     x = rand(4, 8, seed=3)
     want = run_ort(two_branches(), {"x": x})["y"]
     assert np.max(np.abs(lib.run({"x": x})["y"] - want)) <= TOL * np.max(np.abs(want))   # all float32
+
+
+def test_narrow_dtypes_that_share_a_numpy_str_have_other_identities():
+    # ml_dtypes' int4 and uint4 (and the float8 variants) share dtype.str '|V1': the identity
+    # names the dtype, or the cache would hand a uint4 library to an int4 model
+    from onnx import TensorProto
+    graphs = [import_model(make_model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)],
+                                      [("x", elem, [4])], [("y", np.float32, [4])], opset=21), {})
+              for elem in (TensorProto.INT4, TensorProto.UINT4, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2FNUZ)]
+    assert len({semantic.identity(g) for g in graphs}) == 4

@@ -90,9 +90,11 @@ def _generate_options(generate) -> dict:
 def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False,
-            accuracy=None, calibration=None, signature=None, generate=None) -> CompiledModel:
+            accuracy=None, calibration=None, signature=None, generate=None, batch=None) -> CompiledModel:
     """Build `model` and load it. generate={max_context, prefill_buckets, tokenizer, pad_token}
-    builds an ONNX decoder as a generation library (lib.generate(...), README "LLM generation")."""
+    builds an ONNX decoder as a generation library (lib.generate(...), README "LLM generation").
+    batch=[1, 8, 32] (or input_shapes listing one shape per bucket) builds one entry per batch size
+    sharing the weights; .run then takes any batch from 1 to the largest (cuvil/batching.py)."""
     from backends.targets import TARGETS
 
     from .build import VariantSpec, build_variant
@@ -112,6 +114,8 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
     if accuracy is not None:
         accuracy = _accuracy_options(accuracy)
     calibration = _calibration_options(calibration or {})
+    from .batching import split_input_shapes
+    input_shapes, batches = split_input_shapes(input_shapes, batch, "compile")
     source = model
     if not isinstance(model, (str, os.PathLike, bytes)):
         import onnx
@@ -127,7 +131,8 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
                        threads=threads, symbol_prefix=symbol_prefix,
                        max_arena_mb=max_arena_mb, sanitize=sanitize, accuracy=accuracy,
                        calibration=calibration, signature=signature,
-                       generate=_generate_options(generate) if generate is not None else None)
+                       generate=_generate_options(generate) if generate is not None else None,
+                       batch=batches)
     cache = Cache(Path(cache_dir) if cache_dir else default_cache_dir())
     workdir = tempfile.TemporaryDirectory(prefix="cuvil-")
     artifacts = build_variant(spec, Path(workdir.name), cache, jobs=jobs, progress=progress)

@@ -54,6 +54,9 @@ class VariantSpec:
     signature: str | None = None         # TensorFlow SavedModel: the signature to build (serving_default)
     # a generation library (cuvil/generation.py): {max_context, prefill_buckets, tokenizer, pad_token}
     generate: dict | None = None
+    # batch buckets (cuvil/batching.py): the batch sizes with a compiled entry, dim 0 of every input
+    # (or input_shapes listing one shape per bucket)
+    batch: list | None = None
 
 
 @dataclass
@@ -86,7 +89,7 @@ def code_fingerprint() -> str:
 
 # The modules of cuvil/ that shape what a step produces (the CLI, the config
 # loader, the runtime loader and the cache do not).
-_OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "generation.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py",
+_OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "generation.py", "batching.py", "semantic.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py",
                      "consumers.py", "calibrate.py", "accuracy.py")
 
 
@@ -149,6 +152,13 @@ def _run_codegen_generation(dag, graphs, params, layout):
     return pipeline.generate_generation(planned, layout, info, params["symbol_prefix"], params["threads"])
 
 
+def _run_codegen_batched(dag, graphs, params, batches):
+    """The codegen of a library with batch buckets: every bucket's graph planned, one driver."""
+    planned = pipeline.plan_batched(list(graphs), _variant_params(params), batches)
+    info = pipeline.describe_batched(planned, batches, _provenance(dag, params))
+    return pipeline.generate_batched(planned, batches, info, params["symbol_prefix"], params["threads"])
+
+
 def _provenance(dag, params) -> dict:
     return {
         "name": params["name"],
@@ -161,7 +171,10 @@ def _provenance(dag, params) -> dict:
         **({"pass_options": params["pass_options"]} if params.get("pass_options") else {}),
         "cuvil_version": __version__,
         "versions": {k: v for k, v in dag.versions.items() if k != "code"},
-        "source_sha256": params["source_sha256"],
+        # a library keyed by its imported graph names that graph's semantic hash (the same library
+        # from any file of the same model); the source file's sha256 is in the installed manifest
+        **({"graph_sha256": params["graph_sha256"]} if "graph_sha256" in params
+           else {"source_sha256": params["source_sha256"]}),
         "spec_hash": params["spec_hash"],
     }
 
@@ -228,14 +241,18 @@ def _shape(name, dims) -> list[int]:
     return shape
 
 
-def spec_hash(model_sha: str, spec: VariantSpec, pass_names) -> str:
+def spec_hash(model_sha: str, spec: VariantSpec, pass_names, by_graph: bool = False) -> str:
+    """The hash of what a variant is built from; `by_graph`: `model_sha` is the imported graph's
+    identity (semantic.identity), which a SavedModel's signature already chose."""
     payload = {"model": model_sha, "inputs": {k: list(v) for k, v in sorted(spec.input_shapes.items())},
                "target": spec.target, "precision": spec.precision, "passes": pass_names,
                "threads": spec.threads, "symbol_prefix": spec.symbol_prefix}
     if spec.pass_options:
         payload["pass_options"] = spec.pass_options
-    if spec.signature:
+    if spec.signature and not by_graph:
         payload["signature"] = spec.signature
+    if spec.batch:
+        payload["batch"] = sorted(spec.batch)
     if spec.precision in pipeline.CALIBRATED and spec.calibration:
         payload["calibration"] = {k: v for k, v in sorted(spec.calibration.items()) if k != "inputs"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -254,12 +271,28 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     check_threads(target, spec.threads)
     pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options,
                                                   spec.precision, gpu=pipeline.is_gpu(target))
+    from .batching import split_input_shapes
+    input_shapes, batches = split_input_shapes(spec.input_shapes, spec.batch, f"model '{spec.name}'")
     model_bytes, kind = pipeline.read_source(spec.source)
     model_sha = hashlib.sha256(model_bytes).hexdigest()
-    shapes = {k: _shape(k, v) for k, v in sorted(spec.input_shapes.items())}
+    shapes = {k: _shape(k, v) for k, v in sorted(input_shapes.items())}
     base = f"{spec.name}/{spec.target}" + (f"/{tag}" if tag else "")
+    last = _plan_variant_steps(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options,
+                               shapes, batches)
+    dag.source_sha256[last] = model_sha
+    return last
+
+
+def _plan_variant_steps(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options, shapes,
+                        batches) -> str:
     if spec.generate is not None:
+        if batches:
+            raise CuvilError(f"model '{spec.name}': batch buckets and generate: cannot be combined",
+                             hint="a generation library has its own prefill buckets (generate: prefill_buckets)")
         return _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options)
+    if batches:
+        return _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options,
+                             shapes, batches)
 
     deps = []
     if pipeline.exported_kind(kind):
@@ -291,15 +324,18 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
         deps = [dag.add(Step(f"{base}/calibrate", "calibrate", key, deps, run_calibration, bytes, bytes))]
         importer = lambda d, onnx_bytes: pipeline.import_model(onnx_bytes, shapes)
         import_params["calibration"] = key["calibration"]
-    last = _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options)
+    by_graph = pipeline.keyed_by_graph(pass_options)
+    last, graph_sha = _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options, by_graph)
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
               "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
-              "source_sha256": model_sha, "spec_hash": spec_hash(model_sha, spec, pass_names),
+              **({"graph_sha256": graph_sha} if by_graph else {"source_sha256": model_sha}),
+              "spec_hash": spec_hash(graph_sha if by_graph else model_sha, spec, pass_names, by_graph=by_graph),
               "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options)}
     if spec.pass_options:
         params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
     codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
-                           lambda d, g: _run_codegen(d, g, params), pack_files, unpack_files))
+                           _with_original_names(lambda d, g: _run_codegen(d, g, params), f"{base}/import"),
+                           pack_files, unpack_files))
     link_name = _add_link(dag, spec, target, codegen, f"{base}/link", spec.link)
     if spec.precision == "fp32":
         return link_name
@@ -309,20 +345,64 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     return _plan_accuracy(dag, spec, base, link_name, measured)
 
 
-def _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options) -> str:
-    """The import step and one step per pass after it; returns the last one's name."""
+def _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options, semantic_key=True):
+    """The import step, the canonical graph (semantic_key) and one step per pass after it; returns
+    the last one's name and the imported graph's identity (None without semantic_key).
+
+    With `semantic_key` the step after the import is keyed by the identity of the imported graph
+    (cuvil/semantic.py), not by the import's key: it gives the canonical form of the graph, and
+    every step after it is then the same for any file of the same model (an ONNX file, its
+    TensorFlow original through tf2onnx, a re-export with other names). The identity is known
+    once the import has run: planning runs the import (or reads it, or the identity, from the cache)."""
+    from . import semantic
     encode_graph, decode_graph = _graph_codec(dag.cache)
     last = dag.add(Step(f"{base}/import", "import", import_params, deps,
                         importer, encode_graph, decode_graph))
+    identity = None
+    named = lambda run: run
+    if semantic_key:
+        import_step = last
+        identity = _graph_identity(dag, import_step)
+        last = dag.add(Step(f"{base}/graph", "graph", {"graph_sha256": identity}, [import_step],
+                            lambda d, g: semantic.canonical(g), encode_graph, decode_graph, key_deps=False))
+        named = lambda run: _with_original_names(run, import_step)
     for k, name in enumerate(pass_names):
         options = pass_options[name]
         # A pass listed again (opt 3 cleans up twice) is a step of its own: name#2, name#3...
         repeat = pass_names[:k].count(name)
         step_name = f"{base}/pass:{name}" + (f"#{repeat + 1}" if repeat else "")
         last = dag.add(Step(step_name, "pass", {"pass": name, "options": options}, [last],
-                            lambda d, g, name=name, options=options: pipeline.run_pass(g, name, options),
+                            named(lambda d, g, name=name, options=options: pipeline.run_pass(g, name, options)),
                             encode_graph, decode_graph))
-    return last
+    return last, identity
+
+
+def _with_original_names(run, import_step: str):
+    """A step run whose CuvilError names the nodes and values of the imported graph, not their
+    canonical names (semantic.canonical renames them; a variant keyed by its file keeps them)."""
+    def named(d, *inputs):
+        if f"{import_step.rsplit('/', 1)[0]}/graph" not in d.g:
+            return run(d, *inputs)
+        try:
+            return run(d, *inputs)
+        except CuvilError as error:
+            from . import semantic
+            raise semantic.rename_in_message(error, semantic.original_names(d.get(import_step))) from None
+    return named
+
+
+def _graph_identity(dag, import_step: str) -> str:
+    """The identity of an import step's graph (semantic.identity): from the cache, where it is
+    stored under a key derived from the import step's, or by getting the import's output."""
+    from . import semantic
+    from .cache import step_key
+    key = step_key({"kind": "graph-identity", "import": dag.key(import_step)})
+    data = dag.cache.get(key)
+    if data is not None and len(data) == 64:
+        return data.decode("ascii")
+    identity = semantic.identity(dag.get(import_step))
+    dag.cache.put(key, identity.encode("ascii"))
+    return identity
 
 
 def _add_link(dag, spec, target, codegen: str, step_name: str, mode: str, extra_files: dict | None = None) -> str:
@@ -371,7 +451,9 @@ def _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass
                   **({"kv_form": layout.kv_form} if layout.kv_form != "static" else {})}
         importer = lambda d, shapes=shapes: generation.prepare_entry(pipeline.import_model(source, shapes), layout,
                                                                      f"model '{spec.name}'")
-        lasts.append(_plan_passes(dag, f"{base}/{tokens}-tokens", params, [], importer, pass_names, pass_options))
+        last, _ = _plan_passes(dag, f"{base}/{tokens}-tokens", params, [], importer, pass_names, pass_options,
+                               semantic_key=False)
+        lasts.append(last)
     spec_key = hashlib.sha256(json.dumps({"spec": spec_hash(model_sha, spec, pass_names), "generate": layout.as_key(),
                                           "external_data": external}, sort_keys=True).encode()).hexdigest()
     params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
@@ -386,6 +468,67 @@ def _plan_generation(dag, spec, target, base, model_bytes, kind, model_sha, pass
     extra = {"tokenizer.json": Path(settings["tokenizer"]).read_bytes()} if settings["tokenizer"] else None
     # No accuracy step: a reduced precision is measured by the tokens it generates (tests, benchmarks).
     return _add_link(dag, spec, target, codegen, f"{base}/link", spec.link, extra)
+
+
+def _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options, shapes,
+                  batches) -> str:
+    """A library with batch buckets (cuvil/batching.py): for each batch size the [export,] import
+    and passes with that batch in dim 0 of every input, then one codegen step over all of them
+    (one driver, one weights blob) and one link."""
+    import dataclasses
+
+    from .batching import Buckets
+    if spec.precision in pipeline.CALIBRATED:
+        raise CuvilError(f"model '{spec.name}': batch buckets are not supported for precision "
+                         f"{spec.precision!r} yet", hint="build int8 with one batch size")
+    buckets = Buckets(tuple(batches), shapes)
+    lasts, identities = [], []
+    by_graph = pipeline.keyed_by_graph(pass_options)
+    for batch in batches:
+        entry_shapes = buckets.input_shapes(batch)
+        entry_base = f"{base}/batch-{batch}"
+        deps = []
+        if pipeline.exported_kind(kind):
+            export_params = {"model_sha256": model_sha, "inputs": entry_shapes}
+            if kind == "tensorflow":
+                from .frontends.tensorflow import converter_key
+                export_params.update(signature=spec.signature, converter=converter_key())
+            deps = [dag.add(Step(f"{entry_base}/export", "export", export_params, [],
+                                 lambda d, s=entry_shapes: pipeline.export_onnx(spec.source, s, spec.signature),
+                                 bytes, bytes))]
+            importer = lambda d, onnx_bytes, s=entry_shapes: pipeline.import_model(onnx_bytes, s)
+        elif isinstance(spec.source, (str, os.PathLike)):
+            importer = lambda d, s=entry_shapes: pipeline.import_model(spec.source, s)
+        else:
+            importer = lambda d, s=entry_shapes: pipeline.import_model(model_bytes, s)
+        import_params = {"model_sha256": model_sha, "inputs": entry_shapes}
+        last, identity = _plan_passes(dag, entry_base, import_params, deps, importer, pass_names, pass_options,
+                                      by_graph)
+        lasts.append(last)
+        identities.append(identity)
+    # the buckets' graphs together (each bucket's graph is its own)
+    graph_sha = hashlib.sha256(json.dumps(identities).encode()).hexdigest()
+    params = {"name": spec.name, "target": target.as_key(), "target_name": spec.target, "precision": spec.precision,
+              "threads": spec.threads, "symbol_prefix": spec.symbol_prefix, "passes": pass_names,
+              **({"graph_sha256": graph_sha} if by_graph else {"source_sha256": model_sha}),
+              # both ways of writing the buckets (batch: or a shape per bucket) are one spec
+              "spec_hash": spec_hash(graph_sha if by_graph else model_sha,
+                                     dataclasses.replace(spec, input_shapes=shapes, batch=list(batches)),
+                                     pass_names, by_graph=by_graph),
+              "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options),
+              "batch": buckets.as_key()}
+    if spec.pass_options:
+        params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
+    codegen = dag.add(Step(f"{base}/codegen", "codegen", params, lasts,
+                           _with_original_names(lambda d, *graphs: _run_codegen_batched(d, graphs, params, batches),
+                                                f"{base}/batch-{batches[-1]}/import"),
+                           pack_files, unpack_files))
+    link_name = _add_link(dag, spec, target, codegen, f"{base}/link", spec.link)
+    if spec.precision == "fp32":
+        return link_name
+    measured = link_name if spec.link != "static" else _add_link(dag, spec, target, codegen, f"{base}/link:shared",
+                                                                 "shared")
+    return _plan_accuracy(dag, spec, base, link_name, measured)
 
 
 def _plan_accuracy(dag: StepGraph, spec: VariantSpec, base: str, link_name: str, measured: str) -> str:
@@ -417,6 +560,21 @@ def link_step_of(dag: StepGraph, last: str) -> str:
 def variant_params(dag: StepGraph, link_step: str) -> pipeline.VariantParams:
     """The lowering and planning parameters of a planned variant, as its codegen step runs them."""
     return _variant_params(dag.step(dag.step(link_step_of(dag, link_step)).deps[0]).params)
+
+
+def installed_files(dag: StepGraph, last: str) -> dict[str, bytes]:
+    """The files a variant installs: its last step's output, the manifest with the sha256 of the
+    source file the variant was built from (`source_sha256`). The library and the cached steps
+    know the imported graph only (`graph_sha256`): the same model from two files is one library."""
+    files = dag.get(last)
+    sha = dag.source_sha256.get(last)
+    if sha is None or "manifest.json" not in files:
+        return files
+    manifest = json.loads(files["manifest.json"])
+    if manifest.get("source_sha256") == sha:
+        return files
+    manifest["source_sha256"] = sha
+    return {**files, "manifest.json": (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()}
 
 
 def install(files: dict[str, bytes], out_dir: Path) -> bool:
@@ -498,7 +656,7 @@ def build_variants(variants: list[tuple[VariantSpec, Path]], cache: Cache, jobs:
     results = []
     for (spec, out_dir), link in zip(variants, links):
         start = time.perf_counter()
-        files = dag.get(link)
+        files = installed_files(dag, link)
         changed = install(files, Path(out_dir))
         results.append(artifacts_of(files, Path(out_dir), time.perf_counter() - start, changed))
     return results, dag

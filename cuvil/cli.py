@@ -358,6 +358,9 @@ def _compile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-shape", action="append", default=[], type=_input_shape, dest="input_shapes",
                         metavar="NAME=D1,D2,...", help="static shape of an input the model leaves open (repeat "
                                                        "per input)")
+    parser.add_argument("--batch", type=_positive_ints, metavar="N1,N2,...",
+                        help="batch buckets: one compiled entry per batch size (dim 0 of every input), one "
+                             "weights blob; runs of any batch up to the largest (cuvil.yaml's batch:)")
     parser.add_argument("--max-context", type=_positive_int, metavar="N",
                         help="decoder models: tokens of the KV cache (cuvil.yaml's generate: max_context)")
     parser.add_argument("--prefill-buckets", type=_positive_ints, metavar="N1,N2,...",
@@ -405,6 +408,10 @@ def _identifier(text):
 
 def _check_compile_args(parser, args) -> None:
     """What argparse cannot check alone; each mistake is a usage error (exit 2, no traceback)."""
+    if args.batch and args.max_context is not None:
+        parser.error("argument --batch: batch buckets and a generation library (--max-context) cannot be combined")
+    if args.batch and len(set(args.batch)) != len(args.batch):
+        parser.error(f"argument --batch: a batch size is given twice ({','.join(map(str, args.batch))})")
     if args.prefill_buckets and args.max_context is None:
         parser.error("argument --prefill-buckets: needs --max-context (a decoder's generation library)")
     from .config import SOURCE_SUFFIXES
@@ -447,6 +454,8 @@ def compile_config(args):
         model["symbol_prefix"] = args.prefix
     if _OUTPUT_LINK[args.output.suffix.lower()] != "shared":
         model["link"] = _OUTPUT_LINK[args.output.suffix.lower()]
+    if args.batch:
+        model["batch"] = args.batch
     if args.max_context is not None:
         model["generate"] = {"max_context": args.max_context}
         if args.prefill_buckets:
@@ -788,6 +797,9 @@ def cmd_inspect(args) -> int:
               + (f", shared by the sessions {_bytes(shared)}" if shared else ""))
     if "kernels" in info:
         print(f"  kernels    {info['kernels']}")
+    if "batch" in info:
+        entries = ", ".join(f"{e['batch']} (arena {_bytes(e['arena_bytes'])})" for e in info["batch"]["entries"])
+        print(f"  batch      buckets {entries}; session_run_batch takes 1 to {info['batch']['buckets'][-1]} rows")
     print(f"  passes     {', '.join(info.get('passes') or []) or '(none)'}")
     # the build's report of a bf16 / fp16 library is in the manifest installed beside it
     manifest = library.path.parent / "manifest.json"
@@ -796,7 +808,11 @@ def cmd_inspect(args) -> int:
     if accuracy:
         from .accuracy import summary
         print(f"  {summary(accuracy)}")
-    print(f"  source     sha256 {info.get('source_sha256', '?')}")
+    source = info.get("source_sha256") or (manifest.get("source_sha256")
+                                           if library.path.name in manifest.get("files", {}) else None)
+    if "graph_sha256" in info:   # the imported graph's semantic hash (cuvil/semantic.py)
+        print(f"  graph      sha256 {info['graph_sha256']}")
+    print(f"  source     sha256 {source or '? (no manifest beside the library)'}")
     print(f"  spec hash  {info.get('spec_hash', '?')}")
     versions = info.get("versions") or {"cuvil": info.get("cuvil_version", "?")}
     print(f"  versions   {', '.join(f'{k} {v}' for k, v in sorted(versions.items()))}")

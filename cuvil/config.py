@@ -29,7 +29,7 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, WithJsonSchema,
                       model_validator)
 
-from .errors import ConfigError
+from .errors import ConfigError, CuvilError
 
 # backends/targets.py resolves each (known_targets() there lists the same names; a test checks).
 TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4", "x86_64-sapphirerapids",
@@ -317,9 +317,14 @@ class _Model(_Settings):
                            "converted to ONNX first. Relative to this file.")
     signature: str | None = Field(None, description="TensorFlow SavedModel: the signature to build (default "
                                   "serving_default, or the only one).")
-    inputs: dict[str, list[Dimension]] | None = Field(
+    inputs: dict[str, list[Dimension] | list[list[Dimension]]] | None = Field(
         None, description="Static shape of every input whose shape in the model is not fully fixed; libraries "
-        "are specialised to these shapes.")
+        "are specialised to these shapes. A list of shapes per input (differing in dim 0 only) builds batch "
+        "buckets, as `batch:` does.")
+    batch: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="Batch buckets: one compiled entry per batch size (dim 0 of every input and output), "
+        "one weights blob; a run of n rows takes the smallest bucket >= n, zero-padded (session_run_batch). "
+        "Needs `inputs:`; each input's dim 0 is replaced by each size.")
     serve: ServeConfig | None = Field(None, description="How `cuvil serve` schedules this model's requests.")
     generate: GenerateConfig | None = Field(None, description="Build a decoder as a generation library: a static "
                                             "KV cache, prefill and decode entries, next-token sampling in C.")
@@ -391,6 +396,7 @@ class ModelConfig(BaseModel):
     link: str = "shared"
     signature: str | None = None
     generate: dict | None = None    # GenerateConfig's keys, the tokenizer path absolute
+    batch: list[int] | None = None  # batch buckets, sorted (inputs: the largest bucket's shapes)
     line: int | None = None
 
 
@@ -505,8 +511,14 @@ def _resolve(raw, root_node, path):
         values = {**defaults, **entry.model_dump(exclude_unset=True)}
         values["pass_options"] = {name: {**defaults["pass_options"].get(name, {}), **own}
                                   for name, own in {**defaults["pass_options"], **values["pass_options"]}.items()}
-        values.update(source=source, line=line,
-                      inputs={name: tuple(shape) for name, shape in (entry.inputs or {}).items()},
+        from .batching import split_input_shapes
+        try:
+            inputs, batches = split_input_shapes(entry.inputs or {}, entry.batch, f"models[{index}]")
+        except CuvilError as error:
+            raise ConfigError(error.message, file=path, hint=error.hint,
+                              **_position_of(root_node, (*where, "batch" if entry.batch else "inputs"))) from None
+        values.update(source=source, line=line, batch=batches,
+                      inputs={name: tuple(shape) for name, shape in inputs.items()},
                       symbol_prefix=values["symbol_prefix"] or DEFAULT_SYMBOL_PREFIX,
                       serve=entry.serve or ServeConfig())
         values["accuracy"] = {**defaults["accuracy"], **values["accuracy"]}   # a model's keys over defaults'

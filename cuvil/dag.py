@@ -34,6 +34,9 @@ class Step:
     # expand(graph, *dep_outputs) -> names of the steps `run` will add and read (the link step's
     # kernels): lets a cluster (cluster.py) run those as tasks of their own before this step
     expand: Callable[..., list[str]] | None = None
+    # False: the key leaves out the deps' keys, because `params` already name what the step's output
+    # is made of (the canonical graph step, keyed by the imported graph's identity: build.py)
+    key_deps: bool = True
 
 
 @dataclass
@@ -64,6 +67,8 @@ class StepGraph:
         # listener(record, ran, done, total) after each step that ran, instead of a progress line
         self.listener: Callable[[StepRecord, int, int, int], None] | None = None
         self._keys: dict[str, str] = {}
+        # last step of a variant -> sha256 of its source file, for the installed manifest (build.py)
+        self.source_sha256: dict[str, str] = {}
         self._outputs: dict[str, Any] = {}
         self._lock = threading.RLock()
         self._t0 = time.perf_counter()
@@ -81,6 +86,7 @@ class StepGraph:
         records of its own: a cluster worker evaluates each task in a fork of its planned graph."""
         forked = StepGraph(self.cache if cache is None else cache, self.versions, jobs=self.jobs)
         forked.g, forked._keys, forked._lock = self.g, self._keys, self._lock
+        forked.source_sha256 = self.source_sha256
         return forked
 
     # -- structure -----------------------------------------------------------------
@@ -113,7 +119,8 @@ class StepGraph:
             if name not in self._keys:
                 step = self.step(name)
                 self._keys[name] = step_key({"kind": step.kind, "params": step.params,
-                                             "deps": [self.key(d) for d in step.deps], "versions": self.versions})
+                                             "deps": [self.key(d) for d in step.deps] if step.key_deps else [],
+                                             "versions": self.versions})
             return self._keys[name]
 
     # -- evaluation ----------------------------------------------------------------

@@ -168,6 +168,7 @@ def explain_model(source, input_shapes=None, opt_level=2, passes=None, disable_p
     source = pipeline.calibrated_source(source, input_shapes or {}, precision, calibration)
     graph = pipeline.import_any(source, input_shapes or {})   # TorchScript / TensorFlow exported first
     names, options = pipeline.pass_list(opt_level, passes, disable_passes, pass_options, precision)
+    graph = pipeline.canonical_graph(graph, options)   # what the build's passes read: canonical names
     stages = [("import", graph)]
     pipeline.run_passes(graph, names, options, on_pass=lambda n, b, a: stages.append((n, a)))
     params = pipeline.VariantParams(name, pipeline.resolve_variant_target(target, precision), threads,

@@ -164,6 +164,25 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
     return names, resolve_pass_options(names, options)
 
 
+# Pass options that name nodes: a variant that sets them keeps the file's node names (it is keyed
+# by its file, not by its imported graph's semantic identity: cuvil/semantic.py).
+NODE_NAMING_OPTIONS = ("keep_fp32",)
+
+
+def keyed_by_graph(pass_options: dict) -> bool:
+    """Whether a variant's steps after the import read the canonical graph and are keyed by its
+    identity (semantic.py): unless a pass option names nodes, which only the file's names match."""
+    return not any(options.get(key) for options in (pass_options or {}).values() for key in NODE_NAMING_OPTIONS)
+
+
+def canonical_graph(graph, pass_options: dict):
+    """The graph the passes of a variant with `pass_options` read (what the build's do)."""
+    if not keyed_by_graph(pass_options):
+        return graph
+    from .semantic import canonical
+    return canonical(graph)
+
+
 def run_pass(graph, name: str, options: dict):
     from passes import run_pass as run
     return run(name, graph, options)
@@ -316,13 +335,20 @@ def plan_generation(graphs: list, params: VariantParams, layout) -> list[Planned
     the weights are stored once for every entry) and each entry's run-once values in a block of
     its own; the arena of a session is the largest entry's (one entry runs at a time). A prefill
     entry computes the logits of the prompt's last row only (generation.last_row_logits)."""
-    from backends.native.weights import Blob
-
     from .generation import last_row_logits
     graphs = [g if tokens == 1 else last_row_logits(g, layout) for g, tokens in zip(graphs, layout.entries)]
     if is_gpu(params.target):
         raise UnsupportedOpError(f"model '{params.name}': generation libraries (generate:) build for CPU targets only",
                                  hint="build the decoder for a CPU target")
+    return plan_entries(graphs, params)
+
+
+def plan_entries(graphs: list, params: VariantParams) -> list[Planned]:
+    """Several graphs of one library (a generation library's entries, batch buckets) planned like
+    `plan`, their weights in one blob: each constant matrix packed in the one layout every row
+    count reads (kernel.sharing_weights) and identical arrays stored once; each entry's run-once
+    values in a block of its own."""
+    from backends.native.weights import Blob
     from backends.numba_cpu.kernel import sharing_weights
     blob = Blob()
     planned, shared_base = [], 0
@@ -373,6 +399,53 @@ def generate_generation(planned: list[Planned], layout, info: dict, symbol_prefi
     driver_c = driver.generate_entries(entries, 0, info, symbol_prefix, threads, required_features(target),
                                        target.arch, **pieces)
     header = driver.header(symbol_prefix, info["name"], info, generation.header_section(symbol_prefix, layout, vocab))
+    kernels = {}
+    for p in planned:
+        kernels.update(p.kernels)
+    specs = sorted((k.as_spec() for k in kernels.values()), key=lambda k: k["symbol"])
+    return {"driver.c": driver_c.encode(), "weights.bin": planned[0].weights, "header.h": header.encode(),
+            "info.json": json.dumps(info, sort_keys=True).encode(), "kernels.json": json.dumps(specs).encode()}
+
+
+# -- batch buckets (one entry per batch size, cuvil/batching.py) -------------------------------
+
+def plan_batched(graphs: list, params: VariantParams, batches) -> list[Planned]:
+    """Each bucket's graph planned (`plan_entries`), after checking that dim 0 of every input and
+    output is the batch."""
+    from .batching import check_entries
+    if is_gpu(params.target):
+        raise UnsupportedOpError(f"model '{params.name}': batch buckets build for CPU targets only",
+                                 hint="build one library per batch size for a GPU target")
+    check_entries(graphs, batches, params.name)
+    return plan_entries(graphs, params)
+
+
+def describe_batched(planned: list[Planned], batches, provenance: dict) -> dict:
+    """The description of a library with batch buckets: the largest bucket's tensors (what
+    session_run takes), the memory figures (the largest arena, the weights once) and the buckets."""
+    info = describe(planned[-1], provenance)
+    info["memory"]["arena_bytes"] = max(p.arena.arena_bytes for p in planned)
+    info["memory"]["naive_bytes"] = max(p.arena.naive_bytes for p in planned)
+    info["memory"]["shared_bytes"] = sum(p.arena.shared_bytes for p in planned)
+    info["kernels"] = len({s for p in planned for s in p.kernels})
+    info["steps"] = sum(len(p.calls) for p in planned)
+    info["batch"] = {"axis": 0, "buckets": list(batches),
+                     "entries": [{"batch": b, "arena_bytes": p.arena.arena_bytes, "steps": len(p.calls)}
+                                 for b, p in zip(batches, planned)]}
+    return info
+
+
+def generate_batched(planned: list[Planned], batches, info: dict, symbol_prefix: str, threads: int) -> dict[str, bytes]:
+    """The files of a batch-bucket library's codegen (as `generate`): one driver with a run function
+    per bucket, session_run on the largest, session_run_batch (backends/native/batching.py)."""
+    from backends.native import batching, driver
+    from backends.targets import required_features
+    entries = [driver.Entry(p.graph, p.schedule, p.arena, p.weight_offsets) for p in planned]
+    pieces = batching.batching_c(symbol_prefix, entries, list(batches))
+    target = planned[0].target
+    driver_c = driver.generate_entries(entries, len(entries) - 1, info, symbol_prefix, threads,
+                                       required_features(target), target.arch, **pieces)
+    header = driver.header(symbol_prefix, info["name"], info, batching.header_section(symbol_prefix, list(batches)))
     kernels = {}
     for p in planned:
         kernels.update(p.kernels)

@@ -88,7 +88,7 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                     symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize,
                     accuracy=model.accuracy.model_dump(), link=model.link,
                     calibration=model.calibration.model_dump(), signature=model.signature,
-                    generate=model.generate)
+                    generate=model.generate, batch=model.batch)
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
     return dag, planned
@@ -111,7 +111,7 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
     are then read from the cache and installed here."""
     import time
 
-    from .build import artifacts_of, install
+    from .build import artifacts_of, install, installed_files
 
     start = time.perf_counter()
     say = progress or (lambda message: None)
@@ -133,7 +133,7 @@ def build_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 
             out_dir = Path(output_dir) / model.name / target
         with _located(spec, model):
             t0 = time.perf_counter()
-            files = dag.get(link)
+            files = installed_files(dag, link)
             t1 = time.perf_counter()
             changed = install(files, out_dir)
             installing += time.perf_counter() - t1
@@ -167,9 +167,14 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
         if model.precision in pipeline.CALIBRATED:
             source = pipeline.calibrated_source(source, inputs, model.precision,
                                                 model.calibration.model_dump(), model.signature)
-        graph = pipeline.import_any(source, inputs, model.signature)
-        report = ModelReport(model.name, model.source, _tensors(graph, graph.inputs),
-                             _tensors(graph, graph.outputs), graph.op_counts())
+        imported = pipeline.import_any(source, inputs, model.signature)
+        # the passes run on the canonical graph, as the build's do (cuvil/semantic.py); what the
+        # report says of a node names it as the file does
+        from . import semantic
+        graph = pipeline.canonical_graph(imported, model.pass_options) if model.generate is None else imported
+        original = semantic.original_names(imported) if graph is not imported else {}
+        report = ModelReport(model.name, model.source, _tensors(imported, imported.inputs),
+                             _tensors(imported, imported.outputs), imported.op_counts())
         # A precision not built yet is reported per target below (as the build refuses it).
         precision = model.precision if model.precision in pipeline.PRECISIONS_SUPPORTED else "fp32"
         passed = {}   # gpu? -> (graph after its passes, pass names, options); CPU and GPU lists differ
@@ -181,6 +186,7 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
                 g = pipeline.run_passes(graph, names, options)
                 passed[gpu] = (g, names, options)
                 problems = pipeline.lowering_problems(g, gpu=gpu)
+                problems = [semantic.rename_in_text(p, original) for p in problems]
                 report.unsupported.extend(f"GPU targets: {p}" if gpu else p for p in problems)
             return passed[gpu]
 
@@ -202,7 +208,8 @@ def check_model(spec: BuildSpec, model: ModelConfig) -> ModelReport:
             report.variants[target_name] = {"kernels": len(planned.kernels), "steps": len(planned.calls),
                                             "memory": planned.figures()}
             if not pipeline.is_gpu(target):
-                report.fallbacks[target_name] = pipeline.quantised_fallbacks(planned)
+                report.fallbacks[target_name] = [semantic.rename_in_text(line, original)
+                                                 for line in pipeline.quantised_fallbacks(planned)]
     return report
 
 

@@ -153,7 +153,12 @@ class Session:
         """Run on numpy arrays by input name; return new output arrays by name, in graph order."""
         arrays = self._feeds_as_given(feeds)
         if arrays is None:
-            arrays = self.library._check_feeds(feeds)
+            if "batch" in self.library.info:
+                arrays, rows = self.library._check_feeds(feeds, batched=True)
+                if rows != self.library.info["batch"]["buckets"][-1]:
+                    return self._run_rows(arrays, rows)
+            else:
+                arrays = self.library._check_feeds(feeds)
         in_ptrs, out_ptrs = self._in_ptrs, self._out_ptrs
         with self._lock:
             for i, staged in self._staged_inputs:
@@ -173,6 +178,26 @@ class Session:
             for name, i, staged in self._results:
                 results[name] = fresh[i] if staged is None else staged.copy()
             return results
+
+    def _run_rows(self, arrays, rows: int) -> dict:
+        """A batch-bucket library's run on `rows` rows (session_run_batch: the smallest bucket that
+        holds them, padded); new output arrays of `rows` rows."""
+        lib = self.library
+        if getattr(self, "_run_batch_c", None) is None:
+            self._run_batch_c = lib._lib[f"{lib.prefix}session_run_batch"]
+            self._run_batch_c.restype = ctypes.c_int
+        in_ptrs = (ctypes.c_void_p * max(1, len(arrays)))(*[_address(a) for a in arrays])
+        outputs = [np.empty((rows, *spec["shape"][1:]), np.dtype(spec["dtype"])) for spec in lib.info["outputs"]]
+        out_ptrs = (ctypes.c_void_p * max(1, len(outputs)))(*[_address(a) for a in outputs])
+        with self._lock:
+            code = self._run_batch_c(self._handle_arg, ctypes.c_int64(rows), in_ptrs, out_ptrs)
+            if code != 0:
+                message = lib._error(self._handle).decode("utf-8", "replace")
+                raise RuntimeFailure(f"{lib.path.name}: run of batch {rows} failed with code {code}: {message}")
+        results = {}
+        for spec, arr in zip(lib.info["outputs"], outputs):
+            results.setdefault(spec["name"], arr)
+        return results
 
     # -- generation libraries (built with generate:): the session owns the KV cache ------------
 
@@ -408,7 +433,10 @@ class Library:
             self._session = Session(self)
         return self._session.run(feeds)
 
-    def _check_feeds(self, feeds: dict) -> list[np.ndarray]:
+    def _check_feeds(self, feeds: dict, batched: bool = False):
+        """The feeds as contiguous arrays of the inputs' dtypes and shapes, in input order; with
+        `batched` (a batch-bucket library) dim 0 may be any batch from 1 to the largest bucket, the
+        same for every input, and (arrays, that batch) is returned."""
         if not isinstance(feeds, dict):
             raise CuvilError(f"feeds must be a dict of input name -> array, got {type(feeds).__name__}")
         unknown = sorted(set(feeds) - set(self.input_names))
@@ -417,7 +445,7 @@ class Library:
             raise CuvilError(f"{self.path.name}: " + "; ".join(
                 ([f"unknown input(s) {unknown}"] if unknown else []) + ([f"missing input(s) {missing}"] if missing else [])),
                 hint=f"inputs are {self.input_names}")
-        arrays = []
+        arrays, rows, first = [], None, None
         for spec in self.info["inputs"]:
             name, dtype, shape = spec["name"], np.dtype(spec["dtype"]), tuple(spec["shape"])
             arr = feeds[name]
@@ -428,13 +456,29 @@ class Library:
             if arr.dtype != dtype:
                 raise CuvilError(f"input '{name}': dtype {arr.dtype}, the model takes {dtype}",
                                  hint=f"convert it with .astype(np.{dtype.name})")
-            if tuple(arr.shape) != shape:
+            if batched:
+                buckets = self.info["batch"]["buckets"]
+                if arr.ndim != len(shape) or tuple(arr.shape[1:]) != shape[1:]:
+                    raise CuvilError(f"input '{name}': shape {list(arr.shape)}, the model takes [n, "
+                                     f"{', '.join(map(str, shape[1:]))}] with a batch n of 1 to {buckets[-1]}",
+                                     hint="rebuild with other input shapes to change them")
+                if rows is None:
+                    rows, first = arr.shape[0], name
+                elif arr.shape[0] != rows:
+                    raise CuvilError(f"input '{name}': batch {arr.shape[0]}, but input '{first}' has batch {rows}",
+                                     hint="every input takes the same batch in dim 0")
+                if not 1 <= rows <= buckets[-1]:
+                    raise CuvilError(f"input '{name}': batch {rows} is outside 1..{buckets[-1]} (this library's "
+                                     f"batch buckets: {buckets})",
+                                     hint=f"split the batch into runs of at most {buckets[-1]} rows, or rebuild with "
+                                          f"a larger bucket")
+            elif tuple(arr.shape) != shape:
                 raise CuvilError(f"input '{name}': shape {list(arr.shape)}, the model was built for {list(shape)}",
                                  hint="rebuild with other input shapes to change them")
             if not arr.flags.c_contiguous or not arr.flags.aligned:
                 arr = np.require(arr, requirements="CA")  # ascontiguousarray keeps a misaligned array
             arrays.append(arr)
-        return arrays
+        return (arrays, rows) if batched else arrays
 
     def close(self):
         if self._session is not None:

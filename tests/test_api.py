@@ -33,7 +33,9 @@ def test_compile_run_and_describe():
     assert [o["name"] for o in info["outputs"]] == ["y", "z"]
     assert info["precision"] == "fp32" and info["target"] == "native"
     assert info["cuvil_version"] == cuvil.__version__
-    assert len(info["source_sha256"]) == 64
+    # the library names its imported graph's semantic hash, the manifest the source's sha256
+    assert len(info["graph_sha256"]) == 64 and "source_sha256" not in info
+    assert len(compiled.artifacts.info["source_sha256"]) == 64
 
 
 def test_save_and_load_without_compiler(tmp_path):

@@ -137,7 +137,7 @@ def test_inspect_json(project, capsys):
     assert main(["inspect", str(folder / LIBRARY), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["name"] == "tiny_cnn" and info["inputs"][0]["shape"] == [1, 3, 32, 32]
-    assert {"target", "precision", "memory", "spec_hash", "source_sha256"} <= set(info)
+    assert {"target", "precision", "memory", "spec_hash", "graph_sha256"} <= set(info)
 
 
 def test_bench_json_and_plot(project, tmp_path, capsys):

@@ -158,6 +158,9 @@ MISTAKES = [
     ("unsupported version", "version: 1", "version: 2"),
     ("no models", "models:\n  - name: m", "models: []\nother:\n  - name: m"),
     ("zero dimension", "x: [2, 4]", "x: [2, 0]"),
+    ("zero batch bucket", "inputs: {x: [2, 4]}", "inputs: {x: [2, 4]}\n    batch: [1, 0]"),
+    ("batch bucket not a list", "inputs: {x: [2, 4]}", "inputs: {x: [2, 4]}\n    batch: 8"),
+    ("zero dimension in a bucket shape", "x: [2, 4]", "x: [[1, 4], [2, 0]]"),
     ("string dimension", "x: [2, 4]", 'x: [2, "4"]'),
     ("boolean dimension", "x: [2, 4]", "x: [2, true]"),
     ("string for a boolean", "read_only: false", 'read_only: "no"'),
@@ -244,6 +247,22 @@ def test_schema_and_loader_reject_the_same_mistakes(validator, write, what, old,
     assert schema_errors(validator, text), f"the schema accepts: {what}"
     with pytest.raises(ConfigError):
         load_config(write(text))
+
+
+@pytest.mark.parametrize("inputs", ["inputs: {x: [2, 4]}\n    batch: [8, 1, 2]",
+                                    "inputs: {x: [[1, 4], [2, 4], [8, 4]]}"])
+def test_batch_buckets_in_either_form_are_valid(validator, write, inputs):
+    text = BASE.replace("inputs: {x: [2, 4]}", inputs)
+    assert schema_errors(validator, text) == []
+    model = load_config(write(text)).models[0]
+    assert model.batch == [1, 2, 8] and model.inputs == {"x": (8, 4)}
+
+
+def test_bucket_shapes_differing_beyond_the_batch_are_refused(write):
+    with pytest.raises(ConfigError, match="may differ in dim 0"):
+        load_config(write(BASE.replace("inputs: {x: [2, 4]}", "inputs: {x: [[1, 4], [2, 5]]}")))
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(write(BASE.replace("inputs: {x: [2, 4]}", "inputs: {x: [[1, 4], [2, 4]]}\n    batch: [1, 2]")))
 
 
 def test_a_dask_executor_with_its_address_is_valid(validator, write):

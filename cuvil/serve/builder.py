@@ -8,10 +8,8 @@ source that decides whether a watched change needs a rebuild at all:
 - syntactic: the sha256 of the file's bytes;
 - semantic: a hash of the imported graph (cuvil's CIR after the frontend:
   constants folded, static shapes) that is blind to value and node names and
-  to node order: every value is hashed from the op, attributes and input
-  hashes that make it (a Merkle hash of the dataflow graph), graph inputs by
-  position, name, dtype and shape, constants by their bytes, and the graph by
-  its outputs' names and hashes. A re-export that renames internal values or
+  to node order (cuvil/semantic.py graph_hash, which also keys the build's
+  steps after the import). A re-export that renames internal values or
   reorders nodes hashes the same; a changed weight, op or attribute does not.
 
 Either hash is combined with the model's settings in cuvil.yaml (all but
@@ -32,9 +30,9 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from ..errors import CuvilError
+from ..semantic import graph_hash  # noqa: F401  (the one semantic hash: the build's step keys use it too)
 
 
 
@@ -44,42 +42,6 @@ class BuildFailed(CuvilError):
 
 def _sha(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _canonical(value, subgraph_hash):
-    """An attribute value as plain JSON-able data: arrays by their bytes, subgraphs by their hash."""
-    if isinstance(value, np.ndarray):
-        return ["array", value.dtype.str, list(value.shape), hashlib.sha256(value.tobytes()).hexdigest()]
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v, subgraph_hash) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _canonical(v, subgraph_hash) for k, v in sorted(value.items())}
-    if isinstance(value, (bytes, bytearray)):
-        return ["bytes", hashlib.sha256(bytes(value)).hexdigest()]
-    if isinstance(value, np.generic):
-        return value.item()
-    if hasattr(value, "nodes") and hasattr(value, "values"):  # a CIR subgraph (If / Loop bodies)
-        return ["graph", subgraph_hash(value)]
-    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
-
-
-def graph_hash(graph) -> str:
-    """The semantic hash of a CIR graph: see the module docstring."""
-    hashes = {"": "absent"}
-    for position, name in enumerate(graph.inputs):
-        v = graph.values[name]
-        hashes[name] = _sha("input", position, name, np.dtype(v.dtype).str, list(v.shape))
-    for name, v in graph.values.items():
-        if v.is_const and name not in hashes:
-            data = np.ascontiguousarray(v.data)
-            hashes[name] = _sha("const", data.dtype.str, list(data.shape), hashlib.sha256(data.tobytes()).hexdigest())
-    for node in graph.nodes:  # topological order: every input is hashed before it is read
-        attrs = {k: _canonical(a, graph_hash) for k, a in sorted(node.attrs.items())}
-        inputs = [hashes.get(i, _sha("outer", i)) for i in node.inputs]  # "outer": a subgraph's captured value
-        for index, out in enumerate(node.outputs):
-            if out:
-                hashes[out] = _sha("node", node.domain, node.op, attrs, inputs, index)
-    return _sha("graph", [(name, hashes[name]) for name in graph.outputs])
 
 
 # --- run in the worker process
@@ -181,7 +143,7 @@ def _build_job(config_path: str, name: str, stage: str | None = None) -> dict:
     writes (a 50 MB file written to a busy disk takes ~1 s; the store is a tmpfs where one exists)."""
     import time
 
-    from ..build import install
+    from ..build import install, installed_files
     from ..config import load_config
     from ..project import build_project
     start = time.perf_counter()
@@ -211,7 +173,7 @@ def _build_job(config_path: str, name: str, stage: str | None = None) -> dict:
         try:
             if stage:  # the output folder as `cuvil build` leaves it, from the outputs still in memory
                 for model_name, target, final in result.finals:
-                    install(result.dag.get(final), spec.output_dir / model_name / target)
+                    install(installed_files(result.dag, final), spec.output_dir / model_name / target)
             result.dag.flush()
         except Exception as error:  # noqa: BLE001  reported with the next answer (the build has served)
             _WRITE_ERRORS.append(f"model '{name}': writing the output folder or the step cache after the "

@@ -336,13 +336,7 @@ def _plan_variant_steps(dag, spec, target, base, model_bytes, kind, model_sha, p
     codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
                            _with_original_names(lambda d, g: _run_codegen(d, g, params), f"{base}/import"),
                            pack_files, unpack_files))
-    link_name = _add_link(dag, spec, target, codegen, f"{base}/link", spec.link)
-    if spec.precision == "fp32":
-        return link_name
-    # The measurement loads a shared library: a static-only variant links one beside its archive.
-    measured = link_name if spec.link != "static" else _add_link(dag, spec, target, codegen, f"{base}/link:shared",
-                                                                 "shared")
-    return _plan_accuracy(dag, spec, base, link_name, measured)
+    return _plan_link(dag, spec, target, base, codegen)
 
 
 def _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options, semantic_key=True):
@@ -523,9 +517,16 @@ def _plan_batched(dag, spec, target, base, model_bytes, kind, model_sha, pass_na
                            _with_original_names(lambda d, *graphs: _run_codegen_batched(d, graphs, params, batches),
                                                 f"{base}/batch-{batches[-1]}/import"),
                            pack_files, unpack_files))
+    return _plan_link(dag, spec, target, base, codegen)
+
+
+def _plan_link(dag: StepGraph, spec: VariantSpec, target, base: str, codegen: str) -> str:
+    """The link step of a variant and, for a reduced precision, the accuracy step measuring it; returns
+    the variant's last step."""
     link_name = _add_link(dag, spec, target, codegen, f"{base}/link", spec.link)
     if spec.precision == "fp32":
         return link_name
+    # The measurement loads a shared library: a static-only variant links one beside its archive.
     measured = link_name if spec.link != "static" else _add_link(dag, spec, target, codegen, f"{base}/link:shared",
                                                                  "shared")
     return _plan_accuracy(dag, spec, base, link_name, measured)

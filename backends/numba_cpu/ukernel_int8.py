@@ -636,6 +636,28 @@ class Int8DwSpec(Declared):
         return typed_declaration(self, var, {i: types[n] for i, n in enumerate(DW_ARG_NAMES) if n in types})
 
 
+def _dw_rows(ir: IRBuilder, spec, acc: str, xo: str, offset: int, index: str, weights: list, vb: str,
+             vi: str) -> str:
+    """The taps of one depthwise output vector, one kernel row per `vpdpbusd`: each row's input window
+    (at byte `xo` + `offset` + row * dilation * padded width from %xbase) loaded, its taps gathered
+    into dword groups by `index`, and dotted with that row's weights. Returns the accumulator."""
+    for r, w in enumerate(weights):
+        at = ir.tmp("xo")
+        ir(f"{at} = add i64 {xo}, {offset + r * spec.d * spec.wp}")
+        ptr = ir.tmp("xp")
+        ir(f"{ptr} = getelementptr i8, ptr %xbase, i64 {at}")
+        raw = ir.tmp("xr")
+        ir(f"{raw} = load {vb}, ptr {ptr}, align 1")
+        win = ir.tmp("xw")
+        ir(f"{win} = shufflevector {vb} {raw}, {vb} poison, <64 x i32> <{index}>")
+        wi = ir.tmp("xi")
+        ir(f"{wi} = bitcast {vb} {win} to {vi}")
+        out = ir.tmp("d")
+        ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {acc}, {vi} {wi}, {vi} {w})")
+        acc = out
+    return acc
+
+
 def int8_dw_ir(spec: Int8DwSpec, vector_bits: int = 512) -> str:
     vi, vf, vb = "<16 x i32>", "<16 x float>", "<64 x i8>"
     lo, hi = _RANGE[spec.out]
@@ -667,20 +689,7 @@ def int8_dw_ir(spec: Int8DwSpec, vector_bits: int = 512) -> str:
         ir(f"{base} = add i64 %p, {16 * g}")
         xo = ir.tmp("xo")
         ir(f"{xo} = mul i64 {base}, {spec.s}")
-        for r in range(spec.kh):
-            xo2 = ir.tmp("xo")
-            ir(f"{xo2} = add i64 {xo}, {r * spec.d * spec.wp}")
-            ptr = ir.tmp("xp")
-            ir(f"{ptr} = getelementptr i8, ptr %xbase, i64 {xo2}")
-            raw = ir.tmp("xr")
-            ir(f"{raw} = load {vb}, ptr {ptr}, align 1")
-            win = ir.tmp("xw")
-            ir(f"{win} = shufflevector {vb} {raw}, {vb} poison, <64 x i32> <{index}>")
-            wi = ir.tmp("xi")
-            ir(f"{wi} = bitcast {vb} {win} to {vi}")
-            out = ir.tmp("d")
-            ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {acc}, {vi} {wi}, {vi} {wrow[r]})")
-            acc = out
+        acc = _dw_rows(ir, spec, acc, xo, 0, index, [wrow[r] for r in range(spec.kh)], vb, vi)
         f = ir.tmp("f")
         ir(f"{f} = sitofp {vi} {acc} to {vf}")
         y = ir.tmp("y")
@@ -826,20 +835,8 @@ def int8_dw_quad_ir(spec: Int8DwQuadSpec, vector_bits: int = 512) -> str:
         packed = {}
         for h in range(4):
             acc = csplat[h]
-            for r in range(spec.kh):
-                xo = ir.tmp("xo")
-                ir(f"{xo} = add i64 %xo, {h * spec.xplane + v * 16 * spec.s + r * spec.d * spec.wp}")
-                ptr = ir.tmp("xp")
-                ir(f"{ptr} = getelementptr i8, ptr %xbase, i64 {xo}")
-                raw = ir.tmp("xr")
-                ir(f"{raw} = load {vb}, ptr {ptr}, align 1")
-                win = ir.tmp("xw")
-                ir(f"{win} = shufflevector {vb} {raw}, {vb} poison, <64 x i32> <{index}>")
-                wi = ir.tmp("xi")
-                ir(f"{wi} = bitcast {vb} {win} to {vi}")
-                out = ir.tmp("d")
-                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {acc}, {vi} {wi}, {vi} {wrow[h, r]})")
-                acc = out
+            acc = _dw_rows(ir, spec, acc, "%xo", h * spec.xplane + v * 16 * spec.s, index,
+                           [wrow[h, r] for r in range(spec.kh)], vb, vi)
             f = ir.tmp("f")
             ir(f"{f} = sitofp {vi} {acc} to {vf}")
             y = ir.tmp("y")

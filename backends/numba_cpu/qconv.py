@@ -39,6 +39,27 @@ from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
 from .ukernel_int8 import Int8ConvBlendSpec, Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec
 
+
+def node_input(node, graph, k):
+    """Input k of `node` as a graph value, or None where it is absent or empty (an optional input)."""
+    name = node.inputs[k] if len(node.inputs) > k else ""
+    return graph.values[name] if name else None
+
+
+def conv_pads(node, in_spatial, kernel, strides, dilations, out_spatial):
+    """The leading pads of a ConvInteger/QLinearConv node, `auto_pad` resolved."""
+    n = len(in_spatial)
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    if auto_pad == "VALID":
+        return [0] * n
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        heads = []
+        for i in range(n):
+            total = max(0, (out_spatial[i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - in_spatial[i])
+            heads.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+        return heads
+    return list(node.attr("pads", [0] * 2 * n))[:n]
+
 MIN_SPLIT_OPS = 1 << 21
 
 
@@ -182,18 +203,6 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, qua
     zero_y = int(np.asarray(zy.data).reshape(-1)[0]) if zy is not None else 0
     slack = (chunks * NR - flat + ((KH - 1) * dil[0] // s + 1) * Wps + NR) * 4
     return dict(locals())
-
-
-def vnni_conv_plan(node, graph) -> dict | None:
-    """_vnni_plan of a QLinearConv node, its inputs read from the graph as quant.py reads them."""
-    from .quant import _conv_pads, _input
-    x, sx, zx, w, sw, zw, sy, zy, bias = (_input(node, graph, k) for k in range(9))
-    y = graph.values[node.outputs[0]]
-    if len(x.shape) != 4 or len(y.shape) != 4 or len(w.shape) != 4:
-        return None
-    pads = _conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
-                      list(node.attr("dilations", [1, 1])), list(y.shape[2:]))
-    return _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
 
 
 def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> list | None:
@@ -411,12 +420,11 @@ def _dw_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads) -> dict | None:
 
 def _node_plan(planner, node, graph) -> dict | None:
     """`planner` (_vnni_plan or _dw_plan) of a QLinearConv node, its inputs read as quant.py reads them."""
-    from .quant import _conv_pads, _input
-    x, sx, zx, w, sw, zw, sy, zy, bias = (_input(node, graph, k) for k in range(9))
+    x, sx, zx, w, sw, zw, sy, zy, bias = (node_input(node, graph, k) for k in range(9))
     y = graph.values[node.outputs[0]]
     if len(x.shape) != 4 or len(y.shape) != 4 or len(w.shape) != 4:
         return None
-    pads = _conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
+    pads = conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
                       list(node.attr("dilations", [1, 1])), list(y.shape[2:]))
     return planner(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads)
 

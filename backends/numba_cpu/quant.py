@@ -23,6 +23,7 @@ import numpy as np
 from cuvil.errors import UnsupportedOpError
 
 from . import qconv, qgemm
+from .qconv import conv_pads, node_input
 from .kernel import Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal
 from .narrow import SMALL_FLOATS, SMALL_INTS, load, pointer_type, store, with_helpers
 
@@ -37,11 +38,6 @@ _FLOATS = {"float32", "float64", "float16"}
 
 def _unsupported(node, why):
     return UnsupportedOpError(f"node '{node.name}' ({node.op}): {why}")
-
-
-def _input(node, graph, k):
-    name = node.inputs[k] if len(node.inputs) > k else ""
-    return graph.values[name] if name else None
 
 
 def _check(node, value, allowed):
@@ -176,7 +172,7 @@ def _saturate(expr, dtype):
 
 
 def lower_quantize_linear(node, graph) -> Lowered:
-    x, scale, zero = (_input(node, graph, k) for k in range(3))
+    x, scale, zero = (node_input(node, graph, k) for k in range(3))
     y = graph.values[node.outputs[0]]
     _check(node, x, {"float32", "float64"})
     _check(node, scale, {"float32", "float64"})
@@ -193,7 +189,7 @@ def lower_quantize_linear(node, graph) -> Lowered:
 
 
 def lower_dequantize_linear(node, graph) -> Lowered:
-    x, scale, zero = (_input(node, graph, k) for k in range(3))
+    x, scale, zero = (node_input(node, graph, k) for k in range(3))
     y = graph.values[node.outputs[0]]
     _check(node, x, _QUANTIZED | {"int32"})
     _check(node, scale, _FLOATS)
@@ -376,7 +372,7 @@ def _vnni_operands(node, graph, A, B, za, zb, Y):
 
 
 def lower_matmul_integer(node, graph) -> Lowered:
-    A, B, za, zb = (_input(node, graph, k) for k in range(4))
+    A, B, za, zb = (node_input(node, graph, k) for k in range(4))
     Y = graph.values[node.outputs[0]]
     for v in (A, B):
         _check(node, v, {"uint8", "int8"})
@@ -418,7 +414,7 @@ def lower_matmul_integer(node, graph) -> Lowered:
 
 
 def lower_qlinear_matmul(node, graph) -> Lowered:
-    a, sa, za, b, sb, zb, sy, zy = (_input(node, graph, k) for k in range(8))
+    a, sa, za, b, sb, zb, sy, zy = (node_input(node, graph, k) for k in range(8))
     Y = graph.values[node.outputs[0]]
     for v in (a, b, Y):
         _check(node, v, {"uint8", "int8"})
@@ -475,20 +471,6 @@ def lower_qlinear_matmul(node, graph) -> Lowered:
 
 # ---------------------------------------------------------------- ConvInteger / QLinearConv
 
-def _conv_pads(node, in_spatial, kernel, strides, dilations, out_spatial):
-    n = len(in_spatial)
-    auto_pad = node.attr("auto_pad", "NOTSET")
-    if auto_pad == "VALID":
-        return [0] * n
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        heads = []
-        for i in range(n):
-            total = max(0, (out_spatial[i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - in_spatial[i])
-            heads.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
-        return heads
-    return list(node.attr("pads", [0] * 2 * n))[:n]
-
-
 def _integer_conv(node, graph, family, x, zx, w, zw, bias, y, requant):
     """Direct convolution in int32, one (image, output channel) plane per item; `requant` is
     None (ConvInteger: store the int32 sum) or args -> (multiplier lines, expression, wide, zero
@@ -503,7 +485,7 @@ def _integer_conv(node, graph, family, x, zx, w, zw, bias, y, requant):
     n = len(in_spatial)
     strides = list(node.attr("strides", [1] * n))
     dilations = list(node.attr("dilations", [1] * n))
-    pads = _conv_pads(node, in_spatial, kernel, strides, dilations, out_spatial)
+    pads = conv_pads(node, in_spatial, kernel, strides, dilations, out_spatial)
     args = _Args()
     px = args.add(x.name, x.dtype)
     if w.is_const and (zw is None or zw.is_const):
@@ -554,20 +536,20 @@ def _integer_conv(node, graph, family, x, zx, w, zw, bias, y, requant):
 
 
 def lower_conv_integer(node, graph) -> Lowered:
-    x, w, zx, zw = (_input(node, graph, k) for k in range(4))
+    x, w, zx, zw = (node_input(node, graph, k) for k in range(4))
     y = graph.values[node.outputs[0]]
     return _integer_conv(node, graph, "ConvInteger", x, zx, w, zw, None, y, None)
 
 
 def lower_qlinear_conv(node, graph) -> Lowered:
-    x, sx, zx, w, sw, zw, sy, zy, bias = (_input(node, graph, k) for k in range(9))
+    x, sx, zx, w, sw, zw, sy, zy, bias = (node_input(node, graph, k) for k in range(9))
     y = graph.values[node.outputs[0]]
     _check(node, y, {"uint8", "int8"})
     for v in (sx, sw, sy):
         _check(node, v, {"float32", "float16"})
     pads = None
     if len(x.shape) == 4 and len(y.shape) == 4 and len(w.shape) == 4:
-        pads = _conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
+        pads = conv_pads(node, list(x.shape[2:]), list(w.shape[2:]), list(node.attr("strides", [1, 1])),
                           list(node.attr("dilations", [1, 1])), list(y.shape[2:]))
     fast = None
     if pads is not None:
@@ -589,7 +571,7 @@ def lower_qlinear_conv(node, graph) -> Lowered:
 def lower_fused_matmul_integer(node, graph) -> Lowered:
     """FusedMatMulInteger(A, B, a_zero, b_zero, a_scale, b_scale, bias, y_scale, y_zero), see
     passes/fold_qdq.py: the VNNI kernel (qgemm.py), else one scalar loop of the same arithmetic."""
-    A, B, za, zb, sa, sb, bias, sy, zy = (_input(node, graph, k) for k in range(9))
+    A, B, za, zb, sa, sb, bias, sy, zy = (node_input(node, graph, k) for k in range(9))
     Y = graph.values[node.outputs[0]]
     _check(node, A, {"uint8", "int8"})
     if not B.is_const or len(B.shape) != 2 or (zb is not None and not zb.is_const) or not sb.is_const:
@@ -658,7 +640,7 @@ def lower_qlinear_add(node, graph) -> Lowered:
     loop. The products and the sum round as DequantizeLinear and Add do; the reciprocal multiply
     (fast-math's form of the division) can put a sum within an ulp of a .5 boundary on the other
     step."""
-    a, sa, za, b, sb, zb, sy, zy = (_input(node, graph, k) for k in range(8))
+    a, sa, za, b, sb, zb, sy, zy = (node_input(node, graph, k) for k in range(8))
     y = graph.values[node.outputs[0]]
     for v in (a, b, y):
         _check(node, v, {"uint8", "int8"})
@@ -679,7 +661,7 @@ def lower_qlinear_add(node, graph) -> Lowered:
 
 def lower_qlookup(node, graph) -> Lowered:
     """QLookup(x, table) (domain "cuvil", passes/fold_qdq.py): y = table[x - min(x's dtype)], x 8-bit."""
-    x, table = (_input(node, graph, k) for k in range(2))
+    x, table = (node_input(node, graph, k) for k in range(2))
     y = graph.values[node.outputs[0]]
     _check(node, x, {"uint8", "int8"})
     offset = 128 if np.dtype(x.dtype).name == "int8" else 0

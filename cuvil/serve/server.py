@@ -76,8 +76,8 @@ class CollectorWatch:
 
     A collection holds the GIL: while it runs, the event loop reads nothing and no compute thread
     starts or hands back a run. A full collection walks every object the process tracks, and most of
-    them are the ones start-up made (modules, the libraries, aiohttp's and numpy's state: ~57k objects,
-    a full collection 18-36 ms on this two-core machine under load). Once the models are loaded those
+    them are the ones start-up made (modules, aiohttp's, uvloop's and numpy's state: ~58k objects, a
+    full collection 18-94 ms on a busy two-core machine). Once the models are loaded those
     objects are frozen (`gc.freeze`: moved out of the generations the collector walks; they live as
     long as the server anyway), so a collection walks only what was made since. Each collection's
     time goes to `cuvil_gc_pause_seconds{generation}`."""

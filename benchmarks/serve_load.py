@@ -42,6 +42,7 @@ in this process. Phases:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -57,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import gevent  # noqa: E402  (tritonclient.http runs on gevent; greenlets are the load generator)
+import gevent.pool  # noqa: E402
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
@@ -127,9 +129,10 @@ def write_project(folder: Path, resnet: bool, cache: Path, mlps: bool = True) ->
 
 
 class ServerProcess:
-    def __init__(self, config: Path, lifetime: float, workers: int | None):
+    def __init__(self, config: Path, lifetime: float, workers: int | None, nice_lower: int | None = None):
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         extra = ["--workers", str(workers)] if workers else []
+        extra += ["--nice-lower", str(nice_lower)] if nice_lower is not None else []
         self.proc = subprocess.Popen([sys.executable, "-m", "cuvil", "serve", "-f", str(config), "--port", "0",
                                       "--stop-after", str(lifetime), *extra], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
@@ -169,6 +172,8 @@ class ServerProcess:
 
 
 # --- one request
+
+NOT_SENT = -2  # the status of an arrival the client did not send: all its connections were busy
 
 class Recorder:
     def __init__(self, timing=False):
@@ -262,10 +267,15 @@ def open_loop_processes(port, rate, seconds) -> Recorder:
     return rec
 
 
-def open_loop(client, rate, seconds, timing=False) -> Recorder:
-    """Poisson arrivals of the request mix at `rate` per second for `seconds`."""
+def open_loop(client, rate, seconds, timing=False, limit=256) -> Recorder:
+    """Poisson arrivals of the request mix at `rate` per second for `seconds`, at most `limit` in flight
+    (the client's connections): an arrival while every connection is busy is recorded as NOT_SENT and
+    reported, not queued in the client, where its wait for a connection would count as the server's
+    latency (a pool of greenlets, so finished ones are not kept either: a list of every greenlet of
+    the phase made the client's garbage collections longer as the phase went on)."""
     rec, rng, xs = Recorder(timing), np.random.default_rng(2), inputs()
-    greenlets, t0 = [], time.perf_counter()
+    pool = gevent.pool.Pool(limit)
+    t0 = time.perf_counter()
     t = t0
     while t - t0 < seconds:
         t += rng.exponential(1 / rate)
@@ -273,9 +283,40 @@ def open_loop(client, rate, seconds, timing=False) -> Recorder:
         if delay > 0:
             gevent.sleep(delay)
         model = pick(rng)
-        greenlets.append(gevent.spawn(rec.send, client, model, xs[model], t))
-    gevent.joinall(greenlets, timeout=120)
+        if pool.full():
+            now = time.perf_counter()
+            rec.rows.append((model, t, now, NOT_SENT, None, "every connection of the client busy", now, None))
+        else:
+            pool.spawn(rec.send, client, model, xs[model], t)
+    pool.join(timeout=120)
     return rec
+
+
+class Pauses:
+    """This process's garbage collections while it generates load (gc.callbacks): a collection stops
+    every greenlet, so a long one is the client's lag, not the server's latency. Entering collects
+    and freezes what exists (the phase's collections then walk only its own objects)."""
+
+    def __enter__(self):
+        gc.collect()
+        gc.freeze()
+        self.times, self._start = [], None
+        gc.callbacks.append(self._callback)
+        return self
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.times.append(time.perf_counter() - self._start)
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+        gc.unfreeze()
+
+    def summary(self) -> dict:
+        return {"collections": len(self.times), "total_ms": 1000 * sum(self.times),
+                "max_ms": 1000 * max(self.times, default=0.0)}
 
 
 def percentile(values, q):
@@ -287,16 +328,18 @@ def class_table(rec: Recorder, seconds: float) -> dict:
     for name, (priority, deadline, *_rest) in MODELS.items():
         rows = [r for r in rec.rows if r[0] == name]
         ok = [(r[2] - r[1]) * 1000 for r in rows if r[3] == 200]
+        rows_sent = [r for r in rows if r[3] != NOT_SENT]
         from_send = [(r[2] - r[6]) * 1000 for r in rows if r[3] == 200]
         table[name] = {
             "priority": priority, "deadline_ms": deadline, "sent": len(rows), "answered": len(ok),
             "rejected_429": sum(r[3] == 429 for r in rows), "shed_503": sum(r[3] == 503 for r in rows),
-            "other_failures": sum(r[3] not in (200, 429, 503) for r in rows),
+            "other_failures": sum(r[3] not in (200, 429, 503, NOT_SENT) for r in rows),
+            "not_sent_client_busy": sum(r[3] == NOT_SENT for r in rows),
             "p50_ms": percentile(ok, 50), "p99_ms": percentile(ok, 99),
             "within_deadline": (sum(v <= deadline for v in ok) / len(ok)) if ok else float("nan"),
             "p99_from_send_ms": percentile(from_send, 99),
             "within_deadline_from_send": (sum(v <= deadline for v in from_send) / len(ok)) if ok else float("nan"),
-            "client_lag_p99_ms": percentile([(r[6] - r[1]) * 1000 for r in rows], 99),
+            "client_lag_p99_ms": percentile([(r[6] - r[1]) * 1000 for r in rows_sent], 99),
             "answers_per_s": len(ok) / seconds}
         timed = [r for r in rows if r[3] == 200 and r[7]]
         if timed:
@@ -336,6 +379,15 @@ def server_means(port) -> dict:
                 match = re.search(rf'^cuvil_{what}_seconds_{suffix}{{model="{name}"}} (\S+)$', text, re.M)
                 values.append(float(match.group(1)) if match else 0.0)
             found[(what, name)] = tuple(values)
+    for generation in "012":  # the server's garbage collections (cuvil_gc_pause_seconds)
+        values = []
+        for suffix in ("sum", "count"):
+            match = re.search(rf'^cuvil_gc_pause_seconds_{suffix}{{generation="{generation}"}} (\S+)$', text, re.M)
+            values.append(float(match.group(1)) if match else 0.0)
+        found[("gc", generation)] = tuple(values)
+        under = re.search(rf'^cuvil_gc_pause_seconds_bucket{{generation="{generation}",le="0.005"}} (\S+)$',
+                          text, re.M)
+        found[("gc>5ms", generation)] = (values[1] - (float(under.group(1)) if under else 0.0),)
     return found
 
 
@@ -354,8 +406,11 @@ def main():
     parser.add_argument("--seconds", type=float, default=20, help="length of the overload phase")
     parser.add_argument("--swaps", type=int, default=20)
     parser.add_argument("--overload", type=float, default=2.0, help="offered load / measured capacity")
+    parser.add_argument("--rate", type=float, help="offered load in requests/s instead of --overload x capacity "
+                        "(to compare two servers at one rate; the capacity is still measured and reported)")
     parser.add_argument("--resnet", action="store_true", help="also time a one-weight change of ResNet-18")
     parser.add_argument("--workers", type=int, help="the server's compute threads (default: its own, the cores)")
+    parser.add_argument("--nice-lower", type=int, help="the server's --nice-lower (default: its own)")
     parser.add_argument("--rebuilds", type=int, metavar="N",
                         help="only phase 5: a server of ResNet-18 alone, its one-weight change timed N times")
     parser.add_argument("--cache", type=Path, default=ROOT / ".cuvil-cache" / "bench", help="the step cache")
@@ -371,7 +426,7 @@ def main():
         folder = Path(tmp)
         config = write_project(folder, args.resnet, args.cache)
         print("building and starting the server...", flush=True)
-        server = ServerProcess(config, lifetime=3600, workers=args.workers)
+        server = ServerProcess(config, lifetime=3600, workers=args.workers, nice_lower=args.nice_lower)
         client = triton.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=256,
                                               connection_timeout=60, network_timeout=120)
         try:
@@ -381,19 +436,28 @@ def main():
                 raise SystemExit("no answers in the capacity phase:\n" + "".join(server.lines[-20:]))
             report["capacity_per_s"] = capacity
             print(f"capacity (closed loop): {capacity:.0f} answers/s", flush=True)
+            offered = args.rate or args.overload * capacity
             before = server_means(server.port)
             load_before = os.getloadavg()
             cpu_before, client_cpu_before = server.cpu_seconds(), time.process_time()
-            if args.client_per_class:
-                rec = open_loop_processes(server.port, args.overload * capacity, args.seconds)
-            else:
-                rec = open_loop(client, args.overload * capacity, args.seconds, timing=True)
+            with Pauses() as client_pauses:
+                if args.client_per_class:
+                    rec = open_loop_processes(server.port, offered, args.seconds)
+                else:
+                    rec = open_loop(client, offered, args.seconds, timing=True)
             report["overload"] = {"server_cpu_cores": (server.cpu_seconds() - cpu_before) / args.seconds,
-                                  "client_cpu_cores": (time.process_time() - client_cpu_before) / args.seconds}
+                                  "client_cpu_cores": (time.process_time() - client_cpu_before) / args.seconds,
+                                  "client_gc": client_pauses.summary()}
             report["load_average_overload"] = [load_before, os.getloadavg()]
-            report["overload"].update({"offered_per_s": args.overload * capacity, "seconds": args.seconds,
+            report["overload"].update({"offered_per_s": offered, "offered_over_capacity": offered / capacity,
+                                       "seconds": args.seconds,
                                        "classes": class_table(rec, args.seconds)})
             after = server_means(server.port)
+            report["overload"]["server_gc"] = {
+                generation: {"collections": after[("gc", generation)][1] - before[("gc", generation)][1],
+                             "total_ms": 1000 * (after[("gc", generation)][0] - before[("gc", generation)][0]),
+                             "over_5ms": after[("gc>5ms", generation)][0] - before[("gc>5ms", generation)][0]}
+                for generation in "012"}
             for name, row in report["overload"]["classes"].items():
                 for what in ("queue", "compute"):
                     total = after[(what, name)][0] - before[(what, name)][0]

@@ -9,6 +9,7 @@ last in this file because they change that model.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import http.client
 import json
@@ -353,6 +354,20 @@ def test_metrics_count_requests_and_compute_time(server):
     after, text = _requests_total(server, "affine")
     assert after - before >= 5
     assert 'cuvil_request_failures_total{model="affine",reason="bad_request"}' in text
+
+
+def test_startup_objects_are_frozen_and_collections_are_measured(server):
+    """The objects of start-up are out of the collector's reach while serving (CollectorWatch), and
+    every collection's time is in cuvil_gc_pause_seconds; the answers stay right."""
+    assert gc.get_freeze_count() > 0
+    gc.collect()  # a full collection on this thread: the server's callback measures it
+    text = raw(server, "GET", "/metrics")[2].decode()
+    assert 'cuvil_gc_pause_seconds_count{generation="2"}' in text
+    count = float(next(l.split()[-1] for l in text.splitlines()
+                       if l.startswith('cuvil_gc_pause_seconds_count{generation="2"}')))
+    assert count >= 1
+    x = x_affine(3)
+    assert_close(infer(client(server), "affine", x).as_numpy("y"), run_ort(affine_model(), {"x": x})["y"])
 
 
 # --- hot updates of `scale` (they change it: keep them last)

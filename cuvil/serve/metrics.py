@@ -27,6 +27,10 @@ class Metrics:
         self.swaps = Counter("cuvil_swaps", "Hot updates by result (swapped, unchanged, signature_changed, "
                              "build_failed)", ["model", "result"], registry=r)
         self.ready = Gauge("cuvil_model_ready", "1 while a version of the model is loaded", ["model"], registry=r)
+        # a collection holds the GIL: the event loop and every compute thread wait for it
+        self.gc_pause_seconds = Histogram("cuvil_gc_pause_seconds", "Time the server's garbage collections took "
+                                          "(every thread waits for them)", ["generation"], buckets=BUCKETS,
+                                          registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

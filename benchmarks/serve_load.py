@@ -1,12 +1,21 @@
 """`cuvil serve` under load, on loopback: scheduling at ~2x capacity, hot swaps, memory per model.
 
-A temporary project holds three MLPs with different `serve:` classes
+A temporary project holds three models with different `serve:` classes
+(`--models zoo`, the default: the benchmark zoo's models, benchmarks/bench.py,
+seeded random weights)
+
+    lstm      critical  deadline  50 ms  2-layer LSTM, hidden 128, x [32, 1, 64]
+    encoder   normal    deadline 200 ms  BERT-style encoder, 4 layers, d 256, x [1, 128, 256]
+    resnet18  low       deadline 1 s     ResNet-18, input [1, 3, 224, 224], max_concurrency 1
+
+or (`--models mlp`, a quicker run) three MLPs
 
     fraud   critical  deadline  50 ms   [16, 512] -> 1024 -> 1024 -> 2
     ranker  normal    deadline 200 ms   [32, 1024] -> 1024 -> 1024 -> 1024 -> 1
     batch   low       deadline 1 s      [64, 1024] -> 2048 -> 2048 -> 10
 
-(and, with --resnet, a ResNet-18 [1, 3, 224, 224] at low priority). The
+(and, with --resnet, a ResNet-18 [1, 3, 224, 224] at low priority outside the
+request mix). The
 server runs as its own process (`python -m cuvil serve --port 0`, loopback,
 `--stop-after` bounds its life); the clients are tritonclient.http greenlets
 in this process. Phases:
@@ -23,12 +32,16 @@ in this process. Phases:
    where the time went by the server's own clock (request parameter
    `cuvil_timing`: send -> handler, parse, queue, compute, back to the event
    loop, answer -> client; p50/p99 and the mean over the slowest 1 %); the
-   server's and the client's CPU (cores) during the phase;
-4. hot swaps: at half capacity, `--swaps` rewrites of fraud.onnx with new
-   weights, then one semantically null edit (internal names changed). Every
-   answer is checked against onnxruntime on the weights of the version that
-   answered; reports failed requests, time from the write to the first new
-   answer, the longest gap between two answers of fraud (and the median gap);
+   server's and the client's CPU (cores) during the phase; every 10th
+   answer checked against onnxruntime (max |diff| / max |ref| <= 1e-4);
+4. hot swaps: requests for the swapped model alone (resnet18; fraud with
+   --models mlp) at a constant half of its own capacity (closed loop on it
+   alone, measured just before), `--swaps` rewrites of its file with new
+   weights (ResNet-18: one weight changed; an MLP: all new), then one
+   semantically null edit (internal names changed). Every answer is checked
+   against onnxruntime on the weights of the version that answered; reports
+   failed requests, time from the write to the first new answer, the longest
+   gap between two answers of that model (and the median gap);
 5. with --resnet: one weight of ResNet-18 changed; time from the write until
    the first answer of the new version (the metadata names it, then one
    request), and the parts of the server's own measure (watch notice, diff,
@@ -36,12 +49,15 @@ in this process. Phases:
    runs this phase alone N times on a server of ResNet-18 alone and reports
    the medians.
 
-    python benchmarks/serve_load.py [--seconds 20] [--swaps 20] [--overload 2] [--resnet] [--json out.json]
+    python benchmarks/serve_load.py [--models zoo|mlp] [--seconds 20] [--swaps 20] [--overload 2] [--resnet]
+                                    [--json out.json]
     python benchmarks/serve_load.py --rebuilds 12
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import gc
 import json
 import os
@@ -52,7 +68,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,19 +83,26 @@ import onnxruntime as ort  # noqa: E402
 import tritonclient.http as triton  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
-MODELS = {  # name: (priority, deadline_ms, batch, layer sizes, share of the requests, max_concurrency)
-    "fraud": ("critical", 50, 16, (512, 1024, 1024, 2), 0.3, 2),
-    "ranker": ("normal", 200, 32, (1024, 1024, 1024, 1024, 1), 0.4, 2),
-    # its runs are the longest (~13 ms): on one core at most, so a critical request never waits for two
-    "batch": ("low", 1000, 64, (1024, 2048, 2048, 10), 0.3, 1),
-}
+@dataclass(frozen=True)
+class Spec:
+    """One served model of the load: its `serve:` class, its share of the requests, and its versions
+    (`make(0, salt)` the first; `make(k, salt)` the file the k-th hot swap writes, its weights new for
+    each `salt`: a run's builds are never step-cache hits of an earlier run's)."""
+    priority: str
+    deadline_ms: int
+    share: float
+    concurrency: int  # max_concurrency
+    make: Callable[[int, int], onnx.ModelProto]
+    input: str
+    shape: tuple
+    output: str
 
 
-def mlp(batch, sizes, seed, rename=False):
+def mlp(batch, sizes, seed):
     rng = np.random.default_rng(seed)
     nodes, inits, last = [], {}, "x"
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        tag = f"renamed{i}" if rename else f"l{i}"
+        tag = f"l{i}"
         w, bias = f"{tag}_w", f"{tag}_b"
         inits[w] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
         inits[bias] = (0.1 * rng.standard_normal(b)).astype(np.float32)
@@ -95,6 +120,93 @@ def mlp(batch, sizes, seed, rename=False):
     return model
 
 
+def mlp_spec(priority, deadline, batch, sizes, share, concurrency) -> Spec:
+    return Spec(priority, deadline, share, concurrency,
+                lambda seed, salt: mlp(batch, sizes, (salt, seed) if seed else 0), "x", (batch, sizes[0]), "y")
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_model(name: str) -> onnx.ModelProto:
+    """The benchmark zoo's model (benchmarks/bench.py MODELS: seeded random weights, exported by torch)."""
+    from benchmarks import bench
+    module, shapes = bench.MODELS[name]()
+    from tests import zoo
+    return zoo.export(module, shapes)
+
+
+def one_weight_edit(model: onnx.ModelProto, seed: int, salt: int) -> onnx.ModelProto:
+    """`model` with one value of its largest weight changed by 0.5 x seed (+ 1e-4 x salt, salt < 1000):
+    two versions differ by >= 0.5 in that weight, which moves ResNet-18's output by ~4e-4 of its
+    largest value per 0.25, above the 1e-4 of the answers' check, so a check against the wrong version
+    fails."""
+    model = copy.deepcopy(model)
+    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    array = numpy_helper.to_array(init).copy()
+    array.flat[0] += 0.5 * seed + 1e-4 * salt
+    init.CopyFrom(numpy_helper.from_array(array, init.name))
+    return model
+
+
+def rename_internal(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same graph with every internal value, weight and node renamed (graph inputs and outputs
+    keep their names): a semantically null edit (no subgraphs: the models here have none)."""
+    model = copy.deepcopy(model)
+    graph = model.graph
+    keep = {v.name for v in graph.input} | {v.name for v in graph.output} | {""}
+    names = {}
+
+    def new(name):
+        return name if name in keep else names.setdefault(name, f"renamed{len(names)}")
+
+    for init in graph.initializer:
+        init.name = new(init.name)
+    for i, node in enumerate(graph.node):
+        node.name = f"renamed_node{i}"
+        node.input[:] = [new(n) for n in node.input]
+        node.output[:] = [new(n) for n in node.output]
+    for info in graph.value_info:
+        info.name = new(info.name)
+    return model
+
+
+def zoo_spec(name, priority, deadline, share, concurrency, shape, input_name="x") -> Spec:
+    return Spec(priority, deadline, share, concurrency,
+                lambda seed, salt: one_weight_edit(zoo_model(name), seed, salt) if seed else zoo_model(name),
+                input_name, shape, "output")
+
+
+# the model sets (--models): the classes as docs/serving.md describes them, each one model, the
+# request mix 30/40/30; and the model whose file the hot-swap phase rewrites
+MODEL_SETS = {
+    # the issue's three models: the design document's fraud detector is an LSTM (critical, the
+    # shortest runs), a BERT-style encoder ranks (normal), ResNet-18 classifies in bulk (low)
+    "zoo": ({"lstm": zoo_spec("lstm", "critical", 50, 0.3, 2, (32, 1, 64)),
+             "encoder": zoo_spec("encoder", "normal", 200, 0.4, 2, (1, 128, 256)),
+             # its runs are the longest: on one core at most, so a critical request never waits for two
+             "resnet18": zoo_spec("resnet18", "low", 1000, 0.3, 1, (1, 3, 224, 224), "input")},
+            "resnet18"),
+    # three MLPs: a quicker run (small libraries, builds of seconds)
+    "mlp": ({"fraud": mlp_spec("critical", 50, 16, (512, 1024, 1024, 2), 0.3, 2),
+             "ranker": mlp_spec("normal", 200, 32, (1024, 1024, 1024, 1024, 1), 0.4, 2),
+             # its runs are the longest (~13 ms): on one core at most
+             "batch": mlp_spec("low", 1000, 64, (1024, 2048, 2048, 10), 0.3, 1)},
+            "fraud"),
+}
+MODELS: dict[str, Spec] = {}
+SWAPPED = ""
+
+
+def select(models: str) -> None:
+    global MODELS, SWAPPED
+    MODELS, SWAPPED = MODEL_SETS[models]
+
+
+def select_none() -> None:
+    """No model under load (`--rebuilds`: a server of ResNet-18 alone)."""
+    global MODELS, SWAPPED
+    MODELS, SWAPPED = {}, ""
+
+
 def save(model, path: Path):
     save_bytes(model.SerializeToString(), path)
 
@@ -106,21 +218,25 @@ def save_bytes(data: bytes, path: Path):
 
 
 def ort_session(model):
+    """onnxruntime on one thread, for `model` (a ModelProto or its bytes)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
 
-def write_project(folder: Path, resnet: bool, cache: Path, mlps: bool = True) -> Path:
+def write_project(folder: Path, resnet: bool, cache: Path) -> Path:
+    """The project: every model of MODELS at its first version, and with `resnet` ResNet-18 (low
+    priority, not in the request mix) when MODELS has none."""
     (folder / "models").mkdir(parents=True)
     lines = ["version: 1", "output_dir: out", f"cache: {{dir: {cache}}}", "models:"]
-    for name, (priority, deadline, batch, sizes, _, concurrency) in (MODELS.items() if mlps else ()):
-        save(mlp(batch, sizes, seed=0), folder / "models" / f"{name}.onnx")
+    for name, spec in MODELS.items():
+        save(spec.make(0, 0), folder / "models" / f"{name}.onnx")
         lines += [f"  - name: {name}", f"    source: models/{name}.onnx", f"    symbol_prefix: {name}_",
-                  f"    serve: {{priority: {priority}, deadline_ms: {deadline}, max_concurrency: {concurrency}}}"]
-    if resnet:
-        from tests import zoo
-        save(zoo.export(zoo.resnet(), {"input": [1, 3, 224, 224]}), folder / "models" / "resnet18.onnx")
+                  f"    serve: {{priority: {spec.priority}, deadline_ms: {spec.deadline_ms}, "
+                  f"max_concurrency: {spec.concurrency}}}"]
+    if resnet and "resnet18" not in MODELS:
+        save(zoo_model("resnet18"), folder / "models" / "resnet18.onnx")
         lines += ["  - name: resnet18", "    source: models/resnet18.onnx", "    symbol_prefix: resnet18_",
                   "    serve: {priority: low, deadline_ms: 2000}"]
     lines += ["watch: {debounce_ms: 20}", "incremental: {enabled: true, diff_mode: semantic}", ""]
@@ -176,15 +292,18 @@ class ServerProcess:
 NOT_SENT = -2  # the status of an arrival the client did not send: all its connections were busy
 
 class Recorder:
-    def __init__(self, timing=False):
+    def __init__(self, timing=False, sample=0):
+        self.sample = sample  # keep the output of every `sample`-th request (0: none), to check it
         self.rows = []  # (model, scheduled, done, status, version, output, sent, server marks)
         # ask the server for its clock at each stage (response parameters cuvil_received, _parsed,
         # _started, _computed, _resumed: time.monotonic, the clock of perf_counter here)
         self.parameters = {"cuvil_timing": True} if timing else None
 
     def send(self, client, model, x, scheduled, keep_output=False):
+        keep_output = keep_output or (self.sample and len(self.rows) % self.sample == 0)
         sent = time.perf_counter()  # later than `scheduled` when the client itself lags
-        tensor = triton.InferInput("x", list(x.shape), "FP32")
+        spec = MODELS[model]
+        tensor = triton.InferInput(spec.input, list(x.shape), "FP32")
         tensor.set_data_from_numpy(x)
         marks = None
         try:
@@ -192,7 +311,7 @@ class Recorder:
             status = 200
             response = result.get_response()
             version = response["model_version"]
-            output = result.as_numpy("y") if keep_output else None
+            output = result.as_numpy(spec.output) if keep_output else None
             marks = response.get("parameters")
         except triton.InferenceServerException as error:
             status, version, output = int(error.status() or 0), None, error.message()
@@ -202,21 +321,22 @@ class Recorder:
 
 
 def inputs():
-    return {name: np.random.default_rng(7).standard_normal((batch, sizes[0])).astype(np.float32)
-            for name, (_, _, batch, sizes, *_) in MODELS.items()}
+    return {name: np.random.default_rng(7).standard_normal(spec.shape).astype(np.float32)
+            for name, spec in MODELS.items()}
 
 
 def pick(rng):
     names = list(MODELS)
-    return names[rng.choice(len(names), p=[MODELS[n][4] for n in names])]
+    return names[rng.choice(len(names), p=[MODELS[n].share for n in names])]
 
 
-def closed_loop(client, seconds, clients) -> float:
+def closed_loop(client, seconds, clients, only=None) -> float:
+    """Answers per second of the request mix (or of the model `only`), `clients` in a closed loop."""
     rec, rng, xs, end = Recorder(), np.random.default_rng(1), inputs(), time.perf_counter() + seconds
 
     def one():
         while time.perf_counter() < end:
-            model = pick(rng)
+            model = only or pick(rng)
             rec.send(client, model, xs[model], time.perf_counter())
 
     gevent.joinall([gevent.spawn(one) for _ in range(clients)])
@@ -224,12 +344,14 @@ def closed_loop(client, seconds, clients) -> float:
     return ok / seconds
 
 
-def class_client(port, model, rate, seconds, start_at, seed, pipe):
-    """In a process of its own: Poisson arrivals of `model` at `rate` per second for `seconds` from
-    `start_at` (perf_counter: the machine's monotonic clock); sends its rows back through `pipe`."""
+def class_client(models, port, model, rate, seconds, start_at, seed, pipe):
+    """In a process of its own: Poisson arrivals of `model` (of the set `models`) at `rate` per second
+    for `seconds` from `start_at` (perf_counter: the machine's monotonic clock); sends its rows back
+    through `pipe`."""
+    select(models)
     client = triton.InferenceServerClient(f"127.0.0.1:{port}", concurrency=256, connection_timeout=60,
                                           network_timeout=120)
-    rec, rng, x = Recorder(timing=True), np.random.default_rng(seed), inputs()[model]
+    rec, rng, x = Recorder(timing=True, sample=SAMPLE), np.random.default_rng(seed), inputs()[model]
     greenlets = []
     delay = start_at - time.perf_counter()
     if delay > 0:
@@ -242,11 +364,11 @@ def class_client(port, model, rate, seconds, start_at, seed, pipe):
             gevent.sleep(delay)
         greenlets.append(gevent.spawn(rec.send, client, model, x, t))
     gevent.joinall(greenlets, timeout=120)
-    pipe.send([row[:5] + (None if row[3] == 200 else row[5],) + row[6:] for row in rec.rows])
+    pipe.send(rec.rows)
     pipe.close()
 
 
-def open_loop_processes(port, rate, seconds) -> Recorder:
+def open_loop_processes(models, port, rate, seconds) -> Recorder:
     """The request mix at `rate` per second as one client process per model (each its own Poisson
     arrivals at its share): a class's answers are not held up by another class's load on the
     client's single gevent thread (the server still shares the cores with all of them)."""
@@ -256,7 +378,7 @@ def open_loop_processes(port, rate, seconds) -> Recorder:
     procs = []
     for seed, (name, spec) in enumerate(MODELS.items()):
         ours, theirs = context.Pipe(duplex=False)
-        proc = context.Process(target=class_client, args=(port, name, rate * spec[4], seconds, start_at, 10 + seed,
+        proc = context.Process(target=class_client, args=(models, port, name, rate * spec.share, seconds, start_at, 10 + seed,
                                                           theirs))
         proc.start()
         procs.append((proc, ours))
@@ -273,7 +395,7 @@ def open_loop(client, rate, seconds, timing=False, limit=256) -> Recorder:
     reported, not queued in the client, where its wait for a connection would count as the server's
     latency (a pool of greenlets, so finished ones are not kept either: a list of every greenlet of
     the phase made the client's garbage collections longer as the phase went on)."""
-    rec, rng, xs = Recorder(timing), np.random.default_rng(2), inputs()
+    rec, rng, xs = Recorder(timing, sample=SAMPLE), np.random.default_rng(2), inputs()
     pool = gevent.pool.Pool(limit)
     t0 = time.perf_counter()
     t = t0
@@ -319,13 +441,37 @@ class Pauses:
                 "max_ms": 1000 * max(self.times, default=0.0)}
 
 
+SAMPLE = 10  # the overload phase keeps every 10th request's output and checks it against onnxruntime
+# cuvil's output against onnxruntime's: max |diff| / max |ref|, the float32 whole-model tolerance of
+# tests/test_models.py (float32 kernels that sum in another order, Winograd convolutions)
+TOL = 1e-4
+
+
+def rel_err(got, want) -> float:
+    scale = max(float(np.max(np.abs(want))), 1e-6)
+    return float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))) / scale
+
+
+def check_answers(rec: Recorder) -> dict:
+    """Every kept output of the overload phase (all from the first version) against onnxruntime."""
+    result, xs = {}, inputs()
+    for name, spec in MODELS.items():
+        outputs = [r[5] for r in rec.rows if r[0] == name and r[3] == 200 and isinstance(r[5], np.ndarray)]
+        want = ort_session(spec.make(0, 0)).run(None, {spec.input: xs[name]})[0] if outputs else None
+        errors = [rel_err(out, want) for out in outputs]
+        result[name] = {"checked": len(errors), "wrong": sum(e > TOL for e in errors),
+                        "max_rel_err": max(errors, default=float("nan"))}
+    return result
+
+
 def percentile(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
 def class_table(rec: Recorder, seconds: float) -> dict:
     table = {}
-    for name, (priority, deadline, *_rest) in MODELS.items():
+    for name, spec in MODELS.items():
+        priority, deadline = spec.priority, spec.deadline_ms
         rows = [r for r in rec.rows if r[0] == name]
         ok = [(r[2] - r[1]) * 1000 for r in rows if r[3] == 200]
         rows_sent = [r for r in rows if r[3] != NOT_SENT]
@@ -367,7 +513,8 @@ def server_means(port) -> dict:
     import urllib.request
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     found = {}
-    for name, (_, deadline, *_rest) in MODELS.items():
+    for name, spec in MODELS.items():
+        deadline = spec.deadline_ms
         le = f"{deadline / 1000:g}" if deadline < 1000 else "1.0"
         within = re.search(rf'^cuvil_request_seconds_bucket{{le="{le}",model="{name}"}} (\S+)$', text, re.M)
         count = re.search(rf'^cuvil_request_seconds_count{{model="{name}"}} (\S+)$', text, re.M)
@@ -403,12 +550,16 @@ def wait_version(client, model, old, timeout=300):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", choices=sorted(MODEL_SETS), default="zoo",
+                        help="zoo: the LSTM (critical), the encoder (normal) and ResNet-18 (low), the swaps "
+                        "rewrite ResNet-18; mlp: three MLPs, the swaps rewrite the critical one (a quicker run)")
     parser.add_argument("--seconds", type=float, default=20, help="length of the overload phase")
     parser.add_argument("--swaps", type=int, default=20)
     parser.add_argument("--overload", type=float, default=2.0, help="offered load / measured capacity")
     parser.add_argument("--rate", type=float, help="offered load in requests/s instead of --overload x capacity "
                         "(to compare two servers at one rate; the capacity is still measured and reported)")
-    parser.add_argument("--resnet", action="store_true", help="also time a one-weight change of ResNet-18")
+    parser.add_argument("--resnet", action="store_true", help="also time a one-weight change of ResNet-18 "
+                        "(with --models mlp: served beside the MLPs, outside the request mix)")
     parser.add_argument("--workers", type=int, help="the server's compute threads (default: its own, the cores)")
     parser.add_argument("--nice-lower", type=int, help="the server's --nice-lower (default: its own)")
     parser.add_argument("--rebuilds", type=int, metavar="N",
@@ -418,6 +569,7 @@ def main():
                         help="overload phase: one client process per model instead of one for all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    select(args.models)
     if args.rebuilds:
         return rebuilds_only(args)
 
@@ -425,6 +577,9 @@ def main():
     with tempfile.TemporaryDirectory(prefix="cuvil-serve-bench-") as tmp:
         folder = Path(tmp)
         config = write_project(folder, args.resnet, args.cache)
+        report["models"] = {name: {"priority": spec.priority, "deadline_ms": spec.deadline_ms, "share": spec.share,
+                                   "max_concurrency": spec.concurrency, "input": [spec.input, list(spec.shape)]}
+                            for name, spec in MODELS.items()}
         print("building and starting the server...", flush=True)
         server = ServerProcess(config, lifetime=3600, workers=args.workers, nice_lower=args.nice_lower)
         client = triton.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=256,
@@ -442,7 +597,7 @@ def main():
             cpu_before, client_cpu_before = server.cpu_seconds(), time.process_time()
             with Pauses() as client_pauses:
                 if args.client_per_class:
-                    rec = open_loop_processes(server.port, offered, args.seconds)
+                    rec = open_loop_processes(args.models, server.port, offered, args.seconds)
                 else:
                     rec = open_loop(client, offered, args.seconds, timing=True)
             report["overload"] = {"server_cpu_cores": (server.cpu_seconds() - cpu_before) / args.seconds,
@@ -451,7 +606,8 @@ def main():
             report["load_average_overload"] = [load_before, os.getloadavg()]
             report["overload"].update({"offered_per_s": offered, "offered_over_capacity": offered / capacity,
                                        "seconds": args.seconds,
-                                       "classes": class_table(rec, args.seconds)})
+                                       "classes": class_table(rec, args.seconds),
+                                       "answers_checked": check_answers(rec)})
             after = server_means(server.port)
             report["overload"]["server_gc"] = {
                 generation: {"collections": after[("gc", generation)][1] - before[("gc", generation)][1],
@@ -467,7 +623,11 @@ def main():
                 answered = after[("within", name)][1] - before[("within", name)][1]
                 row["within_deadline_in_server"] = within / answered if answered else float("nan")
             if args.swaps:
-                report["swaps"] = swap_phase(client, folder, capacity / 2, args.swaps)
+                # half the swapped model's own capacity (closed loop on it alone): the mix's capacity is
+                # mostly the cheap models' and would overload a ResNet-18 alone
+                own = closed_loop(client, 5, clients=4 * report["machine"]["cpus"], only=SWAPPED)
+                report["swapped_model_capacity_per_s"] = own
+                report["swaps"] = swap_phase(client, folder, own / 2, args.swaps)
             if args.resnet:
                 report["resnet18"] = resnet_phase(client, server, folder)
         finally:
@@ -489,7 +649,7 @@ def memory_phase(client, server, folder) -> dict:
         after = server.rss_bytes()
         info = json.loads(next((folder / "out" / name / "native").glob("manifest.json")).read_text())
         memory = info.get("memory", info.get("info", {}).get("memory", {}))
-        sessions = MODELS[name][5] if name in MODELS else 1
+        sessions = MODELS[name].concurrency if name in MODELS else 1
         budget = (memory.get("weights_bytes", 0) + sessions * memory.get("arena_bytes", 0)
                   + memory.get("shared_bytes", 0) + 10 * 2 ** 20)
         rows[name] = {"rss_delta_mb": (after - before) / 2 ** 20, "budget_mb": budget / 2 ** 20,
@@ -502,20 +662,22 @@ def memory_phase(client, server, folder) -> dict:
 
 
 def swap_phase(client, folder, rate, swaps) -> dict:
-    model_name = "fraud"
-    _, _, batch, sizes, *_ = MODELS[model_name]
+    model_name = SWAPPED
+    spec = MODELS[model_name]
     x = inputs()[model_name]
     first = client.get_model_metadata(model_name)["versions"][0]
     weights = {first: 0}
     times, windows = [], []  # windows: (file written, new version seen + 100 ms)
+    named = []  # (when the metadata first named version k, k)
 
     # made before the load starts: building a model takes the client's only thread for ~0.1 s,
     # which would show up as a pause in the answers
     path = folder / "models" / f"{model_name}.onnx"
     # serialized beforehand too: SerializeToString holds the GIL for tens of ms (a client-side gap)
-    versions = {seed: mlp(batch, sizes, seed=seed) for seed in range(1, swaps + 1)}
-    null_edit = mlp(batch, sizes, seed=swaps, rename=True).SerializeToString()
-    files = {seed: model.SerializeToString() for seed, model in versions.items()}
+    # version k (seeds from this run's clock: never a build the step cache has seen)
+    salt = time.time_ns() // 10 ** 6 % 1000
+    files = {seed: spec.make(seed, salt).SerializeToString() for seed in range(swaps + 1)}
+    null_edit = rename_internal(onnx.load_model_from_string(files[swaps])).SerializeToString()
 
     def swapper(t0):
         version = first
@@ -528,6 +690,7 @@ def swap_phase(client, folder, rate, swaps) -> dict:
             written = time.perf_counter()
             version, seen = wait_version(client, model_name, version)
             weights[version] = seed
+            named.append((seen, seed))
             times.append(seen - written)
             windows.append((written, seen + 0.1))
             gevent.sleep(0.3)
@@ -559,10 +722,12 @@ def swap_phase(client, folder, rate, swaps) -> dict:
         if status != 200:
             continue
         if version not in sessions:
-            sessions[version] = ort_session(mlp(batch, sizes, seed=weights[version]))
-        want = sessions[version].run(None, {"x": x})[0]
-        if not np.allclose(output, want, rtol=1e-4, atol=1e-5):
+            sessions[version] = ort_session(files[weights[version]]).run(None, {spec.input: x})[0]
+        if rel_err(output, sessions[version]) > TOL:
             wrong += 1
+    # answers to requests sent after the metadata named version k that came from an older version
+    stale = sum(1 for r in rec.rows if r[3] == 200
+                and weights[r[4]] < max((k for seen, k in named if seen <= r[6]), default=0))
     done = sorted(r[2] for r in rec.rows if r[3] == 200)
     gaps = np.diff(done) * 1000 if len(done) > 1 else np.array([0.0])
     in_window = [(r[2] - r[6]) * 1000 for r in rec.rows
@@ -570,7 +735,9 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     outside = [(r[2] - r[6]) * 1000 for r in rec.rows
                if r[3] == 200 and not any(a <= r[6] <= b for a, b in windows)]
     result = {"swaps": len(times), "requests": len(rec.rows), "failed": sum(r[3] != 200 for r in rec.rows),
-              "wrong_answers": wrong, "versions_seen": len(sessions),
+              "failed_by_status": {str(code): sum(r[3] == code for r in rec.rows)
+                                   for code in sorted({r[3] for r in rec.rows} - {200})},
+              "wrong_answers": wrong, "older_version_after_swap": stale, "versions_seen": len(sessions),
               "write_to_new_version_ms": {"median": statistics.median(times) * 1000, "max": max(times) * 1000},
               "longest_gap_between_answers_ms": float(gaps.max()), "median_gap_ms": float(np.median(gaps)),
               "latency_during_swaps_ms": {"p50": percentile(in_window, 50), "p99": percentile(in_window, 99),
@@ -649,7 +816,8 @@ def rebuilds_only(args) -> None:
     report = {"machine": {"cpus": len(os.sched_getaffinity(0))}, "command": " ".join(sys.argv), "runs": []}
     with tempfile.TemporaryDirectory(prefix="cuvil-serve-bench-") as tmp:
         folder = Path(tmp)
-        config = write_project(folder, True, args.cache, mlps=False)
+        select_none()
+        config = write_project(folder, True, args.cache)
         print("building and starting the server...", flush=True)
         server = ServerProcess(config, lifetime=3600, workers=args.workers)
         client = triton.InferenceServerClient(f"127.0.0.1:{server.port}", connection_timeout=60, network_timeout=120)

@@ -43,11 +43,15 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     target = lowering_target()
     f16 = f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
     if M >= MIN_ROWS and weight.bias is None and perm is None and not f16 and weight.K % 2 == 0:
-        return Lowered([_panel_call(node, graph, weight, M)])
+        calls, a_name = [], node.inputs[0]
+        if form.int8_activations(node, weight):   # accuracy_level 4: A quantised to int8 first (nbits.py)
+            call, a_name = nbits.int8_activation_call(node, graph, a_name, M, weight.K, weight.block_size)
+            calls.append(call)
+        return Lowered(calls + [_panel_call(node, graph, weight, M, a_name)])
     return nbits.lower_matmul_nbits(node, graph, decoded=(weight, perm))
 
 
-def _panel_call(node, graph, weight, M: int) -> KernelCall:
+def _panel_call(node, graph, weight, M: int, a_name: str) -> KernelCall:
     K, N, bits, block = weight.K, weight.N, weight.bits, weight.block_size
     arrays = pack(weight, V, False)
     widths = group_widths(N, V)
@@ -61,7 +65,7 @@ def _panel_call(node, graph, weight, M: int) -> KernelCall:
     scratch = scratch_value(graph, node, (items * slot,), np.float32, tag="nbits_panel")
     zp_kind = "const" if weight.zero_points is None else ("u8" if weight.zero_points.dtype == np.uint8 else "f32")
     nibbles = zp_kind == "u8" and bits == 4
-    args = [node.inputs[0], arrays["w"], arrays["s"]]
+    args = [a_name, arrays["w"], arrays["s"]]
     types = ["float32", "uint8", "float32"]
     if arrays["z"] is not None:
         args.append(arrays["z"])

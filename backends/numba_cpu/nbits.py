@@ -35,6 +35,10 @@ path (accuracy_level 0/1) instead dequantises w = fl((q - zp) * scale) and accum
 both are within gamma(K + K/block + 4) * sum_k |A(m, k)| |W(k, n)| of the exact value
 (gamma(n) = n u / (1 - n u), u = 2^-24), the difference within the sum of the two. With the table
 and zero points of their own the terms are |A(m, k)| (|q - 8| + |zp - 8|) scale instead.
+
+accuracy_level 4 (cuvil/nbits.py int8_activations): a first call (int8_activation_call) writes A's
+rows quantised to int8 per block, as floats qa * scale_a, into scratch, and the kernel (or
+nbits_gemm.py's panels) reads those: onnxruntime's CompInt8 result up to float32 rounding.
 """
 from __future__ import annotations
 

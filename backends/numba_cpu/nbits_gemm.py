@@ -22,7 +22,7 @@ from .gemm import UK_MR, UK_NR, ceil_div
 from backends.targets import has_feature
 from cuvil import nbits as form
 
-from . import nbits
+from . import nbits, nbits_vnni
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, lowering_target, work_items
 from .nbits import LANES, f16_exact, group_widths, pack
@@ -42,6 +42,8 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     M = int(np.prod(a.shape[:-1], dtype=np.int64)) if len(a.shape) > 1 else 1
     target = lowering_target()
     f16 = f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
+    if nbits_vnni.applies(node, weight, perm):   # accuracy_level 4, 4 bits, AVX512-VNNI: any M
+        return nbits_vnni.lower(node, graph, weight)
     if M >= MIN_ROWS and weight.bias is None and perm is None and not f16 and weight.K % 2 == 0:
         calls, a_name = [], node.inputs[0]
         if form.int8_activations(node, weight):   # accuracy_level 4: A quantised to int8 first (nbits.py)

@@ -24,7 +24,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import cuvil
+from backends.targets import has_feature, resolve_target
 from cuvil import nbits
+from cuvil.explain import explain_model
 from cuvil.errors import CuvilError, UnsupportedOpError
 from tests.helpers import run_ort
 
@@ -285,25 +287,36 @@ def int8_magnitude(x, weight) -> np.ndarray:
     return total.reshape(x.shape[:-1] + (weight.N,))
 
 
-@pytest.mark.parametrize("K,N,a_shape,bits,block,zp,bias", [
+LEVEL_4_CASES = [
     (256, 64, (1, 256), 4, 32, None, False),       # a GEMV, symmetric (the builder's int4 form)
-    (256, 100, (3, 256), 4, 32, "u8", True),       # rows below the tile, zero points, bias
-    (200, 40, (5, 200), 8, 64, "u8", False),       # 8 bits, a partial last block
-    (512, 96, (20, 512), 4, 32, "u8", False),      # a prefill (dequantised panels, nbits_gemm.py)
+    (256, 100, (3, 256), 4, 32, "u8", True),       # rows below the tile (a tail row), zero points, bias
+    (200, 40, (5, 200), 8, 64, "u8", False),       # 8 bits (float32 kernels), a partial last block
+    (512, 96, (20, 512), 4, 32, "u8", False),      # a prefill (dequantised panels without VNNI)
     (256, 64, (1, 256), 4, 128, None, False),      # a larger block
-])
-def test_accuracy_level_4_quantises_a_as_onnxruntime(K, N, a_shape, bits, block, zp, bias):
+    (208, 136, (2, 208), 4, 16, "u8", True),       # the smallest block, a partial last one, N past 2 groups
+]
+HOST = resolve_target("native")
+
+
+@pytest.mark.parametrize("target", ["native", "x86_64-avx512"])
+@pytest.mark.parametrize("K,N,a_shape,bits,block,zp,bias", LEVEL_4_CASES)
+def test_accuracy_level_4_quantises_a_as_onnxruntime(K, N, a_shape, bits, block, zp, bias, target):
     """accuracy_level 4: onnxruntime quantises A to int8 per block (cuvil/nbits.py). Both sides then
-    compute with a' = qa * scale_a (the same int8 codes: nbits.quantize_activations is the reference,
-    checked first), so they differ only by float32 rounding. Tolerance, derived: Cuvil's sums within
-    gamma(K + K/block + 4) of the terms (as at level 0, with a' for a), onnxruntime's per block (the
-    integer sum exact, times scale_a * scale, the zero point's share apart: about 4 roundings of a
-    block's terms) and over the blocks (2 k_blocks additions) within gamma(2 k_blocks + 4): the sum of
-    the two times int8_magnitude. Without the int8 step the difference is 1e3 times larger."""
+    compute with a' = qa * scale_a (the same int8 codes: nbits.quantize_activations is the reference),
+    so they differ only by float32 rounding: Cuvil's float32 kernels on a' (x86_64-avx512 has no
+    VNNI) or, 4 bits on a VNNI host, exact integer block sums (nbits_vnni.py). Tolerance, derived:
+    Cuvil's float32 sums within gamma(K + K/block + 4) of the terms (as at level 0, with a' for a;
+    the VNNI kernel's few roundings a block are within it), onnxruntime's per block (the integer sum
+    exact, times scale_a * scale, the zero point's share apart: about 4 roundings of a block's terms)
+    and over the blocks (2 k_blocks additions) within gamma(2 k_blocks + 4): the sum of the two times
+    int8_magnitude. Without the int8 step the difference is 100 times larger or more."""
     model, weight = nbits_model(K, N, a_shape, bits=bits, block=block, zp=zp, bias=bias)
     model.graph.node[0].attribute.append(helper.make_attribute("accuracy_level", 4))
     x = np.random.default_rng(1).standard_normal(a_shape).astype(np.float32)
-    lib = cuvil.compile(model)
+    if target == "native":   # the VNNI kernel exactly where it applies
+        labels = [k.precision for k in explain_model(model).kernels]
+        assert any("VNNI" in label for label in labels) == (bits == 4 and has_feature(HOST, "avx512vnni")), labels
+    lib = cuvil.compile(model, target=target)
     got = lib.run({"A": x})["Y"].astype(np.float64)
     want = run_ort(model, {"A": x})["Y"]
     xq = nbits.quantize_activations(x, block)

@@ -21,7 +21,17 @@ Inputs (onnxruntime's contrib op spec, docs/ContribOperators.md):
   permutes k so that groups are blocks again (and A's columns alike, at run time).
 - bias (optional): float32 [N].
 Attributes: K, N, bits (4 or 8 here), block_size (a power of two >= 16), accuracy_level (how
-onnxruntime may compute: 0/1 dequantise to float32; Cuvil always computes in float32).
+onnxruntime may compute: 0/1 dequantise to float32; 4 quantises A to int8, see int8_activations).
+
+accuracy_level 4 (what onnxruntime-genai's builder writes for -p int4 -e cpu): onnxruntime's MLAS
+"CompInt8" path (qnbitgemm / QuantizeARow_CompInt8) first quantises each row of A per block of
+block_size k, symmetric, to int8:
+    amax = max |a_k|,  scale_a = amax / 127,  inv = 127 / amax (0 when amax = 0),
+    qa_k = round_half_even(a_k * inv)  (in [-127, 127])
+and sums qa_k (q_k - zp) in integers, times scale_a * scale. So its product is the float product
+of fake-quantised activations a'_k = qa_k * scale_a with the same weights, up to float32 rounding
+(measured against onnxruntime 1.32: bits 4 and 8, default or uint8 zero points, 1 to 40 rows;
+float zero points keep the float32 path there). Cuvil computes it that way (int8_activations).
 """
 from __future__ import annotations
 
@@ -146,6 +156,28 @@ def check(node, values: dict) -> tuple[tuple[int, ...], np.dtype]:
         if np.dtype(bias.dtype) != np.float32 or bias.size != N:
             _fail(node, f"bias is {np.dtype(bias.dtype).name} {list(bias.shape)}; expected float32 [N={N}]")
     return tuple(a.shape[:-1]) + (N,), np.dtype(np.float32)
+
+
+def int8_activations(node, weight: NBitsWeight) -> bool:
+    """Whether onnxruntime computes this node with A quantised to int8 per block (module docstring):
+    accuracy_level 4 and integer zero points (or none). An act-order g_idx keeps float32 here."""
+    return (int(node.attrs.get("accuracy_level", 0) or 0) == 4 and weight.g_idx is None
+            and (weight.zero_points is None or weight.zero_points.dtype == np.uint8))
+
+
+def quantize_activations(a: np.ndarray, block: int) -> np.ndarray:
+    """a' = qa * scale_a per row and block of k, in float32, as onnxruntime's CompInt8 path
+    quantises A (module docstring): the reference for the kernel and the tests."""
+    a = np.asarray(a, np.float32)
+    out = np.empty_like(a)
+    for k0 in range(0, a.shape[-1], block):
+        part = a[..., k0:k0 + block]
+        amax = np.abs(part).max(axis=-1, keepdims=True)
+        scale = amax / np.float32(127)
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        out[..., k0:k0 + block] = np.rint(part * inv) * scale
+    return out
 
 
 def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:

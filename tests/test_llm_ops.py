@@ -332,9 +332,14 @@ def static_shapes(path, S: int, C: int) -> dict:
 
 
 def float_oracle(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The int4 file with MatMulNBits' accuracy_level 0: onnxruntime then dequantises to float32
-    and computes as Cuvil does (level 4, the builder's choice, quantises the activations to int8,
-    an approximation of its own; tests/test_nbits.py bounds the float path's difference)."""
+    """The int4 file with MatMulNBits' accuracy_level 0: onnxruntime then dequantises to float32,
+    and so does Cuvil. Level 4, the builder's choice, quantises the activations to int8 in both
+    engines (tests/test_nbits.py checks each product against onnxruntime's), but not comparably
+    over a whole decoder: int8 rounding is discontinuous, so a float32 difference of one ulp
+    before a quantisation can move a code by one, and the moves cascade through the layers
+    (a 16-token prefill of the issue's model: logits 5 % of their spread apart, as far as
+    onnxruntime's own level 4 is from its level 0; a 1-token prompt: 2e-6). Both engines
+    therefore run this file here; tests/test_llm_runtime.py checks level 4 by greedy tokens."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
@@ -361,8 +366,8 @@ def genai_folder(tmp_path_factory):
 def _prefill_then_decode(path, C=64, S=8, threads=1):
     model = onnx.load(str(path))
     oracle = float_oracle(model)
-    prefill = cuvil.compile(str(path), input_shapes=static_shapes(path, S, C), name="genai_prefill", threads=threads)
-    decode = cuvil.compile(str(path), input_shapes=static_shapes(path, 1, C), name="genai_decode", threads=threads)
+    prefill = cuvil.compile(oracle, input_shapes=static_shapes(path, S, C), name="genai_prefill", threads=threads)
+    decode = cuvil.compile(oracle, input_shapes=static_shapes(path, 1, C), name="genai_decode", threads=threads)
     rng = np.random.default_rng(0)
     pasts = [v["name"] for v in prefill.info["inputs"] if v["name"].startswith("past_key_values.")]
     feeds = {"input_ids": rng.integers(3, 512, (1, S)).astype(np.int64),

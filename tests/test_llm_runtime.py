@@ -274,17 +274,20 @@ def test_int4_agrees_with_onnxruntime_genai(models):
     assert lib.info["memory"]["weights_bytes"] <= 1.1 * sum(numpy_helper.to_array(t).nbytes
                                                             for t in model.graph.initializer)
     want = genai_greedy(folder, PROMPT, 64)
-    # The builder's MatMulNBits (accuracy_level 4) has onnxruntime quantise the activations to
-    # int8; Cuvil computes them in float32, so logits differ by that rounding and a random model's
-    # flat logits can swap their argmax. Free-running greedy sequences then diverge for good at
-    # the first swap, so agreement is measured teacher-forced: Cuvil's next token after each
-    # prefix of onnxruntime-genai's sequence; the issue asks >= 95 % of 64 (measured 63/64).
-    logits = lib.prefill(PROMPT)
+    # The builder's MatMulNBits (accuracy_level 4) has onnxruntime quantise the activations to int8
+    # per block; Cuvil does the same (cuvil/nbits.py int8_activations), so the logits differ only by
+    # float32 rounding, as in the fp32 build. The issue asks >= 95 % of 64 greedy tokens equal; the
+    # teacher-forced count (Cuvil's next token after each prefix of onnxruntime-genai's sequence)
+    # is checked too, since a free-running sequence diverges for good at a first swap.
+    assert sum(a == b for a, b in zip(lib.generate(PROMPT, max_new_tokens=64), want)) >= 0.95 * len(want)
+    session = lib.session()
+    logits = session.prefill(PROMPT)
     agree = 0
     for i, token in enumerate(want):
         agree += int(np.argmax(logits)) == token
         if i + 1 < len(want):
-            logits = lib.decode(token)
+            logits = session.decode(token)
+    session.close()
     assert agree >= 0.95 * len(want), agree
 
 

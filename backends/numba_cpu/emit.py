@@ -16,13 +16,15 @@ from backends.targets import CpuTarget, init_llvm
 
 from .ukernel import specs_in, ukernel_ir
 from .nbits import kinds as nbits_kinds, nbits_ir
+from .nbits_vnni import kinds as vnni_kinds, vnni_ir
 from .ukernel_int8 import int8_ir, kinds as int8_kinds
 from .ukernel_lowp import kinds as lowp_kinds, ukernel_lowp_ir
 
 # the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py) and the
-# packed-weight products (nbits.py)
-LOWP_KINDS = {**lowp_kinds(), **nbits_kinds()}
+# packed-weight products (nbits.py, nbits_vnni.py)
+LOWP_KINDS = {**lowp_kinds(), **nbits_kinds(), **vnni_kinds()}
 NBITS_KINDS = nbits_kinds()
+VNNI_KINDS = vnni_kinds()
 INT8_KINDS = int8_kinds()   # the int8 VNNI micro-kernel (ukernel_int8.py)
 SPEC_KINDS = {**LOWP_KINDS, **INT8_KINDS}
 
@@ -207,7 +209,8 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
         kind = getattr(spec, "kind", "")
         if kind in INT8_KINDS or kind in NBITS_KINDS or kind in LOWP_KINDS:
-            generate = int8_ir if kind in INT8_KINDS else nbits_ir if kind in NBITS_KINDS else ukernel_lowp_ir
+            generate = (int8_ir if kind in INT8_KINDS else nbits_ir if kind in NBITS_KINDS
+                        else vnni_ir if kind in VNNI_KINDS else ukernel_lowp_ir)
             text = generate(spec, target.vector_bits)
         else:   # the fp32 micro-kernels: only their synchronisation kernels depend on the ISA
             text = ukernel_ir(spec, target.vector_bits, target.arch)

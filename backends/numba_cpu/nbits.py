@@ -35,6 +35,10 @@ path (accuracy_level 0/1) instead dequantises w = fl((q - zp) * scale) and accum
 both are within gamma(K + K/block + 4) * sum_k |A(m, k)| |W(k, n)| of the exact value
 (gamma(n) = n u / (1 - n u), u = 2^-24), the difference within the sum of the two. With the table
 and zero points of their own the terms are |A(m, k)| (|q - 8| + |zp - 8|) scale instead.
+
+accuracy_level 4 (cuvil/nbits.py int8_activations): a first call (int8_activation_call) writes A's
+rows quantised to int8 per block, as floats qa * scale_a, into scratch, and the kernel (or
+nbits_gemm.py's panels) reads those: onnxruntime's CompInt8 result up to float32 rounding.
 """
 from __future__ import annotations
 
@@ -379,6 +383,27 @@ def tile_shape(M: int) -> tuple[int, int]:
     return (1, 4) if M == 1 else (min(M, MAX_ROWS), 2)
 
 
+def int8_activation_call(node, graph, a_name: str, M: int, K: int, block: int) -> tuple[KernelCall, str]:
+    """accuracy_level 4 (cuvil/nbits.py int8_activations): A's rows quantised to int8 per block as
+    onnxruntime's CompInt8 path does, written back as floats a' = qa * scale_a into a scratch value
+    (the call, and the scratch value's name). The products then run on a' with the float32 kernels:
+    qa * scale_a is what onnxruntime multiplies its integer sums by, so only the order of the float32
+    roundings differs from it (the int8 rounding of A, 1/254 of a block's largest |a|, is the same)."""
+    name = scratch_value(graph, node, (M, K), np.float32, tag="a_int8")
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for m in range(begin, end):").indent()
+    src.line(f"for k0 in range(0, {K}, {block}):").indent()
+    src.line(f"row = m * {K} + k0").line(f"n = min({block}, {K} - k0)")
+    src.line("amax = np.float32(0.0)")
+    src.line("for k in range(n):").indent().line("amax = max(amax, abs(p0[row + k]))").dedent()
+    src.line("scale = amax / np.float32(127.0)")
+    src.line("inv = np.float32(127.0) / amax if amax != np.float32(0.0) else np.float32(0.0)")
+    src.line("for k in range(n):").indent()
+    src.line("p1[row + k] = np.float32(np.rint(p0[row + k] * inv)) * scale")
+    kernel = Kernel("matmulnbits_a_int8", src.text(), ("float32", "float32"))
+    return KernelCall(kernel, [a_name, name], M, node.name), name
+
+
 def lower_matmul_nbits(node, graph, decoded=None) -> Lowered:
     """`decoded`: the (weight, permutation) of form.in_block_order when the caller has them (nbits_gemm
     checked and decoded the node already: decoding a large weight again doubled its build time)."""
@@ -419,6 +444,9 @@ def lower_matmul_nbits(node, graph, decoded=None) -> Lowered:
         return mask - (1 << 64) if mask >= 1 << 63 else mask
 
     calls, a_name = [], node.inputs[0]
+    if form.int8_activations(node, weight):
+        call, a_name = int8_activation_call(node, graph, a_name, M, K, weight.block_size)
+        calls.append(call)
     if perm is not None:   # act-order: A's columns in the permuted k order, into a scratch value
         a_name = scratch_value(graph, node, (M, K), np.float32, tag="a_perm")
         gather = Source().line(kernel_header(3)).indent()

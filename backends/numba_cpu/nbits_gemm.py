@@ -22,7 +22,7 @@ from .gemm import UK_MR, UK_NR, ceil_div
 from backends.targets import has_feature
 from cuvil import nbits as form
 
-from . import nbits
+from . import nbits, nbits_vnni
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, literal, lowering_target, work_items
 from .nbits import LANES, f16_exact, group_widths, pack
@@ -42,12 +42,18 @@ def lower_matmul_nbits(node, graph) -> Lowered:
     M = int(np.prod(a.shape[:-1], dtype=np.int64)) if len(a.shape) > 1 else 1
     target = lowering_target()
     f16 = f16_exact(weight.scales) and (target is None or has_feature(target, "f16c"))
+    if nbits_vnni.applies(node, weight, perm):   # accuracy_level 4, 4 bits, AVX512-VNNI: any M
+        return nbits_vnni.lower(node, graph, weight)
     if M >= MIN_ROWS and weight.bias is None and perm is None and not f16 and weight.K % 2 == 0:
-        return Lowered([_panel_call(node, graph, weight, M)])
+        calls, a_name = [], node.inputs[0]
+        if form.int8_activations(node, weight):   # accuracy_level 4: A quantised to int8 first (nbits.py)
+            call, a_name = nbits.int8_activation_call(node, graph, a_name, M, weight.K, weight.block_size)
+            calls.append(call)
+        return Lowered(calls + [_panel_call(node, graph, weight, M, a_name)])
     return nbits.lower_matmul_nbits(node, graph, decoded=(weight, perm))
 
 
-def _panel_call(node, graph, weight, M: int) -> KernelCall:
+def _panel_call(node, graph, weight, M: int, a_name: str) -> KernelCall:
     K, N, bits, block = weight.K, weight.N, weight.bits, weight.block_size
     arrays = pack(weight, V, False)
     widths = group_widths(N, V)
@@ -61,7 +67,7 @@ def _panel_call(node, graph, weight, M: int) -> KernelCall:
     scratch = scratch_value(graph, node, (items * slot,), np.float32, tag="nbits_panel")
     zp_kind = "const" if weight.zero_points is None else ("u8" if weight.zero_points.dtype == np.uint8 else "f32")
     nibbles = zp_kind == "u8" and bits == 4
-    args = [node.inputs[0], arrays["w"], arrays["s"]]
+    args = [a_name, arrays["w"], arrays["s"]]
     types = ["float32", "uint8", "float32"]
     if arrays["z"] is not None:
         args.append(arrays["z"])

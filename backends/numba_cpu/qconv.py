@@ -37,7 +37,7 @@ import numpy as np
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
-from .ukernel_int8 import Int8ConvBlendSpec, Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec
+from .ukernel_int8 import Int8ConvBlendSpec, Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec, Int8RowConvSpec
 
 
 def node_input(node, graph, k):
@@ -67,6 +67,9 @@ TILES = ((6, 64), (12, 32), (24, 16))   # output channels x pixels of a micro-ti
 
 
 QUAD_TILES = ((8, 48), (12, 32), (24, 16))   # rows in whole quads, for a conv writing the next one's quads
+
+
+ROWS_NR, ROWS_BELOW = 32, 0.9   # output channels a row tile (Int8RowConvSpec); pixel-lane fill it replaces
 
 
 IM2COL_MAX_K = 256   # patch bytes up to which a conv on few channels gathers its patches (im2col_pays)
@@ -250,6 +253,13 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, qua
         packed[:OC, :C * T] = wdata.reshape(OC, C * T)
         # [tile, q, MR, 4]: Int8ConvSpec's packing with one tap
         packed = np.ascontiguousarray(packed.reshape(tiles, MR, Kq, 4).transpose(0, 2, 1, 3))
+    rows_mr = 0
+    if grid is None and not quad_out and not im2col and OC % ROWS_NR == 0:
+        # output channels in the lanes where the pixel lanes go emptier than ROWS_BELOW: a tile is
+        # the largest run of pixels (<= 12, 2 x 12 accumulators) that divides the output row
+        fill = OH * OW / (chunks * NR)
+        divisors = [m for m in range(12, 3, -1) if OW % m == 0]
+        rows_mr = divisors[0] if fill < ROWS_BELOW and divisors else 0
     comp = np.zeros(tiles * MR, np.int64)
     comp[:OC] = -zero_x * wdata.reshape(OC, -1).astype(np.int64).sum(axis=1)
     if bias is not None:
@@ -348,6 +358,10 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
                 body.dedent()
 
     want = work_items() if 2 * OC * C * T * OH * OW * N >= MIN_SPLIT_OPS else 1
+    label = f"int8 (vnni conv{', im2col' if im2col else ''}, {out} out)"
+    pad = [] if chained else [KernelCall(pad_kernel, pad_args, pad_work, node.name, precision=label)]
+    if plan["rows_mr"] and not into and not onto:
+        return pad + [_row_conv_call(plan, node, quads, y, want)]
     body = Source().indent()
     extra_args, extra_types = [], ()
     if im2col:
@@ -396,13 +410,44 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", "float32", "int64",
                                                        "int64") + extra_types + (np.dtype(y.dtype).name,),
                   self_sized=True)
-    label = f"int8 (vnni conv{', im2col' if im2col else ''}, {out} out)"
-    pad = [] if chained else [KernelCall(pad_kernel, pad_args, pad_work, node.name, precision=label)]
     return pad + [
             KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
                               masks, plan["stores"] if into or onto else starts] + extra_args
                        + [target if into or onto else y.name], work, node.name, n_outputs=1 + im2col,
                        precision=label)]
+
+
+def _row_conv_call(plan, node, quads, y, want) -> KernelCall:
+    """The conv on Int8RowConvSpec tiles (output channels in the lanes): a tile is rows_mr pixels of
+    one output row x ROWS_NR channels; a work item a block of channel blocks of one image, whose
+    weights (Cq x T x 32 x 4 bytes a block) stay in cache over the plane's pixel tiles."""
+    N, C, Cq, T, OC, OH, OW, Wps, plane, phases, taps, wdata = (plan[k] for k in (
+        "N", "C", "Cq", "T", "OC", "OH", "OW", "Wps", "plane", "phases", "taps", "wdata"))
+    mr, nr = plan["rows_mr"], ROWS_NR
+    blocks = OC // nr
+    packed = np.zeros((OC, Cq * 4, T), np.int8)
+    packed[:, :C] = wdata.reshape(OC, C, T)
+    packed = np.ascontiguousarray(packed.reshape(blocks, nr, Cq, 4, T).transpose(0, 2, 4, 1, 3))
+    uk = Int8RowConvSpec(mr=mr, nr=nr, taps=tuple(taps), plane=plane, out=plan["out"], zy=plan["zero_y"])
+    o_blocks = max(1, min(blocks, want))
+    opb = -(-blocks // o_blocks)
+    o_blocks = -(-blocks // opb)
+    src = Source()
+    for line in uk.declaration("uk").splitlines():
+        src.line(line)
+    src.line(kernel_header(5)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"ob = item % {o_blocks}").line(f"n = item // {o_blocks}")
+    src.line(f"for b in range(ob * {opb}, min(ob * {opb} + {opb}, {blocks})):").indent()
+    src.line(f"for oh in range({OH}):").indent()
+    src.line(f"for ow in range(0, {OW}, {mr}):").indent()
+    src.line(f"xoff = (n * {phases * Cq * plane} + oh * {Wps} + ow) * 4")
+    src.line(f"yoff = (n * {OC} + b * {nr}) * {OH * OW} + oh * {OW} + ow")
+    src.line(f"uk(p0, b * {Cq * T * nr * 4}, p1, xoff, p4, yoff, {OH * OW}, {Cq}, p2, p3, b * {nr})")
+    conv = Kernel("QConvRows", src.text(), ("int8", "uint8", "int32", "float32", np.dtype(y.dtype).name),
+                  self_sized=True)
+    return KernelCall(conv, [packed.reshape(-1), quads, plan["comp"][:OC].astype(np.int32), plan["mult"][:OC],
+                             y.name], N * o_blocks, node.name, precision=f"int8 (vnni conv, channel lanes, {plan['out']} out)")
 
 
 def _same(a, b) -> bool:
@@ -467,6 +512,8 @@ def conv_into_conv(node, graph):
         return None
     own = _node_plan(_vnni_plan, node, graph)
     if own is None or own["out"] != "u8" or own["zero_y"] != nxt["zero_x"] or _input_written(node, graph):
+        return None
+    if own["rows_mr"]:      # a small plane: its own output with channels in the lanes, the next conv pads
         return None
     if _node_plan(lambda *a: _vnni_plan(*a, grid=(nxt["Wps"], nxt["pl"]), quad_out=True), node, graph) is None:
         return None

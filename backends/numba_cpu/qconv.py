@@ -19,6 +19,18 @@ so the compensation with the int32 bias is one build-time constant per output ch
 2-D convolutions with group 1, constant weights (w - z_w within int8), constant scales and zero
 points; others keep quant.py's direct loops.
 
+Two variants where the quads would run emptier (`_vnni_plan` decides, every reader asks it):
+    im2col          C not whole quads (a stem's 3 channels: 49 quads for 147 products): the input
+                    goes to one padded phase plane a channel (PhasePad), and the conv gathers each
+                    chunk's patches (k = (c, kh, kw), the weights' order) into Kq = ceil(C T / 4)
+                    quads of its own, in L1, before every tile of output channels runs on them
+                    as on a 1x1 conv's quads (7x7x3: 37 quads); the sums are the same integers
+    channel lanes   a small plane (16-pixel vectors under ROWS_BELOW full: 7x7 on its 9-wide grid
+                    fills 49 of 64 lanes), output channels a multiple of ROWS_NR, plain output:
+                    Int8RowConvSpec puts 32 output channels in the lanes and a run of 4-12 pixels
+                    of one output row in the tile (the input's quads broadcast), so no lane is
+                    empty; such a conv writes its own output (conv_into_conv declines)
+
 A tensor that only the next conv reads is written in that conv's layout by its producer, and the
 copy before the next conv shrinks to its top and bottom padding rows or goes:
     conv -> depthwise   conv_into_depthwise: the conv computes on the depthwise's padded grid and

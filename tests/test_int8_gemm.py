@@ -155,18 +155,34 @@ def test_without_vnni_the_scalar_kernels_compute_the_same():
 
 
 QLINEAR_CONV = {
-    # name: (x shape, w shape, attrs, activations)
-    "3x3_pad": ((1, 8, 10, 12), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}, U8),
-    "stride2_int8_batch2": ((2, 5, 9, 9), (7, 5, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, I8),
-    "7x7_stride2_three_channels": ((1, 3, 20, 20), (8, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}, U8),
-    "1x1_small_plane": ((1, 16, 7, 7), (30, 16, 1, 1), {}, U8),
-    "dilated_uneven_pads_wide": ((1, 4, 40, 70), (6, 4, 3, 3), {"dilations": [2, 2], "pads": [2, 1, 2, 1]}, U8),
+    # name: (x shape, w shape, attrs, activations, path: "" channel quads, "im2col" (C not whole
+    # quads: the patches gathered into quads), "channel lanes" (small planes: Int8RowConvSpec))
+    "3x3_pad": ((1, 8, 10, 12), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}, U8, ""),
+    "stride2_int8_batch2": ((2, 5, 9, 9), (7, 5, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, I8, "im2col"),
+    "7x7_stride2_three_channels": ((1, 3, 20, 20), (8, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}, U8,
+                                   "im2col"),
+    "5x5_one_channel_odd_plane": ((1, 1, 17, 19), (20, 1, 5, 5), {"pads": [2, 2, 2, 2]}, U8, "im2col"),
+    "7x7_stem_int8_batch2": ((2, 3, 37, 33), (64, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}, I8,
+                             "im2col"),
+    "1x1_small_plane": ((1, 16, 7, 7), (30, 16, 1, 1), {}, U8, ""),
+    "dilated_uneven_pads_wide": ((1, 4, 40, 70), (6, 4, 3, 3), {"dilations": [2, 2], "pads": [2, 1, 2, 1]}, U8, ""),
+    "3x3_7x7_plane": ((1, 64, 7, 7), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]}, U8, "channel lanes"),
+    "3x3_stride2_to_7x7_int8_batch2": ((2, 32, 14, 14), (96, 32, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]},
+                                       I8, "channel lanes"),
+    "1x1_stride2_to_7x7": ((1, 64, 14, 14), (128, 64, 1, 1), {"strides": [2, 2]}, U8, "channel lanes"),
+    "3x3_14x14_plane": ((1, 24, 14, 14), (32, 24, 3, 3), {"pads": [1, 1, 1, 1]}, U8, "channel lanes"),
+    # must not fire: 48 output channels are not whole blocks of 32 (channel lanes); 8 channels are
+    # whole quads (im2col)
+    "7x7_plane_48_channels": ((1, 16, 7, 7), (48, 16, 3, 3), {"pads": [1, 1, 1, 1]}, U8, ""),
+    "7x7_kernel_whole_quads": ((1, 8, 12, 12), (16, 8, 7, 7), {"pads": [3, 3, 3, 3]}, U8, ""),
 }
 
 
 @pytest.mark.parametrize("case", list(QLINEAR_CONV))
 def test_qlinear_conv_is_onnxruntimes(case):
-    xs, ws, attrs, dtype = QLINEAR_CONV[case]
+    """QLinearConv on the VNNI kernels, bit-exact with onnxruntime on 1 and 2 threads, on each path
+    (the same int32 sums whatever the order of the products; the same float32 requantisation)."""
+    xs, ws, attrs, dtype, path = QLINEAR_CONV[case]
     OC = ws[0]
     rng = np.random.default_rng(0)
     inits = {"sx": np.array(0.02, F32), "zx": np.array(100 if dtype == U8 else -3, dtype), "w": ints(ws, I8, 1),
@@ -175,8 +191,14 @@ def test_qlinear_conv_is_onnxruntimes(case):
     node = helper.make_node("QLinearConv", ["x", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], **attrs)
     model = make_model([node], [("x", dtype, list(xs))], [("y", dtype, None)], initializers=inits, opset=13)
     feeds = {"x": ints(xs, dtype, 5)}
-    assert _int8_kernels(model), "the VNNI kernel was not used"
-    np.testing.assert_array_equal(cuvil.compile(model).run(feeds)["y"], run_ort(model, feeds)["y"])
+    labels = _int8_kernels(model)
+    assert labels, "the VNNI kernel was not used"
+    kind = "im2col" if any("im2col" in k for k in labels) else "channel lanes" if any(
+        "channel lanes" in k for k in labels) else ""
+    assert kind == path, labels
+    want = run_ort(model, feeds)["y"]
+    for threads in (1, 2):
+        np.testing.assert_array_equal(cuvil.compile(model, threads=threads).run(feeds)["y"], want)
 
 
 DEPTHWISE = {
@@ -312,7 +334,7 @@ def test_mobilenet_block_on_two_threads(k):
 
 CONV_INTO_CONV = {
     # name: (x shape, [(out channels, kernel, attrs) of each conv], quads written by a conv before)
-    "resnet_3x3_3x3": ((1, 16, 14, 14), [(32, 3, {"pads": [1] * 4}), (24, 3, {"pads": [1] * 4})], 1),
+    "resnet_3x3_3x3": ((1, 16, 14, 14), [(24, 3, {"pads": [1] * 4}), (24, 3, {"pads": [1] * 4})], 1),
     "stride2_then_3x3_batch2": ((2, 8, 15, 15), [(16, 3, {"strides": [2, 2], "pads": [1] * 4}),
                                                  (16, 3, {"pads": [1] * 4})], 1),
     "1x1_then_3x3_edge_tile": ((1, 8, 9, 11), [(20, 1, {}), (8, 3, {"pads": [1] * 4})], 1),
@@ -322,6 +344,8 @@ CONV_INTO_CONV = {
     # must not fire: a 3x3 conv's grid is wider than the unpadded 1x1's; 6 channels are not whole quads
     "3x3_then_1x1": ((1, 8, 10, 10), [(16, 3, {"pads": [1] * 4}), (8, 1, {})], 0),
     "channels_not_quads": ((1, 8, 10, 10), [(6, 3, {"pads": [1] * 4}), (8, 3, {"pads": [1] * 4})], 0),
+    # a 7x7 plane: the first conv computes with channels in the lanes and writes its own output
+    "small_plane_channel_lanes": ((1, 16, 7, 7), [(64, 3, {"pads": [1] * 4}), (32, 3, {"pads": [1] * 4})], 0),
 }
 
 

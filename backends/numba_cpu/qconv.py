@@ -19,6 +19,18 @@ so the compensation with the int32 bias is one build-time constant per output ch
 2-D convolutions with group 1, constant weights (w - z_w within int8), constant scales and zero
 points; others keep quant.py's direct loops.
 
+Two variants where the quads would run emptier (`_vnni_plan` decides, every reader asks it):
+    im2col          C not whole quads (a stem's 3 channels: 49 quads for 147 products): the input
+                    goes to one padded phase plane a channel (PhasePad), and the conv gathers each
+                    chunk's patches (k = (c, kh, kw), the weights' order) into Kq = ceil(C T / 4)
+                    quads of its own, in L1, before every tile of output channels runs on them
+                    as on a 1x1 conv's quads (7x7x3: 37 quads); the sums are the same integers
+    channel lanes   a small plane (16-pixel vectors under ROWS_BELOW full: 7x7 on its 9-wide grid
+                    fills 49 of 64 lanes), output channels a multiple of ROWS_NR, plain output:
+                    Int8RowConvSpec puts 32 output channels in the lanes and a run of 4-12 pixels
+                    of one output row in the tile (the input's quads broadcast), so no lane is
+                    empty; such a conv writes its own output (conv_into_conv declines)
+
 A tensor that only the next conv reads is written in that conv's layout by its producer, and the
 copy before the next conv shrinks to its top and bottom padding rows or goes:
     conv -> depthwise   conv_into_depthwise: the conv computes on the depthwise's padded grid and
@@ -37,7 +49,7 @@ import numpy as np
 from .emit import NOALIAS_MARK
 from .kernel import Kernel, KernelCall, Source, kernel_header, work_items
 from .qgemm import vnni_target
-from .ukernel_int8 import Int8ConvBlendSpec, Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec
+from .ukernel_int8 import Int8ConvBlendSpec, Int8ConvSpec, Int8DwQuadSpec, Int8DwSpec, Int8RowConvSpec
 
 
 def node_input(node, graph, k):
@@ -67,6 +79,12 @@ TILES = ((6, 64), (12, 32), (24, 16))   # output channels x pixels of a micro-ti
 
 
 QUAD_TILES = ((8, 48), (12, 32), (24, 16))   # rows in whole quads, for a conv writing the next one's quads
+
+
+ROWS_NR, ROWS_BELOW = 32, 0.9   # output channels a row tile (Int8RowConvSpec); pixel-lane fill it replaces
+
+
+IM2COL_MAX_K = 256   # patch bytes up to which a conv on few channels gathers its patches (im2col_pays)
 
 
 def choose_tile(OC: int, flat: int, tiles=TILES) -> tuple[int, int]:
@@ -119,6 +137,49 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
         src.line(f"for i in range({slack}):").indent()
         src.line(f"p1[{total} + i] = {z}")
     return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
+
+
+def phase_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
+                      zero: int, slack: int) -> tuple[Kernel, int]:
+    """x [N, C, H, W] -> [N, C, s*s phases, Hps, Wps] uint8 (+ `slack` bytes of zero point): QuadPad's
+    padded phase images, one channel a plane, the source an im2col conv gathers its patches from.
+    One work item per (image, channel, phase)."""
+    def read(expr):
+        return f"np.uint8({expr})" if x_dtype == "uint8" else f"np.uint8(np.int32({expr}) + 128)"
+    plane = Hps * Wps
+    items = N * C * s * s
+    z = f"np.uint8({zero})"
+    src = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"ph = item % {s * s}").line(f"nc = item // {s * s}")
+    src.line(f"a = ph // {s}").line(f"b = ph % {s}")
+    src.line(f"dst = item * {plane}")
+    src.line(f"wlo = min(max(0, ({pl} - b + {s - 1}) // {s}), {Wps})")
+    src.line(f"whi = max(min({Wps}, ({W} + {pl} - b + {s - 1}) // {s}), wlo)")
+    src.line(f"for hh in range({Hps}):").indent()
+    src.line(f"h = hh * {s} + a - {pt}")
+    src.line(f"o = dst + hh * {Wps}")
+    src.line(f"if h < 0 or h >= {H}:").indent()
+    src.line(f"for i in range({Wps}):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line("continue").dedent()
+    src.line("for i in range(wlo):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line(f"for i in range(whi, {Wps}):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line(f"sb = (nc * {H} + h) * {W} + b - {pl}")
+    src.line("for ww in range(wlo, whi):").indent()
+    src.line(f"p1[o + ww] = {read(f'p0[sb + ww * {s}]')}")
+    src.dedent().dedent().dedent()
+    if slack:
+        src.line(f"if end == {items}:").indent()
+        src.line(f"for i in range({slack}):").indent()
+        src.line(f"p1[{items * plane} + i] = {z}")
+    return Kernel("PhasePad", src.text(), (x_dtype, "uint8")), items
+
+
+def im2col_pays(C: int, T: int) -> bool:
+    """Whether a conv's patches are gathered into quads of their own (im2col) rather than read in
+    channel quads: C not whole quads (a stem's 3 channels fill 3 of every 4 lanes), patches of at
+    most IM2COL_MAX_K bytes, and a tenth of the lanes or more saved (7x7x3: 37 quads, not 49)."""
+    return C % 4 != 0 and C * T <= IM2COL_MAX_K and 10 * -(-(C * T) // 4) <= 9 * -(-C // 4) * T
 
 
 def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, quad_out=False) -> dict | None:
@@ -189,6 +250,28 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, qua
     packed[:OC, :C] = wdata.reshape(OC, C, T)
     # [tile, q, t, MR, 4]
     packed = np.ascontiguousarray(packed.reshape(tiles, MR, Cq, 4, T).transpose(0, 2, 4, 1, 3))
+    im2col = im2col_pays(C, T)
+    Kq, koffs = Cq, None
+    if im2col:
+        # patch byte k = (c, kh, kw), the weights' own order, gathered from the phase plane of c
+        # that tap reads (phase_pad_kernel's layout); bytes past C*T read plane 0 (weight 0)
+        Kq = -(-(C * T) // 4)
+        koffs = np.zeros(Kq * 4, np.int64)
+        for k in range(C * T):
+            c, (kh, kw) = k // T, divmod(k % T, KW)
+            a, b = (kh * dil[0]) % s, (kw * dil[1]) % s
+            koffs[k] = (c * phases + a * s + b) * plane + ((kh * dil[0]) // s) * Wps + (kw * dil[1]) // s
+        packed = np.zeros((tiles * MR, Kq * 4), np.int8)
+        packed[:OC, :C * T] = wdata.reshape(OC, C * T)
+        # [tile, q, MR, 4]: Int8ConvSpec's packing with one tap
+        packed = np.ascontiguousarray(packed.reshape(tiles, MR, Kq, 4).transpose(0, 2, 1, 3))
+    rows_mr = 0
+    if grid is None and not quad_out and not im2col and OC % ROWS_NR == 0:
+        # output channels in the lanes where the pixel lanes go emptier than ROWS_BELOW: a tile is
+        # the largest run of pixels (<= 12, 2 x 12 accumulators) that divides the output row
+        fill = OH * OW / (chunks * NR)
+        divisors = [m for m in range(12, 3, -1) if OW % m == 0]
+        rows_mr = divisors[0] if fill < ROWS_BELOW and divisors else 0
     comp = np.zeros(tiles * MR, np.int64)
     comp[:OC] = -zero_x * wdata.reshape(OC, -1).astype(np.int64).sum(axis=1)
     if bias is not None:
@@ -216,16 +299,19 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     if plan is None:
         return None
     (N, C, H, W, s, pt, pl, Hps, Wps, Cq, plane, phases, OC, OH, OW, MR, NR, chunks, tiles, taps, packed, comp,
-     mult, out, zero_y, slack, masks, starts, x_dtype, zero_x, T) = (plan[k] for k in (
+     mult, out, zero_y, slack, masks, starts, x_dtype, zero_x, T, im2col, Kq, koffs) = (plan[k] for k in (
         "N", "C", "H", "W", "s", "pt", "pl", "Hps", "Wps", "Cq", "plane", "phases", "OC", "OH", "OW", "MR", "NR",
         "chunks", "tiles", "taps", "packed", "comp", "mult", "out", "zero_y", "slack", "masks", "starts", "x_dtype",
-        "zero_x", "T"))
+        "zero_x", "T", "im2col", "Kq", "koffs"))
     from .scratch import scratch_value
-    quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
-    pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
     producer = graph.producers().get(x.name)
     chained = producer is not None and _same(depthwise_quad_consumer(producer, graph), node)
-    if producer is not None and _same((conv_into_conv(producer, graph) or (None,))[0], node):
+    if im2col:      # C is not whole quads: no conv before writes this conv's input (see conv_into_conv)
+        quads = scratch_value(graph, node, (N * C * phases * plane + slack // 4,), np.uint8, tag="planes")
+        pad_kernel, pad_work = phase_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, zero_x, slack // 4)
+        pad_args = [x.name, quads]
+    elif producer is not None and _same((conv_into_conv(producer, graph) or (None,))[0], node):
+        quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
         # the conv before wrote rows pt .. pt + H - 1 of every quad: the rest is filled
         border = Source().line(NOALIAS_MARK).line(kernel_header(1)).indent()
         border.line("for item in range(begin, end):").indent()
@@ -238,6 +324,8 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         border.line(f"p0[{N * Cq * plane * 4} + i] = np.uint8({zero_x})")
         pad_kernel, pad_work, pad_args = Kernel("QuadBorder", border.text(), ("uint8",)), N * Cq, [quads]
     else:
+        quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
+        pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
         pad_args = [x.name, quads]
     if onto:    # the next conv's quads: rows pt .. pt + OH - 1 of each, padding columns included
         next_node, nxt = onto
@@ -254,53 +342,124 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         if mr not in specs:
             extra = {"quads": 1} if onto else {}
             make = Int8ConvBlendSpec if into or onto else Int8ConvSpec
-            specs[mr] = (f"uk{len(specs)}", make(mr=mr, nr=NR, taps=tuple(taps), plane=plane, panel=MR, out=out,
-                                                 zy=zero_y, **extra))
+            specs[mr] = (f"uk{len(specs)}", make(mr=mr, nr=NR, taps=(0,) if im2col else tuple(taps),
+                                                 plane=NR if im2col else plane, panel=MR, out=out, zy=zero_y, **extra))
         return specs[mr][0]
 
+    # im2col: p7 the patch offsets, p8 the gathered quads, p9 the output (written args come last)
+    ybuf = "p9" if im2col else "p7"
+
+    def emit_tile(body, xbuf, xoff):
+        """The micro-kernel calls of tile `tile` on chunk `ch` (names in the generated source)."""
+        body.line(f"oc0 = tile * {MR}")
+        body.line(f"woff = tile * {Kq * (1 if im2col else T) * MR * 4}")
+        for edge in (False, True) if OC % MR else (False,):
+            if OC % MR:
+                body.line(f"if oc0 + {MR} <= {OC}:" if not edge else "else:").indent()
+            name = spec(OC % MR if edge else MR)
+            if onto:
+                body.line(f"yoff = ((n * {nxt['Cq']} + oc0 // 4) * {nxt['plane']} + {nxt['pt'] * nxt['Wps']} + ch * {NR}) * 4")
+                body.line(f"{name}(p0, woff, {xbuf}, {xoff}, {ybuf}, yoff, {nxt['plane'] * 4}, {Kq}, p5[ch], p2, p3, oc0, p6[ch])")
+            elif into:
+                body.line(f"yoff = (n * {OC} + oc0) * {dw_plane} + {dw['pt'] * dw['Wp']} + ch * {NR}")
+                body.line(f"{name}(p0, woff, {xbuf}, {xoff}, {ybuf}, yoff, {dw_plane}, {Kq}, p5[ch], p2, p3, oc0, p6[ch])")
+            else:
+                body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + p6[ch]")
+                body.line(f"{name}(p0, woff, {xbuf}, {xoff}, {ybuf}, yoff, {OH * OW}, {Kq}, p5[ch], p2, p3, oc0)")
+            if OC % MR:
+                body.dedent()
+
     want = work_items() if 2 * OC * C * T * OH * OW * N >= MIN_SPLIT_OPS else 1
-    t_blocks = min(tiles, want)
-    r_blocks = max(1, min(chunks, -(-want // t_blocks)))
-    tpb, rpb = -(-tiles // t_blocks), -(-chunks // r_blocks)
-    t_blocks, r_blocks = -(-tiles // tpb), -(-chunks // rpb)
+    label = f"int8 (vnni conv{', im2col' if im2col else ''}, {out} out)"
+    pad = [] if chained else [KernelCall(pad_kernel, pad_args, pad_work, node.name, precision=label)]
+    if plan["rows_mr"] and not into and not onto:
+        return pad + [_row_conv_call(plan, node, quads, y, want)]
     body = Source().indent()
-    body.line("for item in range(begin, end):").indent()
-    body.line(f"rb = item % {r_blocks}").line(f"tb = (item // {r_blocks}) % {t_blocks}")
-    body.line(f"n = item // {r_blocks * t_blocks}")
-    body.line(f"for tile in range(tb * {tpb}, min(tb * {tpb} + {tpb}, {tiles})):").indent()
-    body.line(f"oc0 = tile * {MR}")
-    body.line(f"woff = tile * {Cq * T * MR * 4}")
-    for edge in (False, True) if OC % MR else (False,):
-        if OC % MR:
-            body.line(f"if oc0 + {MR} <= {OC}:" if not edge else "else:").indent()
-        name = spec(OC % MR if edge else MR)
+    extra_args, extra_types = [], ()
+    if im2col:
+        # an item is a block of chunks: each chunk's patches are gathered into the item's own
+        # Kq x NR quads (L1-sized: 7x7x3, 64 lanes: 9.5 KB), then every tile of output channels
+        # runs on them while they are in cache
+        r_blocks = max(1, min(chunks, want))
+        rpb = -(-chunks // r_blocks)
+        r_blocks = -(-chunks // rpb)
+        items = N * r_blocks
+        gathered = scratch_value(graph, node, (items * Kq * NR * 4,), np.uint8, tag="im2col")
+        extra_args, extra_types = [koffs, gathered], ("int64", "uint8")
+        body.line("for item in range(begin, end):").indent()
+        body.line(f"rb = item % {r_blocks}").line(f"n = item // {r_blocks}")
+        body.line(f"sc = item * {Kq * NR * 4}")
         body.line(f"for ch in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {chunks})):").indent()
-        body.line(f"xoff = (n * {phases * Cq * plane} + ch * {NR}) * 4")
-        if onto:
-            body.line(f"yoff = ((n * {nxt['Cq']} + oc0 // 4) * {nxt['plane']} + {nxt['pt'] * nxt['Wps']} + ch * {NR}) * 4")
-            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {nxt['plane'] * 4}, {Cq}, p5[ch], p2, p3, oc0, p6[ch])")
-        elif into:
-            body.line(f"yoff = (n * {OC} + oc0) * {dw_plane} + {dw['pt'] * dw['Wp']} + ch * {NR}")
-            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {dw_plane}, {Cq}, p5[ch], p2, p3, oc0, p6[ch])")
-        else:
-            body.line(f"yoff = (n * {OC} + oc0) * {OH * OW} + p6[ch]")
-            body.line(f"{name}(p0, woff, p1, xoff, p7, yoff, {OH * OW}, {Cq}, p5[ch], p2, p3, oc0)")
-        body.dedent()
-        if OC % MR:
-            body.dedent()
+        body.line(f"xb = n * {C * phases * plane} + ch * {NR}")
+        body.line(f"for q in range({Kq}):").indent()
+        for h in range(4):
+            body.line(f"o{h} = xb + p7[q * 4 + {h}]")
+        body.line(f"d = sc + q * {NR * 4}")
+        body.line(f"for j in range({NR}):").indent()
+        for h in range(4):
+            body.line(f"p8[d + j * 4 + {h}] = p1[o{h} + j]")
+        body.dedent().dedent()
+        body.line(f"for tile in range({tiles}):").indent()
+        emit_tile(body, "p8", "sc")
+        work = items
+    else:
+        t_blocks = min(tiles, want)
+        r_blocks = max(1, min(chunks, -(-want // t_blocks)))
+        tpb, rpb = -(-tiles // t_blocks), -(-chunks // r_blocks)
+        t_blocks, r_blocks = -(-tiles // tpb), -(-chunks // rpb)
+        body.line("for item in range(begin, end):").indent()
+        body.line(f"rb = item % {r_blocks}").line(f"tb = (item // {r_blocks}) % {t_blocks}")
+        body.line(f"n = item // {r_blocks * t_blocks}")
+        body.line(f"for tile in range(tb * {tpb}, min(tb * {tpb} + {tpb}, {tiles})):").indent()
+        body.line(f"for ch in range(rb * {rpb}, min(rb * {rpb} + {rpb}, {chunks})):").indent()
+        emit_tile(body, "p1", f"(n * {phases * Cq * plane} + ch * {NR}) * 4")
+        work = N * t_blocks * r_blocks
     head = Source()
     for name, uk in sorted(specs.values()):
         for line in uk.declaration(name).splitlines():
             head.line(line)
-    head.line(kernel_header(8))
+    head.line(kernel_header(8 + len(extra_args)))
     conv = Kernel("QConv", head.text() + body.text(), ("int8", "uint8", "int32", "float32", "float32", "int64",
-                                                       "int64", np.dtype(y.dtype).name), self_sized=True)
-    label = f"int8 (vnni conv, {out} out)"
-    pad = [] if chained else [KernelCall(pad_kernel, pad_args, pad_work, node.name, precision=label)]
+                                                       "int64") + extra_types + (np.dtype(y.dtype).name,),
+                  self_sized=True)
     return pad + [
             KernelCall(conv, [packed.reshape(-1), quads, comp.astype(np.int32), mult, np.zeros(1, np.float32),
-                              masks, plan["stores"] if into or onto else starts, target if into or onto else y.name],
-                       N * t_blocks * r_blocks, node.name, precision=label)]
+                              masks, plan["stores"] if into or onto else starts] + extra_args
+                       + [target if into or onto else y.name], work, node.name, n_outputs=1 + im2col,
+                       precision=label)]
+
+
+def _row_conv_call(plan, node, quads, y, want) -> KernelCall:
+    """The conv on Int8RowConvSpec tiles (output channels in the lanes): a tile is rows_mr pixels of
+    one output row x ROWS_NR channels; a work item a block of channel blocks of one image, whose
+    weights (Cq x T x 32 x 4 bytes a block) stay in cache over the plane's pixel tiles."""
+    N, C, Cq, T, OC, OH, OW, Wps, plane, phases, taps, wdata = (plan[k] for k in (
+        "N", "C", "Cq", "T", "OC", "OH", "OW", "Wps", "plane", "phases", "taps", "wdata"))
+    mr, nr = plan["rows_mr"], ROWS_NR
+    blocks = OC // nr
+    packed = np.zeros((OC, Cq * 4, T), np.int8)
+    packed[:, :C] = wdata.reshape(OC, C, T)
+    packed = np.ascontiguousarray(packed.reshape(blocks, nr, Cq, 4, T).transpose(0, 2, 4, 1, 3))
+    uk = Int8RowConvSpec(mr=mr, nr=nr, taps=tuple(taps), plane=plane, out=plan["out"], zy=plan["zero_y"])
+    o_blocks = max(1, min(blocks, want))
+    opb = -(-blocks // o_blocks)
+    o_blocks = -(-blocks // opb)
+    src = Source()
+    for line in uk.declaration("uk").splitlines():
+        src.line(line)
+    src.line(kernel_header(5)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"ob = item % {o_blocks}").line(f"n = item // {o_blocks}")
+    src.line(f"for b in range(ob * {opb}, min(ob * {opb} + {opb}, {blocks})):").indent()
+    src.line(f"for oh in range({OH}):").indent()
+    src.line(f"for ow in range(0, {OW}, {mr}):").indent()
+    src.line(f"xoff = (n * {phases * Cq * plane} + oh * {Wps} + ow) * 4")
+    src.line(f"yoff = (n * {OC} + b * {nr}) * {OH * OW} + oh * {OW} + ow")
+    src.line(f"uk(p0, b * {Cq * T * nr * 4}, p1, xoff, p4, yoff, {OH * OW}, {Cq}, p2, p3, b * {nr})")
+    conv = Kernel("QConvRows", src.text(), ("int8", "uint8", "int32", "float32", np.dtype(y.dtype).name),
+                  self_sized=True)
+    return KernelCall(conv, [packed.reshape(-1), quads, plan["comp"][:OC].astype(np.int32), plan["mult"][:OC],
+                             y.name], N * o_blocks, node.name, precision=f"int8 (vnni conv, channel lanes, {plan['out']} out)")
 
 
 def _same(a, b) -> bool:
@@ -365,6 +524,8 @@ def conv_into_conv(node, graph):
         return None
     own = _node_plan(_vnni_plan, node, graph)
     if own is None or own["out"] != "u8" or own["zero_y"] != nxt["zero_x"] or _input_written(node, graph):
+        return None
+    if own["rows_mr"]:      # a small plane: its own output with channels in the lanes, the next conv pads
         return None
     if _node_plan(lambda *a: _vnni_plan(*a, grid=(nxt["Wps"], nxt["pl"]), quad_out=True), node, graph) is None:
         return None

@@ -578,10 +578,140 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
     return function_module(head, ir, rename, decls)
 
 
+ROWCONV_ARG_NAMES = ("w", "woff", "x", "xoff", "y", "yoff", "ldy", "kc", "comp", "mult", "moff")
+
+
+@dataclass(frozen=True)
+class Int8RowConvSpec(Declared):
+    """A convolution tile with output channels in the lanes (as onnxruntime's and OpenVINO's NHWC
+    kernels): mr output pixels of one row (rows) x nr output channels (columns, 16 a vector), for
+    small planes where Int8ConvSpec's 16 pixels a vector leave lanes empty (a 7x7 output on its
+    9-wide grid: 49 of 64; here 7 pixels a tile, none):
+
+        acc(i, j) = sum_{q < kc, t}  sum_h  X(4q + h, pixel i + taps[t]) * W(j, 4q + h, t)
+
+    X is the input in channel quads (Int8ConvSpec's layout, x[xoff + (q*plane + p)*4 + h]): the
+    4 bytes of pixel i's quad q are one 32-bit word broadcast to the lanes (the unsigned operand).
+    W is packed at build time, w[woff + ((q*T + t)*nr + j)*4 + h], 16 channels of a quad one
+    64-byte vector (the signed operand). Epilogue per vector of channels: acc + comp[moff + j],
+    then y = saturate(rint(float(acc) * mult[moff + j]) + zy) (Int8ConvSpec's steps, lane by
+    lane), stored as bytes to y[yoff + j*ldy + i] (NCHW: ldy the plane size).
+
+    Signature: i32 name(ptr w, i64 woff, ptr x, i64 xoff, ptr y, i64 yoff, i64 ldy, i64 kc,
+                        ptr comp, ptr mult, i64 moff)"""
+    mr: int
+    nr: int
+    taps: tuple
+    plane: int
+    out: str = "u8"
+    zy: int = 0
+    kind: str = "int8convr"
+    _ARGS: ClassVar[str] = "".join("p" if n in _CONV_POINTERS else "i" for n in ROWCONV_ARG_NAMES)
+
+    def __post_init__(self):
+        assert self.nr % 16 == 0 and 16 <= self.nr <= 64 and self.out in _RANGE
+        assert self.mr * self.nr // 16 <= MAX_ACC, (self.mr, self.nr)
+
+    def _stem(self) -> str:
+        return f"cuvil_uki8convr_{self.mr}x{self.nr}_{self.out}"
+
+    def declaration(self, var: str) -> str:
+        types = {"w": "int8", "x": "uint8", "y": OUTPUTS[self.out], "comp": "int32", "mult": "float32"}
+        return typed_declaration(self, var, {i: types[n] for i, n in enumerate(ROWCONV_ARG_NAMES) if n in types})
+
+
+def int8_row_conv_ir(spec: Int8RowConvSpec, vector_bits: int = 512) -> str:
+    L = 16
+    V = spec.nr // L
+    vi, vf = f"<{L} x i32>", f"<{L} x float>"
+    T = len(spec.taps)
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
+    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
+    rename = {}
+    ir("br label %pre0")
+    ir.label("pre0")
+    ir("br label %loop0")
+    init = {(i, v): "zeroinitializer" for i in range(spec.mr) for v in range(V)}
+    kv, accs = open_k_loop(ir, 0, init, vi, "%loop0")
+    cur = dict(accs)
+    xq = ir.tmp("xq")
+    ir(f"{xq} = mul i64 {kv}, {spec.plane * 4}")
+    xrow = ir.tmp("xr")
+    ir(f"{xrow} = getelementptr i8, ptr %xbase, i64 {xq}")
+    wq = ir.tmp("wq")
+    ir(f"{wq} = mul i64 {kv}, {T * spec.nr * 4}")
+    wrow = ir.tmp("wr")
+    ir(f"{wrow} = getelementptr i8, ptr %wbase, i64 {wq}")
+    for t, off in enumerate(spec.taps):
+        wv = {}
+        for v in range(V):
+            p = ir.tmp("wp")
+            ir(f"{p} = getelementptr i8, ptr {wrow}, i64 {(t * spec.nr + v * L) * 4}")
+            wv[v] = ir.tmp("wv")
+            ir(f"{wv[v]} = load {vi}, ptr {p}, align 1")
+        for i in range(spec.mr):
+            p = ir.tmp("xp")
+            ir(f"{p} = getelementptr i8, ptr {xrow}, i64 {(off + i) * 4}")
+            word = ir.tmp("xw")
+            ir(f"{word} = load i32, ptr {p}, align 1")
+            splat = _splat_i32(ir, word)
+            for v in range(V):
+                out = ir.tmp("d")
+                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {cur[i, v]}, {vi} {splat}, {vi} {wv[v]})")
+                cur[i, v] = out
+    final = close_k_loop(ir, 0, kv, accs, cur, rename)
+    lo, hi = _RANGE[spec.out]
+    for v in range(V):
+        col = ir.tmp("col")
+        ir(f"{col} = add i64 %moff, {v * L}")
+        cp = ir.tmp("cp")
+        ir(f"{cp} = getelementptr i32, ptr %comp, i64 {col}")
+        cvec = ir.tmp("cv")
+        ir(f"{cvec} = load {vi}, ptr {cp}, align 4")
+        mp = ir.tmp("mp")
+        ir(f"{mp} = getelementptr float, ptr %mult, i64 {col}")
+        mvec = ir.tmp("mv")
+        ir(f"{mvec} = load {vf}, ptr {mp}, align 4")
+        for i in range(spec.mr):
+            x = ir.tmp("x")
+            ir(f"{x} = add {vi} {final[i, v]}, {cvec}")
+            f = ir.tmp("f")
+            ir(f"{f} = sitofp {vi} {x} to {vf}")
+            y = ir.tmp("y")
+            ir(f"{y} = fmul {vf} {f}, {mvec}")
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            q8 = ir.tmp("q")
+            ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
+            for lane in range(L):
+                e = ir.tmp("e")
+                ir(f"{e} = extractelement <16 x i8> {q8}, i64 {lane}")
+                yo = ir.tmp("yo")
+                ir(f"{yo} = mul i64 %ldy, {v * L + lane}")
+                yo2 = ir.tmp("yo")
+                ir(f"{yo2} = add i64 %yoff, {yo}")
+                yo3 = ir.tmp("yo")
+                ir(f"{yo3} = add i64 {yo2}, {i}")
+                yp = ir.tmp("yp")
+                ir(f"{yp} = getelementptr i8, ptr %y, i64 {yo3}")
+                ir(f"store i8 {e}, ptr {yp}, align 1")
+    ir("ret i32 0")
+    args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _CONV_POINTERS else f"i64 %{n}"
+                     for n in ROWCONV_ARG_NAMES)
+    head = f"define i32 @{spec.name}({args}) #0 {{"
+    decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+             f"declare {vf} @llvm.roundeven.v16f32({vf})",
+             f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
+             f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})"]
+    return function_module(head, ir, rename, decls)
+
+
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
     return {"int8": lambda d: Int8UKSpec(**d), "int8conv": lambda d: Int8ConvSpec(**{**d, "taps": tuple(d["taps"])}),
             "int8convb": lambda d: Int8ConvBlendSpec(**{**d, "taps": tuple(d["taps"])}),
+            "int8convr": lambda d: Int8RowConvSpec(**{**d, "taps": tuple(d["taps"])}),
             "int8dw": lambda d: Int8DwSpec(**d), "int8dwq": lambda d: Int8DwQuadSpec(**d)}
 
 
@@ -591,6 +721,8 @@ def int8_ir(spec, vector_bits: int = 512) -> str:
         return int8_dw_ir(spec, vector_bits)
     if spec.kind == "int8dwq":
         return int8_dw_quad_ir(spec, vector_bits)
+    if spec.kind == "int8convr":
+        return int8_row_conv_ir(spec, vector_bits)
     return int8_conv_ir(spec, vector_bits) if spec.kind in ("int8conv", "int8convb") else int8_ukernel_ir(spec, vector_bits)
 
 

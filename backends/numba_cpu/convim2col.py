@@ -15,10 +15,18 @@ channels-in-lanes micro-kernel when the positions are few, the micro-kernel GEMM
 with the node's epilogue (bias, residual, activation). The copy writes K x N floats for
 M x K x N multiply-adds: 1/M of the work.
 
+A batch of images with few output positions each (a streaming VAD's 3 frames per chunk, batch
+8) folds the images into the GEMM's columns: col is then (C*T, N*P), one GEMM of N*P columns
+instead of N GEMMs of P (the position-in-lanes kernels fill a 16-float vector with 3 of them),
+and a copy scatters its (OC, N*P) result to Y (N, OC, P): N*OC*P floats for OC*K*N*P
+multiply-adds. A folded conv needs no long kernel (a k3 conv over 3 positions folds too), but
+no residual: the residual is laid out like Y, not like the folded result.
+
 `prefer` is the selection rule between this path and the implicit GEMM of convgemm.py /
 convsmall.py: a cost model of the instructions the tap loop unrolls and of the phase images
-(see TAPS_UNROLLED); the decision is a function of the node's shapes, so it is part of the
-kernel source and of every cache key downstream.
+(see TAPS_UNROLLED), and of the vector lanes the columns fill (see `folds`); the decision is a
+function of the node's shapes, so it is part of the kernel source and of every cache key
+downstream.
 """
 from __future__ import annotations
 
@@ -41,9 +49,24 @@ TAPS_UNROLLED = 64
 # (onnxruntime 0.23 ms).
 PHASES_MAX = 16
 COL_MAX_BYTES = 8 << 20   # the frames buffer stays below this (it lives in the arena while the conv runs)
+LANES = 16                # float32 lanes of one AVX-512 vector: the GEMM's column granularity
+# Fold the batch into the columns when that fills this many times more lanes (it pays a copy of
+# Y): 3 positions x 8 images fill 24 of 32 lanes against 3 of 16 (4x); ConvNeXt's 7x7 stage at
+# batch 4 would gain 1.23x and stays per image.
+FOLD_GAIN = 1.5
 
 
-def prefer(X, W, B, Y, group, kernel, strides, dilations) -> bool:
+def _filled(columns: int) -> float:
+    return columns / (-(-columns // LANES) * LANES)
+
+
+def folds(X, Y, residual: bool = False) -> bool:
+    """Whether the images of a batch go into one GEMM's columns (see the module docstring)."""
+    N, positions = int(X.shape[0]), int(np.prod(Y.shape[2:]))
+    return N > 1 and not residual and _filled(N * positions) >= FOLD_GAIN * _filled(positions)
+
+
+def prefer(X, W, B, Y, group, kernel, strides, dilations, residual: bool = False) -> bool:
     """Whether this path beats the implicit GEMM for a float32 2-D conv with constant weights."""
     if np.dtype(Y.dtype) != np.float32 or len(X.shape) != 4 or not W.is_const or (B is not None and not B.is_const):
         return False
@@ -52,14 +75,17 @@ def prefer(X, W, B, Y, group, kernel, strides, dilations) -> bool:
     taps = int(np.prod(kernel))
     N, C = int(X.shape[0]), int(X.shape[1])
     positions = int(np.prod(Y.shape[2:]))
-    if taps <= 1 or positions < 1 or 4 * N * C * taps * positions > COL_MAX_BYTES:
+    if positions < 1 or 4 * N * C * taps * positions > COL_MAX_BYTES:
         return False
+    if taps <= 1:      # a 1x1 conv (an SE block's squeeze at batch 4: one column per image) only folds
+        return folds(X, Y, residual)
     phases = int(np.prod([min(s, k) for s, k in zip(strides, kernel)]))
-    return taps > TAPS_UNROLLED or phases > PHASES_MAX
+    return taps > TAPS_UNROLLED or phases > PHASES_MAX or folds(X, Y, residual)
 
 
-def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple[Kernel, int]:
-    """X (N, C, H, W) -> col (N, C*T, OH*OW); one work item per (image, channel, tap) row."""
+def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads, fold=False) -> tuple[Kernel, int]:
+    """X (N, C, H, W) -> col (N, C*T, OH*OW), or folded (C*T, N*OH*OW); one work item per
+    (image, channel, tap) row."""
     KH, KW = kernel
     (s_h, s_w), (d_h, d_w), (p_t, p_l) = strides, dilations, pads
     T, P = KH * KW, OH * OW
@@ -68,7 +94,10 @@ def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple
     src.line("for item in range(begin, end):").indent()
     src.line(f"t = item % {T}").line(f"plane = item // {T}")
     src.line(f"kh = t // {KW}").line(f"kw = t % {KW}")
-    src.line(f"xb = plane * {H * W}").line(f"ob = item * {P}")
+    if fold:   # row (c, t) of the image's columns [n*P, (n+1)*P)
+        src.line(f"xb = plane * {H * W}").line(f"ob = ((plane % {C}) * {T} + t) * {N * P} + (plane // {C}) * {P}")
+    else:
+        src.line(f"xb = plane * {H * W}").line(f"ob = item * {P}")
     # Columns whose input is inside the row: [j_lo, j_hi) (the rest is the zero padding).
     src.line(f"off = kw * {d_w} - {p_l}")
     src.line(f"j_lo = 0 if off >= 0 else min({OW}, (-off + {s_w - 1}) // {s_w})")
@@ -85,13 +114,26 @@ def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple
     return Kernel("Im2col", src.text(), ("float32", "float32")), N * C * T
 
 
+def unfold_kernel(N, OC, P) -> tuple[Kernel, int]:
+    """The folded result (OC, N*P) -> Y (N, OC, P); one work item per (image, channel) row."""
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    src.line(f"src = oc * {N * P} + n * {P}").line(f"dst = item * {P}")
+    src.line(f"for j in range({P}):").indent().line("p1[dst + j] = p0[src + j]")
+    return Kernel("Unfold", src.text(), ("float32", "float32")), N * OC
+
+
 def lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lower_conv) -> list:
     """The Im2col call, then the calls `lower_conv` makes of the 1x1 conv over its frames (a
-    node of the same op, epilogue and residual, weights W reshaped to (OC, C*T, 1, 1))."""
+    node of the same op, epilogue and residual, weights W reshaped to (OC, C*T, 1, 1)); with
+    the batch folded into the columns, then the Unfold copy into Y."""
     N, C, H, Wd = (int(v) for v in X.shape)
     OC = int(W.shape[0])
     OH, OW = (int(v) for v in Y.shape[2:])
     T = int(np.prod(kernel))
+    if folds(X, Y, residual=bool(int(node.attr("has_residual", 0)))):
+        return _lower_folded(node, graph, X, W, Y, kernel, strides, dilations, pads, lower_conv)
     col_name = scratch_value(graph, node, (N, C * T, OH, OW), np.float32, tag="im2col")
     col_kernel, work = im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads)
     w_name = f"__im2col_w__{node.name}"
@@ -113,6 +155,26 @@ def lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lowe
     finally:
         graph.values.update(saved)
     return [KernelCall(col_kernel, [X.name, col_name], work, node.name)] + list(calls)
+
+
+def _lower_folded(node, graph, X, W, Y, kernel, strides, dilations, pads, lower_conv) -> list:
+    """Im2col into (C*T, N*P), the 1x1 conv of one image with N*P columns (bias and activation
+    in its epilogue), Unfold into Y."""
+    N, C, H, Wd = (int(v) for v in X.shape)
+    OC = int(W.shape[0])
+    OH, OW = (int(v) for v in Y.shape[2:])
+    T, P = int(np.prod(kernel)), OH * OW
+    col_name = scratch_value(graph, node, (1, C * T, 1, N * P), np.float32, tag="im2col")
+    col_kernel, work = im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads, fold=True)
+    w_name = f"__im2col_w__{node.name}"
+    graph.values[w_name] = Value(w_name, np.dtype(np.float32), (OC, C * T, 1, 1),
+                                 np.ascontiguousarray(np.asarray(W.data, dtype=np.float32).reshape(OC, C * T, 1, 1)))
+    folded = scratch_value(graph, node, (1, OC, 1, N * P), np.float32, tag="im2col_y")
+    attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel_shape", "strides", "dilations", "pads", "auto_pad")}
+    pointwise = Node(node.op, node.name, [col_name, w_name] + list(node.inputs[2:]), [folded], attrs, node.domain)
+    unfold, unfold_work = unfold_kernel(N, OC, P)
+    return ([KernelCall(col_kernel, [X.name, col_name], work, node.name)] + list(lower_conv(pointwise, graph).calls)
+            + [KernelCall(unfold, [folded, Y.name], unfold_work, node.name)])
 
 
 def _row_view(value: Value) -> Value:

@@ -83,9 +83,8 @@ def prefer(X, W, B, Y, group, kernel, strides, dilations, residual: bool = False
     return taps > TAPS_UNROLLED or phases > PHASES_MAX or folds(X, Y, residual)
 
 
-def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads, fold=False) -> tuple[Kernel, int]:
-    """X (N, C, H, W) -> col (N, C*T, OH*OW), or folded (C*T, N*OH*OW); one work item per
-    (image, channel, tap) row."""
+def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple[Kernel, int]:
+    """X (N, C, H, W) -> col (N, C*T, OH*OW); one work item per (image, channel, tap) row."""
     KH, KW = kernel
     (s_h, s_w), (d_h, d_w), (p_t, p_l) = strides, dilations, pads
     T, P = KH * KW, OH * OW
@@ -94,10 +93,7 @@ def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads, fold=Fal
     src.line("for item in range(begin, end):").indent()
     src.line(f"t = item % {T}").line(f"plane = item // {T}")
     src.line(f"kh = t // {KW}").line(f"kw = t % {KW}")
-    if fold:   # row (c, t) of the image's columns [n*P, (n+1)*P)
-        src.line(f"xb = plane * {H * W}").line(f"ob = ((plane % {C}) * {T} + t) * {N * P} + (plane // {C}) * {P}")
-    else:
-        src.line(f"xb = plane * {H * W}").line(f"ob = item * {P}")
+    src.line(f"xb = plane * {H * W}").line(f"ob = item * {P}")
     # Columns whose input is inside the row: [j_lo, j_hi) (the rest is the zero padding).
     src.line(f"off = kw * {d_w} - {p_l}")
     src.line(f"j_lo = 0 if off >= 0 else min({OW}, (-off + {s_w - 1}) // {s_w})")
@@ -112,6 +108,27 @@ def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads, fold=Fal
     src.line("for j in range(j_lo, j_hi):").indent().line(f"p1[o + j] = p0[x + j * {s_w}]").dedent()
     src.line(f"for j in range(j_hi, {OW}):").indent().line(f"p1[o + j] = {zero}").dedent()
     return Kernel("Im2col", src.text(), ("float32", "float32")), N * C * T
+
+
+def folded_im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple[Kernel, int]:
+    """X (N, C, H, W) -> col (C*T, N*OH*OW): row (c, t) holds image n's positions at [n*P, (n+1)*P).
+    One work item per (image, channel) plane: the rows of a few positions each are too short to
+    be items of their own (the bounds of each row cost more than its copy)."""
+    KH, KW = kernel
+    (s_h, s_w), (d_h, d_w), (p_t, p_l) = strides, dilations, pads
+    T, P = KH * KW, OH * OW
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {C}").line(f"c = item - n * {C}").line(f"xb = item * {H * W}")
+    src.line(f"for kh in range({KH}):").indent().line(f"for kw in range({KW}):").indent()
+    src.line(f"ob = (c * {T} + kh * {KW} + kw) * {N * P} + n * {P}")
+    src.line(f"for oh in range({OH}):").indent()
+    src.line(f"r = oh * {s_h} + kh * {d_h} - {p_t}")
+    src.line(f"for ow in range({OW}):").indent()
+    src.line(f"q = ow * {s_w} + kw * {d_w} - {p_l}")
+    src.line(f"inside = r >= 0 and r < {H} and q >= 0 and q < {W}")
+    src.line(f"p1[ob + oh * {OW} + ow] = p0[xb + r * {W} + q] if inside else {literal(0, np.float32)}")
+    return Kernel("Im2col", src.text(), ("float32", "float32")), N * C
 
 
 def unfold_kernel(N, OC, P) -> tuple[Kernel, int]:
@@ -165,7 +182,7 @@ def _lower_folded(node, graph, X, W, Y, kernel, strides, dilations, pads, lower_
     OH, OW = (int(v) for v in Y.shape[2:])
     T, P = int(np.prod(kernel)), OH * OW
     col_name = scratch_value(graph, node, (1, C * T, 1, N * P), np.float32, tag="im2col")
-    col_kernel, work = im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads, fold=True)
+    col_kernel, work = folded_im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads)
     w_name = f"__im2col_w__{node.name}"
     graph.values[w_name] = Value(w_name, np.dtype(np.float32), (OC, C * T, 1, 1),
                                  np.ascontiguousarray(np.asarray(W.data, dtype=np.float32).reshape(OC, C * T, 1, 1)))

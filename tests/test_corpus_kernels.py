@@ -94,8 +94,8 @@ def test_conv1d_on_the_2d_gemm_kernels(x_shape, w_shape, attrs, extra):
 @pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
     ((8, 1, 512), (258, 1, 256), dict(strides=[128]), dict(bias=False)),                 # VAD's STFT: 3 frames x 8
     ((8, 129, 3), (128, 129, 3), dict(pads=[1, 1]), dict(relu=True)),                    # VAD's encoder conv
-    ((4, 96, 1, 1), (24, 96, 1, 1), {}, dict(relu=True)),                                # an SE squeeze, batch 4
-    ((3, 16, 5, 4), (32, 16, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2]), {}),        # 3 x 2 positions, batch 3
+    ((8, 512, 1, 1), (256, 512, 1, 1), {}, dict(relu=True)),                             # 1x1 on pooled features
+    ((3, 64, 5, 4), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2]), {}),        # 3 x 2 positions, batch 3
 ])
 def test_batch_folded_into_the_gemm_columns(x_shape, w_shape, attrs, extra):
     model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
@@ -126,6 +126,7 @@ def _values(x_shape, w_shape, y_shape):
     ((8, 129, 1, 5), (128, 129, 1, 3), (8, 128, 1, 3), [1, 3], [1, 1], True),            # 3 positions x 8: folds
     ((1, 129, 1, 5), (128, 129, 1, 3), (1, 128, 1, 3), [1, 3], [1, 1], False),           # batch 1: nothing to fold
     ((4, 384, 9, 9), (384, 384, 3, 3), (4, 384, 7, 7), [3, 3], [1, 1], False),           # 49 positions x 4: 1.23x
+    ((4, 96, 1, 1), (4, 96, 1, 1), (4, 4, 1, 1), [1, 1], [1, 1], False),                 # an SE squeeze: too small
 ])
 def test_selection_rule(x_shape, w_shape, y_shape, kernel, strides, fires):
     X, W, B, Y = _values(x_shape, w_shape, y_shape)

@@ -54,16 +54,22 @@ LANES = 16                # float32 lanes of one AVX-512 vector: the GEMM's colu
 # Y): 3 positions x 8 images fill 24 of 32 lanes against 3 of 16 (4x); ConvNeXt's 7x7 stage at
 # batch 4 would gain 1.23x and stays per image.
 FOLD_GAIN = 1.5
+# ... and when the GEMM has this many multiply-adds: the fold's two extra calls cost more than the
+# lanes gain on a tiny one (EfficientNet's squeeze-excite convs, 32 -> 8 channels at one position:
+# the model at batch 4 measured 1.08x slower with them folded).
+FOLD_MIN_MACS = 1 << 18
 
 
 def _filled(columns: int) -> float:
     return columns / (-(-columns // LANES) * LANES)
 
 
-def folds(X, Y, residual: bool = False) -> bool:
+def folds(X, W, Y, residual: bool = False) -> bool:
     """Whether the images of a batch go into one GEMM's columns (see the module docstring)."""
     N, positions = int(X.shape[0]), int(np.prod(Y.shape[2:]))
-    return N > 1 and not residual and _filled(N * positions) >= FOLD_GAIN * _filled(positions)
+    macs = int(np.prod(W.shape)) * N * positions
+    return (N > 1 and not residual and macs >= FOLD_MIN_MACS
+            and _filled(N * positions) >= FOLD_GAIN * _filled(positions))
 
 
 def prefer(X, W, B, Y, group, kernel, strides, dilations, residual: bool = False) -> bool:
@@ -78,9 +84,9 @@ def prefer(X, W, B, Y, group, kernel, strides, dilations, residual: bool = False
     if positions < 1 or 4 * N * C * taps * positions > COL_MAX_BYTES:
         return False
     if taps <= 1:      # a 1x1 conv (an SE block's squeeze at batch 4: one column per image) only folds
-        return folds(X, Y, residual)
+        return folds(X, W, Y, residual)
     phases = int(np.prod([min(s, k) for s, k in zip(strides, kernel)]))
-    return taps > TAPS_UNROLLED or phases > PHASES_MAX or folds(X, Y, residual)
+    return taps > TAPS_UNROLLED or phases > PHASES_MAX or folds(X, W, Y, residual)
 
 
 def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple[Kernel, int]:
@@ -149,7 +155,7 @@ def lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lowe
     OC = int(W.shape[0])
     OH, OW = (int(v) for v in Y.shape[2:])
     T = int(np.prod(kernel))
-    if folds(X, Y, residual=bool(int(node.attr("has_residual", 0)))):
+    if folds(X, W, Y, residual=bool(int(node.attr("has_residual", 0)))):
         return _lower_folded(node, graph, X, W, Y, kernel, strides, dilations, pads, lower_conv)
     col_name = scratch_value(graph, node, (N, C * T, OH, OW), np.float32, tag="im2col")
     col_kernel, work = im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads)

@@ -2,6 +2,10 @@
 
     LayerNorm  (x - mean(x)) / sqrt(mean((x - mean(x))^2) + eps) * gamma + beta
                -> LayerNormalization(x, gamma, beta; axis, epsilon)
+    RMSNorm    x / sqrt(mean(x^2) + eps) * gamma  (T5's and LLaMA's norm; the division may be
+               x * (1 / sqrt(.)) or x * Reciprocal(sqrt(.)))
+               -> SimplifiedLayerNormalization(x, gamma; axis, epsilon)  (onnxruntime's op, in
+               the default domain; cuvil/contrib.py)
     Softmax    exp(x - max(x)) / sum(exp(x - max(x)))  (max optional)  -> Softmax(x; axis)
     GELU       x/2 * (1 + erf(x / sqrt 2)), or the tanh form           -> Gelu
     SiLU       x * sigmoid(x)                                          -> FusedElementwise [Silu]
@@ -22,8 +26,9 @@ form agreeing with a candidate at all of them computes that function.
 Gelu is an ONNX op from opset 20 and HardSwish from opset 14: for older
 models the function becomes a one-step FusedElementwise (the same kernel).
 Does not fire when an intermediate is read outside the pattern, when the
-reduction is not over the last axes (LayerNorm) or not over one axis
-(Softmax), or when a region's function is none of the candidates.
+reduction is not over the last axes (LayerNorm, RMSNorm) or not over one axis
+(Softmax), when RMSNorm's input is not float32 (the op's kernel is float32 only),
+or when a region's function is none of the candidates.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from cuvil.ir import Graph, Node
 from ._rewrite import add_constant, const_data, drop_unused_values, scalar
 from .fuse_elementwise import fused_node
 
-PATTERNS = ("layernorm", "softmax", "gelu", "silu", "hardswish", "hardsigmoid")
+PATTERNS = ("layernorm", "rmsnorm", "softmax", "gelu", "silu", "hardswish", "hardsigmoid")
 
 
 def _known_patterns(names):
@@ -210,6 +215,84 @@ def _normalizer(ctx: _Context, node: Node):
     return x, eps, axes[0], [sub, mean_node, square, var, add, sqrt] + extra
 
 
+# -- RMSNorm ------------------------------------------------------------------------------
+
+def _inverse_root(ctx: _Context, value: str):
+    """(sqrt node, extra nodes) when `value` is 1 / sqrt(.) as Reciprocal(Sqrt) or Div(1, Sqrt)."""
+    recip = ctx.made_by(value, "Reciprocal")
+    if recip is not None:
+        sqrt = ctx.made_by(recip.inputs[0], "Sqrt")
+        return (sqrt, [recip]) if sqrt is not None else None
+    div = ctx.made_by(value, "Div")
+    if div is not None and scalar(ctx.graph, div.inputs[0]) == 1.0:
+        sqrt = ctx.made_by(div.inputs[1], "Sqrt")
+        return (sqrt, [div]) if sqrt is not None else None
+    return None
+
+
+def _rms_normalizer(ctx: _Context, node: Node):
+    """(x, eps, axis, nodes) when `node` computes x / sqrt(mean(x^2) + eps), else None."""
+    g = ctx.graph
+    if node.op == "Div":
+        x, sqrt, extra = node.inputs[0], ctx.made_by(node.inputs[1], "Sqrt"), []
+    elif node.op == "Mul":
+        for x, r in (node.inputs, node.inputs[::-1]):
+            found = _inverse_root(ctx, r)
+            if found is not None:
+                sqrt, extra = found
+                break
+        else:
+            return None
+    else:
+        return None
+    add = ctx.made_by(sqrt.inputs[0], "Add") if sqrt is not None else None
+    if add is None:
+        return None
+    var, eps = None, None
+    for k in (0, 1):
+        if scalar(g, add.inputs[1 - k]) is not None:
+            var, eps = ctx.made_by(add.inputs[k], "ReduceMean"), scalar(g, add.inputs[1 - k])
+    if var is None:
+        return None
+    square = ctx.made_by(var.inputs[0], "Pow", "Mul")
+    if square is None or not (square.op == "Pow" and square.inputs[0] == x and scalar(g, square.inputs[1]) == 2.0
+                              or square.op == "Mul" and square.inputs == [x, x]):
+        return None
+    rank = len(g.values[x].shape)
+    axes = _axes(ctx, var, rank)
+    if axes is None or axes != list(range(rank - len(axes), rank)):
+        return None
+    return x, eps, axes[0], [square, var, add, sqrt] + extra
+
+
+def _match_rmsnorm(ctx: _Context, root: Node) -> Match | None:
+    g = ctx.graph
+    node, gamma, chain = root, None, []
+    if root.op == "Mul" and not root.domain:                   # ... * gamma
+        for k in (0, 1):
+            inner = ctx.made_by(root.inputs[k], "Div", "Mul")
+            if inner is not None and const_data(g, root.inputs[1 - k]) is not None and _rms_normalizer(ctx, inner):
+                gamma, chain, node = root.inputs[1 - k], [root], inner
+                break
+    found = _rms_normalizer(ctx, node)
+    if found is None:
+        return None
+    x, eps, axis, parts = found
+    nodes = chain + [node] + parts
+    if not ctx.private(nodes, root):
+        return None
+    x_value = g.values[x]
+    if np.dtype(x_value.dtype) != np.float32 or tuple(g.values[root.outputs[0]].shape) != tuple(x_value.shape):
+        return None
+    scale = (np.ones(x_value.shape[axis:], np.float32) if gamma is None
+             else _normalized_param(ctx, gamma, x_value.shape, axis, np.float32))
+    if scale is None:
+        return None
+    replacement = Node("SimplifiedLayerNormalization", root.name, [x], [root.outputs[0]],
+                       {"axis": axis, "epsilon": eps})
+    return Match("rmsnorm", root, {n.name for n in nodes}, replacement, {"scale": scale})
+
+
 # -- Softmax ---------------------------------------------------------------------------------
 
 def _match_softmax(ctx: _Context, root: Node) -> Match | None:
@@ -377,6 +460,8 @@ def fuse_patterns(graph: Graph, options: Options = Options()) -> Graph:
         match = None
         if "layernorm" in wanted:
             match = _match_layernorm(ctx, root)
+        if match is None and "rmsnorm" in wanted:
+            match = _match_rmsnorm(ctx, root)
         if match is None and "softmax" in wanted:
             match = _match_softmax(ctx, root)
         if match is None and wanted & {"gelu", "silu", "hardswish", "hardsigmoid"}:
@@ -402,7 +487,7 @@ def describe(before: Graph, after: Graph) -> str:
     removed = len(before.nodes) - len(after.nodes)
     made = []
     counts_b, counts_a = before.op_counts(), after.op_counts()
-    for op in ("LayerNormalization", "Softmax", "Gelu", "HardSwish", "HardSigmoid"):
+    for op in ("LayerNormalization", "SimplifiedLayerNormalization", "Softmax", "Gelu", "HardSwish", "HardSigmoid"):
         if counts_a.get(op, 0) > counts_b.get(op, 0):
             made.append(f"{counts_a[op] - counts_b.get(op, 0)} {op}")
     fused = lambda g: [n.attrs["program"][0].split()[0] for n in g.nodes if n.op == "FusedElementwise"

@@ -91,6 +91,27 @@ def test_conv1d_on_the_2d_gemm_kernels(x_shape, w_shape, attrs, extra):
     assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
 
 
+@pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
+    ((8, 1, 512), (258, 1, 256), dict(strides=[128]), dict(bias=False)),                 # VAD's STFT: 3 frames x 8
+    ((8, 129, 3), (128, 129, 3), dict(pads=[1, 1]), dict(relu=True)),                    # VAD's encoder conv
+    ((8, 512, 1, 1), (256, 512, 1, 1), {}, dict(relu=True)),                             # 1x1 on pooled features
+    ((3, 64, 5, 4), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2]), {}),        # 3 x 2 positions, batch 3
+])
+def test_batch_folded_into_the_gemm_columns(x_shape, w_shape, attrs, extra):
+    model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
+    assert families(model)[0] == "Im2col" and families(model)[-1] == "Unfold"
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
+
+
+def test_batch_not_folded_with_a_residual_or_many_positions():
+    # A residual is laid out like Y, not like the folded result; 8 x 8 positions fill the lanes.
+    model, feeds = conv_model((8, 129, 3), (128, 129, 3), pads=[1, 1], residual=True)
+    assert "Unfold" not in families(model)
+    assert_matches_ort(model, feeds, tol=tol(129 * 3))
+    model, feeds = conv_model((4, 32, 8, 8), (32, 32, 3, 3), pads=[1, 1, 1, 1])
+    assert not {"Im2col", "Unfold"} & set(families(model))
+
+
 def _values(x_shape, w_shape, y_shape):
     return (Value("x", np.dtype(np.float32), x_shape), Value("w", np.dtype(np.float32), w_shape, np.zeros(w_shape)),
             None, Value("y", np.dtype(np.float32), y_shape))
@@ -102,6 +123,10 @@ def _values(x_shape, w_shape, y_shape):
     ((1, 64, 56, 56), (64, 64, 3, 3), (1, 64, 56, 56), [3, 3], [1, 1], False),           # must not fire: 3x3
     ((1, 3, 224, 224), (64, 3, 7, 7), (1, 64, 112, 112), [7, 7], [2, 2], False),         # ResNet stem: 49 taps
     ((1, 16, 8, 8), (16, 16, 9, 9), (1, 16, 8, 8), [9, 9], [1, 1], True),                # 81 taps
+    ((8, 129, 1, 5), (128, 129, 1, 3), (8, 128, 1, 3), [1, 3], [1, 1], True),            # 3 positions x 8: folds
+    ((1, 129, 1, 5), (128, 129, 1, 3), (1, 128, 1, 3), [1, 3], [1, 1], False),           # batch 1: nothing to fold
+    ((4, 384, 9, 9), (384, 384, 3, 3), (4, 384, 7, 7), [3, 3], [1, 1], False),           # 49 positions x 4: 1.23x
+    ((4, 96, 1, 1), (4, 96, 1, 1), (4, 4, 1, 1), [1, 1], [1, 1], False),                 # an SE squeeze: too small
 ])
 def test_selection_rule(x_shape, w_shape, y_shape, kernel, strides, fires):
     X, W, B, Y = _values(x_shape, w_shape, y_shape)

@@ -105,6 +105,19 @@ def test_pow_float():
     assert_matches_ort(model, {"a": rand(3, 4, seed=7), "b": np.array([0, 1, 2, 3], I64)})
 
 
+@pytest.mark.parametrize("exponent", [2.0, 3.0])
+def test_pow_by_a_small_constant_is_a_product(exponent):
+    # x ** 2 is exact either way (one rounding of x*x); x ** 3 as x*x*x rounds twice where powf
+    # rounds once: 2 u = 1.2e-7 relative at most, so tol 1e-6.
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    model = make_model([helper.make_node("Pow", ["a", "e"], ["y"])], [("a", F32, [3, 40])], [("y", F32, None)],
+                       {"e": np.array([exponent], F32)})
+    graph, _ = import_onnx(model)
+    assert "**" not in lower(graph)[0].kernel.source
+    assert_matches_ort(model, {"a": rand(3, 40, seed=7) * 3}, tol=1e-6)
+
+
 COMPARE = ["Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"]
 
 

@@ -167,7 +167,7 @@ def _gemm_paths(node, graph, dtype, X, W, B, Y, group, kernel, strides, dilation
     gemm_ok = W.is_const and len(X.shape) == 4 and convgemm.eligible(dtype, X, W, group, kernel, strides, dilations, Y) \
         and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:]))
     lowp = lowp if gemm_ok else None
-    if not lowp and convim2col.prefer(X, W, B, Y, group, kernel, strides, dilations):
+    if not lowp and convim2col.prefer(X, W, B, Y, group, kernel, strides, dilations, res_strides is not None):
         return Lowered(convim2col.lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lower_conv))
     if not lowp and convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
         return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,

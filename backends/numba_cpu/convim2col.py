@@ -15,10 +15,18 @@ channels-in-lanes micro-kernel when the positions are few, the micro-kernel GEMM
 with the node's epilogue (bias, residual, activation). The copy writes K x N floats for
 M x K x N multiply-adds: 1/M of the work.
 
+A batch of images with few output positions each (a streaming VAD's 3 frames per chunk, batch
+8) folds the images into the GEMM's columns: col is then (C*T, N*P), one GEMM of N*P columns
+instead of N GEMMs of P (the position-in-lanes kernels fill a 16-float vector with 3 of them),
+and a copy scatters its (OC, N*P) result to Y (N, OC, P): N*OC*P floats for OC*K*N*P
+multiply-adds. A folded conv needs no long kernel (a k3 conv over 3 positions folds too), but
+no residual: the residual is laid out like Y, not like the folded result.
+
 `prefer` is the selection rule between this path and the implicit GEMM of convgemm.py /
 convsmall.py: a cost model of the instructions the tap loop unrolls and of the phase images
-(see TAPS_UNROLLED); the decision is a function of the node's shapes, so it is part of the
-kernel source and of every cache key downstream.
+(see TAPS_UNROLLED), and of the vector lanes the columns fill (see `folds`); the decision is a
+function of the node's shapes, so it is part of the kernel source and of every cache key
+downstream.
 """
 from __future__ import annotations
 
@@ -41,9 +49,30 @@ TAPS_UNROLLED = 64
 # (onnxruntime 0.23 ms).
 PHASES_MAX = 16
 COL_MAX_BYTES = 8 << 20   # the frames buffer stays below this (it lives in the arena while the conv runs)
+LANES = 16                # float32 lanes of one AVX-512 vector: the GEMM's column granularity
+# Fold the batch into the columns when that fills this many times more lanes (it pays a copy of
+# Y): 3 positions x 8 images fill 24 of 32 lanes against 3 of 16 (4x); ConvNeXt's 7x7 stage at
+# batch 4 would gain 1.23x and stays per image.
+FOLD_GAIN = 1.5
+# ... and when the GEMM has this many multiply-adds: the fold's two extra calls cost more than the
+# lanes gain on a tiny one (EfficientNet's squeeze-excite convs, 32 -> 8 channels at one position:
+# the model at batch 4 measured 1.08x slower with them folded).
+FOLD_MIN_MACS = 1 << 18
 
 
-def prefer(X, W, B, Y, group, kernel, strides, dilations) -> bool:
+def _filled(columns: int) -> float:
+    return columns / (-(-columns // LANES) * LANES)
+
+
+def folds(X, W, Y, residual: bool = False) -> bool:
+    """Whether the images of a batch go into one GEMM's columns (see the module docstring)."""
+    N, positions = int(X.shape[0]), int(np.prod(Y.shape[2:]))
+    macs = int(np.prod(W.shape)) * N * positions
+    return (N > 1 and not residual and macs >= FOLD_MIN_MACS
+            and _filled(N * positions) >= FOLD_GAIN * _filled(positions))
+
+
+def prefer(X, W, B, Y, group, kernel, strides, dilations, residual: bool = False) -> bool:
     """Whether this path beats the implicit GEMM for a float32 2-D conv with constant weights."""
     if np.dtype(Y.dtype) != np.float32 or len(X.shape) != 4 or not W.is_const or (B is not None and not B.is_const):
         return False
@@ -52,10 +81,12 @@ def prefer(X, W, B, Y, group, kernel, strides, dilations) -> bool:
     taps = int(np.prod(kernel))
     N, C = int(X.shape[0]), int(X.shape[1])
     positions = int(np.prod(Y.shape[2:]))
-    if taps <= 1 or positions < 1 or 4 * N * C * taps * positions > COL_MAX_BYTES:
+    if positions < 1 or 4 * N * C * taps * positions > COL_MAX_BYTES:
         return False
+    if taps <= 1:      # a 1x1 conv (an SE block's squeeze at batch 4: one column per image) only folds
+        return folds(X, W, Y, residual)
     phases = int(np.prod([min(s, k) for s, k in zip(strides, kernel)]))
-    return taps > TAPS_UNROLLED or phases > PHASES_MAX
+    return taps > TAPS_UNROLLED or phases > PHASES_MAX or folds(X, W, Y, residual)
 
 
 def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple[Kernel, int]:
@@ -85,13 +116,47 @@ def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple
     return Kernel("Im2col", src.text(), ("float32", "float32")), N * C * T
 
 
+def folded_im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple[Kernel, int]:
+    """X (N, C, H, W) -> col (C*T, N*OH*OW): row (c, t) holds image n's positions at [n*P, (n+1)*P).
+    One work item per (image, channel) plane: the rows of a few positions each are too short to
+    be items of their own (the bounds of each row cost more than its copy)."""
+    KH, KW = kernel
+    (s_h, s_w), (d_h, d_w), (p_t, p_l) = strides, dilations, pads
+    T, P = KH * KW, OH * OW
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {C}").line(f"c = item - n * {C}").line(f"xb = item * {H * W}")
+    src.line(f"for kh in range({KH}):").indent().line(f"for kw in range({KW}):").indent()
+    src.line(f"ob = (c * {T} + kh * {KW} + kw) * {N * P} + n * {P}")
+    src.line(f"for oh in range({OH}):").indent()
+    src.line(f"r = oh * {s_h} + kh * {d_h} - {p_t}")
+    src.line(f"for ow in range({OW}):").indent()
+    src.line(f"q = ow * {s_w} + kw * {d_w} - {p_l}")
+    src.line(f"inside = r >= 0 and r < {H} and q >= 0 and q < {W}")
+    src.line(f"p1[ob + oh * {OW} + ow] = p0[xb + r * {W} + q] if inside else {literal(0, np.float32)}")
+    return Kernel("Im2col", src.text(), ("float32", "float32")), N * C
+
+
+def unfold_kernel(N, OC, P) -> tuple[Kernel, int]:
+    """The folded result (OC, N*P) -> Y (N, OC, P); one work item per (image, channel) row."""
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    src.line(f"src = oc * {N * P} + n * {P}").line(f"dst = item * {P}")
+    src.line(f"for j in range({P}):").indent().line("p1[dst + j] = p0[src + j]")
+    return Kernel("Unfold", src.text(), ("float32", "float32")), N * OC
+
+
 def lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lower_conv) -> list:
     """The Im2col call, then the calls `lower_conv` makes of the 1x1 conv over its frames (a
-    node of the same op, epilogue and residual, weights W reshaped to (OC, C*T, 1, 1))."""
+    node of the same op, epilogue and residual, weights W reshaped to (OC, C*T, 1, 1)); with
+    the batch folded into the columns, then the Unfold copy into Y."""
     N, C, H, Wd = (int(v) for v in X.shape)
     OC = int(W.shape[0])
     OH, OW = (int(v) for v in Y.shape[2:])
     T = int(np.prod(kernel))
+    if folds(X, W, Y, residual=bool(int(node.attr("has_residual", 0)))):
+        return _lower_folded(node, graph, X, W, Y, kernel, strides, dilations, pads, lower_conv)
     col_name = scratch_value(graph, node, (N, C * T, OH, OW), np.float32, tag="im2col")
     col_kernel, work = im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads)
     w_name = f"__im2col_w__{node.name}"
@@ -113,6 +178,26 @@ def lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lowe
     finally:
         graph.values.update(saved)
     return [KernelCall(col_kernel, [X.name, col_name], work, node.name)] + list(calls)
+
+
+def _lower_folded(node, graph, X, W, Y, kernel, strides, dilations, pads, lower_conv) -> list:
+    """Im2col into (C*T, N*P), the 1x1 conv of one image with N*P columns (bias and activation
+    in its epilogue), Unfold into Y."""
+    N, C, H, Wd = (int(v) for v in X.shape)
+    OC = int(W.shape[0])
+    OH, OW = (int(v) for v in Y.shape[2:])
+    T, P = int(np.prod(kernel)), OH * OW
+    col_name = scratch_value(graph, node, (1, C * T, 1, N * P), np.float32, tag="im2col")
+    col_kernel, work = folded_im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads)
+    w_name = f"__im2col_w__{node.name}"
+    graph.values[w_name] = Value(w_name, np.dtype(np.float32), (OC, C * T, 1, 1),
+                                 np.ascontiguousarray(np.asarray(W.data, dtype=np.float32).reshape(OC, C * T, 1, 1)))
+    folded = scratch_value(graph, node, (1, OC, 1, N * P), np.float32, tag="im2col_y")
+    attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel_shape", "strides", "dilations", "pads", "auto_pad")}
+    pointwise = Node(node.op, node.name, [col_name, w_name] + list(node.inputs[2:]), [folded], attrs, node.domain)
+    unfold, unfold_work = unfold_kernel(N, OC, P)
+    return ([KernelCall(col_kernel, [X.name, col_name], work, node.name)] + list(lower_conv(pointwise, graph).calls)
+            + [KernelCall(unfold, [folded, Y.name], unfold_work, node.name)])
 
 
 def _row_view(value: Value) -> Value:

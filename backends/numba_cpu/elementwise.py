@@ -203,6 +203,17 @@ def _variadic(op: str, n: int) -> str:
     return total if op == "Sum" else f"({total}) / F({n})"
 
 
+_SMALL_POWERS = {1.0: "a", 2.0: "a * a", 3.0: "a * a * a"}
+
+
+def _small_exponent(value) -> float | None:
+    """The exponent when it is a constant with one value in _SMALL_POWERS (then a product), else None."""
+    if not value.is_const or np.asarray(value.data).size != 1:
+        return None
+    exponent = float(np.asarray(value.data).reshape(-1)[0])
+    return exponent if exponent in _SMALL_POWERS else None
+
+
 def lower_elementwise(node, graph) -> Lowered:
     ins = [graph.values[i] for i in node.inputs if i]
     out = graph.values[node.outputs[0]]
@@ -218,6 +229,9 @@ def lower_elementwise(node, graph) -> Lowered:
             expr = _INT_DIV
         elif node.op == "Pow" and (integer or np.dtype(ins[1].dtype).kind in "iu"):
             expr = _INT_POW
+        elif node.op == "Pow" and _small_exponent(ins[1]) is not None:
+            # x ** 2 would be a libm powf call per element (T5's norms spent 12 % of the model there)
+            expr = _SMALL_POWERS[_small_exponent(ins[1])]
     else:
         raise KeyError(node.op)
     kernel, work = elementwise_kernel(node.op, expr, [v.shape for v in ins], [v.dtype for v in ins], out.shape, out.dtype)

@@ -138,3 +138,58 @@ def test_options_choose_patterns():
     assert fuse_patterns(graph, Options(patterns=["softmax", "gelu"])) is graph
     with pytest.raises(Exception, match="unknown pattern"):
         Options(patterns=["layer_norm"])
+
+
+def _rmsnorm(inverse: str, square: str = "Pow(x, two)", gamma: str = "y = Mul(gamma, n)"):
+    return model_from_text(HEAD + f"""
+        g (float[2, 5, 8] x) => (float[2, 5, 8] y) {{
+            q = {square}
+            v = ReduceMean <axes = [-1]> (q)
+            e = Add(v, eps)
+            s = Sqrt(e)
+            {inverse}
+            {gamma}
+        }}""", two=np.float32(2), one=np.float32(1), eps=np.float32(1e-6), gamma=rand(8, seed=1))
+
+
+@pytest.mark.parametrize("inverse, square", [
+    ("r = Div(one, s)\n n = Mul(x, r)", "Pow(x, two)"),           # T5 as torch exports it
+    ("r = Reciprocal(s)\n n = Mul(r, x)", "Mul(x, x)"),           # x * torch.rsqrt(.) (LLaMA)
+    ("n = Div(x, s)", "Pow(x, two)"),
+])
+def test_rmsnorm(inverse, square):
+    # Compiled (the SimplifiedLayerNormalization kernel) against onnxruntime on the model before the
+    # pass: one row of 8 is a sum of 8 squares and one sqrt, float32 rounding ~1e-7 relative.
+    before, after = run_pass_compiled("fuse_patterns", _rmsnorm(inverse, square), X, tol=1e-5)
+    assert len(before.nodes) == len(inverse.split("\n")) + 5
+    _assert_one_rmsnorm(after)
+
+
+def _assert_one_rmsnorm(after):
+    (node,) = after.nodes
+    assert (node.op, node.inputs[0], node.outputs, node.attrs) == (
+        "SimplifiedLayerNormalization", "x", ["y"], {"axis": 2, "epsilon": pytest.approx(1e-6)})
+
+
+def test_rmsnorm_without_gamma_and_must_not_fire():
+    # No gamma: a scale of ones. Must not fire: the mean over a non-trailing axis, or the
+    # squared tensor also a graph output.
+    plain = _rmsnorm("r = Div(one, s)\n y = Mul(x, r)", gamma="")
+    before, after = run_pass(fuse_patterns, plain, X, tol=1e-5)
+    _assert_one_rmsnorm(after)
+    np.testing.assert_array_equal(after.values[after.nodes[0].inputs[1]].data, np.ones(8, np.float32))
+    model = model_from_text(HEAD + """
+        g (float[2, 5, 8] x) => (float[2, 5, 8] y, float[2, 5, 8] z, float[2, 5, 8] q2) {
+            q = Pow(x, two)
+            v = ReduceMean <axes = [1]> (q)
+            e = Add(v, eps)
+            s = Sqrt(e)
+            y = Div(x, s)
+            q2 = Mul(x, x)
+            v2 = ReduceMean <axes = [-1]> (q2)
+            e2 = Add(v2, eps)
+            s2 = Sqrt(e2)
+            z = Div(x, s2)
+        }""", two=np.float32(2), eps=np.float32(1e-6))
+    before, after = run_pass(fuse_patterns, model, X, tol=1e-5)
+    assert [n.op for n in after.nodes] == [n.op for n in before.nodes]

@@ -187,8 +187,18 @@ def _lower_stored16(node, graph, stored16, epilogue, X, W, B, Y) -> Lowered:
         if list(kernel) == list(W.shape[2:]) \
                 and convgemm.eligible(np.float32, X, W, group, kernel, strides, dilations, Y) \
                 and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:])):
-            return Lowered(convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
-                                                    res_arg, res_strides, epilogue, lowp=lowp))
+            calls = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                             res_arg, res_strides, epilogue, lowp=lowp)
+            if isinstance(res_arg, str) and res_strides == tuple(dims_strides(Y.shape)) \
+                    and graph.values[res_arg].dtype == Y.dtype:
+                # Y may take over the residual's buffer (the memory plan decides): the same kernel then
+                # reads each residual value from Y just before it writes that element.
+                conv_call = calls[-1]
+                args = list(conv_call.args)
+                at = max(k for k, a in enumerate(args) if isinstance(a, str) and a == res_arg)
+                args[at] = Y.name
+                conv_call.in_place = InPlace(res_arg, conv_call.kernel, args, conv_call.work)
+            return Lowered(calls)
     wide = dataclasses.replace(node, inputs=list(node.inputs), outputs=list(node.outputs), attrs=dict(node.attrs))
     before, after = [], []
     for names, is_input in ((wide.inputs, True), (wide.outputs, False)):

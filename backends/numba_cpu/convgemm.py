@@ -30,7 +30,7 @@ from cuvil.ir import Value
 from .ukernel import LOADC_EPILOGUE
 
 from .epilogue import Epilogue, register_epilogue
-from .narrow import is_narrow, load, pointer_type, store, with_helpers
+from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
 from .gemm import PRECISION_OF, ceil_div, choose_tile, lowp_label, lowp_product, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
@@ -255,6 +255,10 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         call(ocg % MR)
         body.dedent()
     if y_narrow:
+        from .lowp import CvtSpec, best_method
+        from .kernel import lowering_target
+        fmt = STORED_FORMAT[np.dtype(Y.dtype).name]
+        specs["f32-to-16"] = ("cvt", CvtSpec("f32", fmt, best_method("f32", fmt, lowering_target())))
         tile = ctile_value(graph, node, work, MR, NR)
         body = _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, C_p, ldb, pairs, m_blocks,
                                    n_blocks, mpb, tpb, n_tiles, group, in_registers, has_bias, epilogue,
@@ -325,11 +329,14 @@ def _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, 
             flat = 0 if (sh == 0 and sw == 0) else sw
             body.line(f"rb = n * {sn} + oc * {sc} + y0 * {flat}")
             terms.append(load(pr, f"rb + j * {flat}" if flat != 1 else "rb + j", r_dtype))
-        body.line("for j in range(cnt):").indent()
-        body.line(f"v = {' + '.join(terms)}")
-        value = epilogue.expr("v", np.float32) if epilogue.active and not in_registers else "v"
-        body.line(store(py, "ob + j", value, y_dtype))
-        body.dedent().dedent().dedent()
+        if len(terms) > 1 or (epilogue.active and not in_registers):
+            # what the micro-kernel did not apply, in place on the float32 tile row
+            body.line("for j in range(cnt):").indent()
+            body.line(f"v = {' + '.join(terms)}")
+            value = epilogue.expr("v", np.float32) if epilogue.active and not in_registers else "v"
+            body.line(f"{pc}[cr + j] = {value}").dedent()
+        body.line(f"cvt({pc}, cr, {py}, ob, cnt)")   # rounded to 16 bits by the vector conversion kernel
+        body.dedent().dedent()
 
     body.line("m = m_lo")
     body.line(f"while m + {MR} <= m_hi:").indent()

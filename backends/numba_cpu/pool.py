@@ -24,7 +24,7 @@ import numpy as np
 from cuvil.errors import UnsupportedOpError
 
 from .elementwise import check_dtypes, pointer_type
-from .narrow import compute_type, load, store, with_helpers
+from .narrow import compute_type, load, store, store_exact, with_helpers
 from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
 
 
@@ -85,7 +85,8 @@ def _window_kernel(op, x, y, geometry) -> Kernel:
     y_ptr = "p1" if is_max else "p2"
     X = lambda index: load("p0", index, x.dtype)
     Y = lambda index: load(y_ptr, index, y.dtype)
-    put = lambda index, value: store(y_ptr, index, value, y.dtype)
+    # the maximum of 16-bit inputs is one of them: stored without rounding
+    put = lambda index, value: (store_exact if is_max and x.dtype == y.dtype else store)(y_ptr, index, value, y.dtype)
     if is_max:
         lowest = np.finfo(dtype).min if dtype.kind == "f" else np.iinfo(dtype).min
         init = literal(lowest, dtype)

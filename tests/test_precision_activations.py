@@ -22,9 +22,27 @@ from onnx import helper
 import cuvil
 from cuvil.explain import explain_model
 from tests.helpers import make_model, run_ort
-from tests.test_precision_conv import U, _conv64, _gamma
+from tests.test_precision_conv import U
 
 F = np.float32
+
+
+def _gamma(n):
+    return n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+
+
+def _conv64(x, w, stride, pad):
+    """Float64 convolution (NCHW, OIHW, group 1): the reference magnitudes of the bounds."""
+    N, C, H, W = x.shape
+    OC, _, KH, KW = w.shape
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    OH, OW = (H + 2 * pad - KH) // stride + 1, (W + 2 * pad - KW) // stride + 1
+    y = np.zeros((N, OC, OH, OW))
+    for kh in range(KH):
+        for kw in range(KW):
+            patch = xp[:, :, kh:kh + stride * OH:stride, kw:kw + stride * OW:stride]
+            y += np.einsum("nchw,oc->nohw", patch, w[:, :, kh, kw].astype(np.float64))
+    return y
 
 
 def _weights(oc, ic, k, seed):
@@ -61,13 +79,13 @@ def _chain(C, H):
 def _conv_bound(h, b_in, w, bias, stride, u, residual=None, b_res=None, pad=1):
     K = w.shape[1] * w.shape[2] * w.shape[3]
     b_in = np.broadcast_to(b_in, h.shape)
-    mag = _conv64(np.abs(h) + b_in, np.abs(w), stride, pad, 1) + np.abs(bias)[None, :, None, None]
+    mag = _conv64(np.abs(h) + b_in, np.abs(w), stride, pad) + np.abs(bias)[None, :, None, None]
     extra = 0.0
     if residual is not None:
         r_err = b_res + u * (np.abs(residual) + b_res)
         mag = mag + np.abs(residual) + r_err
         extra = r_err
-    return (2 * u + u * u + 2 * _gamma(K + 3)) * mag + _conv64(b_in, np.abs(w), stride, pad, 1) + extra
+    return (2 * u + u * u + 2 * _gamma(K + 3)) * mag + _conv64(b_in, np.abs(w), stride, pad) + extra
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

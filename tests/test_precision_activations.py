@@ -173,3 +173,19 @@ def test_resnet18_arena_in_bf16_is_at_most_055_of_float32():
     fp32 = explain_model(model).memory["arena_bytes"]
     bf16 = explain_model(model, precision="bf16").memory["arena_bytes"]
     assert bf16 <= 0.55 * fp32, (bf16, fp32, bf16 / fp32)
+
+
+def test_a_graph_with_16_bit_activations_comes_back_from_the_step_cache_with_its_dtypes():
+    # the passes' graph is cached serialised (cuvil/ir_io.py): bfloat16's numpy type string "<V2"
+    # would come back as raw bytes (a later build from the cache then refused the conv)
+    import ml_dtypes
+    from cuvil import ir_io
+    from cuvil.frontends.onnx import import_onnx
+    from passes.assign_precision import Options, assign_precision
+    graph, _ = import_onnx(_chain(4, 12)[0])
+    for precision, stored in (("bf16", ml_dtypes.bfloat16), ("fp16", np.float16)):
+        after = assign_precision(graph, Options(precision=precision))
+        back = ir_io.loads(ir_io.dumps(after))
+        assert {k: np.dtype(v.dtype) for k, v in back.values.items()} == \
+            {k: np.dtype(v.dtype) for k, v in after.values.items()}
+        assert np.dtype(stored) in {np.dtype(v.dtype) for v in back.values.values()}

@@ -7,6 +7,7 @@ import json
 import struct
 import weakref
 
+import ml_dtypes
 import numpy as np
 
 from .ir import Graph, Node, Value
@@ -63,6 +64,18 @@ def _digest(arr: np.ndarray) -> str:
     return digest
 
 
+def _dtype_text(dtype) -> str:
+    """numpy's type string, or the name of an ml_dtypes type (bfloat16, float8...), whose
+    type string ("<V2") would come back as raw bytes, not that type."""
+    dtype = np.dtype(dtype)
+    return dtype.name if dtype.kind == "V" and hasattr(ml_dtypes, dtype.name) else dtype.str
+
+
+def _dtype_from(text: str) -> np.dtype:
+    return np.dtype(getattr(ml_dtypes, text)) if hasattr(ml_dtypes, text) and not text[:1] in "<>|=" \
+        else np.dtype(text)
+
+
 def dumps(graph: Graph, store=None) -> bytes:
     """Serialise a graph. With a `store` (a Cache), constant arrays go into it as
     content-addressed entries of their own, so the graphs that successive passes
@@ -70,7 +83,7 @@ def dumps(graph: Graph, store=None) -> bytes:
     arrays: list[np.ndarray] = []
     values = []
     for v in graph.values.values():
-        entry = {"name": v.name, "dtype": np.dtype(v.dtype).str, "shape": list(v.shape)}
+        entry = {"name": v.name, "dtype": _dtype_text(v.dtype), "shape": list(v.shape)}
         if v.is_const:
             arrays.append(np.asarray(v.data))
             entry["data"] = len(arrays) - 1
@@ -80,7 +93,7 @@ def dumps(graph: Graph, store=None) -> bytes:
     blobs, index, offset = [], [], 0
     for arr in arrays:
         arr = np.ascontiguousarray(arr)
-        entry = {"dtype": arr.dtype.str, "shape": list(arr.shape), "size": arr.nbytes}
+        entry = {"dtype": _dtype_text(arr.dtype), "shape": list(arr.shape), "size": arr.nbytes}
         if store is not None and arr.nbytes > 1024:
             entry["blob"] = "blob-" + _digest(arr)
             if not store.contains(entry["blob"]):
@@ -110,10 +123,10 @@ def loads(data: bytes, store=None) -> Graph:
                 raise ValueError(f"constant data {entry['blob']} is missing from the cache")
         else:
             raw = data[base + entry["offset"]: base + entry["offset"] + entry["size"]]
-        arrays.append(np.frombuffer(raw, dtype=np.dtype(entry["dtype"])).reshape(entry["shape"]).copy())
+        arrays.append(np.frombuffer(raw, dtype=_dtype_from(entry["dtype"])).reshape(entry["shape"]).copy())
     values = {}
     for v in header["values"]:
-        values[v["name"]] = Value(v["name"], np.dtype(v["dtype"]), tuple(v["shape"]),
+        values[v["name"]] = Value(v["name"], _dtype_from(v["dtype"]), tuple(v["shape"]),
                                   arrays[v["data"]] if "data" in v else None)
     nodes = [Node(n["op"], n["name"], n["inputs"], n["outputs"],
                   {k: _decode_attr(a, arrays) for k, a in n["attrs"].items()}, n["domain"]) for n in header["nodes"]]

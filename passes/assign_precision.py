@@ -30,6 +30,22 @@ float32 tensors. Nodes named in `keep_fp32`, or of an op type named there, are n
 
 The backend honours a mark where it has the kernel (backends/numba_cpu/gemm.py: A read by rows,
 B packed at build time); `cuvil explain` shows each marked node and the kernel it got.
+
+Activations in 16 bits (`narrow_activations`, on by default): a tensor between nodes is stored
+in the precision's format (bf16: bfloat16, fp16: float16; its Value's dtype changes, so the
+memory plan gives it half the bytes) when its producer writes that format and every reader
+reads it:
+
+    writers  a marked Conv / FusedConv on 4-D tensors (output), MaxPool without Indices
+    readers  a marked Conv / FusedConv on 4-D tensors (X, and a residual), MaxPool without
+             Indices, GlobalAveragePool
+
+Graph inputs and outputs stay float32 (the C ABI is unchanged). A marked conv rounds its X to
+16 bits to multiply it anyway, so storing X in 16 bits adds no error there; what is new is the
+rounding of a residual (u |R| in the sum before the activation), of GlobalAveragePool's inputs
+(u |x|, then averaged), and MaxPool commutes with a monotone rounding (no error). A reader whose
+kernel cannot take the 16-bit tensor (a marked conv the backend gives to a float32 kernel)
+widens it into a float32 copy first (backends/numba_cpu/conv.py): correct, only slower.
 """
 from __future__ import annotations
 
@@ -51,6 +67,13 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     keep_fp32: list[str] = []    # node names or op types that stay float32
+    narrow_activations: bool = True   # store activations between 16-bit readers/writers in 16 bits
+
+
+def stored_dtype(precision: str) -> np.dtype:
+    """The dtype of an activation stored in `precision` ("bf16" | "fp16")."""
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16) if precision == "bf16" else np.dtype(np.float16)
 
 
 def _marks(node, graph: Graph, keep: set) -> bool:
@@ -69,6 +92,35 @@ def _marks(node, graph: Graph, keep: set) -> bool:
     return b is not None and b.is_const and len(b.shape) == 2 and graph.values[node.inputs[0]].dtype.kind == "f"
 
 
+def _narrow_ports(node, graph: Graph) -> tuple[set, set]:
+    """The input and output positions of a node (marked already) that read / write 16-bit activations."""
+    if (node.domain, node.op) in CONVS and node.attr("precision") in REDUCED \
+            and len(graph.values[node.inputs[0]].shape) == 4:
+        reads = {0} | ({len(node.inputs) - 1} if node.domain == FUSED_DOMAIN and node.attr("has_residual", 0) else set())
+        return reads, {0}
+    if (node.domain, node.op) == ("", "MaxPool") and len([o for o in node.outputs if o]) == 1:
+        return {0}, {0}
+    if (node.domain, node.op) == ("", "GlobalAveragePool"):
+        return {0}, set()
+    return set(), set()
+
+
+def narrowed_values(graph: Graph) -> list[str]:
+    """The float32 activations whose producer writes 16 bits and whose readers all read them."""
+    external = set(graph.inputs) | set(graph.outputs)
+    writes, reads_all = {}, {}
+    for node in graph.nodes:
+        reads, outs = _narrow_ports(node, graph)
+        for k, name in enumerate(node.outputs):
+            if name:
+                writes[name] = k in outs
+        for k, name in enumerate(node.inputs):
+            if name:
+                reads_all[name] = reads_all.get(name, True) and k in reads
+    return [name for name, ok in writes.items()
+            if ok and reads_all.get(name) and name not in external and graph.values[name].dtype == np.float32]
+
+
 def assign_precision(graph: Graph, options: Options = Options()) -> Graph:
     if options.precision not in REDUCED:
         return graph
@@ -81,10 +133,18 @@ def assign_precision(graph: Graph, options: Options = Options()) -> Graph:
     for node in g.nodes:
         if node.name in chosen:
             node.attrs["precision"] = options.precision
+    if options.narrow_activations:
+        for name in narrowed_values(g):
+            g.values[name].dtype = stored_dtype(options.precision)
     return g
 
 
 def describe(before: Graph, after: Graph) -> str:
     marked = [n for n in after.nodes if n.attr("precision") in REDUCED]
-    return (f"{len(marked)} weight products in {marked[0].attr('precision')}, "
-            f"{len(after.nodes) - len(marked)} nodes in float32") if marked else ""
+    if not marked:
+        return ""
+    precision = marked[0].attr("precision")
+    stored = [name for name, v in after.values.items() if v.dtype == stored_dtype(precision)
+              and name in before.values and before.values[name].dtype == np.float32]
+    return (f"{len(marked)} weight products in {precision}, {len(after.nodes) - len(marked)} nodes in float32"
+            + (f", {len(stored)} activations stored in {precision}" if stored else ""))

@@ -117,7 +117,8 @@ def _reuse_in_place(graph, schedule, steps, external, alias, root, first, last) 
     then becomes that form."""
     taken_over = {}
     for step, call in enumerate(schedule):
-        if not isinstance(call, KernelCall) or call.n_outputs != 1:
+        # (an in-place form may also write a scratch output before its output: a conv's float32 tiles)
+        if not isinstance(call, KernelCall) or (call.n_outputs != 1 and call.in_place is None):
             continue
         if call.kernel.in_place:
             candidates = steps[step][1]
@@ -130,7 +131,7 @@ def _reuse_in_place(graph, schedule, steps, external, alias, root, first, last) 
             candidates = [] if root(value) in {root(a) for a in others} else [value]
         else:
             continue
-        (out,) = steps[step][0]
+        out = steps[step][0][-1]
         if out in external or out in alias:
             continue
         out_value = graph.values[out]

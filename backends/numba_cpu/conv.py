@@ -36,14 +36,17 @@ order the blocks read them.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from .ukernel import specs_in
 from cuvil.errors import UnsupportedOpError
+from cuvil.ir import Value
 
 from . import conv1d, convgemm, convim2col, convsmall, dwstride, winograd
+from .elementwise import elementwise_kernel
 from .epilogue import Epilogue, epilogue_of
 from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
 from .kernel import (InPlace, Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header,
@@ -92,6 +95,9 @@ def lower_conv(node, graph) -> Lowered:
     W = graph.values[inputs[1]]
     B = graph.values[inputs[2]] if len(inputs) > 2 and inputs[2] else None
     Y = graph.values[node.outputs[0]]
+    stored16 = _stored16(node, graph)
+    if stored16:
+        return _lower_stored16(node, graph, stored16, epilogue, X, W, B, Y)
     dtype = np.dtype(Y.dtype)
     if dtype.kind != "f":
         raise _unsupported(node, f"{dtype.name} inputs are not supported (float only)")
@@ -150,6 +156,63 @@ def lower_conv(node, graph) -> Lowered:
         args.append(res_arg)
     args.append(Y.name)
     return Lowered([KernelCall(kernel_obj, args, work, node.name)])
+
+
+def _stored16(node, graph) -> list[str]:
+    """The inputs and outputs of a marked conv that are activations stored in 16 bits
+    (passes/assign_precision.py, `narrow_activations`)."""
+    precision = node.attr("precision")
+    if precision not in ("bf16", "fp16"):
+        return []
+    stored = "bfloat16" if precision == "bf16" else "float16"
+    return [name for name in list(node.inputs) + list(node.outputs)
+            if name and not graph.values[name].is_const and np.dtype(graph.values[name].dtype).name == stored]
+
+
+def _lower_stored16(node, graph, stored16, epilogue, X, W, B, Y) -> Lowered:
+    """A marked conv with 16-bit activations: the implicit GEMM reads and writes them where it takes
+    the conv (convgemm.py: phase images copied from X, tiles rounded once into Y, a residual widened
+    on load). Elsewhere (a conv the backend gives to a float32 kernel) the 16-bit tensors are widened
+    into float32 copies before the conv and its output narrowed after it: correct, only slower."""
+    group = int(node.attr("group", 1))
+    lowp = convgemm.lowp_conv(node, group, int(X.shape[1]) // group) if len(X.shape) == 4 else None
+    if lowp is not None and W.is_const and not node.attr("winograd", 0) \
+            and len(W.shape) == 4 and X.shape[1] % group == 0 and W.shape[1] == X.shape[1] // group:
+        kernel, strides, dilations, pads = conv_geometry(node, X.shape[2:], W.shape[2:])
+        res_arg = res_strides = None
+        if epilogue.residual is not None:
+            R = graph.values[epilogue.residual]
+            res_arg = np.ascontiguousarray(np.asarray(R.data, dtype=np.float32)) if R.is_const else R.name
+            res_strides = tuple(broadcast_strides(R.shape, Y.shape))
+        if list(kernel) == list(W.shape[2:]) \
+                and convgemm.eligible(np.float32, X, W, group, kernel, strides, dilations, Y) \
+                and (res_strides is None or convgemm.flat_residual(res_strides, Y.shape[2:])):
+            calls = convgemm.lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
+                                             res_arg, res_strides, epilogue, lowp=lowp)
+            if isinstance(res_arg, str) and res_strides == tuple(dims_strides(Y.shape)) \
+                    and graph.values[res_arg].dtype == Y.dtype:
+                # Y may take over the residual's buffer (the memory plan decides): the same kernel then
+                # reads each residual value from Y just before it writes that element.
+                conv_call = calls[-1]
+                args = list(conv_call.args)
+                at = max(k for k, a in enumerate(args) if isinstance(a, str) and a == res_arg)
+                args[at] = Y.name
+                conv_call.in_place = InPlace(res_arg, conv_call.kernel, args, conv_call.work)
+            return Lowered(calls)
+    wide = dataclasses.replace(node, inputs=list(node.inputs), outputs=list(node.outputs), attrs=dict(node.attrs))
+    before, after = [], []
+    for names, is_input in ((wide.inputs, True), (wide.outputs, False)):
+        for k, name in enumerate(names):
+            if name not in stored16:
+                continue
+            v = graph.values[name]
+            copy = graph.unique_name(f"{name}__f32")
+            graph.values[copy] = Value(copy, np.dtype(np.float32), tuple(v.shape))
+            src, dst = (v, graph.values[copy]) if is_input else (graph.values[copy], v)
+            cvt, work = elementwise_kernel("Cvt16", "a", [src.shape], [src.dtype], dst.shape, dst.dtype)
+            (before if is_input else after).append(KernelCall(cvt, [src.name, dst.name], work, node.name))
+            names[k] = copy
+    return Lowered(before + lower_conv(wide, graph).calls + after)
 
 
 def _gemm_paths(node, graph, dtype, X, W, B, Y, group, kernel, strides, dilations, pads, res_arg, res_strides,

@@ -30,6 +30,8 @@ from cuvil.ir import Value
 from .ukernel import LOADC_EPILOGUE
 
 from .epilogue import Epilogue, register_epilogue
+from .narrow import is_narrow, load, pointer_type, with_helpers
+from .scratch import scratch_value
 from .gemm import PRECISION_OF, ceil_div, choose_tile, lowp_label, lowp_product, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
@@ -38,6 +40,7 @@ DEPTHWISE_MAX_PLANE = 14 * 14  # strided depthwise convs with outputs up to this
 FEW_PLANES = 16    # ConvPad: with fewer (image, channel) planes than this, work items are blocks of rows
 ROW_BLOCKS = 8     # ... this many per plane
 A_L1_BYTES = 28 << 10  # weights of one pass over the channels for a group of panels (see lower_conv_gemm)
+STORED_FORMAT = {"bfloat16": "bf16", "float16": "f16"}   # a 16-bit activation's dtype -> the kernels' format
 
 
 def eligible(dtype, X, W, group, kernel, strides, dilations, Y) -> bool:
@@ -88,6 +91,19 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     icg_p = icg + icg % 2 if pairs else icg
     C_p = icg_p * group
     calls = []
+    x_narrow, y_narrow = is_narrow(X.dtype), is_narrow(Y.dtype)
+    r_dtype = graph.values[residual_arg].dtype if isinstance(residual_arg, str) else np.dtype(np.float32)
+    assert not (x_narrow or y_narrow) or (lowp and not accumulate), "16-bit activations need the lowp form"
+    if scratch is None and x_narrow:
+        # X is stored in the conv's own 16-bit format (passes/assign_precision.py): the phase
+        # images are copies of its values, at any stride (no conversion).
+        assert STORED_FORMAT[np.dtype(X.dtype).name] == lowp[0], (X.dtype, lowp)
+        scratch = graph.unique_name(f"{Y.name}__phases_{lowp[0]}")
+        graph.values[scratch] = Value(scratch, np.dtype(np.uint16), (N * C_p * ldb + 2 * (NR + 2 * PW + 16),))
+        pad_kernel, pad_work = padded_narrow_input_kernel(pairs, C, C_p, H, Wd, s_h, s_w, p_t, left, phases, PH,
+                                                          PW, N)
+        calls.append(KernelCall(pad_kernel, [X.name, scratch], pad_work, node.name,
+                                precision=f"{PRECISION_OF[lowp[0]]} (B stored)"))
     if scratch is None and lowp and s_w == 1:
         # The phase images in 16 bits straight from X: padding and conversion in one pass over the
         # input (no float32 phase images written and read back).
@@ -160,11 +176,12 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     group_rows = MR * max(1, A_L1_BYTES // panel_bytes)
 
     has_bias = B is not None
-    n_ptrs = 4 + has_bias + (residual_arg is not None)
-    # Pointers: S (phases), W (packed), [bias], table, [residual], Y.
+    n_ptrs = 4 + has_bias + (residual_arg is not None) + y_narrow
+    # Pointers: S (phases), W (packed), [bias], table, [residual], [C tiles: a 16-bit Y], Y.
     pb = "p2" if has_bias else None
     pt = f"p{2 + has_bias}"
     pr = f"p{3 + has_bias}" if residual_arg is not None else None
+    pc = f"p{n_ptrs - 2}" if y_narrow else None
     py = f"p{n_ptrs - 1}"
     OHW = OH * OW
     specs = {}
@@ -222,7 +239,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
                 sn, sc, sh, sw = res_strides
                 flat = 0 if (sh == 0 and sw == 0) else sw
                 body.line(f"rb = n * {sn} + oc * {sc}")
-                terms.append(f"{pr}[rb + j * {flat}]" if flat != 1 else f"{pr}[rb + j]")
+                terms.append(load(pr, f"rb + j * {flat}" if flat != 1 else "rb + j", r_dtype))
             body.line("for j in range(y0, y0 + cnt):").indent()
             body.line(f"v = {' + '.join(terms)}")
             body.line(f"{py}[ob + j] = {epilogue.expr('v', dtype) if epilogue.active else 'v'}")
@@ -237,6 +254,16 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         body.line("if m < mg_hi:").indent()
         call(ocg % MR)
         body.dedent()
+    if y_narrow:
+        from .lowp import CvtSpec, best_method
+        from .kernel import lowering_target
+        fmt = STORED_FORMAT[np.dtype(Y.dtype).name]
+        specs["f32-to-16"] = ("cvt", CvtSpec("f32", fmt, best_method("f32", fmt, lowering_target())))
+        tile = ctile_value(graph, node, work, MR, NR)
+        body = _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, C_p, ldb, pairs, m_blocks,
+                                   n_blocks, mpb, tpb, n_tiles, group, in_registers, has_bias, epilogue,
+                                   (pr, res_strides, r_dtype) if residual_arg is not None else None,
+                                   pb, pt, pc, py, Y.dtype)
 
     head = Source()
     for name, uk in sorted(specs.values()):
@@ -244,11 +271,136 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             head.line(line)
     head.line(kernel_header(n_ptrs))
     types = ["uint16" if lowp else "float32"] * 2 + (["float32"] if has_bias else []) + ["int64"] \
-        + (["float32"] if residual_arg is not None else []) + ["float32"]
-    conv_kernel = Kernel("Conv", head.text() + body.text(), tuple(types), self_sized=True)
+        + ([pointer_type(r_dtype)] if residual_arg is not None else []) + (["float32"] if y_narrow else []) \
+        + [pointer_type(Y.dtype)]
+    conv_kernel = Kernel("Conv", with_helpers(head.text() + body.text()), tuple(types), self_sized=True)
     args = [scratch, packed] + ([B.name] if has_bias else []) + [table] \
-        + ([residual_arg] if residual_arg is not None else []) + [Y.name]
-    return calls + [KernelCall(conv_kernel, args, work, node.name, precision=lowp_label(lowp))]
+        + ([residual_arg] if residual_arg is not None else []) + ([tile] if y_narrow else []) + [Y.name]
+    return calls + [KernelCall(conv_kernel, args, work, node.name, precision=lowp_label(lowp), n_outputs=1 + y_narrow)]
+
+
+def ctile_value(graph, node, work: int, MR: int, NR: int) -> str:
+    """A conv writing a 16-bit Y sums each tile in float32 here first: one MR x NR slot per work item."""
+    return scratch_value(graph, node, (work * MR * NR,), np.float32, tag="ctile")
+
+
+def _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, C_p, ldb, pairs, m_blocks, n_blocks,
+                        mpb, tpb, n_tiles, group, in_registers, has_bias, epilogue, residual, pb, pt, pc, py,
+                        y_dtype) -> Source:
+    """The conv's loop when Y is stored in 16 bits (bf16 / fp16 activations, passes/assign_precision.py).
+    Partial sums cannot be kept in 16 bits, so a tile runs all its passes over the channels at once
+    into a float32 slot of the item (the micro-kernel compress-stores its valid lanes there, as it
+    does into Y), and is then written out once, with the bias, residual and activation the
+    micro-kernel did not apply, rounded to 16 bits (RNE). Loop order: panel, tile, pass: a panel's
+    weights (MR x K) stay in L2 across the item's tiles."""
+    body = Source().indent()
+    body.line("for item in range(begin, end):").indent()
+    body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
+    body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
+    body.line(f"g = rest % {group}").line(f"n = rest // {group}")
+    body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
+    body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
+    body.line(f"cb = item * {MR * NR}")
+    ldb_b, k_arg = (2 * ldb, "kc >> 1") if pairs else (ldb, "kc")
+
+    def panel(mr):
+        name = spec(mr)
+        body.line("for tt in range(t_lo, t_hi):").indent()
+        body.line(f"mask = {pt}[tt * 3]").line(f"y0 = {pt}[tt * 3 + 1]").line(f"cnt = {pt}[tt * 3 + 2]")
+        body.line(f"for c0 in range(0, {icg_p}, {kc_max}):").indent()
+        body.line(f"kc = min({kc_max}, {icg_p} - c0)").line("lc = min(c0, 1)")
+        body.line(f"last = 1 if c0 + {kc_max} >= {icg_p} else 0")
+        body.line(f"boff = (n * {C_p // (1 + pairs)} + (g * {icg_p} + c0) // {1 + pairs}) * {ldb_b} + tt * {NR * (1 + pairs)}")
+        body.line(f"{name}(p1, (g * {icg_p} + c0) * {n_panels * T * MR} + (m // {MR}) * kc * {T * MR}, 0, p0, boff, "
+                  f"{ldb_b}, {pc}, cb, {NR}, {k_arg}, mask, "
+                  + (f"lc + {LOADC_EPILOGUE} * last, " + (f"{pb}, g * {ocg} + m)" if has_bias else f"{pc}, 0)")
+                     if in_registers else f"lc, {pc}, 0)"))
+        body.dedent()
+        body.line(f"for r in range({mr}):").indent()
+        body.line(f"oc = g * {ocg} + m + r")
+        body.line(f"ob = (n * {OC} + oc) * {OHW} + y0")
+        body.line(f"cr = cb + r * {NR}")
+        terms = [f"{pc}[cr + j]"]
+        if has_bias and not in_registers:
+            body.line(f"bias = {pb}[oc]")
+            terms.append("bias")
+        if residual is not None:
+            pr, (sn, sc, sh, sw), r_dtype = residual
+            flat = 0 if (sh == 0 and sw == 0) else sw
+            body.line(f"rb = n * {sn} + oc * {sc} + y0 * {flat}")
+            terms.append(load(pr, f"rb + j * {flat}" if flat != 1 else "rb + j", r_dtype))
+        if len(terms) > 1 or (epilogue.active and not in_registers):
+            # what the micro-kernel did not apply, in place on the float32 tile row
+            body.line("for j in range(cnt):").indent()
+            body.line(f"v = {' + '.join(terms)}")
+            value = epilogue.expr("v", np.float32) if epilogue.active and not in_registers else "v"
+            body.line(f"{pc}[cr + j] = {value}").dedent()
+        body.line(f"cvt({pc}, cr, {py}, ob, cnt)")   # rounded to 16 bits by the vector conversion kernel
+        body.dedent().dedent()
+
+    body.line("m = m_lo")
+    body.line(f"while m + {MR} <= m_hi:").indent()
+    panel(MR)
+    body.line(f"m += {MR}")
+    body.dedent()
+    if ocg % MR:
+        body.line("if m < m_hi:").indent()
+        panel(ocg % MR)
+        body.dedent()
+    return body
+
+
+def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
+    """X (N, C, H, W) already in 16 bits (uint16 bits of bf16 / fp16) -> the 16-bit phase images
+    the conv reads, at any stride: what padded_input_kernel then the conversion write, without
+    rounding (the values are 16-bit already). bf16: a work item is an (image, channel pair), the
+    two channels' values interleaved (a last unpaired channel with itself: its pair's weights are
+    zero); fp16: an (image, channel). With few items, blocks of rows."""
+    ldb = len(phases) * PH * PW
+    planes = N * C_p // 2 if pairs else N * C
+    blocks = min(PH, ROW_BLOCKS) if planes < FEW_PLANES else 1
+    rows = ceil_div(PH, blocks)
+    blocks = ceil_div(PH, rows)
+    width = 2 if pairs else 1
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    if blocks > 1:
+        src.line(f"plane = item % {planes}").line(f"i_lo = (item // {planes}) * {rows}")
+        src.line(f"i_hi = min(i_lo + {rows}, {PH})")
+    else:
+        src.line("plane = item").line("i_lo = 0").line(f"i_hi = {PH}")
+    if pairs:
+        P = C_p // 2
+        src.line(f"n = plane // {P}").line(f"c = (plane % {P}) * 2")
+        src.line(f"xb = (n * {C} + c) * {H * W}")
+        src.line(f"xs = {f'0 if c + 1 >= {C} else {H * W}' if C_p != C else H * W}")
+    else:
+        src.line(f"xb = plane * {H * W}")
+    src.line(f"sb = plane * {width * ldb}")
+    for k, (a, b) in enumerate(phases):
+        j_lo = max(0, ceil_div(p_l - b, s_w))
+        j_hi = min(PW, max(j_lo, (W - 1 + p_l - b) // s_w + 1))
+        src.line("for i in range(i_lo, i_hi):").indent()
+        src.line(f"o = sb + {width * k * PH * PW} + i * {width * PW}")
+        src.line(f"r = i * {s_h} + {a - p_t}" if s_h > 1 else f"r = i + {a - p_t}")
+        src.line(f"if r < 0 or r >= {H}:").indent()
+        src.line(f"for j in range({width * PW}):").indent().line("p1[o + j] = 0").dedent()
+        src.dedent().line("else:").indent()
+        src.line(f"x = xb + r * {W} + {b - p_l}")
+        if j_lo > 0:
+            src.line(f"for j in range({width * j_lo}):").indent().line("p1[o + j] = 0").dedent()
+        if j_hi > j_lo:
+            col = f"j * {s_w}" if s_w > 1 else "j"
+            src.line(f"for j in range({j_lo}, {j_hi}):").indent()
+            if pairs:
+                src.line(f"p1[o + 2 * j] = p0[x + {col}]").line(f"p1[o + 2 * j + 1] = p0[x + xs + {col}]")
+            else:
+                src.line(f"p1[o + j] = p0[x + {col}]")
+            src.dedent()
+        if j_hi < PW:
+            src.line(f"for j in range({width * j_hi}, {width * PW}):").indent().line("p1[o + j] = 0").dedent()
+        src.dedent().dedent()
+    return Kernel(f"ConvPad_{'pairs' if pairs else 'copy'}16", src.text(), ("uint16", "uint16")), planes * blocks
 
 
 def lowp_conv(node, group: int, icg: int) -> tuple[str, str] | None:

@@ -99,6 +99,15 @@ def store(pointer: str, index: str, value: str, dtype, saturate: bool = True, va
     return f"{pointer}[{index}] = np.{dtype.name}({value})"
 
 
+def store_exact(pointer: str, index: str, value: str, dtype) -> str:
+    """`store` of a value known to be exactly representable in dtype (a MaxPool's maximum of
+    dtype values): bfloat16 is then the top half of the float32 bits, no rounding to do (a shift
+    LLVM vectorises, where the rounding helper branches)."""
+    if np.dtype(dtype).name == "bfloat16":
+        return f"{pointer}[{index}] = np.uint16(_f32_bits(np.float32({value})) >> 16)"
+    return store(pointer, index, value, dtype)
+
+
 # float16 <-> float32/64 by integer arithmetic on the bits (exact, round to
 # nearest even, NaN-safe under fastmath; checked against numpy in the tests).
 BIT_HELPERS = '''from llvmlite import ir as _ir
@@ -414,7 +423,7 @@ def is_inf(x):
 
 def with_helpers(source: str) -> str:
     """Kernel source with the helpers it calls (float16 conversions, NaN/inf tests) defined before it."""
-    names = ("_f64_bits", "is_nan", "is_inf", "intn_load", "intn_from_int", "intn_from_float") + \
+    names = ("_f64_bits", "_f32_bits", "is_nan", "is_inf", "intn_load", "intn_from_int", "intn_from_float") + \
         tuple(n for _, *conv in SMALL_FLOATS.values() for n in conv)
     if any(f"{name}(" in source for name in names):
         return BIT_HELPERS + source

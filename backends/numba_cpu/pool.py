@@ -24,6 +24,7 @@ import numpy as np
 from cuvil.errors import UnsupportedOpError
 
 from .elementwise import check_dtypes, pointer_type
+from .narrow import compute_type, load, store, store_exact, with_helpers
 from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
 
 
@@ -80,8 +81,12 @@ def _window_kernel(op, x, y, geometry) -> Kernel:
     in_plane, out_plane = int(np.prod(in_spatial)), int(np.prod(out_spatial))
     x_strides, y_strides = dims_strides(in_spatial), dims_strides(out_spatial)
     is_max = op == "MaxPool"
-    dtype = np.dtype(y.dtype)
+    dtype = compute_type(y.dtype)   # a 16-bit MaxPool (bf16 / fp16 activations) compares in float32
     y_ptr = "p1" if is_max else "p2"
+    X = lambda index: load("p0", index, x.dtype)
+    Y = lambda index: load(y_ptr, index, y.dtype)
+    # the maximum of 16-bit inputs is one of them: stored without rounding
+    put = lambda index, value: (store_exact if is_max and x.dtype == y.dtype else store)(y_ptr, index, value, y.dtype)
     if is_max:
         lowest = np.finfo(dtype).min if dtype.kind == "f" else np.iinfo(dtype).min
         init = literal(lowest, dtype)
@@ -93,14 +98,14 @@ def _window_kernel(op, x, y, geometry) -> Kernel:
     plane_depth = src.depth
     src.line(f"xb = c * {in_plane}")
     src.line(f"yb = c * {out_plane}")
-    src.line(f"for i in range({out_plane}):").indent().line(f"{y_ptr}[yb + i] = {init}").dedent()
+    src.line(f"for i in range({out_plane}):").indent().line(put("yb + i", init)).dedent()
     x_terms, y_terms = [("xb", 1)], [("yb", 1)]
     fused = None
     for axis in range(rank - 1):
         o, t, h = f"o{axis}", f"k{axis}", f"h{axis}"
         src.line(f"for {o} in range({out_spatial[axis]}):").indent()
         if axis == 0:
-            fused = _fused_max_rows(src, x, y, geometry, y_ptr, init) if is_max and rank == 2 and min(dilations) == 1 else None
+            fused = _fused_max_rows(src, x, y, geometry, init, X, put) if is_max and rank == 2 and min(dilations) == 1 else None
         src.line(f"for {t} in range({kernel[axis]}):").indent()
         src.line(f"{h} = {_affine([(o, strides[axis]), (t, dilations[axis])], -pad_begin[axis])}")
         last_tap = (out_spatial[axis] - 1) * strides[axis] + (kernel[axis] - 1) * dilations[axis] - pad_begin[axis]
@@ -130,22 +135,22 @@ def _window_kernel(op, x, y, geometry) -> Kernel:
         src.line(f"if o0 >= {r_lo} and o0 < {r_hi}:").indent()
         for edge in (f"lo, min(hi, {c_lo})", f"max(lo, {c_hi}), hi"):
             src.line(f"for o in range({edge}):").indent()
-            src.line(f"v = p0[xt + {_affine([('o', s)])}]").line(f"w = {y_ptr}[yr + o]")
-            src.line(f"{y_ptr}[yr + o] = v if v > w else w").dedent()
+            src.line("v = " + X("xt + " + _affine([("o", s)]))).line(f"w = {Y('yr + o')}")
+            src.line(put("yr + o", "v if v > w else w")).dedent()
         src.line("continue").dedent()
     src.line("for o in range(lo, hi):").indent()
-    src.line(f"v = p0[xt + {_affine([('o', s)])}]")
+    src.line("v = " + X("xt + " + _affine([("o", s)])))
     if is_max:
-        src.line(f"w = {y_ptr}[yr + o]")
-        src.line(f"{y_ptr}[yr + o] = v if v > w else w")
+        src.line(f"w = {Y('yr + o')}")
+        src.line(put("yr + o", "v if v > w else w"))
     else:
         src.line(f"{y_ptr}[yr + o] += v")
     src.depth = plane_depth
     if not is_max:
         src.line(f"for i in range({out_plane}):").indent()
         src.line(f"{y_ptr}[yb + i] = {y_ptr}[yb + i] * p1[i]").dedent()
-    arg_types = (pointer_type(x.dtype),) * (2 if is_max else 3)
-    return Kernel(op, src.text(), arg_types)
+    arg_types = (pointer_type(x.dtype), pointer_type(y.dtype)) if is_max else (pointer_type(x.dtype),) * 3
+    return Kernel(op, with_helpers(src.text()), arg_types)
 
 
 def _inside(k, s, d, p, size, n_out) -> tuple[int, int]:
@@ -154,7 +159,7 @@ def _inside(k, s, d, p, size, n_out) -> tuple[int, int]:
     return (inside[0], inside[-1] + 1) if inside else (0, 0)
 
 
-def _fused_max_rows(src, x, y, geometry, y_ptr, init):
+def _fused_max_rows(src, x, y, geometry, init, X, put):
     """2-D MaxPool, before the per-tap loops of output row o0: if the row's window lies inside the
     input rows, one loop over the columns whose window is inside too takes the max of all k*k taps
     (one store per output instead of a read-modify-write per tap). Returns those rows and columns,
@@ -177,15 +182,15 @@ def _fused_max_rows(src, x, y, geometry, y_ptr, init):
     # From the lowest value, like the per-tap loops (a NaN input is skipped the same way).
     src.line(f"m = {init}")
     for t in (i * dh * W + j * dw for i in range(kh) for j in range(kw)):
-        src.line(f"v = p0[xo + {t}]").line("m = v if v > m else m")
-    src.line(f"{y_ptr}[yf + o] = m")
+        src.line("v = " + X(f"xo + {t}")).line("m = v if v > m else m")
+    src.line(put("yf + o", "m"))
     src.dedent().dedent()
     return (r_lo, r_hi), cols
 
 
 def _check(node, graph, dtypes):
     x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
-    check_dtypes(node, [x, y])
+    check_dtypes(node, [x, y], float16="bfloat16" in dtypes)
     if np.dtype(x.dtype).name not in dtypes:
         raise UnsupportedOpError(f"node '{node.name}' ({node.op}): dtype {np.dtype(x.dtype).name} is not supported",
                                  hint=f"supported: {', '.join(dtypes)}")
@@ -223,7 +228,8 @@ def _maxpool_indices_kernel(x, y, geometry, storage_order) -> Kernel:
 
 
 def lower_maxpool(node, graph) -> Lowered:
-    x, y = _check(node, graph, ("float32", "float64", "int8", "uint8"))
+    # bfloat16 / float16: activations stored in 16 bits (passes/assign_precision.py)
+    x, y = _check(node, graph, ("float32", "float64", "int8", "uint8", "bfloat16", "float16"))
     geometry = pool_geometry(node, x.shape[2:], y.shape[2:])
     planes = int(x.shape[0] * x.shape[1])
     if len(node.outputs) > 1 and node.outputs[1]:
@@ -253,29 +259,32 @@ def lower_averagepool(node, graph) -> Lowered:
     return Lowered([KernelCall(kernel, [x.name, reciprocal, y.name], planes, node.name)])
 
 
-def _global_kernel(op, x) -> Kernel:
-    dtype = np.dtype(x.dtype)
+def _global_kernel(op, x, y) -> Kernel:
+    """A 16-bit x or y (activations stored in bf16 / fp16) is widened on load, narrowed on store:
+    the sums run in float32."""
+    dtype = compute_type(x.dtype)
+    X = lambda index: load("p0", index, x.dtype)
     plane = int(np.prod(x.shape[2:]))
     src = Source().line(kernel_header(2)).indent()
     src.line("for c in range(begin, end):").indent()
     src.line(f"xb = c * {plane}")
     if op == "GlobalMaxPool":
-        src.line("acc = p0[xb]")
+        src.line(f"acc = {X('xb')}")
         src.line(f"for i in range(1, {plane}):").indent()
-        src.line("v = p0[xb + i]")
+        src.line(f"v = {X('xb + i')}")
         src.line("acc = v if v > acc else acc").dedent()
-        src.line("p1[c] = acc")
+        src.line(store("p1", "c", "acc", y.dtype))
     else:
         src.line(f"acc = {literal(0, dtype)}")
-        src.line(f"for i in range({plane}):").indent().line("acc += p0[xb + i]").dedent()
-        src.line(f"p1[c] = acc / {literal(plane, dtype)}")
-    return Kernel(op, src.text(), (pointer_type(dtype),) * 2)
+        src.line(f"for i in range({plane}):").indent().line(f"acc += {X('xb + i')}").dedent()
+        src.line(store("p1", "c", f"acc / {literal(plane, dtype)}", y.dtype))
+    return Kernel(op, with_helpers(src.text()), (pointer_type(x.dtype), pointer_type(y.dtype)))
 
 
 def _lower_global(node, graph) -> Lowered:
-    x, y = _check(node, graph, ("float32", "float64"))
+    x, y = _check(node, graph, ("float32", "float64", "bfloat16", "float16"))
     planes = int(x.shape[0] * x.shape[1])
-    return Lowered([KernelCall(_global_kernel(node.op, x), [x.name, y.name], planes, node.name)])
+    return Lowered([KernelCall(_global_kernel(node.op, x, y), [x.name, y.name], planes, node.name)])
 
 
 def lower_global_averagepool(node, graph) -> Lowered:

@@ -61,3 +61,43 @@ def test_marks_an_lstm_with_a_constant_recurrence_and_not_one_without():
     unmarked, _ = import_onnx(_lstm(False))
     assert assign_precision(unmarked, Options(precision="bf16")) is unmarked
     assert assign_precision(before, Options(precision="bf16", keep_fp32=["LSTM"])) is before
+
+
+def _convs():
+    """conv a -> MaxPool -> conv b -> output y, and conv a's output also read by a Softmax (s)."""
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["h"], name="a", pads=[1, 1, 1, 1]),
+             helper.make_node("MaxPool", ["h"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p", "wb"], ["y"], name="b", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "wa"], ["k"], name="c", pads=[1, 1, 1, 1]),
+             helper.make_node("Softmax", ["k"], ["s"], name="softmax", axis=1)]
+    return make_model(nodes, [("x", F, [1, 4, 8, 8])], [("y", F, None), ("s", F, None)],
+                      {"wa": rand(6, 4, 3, 3, seed=1), "wb": rand(5, 6, 3, 3, seed=2)})
+
+
+def _dtypes(graph, names):
+    return {name: np.dtype(graph.values[name].dtype).name for name in names}
+
+
+def test_activations_between_16_bit_readers_and_writers_are_stored_in_16_bits():
+    before, _ = import_onnx(_convs())
+    names = ["x", "h", "p", "k", "y", "s"]
+    for precision, stored in (("bf16", "bfloat16"), ("fp16", "float16")):
+        after = assign_precision(before, Options(precision=precision))
+        verify(after)
+        # h (conv -> MaxPool) and p (MaxPool -> conv) are; the graph's input and outputs are not, nor
+        # k, which a Softmax reads
+        assert _dtypes(after, names) == {"x": "float32", "h": stored, "p": stored, "k": "float32",
+                                         "y": "float32", "s": "float32"}
+        assert describe(before, after) == f"3 weight products in {precision}, 2 nodes in float32, " \
+                                          f"2 activations stored in {precision}"
+    assert set(_dtypes(before, names).values()) == {"float32"}   # the pass is pure
+
+
+def test_activations_stay_float32_when_asked_or_when_a_reader_is_kept_in_float32():
+    before, _ = import_onnx(_convs())
+    names = ["h", "p"]
+    off = assign_precision(before, Options(precision="bf16", narrow_activations=False))
+    assert _dtypes(off, names) == {"h": "float32", "p": "float32"}
+    kept = assign_precision(before, Options(precision="bf16", keep_fp32=["b"]))
+    # b stays float32, so p (its input) does; h still goes conv a -> MaxPool in 16 bits
+    assert _dtypes(kept, names) == {"h": "bfloat16", "p": "float32"}

@@ -19,6 +19,9 @@ from . import convtranspose, norm, quant, rnn
 # reduce.py, indexing.py, resize.py
 from . import indexing, reduce, resize
 
+# dynamic.py (ops whose output shapes depend on the data)
+from . import dynamic
+
 # fused.py (fused elementwise programs, made by passes/fuse_elementwise.py and fuse_patterns.py)
 from . import fused
 
@@ -143,6 +146,11 @@ GENERATORS = {
     "Upsample": resize.lower_resize,
     "GridSample": resize.lower_grid_sample,
     "AffineGrid": resize.lower_affine_grid,
+    # data-dependent output shapes: upper-bound buffers, the actual shape in a dims value (dynamic.py)
+    "NonZero": dynamic.lower_nonzero,
+    "Compress": dynamic.lower_compress,
+    "Unique": dynamic.lower_unique,
+    "NonMaxSuppression": dynamic.lower_non_max_suppression,
 }
 
 

@@ -21,6 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .. import contrib, nbits
+from . import data_dependent
 from ..evaluate import evaluate_exact
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
@@ -237,6 +238,7 @@ class _Importer:
         for name in outputs:
             if name not in self.values:
                 raise ModelError(f"graph output '{name}' is never produced")
+        self._check_data_dependent(outputs)
         return Graph(name=g.name or "model", values=self.values, nodes=self.nodes, inputs=inputs,
                      outputs=outputs, opset=self.opsets.get("", self.opsets.get("ai.onnx", 0)))
 
@@ -287,12 +289,45 @@ class _Importer:
                         arr = np.asarray(arr)
                         self.values[out] = Value(out, arr.dtype, tuple(arr.shape), arr)
                 return
-        for out, (shape, dtype) in zip(proto.output, self._infer(proto, name)):
+        outputs = list(proto.output)
+        if domain == "" and proto.op_type in data_dependent.OPS:
+            # Data-dependent shapes: an upper bound, and a dims value (one more output of the
+            # node) that the kernel fills with the actual shape (frontends/data_dependent.py).
+            inferred = data_dependent.bounds(proto.op_type, name, attrs, [self.values[i] if i else None for i in inputs])
+        else:
+            inferred = [(shape, dtype, False) for shape, dtype in self._infer(proto, name)]
+        for out, (shape, dtype, dynamic) in zip(proto.output, inferred):
             if out:
                 _check_size(shape, dtype, f"node '{name}' ({proto.op_type}) output '{out}'")
                 self.values[out] = Value(out, dtype, shape)
-        self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=list(proto.output),
+                if dynamic:
+                    dims = self._fresh_value(f"{out}:shape")
+                    self.values[dims] = Value(dims, np.dtype(np.int64), (len(shape),))
+                    self.values[out].shape_from = dims
+                    outputs.append(dims)
+        self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=outputs,
                                attrs=attrs, domain=domain))
+
+    def _fresh_value(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.values:
+            i += 1
+            name = f"{base}~{i}"
+        return name
+
+    def _check_data_dependent(self, outputs) -> None:
+        """A value of data-dependent shape may only be a graph output: no kernel downstream of it
+        is compiled for a shape known at run time only."""
+        for node in self.nodes:
+            for name in node.inputs:
+                value = self.values.get(name) if name else None
+                if value is not None and value.shape_from is not None:
+                    maker = next(n for n in self.nodes if name in n.outputs)
+                    raise UnsupportedOpError(
+                        f"node '{node.name}' ({node.op}) reads '{name}', whose shape depends on the data "
+                        f"(made by node '{maker.name}' ({maker.op}))",
+                        hint="cuvil compiles data-dependent shapes (NonZero, Unique, NonMaxSuppression, Compress) "
+                             "only as graph outputs; return the value from the model, or make its shape static")
 
     def _single_node_model(self, proto: onnx.NodeProto, with_data) -> onnx.ModelProto:
         inputs, inits = [], []

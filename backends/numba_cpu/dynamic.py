@@ -13,6 +13,7 @@ from cuvil.errors import UnsupportedOpError
 
 from .elementwise import check_dtypes, load, pointer_type
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header
+from .narrow import with_helpers
 from .scratch import scratch_value
 from .transpose import copy_type
 
@@ -72,7 +73,7 @@ def lower_nonzero(node, graph) -> Lowered:
         src.line(f"{py}[{d} * cnt + t] = r % {shape[d]}").line(f"r = r // {shape[d]}")
     src.line("t += 1").dedent().dedent()
     src.line(f"{pd}[0] = {rank}").line(f"{pd}[1] = cnt")
-    kernel = Kernel("NonZero", src.text(), tuple(args.types))
+    kernel = Kernel("NonZero", with_helpers(src.text()), tuple(args.types))
     return Lowered([KernelCall(kernel, args.names, 1, node.name, n_outputs=2)])
 
 
@@ -213,7 +214,7 @@ def lower_unique(node, graph) -> Lowered:
     for k in (1, 3):
         if dim_ptrs[k]:
             src.line(f"{dim_ptrs[k]}[0] = u")
-    kernel = Kernel("Unique", src.text(), tuple(args.types))
+    kernel = Kernel("Unique", with_helpers(src.text()), tuple(args.types))
     return Lowered([KernelCall(kernel, args.names, 1, node.name, n_outputs=len(args.names) - 1)])
 
 

@@ -390,6 +390,11 @@ class _Importer:
             # left at its default; the output is the input's shape and type in any case.
             x = self.values[proto.input[0]]
             return [(tuple(x.shape), np.dtype(x.dtype))]
+        if proto.op_type == "MaxUnpool" and domain == "" and len(proto.input) > 2 and proto.input[2] \
+                and self.values[proto.input[2]].is_const:
+            # ONNX's inference leaves the output dims unknown when output_shape is given; it is the shape
+            x = self.values[proto.input[0]]
+            return [(tuple(int(d) for d in np.asarray(self.values[proto.input[2]].data).reshape(-1)), np.dtype(x.dtype))]
         model = self._single_node_model(proto, with_data=lambda v: v.size <= _SMALL_CONST)
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)

@@ -90,9 +90,9 @@ def has_kernel(domain: str, op: str) -> bool:
     their ONNX function bodies where they have one (frontends/expand.py)."""
     from backends.numba_cpu.registry import DOMAIN_GENERATORS, GENERATORS
 
-    from .ops import FUSED_DOMAIN, FUSED_OPS
+    from .ops import CONTROL_OPS, FUSED_DOMAIN, FUSED_OPS
     if domain == FUSED_DOMAIN:
-        return op in FUSED_OPS
+        return op in FUSED_OPS or op in CONTROL_OPS
     if (domain, op) in DOMAIN_GENERATORS:
         return True
     return domain in ("", "ai.onnx") and op in GENERATORS

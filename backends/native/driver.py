@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends.schedule import KernelCall, View
+from backends.schedule import KernelCall, LoopMark, View
+from cuvil.errors import UnsupportedOpError
 
 ABI_VERSION = 1
 
@@ -314,6 +315,9 @@ def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_bas
             code.once.append(f"            {call.kernel.symbol}({', '.join(ptr(a) for a in call.args)}, 0, {call.work});"
                              f" /* {_comment(call.node)} */")
             continue
+        if isinstance(call, LoopMark):
+            body.extend(_loop_code(call, graph, ptr))
+            continue
         if isinstance(call, View):
             # A view whose destination is a graph output needs its own copy of the bytes.
             if call.dst in output_index and ptr(call.dst) != ptr(call.src):
@@ -339,13 +343,55 @@ def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_bas
             body.append(f"    parallel_for(s, {fn}, inputs, outputs, {call.work}, {grain}); /* {_comment(call.node)} */")
         body.append(f"    PROF_END({k});")
     # Graph outputs that are graph inputs or constants (no node writes them) are copied.
-    written = {a for c in schedule if isinstance(c, KernelCall) for a in c.args[len(c.args) - c.n_outputs:]}
+    written = {a for c in schedule if isinstance(c, (KernelCall, LoopMark)) for a in c.args[len(c.args) - c.n_outputs:]}
     for i, name in enumerate(graph.outputs):
         first = output_index[name]
         if i != first or (name not in written and not any(isinstance(c, View) and c.dst == name for c in schedule)):
             src = ptr(name) if i != first else _pointer_source(name, graph, plan, weights_offsets, input_index)
             body.append(f"    memcpy(outputs[{i}], {src}, {graph.values[name].nbytes});")
     return code
+
+
+def _loop_code(mark: LoopMark, graph, ptr) -> list[str]:
+    """The C of a loop's begin or end mark (backends/schedule.py LoopMark): the state is copied in,
+    the body between the marks runs while `i < trip && go`, the state is copied back after each
+    iteration and out after the last. Copies between one buffer are skipped."""
+    L, n = f"loop{mark.loop}", mark.n_carried
+    reads = mark.args[:len(mark.args) - mark.n_outputs]
+    writes = mark.args[len(mark.args) - mark.n_outputs:]
+
+    def copy(dst, src):
+        if ptr(dst) == ptr(src):
+            return []
+        return [f"    memcpy({ptr(dst)}, {ptr(src)}, {graph.values[dst].nbytes});"]
+    if mark.kind == "begin":
+        trip = reads[0] if mark.has_trip else None
+        cond = reads[int(mark.has_trip)] if mark.has_cond else None
+        inits = reads[int(mark.has_trip) + int(mark.has_cond):]
+        iteration, cond_in, states = writes[0], writes[1], writes[2:]
+        lines = [f"    {{ /* {_comment(mark.node)}: a loop decided at run time */",
+                 f"    const int64_t {L}_trip = " + (f"*(const int64_t*){ptr(trip)};" if trip else "INT64_MAX;"),
+                 f"    int {L}_go = " + (f"*(const unsigned char*){ptr(cond)} != 0;" if cond else "1;")]
+        for state, init in zip(states, inits):
+            lines += copy(state, init)
+        return lines + [f"    for (int64_t {L}_i = 0; {L}_i < {L}_trip && {L}_go; {L}_i++) {{",
+                        f"    *(int64_t*){ptr(iteration)} = {L}_i;",
+                        f"    *(unsigned char*){ptr(cond_in)} = 1;"]
+    cond_out = reads[0] if mark.has_cond else None
+    outs = reads[int(mark.has_cond):int(mark.has_cond) + n]
+    states = reads[int(mark.has_cond) + n + 2:]
+    lines = [f"    {L}_go = *(const unsigned char*){ptr(cond_out)} != 0;"] if cond_out else []
+    sources = {ptr(o) for o in outs}
+    for k, state in enumerate(states):   # a state another one's copy would overwrite first: refused
+        if ptr(state) in sources and ptr(state) != ptr(outs[k]):
+            raise UnsupportedOpError(f"node '{mark.node}': the loop passes its state '{state}' on as another "
+                                     "state unchanged (a swap)", hint="compute the swapped values in the body")
+    for state, out in zip(states, outs):
+        lines += copy(state, out)
+    lines.append("    }")
+    for final, state in zip(writes, states):
+        lines += copy(final, state)
+    return lines + ["    }"]
 
 
 def _null_checks(graph) -> list[str]:

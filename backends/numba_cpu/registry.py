@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from backends.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
-from cuvil.ops import FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
+from cuvil.ops import CONTROL_OPS, FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
 
 from . import attention, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
 from .kernel import lowering_for
@@ -18,6 +18,9 @@ from . import convtranspose, norm, quant, rnn
 
 # reduce.py, indexing.py, resize.py
 from . import indexing, reduce, resize
+
+# control.py (a Loop decided at run time, compiled as a C loop)
+from . import control
 
 # dynamic.py (ops whose output shapes depend on the data)
 from . import dynamic
@@ -57,6 +60,9 @@ GENERATORS = {
     "FusedAttention": attention.lower_attention,
     # fused elementwise loops, domain "cuvil" (fused.py)
     "FusedElementwise": fused.lower_fused_elementwise,
+    # a loop compiled as a loop, domain "cuvil" (control.py)
+    "LoopBegin": control.lower_loop_begin,
+    "LoopEnd": control.lower_loop_end,
     # normalisation, pooling, layout (batchnorm.py, pool.py, softmax.py, transpose.py, concat.py)
     "BatchNormalization": batchnorm.lower_batchnorm,
     "MaxPool": pool.lower_maxpool,
@@ -171,7 +177,7 @@ def supported_ops() -> list[str]:
 
 
 def generator_for(node):
-    if node.domain == FUSED_DOMAIN and node.op in FUSED_OPS:
+    if node.domain == FUSED_DOMAIN and (node.op in FUSED_OPS or node.op in CONTROL_OPS):
         return GENERATORS[node.op]
     if (node.domain, node.op) in DOMAIN_GENERATORS:
         return DOMAIN_GENERATORS[node.domain, node.op]

@@ -257,6 +257,11 @@ class _Importer:
     def import_node(self, proto: onnx.NodeProto) -> None:
         self._import_node(proto)
 
+    def add_node(self, node: Node) -> None:
+        """A CIR node the inliner makes itself (a compiled loop's LoopBegin / LoopEnd)."""
+        node.name = self._unique_node_name(node.name)
+        self.nodes.append(node)
+
     def add_constant(self, name: str, array: np.ndarray) -> None:
         self.values[name] = Value(name, array.dtype, tuple(array.shape), array)
 

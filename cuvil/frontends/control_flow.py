@@ -243,11 +243,15 @@ class Inliner:
     def _stack(self, parts, out, axis, name):
         if not parts:
             raise UnsupportedOpError(f"node '{name}': a scan output with no iterations is not supported")
-        axes = self._const(f"{name}/axes", np.array([axis], np.int64))
+        opset = self.imp.opsets.get("", self.imp.opsets.get("ai.onnx", 0))
+        axes = self._const(f"{name}/axes", np.array([axis], np.int64)) if opset >= 13 else None
         expanded = []
         for j, part in enumerate(parts):
             tmp = self._fresh(f"{name}/item{j}")
-            self._emit("Unsqueeze", [part, axes], [tmp], f"{name}/unsqueeze{j}")
+            if axes is None:  # before opset 13 Unsqueeze takes its axes as an attribute
+                self._emit("Unsqueeze", [part], [tmp], f"{name}/unsqueeze{j}", axes=[axis])
+            else:
+                self._emit("Unsqueeze", [part, axes], [tmp], f"{name}/unsqueeze{j}")
             expanded.append(tmp)
         self._emit("Concat", expanded, [out], f"{name}/concat", axis=axis)
 

@@ -19,6 +19,9 @@ from . import convtranspose, norm, quant, rnn
 # reduce.py, indexing.py, resize.py
 from . import indexing, reduce, resize
 
+# widen.py (float16 / bfloat16 through the float32 kernels)
+from .widen import in_float32
+
 # control.py (a Loop decided at run time, compiled as a C loop)
 from . import control
 
@@ -49,13 +52,13 @@ GENERATORS = {
     **{op: lower_view for op in sorted(VIEW_OPS - {"Dropout"})},
     "Dropout": indexing.lower_dropout,
     # dense linear algebra (gemm.py, conv.py)
-    "Gemm": gemm.lower_gemm,
-    "MatMul": gemm.lower_matmul,
-    "Conv": conv.lower_conv,
+    "Gemm": in_float32(gemm.lower_gemm),
+    "MatMul": in_float32(gemm.lower_matmul),
+    "Conv": in_float32(conv.lower_conv),
     # fused epilogues, domain "cuvil" (made by the fusion passes; see epilogue.py)
-    "FusedGemm": gemm.lower_gemm,
-    "FusedMatMul": gemm.lower_matmul,
-    "FusedConv": conv.lower_conv,
+    "FusedGemm": in_float32(gemm.lower_gemm),
+    "FusedMatMul": in_float32(gemm.lower_matmul),
+    "FusedConv": in_float32(conv.lower_conv),
     "DepthwiseBlock": dwblock.lower_depthwise_block,
     "FusedAttention": attention.lower_attention,
     # fused elementwise loops, domain "cuvil" (fused.py)
@@ -69,7 +72,7 @@ GENERATORS = {
     "AveragePool": pool.lower_averagepool,
     "GlobalAveragePool": pool.lower_global_averagepool,
     "GlobalMaxPool": pool.lower_global_maxpool,
-    "Softmax": softmax.lower_softmax,
+    "Softmax": in_float32(softmax.lower_softmax),
     "Transpose": transpose.lower_transpose,
     "Concat": concat.lower_concat,
     # recurrent networks (rnn.py)

@@ -19,6 +19,9 @@ from . import convtranspose, norm, quant, rnn
 # reduce.py, indexing.py, resize.py
 from . import indexing, reduce, resize
 
+# linalg.py (Det)
+from . import linalg
+
 # widen.py (float16 / bfloat16 through the float32 kernels)
 from .widen import in_float32
 
@@ -156,6 +159,8 @@ GENERATORS = {
     "GridSample": resize.lower_grid_sample,
     "AffineGrid": resize.lower_affine_grid,
     # data-dependent output shapes: upper-bound buffers, the actual shape in a dims value (dynamic.py)
+    # linear algebra (linalg.py)
+    "Det": linalg.lower_det,
     "NonZero": dynamic.lower_nonzero,
     "Compress": dynamic.lower_compress,
     "Unique": dynamic.lower_unique,

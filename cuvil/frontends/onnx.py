@@ -277,6 +277,14 @@ class _Importer:
             return
         if domain not in self.opsets and not (domain == "" and "ai.onnx" in self.opsets):
             raise UnsupportedOpError(f"node '{name}' ({proto.op_type}) is in domain '{proto.domain}', which the model does not import")
+        if domain == "" and proto.op_type == "OptionalHasElement" and proto.output and proto.output[0]:
+            # Every value here is a tensor (optional types are refused at the graph's edges), so an
+            # optional is empty exactly when its input is omitted.
+            present = np.array(bool(proto.input) and bool(proto.input[0]))
+            self.values[proto.output[0]] = Value(proto.output[0], present.dtype, (), present)
+            return
+        if domain == "" and proto.op_type == "OptionalGetElement" and proto.input and proto.input[0]:
+            proto = helper.make_node("Identity", [proto.input[0]], list(proto.output), name=proto.name)
         attrs = _attrs(proto)
         if proto.op_type == "Constant" and domain == "":
             arr = self._evaluate(proto, name)[0]

@@ -102,9 +102,6 @@ EXCLUDE = {
     'UnsupportedOpError: op STFT is not supported': [
         'op:STFT',
     ],
-    'UnsupportedOpError: op TfIdfVectorizer is not supported': [
-        'op:TfIdfVectorizer',
-    ],
 }
 
 

@@ -19,8 +19,8 @@ from . import convtranspose, norm, quant, rnn
 # reduce.py, indexing.py, resize.py
 from . import indexing, reduce, resize
 
-# linalg.py (Det)
-from . import linalg
+# linalg.py (Det), tfidf.py (TfIdfVectorizer)
+from . import linalg, tfidf
 
 # widen.py (float16 / bfloat16 through the float32 kernels)
 from .widen import in_float32
@@ -161,6 +161,7 @@ GENERATORS = {
     # data-dependent output shapes: upper-bound buffers, the actual shape in a dims value (dynamic.py)
     # linear algebra (linalg.py)
     "Det": linalg.lower_det,
+    "TfIdfVectorizer": tfidf.lower_tfidf_vectorizer,
     "NonZero": dynamic.lower_nonzero,
     "Compress": dynamic.lower_compress,
     "Unique": dynamic.lower_unique,

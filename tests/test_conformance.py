@@ -99,9 +99,6 @@ EXCLUDE = {
     'UnsupportedOpError: op RoiAlign is not supported': [
         'op:RoiAlign',
     ],
-    'UnsupportedOpError: op STFT is not supported': [
-        'op:STFT',
-    ],
 }
 
 

@@ -277,6 +277,9 @@ class _Importer:
             return
         if domain not in self.opsets and not (domain == "" and "ai.onnx" in self.opsets):
             raise UnsupportedOpError(f"node '{name}' ({proto.op_type}) is in domain '{proto.domain}', which the model does not import")
+        if domain == "" and proto.op_type == "STFT":
+            self._import_stft(proto, name)
+            return
         if domain == "" and proto.op_type == "OptionalHasElement" and proto.output and proto.output[0]:
             # Every value here is a tensor (optional types are refused at the graph's edges), so an
             # optional is empty exactly when its input is omitted.
@@ -320,6 +323,45 @@ class _Importer:
                     outputs.append(dims)
         self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=outputs,
                                attrs=attrs, domain=domain))
+
+    def _import_stft(self, proto: onnx.NodeProto, name: str) -> None:
+        """STFT as the frames (a Gather of constant positions), times the window, and a DFT over
+        each frame: the ops it is defined by, each with its kernel."""
+        inputs = list(proto.input) + [""] * (4 - len(proto.input))
+        signal, step, window, length = inputs[:4]
+        x = self.values[signal]
+        const = lambda n: self.values[n].is_const if n else False
+        if not const(step) or (length and not const(length)) or (not length and not window):
+            raise UnsupportedOpError(f"node '{name}' (STFT): frame_step and frame_length (or a window) must be "
+                                     "known at build time")
+        step = int(np.asarray(self.values[step].data).reshape(-1)[0])
+        frame = int(np.asarray(self.values[length].data).reshape(-1)[0]) if length else int(self.values[window].shape[0])
+        frames = 1 + (int(x.shape[1]) - frame) // step
+        onesided = int(next((helper.get_attribute_value(a) for a in proto.attribute if a.name == "onesided"), 1))
+        if frames < 1 or frame < 1:
+            raise UnsupportedOpError(f"node '{name}' (STFT): a frame of {frame} does not fit the signal of "
+                                     f"{x.shape[1]} samples")
+        fresh = lambda tag: self._fresh_value(f"{name}/{tag}")
+        positions = fresh("positions")
+        self.add_constant(positions, (np.arange(frames)[:, None] * step + np.arange(frame)[None, :]).astype(np.int64))
+        framed = fresh("frames")
+        self._import_node(helper.make_node("Gather", [signal, positions], [framed], name=f"{name}/frames", axis=1))
+        if window:
+            shape = fresh("window_shape")
+            self.add_constant(shape, np.array([1, 1, frame, 1], np.int64))
+            column = fresh("window")
+            self._import_node(helper.make_node("Reshape", [window, shape], [column], name=f"{name}/window"))
+            windowed = fresh("windowed")
+            self._import_node(helper.make_node("Mul", [framed, column], [windowed], name=f"{name}/windowed"))
+            framed = windowed
+        opset = self.opsets.get("", self.opsets.get("ai.onnx", 0))
+        if opset >= 20:
+            axis = fresh("axis")
+            self.add_constant(axis, np.array(2, np.int64))
+            dft = helper.make_node("DFT", [framed, "", axis], [proto.output[0]], name=f"{name}/dft", onesided=onesided)
+        else:
+            dft = helper.make_node("DFT", [framed], [proto.output[0]], name=f"{name}/dft", onesided=onesided, axis=2)
+        self._import_node(dft)
 
     def _fresh_value(self, base: str) -> str:
         name, i = base, 0

@@ -100,6 +100,25 @@ class View:
 
 
 @dataclass
+class LoopMark:
+    """The start or the end of a loop compiled as a C loop (numba_cpu/control.py): the calls between
+    a "begin" and its "end" mark are the body, run while the trip count and condition allow. Like a
+    kernel call, `args` lists the values it reads, then the `n_outputs` it writes:
+      begin: [trip?, cond?, init...] -> [iteration, cond_in, state...]
+      end:   [cond_out?, body_out..., iteration, cond_in, state...] -> [final...]
+    (reading the loop's state at its end keeps it alive, in the memory plan, the whole loop long)."""
+    kind: str                   # "begin" | "end"
+    loop: int                   # which loop (the C names of its variables)
+    args: list
+    n_outputs: int
+    n_carried: int
+    has_trip: bool = False      # begin: a trip count is read
+    has_cond: bool = False      # a condition is read (begin: the initial one; end: the body's)
+    node: str = ""
+    in_place: None = None       # (read like a KernelCall's by the weight packer)
+
+
+@dataclass
 class Lowered:
     """What a generator returns for one node."""
     calls: list = field(default_factory=list)  # KernelCall | View

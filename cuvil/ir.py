@@ -21,6 +21,10 @@ class Value:
     dtype: np.dtype
     shape: tuple[int, ...]
     data: np.ndarray | None = None  # set for constants (weights, folded values)
+    # A data-dependent shape (NonZero, Unique...): `shape` is then an upper bound (the bytes its
+    # buffer holds) and this names the int64[rank] value the producing kernel writes the actual
+    # shape into; the tensor is the buffer's C-contiguous prefix (docs/dynamic_shapes.md).
+    shape_from: str | None = None
 
     @property
     def is_const(self) -> bool:
@@ -126,6 +130,12 @@ def verify(graph: Graph) -> None:
     for name in graph.outputs:
         if name not in defined:
             raise ModelError(f"graph output '{name}' is never produced")
+    for value in graph.values.values():
+        if value.shape_from is not None:
+            dims = graph.values.get(value.shape_from)
+            if dims is None or np.dtype(dims.dtype) != np.int64 or tuple(dims.shape) != (len(value.shape),):
+                raise ModelError(f"value '{value.name}' takes its shape from '{value.shape_from}', which is not an "
+                                 f"int64[{len(value.shape)}] value")
 
 
 def to_onnx(graph: Graph):

@@ -84,6 +84,8 @@ def dumps(graph: Graph, store=None) -> bytes:
     values = []
     for v in graph.values.values():
         entry = {"name": v.name, "dtype": _dtype_text(v.dtype), "shape": list(v.shape)}
+        if v.shape_from is not None:
+            entry["shape_from"] = v.shape_from
         if v.is_const:
             arrays.append(np.asarray(v.data))
             entry["data"] = len(arrays) - 1
@@ -127,7 +129,7 @@ def loads(data: bytes, store=None) -> Graph:
     values = {}
     for v in header["values"]:
         values[v["name"]] = Value(v["name"], _dtype_from(v["dtype"]), tuple(v["shape"]),
-                                  arrays[v["data"]] if "data" in v else None)
+                                  arrays[v["data"]] if "data" in v else None, v.get("shape_from"))
     nodes = [Node(n["op"], n["name"], n["inputs"], n["outputs"],
                   {k: _decode_attr(a, arrays) for k, a in n["attrs"].items()}, n["domain"]) for n in header["nodes"]]
     return Graph(header["name"], values, nodes, header["inputs"], header["outputs"], header["opset"])

@@ -18,6 +18,9 @@ FUSED_DOMAIN = "cuvil"
 FUSED_OPS = frozenset({"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock",
                        "FusedAttention", "FusedMatMulInteger",
                        "QLinearAdd", "QLookup"})
+# cuvil's own control flow (frontends/control_flow.py): a Loop whose trip count or condition is known
+# only at run time is the nodes of its body between a LoopBegin and a LoopEnd, compiled as a C loop.
+CONTROL_OPS = frozenset({"LoopBegin", "LoopEnd"})
 # Matrix products (domain, op): the ops whose second operand may be a weight matrix.
 PRODUCTS = frozenset({("", "MatMul"), ("", "Gemm"), (FUSED_DOMAIN, "FusedMatMul"), (FUSED_DOMAIN, "FusedGemm")})
 # The products an activation (and a residual Add) can fuse into, and the fused op each becomes.

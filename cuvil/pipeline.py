@@ -90,9 +90,9 @@ def has_kernel(domain: str, op: str) -> bool:
     their ONNX function bodies where they have one (frontends/expand.py)."""
     from backends.numba_cpu.registry import DOMAIN_GENERATORS, GENERATORS
 
-    from .ops import FUSED_DOMAIN, FUSED_OPS
+    from .ops import CONTROL_OPS, FUSED_DOMAIN, FUSED_OPS
     if domain == FUSED_DOMAIN:
-        return op in FUSED_OPS
+        return op in FUSED_OPS or op in CONTROL_OPS
     if (domain, op) in DOMAIN_GENERATORS:
         return True
     return domain in ("", "ai.onnx") and op in GENERATORS
@@ -282,7 +282,9 @@ def plan(graph, params: VariantParams, blob=None) -> Planned:
     schedule = lower(graph, params.target, params.threads)
     weights, weight_offsets = pack_weights(graph, schedule, blob)
     shared = shared_values(schedule)
-    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(shared)
+    # the dims of data-dependent shapes live in the session (driver.dims_slots), not in the arena
+    dims = {v.shape_from for v in graph.values.values() if v.shape_from is not None}
+    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(shared) | dims
     arena = plan_arena(graph, schedule, external, strategy=params.memory["strategy"],
                        in_place=params.memory["in_place"])
     place_shared_values(arena, graph, shared)
@@ -296,7 +298,9 @@ def plan(graph, params: VariantParams, blob=None) -> Planned:
 
 def _io(graph, names) -> list[dict]:
     import numpy as np
-    return [{"name": n, "dtype": np.dtype(graph.values[n].dtype).name, "shape": list(graph.values[n].shape)}
+    # "dynamic": the shape depends on the data; "shape" is then its upper bound (docs/dynamic_shapes.md)
+    return [{"name": n, "dtype": np.dtype(graph.values[n].dtype).name, "shape": list(graph.values[n].shape),
+             **({"dynamic": True} if graph.values[n].shape_from is not None else {})}
             for n in names]
 
 

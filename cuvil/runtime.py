@@ -122,6 +122,13 @@ class Session:
                 self._addressed_outputs.append((i, shape, dtype))
             if all(spec["name"] != name for name, _, _ in self._results):  # a name listed twice: the first
                 self._results.append((spec["name"], i, staged))
+        # outputs whose shape depends on the data: the run writes the tensor at the start of the
+        # upper-bound buffer, and session_output_shape says its shape (docs/dynamic_shapes.md)
+        self._dynamic = {i: len(spec["shape"]) for i, spec in enumerate(outputs) if spec.get("dynamic")}
+        if self._dynamic:
+            self._output_shape = library._lib[f"{library.prefix}session_output_shape"]
+            self._output_shape.restype = ctypes.POINTER(ctypes.c_int64)
+            self._output_shape.argtypes = [ctypes.c_void_p, ctypes.c_int]
 
     @staticmethod
     def _stage(ptrs, index, dtype, shape):
@@ -177,7 +184,16 @@ class Session:
             results = {}
             for name, i, staged in self._results:
                 results[name] = fresh[i] if staged is None else staged.copy()
+                if i in self._dynamic:
+                    results[name] = self._actual(i, results[name])
             return results
+
+    def _actual(self, index: int, buffer: np.ndarray) -> np.ndarray:
+        """A data-dependent output: the C-contiguous prefix of its upper-bound buffer, in the shape
+        the run wrote."""
+        dims = self._output_shape(self._handle, index)
+        shape = tuple(int(dims[k]) for k in range(self._dynamic[index]))
+        return buffer.reshape(-1)[:math.prod(shape)].reshape(shape).copy()
 
     def _run_rows(self, arrays, rows: int) -> dict:
         """A batch-bucket library's run on `rows` rows (session_run_batch: the smallest bucket that

@@ -237,4 +237,8 @@ def _canonicalize(graph) -> tuple[Graph, dict[str, str]]:
     for old, new in rename.items():
         if old != new:
             originals.setdefault(new, old)
+    for old, new in rename.items():   # a data-dependent shape: its dims value under its new name
+        source = graph.values.get(old)
+        if source is not None and source.shape_from is not None and new in values:
+            values[new].shape_from = rename.get(source.shape_from, source.shape_from)
     return Graph("model", values, nodes, list(graph.inputs), list(graph.outputs), graph.opset), originals

@@ -25,7 +25,8 @@ from cuvil.project import build_project
 from tests.test_cli import EXAMPLE_MODEL, OUT_SHAPE, run_ort, write_example_project
 
 ROOT = Path(__file__).resolve().parents[1]
-ABI_FUNCTIONS = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy")
+ABI_FUNCTIONS = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_output_shape",
+                 "session_destroy")
 ALLOWED_NEEDED = re.compile(r"(linux-vdso\.so\.\d+|libc\.so\.6|libm\.so\.6|(/\S+/)?ld-linux[-\w.]*\.so\.\d+)")
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

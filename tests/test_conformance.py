@@ -50,25 +50,28 @@ EXCLUDE = {
         'test_optional_has_element_optional_input', 'test_optional_has_element_tensor_input', 'op:SequenceInsert',
         'op:SequenceMap',
     ],
-    'UnsupportedOpError: bfloatN inputs are not supported (float only)': [
+    # bfloat16 attention: the float32 products round once, the reference rounds after every op (one
+    # bfloat16 ulp apart, above the tests' rtol 1e-3); the expanded bodies lose bfloat16 in folding (voidN)
+    'OutputMismatch (one bfloat16 ulp) / UnsupportedOpError: dtype voidN of … is not supported': [
         'test_attention_3d_causal_bf16', 'test_attention_3d_causal_bf16_expanded',
         'test_attention_4d_attn_mask_causal_bf16', 'test_attention_4d_attn_mask_causal_bf16_expanded',
         'test_attention_4d_causal_bf16', 'test_attention_4d_causal_bf16_expanded',
         'test_attention_4d_causal_padded_kv_bf16', 'test_attention_4d_causal_padded_kv_bf16_expanded',
         'test_attention_4d_padded_kv_bf16', 'test_attention_4d_padded_kv_bf16_expanded',
     ],
-    "UnsupportedOpError: dtype floatN of '…' is not supported": [
-        'test_attention_4d_causal_fp16', 'test_attention_4d_causal_fp16_expanded', 'test_attention_4d_fp16',
-        'test_attention_4d_fp16_expanded', 'test_attention_4d_gqa_causal_nonpad_decode_fp16',
-        'test_attention_4d_gqa_causal_nonpad_decode_fp16_expanded',
-        'test_attention_4d_gqa_with_past_and_present_fp16',
-        'test_attention_4d_gqa_with_past_and_present_fp16_expanded',
-        'test_attention_local_window_ext_cache_float16_mask',
-        'test_attention_local_window_ext_cache_float16_mask_expanded',
-    ],
     "ShapeError: the shape of output '…' cannot be inferred statically": [
-        'op:Compress', 'op:ImageDecoder', 'test_loop11', 'test_maxunpool_export_with_output_shape',
-        'op:NonMaxSuppression', 'op:NonZero', 'op:Scan', 'op:Unique',
+        'op:ImageDecoder',
+        'test_scan_sum',  # Scan-8: a batch axis and sequence_lens, not inlined
+    ],
+    # float16 attention: the float32 products and softmax round once, the reference rounds after every
+    # op; two elements here differ by one float16 ulp (1.2e-3 relative), just above the tests' rtol 1e-3
+    'OutputMismatch: one float16 ulp': [
+        'test_attention_4d_causal_fp16', 'test_attention_4d_causal_fp16_expanded',
+    ],
+    # onnxruntime (the oracle) scatters the indices into output_shape, as cuvil does; the reference
+    # evaluator, which made the expected output, scatters into the inferred shape and pads
+    'OutputMismatch: MaxUnpool output_shape (onnxruntime agrees with cuvil)': [
+        'test_maxunpool_export_with_output_shape',
     ],
     "UnsupportedOpError: input '…': tensors of element type STRING are not supported": [
         'test_equal_string', 'test_equal_string_broadcast', 'op:LabelEncoder', 'op:RegexFullMatch', 'op:StringConcat',
@@ -76,10 +79,6 @@ EXCLUDE = {
     ],
     'UnsupportedOpError: the model imports no version of the default ONNX domain': [
         'op:Adagrad', 'op:Adam', 'op:ArrayFeatureExtractor', 'op:Binarizer', 'op:Momentum', 'op:TreeEnsemble',
-    ],
-    'BuildError: compiling kernel cuvilk_conv_NfNcNaNdNdfaNf (Conv) failed: NotImplementedError: floatN': [
-        'test_causal_conv_with_state_fp16', 'test_causal_conv_with_state_fp16_expanded',
-        'test_causal_conv_with_state_silu_fp16', 'test_causal_conv_with_state_silu_fp16_expanded',
     ],
     'UnsupportedOpError: training_mode with a non-zero ratio is random': [
         'test_training_dropout', 'test_training_dropout_default', 'test_training_dropout_default_mask',
@@ -94,34 +93,11 @@ EXCLUDE = {
     "UnsupportedOpError: output '…' is not a tensor (sequences, optionals and maps are not supported)": [
         'test_if_opt', 'test_if_seq', 'op:SplitToSequence',
     ],
-    'BuildError: compiling kernel cuvilk_matmul_NdNaNfNfN (MatMul) failed: NotImplementedError: floatN': [
-        'test_attention_24_qk_matmul_output_mode3_softmax_precision',
-        'test_attention_24_qk_matmul_output_mode3_softmax_precision_expanded',
-    ],
-    'BuildError: compiling kernel cuvilk_matmul_abNfbNcNfffNe (MatMul) failed: NotImplementedError: floatN': [
-        'test_flexattention_fp16', 'test_flexattention_fp16_expanded_ver26',
-    ],
-    'UnsupportedOpError: op OptionalHasElement is not supported': [
-        'test_optional_has_element_empty_no_input_optional_input',
-        'test_optional_has_element_empty_no_input_tensor_input',
-    ],
     'UnsupportedOpError: op DeformConv is not supported': [
         'op:DeformConv',
     ],
-    'UnsupportedOpError: op Det is not supported': [
-        'op:Det',
-    ],
-    'UnsupportedOpError: op OptionalGetElement is not supported': [
-        'test_optional_get_element_tensor',
-    ],
     'UnsupportedOpError: op RoiAlign is not supported': [
         'op:RoiAlign',
-    ],
-    'UnsupportedOpError: op STFT is not supported': [
-        'op:STFT',
-    ],
-    'UnsupportedOpError: op TfIdfVectorizer is not supported': [
-        'op:TfIdfVectorizer',
     ],
 }
 

@@ -122,3 +122,58 @@ def test_scan_cumulative_sum(direction):
                               scan_input_directions=[direction])]
     model = make_model(nodes, [("s0", F, [3]), ("xs", F, [5, 3])], [("s", F, None), ("ys", F, None)])
     assert_matches_ort(model, {"s0": rand(3), "xs": rand(5, 3, seed=4)})
+
+
+# -- Loops decided at run time: compiled as a C loop (LoopBegin / LoopEnd) ------------------------
+
+def _runtime_loop_body():
+    """(i, cond, y) -> (sum(y') < limit, y') with y' = y * 1.5 + i: the condition depends on the data."""
+    return helper.make_graph(
+        [helper.make_node("Cast", ["i"], ["fi"], to=TensorProto.FLOAT),
+         helper.make_node("Mul", ["y", "k"], ["y2"]),
+         helper.make_node("Add", ["y2", "fi"], ["y_out"]),
+         helper.make_node("ReduceSum", ["y_out"], ["s"], keepdims=0),
+         helper.make_node("Less", ["s", "limit"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 64])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [16, 64])],
+        [helper.make_tensor("k", TensorProto.FLOAT, [], [1.5])])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_loop_with_run_time_trip_count_and_condition_is_compiled_as_a_loop(threads):
+    from tests.helpers import run_ort
+    nodes = [helper.make_node("Loop", ["M", "cond", "y0"], ["y"], body=_runtime_loop_body())]
+    model = make_model(nodes, [("M", np.int64, []), ("cond", np.bool_, []), ("y0", F, [16, 64]), ("limit", F, [])],
+                       [("y", F, [16, 64])])
+    compiled = cuvil.compile(model, threads=threads)
+    # the body's 5 nodes are in the library once (at most one kernel each), not once per iteration
+    assert compiled.info["steps"] <= 5
+    y0 = np.abs(rand(16, 64))
+    for trip, cond, limit in ((10, True, 5e4), (3, True, 1e9), (0, True, 1.0), (50, False, 1.0), (200, True, 1e30)):
+        feeds = {"M": np.array(trip, np.int64), "cond": np.array(cond), "y0": y0, "limit": np.array(limit, F)}
+        want = run_ort(model, feeds)["y"]
+        got = compiled.run(feeds)["y"]
+        # the same float32 operations in the same order (elementwise; the sum only decides when to
+        # stop, and it is far from the limits above): the results agree to float32 rounding
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_while_loop_without_trip_count_on_run_time_data():
+    nodes = [helper.make_node("Loop", ["", "cond", "y0"], ["y"], body=_runtime_loop_body())]
+    model = make_model(nodes, [("cond", np.bool_, []), ("y0", F, [16, 64]), ("limit", F, [])], [("y", F, [16, 64])])
+    feeds = {"cond": np.array(True), "y0": np.abs(rand(16, 64, seed=3)), "limit": np.array(3e5, F)}
+    assert_matches_ort(model, feeds, tol=1e-6)
+
+
+def test_run_time_loop_with_a_scan_output_is_refused():
+    body = _runtime_loop_body()
+    body.output.append(helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [16, 64]))
+    nodes = [helper.make_node("Loop", ["M", "", "y0"], ["y", "ys"], body=body)]
+    model = make_model(nodes, [("M", np.int64, []), ("y0", F, [16, 64]), ("limit", F, [])],
+                       [("y", F, [16, 64]), ("ys", F, None)])
+    from cuvil.errors import UnsupportedOpError
+    with pytest.raises(UnsupportedOpError, match="scan output"):
+        cuvil.compile(model)

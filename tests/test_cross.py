@@ -287,7 +287,8 @@ def test_one_build_makes_native_and_aarch64_libraries(tmp_path):
 
 # -- x86_64-windows: a DLL built with MinGW-w64, checked with objdump -p, run under Wine ----------
 
-C_ABI = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy")
+C_ABI = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_output_shape",
+         "session_destroy")
 
 
 def _pe_tables(dll: Path) -> tuple[set, set]:

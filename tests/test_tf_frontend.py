@@ -274,3 +274,23 @@ def test_onnx_builds_do_not_import_tensorflow():
                             env={**os.environ, "PYTHONPATH": str(root)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+class _DataWhile(tf.Module):
+    """A tf.while_loop whose condition reads the data: tf2onnx writes a Loop whose condition is known
+    only at run time, which cuvil compiles as a loop (not unrolled)."""
+
+    @tf.function(input_signature=[tf.TensorSpec([3, 4], tf.float32, name="x")])
+    def __call__(self, x):
+        def body(i, y):
+            return i + 1, y * 1.25 + 0.5
+        _, y = tf.while_loop(lambda i, y: tf.reduce_sum(y) < 200.0, body, (tf.constant(0), x))
+        return y
+
+
+def test_tf_while_loop_on_run_time_data_is_compiled_as_a_loop():
+    module = _DataWhile()
+    compiled = cuvil.compile(module.__call__.get_concrete_function(), input_shapes={"x": [3, 4]})
+    for scale in (0.1, 1.0, 5.0, 40.0):   # 0..15 iterations: one library
+        x = np.abs(_rand(3, 4, seed=4)) * scale
+        _close(_run_one(compiled, {"x": x}), module(x).numpy())

@@ -38,7 +38,8 @@ from tests.helpers import run_ort
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "models" / "tiny_cnn.onnx"
 TOL = 1e-5
-C_ABI = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy")
+C_ABI = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_output_shape",
+         "session_destroy")
 
 PROBLEM = emulator_problem("wasm32")
 needs_wasm = pytest.mark.skipif(PROBLEM is not None, reason=f"cannot build and run wasm32 here: {PROBLEM}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends.schedule import KernelCall, View
+from backends.schedule import KernelCall, LoopMark, View
 
 ALIGN = 64
 STRATEGIES = ("greedy_by_size", "best_fit", "none")
@@ -97,6 +97,7 @@ def plan_arena(graph, schedule, external: set[str], strategy: str = "greedy_by_s
         for name in uses:
             r = root(name)
             last[r] = max(last.get(r, step), step)
+    _extend_over_loops(schedule, first, last)
     internal = [r for r in first if r not in external]
     naive = sum(_align(graph.values[r].nbytes) for r in internal)
 
@@ -109,6 +110,21 @@ def plan_arena(graph, schedule, external: set[str], strategy: str = "greedy_by_s
     ends = [offsets[r] + _align(max(size, 1)) for size, r in buffers]
     return MemoryPlan(offsets, alias, max(ends, default=0), naive, taken_over,
                       {r: (first[r], last[r]) for _, r in buffers}, strategy)
+
+
+def _extend_over_loops(schedule, first, last) -> None:
+    """A loop's body runs again after its last step: a buffer made before the loop and read in it
+    lives to the loop's end (LoopMark; its state is read by the end mark, so it lives as long)."""
+    begins = {}
+    for step, call in enumerate(schedule):
+        if isinstance(call, LoopMark):
+            if call.kind == "begin":
+                begins[call.loop] = step
+            else:
+                b = begins[call.loop]
+                for r in list(last):
+                    if first.get(r, -1) < b <= last[r] < step:
+                        last[r] = step
 
 
 def _reuse_in_place(graph, schedule, steps, external, alias, root, first, last) -> dict[str, str]:

@@ -5,7 +5,7 @@ import hashlib
 
 import numpy as np
 
-from backends.schedule import KernelCall
+from backends.schedule import KernelCall, LoopMark
 
 ALIGN = 64
 
@@ -44,7 +44,7 @@ def pack_weights(graph, schedule, blob: Blob | None = None) -> tuple[bytes, dict
     offsets: dict[str, int] = {}
     packed = 0
     for call in schedule:
-        if not isinstance(call, KernelCall):
+        if not isinstance(call, (KernelCall, LoopMark)):
             continue
         for args in [call.args] + ([call.in_place.args] if call.in_place else []):
             for i, arg in enumerate(args):

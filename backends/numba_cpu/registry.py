@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from backends.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
-from cuvil.ops import FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
+from cuvil.ops import CONTROL_OPS, FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
 
 from . import attention, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
 from .kernel import lowering_for
@@ -18,6 +18,18 @@ from . import convtranspose, norm, quant, rnn
 
 # reduce.py, indexing.py, resize.py
 from . import indexing, reduce, resize
+
+# linalg.py (Det), tfidf.py (TfIdfVectorizer)
+from . import linalg, tfidf
+
+# widen.py (float16 / bfloat16 through the float32 kernels)
+from .widen import in_float32
+
+# control.py (a Loop decided at run time, compiled as a C loop)
+from . import control
+
+# dynamic.py (ops whose output shapes depend on the data)
+from . import dynamic
 
 # fused.py (fused elementwise programs, made by passes/fuse_elementwise.py and fuse_patterns.py)
 from . import fused
@@ -43,24 +55,27 @@ GENERATORS = {
     **{op: lower_view for op in sorted(VIEW_OPS - {"Dropout"})},
     "Dropout": indexing.lower_dropout,
     # dense linear algebra (gemm.py, conv.py)
-    "Gemm": gemm.lower_gemm,
-    "MatMul": gemm.lower_matmul,
-    "Conv": conv.lower_conv,
+    "Gemm": in_float32(gemm.lower_gemm),
+    "MatMul": in_float32(gemm.lower_matmul),
+    "Conv": in_float32(conv.lower_conv),
     # fused epilogues, domain "cuvil" (made by the fusion passes; see epilogue.py)
-    "FusedGemm": gemm.lower_gemm,
-    "FusedMatMul": gemm.lower_matmul,
-    "FusedConv": conv.lower_conv,
+    "FusedGemm": in_float32(gemm.lower_gemm),
+    "FusedMatMul": in_float32(gemm.lower_matmul),
+    "FusedConv": in_float32(conv.lower_conv),
     "DepthwiseBlock": dwblock.lower_depthwise_block,
     "FusedAttention": attention.lower_attention,
     # fused elementwise loops, domain "cuvil" (fused.py)
     "FusedElementwise": fused.lower_fused_elementwise,
+    # a loop compiled as a loop, domain "cuvil" (control.py)
+    "LoopBegin": control.lower_loop_begin,
+    "LoopEnd": control.lower_loop_end,
     # normalisation, pooling, layout (batchnorm.py, pool.py, softmax.py, transpose.py, concat.py)
     "BatchNormalization": batchnorm.lower_batchnorm,
     "MaxPool": pool.lower_maxpool,
     "AveragePool": pool.lower_averagepool,
     "GlobalAveragePool": pool.lower_global_averagepool,
     "GlobalMaxPool": pool.lower_global_maxpool,
-    "Softmax": softmax.lower_softmax,
+    "Softmax": in_float32(softmax.lower_softmax),
     "Transpose": transpose.lower_transpose,
     "Concat": concat.lower_concat,
     # recurrent networks (rnn.py)
@@ -143,6 +158,14 @@ GENERATORS = {
     "Upsample": resize.lower_resize,
     "GridSample": resize.lower_grid_sample,
     "AffineGrid": resize.lower_affine_grid,
+    # data-dependent output shapes: upper-bound buffers, the actual shape in a dims value (dynamic.py)
+    # linear algebra (linalg.py)
+    "Det": linalg.lower_det,
+    "TfIdfVectorizer": tfidf.lower_tfidf_vectorizer,
+    "NonZero": dynamic.lower_nonzero,
+    "Compress": dynamic.lower_compress,
+    "Unique": dynamic.lower_unique,
+    "NonMaxSuppression": dynamic.lower_non_max_suppression,
 }
 
 
@@ -163,7 +186,7 @@ def supported_ops() -> list[str]:
 
 
 def generator_for(node):
-    if node.domain == FUSED_DOMAIN and node.op in FUSED_OPS:
+    if node.domain == FUSED_DOMAIN and (node.op in FUSED_OPS or node.op in CONTROL_OPS):
         return GENERATORS[node.op]
     if (node.domain, node.op) in DOMAIN_GENERATORS:
         return DOMAIN_GENERATORS[node.domain, node.op]

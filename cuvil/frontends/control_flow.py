@@ -3,11 +3,13 @@
 An If whose condition is a constant is replaced by the nodes of the branch it
 takes; an If decided at run time computes both branches and selects with Where
 (when both give the same shapes); a Loop with a constant trip count (and a condition that folds to a
-constant every iteration) and a Scan over a static sequence are unrolled. The
+constant every iteration) and a Scan over a static sequence are unrolled. A Loop whose trip count or
+condition is known only at run time is compiled as a loop: its body is imported once between a
+LoopBegin and a LoopEnd node (domain "cuvil"; backends/numba_cpu/control.py). The
 body's nodes are copied with their names prefixed per iteration and handed
 back to the importer one by one, so constants keep folding through them and
-nested control flow is inlined the same way. Anything whose control depends
-on run-time data is an UnsupportedOpError naming the node.
+nested control flow is inlined the same way. Other control that depends on
+run-time data is an UnsupportedOpError naming the node.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import onnx
 from onnx import helper
 
 from ..errors import UnsupportedOpError
-from ..ir import Value
+from ..ir import Node, Value
+from ..ops import FUSED_DOMAIN
 
 # Loops run at most this many iterations at build time (each one copies the body).
 _MAX_UNROLL = 4096
@@ -140,9 +143,11 @@ class Inliner:
         trip, cond = inputs[0], inputs[1]
         carried = [i for i in proto.input[2:]]
         body = _subgraph(proto, "body")
-        if trip and not self.imp.values[trip].is_const:
-            raise UnsupportedOpError(f"node '{name}' (Loop): its trip count is not known at build time",
-                                     hint="only loops with a constant trip count can be compiled")
+        if not trip and not cond:
+            raise UnsupportedOpError(f"node '{name}' (Loop): it has neither a trip count nor a condition")
+        if (trip and not self.imp.values[trip].is_const) or (cond and not self.imp.values[cond].is_const):
+            self._compiled_loop(proto, name, trip, cond, carried, body)
+            return
         if not trip and not cond:
             raise UnsupportedOpError(f"node '{name}' (Loop): it has neither a trip count nor a condition")
         # No trip count (or a huge one, as tf.while_loop's converters write): the loop runs while its
@@ -186,14 +191,67 @@ class Inliner:
         for k, (parts, out) in enumerate(zip(scans, proto.output[n_carried:])):
             self._stack(parts, out, 0, f"{name}/scan{k}")
 
+    def _compiled_loop(self, proto, name, trip, cond, carried, body):
+        """A Loop whose trip count or condition is known only at run time, compiled as a loop:
+        LoopBegin, the body's nodes imported once, LoopEnd (backends/numba_cpu/control.py). Its
+        state keeps its shapes and dtypes from one iteration to the next."""
+        n = len(carried)
+        if len(body.output) - 1 - n:
+            raise UnsupportedOpError(f"node '{name}' (Loop): its trip count or condition is known only at run "
+                                     f"time, and it has {len(body.output) - 1 - n} scan output(s), whose length "
+                                     "would depend on the data",
+                                     hint="return the loop's state only, or make the trip count and condition "
+                                          "known at build time (the loop is then unrolled)")
+        for what, value in (("trip count", trip), ("condition", cond)):
+            if value and self.imp.values[value].size != 1:
+                raise UnsupportedOpError(f"node '{name}' (Loop): its {what} '{value}' has "
+                                         f"{self.imp.values[value].size} elements, not 1")
+        loop = self.imp.__dict__.setdefault("loop_count", 0)
+        self.imp.loop_count = loop + 1
+        iteration = self._fresh(f"{name}/iteration")
+        cond_in = self._fresh(f"{name}/cond_in")
+        self.imp.values[iteration] = Value(iteration, np.dtype(np.int64), ())
+        self.imp.values[cond_in] = Value(cond_in, np.dtype(np.bool_), ())
+        states = []
+        for k, init in enumerate(carried):
+            state = self._fresh(f"{name}/state{k}")
+            v = self.imp.values[init]
+            self.imp.values[state] = Value(state, np.dtype(v.dtype), tuple(v.shape))
+            states.append(state)
+        self.imp.add_node(Node("LoopBegin", f"{name}/begin", [trip or "", cond or "", *carried],
+                               [iteration, cond_in, *states], {"loop": loop}, FUSED_DOMAIN))
+        body_inputs = [i.name for i in body.input]
+        bindings = dict(zip(body_inputs, [iteration, cond_in, *states]))
+        results = self.run_body(body, f"{name}/body/", bindings)
+        cond_out, outs = results[0], results[1:1 + n]
+        for k, (state, out) in enumerate(zip(states, outs)):
+            a, b = self.imp.values[state], self.imp.values[out]
+            if tuple(a.shape) != tuple(b.shape) or np.dtype(a.dtype) != np.dtype(b.dtype):
+                raise UnsupportedOpError(
+                    f"node '{name}' (Loop): its state {k} ('{carried[k]}') is {np.dtype(a.dtype)}{list(a.shape)} "
+                    f"before an iteration and {np.dtype(b.dtype)}{list(b.shape)} after it",
+                    hint="a loop decided at run time must keep the shapes of its state")
+        finals = []
+        for k, out in enumerate(list(proto.output[:n]) + [""] * (n - len(proto.output[:n]))):
+            final = out or self._fresh(f"{name}/final{k}")
+            v = self.imp.values[states[k]]
+            self.imp.values[final] = Value(final, np.dtype(v.dtype), tuple(v.shape))
+            finals.append(final)
+        self.imp.add_node(Node("LoopEnd", f"{name}/end", [cond_out if cond else "", *outs, iteration, cond_in,
+                                                           *states], finals, {"loop": loop}, FUSED_DOMAIN))
+
     def _stack(self, parts, out, axis, name):
         if not parts:
             raise UnsupportedOpError(f"node '{name}': a scan output with no iterations is not supported")
-        axes = self._const(f"{name}/axes", np.array([axis], np.int64))
+        opset = self.imp.opsets.get("", self.imp.opsets.get("ai.onnx", 0))
+        axes = self._const(f"{name}/axes", np.array([axis], np.int64)) if opset >= 13 else None
         expanded = []
         for j, part in enumerate(parts):
             tmp = self._fresh(f"{name}/item{j}")
-            self._emit("Unsqueeze", [part, axes], [tmp], f"{name}/unsqueeze{j}")
+            if axes is None:  # before opset 13 Unsqueeze takes its axes as an attribute
+                self._emit("Unsqueeze", [part], [tmp], f"{name}/unsqueeze{j}", axes=[axis])
+            else:
+                self._emit("Unsqueeze", [part, axes], [tmp], f"{name}/unsqueeze{j}")
             expanded.append(tmp)
         self._emit("Concat", expanded, [out], f"{name}/concat", axis=axis)
 

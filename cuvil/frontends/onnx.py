@@ -21,6 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .. import contrib, nbits
+from . import data_dependent
 from ..evaluate import evaluate_exact
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
@@ -237,6 +238,7 @@ class _Importer:
         for name in outputs:
             if name not in self.values:
                 raise ModelError(f"graph output '{name}' is never produced")
+        self._check_data_dependent(outputs)
         return Graph(name=g.name or "model", values=self.values, nodes=self.nodes, inputs=inputs,
                      outputs=outputs, opset=self.opsets.get("", self.opsets.get("ai.onnx", 0)))
 
@@ -255,6 +257,11 @@ class _Importer:
     def import_node(self, proto: onnx.NodeProto) -> None:
         self._import_node(proto)
 
+    def add_node(self, node: Node) -> None:
+        """A CIR node the inliner makes itself (a compiled loop's LoopBegin / LoopEnd)."""
+        node.name = self._unique_node_name(node.name)
+        self.nodes.append(node)
+
     def add_constant(self, name: str, array: np.ndarray) -> None:
         self.values[name] = Value(name, array.dtype, tuple(array.shape), array)
 
@@ -270,6 +277,17 @@ class _Importer:
             return
         if domain not in self.opsets and not (domain == "" and "ai.onnx" in self.opsets):
             raise UnsupportedOpError(f"node '{name}' ({proto.op_type}) is in domain '{proto.domain}', which the model does not import")
+        if domain == "" and proto.op_type == "STFT":
+            self._import_stft(proto, name)
+            return
+        if domain == "" and proto.op_type == "OptionalHasElement" and proto.output and proto.output[0]:
+            # Every value here is a tensor (optional types are refused at the graph's edges), so an
+            # optional is empty exactly when its input is omitted.
+            present = np.array(bool(proto.input) and bool(proto.input[0]))
+            self.values[proto.output[0]] = Value(proto.output[0], present.dtype, (), present)
+            return
+        if domain == "" and proto.op_type == "OptionalGetElement" and proto.input and proto.input[0]:
+            proto = helper.make_node("Identity", [proto.input[0]], list(proto.output), name=proto.name)
         attrs = _attrs(proto)
         if proto.op_type == "Constant" and domain == "":
             arr = self._evaluate(proto, name)[0]
@@ -287,12 +305,84 @@ class _Importer:
                         arr = np.asarray(arr)
                         self.values[out] = Value(out, arr.dtype, tuple(arr.shape), arr)
                 return
-        for out, (shape, dtype) in zip(proto.output, self._infer(proto, name)):
+        outputs = list(proto.output)
+        if domain == "" and proto.op_type in data_dependent.OPS:
+            # Data-dependent shapes: an upper bound, and a dims value (one more output of the
+            # node) that the kernel fills with the actual shape (frontends/data_dependent.py).
+            inferred = data_dependent.bounds(proto.op_type, name, attrs, [self.values[i] if i else None for i in inputs])
+        else:
+            inferred = [(shape, dtype, False) for shape, dtype in self._infer(proto, name)]
+        for out, (shape, dtype, dynamic) in zip(proto.output, inferred):
             if out:
                 _check_size(shape, dtype, f"node '{name}' ({proto.op_type}) output '{out}'")
                 self.values[out] = Value(out, dtype, shape)
-        self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=list(proto.output),
+                if dynamic:
+                    dims = self._fresh_value(f"{out}:shape")
+                    self.values[dims] = Value(dims, np.dtype(np.int64), (len(shape),))
+                    self.values[out].shape_from = dims
+                    outputs.append(dims)
+        self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=outputs,
                                attrs=attrs, domain=domain))
+
+    def _import_stft(self, proto: onnx.NodeProto, name: str) -> None:
+        """STFT as the frames (a Gather of constant positions), times the window, and a DFT over
+        each frame: the ops it is defined by, each with its kernel."""
+        inputs = list(proto.input) + [""] * (4 - len(proto.input))
+        signal, step, window, length = inputs[:4]
+        x = self.values[signal]
+        const = lambda n: self.values[n].is_const if n else False
+        if not const(step) or (length and not const(length)) or (not length and not window):
+            raise UnsupportedOpError(f"node '{name}' (STFT): frame_step and frame_length (or a window) must be "
+                                     "known at build time")
+        step = int(np.asarray(self.values[step].data).reshape(-1)[0])
+        frame = int(np.asarray(self.values[length].data).reshape(-1)[0]) if length else int(self.values[window].shape[0])
+        frames = 1 + (int(x.shape[1]) - frame) // step
+        onesided = int(next((helper.get_attribute_value(a) for a in proto.attribute if a.name == "onesided"), 1))
+        if frames < 1 or frame < 1:
+            raise UnsupportedOpError(f"node '{name}' (STFT): a frame of {frame} does not fit the signal of "
+                                     f"{x.shape[1]} samples")
+        fresh = lambda tag: self._fresh_value(f"{name}/{tag}")
+        positions = fresh("positions")
+        self.add_constant(positions, (np.arange(frames)[:, None] * step + np.arange(frame)[None, :]).astype(np.int64))
+        framed = fresh("frames")
+        self._import_node(helper.make_node("Gather", [signal, positions], [framed], name=f"{name}/frames", axis=1))
+        if window:
+            shape = fresh("window_shape")
+            self.add_constant(shape, np.array([1, 1, frame, 1], np.int64))
+            column = fresh("window")
+            self._import_node(helper.make_node("Reshape", [window, shape], [column], name=f"{name}/window"))
+            windowed = fresh("windowed")
+            self._import_node(helper.make_node("Mul", [framed, column], [windowed], name=f"{name}/windowed"))
+            framed = windowed
+        opset = self.opsets.get("", self.opsets.get("ai.onnx", 0))
+        if opset >= 20:
+            axis = fresh("axis")
+            self.add_constant(axis, np.array(2, np.int64))
+            dft = helper.make_node("DFT", [framed, "", axis], [proto.output[0]], name=f"{name}/dft", onesided=onesided)
+        else:
+            dft = helper.make_node("DFT", [framed], [proto.output[0]], name=f"{name}/dft", onesided=onesided, axis=2)
+        self._import_node(dft)
+
+    def _fresh_value(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.values:
+            i += 1
+            name = f"{base}~{i}"
+        return name
+
+    def _check_data_dependent(self, outputs) -> None:
+        """A value of data-dependent shape may only be a graph output: no kernel downstream of it
+        is compiled for a shape known at run time only."""
+        for node in self.nodes:
+            for name in node.inputs:
+                value = self.values.get(name) if name else None
+                if value is not None and value.shape_from is not None:
+                    maker = next(n for n in self.nodes if name in n.outputs)
+                    raise UnsupportedOpError(
+                        f"node '{node.name}' ({node.op}) reads '{name}', whose shape depends on the data "
+                        f"(made by node '{maker.name}' ({maker.op}))",
+                        hint="cuvil compiles data-dependent shapes (NonZero, Unique, NonMaxSuppression, Compress) "
+                             "only as graph outputs; return the value from the model, or make its shape static")
 
     def _single_node_model(self, proto: onnx.NodeProto, with_data) -> onnx.ModelProto:
         inputs, inits = [], []
@@ -355,6 +445,11 @@ class _Importer:
             # left at its default; the output is the input's shape and type in any case.
             x = self.values[proto.input[0]]
             return [(tuple(x.shape), np.dtype(x.dtype))]
+        if proto.op_type == "MaxUnpool" and domain == "" and len(proto.input) > 2 and proto.input[2] \
+                and self.values[proto.input[2]].is_const:
+            # ONNX's inference leaves the output dims unknown when output_shape is given; it is the shape
+            x = self.values[proto.input[0]]
+            return [(tuple(int(d) for d in np.asarray(self.values[proto.input[2]].data).reshape(-1)), np.dtype(x.dtype))]
         model = self._single_node_model(proto, with_data=lambda v: v.size <= _SMALL_CONST)
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)

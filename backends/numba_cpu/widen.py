@@ -25,9 +25,13 @@ def _narrow(graph, name) -> bool:
 
 
 def in_float32(generator):
-    """`generator` for nodes whose float inputs and outputs may be float16 / bfloat16."""
+    """`generator` for nodes whose float inputs and outputs may be float16 / bfloat16. A node that
+    passes/assign_precision.py marked bf16/fp16 goes to `generator` as it is: its kernels read and
+    write the 16-bit activations themselves (`narrow_activations`), and widening them here would
+    undo that."""
     def lower(node, graph) -> Lowered:
-        if not any(_narrow(graph, n) for n in [*node.inputs, *node.outputs]):
+        if node.attr("precision") in ("bf16", "fp16") or \
+                not any(_narrow(graph, n) for n in [*node.inputs, *node.outputs]):
             return generator(node, graph)
         calls, inputs, outputs = [], [], []
         for k, name in enumerate(node.inputs):

@@ -37,6 +37,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/profile.py would shadow the standard library's `profile`, which transformers' LLaMA
+# (through torch's dynamo and cProfile) imports in make_decoder: this folder leaves the path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,

@@ -122,7 +122,7 @@ def test_check_json_lists_what_cannot_be_compiled(tmp_path, capsys):
     op = _unsupported_op()
     model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
                         helper.make_node(op, ["r"], ["y"], name="odd")],
-                       [("x", np.float32, [2, 4, 4])], [("y", np.float32, [2])])
+                       [("x", np.float32, [2, 4, 4])], [("y", np.float32, [2, 4, 4])])
     (tmp_path / "odd.onnx").write_bytes(model.SerializeToString())
     (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: odd\n    source: odd.onnx\n")
     assert main(["check", "-f", str(tmp_path / "cuvil.yaml"), "--json"]) == 1

@@ -196,7 +196,7 @@ def test_a_model_error_on_a_worker_names_the_entry_in_the_config(scheduler, tmp_
     op = _unsupported_op()
     model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
                         helper.make_node(op, ["r"], ["y"], name="odd")],
-                       [("x", np.float32, [2, 4, 4])], [("y", np.float32, [2])])
+                       [("x", np.float32, [2, 4, 4])], [("y", np.float32, [2, 4, 4])])
     config = _project(tmp_path, f"  dir: {tmp_path / 'cache'}\n")
     (tmp_path / "examples" / "models" / "odd.onnx").write_bytes(model.SerializeToString())
     config.write_text(config.read_text().replace(SECOND_MODEL, "\n  - name: odd\n    source: examples/models/odd.onnx\n"))

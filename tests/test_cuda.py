@@ -31,7 +31,7 @@ from cuvil.errors import CuvilError
 from tests.helpers import make_model
 
 ABI_FUNCTIONS = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy",
-                 "session_run_device")
+                 "session_output_shape", "session_run_device")
 
 
 def small_model():

@@ -15,7 +15,7 @@ import json
 
 from backends.schedule import KernelCall, View
 
-from .driver import ABI_VERSION, ERROR_CODES, c_string, storage
+from .driver import ABI_VERSION, ERROR_CODES, c_string, output_shape_tables, storage
 
 CUDA_ERROR_CODES = {**ERROR_CODES, "ERR_DEVICE": 4}
 
@@ -308,6 +308,14 @@ EXPORT void {P}session_destroy({P}session* s) {{
 EXPORT const char* {P}session_error(const {P}session* s) {{
     if (!s) return create_error[0] ? create_error : "session is NULL (session_create failed or was not called)";
     return s->error;
+}}
+
+/* The CUDA target has no data-dependent output shapes: every output has its static shape. */
+{output_shape_tables(info, [-1] * len(info["outputs"]))}
+
+EXPORT const int64_t* {P}session_output_shape(const {P}session* s, int index) {{
+    if (!s || index < 0 || index >= {len(info["outputs"])}) return NULL;
+    return output_slot[index] < 0 ? output_dims + output_dims_at[index] : NULL;
 }}
 
 #define CK(call) do {{ int rc_ = (call); if (rc_ != 0) return rc_; }} while (0)

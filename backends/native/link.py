@@ -219,7 +219,8 @@ CFLAGS_WASM = [WASM_TARGET_FLAG, "-msimd128", "-O2", "-fvisibility=hidden", "-fn
 # --strip-debug drops it and keeps the "name" section (function names in a trap's backtrace).
 LDFLAGS_WASM = [WASM_TARGET_FLAG, "-mexec-model=reactor", "-Wl,--gc-sections", "-Wl,--strip-debug",
                 "-Wl,--stack-first", "-Wl,-z,stack-size=1048576"]
-ABI_FUNCTIONS = ("abi_version", "model_info", "session_create", "session_run", "session_error", "session_destroy")
+ABI_FUNCTIONS = ("abi_version", "model_info", "session_create", "session_run", "session_error",
+                 "session_output_shape", "session_destroy")
 # Beside the C ABI a module exports malloc and free: the host has no other way to get memory
 # inside the module for the input and output tensors and the pointer arrays (and its memory).
 WASM_HOST_EXPORTS = ("malloc", "free")

@@ -173,6 +173,23 @@ def _match_layernorm(ctx: _Context, root: Node) -> Match | None:
     return Match("layernorm", root, {n.name for n in nodes}, replacement, constants)
 
 
+def _mean_square_plus_eps(ctx: _Context, add: Node, d: str):
+    """(ReduceMean node, eps, square node) when `add` is ReduceMean(d * d or d ^ 2) + eps (LayerNorm's
+    variance and RMSNorm's mean square), else None."""
+    g = ctx.graph
+    var, eps = None, None
+    for k in (0, 1):
+        if scalar(g, add.inputs[1 - k]) is not None:
+            var, eps = ctx.made_by(add.inputs[k], "ReduceMean"), scalar(g, add.inputs[1 - k])
+    if var is None:
+        return None
+    square = ctx.made_by(var.inputs[0], "Pow", "Mul")
+    if square is None or not (square.op == "Pow" and square.inputs[0] == d and scalar(g, square.inputs[1]) == 2.0
+                              or square.op == "Mul" and square.inputs == [d, d]):
+        return None
+    return var, eps, square
+
+
 def _normalizer(ctx: _Context, node: Node):
     """(x, eps, axis, nodes) when `node` computes (x - mean) / sqrt(var + eps), else None."""
     g = ctx.graph
@@ -198,16 +215,10 @@ def _normalizer(ctx: _Context, node: Node):
     add = ctx.made_by(sqrt.inputs[0], "Add")
     if mean_node is None or add is None or mean_node.inputs[0] != x:
         return None
-    var, eps = None, None
-    for k in (0, 1):
-        if scalar(g, add.inputs[1 - k]) is not None:
-            var, eps = ctx.made_by(add.inputs[k], "ReduceMean"), scalar(g, add.inputs[1 - k])
-    if var is None:
+    found = _mean_square_plus_eps(ctx, add, d)
+    if found is None:
         return None
-    square = ctx.made_by(var.inputs[0], "Pow", "Mul")
-    if square is None or not (square.op == "Pow" and square.inputs[0] == d and scalar(g, square.inputs[1]) == 2.0
-                              or square.op == "Mul" and square.inputs == [d, d]):
-        return None
+    var, eps, square = found
     rank = len(g.values[x].shape)
     axes, var_axes = _axes(ctx, mean_node, rank), _axes(ctx, var, rank)
     if axes is None or axes != var_axes or axes != list(range(rank - len(axes), rank)):
@@ -248,16 +259,10 @@ def _rms_normalizer(ctx: _Context, node: Node):
     add = ctx.made_by(sqrt.inputs[0], "Add") if sqrt is not None else None
     if add is None:
         return None
-    var, eps = None, None
-    for k in (0, 1):
-        if scalar(g, add.inputs[1 - k]) is not None:
-            var, eps = ctx.made_by(add.inputs[k], "ReduceMean"), scalar(g, add.inputs[1 - k])
-    if var is None:
+    found = _mean_square_plus_eps(ctx, add, x)
+    if found is None:
         return None
-    square = ctx.made_by(var.inputs[0], "Pow", "Mul")
-    if square is None or not (square.op == "Pow" and square.inputs[0] == x and scalar(g, square.inputs[1]) == 2.0
-                              or square.op == "Mul" and square.inputs == [x, x]):
-        return None
+    var, eps, square = found
     rank = len(g.values[x].shape)
     axes = _axes(ctx, var, rank)
     if axes is None or axes != list(range(rank - len(axes), rank)):

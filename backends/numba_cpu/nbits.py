@@ -108,6 +108,27 @@ def _splat_i(value: int) -> str:
     return "<" + ", ".join([f"i32 {value}"] * LANES) + ">"
 
 
+def bias_and_masked_stores(ir, vecs, rows, masks, n: int, bias: bool):
+    """A tile's epilogue (this module's and nbits_vnni.py's): accumulator `%yn{i}_{v}` of row i and
+    vector v, plus the bias vector read at `%bb` when `bias`, stored masked at `%ob` + i * n + v * LANES."""
+    vt = f"<{LANES} x float>"
+    for v in vecs:
+        bias_vec = None
+        if bias:
+            p, bias_vec = ir.tmp("bp"), ir.tmp("bv")
+            ir(f"{p} = getelementptr float, ptr %bb, i64 {v * LANES}")
+            ir(f"{bias_vec} = load {vt}, ptr {p}, align 4")
+        for i in rows:
+            y = f"%yn{i}_{v}"
+            if bias_vec:
+                t = ir.tmp("yb")
+                ir(f"{t} = fadd {vt} {y}, {bias_vec}")
+                y = t
+            p = ir.tmp("op")
+            ir(f"{p} = getelementptr float, ptr %ob, i64 {i * n + v * LANES}")
+            ir(f"call void @llvm.masked.store.v16f32.p0({vt} {y}, ptr align 4 {p}, <16 x i1> {masks[v]})")
+
+
 def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
     """The micro-kernel's module (one function named spec.name)."""
     vt, it = "<16 x float>", "<16 x i32>"
@@ -292,22 +313,7 @@ def nbits_ir(spec: NBitsSpec, vector_bits: int) -> str:
 
     # -- bias, masked stores
     ir.label("done")
-    for v in vecs:
-        bias = None
-        if spec.bias:
-            p = ir.tmp("bp")
-            bias = ir.tmp("bv")
-            ir(f"{p} = getelementptr float, ptr %bb, i64 {v * LANES}")
-            ir(f"{bias} = load {vt}, ptr {p}, align 4")
-        for i in rows:
-            y = f"%yn{i}_{v}"
-            if bias:
-                t = ir.tmp("yb")
-                ir(f"{t} = fadd {vt} {y}, {bias}")
-                y = t
-            p = ir.tmp("op")
-            ir(f"{p} = getelementptr float, ptr %ob, i64 {i * spec.N + v * LANES}")
-            ir(f"call void @llvm.masked.store.v16f32.p0({vt} {y}, ptr align 4 {p}, <16 x i1> {masks[v]})")
+    bias_and_masked_stores(ir, vecs, rows, masks, spec.N, spec.bias)
     ir("ret i32 0")
 
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, ptr noalias %w, i64 %woff, ptr noalias %s, "

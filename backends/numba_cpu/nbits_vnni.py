@@ -38,6 +38,7 @@ from cuvil import nbits as form
 
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
 from .lowp import column_masks, typed_declaration
+from .nbits import bias_and_masked_stores
 from .scratch import scratch_value
 from .ukernel import Declared, IRBuilder, function_module
 
@@ -224,21 +225,7 @@ def vnni_ir(spec: VnniSpec, vector_bits: int) -> str:
 
     # -- bias, masked stores
     ir.label("done")
-    for v in vecs:
-        bias = None
-        if spec.bias:
-            p, bias = ir.tmp("bp"), ir.tmp("bv")
-            ir(f"{p} = getelementptr float, ptr %bb, i64 {v * LANES}")
-            ir(f"{bias} = load {vf}, ptr {p}, align 4")
-        for i in rows:
-            y = f"%yn{i}_{v}"
-            if bias:
-                t = ir.tmp("yb")
-                ir(f"{t} = fadd {vf} {y}, {bias}")
-                y = t
-            p = ir.tmp("op")
-            ir(f"{p} = getelementptr float, ptr %ob, i64 {i * spec.N + v * LANES}")
-            ir(f"call void @llvm.masked.store.v16f32.p0({vf} {y}, ptr align 4 {p}, <16 x i1> {masks[v]})")
+    bias_and_masked_stores(ir, vecs, rows, masks, spec.N, spec.bias)
     ir("ret i32 0")
 
     head = (f"define i32 @{spec.name}(ptr noalias %qa, i64 %qaoff, ptr noalias %sa, i64 %saoff, "

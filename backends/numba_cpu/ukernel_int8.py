@@ -439,49 +439,67 @@ def _store_quads(ir: IRBuilder, rows: dict, v: int, j: int, lanes: str) -> None:
     ir(f"call void @llvm.masked.store.v64i8.p0(<64 x i8> {quads}, ptr align 1 {p}, <64 x i1> {wide})")
 
 
+def _tap_dots(ir: IRBuilder, mr: int, V: int, taps: tuple, plane: int, panel: int, rename: dict,
+              pixels_in_lanes: bool) -> dict:
+    """The k loop of the int8 conv tiles: for each channel quad and tap, `vpdpbusd` of input quads
+    (uint8, first operand) and weight quads (int8), into accumulators (i, v) of mr rows x V vectors.
+    `pixels_in_lanes` (Int8ConvSpec): vectors of 16 pixels' quads from the input plane, each row i a
+    broadcast weight quad (output channel i, `panel` quads per tap). Otherwise (Int8RowConvSpec):
+    vectors of 16 output channels' weight quads (`panel` per tap), each row i a broadcast input quad
+    (pixel i). Returns the accumulators after the loop (close_k_loop)."""
+    L, vi = 16, "<16 x i32>"
+    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
+    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
+    ir("br label %pre0")
+    ir.label("pre0")
+    ir("br label %loop0")
+    init = {(i, v): "zeroinitializer" for i in range(mr) for v in range(V)}
+    kv, accs = open_k_loop(ir, 0, init, vi, "%loop0")
+    cur = dict(accs)
+    xq = ir.tmp("xq")
+    ir(f"{xq} = mul i64 {kv}, {plane * 4}")
+    xrow = ir.tmp("xr")
+    ir(f"{xrow} = getelementptr i8, ptr %xbase, i64 {xq}")
+    wq = ir.tmp("wq")
+    ir(f"{wq} = mul i64 {kv}, {len(taps) * panel * 4}")
+    wrow = ir.tmp("wr")
+    ir(f"{wrow} = getelementptr i8, ptr %wbase, i64 {wq}")
+    if pixels_in_lanes:   # (row, quad offset, pointer tag, value tag) of the vectors and of the splats
+        vec = (xrow, lambda t, off, v: off + v * L, "xp", "xv")
+        one = (wrow, lambda t, off, i: t * panel + i, "wp", "ww")
+    else:
+        vec = (wrow, lambda t, off, v: t * panel + v * L, "wp", "wv")
+        one = (xrow, lambda t, off, i: off + i, "xp", "xw")
+    for t, off in enumerate(taps):
+        vecs = {}
+        for v in range(V):
+            p = ir.tmp(vec[2])
+            ir(f"{p} = getelementptr i8, ptr {vec[0]}, i64 {vec[1](t, off, v) * 4}")
+            vecs[v] = ir.tmp(vec[3])
+            ir(f"{vecs[v]} = load {vi}, ptr {p}, align 1")
+        for i in range(mr):
+            p = ir.tmp(one[2])
+            ir(f"{p} = getelementptr i8, ptr {one[0]}, i64 {one[1](t, off, i) * 4}")
+            word = ir.tmp(one[3])
+            ir(f"{word} = load i32, ptr {p}, align 1")
+            splat = _splat_i32(ir, word)
+            for v in range(V):
+                u8, s8 = (vecs[v], splat) if pixels_in_lanes else (splat, vecs[v])
+                out = ir.tmp("d")
+                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {cur[i, v]}, {vi} {u8}, {vi} {s8})")
+                cur[i, v] = out
+    return close_k_loop(ir, 0, kv, accs, cur, rename)
+
+
 def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
     L = 16
     V = spec.nr // L
     vi, vf = f"<{L} x i32>", f"<{L} x float>"
-    T = len(spec.taps)
     ir = IRBuilder()
     ir.label("entry")
     masks = column_masks(ir, V, L)
-    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
-    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
     rename = {}
-    ir("br label %pre0")
-    ir.label("pre0")
-    ir("br label %loop0")
-    init = {(i, v): "zeroinitializer" for i in range(spec.mr) for v in range(V)}
-    kv, accs = open_k_loop(ir, 0, init, vi, "%loop0")
-    cur = dict(accs)
-    xq = ir.tmp("xq")
-    ir(f"{xq} = mul i64 {kv}, {spec.plane * 4}")
-    xrow = ir.tmp("xr")
-    ir(f"{xrow} = getelementptr i8, ptr %xbase, i64 {xq}")
-    wq = ir.tmp("wq")
-    ir(f"{wq} = mul i64 {kv}, {T * spec.panel * 4}")
-    wrow = ir.tmp("wr")
-    ir(f"{wrow} = getelementptr i8, ptr %wbase, i64 {wq}")
-    for t, off in enumerate(spec.taps):
-        xv = {}
-        for v in range(V):
-            p = ir.tmp("xp")
-            ir(f"{p} = getelementptr i8, ptr {xrow}, i64 {(off + v * L) * 4}")
-            xv[v] = ir.tmp("xv")
-            ir(f"{xv[v]} = load {vi}, ptr {p}, align 1")
-        for i in range(spec.mr):
-            p = ir.tmp("wp")
-            ir(f"{p} = getelementptr i8, ptr {wrow}, i64 {(t * spec.panel + i) * 4}")
-            word = ir.tmp("ww")
-            ir(f"{word} = load i32, ptr {p}, align 1")
-            splat = _splat_i32(ir, word)
-            for v in range(V):
-                out = ir.tmp("d")
-                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {cur[i, v]}, {vi} {xv[v]}, {vi} {splat})")
-                cur[i, v] = out
-    final = close_k_loop(ir, 0, kv, accs, cur, rename)
+    final = _tap_dots(ir, spec.mr, V, spec.taps, spec.plane, spec.panel, rename, pixels_in_lanes=True)
     lo, hi = _RANGE[spec.out]
     blend = spec.kind == "int8convb"
     # compressed stores: the valid lanes of vector v go to prefix[v] = popcount of the mask below it
@@ -624,44 +642,10 @@ def int8_row_conv_ir(spec: Int8RowConvSpec, vector_bits: int = 512) -> str:
     L = 16
     V = spec.nr // L
     vi, vf = f"<{L} x i32>", f"<{L} x float>"
-    T = len(spec.taps)
     ir = IRBuilder()
     ir.label("entry")
-    ir("%xbase = getelementptr i8, ptr %x, i64 %xoff")
-    ir("%wbase = getelementptr i8, ptr %w, i64 %woff")
     rename = {}
-    ir("br label %pre0")
-    ir.label("pre0")
-    ir("br label %loop0")
-    init = {(i, v): "zeroinitializer" for i in range(spec.mr) for v in range(V)}
-    kv, accs = open_k_loop(ir, 0, init, vi, "%loop0")
-    cur = dict(accs)
-    xq = ir.tmp("xq")
-    ir(f"{xq} = mul i64 {kv}, {spec.plane * 4}")
-    xrow = ir.tmp("xr")
-    ir(f"{xrow} = getelementptr i8, ptr %xbase, i64 {xq}")
-    wq = ir.tmp("wq")
-    ir(f"{wq} = mul i64 {kv}, {T * spec.nr * 4}")
-    wrow = ir.tmp("wr")
-    ir(f"{wrow} = getelementptr i8, ptr %wbase, i64 {wq}")
-    for t, off in enumerate(spec.taps):
-        wv = {}
-        for v in range(V):
-            p = ir.tmp("wp")
-            ir(f"{p} = getelementptr i8, ptr {wrow}, i64 {(t * spec.nr + v * L) * 4}")
-            wv[v] = ir.tmp("wv")
-            ir(f"{wv[v]} = load {vi}, ptr {p}, align 1")
-        for i in range(spec.mr):
-            p = ir.tmp("xp")
-            ir(f"{p} = getelementptr i8, ptr {xrow}, i64 {(off + i) * 4}")
-            word = ir.tmp("xw")
-            ir(f"{word} = load i32, ptr {p}, align 1")
-            splat = _splat_i32(ir, word)
-            for v in range(V):
-                out = ir.tmp("d")
-                ir(f"{out} = call {vi} @llvm.x86.avx512.vpdpbusd.512({vi} {cur[i, v]}, {vi} {splat}, {vi} {wv[v]})")
-                cur[i, v] = out
-    final = close_k_loop(ir, 0, kv, accs, cur, rename)
+    final = _tap_dots(ir, spec.mr, V, spec.taps, spec.plane, spec.nr, rename, pixels_in_lanes=False)
     lo, hi = _RANGE[spec.out]
     for v in range(V):
         col = ir.tmp("col")

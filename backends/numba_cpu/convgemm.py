@@ -350,19 +350,19 @@ def _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, 
     return body
 
 
-def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
-    """X (N, C, H, W) already in 16 bits (uint16 bits of bf16 / fp16) -> the 16-bit phase images
-    the conv reads, at any stride: what padded_input_kernel then the conversion write, without
-    rounding (the values are 16-bit already). bf16: a work item is an (image, channel pair), the
-    two channels' values interleaved (a last unpaired channel with itself: its pair's weights are
-    zero); fp16: an (image, channel). With few items, blocks of rows."""
+def _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, fill) -> int:
+    """The work-item loop of the 16-bit phase-image kernels (padded_narrow_input_kernel,
+    padded_lowp_input_kernel): a work item is an (image, channel pair) for bf16 (`pairs`: xs is the
+    second channel's distance, 0 for a last unpaired one) or an (image, channel), in blocks of rows
+    when there are few. Each phase row is zero where it reads outside the input; `fill(src, b,
+    j_lo, j_hi)` writes its columns j_lo..j_hi of phase column b from input row r (xb: the plane;
+    o: the row's first element). Returns the number of work items."""
     ldb = len(phases) * PH * PW
     planes = N * C_p // 2 if pairs else N * C
     blocks = min(PH, ROW_BLOCKS) if planes < FEW_PLANES else 1
     rows = ceil_div(PH, blocks)
     blocks = ceil_div(PH, rows)
-    width = 2 if pairs else 1
-    src = Source().line(kernel_header(2)).indent()
+    width = 2 if pairs else 1   # 16-bit elements per phase-image column
     src.line("for item in range(begin, end):").indent()
     if blocks > 1:
         src.line(f"plane = item % {planes}").line(f"i_lo = (item // {planes}) * {rows}")
@@ -373,7 +373,8 @@ def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, 
         P = C_p // 2
         src.line(f"n = plane // {P}").line(f"c = (plane % {P}) * 2")
         src.line(f"xb = (n * {C} + c) * {H * W}")
-        src.line(f"xs = {f'0 if c + 1 >= {C} else {H * W}' if C_p != C else H * W}")
+        stride = f"0 if c + 1 >= {C} else {H * W}" if C_p != C else str(H * W)
+        src.line(f"xs = {stride}")
     else:
         src.line(f"xb = plane * {H * W}")
     src.line(f"sb = plane * {width * ldb}")
@@ -386,21 +387,35 @@ def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, 
         src.line(f"if r < 0 or r >= {H}:").indent()
         src.line(f"for j in range({width * PW}):").indent().line("p1[o + j] = 0").dedent()
         src.dedent().line("else:").indent()
-        src.line(f"x = xb + r * {W} + {b - p_l}")
         if j_lo > 0:
             src.line(f"for j in range({width * j_lo}):").indent().line("p1[o + j] = 0").dedent()
         if j_hi > j_lo:
-            col = f"j * {s_w}" if s_w > 1 else "j"
-            src.line(f"for j in range({j_lo}, {j_hi}):").indent()
-            if pairs:
-                src.line(f"p1[o + 2 * j] = p0[x + {col}]").line(f"p1[o + 2 * j + 1] = p0[x + xs + {col}]")
-            else:
-                src.line(f"p1[o + j] = p0[x + {col}]")
-            src.dedent()
+            fill(src, b, j_lo, j_hi)
         if j_hi < PW:
             src.line(f"for j in range({width * j_hi}, {width * PW}):").indent().line("p1[o + j] = 0").dedent()
         src.dedent().dedent()
-    return Kernel(f"ConvPad_{'pairs' if pairs else 'copy'}16", src.text(), ("uint16", "uint16")), planes * blocks
+    return planes * blocks
+
+
+def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
+    """X (N, C, H, W) already in 16 bits (uint16 bits of bf16 / fp16) -> the 16-bit phase images
+    the conv reads, at any stride: what padded_input_kernel then the conversion write, without
+    rounding (the values are 16-bit already). bf16: a work item is an (image, channel pair), the
+    two channels' values interleaved (a last unpaired channel with itself: its pair's weights are
+    zero); fp16: an (image, channel). With few items, blocks of rows."""
+    def copy(src, b, j_lo, j_hi):
+        col = f"j * {s_w}" if s_w > 1 else "j"
+        src.line(f"x = xb + r * {W} + {b - p_l}")
+        src.line(f"for j in range({j_lo}, {j_hi}):").indent()
+        if pairs:
+            src.line(f"p1[o + 2 * j] = p0[x + {col}]").line(f"p1[o + 2 * j + 1] = p0[x + xs + {col}]")
+        else:
+            src.line(f"p1[o + j] = p0[x + {col}]")
+        src.dedent()
+
+    src = Source().line(kernel_header(2)).indent()
+    items = _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, copy)
+    return Kernel(f"ConvPad_{'pairs' if pairs else 'copy'}16", src.text(), ("uint16", "uint16")), items
 
 
 def lowp_conv(node, group: int, icg: int) -> tuple[str, str] | None:
@@ -443,53 +458,22 @@ def padded_lowp_input_kernel(fmt, C, C_p, H, W, s_h, p_t, p_l, phases, PH, PW, N
     zero); fp16: an (image, channel). With few items, blocks of rows (as padded_input_kernel)."""
     from .lowp import CvtSpec, PairCvtSpec
     pairs = fmt == "bf16"
-    ldb = len(phases) * PH * PW
-    planes = N * C_p // 2 if pairs else N * C
-    blocks = min(PH, ROW_BLOCKS) if planes < FEW_PLANES else 1
-    rows = ceil_div(PH, blocks)
-    blocks = ceil_div(PH, rows)
     width = 2 if pairs else 1   # 16-bit elements per phase-image column
+
+    def convert(src, b, j_lo, j_hi):
+        x = f"xb + r * {W} + {b - p_l + j_lo}"
+        if pairs:
+            src.line(f"cvt(p0, {x}, xs, p1, o + {width * j_lo}, {j_hi - j_lo})")
+        else:
+            src.line(f"cvt(p0, {x}, p1, o + {j_lo}, {j_hi - j_lo})")
+
     src = Source()
     spec = PairCvtSpec() if pairs else CvtSpec("f32", fmt)
     for line in spec.declaration("cvt").splitlines():
         src.line(line)
     src.line(kernel_header(2)).indent()
-    src.line("for item in range(begin, end):").indent()
-    if blocks > 1:
-        src.line(f"plane = item % {planes}").line(f"i_lo = (item // {planes}) * {rows}")
-        src.line(f"i_hi = min(i_lo + {rows}, {PH})")
-    else:
-        src.line("plane = item").line("i_lo = 0").line(f"i_hi = {PH}")
-    if pairs:
-        P = C_p // 2
-        src.line(f"n = plane // {P}").line(f"c = (plane % {P}) * 2")
-        src.line(f"xb = (n * {C} + c) * {H * W}")
-        stride = f"0 if c + 1 >= {C} else {H * W}" if C_p != C else str(H * W)
-        src.line(f"xs = {stride}")
-    else:
-        src.line(f"xb = plane * {H * W}")
-    src.line(f"sb = plane * {width * ldb}")
-    for k, (a, b) in enumerate(phases):
-        j_lo = max(0, p_l - b)
-        j_hi = min(PW, max(j_lo, W + p_l - b))
-        src.line("for i in range(i_lo, i_hi):").indent()
-        src.line(f"o = sb + {width * k * PH * PW} + i * {width * PW}")
-        src.line(f"r = i * {s_h} + {a - p_t}" if s_h > 1 else f"r = i + {a - p_t}")
-        src.line(f"if r < 0 or r >= {H}:").indent()
-        src.line(f"for j in range({width * PW}):").indent().line("p1[o + j] = 0").dedent()
-        src.dedent().line("else:").indent()
-        if j_lo > 0:
-            src.line(f"for j in range({width * j_lo}):").indent().line("p1[o + j] = 0").dedent()
-        if j_hi > j_lo:
-            x = f"xb + r * {W} + {b - p_l + j_lo}"
-            if pairs:
-                src.line(f"cvt(p0, {x}, xs, p1, o + {width * j_lo}, {j_hi - j_lo})")
-            else:
-                src.line(f"cvt(p0, {x}, p1, o + {j_lo}, {j_hi - j_lo})")
-        if j_hi < PW:
-            src.line(f"for j in range({width * j_hi}, {width * PW}):").indent().line("p1[o + j] = 0").dedent()
-        src.dedent().dedent()
-    return Kernel(f"ConvPad_{fmt}", src.text(), ("float32", "uint16")), planes * blocks
+    items = _phase_rows(src, pairs, C, C_p, H, W, s_h, 1, p_t, p_l, phases, PH, PW, N, convert)
+    return Kernel(f"ConvPad_{fmt}", src.text(), ("float32", "uint16")), items
 
 
 def phase_geometry(kernel, strides, dilations, p_l, W, OH, OW):

@@ -93,14 +93,42 @@ def choose_tile(OC: int, flat: int, tiles=TILES) -> tuple[int, int]:
     return min(tiles, key=lambda t: (-(-OC // t[0]) * t[0] * -(-flat // t[1]) * t[1], -t[1]))
 
 
+def _to_uint8(x_dtype: str):
+    """expr -> the expression of its byte as uint8: int8 inputs shifted by 128 (the VNNI kernels'
+    unsigned operand)."""
+    def read(expr):
+        return f"np.uint8({expr})" if x_dtype == "uint8" else f"np.uint8(np.int32({expr}) + 128)"
+    return read
+
+
+def _padded_rows(src, s, pt, pl, H, W, Hps, Wps, width, plane, z):
+    """The row loop QuadPad and PhasePad share: phase (a, b) of the work item's `ph`, rows hh of its
+    padded phase image at dst = item * plane, `width` bytes per column (4: a quad); a row outside
+    the input and the columns left of wlo and from whi on (outside the input: 0 <= ww*s + b - pl
+    < W) get the zero point. Leaves the loop open at the row, h its input row, o its first byte."""
+    def times(n):
+        return n if width == 1 else f"{n} * {width}"
+    src.line(f"a = ph // {s}").line(f"b = ph % {s}")
+    src.line(f"dst = item * {plane}")
+    src.line(f"wlo = min(max(0, ({pl} - b + {s - 1}) // {s}), {Wps})")
+    src.line(f"whi = max(min({Wps}, ({W} + {pl} - b + {s - 1}) // {s}), wlo)")
+    src.line(f"for hh in range({Hps}):").indent()
+    src.line(f"h = hh * {s} + a - {pt}")
+    src.line(f"o = dst + hh * {Wps * width}")
+    src.line(f"if h < 0 or h >= {H}:").indent()
+    src.line(f"for i in range({Wps * width}):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line("continue").dedent()
+    src.line(f"for i in range({times('wlo')}):").indent().line(f"p1[o + i] = {z}").dedent()
+    src.line(f"for i in range({times('whi')}, {Wps * width}):").indent().line(f"p1[o + i] = {z}").dedent()
+
+
 def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
                     Cq: int, zero: int, slack: int) -> tuple[Kernel, int]:
     """x [N, C, H, W] -> [N, s*s phases, Cq quads, Hps, Wps, 4] uint8 (+ `slack` bytes of zero point
     at the end, which tiles read past the last row). One work item per (image, phase, quad); each
     row's valid columns are one loop storing the quad's 4 bytes together (an interleaved store
     LLVM vectorises), the padding around them filled apart."""
-    def read(expr):
-        return f"np.uint8({expr})" if x_dtype == "uint8" else f"np.uint8(np.int32({expr}) + 128)"
+    read = _to_uint8(x_dtype)
     plane = Hps * Wps * 4
     total = N * s * s * Cq * plane
     HW = H * W
@@ -108,19 +136,7 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
     src = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"q = item % {Cq}").line(f"ph = (item // {Cq}) % {s * s}").line(f"n = item // {Cq * s * s}")
-    src.line(f"a = ph // {s}").line(f"b = ph % {s}")
-    src.line(f"dst = item * {plane}")
-    # valid columns: 0 <= ww*s + b - pl < W
-    src.line(f"wlo = min(max(0, ({pl} - b + {s - 1}) // {s}), {Wps})")
-    src.line(f"whi = max(min({Wps}, ({W} + {pl} - b + {s - 1}) // {s}), wlo)")
-    src.line(f"for hh in range({Hps}):").indent()
-    src.line(f"h = hh * {s} + a - {pt}")
-    src.line(f"o = dst + hh * {Wps * 4}")
-    src.line(f"if h < 0 or h >= {H}:").indent()
-    src.line(f"for i in range({Wps * 4}):").indent().line(f"p1[o + i] = {z}").dedent()
-    src.line("continue").dedent()
-    src.line("for i in range(wlo * 4):").indent().line(f"p1[o + i] = {z}").dedent()
-    src.line(f"for i in range(whi * 4, {Wps * 4}):").indent().line(f"p1[o + i] = {z}").dedent()
+    _padded_rows(src, s, pt, pl, H, W, Hps, Wps, 4, plane, z)
     src.line(f"sb = ((n * {C} + q * 4) * {H} + h) * {W} + b - {pl}")
     src.line(f"if q * 4 + 4 <= {C}:").indent()
     src.line("for ww in range(wlo, whi):").indent()
@@ -144,26 +160,14 @@ def phase_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: i
     """x [N, C, H, W] -> [N, C, s*s phases, Hps, Wps] uint8 (+ `slack` bytes of zero point): QuadPad's
     padded phase images, one channel a plane, the source an im2col conv gathers its patches from.
     One work item per (image, channel, phase)."""
-    def read(expr):
-        return f"np.uint8({expr})" if x_dtype == "uint8" else f"np.uint8(np.int32({expr}) + 128)"
+    read = _to_uint8(x_dtype)
     plane = Hps * Wps
     items = N * C * s * s
     z = f"np.uint8({zero})"
     src = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"ph = item % {s * s}").line(f"nc = item // {s * s}")
-    src.line(f"a = ph // {s}").line(f"b = ph % {s}")
-    src.line(f"dst = item * {plane}")
-    src.line(f"wlo = min(max(0, ({pl} - b + {s - 1}) // {s}), {Wps})")
-    src.line(f"whi = max(min({Wps}, ({W} + {pl} - b + {s - 1}) // {s}), wlo)")
-    src.line(f"for hh in range({Hps}):").indent()
-    src.line(f"h = hh * {s} + a - {pt}")
-    src.line(f"o = dst + hh * {Wps}")
-    src.line(f"if h < 0 or h >= {H}:").indent()
-    src.line(f"for i in range({Wps}):").indent().line(f"p1[o + i] = {z}").dedent()
-    src.line("continue").dedent()
-    src.line("for i in range(wlo):").indent().line(f"p1[o + i] = {z}").dedent()
-    src.line(f"for i in range(whi, {Wps}):").indent().line(f"p1[o + i] = {z}").dedent()
+    _padded_rows(src, s, pt, pl, H, W, Hps, Wps, 1, plane, z)
     src.line(f"sb = (nc * {H} + h) * {W} + b - {pl}")
     src.line("for ww in range(wlo, whi):").indent()
     src.line(f"p1[o + ww] = {read(f'p0[sb + ww * {s}]')}")

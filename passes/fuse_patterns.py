@@ -141,12 +141,9 @@ def _match_layernorm(ctx: _Context, root: Node) -> Match | None:
         else:
             return None
     chain = [root] if beta else []
-    if node.op == "Mul":                                      # ... * gamma
-        for k in (0, 1):
-            inner = ctx.made_by(node.inputs[k], "Div", "Mul")
-            if inner is not None and const_data(g, node.inputs[1 - k]) is not None and _normalizer(ctx, inner):
-                gamma, chain, node = node.inputs[1 - k], chain + [node], inner
-                break
+    gamma, inner = _scaled(ctx, node, _normalizer)             # ... * gamma
+    if gamma is not None:
+        chain, node = chain + [node], inner
     found = _normalizer(ctx, node)
     if found is None:
         return None
@@ -171,6 +168,17 @@ def _match_layernorm(ctx: _Context, root: Node) -> Match | None:
     replacement = Node("LayerNormalization", root.name, [x], [root.outputs[0]],
                        {"axis": axis, "epsilon": eps})
     return Match("layernorm", root, {n.name for n in nodes}, replacement, constants)
+
+
+def _scaled(ctx: _Context, node: Node, normalizer) -> tuple:
+    """(gamma, inner) when `node` is Mul(inner, gamma) with gamma a constant and `normalizer(ctx,
+    inner)` a match (LayerNorm's and RMSNorm's scale), else (None, None)."""
+    if node.op == "Mul":
+        for k in (0, 1):
+            inner = ctx.made_by(node.inputs[k], "Div", "Mul")
+            if inner is not None and const_data(ctx.graph, node.inputs[1 - k]) is not None and normalizer(ctx, inner):
+                return node.inputs[1 - k], inner
+    return None, None
 
 
 def _mean_square_plus_eps(ctx: _Context, add: Node, d: str):
@@ -273,12 +281,10 @@ def _rms_normalizer(ctx: _Context, node: Node):
 def _match_rmsnorm(ctx: _Context, root: Node) -> Match | None:
     g = ctx.graph
     node, gamma, chain = root, None, []
-    if root.op == "Mul" and not root.domain:                   # ... * gamma
-        for k in (0, 1):
-            inner = ctx.made_by(root.inputs[k], "Div", "Mul")
-            if inner is not None and const_data(g, root.inputs[1 - k]) is not None and _rms_normalizer(ctx, inner):
-                gamma, chain, node = root.inputs[1 - k], [root], inner
-                break
+    if not root.domain:                                        # ... * gamma
+        gamma, inner = _scaled(ctx, root, _rms_normalizer)
+        if gamma is not None:
+            chain, node = [root], inner
     found = _rms_normalizer(ctx, node)
     if found is None:
         return None

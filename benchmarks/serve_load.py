@@ -34,11 +34,15 @@ in this process. Phases:
    loop, answer -> client; p50/p99 and the mean over the slowest 1 %); the
    server's and the client's CPU (cores) during the phase; every 10th
    answer checked against onnxruntime (max |diff| / max |ref| <= 1e-4);
-4. hot swaps: requests for the swapped model alone (resnet18; fraud with
-   --models mlp) at a constant half of its own capacity (closed loop on it
-   alone, measured just before), `--swaps` rewrites of its file with new
-   weights (ResNet-18: one weight changed; an MLP: all new), then one
-   semantically null edit (internal names changed). Every answer is checked
+4. hot swaps (`--swap-load mix`, the default): the whole request mix at the
+   overload phase's rate, the critical model's requests at a constant rate
+   (its share: a pause stands out from the spacing of arrivals) and the
+   others' Poisson, while `--swaps` rewrites of the critical model's file
+   (lstm; fraud with --models mlp) with new weights (a zoo model: one weight
+   changed; an MLP: all new) follow one another, then one semantically null
+   edit (internal names changed). `--swap-load alone`: requests for the set's
+   swapped model alone (resnet18; fraud) at a constant half of its own
+   capacity (closed loop on it alone, measured just before) instead. Every answer is checked
    against onnxruntime on the weights of the version that answered; reports
    failed requests, time from the write to the first new answer, the longest
    gap between two answers of that model (and the median gap);
@@ -49,7 +53,8 @@ in this process. Phases:
    runs this phase alone N times on a server of ResNet-18 alone and reports
    the medians.
 
-    python benchmarks/serve_load.py [--models zoo|mlp] [--seconds 20] [--swaps 20] [--overload 2] [--resnet]
+    python benchmarks/serve_load.py [--models zoo|mlp] [--seconds 20] [--swaps 20] [--swap-load mix|alone]
+                                    [--overload 2] [--resnet]
                                     [--json out.json]
     python benchmarks/serve_load.py --rebuilds 12
 """
@@ -555,6 +560,10 @@ def main():
                         "rewrite ResNet-18; mlp: three MLPs, the swaps rewrite the critical one (a quicker run)")
     parser.add_argument("--seconds", type=float, default=20, help="length of the overload phase")
     parser.add_argument("--swaps", type=int, default=20)
+    parser.add_argument("--swap-load", choices=("mix", "alone"), default="mix",
+                        help="mix: the swaps rewrite the critical model while the whole request mix arrives at "
+                        "the overload phase's rate; alone: they rewrite the set's swapped model (ResNet-18 or "
+                        "fraud) with requests for it alone at half its own capacity")
     parser.add_argument("--overload", type=float, default=2.0, help="offered load / measured capacity")
     parser.add_argument("--rate", type=float, help="offered load in requests/s instead of --overload x capacity "
                         "(to compare two servers at one rate; the capacity is still measured and reported)")
@@ -622,7 +631,15 @@ def main():
                 within = after[("within", name)][0] - before[("within", name)][0]
                 answered = after[("within", name)][1] - before[("within", name)][1]
                 row["within_deadline_in_server"] = within / answered if answered else float("nan")
-            if args.swaps:
+            if args.swaps and args.swap_load == "mix":
+                # the issue's case: the critical model's file rewritten while the whole mix arrives at the
+                # overload phase's rate (the critical class is the one the server never turns away)
+                swapped = next(name for name, spec in MODELS.items() if spec.priority == "critical")
+                load_before = os.getloadavg()
+                report["swaps"] = swap_phase(client, folder, offered * MODELS[swapped].share, args.swaps,
+                                             model_name=swapped, mix_rate=offered)
+                report["swaps"]["load_average"] = [load_before, os.getloadavg()]
+            elif args.swaps:
                 # half the swapped model's own capacity (closed loop on it alone): the mix's capacity is
                 # mostly the cheap models' and would overload a ResNet-18 alone
                 own = closed_loop(client, 5, clients=4 * report["machine"]["cpus"], only=SWAPPED)
@@ -661,8 +678,12 @@ def memory_phase(client, server, folder) -> dict:
     return {"rss_without_models_mb": base / 2 ** 20, "models": rows}
 
 
-def swap_phase(client, folder, rate, swaps) -> dict:
-    model_name = SWAPPED
+def swap_phase(client, folder, rate, swaps, model_name=None, mix_rate=None) -> dict:
+    """`swaps` rewrites of `model_name`'s file (default SWAPPED) while its requests arrive at a
+    constant `rate` (a pause stands out from the spacing of arrivals); with `mix_rate`, the other
+    models' requests arrive too (Poisson, each at its share of `mix_rate`), so the swaps happen under
+    the whole mix's load."""
+    model_name = model_name or SWAPPED
     spec = MODELS[model_name]
     x = inputs()[model_name]
     first = client.get_model_metadata(model_name)["versions"][0]
@@ -705,7 +726,28 @@ def swap_phase(client, folder, rate, swaps) -> dict:
     # arrivals) until the swapper is done
     start = time.perf_counter()
     rec = Recorder(timing=True)
+    others = Recorder()
     side = gevent.spawn(swapper, start)
+    pool = gevent.pool.Pool(256)
+
+    def rest():
+        # the other models of the mix: Poisson arrivals at their shares of `mix_rate`
+        names = [n for n in MODELS if n != model_name]
+        shares = np.array([MODELS[n].share for n in names])
+        rng, xs, t = np.random.default_rng(3), inputs(), time.perf_counter()
+        while not side.ready():
+            t += rng.exponential(1 / (mix_rate * shares.sum()))
+            delay = t - time.perf_counter()
+            if delay > 0:
+                gevent.sleep(delay)
+            name = names[rng.choice(len(names), p=shares / shares.sum())]
+            if pool.full():
+                now = time.perf_counter()
+                others.rows.append((name, t, now, NOT_SENT, None, "every connection of the client busy", now, None))
+            else:
+                pool.spawn(others.send, client, name, xs[name], t)
+
+    background = gevent.spawn(rest) if mix_rate else None
     greenlets, t = [], start
     while not side.ready():
         t += 1 / rate
@@ -714,6 +756,9 @@ def swap_phase(client, folder, rate, swaps) -> dict:
             gevent.sleep(delay)
         greenlets.append(gevent.spawn(rec.send, client, model_name, x, t, True))
     gevent.joinall(greenlets, timeout=120)
+    if background is not None:
+        background.get()
+        pool.join(timeout=120)
     side.get()
     null_swapped = weights.pop("null_edit_swapped")
     sessions = {}
@@ -744,7 +789,16 @@ def swap_phase(client, folder, rate, swaps) -> dict:
                                           "max": max(in_window, default=float("nan")), "n": len(in_window)},
               "latency_otherwise_ms": {"p50": percentile(outside, 50), "p99": percentile(outside, 99),
                                        "max": max(outside, default=float("nan")), "n": len(outside)},
-              "offered_per_s": rate, "null_edit_swapped": null_swapped}
+              "model": model_name, "offered_per_s": rate, "arrival_period_ms": 1000 / rate,
+              "null_edit_swapped": null_swapped}
+    if mix_rate:
+        result["mix_offered_per_s"] = mix_rate
+        result["other_models"] = {
+            name: {"sent": sum(r[0] == name and r[3] != NOT_SENT for r in others.rows),
+                   "answered": sum(r[0] == name and r[3] == 200 for r in others.rows),
+                   "status": {str(code): sum(r[0] == name and r[3] == code for r in others.rows)
+                              for code in sorted({r[3] for r in others.rows if r[0] == name} - {200})}}
+            for name in MODELS if name != model_name}
     # the answers around the longest gaps: where their time went (server stamps, as in class_table)
     timed = sorted((r for r in rec.rows if r[3] == 200 and r[7]), key=lambda r: r[2])
     # the longest gap between two answers as the server gave them (its event loop had them back): the

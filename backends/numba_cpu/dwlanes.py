@@ -12,7 +12,7 @@ block of 16 channels):
 
 xT and yT live in the item's scratch; the two transposes are 16 x 16 shuffle blocks
 (ukernel.TBlockSpec), the positions past the last whole block one float at a time;
-each output row is one call of the DwLanesSpec micro-kernel per piece of at most
+each output row is one call of the DwLanesSpec micro-kernel (ukernel.DwLanesSpec; its IR is here) per piece of at most
 MAX_OUT_WIDTH outputs: their accumulators stay in registers, each tap's weights are
 one vector load, and the taps outside the row's columns are left out at compile
 time. Channels past C (a last partial block) are zeros in, not written out. `prefer`
@@ -20,49 +20,17 @@ is the selection rule against the row kernel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import numpy as np
 
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, session_threads
 from .dwstride import MIN_OUT_WIDTH_S1
 from .scratch import scratch_value
-from .ukernel import TBLOCK, Declared, IRBuilder, TBlockSpec, lanes_for
+from .ukernel import DWLANES, TBLOCK, DwLanesSpec, IRBuilder, TBlockSpec, lanes_for
 
-LANES = 16           # channels per work item (one zmm; two ymm or four xmm on narrower targets)
+LANES = DWLANES      # channels per work item (one zmm; two ymm or four xmm on narrower targets)
 MAX_OUT_WIDTH = 16   # accumulators of one call: one vector per output on AVX-512
 MAX_ROW = 64         # wider rows: the item's scratch (input and output of 16 channels) outgrows L2
 MANY_TAPS = 25       # see prefer
-
-
-@dataclass(frozen=True)
-class DwLanesSpec(Declared):
-    """One output row of 16 channels, channels in the lanes (see the module docstring):
-
-        y[yoff + ow*16 + c] = w[woff + T*16 + c] + sum_{kh, kw} w[woff + (kh*KW + kw)*16 + c]
-                                                              * x[xoff + (kh*W + ow + kw - p_l)*16 + c]
-
-    for ow < OW, c < 16, T = KH*KW taps, columns ow0 + ow + kw - p_l outside [0, W) left out
-    (x and y point at the row's column ow0).
-
-    Signature: i32 name(ptr x, i64 xoff, ptr w, i64 woff, ptr y, i64 yoff)."""
-    W: int
-    OW: int
-    KH: int
-    KW: int
-    p_l: int
-    ow0: int = 0            # the first output column of the call (a row wider than MAX_OUT_WIDTH is split)
-    kind: str = "dwlanes"
-    _ARGS: ClassVar[str] = "pipipi"
-
-    def _stem(self) -> str:
-        return "cuvil_dwlanes"
-
-
-def kinds() -> dict:
-    """The spec constructor by `kind`, for ukernel.specs_in (emit.py links the IR in)."""
-    return {"dwlanes": lambda d: DwLanesSpec(**d)}
 
 
 def dwlanes_ir(spec: DwLanesSpec, vector_bits: int) -> str:

@@ -18,7 +18,7 @@ from .ukernel import specs_in, ukernel_ir
 from .nbits import kinds as nbits_kinds, nbits_ir
 from .nbits_vnni import kinds as vnni_kinds, vnni_ir
 from .ukernel_int8 import int8_ir, kinds as int8_kinds
-from .dwlanes import dwlanes_ir, kinds as dwlanes_kinds
+from .dwlanes import dwlanes_ir
 from .ukernel_lowp import kinds as lowp_kinds, ukernel_lowp_ir
 
 # the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py) and the
@@ -27,8 +27,7 @@ LOWP_KINDS = {**lowp_kinds(), **nbits_kinds(), **vnni_kinds()}
 NBITS_KINDS = nbits_kinds()
 VNNI_KINDS = vnni_kinds()
 INT8_KINDS = int8_kinds()   # the int8 VNNI micro-kernel (ukernel_int8.py)
-DWLANES_KINDS = dwlanes_kinds()   # depthwise convs with channels in the lanes (dwlanes.py)
-SPEC_KINDS = {**LOWP_KINDS, **INT8_KINDS, **DWLANES_KINDS}
+SPEC_KINDS = {**LOWP_KINDS, **INT8_KINDS}
 
 def _numba_types(arg_types):
     import numba
@@ -210,7 +209,7 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
         kind = getattr(spec, "kind", "")
-        if kind in DWLANES_KINDS:
+        if kind == "dwlanes":   # its IR generator lives beside its kernel (dwlanes.py)
             text = dwlanes_ir(spec, target.vector_bits)
         elif kind in INT8_KINDS or kind in NBITS_KINDS or kind in LOWP_KINDS:
             generate = (int8_ir if kind in INT8_KINDS else nbits_ir if kind in NBITS_KINDS

@@ -141,6 +141,33 @@ TBLOCK = 16   # TBlockSpec's block side
 
 
 @dataclass(frozen=True)
+class DwLanesSpec(Declared):
+    """One output row of a depthwise conv, 16 channels in the lanes (dwlanes.py: the kernel and this IR):
+
+        y[yoff + ow*16 + c] = w[woff + T*16 + c] + sum_{kh, kw} w[woff + (kh*KW + kw)*16 + c]
+                                                              * x[xoff + (kh*W + ow + kw - p_l)*16 + c]
+
+    for ow < OW, c < 16, T = KH*KW taps, columns ow0 + ow + kw - p_l outside [0, W) left out
+    (x and y point at the row's column ow0).
+
+    Signature: i32 name(ptr x, i64 xoff, ptr w, i64 woff, ptr y, i64 yoff)."""
+    W: int
+    OW: int
+    KH: int
+    KW: int
+    p_l: int
+    ow0: int = 0            # the call's first output column (dwlanes.py splits a wide row in pieces)
+    kind: str = "dwlanes"
+    _ARGS: ClassVar[str] = "pipipi"
+
+    def _stem(self) -> str:
+        return "cuvil_dwlanes"
+
+
+DWLANES = 16   # DwLanesSpec's channels per call
+
+
+@dataclass(frozen=True)
 class DwRowSpec(Declared):
     """One output row of one channel of a depthwise conv with the same stride s (1 or 2) along both axes:
 
@@ -236,7 +263,7 @@ TSTORE_OUTPUT = 4   # TSpec flags bit: the tile goes to the output (else to its 
 
 _COMMENT = re.compile(r"^# cuvil-ukernel (\S+) (\{.*\})$", re.M)
 _KINDS = {"gather": lambda d: GatherSpec(**d), "dwrow": lambda d: DwRowSpec(**d),
-          "tblock": lambda d: TBlockSpec(**d),
+          "tblock": lambda d: TBlockSpec(**d), "dwlanes": lambda d: DwLanesSpec(**d),
           "t": lambda d: TSpec(**{**d, "taps": tuple(d["taps"])}), "sync": lambda d: SyncSpec(**d)}
 
 

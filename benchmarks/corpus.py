@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -186,15 +187,32 @@ def shape_class(node, shape, consts) -> str:
     return "-"
 
 
+def file_node_names(model_path, shapes):
+    """step node name -> the model file's node name. The build's passes read the canonical graph
+    (cuvil/semantic.py: nodes named '<op>_<position>'), so the profile names canonical nodes; a
+    step named after a node plus a suffix ('Conv_3_residual_view') keeps its suffix."""
+    from cuvil.pipeline import import_model
+    from cuvil.semantic import original_names
+    originals = original_names(import_model(str(model_path), shapes))
+
+    def file_name(step_node: str) -> str:
+        match = re.match(r"([A-Za-z]+_\d+)(.*)", step_node)
+        if match and match.group(1) in originals:
+            return originals[match.group(1)] + match.group(2)
+        return originals.get(step_node, step_node)
+    return file_name
+
+
 def report_rows(name, batch, threads, library, info, model_path, shapes, runs) -> list[dict]:
     """Per (op, shape class): cuvil's and onnxruntime's ms per run (see the module docstring)."""
     from benchmarks.profile import profile_library
     classes, producers = onnx_classes(model_path, shapes)
     total, steps = profile_library(library, info, runs)
     ort_times, ort_ops = ort_node_times(model_path, shapes, threads, runs)
+    file_names = file_node_names(model_path, shapes)
     groups = defaultdict(lambda: [0.0, 0.0])
     for _, ms, family, node in steps:
-        groups[resolve(node, family, classes, producers) or (f"[{family}]", "-")][0] += ms
+        groups[resolve(file_names(node), family, classes, producers) or (f"[{family}]", "-")][0] += ms
     for node, ms in ort_times.items():
         op = ort_ops.get(node, "?")
         groups[resolve(node, op, classes, producers) or (f"[{op}]", "-")][1] += ms

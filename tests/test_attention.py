@@ -90,6 +90,8 @@ CASES = {
     "cross_attention_S_ne_T": {"T": 5, "S": 33},
     "head_dims_not_a_vector_multiple": {"D": 20, "Dv": 12, "H": 3},
     "batch_2_row_blocks": {"B": 2, "T": 200, "S": 150, "H": 2, "D": 32},
+    "vit_197_tokens": {"T": 197, "H": 3, "D": 64},     # Kt packed by 16 x 16 blocks, 5 keys past the last
+    "k_block_edges": {"T": 8, "S": 37, "H": 2, "D": 40},   # ... and a partial block along D too
     "k_given_transposed": {"k_layout": "bhds", "T": 24},
     "no_transposes": {"q_transpose": False, "v_transpose": False, "out_transpose": False, "T": 7, "S": 40},
     "one_query_row": {"T": 1, "S": 64},

@@ -176,3 +176,63 @@ def test_attention_rows_off_the_1kb_stride(T):
     model, feeds = heads(T=T, S=T, H=2, D=64)
     assert "FusedAttention" in families(model)
     assert_matches_ort(model, feeds, tol=tol(T))
+
+
+# Depthwise convs with the channels in the lanes (dwlanes.py): K = KH * KW products per output.
+def depthwise_model(C, H, Wd, k, N=1, pads=None, bias=True, relu=False, seed=0):
+    pads = pads if pads is not None else [k // 2] * 4
+    return conv_model((N, C, H, Wd), (C, 1, k, k), bias=bias, relu=relu, seed=seed, group=C, kernel_shape=[k, k],
+                      pads=pads)
+
+
+def lowered_kernels(model, threads=1):
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    from passes import resolve_passes, run_passes
+    graph, _ = import_onnx(model)
+    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    return [c.kernel for c in lower(graph, threads) if hasattr(c, "kernel")]
+
+
+@pytest.mark.parametrize("C,H,Wd,k,extra", [
+    (384, 7, 7, 7, {}),                                   # ConvNeXt's last stage: a plane narrower than a row kernel's
+    (192, 14, 14, 7, dict(N=2)),                          # two images
+    (40, 9, 11, 7, dict(bias=False)),                     # a partial block of 8 channels, a plane not square
+    (48, 56, 56, 7, {}),                                  # ConvNeXt's first stage: rows in 4 pieces of 14
+    (32, 8, 64, 7, dict(pads=[1, 2, 5, 4])),              # asymmetric pads, 64 wide: pieces of 16
+    (96, 7, 7, 3, {}),                                    # 3 x 3 taps on a narrow plane
+])
+def test_depthwise_channels_in_lanes(C, H, Wd, k, extra):
+    model, feeds = depthwise_model(C, H, Wd, k, **extra)
+    assert any("cuvil_dwlanes" in kernel.source for kernel in lowered_kernels(model))
+    assert_matches_ort(model, feeds, tol=tol(k * k))
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])
+def test_depthwise_channels_in_lanes_narrower_targets(target):
+    model, feeds = depthwise_model(40, 7, 9, 7)   # two vectors of 8 / four of 4 lanes per position
+    assert_matches_ort(model, feeds, tol=tol(49), target=target)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_depthwise_channels_in_lanes_any_thread_count(threads):
+    model, feeds = depthwise_model(40, 7, 7, 7, N=2)
+    assert_matches_ort(model, feeds, tol=tol(49), threads=threads)
+
+
+@pytest.mark.parametrize("C,H,k,strides,act,fires", [
+    (48, 56, 7, [1, 1], "", True),        # 7 x 7 taps: two transposes cost less than the row kernel's reads
+    (96, 7, 3, [1, 1], "", True),         # a 7-wide row: the row kernel does not take it
+    (96, 56, 3, [1, 1], "", False),       # must not fire: 3 x 3 on wide rows stays on the row kernel (faster)
+    (240, 28, 5, [1, 1], "", False),      # 5 x 5: level, stays
+    (48, 56, 7, [2, 2], "", False),       # stride 2
+    (48, 56, 7, [1, 1], "Relu", False),   # an activation after it (not in this kernel's registers)
+    (8, 7, 7, [1, 1], "", False),         # fewer channels than one block
+    (16, 112, 7, [1, 1], "", False),      # rows over MAX_ROW
+])
+def test_depthwise_lanes_selection_rule(C, H, k, strides, act, fires):
+    from backends.numba_cpu import dwlanes
+    from backends.numba_cpu.epilogue import Epilogue
+    OH = (H + 2 * (k // 2) - k) // strides[0] + 1
+    X, W, B, Y = _values((1, C, H, H), (C, 1, k, k), (1, C, OH, OH))
+    assert dwlanes.prefer(np.float32, X, W, B, C, [k, k], strides, [1, 1], Y, Epilogue(activation=act)) is fires

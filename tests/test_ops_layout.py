@@ -151,6 +151,35 @@ def test_transpose(perm, shape):
     assert_matches_ort(one_node("Transpose", [("x", F32, list(shape))], attrs), {"x": rand(*shape)})
 
 
+# Planes of float32 whose last two dims swap (NCHW <-> NHWC, a matrix): 16 x 16 blocks by the
+# shuffle micro-kernel (TBlockSpec) and the rows / columns past the last whole block by a scalar
+# loop. Data movement: the result is exact (tolerance 0), on every target's vector width.
+PLANE_TRANSPOSE = [
+    ([0, 2, 3, 1], (1, 48, 56, 56)),    # ConvNeXt's NCHW -> NHWC: whole blocks of channels, 3136 % 16 = 0
+    ([0, 3, 1, 2], (2, 7, 7, 384)),     # NHWC -> NCHW, 49 positions: a partial block of rows
+    ([1, 0], (37, 45)),                 # both dims end in a partial block
+    ([0, 2, 1], (3, 16, 16)),           # exactly one block per matrix
+    ([0, 2, 1], (1, 250, 384)),         # Whisper's conv output (C, T) -> (T, C)
+]
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx512", "x86_64-avx2", "generic"])
+@pytest.mark.parametrize("perm,shape", PLANE_TRANSPOSE, ids=[f"plane{i}" for i in range(len(PLANE_TRANSPOSE))])
+def test_plane_transpose_blocks(perm, shape, target):
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    model = one_node("Transpose", [("x", F32, list(shape))], {"perm": perm})
+    graph, _ = import_onnx(model, {})
+    assert any("tblock" in call.kernel.source for call in lower(graph, 1) if hasattr(call, "kernel"))
+    assert_matches_ort(model, {"x": rand(*shape)}, tol=0.0, target=target)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_plane_transpose_any_thread_count(threads):
+    model = one_node("Transpose", [("x", F32, [2, 40, 33])], {"perm": [0, 2, 1]})
+    assert_matches_ort(model, {"x": rand(2, 40, 33)}, tol=0.0, threads=threads)
+
+
 @pytest.mark.parametrize("dtype", [np.int64, np.bool_, np.uint8])
 def test_transpose_dtypes(dtype):
     x = np.random.default_rng(0).integers(0, 2 if dtype == np.bool_ else 100, (2, 3, 4)).astype(dtype)

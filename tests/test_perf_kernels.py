@@ -9,7 +9,8 @@ import pytest
 from onnx import helper
 
 import cuvil
-from backends.numba_cpu.ukernel import DwRowSpec, GatherSpec, SyncSpec, TSpec, UKSpec, specs_in, ukernel_ir
+from backends.numba_cpu.ukernel import (DwLanesSpec, DwRowSpec, GatherSpec, SyncSpec, TBlockSpec, TSpec, UKSpec, specs_in,
+                                         ukernel_ir)
 from tests.helpers import assert_matches_ort, make_model, rand
 
 
@@ -257,8 +258,11 @@ def test_microkernel_ir_for_every_vector_width(bits):
                  TSpec(mr=4, nr=64, taps=(0,), a_ks=49, c_cs=49),
                  DwRowSpec(H=28, W=27, OW=14, KH=3, KW=3, p_l=1, act="Clip", act_lo=0.0, act_hi=6.0),
                  DwRowSpec(H=20, W=21, OW=19, KH=5, KW=5, p_l=1, stride=1, rows=2, act="Relu"),
-                 *(SyncSpec(op) for op in ("claim", "adopt", "add", "wait"))):
+                 TBlockSpec(), *(SyncSpec(op) for op in ("claim", "adopt", "add", "wait"))):
         llvm.parse_assembly(ukernel_ir(spec, bits)).verify()
+    from backends.numba_cpu.dwlanes import dwlanes_ir
+    for spec in (DwLanesSpec(W=7, OW=7, KH=7, KW=7, p_l=3), DwLanesSpec(W=56, OW=14, KH=7, KW=7, p_l=3, ow0=42)):
+        llvm.parse_assembly(dwlanes_ir(spec, bits)).verify()
 
 
 def test_compressed_stores_compress_in_registers():
@@ -334,8 +338,7 @@ def test_depthwise_conv(x_shape, attrs):
 def test_depthwise_reads_rows_in_place():
     """Depthwise convs with stride 2 are one DwRowSpec call per output row (no phase images), with
     stride 1 one call per pair of rows when the rows are wide enough; stride (2, 1) still takes
-    the phase images on small planes, and 7-wide stride-1 rows the direct kernel."""
-    from backends.numba_cpu.ukernel import DwRowSpec
+    the phase images on small planes, and 7-wide stride-1 rows the channels-in-lanes kernel (dwlanes.py)."""
     from backends.numba_cpu.registry import lower
     from cuvil.frontends.onnx import import_onnx
     for shape, strides, families, rows in (((1, 24, 28, 28), [2, 2], ["Conv"], {1}),
@@ -349,6 +352,7 @@ def test_depthwise_reads_rows_in_place():
         assert [c.kernel.family for c in calls] == families
         specs = specs_in(calls[-1].kernel.source).values()
         assert {s.rows for s in specs if isinstance(s, DwRowSpec)} == rows
+        assert any(isinstance(s, DwLanesSpec) for s in specs) == (shape[3] == 7)
         assert all(s.stride == strides[0] for s in specs if isinstance(s, DwRowSpec))
 
 

@@ -10,7 +10,8 @@ Q = transpose(q, q_perm), likewise `k_perm` (for Kt) and `v_perm`, and the
 output is transpose(O, out_perm): the head-splitting Transposes around an
 attention become strides here and never run. Q, V and O need unit stride
 along their last axis (the micro-kernels' A rows, B rows and C rows); Kt is
-packed per batch into scratch [D][S] (from any strides).
+packed per batch into scratch [D][S] (from any strides; K rows [S][D] as
+exported, by 16 x 16 block transposes: ukernel.TBlockSpec).
 
 A work item is (batch, run of consecutive blocks of query rows); its scratch
 holds the batch's packed Kt and one block's rows of S and P (RB x S, about
@@ -29,7 +30,7 @@ import math
 
 import numpy as np
 
-from .ukernel import UKSpec
+from .ukernel import TBLOCK, TBlockSpec, UKSpec
 
 from .gemm import TileLoops, ceil_div, choose_tile
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
@@ -123,6 +124,8 @@ def lower_attention(node, graph) -> Lowered:
     F = lambda x: literal(x, np.float32)
 
     src = Source()
+    for line in TBlockSpec().declaration("tblock").splitlines():
+        src.line(line)
     prod_s.declare(src)
     prod_o.declare(src)
     # Pointers: p0 q, p1 k, p2 v, [mask], scratch, out (what the kernel writes comes last)
@@ -144,12 +147,27 @@ def lower_attention(node, graph) -> Lowered:
                     src.line(f"{name} += i{axis} * {strides[axis]}")
     # Kt [D][S] of this batch into the slot's first D*SP floats.
     ks_d, ks_s = ks[-2], ks[-1]
+    pack = f"{SC}[so + d * {SP} + s] = p1[kb + d * {ks_d} + s * {ks_s}]"
     if ks_s == 1:   # rows of Kt are contiguous already: copy them
-        src.line(f"for d in range({D}):").indent().line(f"for s in range({S}):").indent()
+        src.line(f"for d in range({D}):").indent().line(f"for s in range({S}):").indent().line(pack)
+        src.dedent().dedent()
+    elif ks_d == 1 and min(S, D) >= TBLOCK:
+        # K rows [S][D] contiguous along d: 16 x 16 blocks by the shuffle micro-kernel, the rows and
+        # columns past the last whole block one float at a time.
+        S16, D16 = S - S % TBLOCK, D - D % TBLOCK
+        src.line(f"for s0 in range(0, {S16}, {TBLOCK}):").indent()
+        src.line(f"for d0 in range(0, {D16}, {TBLOCK}):").indent()
+        src.line(f"tblock(p1, kb + s0 * {ks_s} + d0, {ks_s}, {SC}, so + d0 * {SP} + s0, {SP})").dedent()
+        if D16 < D:
+            src.line(f"for s in range(s0, s0 + {TBLOCK}):").indent()
+            src.line(f"for d in range({D16}, {D}):").indent().line(pack).dedent().dedent()
+        src.dedent()
+        if S16 < S:
+            src.line(f"for s in range({S16}, {S}):").indent()
+            src.line(f"for d in range({D}):").indent().line(pack).dedent().dedent()
     else:           # read along d (contiguous when K is [.., S, D] in memory), write along s
-        src.line(f"for s in range({S}):").indent().line(f"for d in range({D}):").indent()
-    src.line(f"{SC}[so + d * {SP} + s] = p1[kb + d * {ks_d} + s * {ks_s}]")
-    src.dedent().dedent()
+        src.line(f"for s in range({S}):").indent().line(f"for d in range({D}):").indent().line(pack)
+        src.dedent().dedent()
     src.line(f"for blk in range(run * {n_blocks} // {runs}, (run + 1) * {n_blocks} // {runs}):").indent()
     src.line(f"r0 = blk * {RB}").line(f"rows = min({RB}, {T} - r0)")
     src.line(f"sb = so + {D * SP}")

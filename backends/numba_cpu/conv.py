@@ -45,7 +45,7 @@ from .ukernel import specs_in
 from cuvil.errors import UnsupportedOpError
 from cuvil.ir import Value
 
-from . import conv1d, convgemm, convim2col, convsmall, dwstride, winograd
+from . import conv1d, convgemm, convim2col, convsmall, dwlanes, dwstride, winograd
 from .elementwise import elementwise_kernel
 from .epilogue import Epilogue, epilogue_of
 from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
@@ -235,6 +235,8 @@ def _gemm_paths(node, graph, dtype, X, W, B, Y, group, kernel, strides, dilation
     if not lowp and convsmall.eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides, pointwise):
         return Lowered(convsmall.lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                                                   res_arg, res_strides, epilogue, pointwise))
+    if dwlanes.prefer(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue):
+        return Lowered([dwlanes.lower_dw_lanes(node, graph, X, W, B, Y, kernel, pads)])
     if dwstride.eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue):
         return Lowered([dwstride.lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue)])
     if gemm_ok and (lowp or not pointwise):

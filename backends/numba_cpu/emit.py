@@ -18,6 +18,7 @@ from .ukernel import specs_in, ukernel_ir
 from .nbits import kinds as nbits_kinds, nbits_ir
 from .nbits_vnni import kinds as vnni_kinds, vnni_ir
 from .ukernel_int8 import int8_ir, kinds as int8_kinds
+from .dwlanes import dwlanes_ir
 from .ukernel_lowp import kinds as lowp_kinds, ukernel_lowp_ir
 
 # the reduced-precision micro-kernels and conversions (ukernel_lowp.py, lowp.py) and the
@@ -208,7 +209,9 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     module = llvm.parse_assembly(ir)
     for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
         kind = getattr(spec, "kind", "")
-        if kind in INT8_KINDS or kind in NBITS_KINDS or kind in LOWP_KINDS:
+        if kind == "dwlanes":   # its IR generator lives beside its kernel (dwlanes.py)
+            text = dwlanes_ir(spec, target.vector_bits)
+        elif kind in INT8_KINDS or kind in NBITS_KINDS or kind in LOWP_KINDS:
             generate = (int8_ir if kind in INT8_KINDS else nbits_ir if kind in NBITS_KINDS
                         else vnni_ir if kind in VNNI_KINDS else ukernel_lowp_ir)
             text = generate(spec, target.vector_bits)

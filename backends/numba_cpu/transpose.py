@@ -6,6 +6,12 @@ transpose. One loop nest walks the output in order, the innermost loop over
 its last dim (unit stride in the output). The kernel only moves bytes, so
 its pointers are unsigned integers of the element size: every dtype of the
 same width shares one kernel.
+
+A float32 plane transpose, (M, A, B) -> (M, B, A) with A, B >= 16 (NCHW <->
+NHWC), moves 16 x 16 blocks with vector loads, lane shuffles and vector stores
+(ukernel.TBlockSpec) instead: ConvNeXt's 48 x 56 x 56 NHWC -> NCHW one-node
+0.099 -> 0.023 ms CPU time per call (onnxruntime 0.039), NCHW -> NHWC 0.039 ->
+0.020 (0.030).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from cuvil.errors import UnsupportedOpError
 
 from .narrow import is_narrow  # float16, bfloat16, float8, int4...: bytes like any other
 from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, index_expr, kernel_header
+from .ukernel import TBLOCK, TBlockSpec
 
 # When the outermost output dim is this small, the work range runs over the
 # two outermost dims together so threads still get a share each.
@@ -59,6 +66,8 @@ def lower_transpose(node, graph) -> Lowered:
     dims, perm = collapse_transpose(x.shape, perm)
     if not dims:
         dims, perm = [1], [0]
+    if swaps_last_two(perm) and np.dtype(x.dtype) == np.float32 and min(dims[-2:]) >= TBLOCK:
+        return lower_plane_transpose(node, dims)
     out_dims = [dims[p] for p in perm]
     in_strides = dims_strides(dims)
     src_strides = [in_strides[p] for p in perm]  # input stride of each output dim
@@ -84,3 +93,39 @@ def lower_transpose(node, graph) -> Lowered:
         work = 0
     kernel = Kernel("Transpose", src.text(), (ctype, ctype))
     return Lowered([KernelCall(kernel, [x.name, y.name], work, node.name)])
+
+
+def swaps_last_two(perm) -> bool:
+    """Whether a collapsed perm keeps its leading dims and swaps the last two (NCHW <-> NHWC)."""
+    r = len(perm)
+    return r >= 2 and list(perm) == list(range(r - 2)) + [r - 1, r - 2]
+
+
+def lower_plane_transpose(node, dims) -> Lowered:
+    """(M, A, B) -> (M, B, A), float32, A and B >= 16: 16 x 16 blocks by the shuffle micro-kernel
+    (TBlockSpec), the rows and columns past the last whole block by a scalar loop. A work item is
+    (m, 16 consecutive output rows b): it reads 16 input columns over all A rows and writes 16
+    whole output rows."""
+    M, A, B = int(np.prod(dims[:-2], dtype=np.int64)), int(dims[-2]), int(dims[-1])
+    blocks_b = -(-B // TBLOCK)
+    full_a = A - A % TBLOCK
+    src = Source()
+    for line in TBlockSpec().declaration("tblock").splitlines():
+        src.line(line)
+    src.line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"m = item // {blocks_b}").line(f"b0 = (item % {blocks_b}) * {TBLOCK}")
+    src.line(f"base = m * {A * B}")
+    src.line(f"if b0 + {TBLOCK} <= {B}:").indent()
+    src.line(f"for a0 in range(0, {full_a}, {TBLOCK}):").indent()
+    src.line(f"tblock(p0, base + a0 * {B} + b0, {B}, p1, base + b0 * {A} + a0, {A})").dedent()
+    if full_a < A:
+        src.line(f"for b in range(b0, b0 + {TBLOCK}):").indent()
+        src.line(f"for a in range({full_a}, {A}):").indent()
+        src.line(f"p1[base + b * {A} + a] = p0[base + a * {B} + b]").dedent().dedent()
+    src.dedent().line("else:").indent()
+    src.line(f"for b in range(b0, {B}):").indent()
+    src.line(f"for a in range({A}):").indent()
+    src.line(f"p1[base + b * {A} + a] = p0[base + a * {B} + b]").dedent().dedent().dedent()
+    kernel = Kernel("Transpose", src.text(), ("float32", "float32"))
+    return Lowered([KernelCall(kernel, [node.inputs[0], node.outputs[0]], M * blocks_b, node.name)])

@@ -122,6 +122,52 @@ class GatherSpec(Declared):
 
 
 @dataclass(frozen=True)
+class TBlockSpec(Declared):
+    """A 16 x 16 block transpose, dst[doff + j*ldd + i] = src[soff + i*lds + j] for i, j < 16
+    (a plane's NCHW <-> NHWC transpose, attention's K^T pack). Numba's loop for it is one
+    scalar load and store per float (strided on one side); here the block is 16 row loads, a
+    network of two-input lane shuffles (log2 L stages of L shuffles for L x L sub-blocks) and
+    16 row stores. Rows and columns past a matrix's last whole block are the caller's.
+
+    Signature: i32 name(ptr src, i64 soff, i64 lds, ptr dst, i64 doff, i64 ldd)."""
+    kind: str = "tblock"
+    _ARGS: ClassVar[str] = "piipii"
+
+    def _stem(self) -> str:
+        return "cuvil_tblock16"
+
+
+TBLOCK = 16   # TBlockSpec's block side
+
+
+@dataclass(frozen=True)
+class DwLanesSpec(Declared):
+    """One output row of a depthwise conv, 16 channels in the lanes (dwlanes.py: the kernel and this IR):
+
+        y[yoff + ow*16 + c] = w[woff + T*16 + c] + sum_{kh, kw} w[woff + (kh*KW + kw)*16 + c]
+                                                              * x[xoff + (kh*W + ow + kw - p_l)*16 + c]
+
+    for ow < OW, c < 16, T = KH*KW taps, columns ow0 + ow + kw - p_l outside [0, W) left out
+    (x and y point at the row's column ow0).
+
+    Signature: i32 name(ptr x, i64 xoff, ptr w, i64 woff, ptr y, i64 yoff)."""
+    W: int
+    OW: int
+    KH: int
+    KW: int
+    p_l: int
+    ow0: int = 0            # the call's first output column (dwlanes.py splits a wide row in pieces)
+    kind: str = "dwlanes"
+    _ARGS: ClassVar[str] = "pipipi"
+
+    def _stem(self) -> str:
+        return "cuvil_dwlanes"
+
+
+DWLANES = 16   # DwLanesSpec's channels per call
+
+
+@dataclass(frozen=True)
 class DwRowSpec(Declared):
     """One output row of one channel of a depthwise conv with the same stride s (1 or 2) along both axes:
 
@@ -217,6 +263,7 @@ TSTORE_OUTPUT = 4   # TSpec flags bit: the tile goes to the output (else to its 
 
 _COMMENT = re.compile(r"^# cuvil-ukernel (\S+) (\{.*\})$", re.M)
 _KINDS = {"gather": lambda d: GatherSpec(**d), "dwrow": lambda d: DwRowSpec(**d),
+          "tblock": lambda d: TBlockSpec(**d), "dwlanes": lambda d: DwLanesSpec(**d),
           "t": lambda d: TSpec(**{**d, "taps": tuple(d["taps"])}), "sync": lambda d: SyncSpec(**d)}
 
 
@@ -304,6 +351,8 @@ def ukernel_ir(spec, vector_bits: int, arch: str = "x86_64") -> str:
     LLVM lowers to SSE/AVX on x86-64 and to NEON, `fmla`, on AArch64)."""
     if isinstance(spec, GatherSpec):
         return gather_ir(spec, vector_bits)
+    if isinstance(spec, TBlockSpec):
+        return tblock_ir(spec, vector_bits)
     if isinstance(spec, DwRowSpec):
         return dwrow_ir(spec, vector_bits)
     if isinstance(spec, TSpec):
@@ -588,6 +637,52 @@ declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)
 
 attributes #0 = {{ nounwind }}
 """
+
+
+def tblock_ir(spec: TBlockSpec, vector_bits: int) -> str:
+    """The 16 x 16 block as (16 / L)^2 sub-blocks of L x L. An L x L transpose swaps bit b of the
+    row index with bit b of the column index for every b < log2 L; stage b does it for one bit,
+    each pair of rows (i, i + b), i & b == 0, becoming two shuffles of the pair:
+        new[i][j]     = row[i][j]         if j & b == 0 else row[i + b][j - b]
+        new[i + b][j] = row[i][j + b]     if j & b == 0 else row[i + b][j]"""
+    L = min(lanes_for(vector_bits), TBLOCK)
+    vt = f"<{L} x float>"
+    ir = IRBuilder()
+    ir.label("entry")
+    for bi in range(TBLOCK // L):
+        for bj in range(TBLOCK // L):
+            rows = []
+            for i in range(L):
+                off, ptr, row = ir.tmp("o"), ir.tmp("p"), ir.tmp("r")
+                ir(f"{off} = mul i64 %lds, {bi * L + i}")
+                ir(f"{ptr} = getelementptr float, ptr %s0, i64 {off}")
+                ir(f"{ptr}c = getelementptr float, ptr {ptr}, i64 {bj * L}")
+                ir(f"{row} = load {vt}, ptr {ptr}c, align 4")
+                rows.append(row)
+            b = L // 2
+            while b:
+                for i in range(L):
+                    if i & b:
+                        continue
+                    lo = ", ".join(f"i32 {j if not j & b else L + j - b}" for j in range(L))
+                    hi = ", ".join(f"i32 {j + b if not j & b else L + j}" for j in range(L))
+                    new_lo, new_hi = ir.tmp("s"), ir.tmp("s")
+                    ir(f"{new_lo} = shufflevector {vt} {rows[i]}, {vt} {rows[i + b]}, <{L} x i32> <{lo}>")
+                    ir(f"{new_hi} = shufflevector {vt} {rows[i]}, {vt} {rows[i + b]}, <{L} x i32> <{hi}>")
+                    rows[i], rows[i + b] = new_lo, new_hi
+                b //= 2
+            for j in range(L):
+                off, ptr = ir.tmp("o"), ir.tmp("p")
+                ir(f"{off} = mul i64 %ldd, {bj * L + j}")
+                ir(f"{ptr} = getelementptr float, ptr %d0, i64 {off}")
+                ir(f"{ptr}c = getelementptr float, ptr {ptr}, i64 {bi * L}")
+                ir(f"store {vt} {rows[j]}, ptr {ptr}c, align 4")
+    ir("ret i32 0")
+    head = (f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, i64 %lds, ptr noalias %dst, i64 %doff, "
+            f"i64 %ldd) #0 {{")
+    body = "\n".join(["entry:", "  %s0 = getelementptr float, ptr %src, i64 %soff",
+                      "  %d0 = getelementptr float, ptr %dst, i64 %doff"] + ir.lines[1:])
+    return f"{head}\n{body}\n}}\n\nattributes #0 = {{ nounwind }}\n"
 
 
 SYNC_YIELD_SPINS = 1000   # "wait" spins this many times (tens of microseconds), then yields the core between

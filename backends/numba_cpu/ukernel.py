@@ -865,18 +865,24 @@ def _activation(ir: IRBuilder, spec, x: str, vt: str, L: int) -> str:
     return x
 
 
-def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
-    """See DwRowSpec."""
+def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
+    """See DwRowSpec. x and y are float32 rows unless `widen` / `narrow` are given: then x (or y)
+    holds 16-bit values (i16 bits), `widen(ir, bits, lanes)` makes an <lanes x float> of an
+    <lanes x i16>, `narrow(ir, value, lanes)` the <lanes x i16> stored for a float vector (rounded
+    once). The taps, bias and activation are float32 either way."""
     L = min(lanes_for(vector_bits), 16)
     W2 = 2 * L
     vt, wt = f"<{L} x float>", f"<{W2} x float>"
+    x_elem, y_elem = ("i16" if widen else "float"), ("i16" if narrow else "float")
+    x_ir = "i16" if widen else "f32"
+    x_align, y_align = (2 if widen else 4), (2 if narrow else 4)
     taps = spec.KH * spec.KW
     runs = (spec.KW + 1) // 2
     ir = IRBuilder()
     ir.label("entry")
-    ir("%xb = getelementptr float, ptr %x, i64 %xoff")
+    ir(f"%xb = getelementptr {x_elem}, ptr %x, i64 %xoff")
     ir("%wb = getelementptr float, ptr %w, i64 %woff")
-    ir("%yb = getelementptr float, ptr %y, i64 %yoff")
+    ir(f"%yb = getelementptr {y_elem}, ptr %y, i64 %yoff")
     wv = []
     for t in range(taps + 1):
         p = ir.tmp("wp")
@@ -899,7 +905,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
         off = ir.tmp("ro")
         ir(f"{off} = mul i64 {r}, {spec.W}")
         row = ir.tmp("row")
-        ir(f"{row} = getelementptr float, ptr %xb, i64 {off}")
+        ir(f"{row} = getelementptr {x_elem}, ptr %xb, i64 {off}")
         valid.append((ok, row))
     const_mask = lambda bits: "<" + ", ".join(f"i1 {int(b)}" for b in bits) + ">"
     for c in range(-(-spec.OW // L)):
@@ -921,30 +927,33 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
                            f"{vt} {cur[q]})")
                         cur[q] = nxt
             def load(start, lanes, need):
-                """`lanes` floats of the row from column `start` (the first `need` lanes that
-                fall inside the row; zeros elsewhere)."""
+                """`lanes` elements of the row (floats, or 16-bit bits) from column `start` (the
+                first `need` lanes that fall inside the row; zeros elsewhere)."""
                 bits = [k < need and 0 <= start + k < spec.W for k in range(lanes)]
-                p, v, t = ir.tmp("sp"), ir.tmp("seg"), f"<{lanes} x float>"
-                ir(f"{p} = getelementptr float, ptr {row}, i64 {start}")
+                p, v, t = ir.tmp("sp"), ir.tmp("seg"), f"<{lanes} x {x_elem}>"
+                ir(f"{p} = getelementptr {x_elem}, ptr {row}, i64 {start}")
                 if all(bits):
-                    ir(f"{v} = load {t}, ptr {p}, align 4")
+                    ir(f"{v} = load {t}, ptr {p}, align {x_align}")
                 else:
-                    ir(f"{v} = call {t} @llvm.masked.load.v{lanes}f32.p0(ptr align 4 {p}, <{lanes} x i1> "
-                       f"{const_mask(bits)}, {t} zeroinitializer)")
+                    ir(f"{v} = call {t} @llvm.masked.load.v{lanes}{x_ir}.p0(ptr align {x_align} {p}, "
+                       f"<{lanes} x i1> {const_mask(bits)}, {t} zeroinitializer)")
                 return v
+
+            def as_float(v, lanes):
+                return widen(ir, v, lanes) if widen else v
             if spec.stride == 1:
                 for kw in range(spec.KW):
-                    fma(load(ow0 - spec.p_l + kw, L, n), kw)
+                    fma(as_float(load(ow0 - spec.p_l + kw, L, n), L), kw)
             for j in range(runs if spec.stride == 2 else 0):
-                # the taps of this run read lanes [0, 2n)
+                # the taps of this run read lanes [0, 2n) (16-bit ones are picked, then widened)
                 seg = load(2 * ow0 - spec.p_l + 2 * j, W2, 2 * n)
                 for kw in (2 * j, 2 * j + 1):
                     if kw >= spec.KW:
                         continue
                     pick = ", ".join(f"i32 {kw % 2 + 2 * k}" for k in range(L))
                     v = ir.tmp("tap")
-                    ir(f"{v} = shufflevector {wt} {seg}, {wt} poison, <{L} x i32> <{pick}>")
-                    fma(v, kw)
+                    ir(f"{v} = shufflevector <{W2} x {x_elem}> {seg}, <{W2} x {x_elem}> poison, <{L} x i32> <{pick}>")
+                    fma(as_float(v, L), kw)
             ir(f"br label %{join}")
             ir.label(skip)
             ir(f"br label %{join}")
@@ -956,20 +965,24 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
                     accs[q] = merged
         for q in range(rows):
             acc = _activation(ir, spec, accs[q], vt, L)
-            p = ir.tmp("yp")
-            ir(f"{p} = getelementptr float, ptr %yb, i64 {q * spec.OW + ow0}")
+            if narrow:
+                acc = narrow(ir, acc, L)
+            at, yt = ir.tmp("yp"), f"<{L} x {y_elem}>"
+            ir(f"{at} = getelementptr {y_elem}, ptr %yb, i64 {q * spec.OW + ow0}")
             if n == L:
-                ir(f"store {vt} {acc}, ptr {p}, align 4")
+                ir(f"store {yt} {acc}, ptr {at}, align {y_align}")
             else:
-                ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {acc}, ptr align 4 {p}, <{L} x i1> "
-                   f"{const_mask([j < n for j in range(L)])})")
+                ir(f"call void @llvm.masked.store.v{L}{'i16' if narrow else 'f32'}.p0({yt} {acc}, "
+                   f"ptr align {y_align} {at}, <{L} x i1> {const_mask([j < n for j in range(L)])})")
     ir("ret i32 0")
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
             f"ptr noalias %y, i64 %yoff) #0 {{")
+    xw, xl = f"<{W2} x {x_elem}>", f"<{L} x {x_elem}>"
     decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
-             f"declare {wt} @llvm.masked.load.v{W2}f32.p0(ptr, <{W2} x i1>, {wt})",
-             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
-             f"declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)",
+             f"declare {xw} @llvm.masked.load.v{W2}{x_ir}.p0(ptr, <{W2} x i1>, {xw})",
+             f"declare {xl} @llvm.masked.load.v{L}{x_ir}.p0(ptr, <{L} x i1>, {xl})",
+             f"declare void @llvm.masked.store.v{L}{'i16' if narrow else 'f32'}.p0(<{L} x {y_elem}>, ptr, "
+             f"<{L} x i1>)",
              f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"

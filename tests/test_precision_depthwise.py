@@ -160,7 +160,7 @@ BLOCK_CASES = {   # expand, project, residual, stride
 
 def block_chain(expand, project, residual, stride, C=24, H=20):
     """x -> 3x3 conv (marked: writes h in 16 bits) -> [expand 1x1 + Clip] -> depthwise 3x3 + Clip ->
-    [project 1x1 (+ h)] -> g -> 1x1 conv (marked: reads g) -> y. With min_bytes 0 the middle becomes
+    [project 1x1 (+ h)] -> g -> 3x3 conv (marked: reads g) -> y. With min_bytes 0 the middle becomes
     one DepthwiseBlock (passes/fuse_depthwise_block.py) reading h (and the residual h) and writing
     g in 16 bits."""
     E = 3 * C if expand else C
@@ -187,9 +187,9 @@ def block_chain(expand, project, residual, stride, C=24, H=20):
         if residual:
             nodes.append(helper.make_node("Add", ["p", "h"], ["g"]))
             g = "g"
-    w9, b9 = weights(8, C if project else E, 1, 14)
+    w9, b9 = weights(8, C if project else E, 3, 14)   # 3x3: not a project conv the block could take
     inits.update(w9=w9, b9=b9)
-    nodes.append(helper.make_node("Conv", [g, "w9", "b9"], ["y"]))
+    nodes.append(helper.make_node("Conv", [g, "w9", "b9"], ["y"], pads=[1, 1, 1, 1]))
     model = make_model(nodes, [("x", F, [1, 4, H, H])], [("y", F, None)], inits)
     return model, inits, stages, g
 
@@ -211,7 +211,7 @@ def test_a_depthwise_block_between_16_bit_tensors_is_within_the_propagated_bound
         e = e + bound["h"] + gamma(1) * (np.abs(ort[g]) + e)
     b_g = stored(e, ort[g], u)
     want = ort["y"]
-    limit = stage_error(ort[g], b_g, inits["w9"], inits["b9"], u)
+    limit = stage_error(ort[g], b_g, inits["w9"], inits["b9"], u, pads=(1, 1, 1, 1))
 
     options = {"fuse_depthwise_block": {"min_bytes": 0}}
     info = explain_model(model, precision=precision, pass_options=options)
@@ -241,8 +241,10 @@ def test_a_small_mobilenet_v2_keeps_its_conv_chain_in_16_bits_and_its_cosine(pre
     got = next(iter(cuvil.compile(model, precision=precision).run({"x": x}).values()))
     # (cosine >= 0.999 is the issue's bar for a reduced-precision model against float32)
     assert _cosine(got, want) >= 0.999, _cosine(got, want)
+    # no depthwise conv widens its tensors into float32 copies (widen.in_float32's Cast kernels); the
+    # tiny 3x3-plane 1x1 convs at the end take float32 kernels with their own copies (cvt16, conv.py)
     info = explain_model(model, precision=precision)
-    assert not any(f.startswith(("cast", "cvt16")) for f in families(info)), families(info)
+    assert not any(f.startswith("cast") for f in families(info)), families(info)
 
 
 @pytest.mark.slow

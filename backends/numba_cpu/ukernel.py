@@ -941,7 +941,16 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
 
             def as_float(v, lanes):
                 return widen(ir, v, lanes) if widen else v
-            if spec.stride == 1:
+            if spec.stride == 1 and widen and spec.KW <= L + 1:
+                # 16-bit x: the row's 2L values from the first tap's column widened once, each tap
+                # then a lane shift of them (instead of KW loads widened one by one)
+                wide = as_float(load(ow0 - spec.p_l, W2, n + spec.KW - 1), W2)
+                for kw in range(spec.KW):
+                    pick = ", ".join(f"i32 {kw + k}" for k in range(L))
+                    v = ir.tmp("tap")
+                    ir(f"{v} = shufflevector {wt} {wide}, {wt} poison, <{L} x i32> <{pick}>")
+                    fma(v, kw)
+            elif spec.stride == 1:
                 for kw in range(spec.KW):
                     fma(as_float(load(ow0 - spec.p_l + kw, L, n), L), kw)
             for j in range(runs if spec.stride == 2 else 0):

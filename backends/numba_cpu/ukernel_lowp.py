@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .lowp import (CvtSpec, PairCvtSpec, bf16_to_f32, column_masks, cvt_ir, f16_to_f32, f32_to_bf16, f32_to_f16,
+from .lowp import (CvtSpec, PairCopySpec, PairCvtSpec, bf16_to_f32, column_masks, cvt_ir, f16_to_f32, f32_to_bf16, f32_to_f16,
                    pair_cvt_ir, typed_declaration)
 from backends.targets import has_feature
 from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, DwRowSpec, IRBuilder,
@@ -429,11 +429,13 @@ def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
     (ukernel_lowp_ir dispatches their IR)."""
     return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d),
-            "cvtpairs": lambda d: PairCvtSpec(**d), "dwrow16": lambda d: DwRow16Spec(**d)}
+            "cvtpairs": lambda d: PairCvtSpec(**d), "copypairs": lambda d: PairCopySpec(**d),
+            "dwrow16": lambda d: DwRow16Spec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
-    """The IR of a LowpUKSpec, CvtSpec, PairCvtSpec or DwRow16Spec (what ukernel.ukernel_ir would call
-    for these kinds)."""
-    generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "dwrow16": dwrow16_ir}.get(spec.kind, lowp_ukernel_ir)
+    """The IR of a LowpUKSpec, CvtSpec, PairCvtSpec, PairCopySpec or DwRow16Spec (what
+    ukernel.ukernel_ir would call for these kinds)."""
+    generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir,
+                "dwrow16": dwrow16_ir}.get(spec.kind, lowp_ukernel_ir)
     return generate(spec, vector_bits)

@@ -267,3 +267,14 @@ def test_mobilenet_v2_arena_in_bf16_is_at_most_055_of_float32():
     fp32 = explain_model(model).memory["arena_bytes"]
     bf16 = explain_model(model, precision="bf16").memory["arena_bytes"]
     assert bf16 <= 0.55 * fp32, (bf16, fp32, bf16 / fp32)
+
+
+def test_a_16_bit_depthwise_block_gives_the_same_bits_on_two_threads():
+    # each work item has its own scratch (the widened rows of x and the float32 band of y
+    # included): the result does not depend on which thread computes what (dwblock.py)
+    model, *_ = block_chain(*BLOCK_CASES["expand_project_residual"])
+    x = np.random.default_rng(0).standard_normal((1, 4, 20, 20)).astype(F)
+    options = {"fuse_depthwise_block": {"min_bytes": 0}}
+    one = cuvil.compile(model, precision="bf16", threads=1, pass_options=options).run({"x": x})["y"]
+    two = cuvil.compile(model, precision="bf16", threads=2, pass_options=options).run({"x": x})["y"]
+    assert np.array_equal(one, two)   # (the one-thread build's error bound: the block test above)

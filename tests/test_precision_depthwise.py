@@ -278,3 +278,30 @@ def test_a_16_bit_depthwise_block_gives_the_same_bits_on_two_threads():
     one = cuvil.compile(model, precision="bf16", threads=1, pass_options=options).run({"x": x})["y"]
     two = cuvil.compile(model, precision="bf16", threads=2, pass_options=options).run({"x": x})["y"]
     assert np.array_equal(one, two)   # (the one-thread build's error bound: the block test above)
+
+
+@pytest.mark.parametrize("stride,width", [(1, 14), (2, 15), (1, 5)])
+def test_a_float16_models_depthwise_conv_reads_and_writes_float16_rows(stride, width):
+    # a float16 ONNX model (no precision option): its depthwise conv takes the 16-bit rows directly
+    # instead of float32 copies (widen.in_float32). Both engines sum in float32 from the same fp16
+    # values and round once to fp16, so they differ by at most one fp16 ulp of the result:
+    # 2^-10 |y| (normal range), plus 2^-24 (the subnormal ulp) near zero.
+    from onnx import TensorProto, numpy_helper
+    import onnxruntime as ort
+    C, H16 = 24, TensorProto.FLOAT16
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((C, 1, 3, 3)) / 3).astype(np.float16)
+    b = (rng.standard_normal(C) * 0.1).astype(np.float16)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], group=C, pads=[1, 1, 1, 1], strides=[stride, stride])
+    graph = helper.make_graph([node], "f16", [helper.make_tensor_value_info("x", H16, [1, C, width, width])],
+                              [helper.make_tensor_value_info("y", H16, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    x = rng.standard_normal((1, C, width, width)).astype(np.float16)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = cuvil.compile(model).run({"x": x})["y"]
+    assert got.dtype == np.float16 and got.shape == want.shape
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    assert np.all(err <= 2.0 ** -10 * np.abs(want.astype(np.float64)) + 2.0 ** -24), float(err.max())
+    assert not any(f.startswith("cast") for f in families(explain_model(model))), families(explain_model(model))

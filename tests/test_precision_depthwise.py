@@ -95,6 +95,8 @@ DEPTHWISE_CASES = {   # C, H, W, kernel, stride, pads (t, l, b, r), dilation
     "3x3_s1_narrow": (40, 7, 7, 3, 1, (1, 1, 1, 1), 1),   # rows narrower than the fp32 kernel's minimum
     "3x3_s1_unpadded": (17, 12, 12, 3, 1, (0, 0, 0, 0), 1),
     "3x3_dilation2": (24, 14, 14, 3, 1, (2, 2, 2, 2), 2),   # no 16-bit rows: widened copies around it
+    "7x7_s1": (16, 12, 12, 7, 1, (3, 3, 3, 3), 1),
+    "3x3_s1_wide": (8, 6, 45, 3, 1, (1, 1, 1, 1), 1),   # rows of more than 2 x 16 outputs
 }
 
 

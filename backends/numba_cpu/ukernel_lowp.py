@@ -54,7 +54,7 @@ from .lowp import (CvtSpec, PairCopySpec, PairCvtSpec, bf16_to_f32, column_masks
                    pair_cvt_ir, typed_declaration)
 from backends.targets import has_feature
 from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, DwRowSpec, IRBuilder,
-                      close_k_loop, dwrow_ir, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
+                      close_k_loop, dwrow_ir, dwrow_split_ir, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
 from .ukernel_amx import amx_ir
 
 
@@ -421,6 +421,8 @@ def dwrow16_ir(spec: DwRow16Spec, vector_bits: int) -> str:
         ir(f"{bits} = bitcast <{lanes} x float> {value} to <{lanes} x i32>")
         to16 = f32_to_bf16 if spec.y_fmt == "bf16" else f32_to_f16
         return to16(ir, bits, lanes, spec.method)
+    if spec.x_fmt == "bf16" and spec.stride == 1:   # bf16 widens by a shift: even / odd columns
+        return dwrow_split_ir(spec, vector_bits, narrow if spec.y_fmt != "f32" else None)
     return dwrow_ir(spec, vector_bits, widen if spec.x_fmt != "f32" else None,
                     narrow if spec.y_fmt != "f32" else None)
 

@@ -421,7 +421,9 @@ def dwrow16_ir(spec: DwRow16Spec, vector_bits: int) -> str:
         ir(f"{bits} = bitcast <{lanes} x float> {value} to <{lanes} x i32>")
         to16 = f32_to_bf16 if spec.y_fmt == "bf16" else f32_to_f16
         return to16(ir, bits, lanes, spec.method)
-    if spec.x_fmt == "bf16" and spec.stride == 1:   # bf16 widens by a shift: even / odd columns
+    if spec.x_fmt == "bf16" and spec.stride == 1 and spec.OW > min(lanes_for(vector_bits), 16):
+        # bf16 widens by a shift: even / odd columns, 2L outputs a chunk (rows of at most L outputs
+        # keep one vector of L: a chunk of 2L would double their FMAs)
         return dwrow_split_ir(spec, vector_bits, narrow if spec.y_fmt != "f32" else None)
     return dwrow_ir(spec, vector_bits, widen if spec.x_fmt != "f32" else None,
                     narrow if spec.y_fmt != "f32" else None)

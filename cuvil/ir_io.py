@@ -94,7 +94,7 @@ def dumps(graph: Graph, store=None) -> bytes:
               "attrs": {k: _encode_attr(a, arrays) for k, a in sorted(n.attrs.items())}} for n in graph.nodes]
     blobs, index, offset = [], [], 0
     for arr in arrays:
-        arr = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(arr).reshape(np.shape(arr))   # (ascontiguousarray makes a 0-d array 1-d)
         entry = {"dtype": _dtype_text(arr.dtype), "shape": list(arr.shape), "size": arr.nbytes}
         if store is not None and arr.nbytes > 1024:
             entry["blob"] = "blob-" + _digest(arr)

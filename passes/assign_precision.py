@@ -36,9 +36,19 @@ in the precision's format (bf16: bfloat16, fp16: float16; its Value's dtype chan
 memory plan gives it half the bytes) when its producer writes that format and every reader
 reads it:
 
-    writers  a marked Conv / FusedConv on 4-D tensors (output), MaxPool without Indices
+    writers  a marked Conv / FusedConv on 4-D tensors (output), MaxPool without Indices,
+             a depthwise Conv / FusedConv (output), a DepthwiseBlock (output)
     readers  a marked Conv / FusedConv on 4-D tensors (X, and a residual), MaxPool without
-             Indices, GlobalAveragePool
+             Indices, GlobalAveragePool, a depthwise Conv / FusedConv (X), a DepthwiseBlock
+             (x, and a residual)
+
+A depthwise conv (group = channels, constant 4-D weights, one input channel per group) is not
+marked (it computes in float32: one product per tap and channel, memory-bound), but it reads
+and writes the 16-bit tensors around it (backends/numba_cpu/dwstride.py: widened on load,
+rounded once on the store), and so does a DepthwiseBlock (passes/fuse_depthwise_block.py;
+backends/numba_cpu/dwblock.py: its inner tensors t and u stay float32). Without them the
+tensors on either side of a MobileNet block's depthwise conv, the largest of the model, would
+stay float32.
 
 Graph inputs and outputs stay float32 (the C ABI is unchanged). A marked conv rounds its X to
 16 bits to multiply it anyway, so storing X in 16 bits adds no error there; what is new is the
@@ -92,12 +102,25 @@ def _marks(node, graph: Graph, keep: set) -> bool:
     return b is not None and b.is_const and len(b.shape) == 2 and graph.values[node.inputs[0]].dtype.kind == "f"
 
 
+def _depthwise(node, graph: Graph) -> bool:
+    """A depthwise Conv / FusedConv on 4-D float tensors with constant weights (group = channels)."""
+    if (node.domain, node.op) not in CONVS or len(node.inputs) < 2:
+        return False
+    x, w = graph.values[node.inputs[0]], graph.values.get(node.inputs[1])
+    return w is not None and w.is_const and len(w.shape) == 4 and len(x.shape) == 4 and w.shape[1] == 1 \
+        and int(node.attr("group", 1)) == x.shape[1] == w.shape[0] and x.dtype.kind == "f"
+
+
 def _narrow_ports(node, graph: Graph) -> tuple[set, set]:
     """The input and output positions of a node (marked already) that read / write 16-bit activations."""
     if (node.domain, node.op) in CONVS and node.attr("precision") in REDUCED \
             and len(graph.values[node.inputs[0]].shape) == 4:
         reads = {0} | ({len(node.inputs) - 1} if node.domain == FUSED_DOMAIN and node.attr("has_residual", 0) else set())
         return reads, {0}
+    if _depthwise(node, graph):
+        return {0}, {0}
+    if (node.domain, node.op) == (FUSED_DOMAIN, "DepthwiseBlock"):
+        return {0} | ({7} if len(node.inputs) > 7 and node.inputs[7] else set()), {0}
     if (node.domain, node.op) == ("", "MaxPool") and len([o for o in node.outputs if o]) == 1:
         return {0}, {0}
     if (node.domain, node.op) == ("", "GlobalAveragePool"):

@@ -562,3 +562,20 @@ def test_step_key_refuses_values_without_canonical_json():
     for value in (Path("model.onnx"), {1, 2}, object()):
         with pytest.raises(TypeError, match="no canonical JSON form"):
             step_key({"kind": "test", "params": {"value": value}})
+
+
+def test_a_0_d_constant_comes_back_from_a_serialised_graph_0_d():
+    # np.ascontiguousarray makes a 0-d array 1-d: a Clip's scalar bounds came back from the step
+    # cache with shape (1,), and a later pass (fold_qdq) failed on them with a TypeError
+    import numpy as np
+    from cuvil import ir_io
+    from cuvil.frontends.onnx import import_onnx
+    from onnx import helper
+    from tests.helpers import make_model
+    model = make_model([helper.make_node("Clip", ["x", "lo", "hi"], ["y"])], [("x", np.float32, [2, 3])],
+                       [("y", np.float32, None)], {"lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32)})
+    graph, _ = import_onnx(model)
+    back = ir_io.loads(ir_io.dumps(graph))
+    for name in ("lo", "hi"):
+        assert np.asarray(back.values[name].data).shape == () == back.values[name].shape
+        assert np.asarray(back.values[name].data) == np.asarray(graph.values[name].data)

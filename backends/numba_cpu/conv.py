@@ -95,6 +95,9 @@ def lower_conv(node, graph) -> Lowered:
     W = graph.values[inputs[1]]
     B = graph.values[inputs[2]] if len(inputs) > 2 and inputs[2] else None
     Y = graph.values[node.outputs[0]]
+    depthwise16 = _depthwise16(node, graph)
+    if depthwise16 is not None:
+        return Lowered([dwstride.lower_dw_rows(node, *depthwise16)])
     stored16 = _stored16(node, graph)
     if stored16:
         return _lower_stored16(node, graph, stored16, epilogue, X, W, B, Y)
@@ -156,6 +159,28 @@ def lower_conv(node, graph) -> Lowered:
         args.append(res_arg)
     args.append(Y.name)
     return Lowered([KernelCall(kernel_obj, args, work, node.name)])
+
+
+def _depthwise16(node, graph):
+    """(X, W, B, Y, kernel, strides, pads, epilogue) of a depthwise conv whose input and/or output is
+    stored in 16 bits (passes/assign_precision.py narrows the tensors around depthwise convs) when
+    dwstride.py's rows take it, else None."""
+    epilogue, inputs = epilogue_of(node)
+    X, W, Y = graph.values[inputs[0]], graph.values[inputs[1]], graph.values[node.outputs[0]]
+    B = graph.values[inputs[2]] if len(inputs) > 2 and inputs[2] else None
+    if {dwstride.fmt(X), dwstride.fmt(Y)} <= {"f32", ""} or len(X.shape) != 4 or len(W.shape) != 4:
+        return None
+    kernel, strides, dilations, pads = conv_geometry(node, X.shape[2:], W.shape[2:])
+    if list(kernel) != list(W.shape[2:]) or not dwstride.eligible(np.float32, X, W, B, int(node.attr("group", 1)),
+                                                                 kernel, strides, dilations, Y, epilogue):
+        return None
+    return X, W, B, Y, kernel, strides, pads, epilogue
+
+
+def reads_stored16(node, graph) -> bool:
+    """Whether lower_conv reads and writes the node's 16-bit activations itself (a marked conv, or a
+    depthwise conv dwstride.py's rows take); else widen.in_float32 gives it float32 copies."""
+    return node.attr("precision") in ("bf16", "fp16") or _depthwise16(node, graph) is not None
 
 
 def _stored16(node, graph) -> list[str]:

@@ -402,10 +402,18 @@ def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, 
     the conv reads, at any stride: what padded_input_kernel then the conversion write, without
     rounding (the values are 16-bit already). bf16: a work item is an (image, channel pair), the
     two channels' values interleaved (a last unpaired channel with itself: its pair's weights are
-    zero); fp16: an (image, channel). With few items, blocks of rows."""
+    zero); fp16: an (image, channel). With few items, blocks of rows. bf16 rows read at column
+    stride 1 (every 1x1 and 3x3 stride-1 conv) are interleaved by a vector micro-kernel
+    (lowp.PairCopySpec): Numba's loop of two scalar stores per column does not vectorise."""
+    from .lowp import PairCopySpec
+    vector_pairs = pairs and s_w == 1
+
     def copy(src, b, j_lo, j_hi):
         col = f"j * {s_w}" if s_w > 1 else "j"
         src.line(f"x = xb + r * {W} + {b - p_l}")
+        if vector_pairs:
+            src.line(f"copy_pairs(p0, x + {j_lo}, xs, p1, o + {2 * j_lo}, {j_hi - j_lo})")
+            return
         src.line(f"for j in range({j_lo}, {j_hi}):").indent()
         if pairs:
             src.line(f"p1[o + 2 * j] = p0[x + {col}]").line(f"p1[o + 2 * j + 1] = p0[x + xs + {col}]")
@@ -413,7 +421,11 @@ def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, 
             src.line(f"p1[o + j] = p0[x + {col}]")
         src.dedent()
 
-    src = Source().line(kernel_header(2)).indent()
+    src = Source()
+    if vector_pairs:
+        for line in PairCopySpec().declaration("copy_pairs").splitlines():
+            src.line(line)
+    src.line(kernel_header(2)).indent()
     items = _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, copy)
     return Kernel(f"ConvPad_{'pairs' if pairs else 'copy'}16", src.text(), ("uint16", "uint16")), items
 

@@ -18,6 +18,14 @@ scratch: each band moves them to the top and computes only its new rows.
 Work items are (image, run of consecutive bands), each with scratch of its own
 (one for all when the library runs on one thread), so the results do not
 depend on which thread computes what.
+
+Activations stored in 16 bits (bf16 / fp16, passes/assign_precision.py `narrow_activations`):
+x, r and y may hold 16-bit values; t and u stay float32 in the scratch. The expand GEMM reads
+its band's new rows of x widened into a float32 piece of the scratch (exact; a conversion
+micro-kernel per channel, lowp.CvtSpec), the project GEMM writes the band of y into a float32
+piece, adds the residual (widened) and rounds it once into y; without expand / project the
+depthwise rows read x / write y in 16 bits themselves (ukernel_lowp.DwRow16Spec). The sums
+are the float32 ones either way: the only new errors are the roundings of the stored tensors.
 """
 from __future__ import annotations
 
@@ -26,10 +34,12 @@ import numpy as np
 from .ukernel import LOADC_EPILOGUE, UKSpec
 from cuvil.ir import Node
 
-from .dwstride import RowCalls, packed_weights
+from .dwstride import RowCalls, fmt, packed_weights
 from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .gemm import TileLoops, ceil_div, choose_tile, pack_a_panels
-from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, session_threads, work_items
+from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target, session_threads, work_items
+from .lowp import CvtSpec, best_method
+from .narrow import load, pointer_type, with_helpers
 from .scratch import scratch_value
 
 BAND_BYTES = 256 << 10   # a band's scratch (t's rows and u's) stays well inside a 1-2 MiB L2
@@ -82,12 +92,17 @@ def lower_depthwise_block(node, graph) -> Lowered:
     s = int(node.attr("strides")[0])
     p_t, p_l = (int(v) for v in node.attr("pads")[:2])
     expand, project = bool(w1_name), bool(w3_name)
+    # 16-bit x read by the expand GEMM / y written by the project GEMM: float32 pieces of the scratch
+    x_wide = expand and fmt(X) != "f32"
+    y_wide = project and fmt(Y) != "f32"
 
-    # Bands of R output rows: t's rows of a band (BR of them) and u's fit BAND_BYTES; at least
-    # MIN_BANDS bands (and on several threads at least one per work item).
+    # Bands of R output rows: t's rows of a band (BR of them) and u's (and the float32 pieces of
+    # x and y) fit BAND_BYTES; at least MIN_BANDS bands (and on several threads at least one per
+    # work item).
     one_slot = session_threads() == 1
-    row_bytes = 4 * C1 * ((s * Wd if expand else 0) + (OW if project else 0))
-    fixed_bytes = 4 * C1 * (KH - s) * Wd if expand else 0
+    row_bytes = 4 * (C1 * ((s * Wd if expand else 0) + (OW if project else 0))
+                     + (C0 * s * Wd if x_wide else 0) + (C2 * OW if y_wide else 0))
+    fixed_bytes = 4 * (C1 + (C0 if x_wide else 0)) * (KH - s) * Wd if expand else 0
     R = max(1, min(ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
                    (BAND_BYTES - fixed_bytes) // row_bytes))
     BR = (R - 1) * s + KH
@@ -95,7 +110,9 @@ def lower_depthwise_block(node, graph) -> Lowered:
     runs = 1 if one_slot else min(n_bands, max(1, ceil_div(work_items(), N)))
     work = N * runs
     t_floats = C1 * BR * Wd if expand else 0
-    slot = t_floats + (C1 * R * OW if project else 0)
+    u_floats = C1 * R * OW if project else 0
+    x_floats = C0 * BR * Wd if x_wide else 0
+    slot = t_floats + u_floats + x_floats + (C2 * R * OW if y_wide else 0)
     scratch = scratch_value(graph, node, ((1 if one_slot else work) * slot,), np.float32, tag="bands")
 
     # Pointers, in order: x, [expand panels, bias], depthwise weights, [project panels, bias],
@@ -114,11 +131,19 @@ def lower_depthwise_block(node, graph) -> Lowered:
             ptrs["r"] = r_name
     ptrs.update(scratch=scratch, y=node.outputs[0])
     p = {key: f"p{i}" for i, key in enumerate(ptrs)}
+    stored = {"x": X.dtype, "y": Y.dtype, **({"r": graph.values[r_name].dtype} if "r" in ptrs else {})}
+    types = tuple(pointer_type(stored[key]) if key in stored else "float32" for key in ptrs)
 
-    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""))
+    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
+                    "f32" if project else fmt(Y))
 
     src = Source()
     rows.declare(src)
+    for wide, var, spec in ((x_wide, "cvt_in", lambda: CvtSpec(fmt(X), "f32", best_method(fmt(X), "f32", lowering_target()))),
+                            (y_wide, "cvt_out", lambda: CvtSpec("f32", fmt(Y), best_method("f32", fmt(Y), lowering_target())))):
+        if wide:
+            for line in spec().declaration(var).splitlines():
+                src.line(line)
     if expand:
         gx.declare(src)
     if project:
@@ -129,6 +154,10 @@ def lower_depthwise_block(node, graph) -> Lowered:
     src.line("so = 0" if one_slot else f"so = item * {slot}")
     if project:
         src.line(f"su = so + {t_floats}")   # u's scratch
+    if x_wide:
+        src.line(f"sx = so + {t_floats + u_floats}")   # the band's new rows of x, widened
+    if y_wide:
+        src.line(f"sy = so + {t_floats + u_floats + x_floats}")   # the band of y before its rounding
     src.line(f"b_lo = run * {n_bands} // {runs}").line(f"b_hi = (run + 1) * {n_bands} // {runs}")
     if expand:   # t's scratch holds its rows [base, have_hi) from its top on
         src.line("base = 0").line("have_hi = 0")
@@ -150,8 +179,15 @@ def lower_depthwise_block(node, graph) -> Lowered:
         src.dedent().dedent().dedent()
         # The new rows: t[C1 x pixels] = W1 @ x[C0 x pixels], pixels the flat run of rows [new, hi).
         src.line("if new < hi:").indent()
-        gx.emit(src, p["a1"], p["x"], f"n * {C0 * H * Wd} + new * {Wd}", H * Wd, p["scratch"],
-                f"so + (new - top) * {Wd}", BR * Wd, p["b1"], f"(hi - new) * {Wd}")
+        if x_wide:
+            src.line(f"for c in range({C0}):").indent()
+            src.line(f"cvt_in({p['x']}, (n * {C0} + c) * {H * Wd} + new * {Wd}, {p['scratch']}, sx + c * {BR * Wd}, "
+                     f"(hi - new) * {Wd})").dedent()
+            gx.emit(src, p["a1"], p["scratch"], "sx", BR * Wd, p["scratch"],
+                    f"so + (new - top) * {Wd}", BR * Wd, p["b1"], f"(hi - new) * {Wd}")
+        else:
+            gx.emit(src, p["a1"], p["x"], f"n * {C0 * H * Wd} + new * {Wd}", H * Wd, p["scratch"],
+                    f"so + (new - top) * {Wd}", BR * Wd, p["b1"], f"(hi - new) * {Wd}")
         src.dedent()
         src.line("base = top").line("have_hi = hi")
     # The depthwise conv over the band: input row r of channel c at xo + r*W, output row oh at yo + oh*OW.
@@ -164,13 +200,22 @@ def lower_depthwise_block(node, graph) -> Lowered:
     if project:
         # y[:, band rows] = W3 @ u (channels of u are k, its R*OW pixels apart), then the residual.
         src.line(f"npx = (oh1 - oh0) * {OW}")
-        gp.emit(src, p["a3"], p["scratch"], "su", R * OW, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
-                p["b3"], "npx")
-        if r_name:
+        if y_wide:   # into the float32 piece sy (rows R*OW apart), residual added there, rounded into y
+            gp.emit(src, p["a3"], p["scratch"], "su", R * OW, p["scratch"], "sy", R * OW, p["b3"], "npx")
             src.line(f"for c in range({C2}):").indent()
-            src.line(f"yb = (n * {C2} + c) * {OH * OW} + oh0 * {OW}")
-            src.line("for j in range(npx):").indent()
-            src.line(f"{p['y']}[yb + j] += {p['r']}[yb + j]")
-            src.dedent().dedent()
-    kernel = Kernel("DepthwiseBlock", src.text(), ("float32",) * len(ptrs))
+            src.line(f"yb = (n * {C2} + c) * {OH * OW} + oh0 * {OW}").line(f"cb = sy + c * {R * OW}")
+            if r_name:
+                src.line("for j in range(npx):").indent()
+                src.line(f"{p['scratch']}[cb + j] += {load(p['r'], 'yb + j', stored['r'])}").dedent()
+            src.line(f"cvt_out({p['scratch']}, cb, {p['y']}, yb, npx)").dedent()
+        else:
+            gp.emit(src, p["a3"], p["scratch"], "su", R * OW, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
+                    p["b3"], "npx")
+            if r_name:
+                src.line(f"for c in range({C2}):").indent()
+                src.line(f"yb = (n * {C2} + c) * {OH * OW} + oh0 * {OW}")
+                src.line("for j in range(npx):").indent()
+                src.line(f"{p['y']}[yb + j] += {load(p['r'], 'yb + j', stored['r'])}")
+                src.dedent().dedent()
+    kernel = Kernel("DepthwiseBlock", with_helpers(src.text()), types)
     return Lowered([KernelCall(kernel, list(ptrs.values()), work, node.name, n_outputs=2)])

@@ -12,28 +12,48 @@ it loads feeds both (MobileNetV2's 3x3 depthwise convs at 112x112 to 14x14:
 0.036 / 0.021 / 0.030 ms this way, `benchmarks/convs.py`, AMD Zen 4); rows
 narrower than MIN_OUT_WIDTH_S1 keep the direct kernel, whose flat loop runs
 over whole planes. Work items are (image, channel) planes.
+
+Activations stored in 16 bits (bf16 / fp16, passes/assign_precision.py `narrow_activations`):
+the rows are DwRow16Spec micro-kernels (ukernel_lowp.py), which widen x on load and round y
+once on the store; the sums are float32 as above. Such a conv takes this kernel at every row
+width (narrow stride-1 rows too): the alternative, float32 copies of x and y around the direct
+kernel, costs more than the idle lanes.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .ukernel import EPILOGUE_ACTIVATIONS, DwRowSpec
+from .ukernel_lowp import DwRow16Spec
 
 from .epilogue import Epilogue, register_activation
-from .kernel import Kernel, KernelCall, Source, kernel_header
+from .kernel import Kernel, KernelCall, Source, kernel_header, lowering_target
+from .lowp import best_method
+from .narrow import pointer_type
 
 MAX_OUT_WIDTH = 128   # outputs per row (the row is unrolled in groups of vector lanes)
 MAX_TAPS_PER_AXIS = 7
 MIN_OUT_WIDTH_S1 = 9   # stride 1: narrower rows leave most lanes idle (the direct kernel's flat loop does not)
 
 
+FORMATS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}   # a stored activation's format
+
+
+def fmt(value) -> str:
+    """The format ("f32", "bf16", "f16") a depthwise row reads or writes the tensor `value` in."""
+    return FORMATS.get(np.dtype(value.dtype).name, "")
+
+
 def eligible(dtype, X, W, B, group, kernel, strides, dilations, Y, epilogue: Epilogue) -> bool:
     C = X.shape[1]
-    return (np.dtype(dtype) == np.float32 and len(X.shape) == 4 and W.is_const and group == C
+    formats = (fmt(X), fmt(Y))
+    sixteen = formats != ("f32", "f32")   # x and/or y stored in 16 bits
+    return ("" not in formats and (sixteen or np.dtype(dtype) == np.float32)
+            and len(X.shape) == 4 and W.is_const and group == C
             and (B is None or B.is_const)
             and W.shape[0] == C and W.shape[1] == 1 and list(strides) in ([2, 2], [1, 1]) and list(dilations) == [1, 1]
             and max(kernel) <= MAX_TAPS_PER_AXIS and 1 <= Y.shape[3] <= MAX_OUT_WIDTH
-            and (strides[0] == 2 or Y.shape[3] >= MIN_OUT_WIDTH_S1)
+            and (strides[0] == 2 or Y.shape[3] >= MIN_OUT_WIDTH_S1 or sixteen)
             and epilogue.residual is None and epilogue.activation in EPILOGUE_ACTIVATIONS)
 
 
@@ -51,9 +71,14 @@ class RowCalls:
     """The DwRowSpec micro-kernels of one depthwise conv and the calls computing its output rows
     [lo, hi) of one channel: row by row (stride 2), or in pairs and then the last one (stride 1)."""
 
-    def __init__(self, H, W, OW, KH, KW, p_t, p_l, stride, epilogue: Epilogue):
+    def __init__(self, H, W, OW, KH, KW, p_t, p_l, stride, epilogue: Epilogue, x_fmt="f32", y_fmt="f32"):
         fields = dict(H=H, W=W, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=stride, **register_activation(epilogue))
-        self.row, self.pair = DwRowSpec(**fields), DwRowSpec(rows=2, **fields)
+        spec = DwRowSpec
+        if (x_fmt, y_fmt) != ("f32", "f32"):   # x and/or y stored in 16 bits (DwRow16Spec)
+            sixteen = y_fmt if y_fmt != "f32" else x_fmt
+            fields.update(x_fmt=x_fmt, y_fmt=y_fmt, method=best_method("f32", sixteen, lowering_target()))
+            spec = DwRow16Spec
+        self.row, self.pair = spec(**fields), spec(rows=2, **fields)
         self.p_t, self.s, self.OW = p_t, stride, OW
 
     def declare(self, src: Source) -> None:
@@ -82,7 +107,7 @@ def lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue: Epilogue) -
     OH, OW = (int(v) for v in Y.shape[2:])
     KH, KW = kernel
     p_t, p_l = pads[:2]
-    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, int(strides[0]), epilogue)
+    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, int(strides[0]), epilogue, fmt(X), fmt(Y))
     packed = packed_weights(W.data, None if B is None else B.data, C)
     src = Source()
     rows.declare(src)
@@ -91,5 +116,5 @@ def lower_dw_rows(node, X, W, B, Y, kernel, strides, pads, epilogue: Epilogue) -
     src.line(f"c = item % {C}")
     src.line(f"xo = item * {H * Wd}").line(f"yo = item * {OH * OW}").line(f"wo = c * {KH * KW + 1}")
     rows.emit(src, "p0", "xo", "p1", "wo", "p2", "yo", 0, OH)
-    kernel_obj = Kernel("Conv", src.text(), ("float32", "float32", "float32"), self_sized=True)
+    kernel_obj = Kernel("Conv", src.text(), (pointer_type(X.dtype), "float32", pointer_type(Y.dtype)), self_sized=True)
     return KernelCall(kernel_obj, [X.name, packed, Y.name], N * C, node.name)

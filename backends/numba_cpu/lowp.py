@@ -310,19 +310,41 @@ class PairCvtSpec(Declared):
         return typed_declaration(self, var, {3: "uint16"})
 
 
-def pair_cvt_ir(spec: PairCvtSpec, vector_bits: int) -> str:
-    """See PairCvtSpec: each group of L columns of both rows converted, then interleaved by a shuffle."""
+@dataclass(frozen=True)
+class PairCopySpec(Declared):
+    """PairCvtSpec's interleaving of two rows into one row of pairs, from rows already in 16 bits
+    (bf16 activations, copied without rounding):
+
+        dst[doff + 2j + h] = src[soff + h*sstride + j]     j < n, h in {0, 1}   (uint16 elements)
+
+    Signature: i32 name(ptr src, i64 soff, i64 sstride, ptr dst, i64 doff, i64 n)."""
+    kind: str = "copypairs"
+    _ARGS: ClassVar[str] = "piipii"
+
+    def _stem(self) -> str:
+        return "cuvil_copypairs16"
+
+    def declaration(self, var: str) -> str:
+        return typed_declaration(self, var, {0: "uint16", 3: "uint16"})
+
+
+def pair_cvt_ir(spec: PairCvtSpec | PairCopySpec, vector_bits: int) -> str:
+    """See PairCvtSpec (each group of L columns of both rows converted, then interleaved by a
+    shuffle) and PairCopySpec (the same shuffle on 16-bit rows, nothing converted)."""
     L = min(lanes_for(vector_bits), 16)
+    copy = isinstance(spec, PairCopySpec)
+    src_elem = "i16" if copy else "i32"
     ir = IRBuilder()
     ir.label("entry")
-    ir("%s0 = getelementptr i32, ptr %src, i64 %soff")
-    ir("%s1 = getelementptr i32, ptr %s0, i64 %sstride")
+    ir(f"%s0 = getelementptr {src_elem}, ptr %src, i64 %soff")
+    ir(f"%s1 = getelementptr {src_elem}, ptr %s0, i64 %sstride")
     ir("%d0 = getelementptr i16, ptr %dst, i64 %doff")
     interleave = "<" + ", ".join(f"i32 {j // 2 + (j % 2) * L}" for j in range(2 * L)) + ">"
     doubled = "<" + ", ".join(f"i32 {j // 2}" for j in range(2 * L)) + ">"
 
     def step(ir, i, mask):
-        even, odd = (f32_to_bf16(ir, _load_lanes(ir, row, i, "i32", L, mask), L, spec.method) for row in ("%s0", "%s1"))
+        rows = [_load_lanes(ir, row, i, src_elem, L, mask) for row in ("%s0", "%s1")]
+        even, odd = rows if copy else (f32_to_bf16(ir, row, L, spec.method) for row in rows)
         pairs = _op(ir, f"shufflevector <{L} x i16> {even}, <{L} x i16> {odd}, <{2 * L} x i32> {interleave}")
         pair_mask = None if mask is None else _op(
             ir, f"shufflevector <{L} x i1> {mask}, <{L} x i1> poison, <{2 * L} x i32> {doubled}")
@@ -331,4 +353,4 @@ def pair_cvt_ir(spec: PairCvtSpec, vector_bits: int) -> str:
     _strip_loop(ir, L, step)
     head = (f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, i64 %sstride, ptr noalias %dst, i64 %doff, "
             f"i64 %n) #0 {{")
-    return _kernel_module(head, ir, _masked_decls(("i32", L), ("i16", 2 * L)))
+    return _kernel_module(head, ir, _masked_decls((src_elem, L), ("i16", 2 * L)))

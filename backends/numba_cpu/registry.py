@@ -57,11 +57,11 @@ GENERATORS = {
     # dense linear algebra (gemm.py, conv.py)
     "Gemm": in_float32(gemm.lower_gemm),
     "MatMul": in_float32(gemm.lower_matmul),
-    "Conv": in_float32(conv.lower_conv),
+    "Conv": in_float32(conv.lower_conv, conv.reads_stored16),
     # fused epilogues, domain "cuvil" (made by the fusion passes; see epilogue.py)
     "FusedGemm": in_float32(gemm.lower_gemm),
     "FusedMatMul": in_float32(gemm.lower_matmul),
-    "FusedConv": in_float32(conv.lower_conv),
+    "FusedConv": in_float32(conv.lower_conv, conv.reads_stored16),
     "DepthwiseBlock": dwblock.lower_depthwise_block,
     "FusedAttention": attention.lower_attention,
     # fused elementwise loops, domain "cuvil" (fused.py)

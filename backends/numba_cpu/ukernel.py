@@ -960,18 +960,24 @@ def _activation(ir: IRBuilder, spec, x: str, vt: str, L: int) -> str:
     return x
 
 
-def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
-    """See DwRowSpec."""
+def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
+    """See DwRowSpec. x and y are float32 rows unless `widen` / `narrow` are given: then x (or y)
+    holds 16-bit values (i16 bits), `widen(ir, bits, lanes)` makes an <lanes x float> of an
+    <lanes x i16>, `narrow(ir, value, lanes)` the <lanes x i16> stored for a float vector (rounded
+    once). The taps, bias and activation are float32 either way."""
     L = min(lanes_for(vector_bits), 16)
     W2 = 2 * L
     vt, wt = f"<{L} x float>", f"<{W2} x float>"
+    x_elem, y_elem = ("i16" if widen else "float"), ("i16" if narrow else "float")
+    x_ir = "i16" if widen else "f32"
+    x_align, y_align = (2 if widen else 4), (2 if narrow else 4)
     taps = spec.KH * spec.KW
     runs = (spec.KW + 1) // 2
     ir = IRBuilder()
     ir.label("entry")
-    ir("%xb = getelementptr float, ptr %x, i64 %xoff")
+    ir(f"%xb = getelementptr {x_elem}, ptr %x, i64 %xoff")
     ir("%wb = getelementptr float, ptr %w, i64 %woff")
-    ir("%yb = getelementptr float, ptr %y, i64 %yoff")
+    ir(f"%yb = getelementptr {y_elem}, ptr %y, i64 %yoff")
     wv = []
     for t in range(taps + 1):
         p = ir.tmp("wp")
@@ -994,7 +1000,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
         off = ir.tmp("ro")
         ir(f"{off} = mul i64 {r}, {spec.W}")
         row = ir.tmp("row")
-        ir(f"{row} = getelementptr float, ptr %xb, i64 {off}")
+        ir(f"{row} = getelementptr {x_elem}, ptr %xb, i64 {off}")
         valid.append((ok, row))
     const_mask = lambda bits: "<" + ", ".join(f"i1 {int(b)}" for b in bits) + ">"
     for c in range(-(-spec.OW // L)):
@@ -1016,30 +1022,42 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
                            f"{vt} {cur[q]})")
                         cur[q] = nxt
             def load(start, lanes, need):
-                """`lanes` floats of the row from column `start` (the first `need` lanes that
-                fall inside the row; zeros elsewhere)."""
+                """`lanes` elements of the row (floats, or 16-bit bits) from column `start` (the
+                first `need` lanes that fall inside the row; zeros elsewhere)."""
                 bits = [k < need and 0 <= start + k < spec.W for k in range(lanes)]
-                p, v, t = ir.tmp("sp"), ir.tmp("seg"), f"<{lanes} x float>"
-                ir(f"{p} = getelementptr float, ptr {row}, i64 {start}")
+                p, v, t = ir.tmp("sp"), ir.tmp("seg"), f"<{lanes} x {x_elem}>"
+                ir(f"{p} = getelementptr {x_elem}, ptr {row}, i64 {start}")
                 if all(bits):
-                    ir(f"{v} = load {t}, ptr {p}, align 4")
+                    ir(f"{v} = load {t}, ptr {p}, align {x_align}")
                 else:
-                    ir(f"{v} = call {t} @llvm.masked.load.v{lanes}f32.p0(ptr align 4 {p}, <{lanes} x i1> "
-                       f"{const_mask(bits)}, {t} zeroinitializer)")
+                    ir(f"{v} = call {t} @llvm.masked.load.v{lanes}{x_ir}.p0(ptr align {x_align} {p}, "
+                       f"<{lanes} x i1> {const_mask(bits)}, {t} zeroinitializer)")
                 return v
-            if spec.stride == 1:
+
+            def as_float(v, lanes):
+                return widen(ir, v, lanes) if widen else v
+            if spec.stride == 1 and widen and spec.KW <= L + 1:
+                # 16-bit x: the row's 2L values from the first tap's column widened once, each tap
+                # then a lane shift of them (instead of KW loads widened one by one)
+                wide = as_float(load(ow0 - spec.p_l, W2, n + spec.KW - 1), W2)
                 for kw in range(spec.KW):
-                    fma(load(ow0 - spec.p_l + kw, L, n), kw)
+                    pick = ", ".join(f"i32 {kw + k}" for k in range(L))
+                    v = ir.tmp("tap")
+                    ir(f"{v} = shufflevector {wt} {wide}, {wt} poison, <{L} x i32> <{pick}>")
+                    fma(v, kw)
+            elif spec.stride == 1:
+                for kw in range(spec.KW):
+                    fma(as_float(load(ow0 - spec.p_l + kw, L, n), L), kw)
             for j in range(runs if spec.stride == 2 else 0):
-                # the taps of this run read lanes [0, 2n)
+                # the taps of this run read lanes [0, 2n) (16-bit ones are picked, then widened)
                 seg = load(2 * ow0 - spec.p_l + 2 * j, W2, 2 * n)
                 for kw in (2 * j, 2 * j + 1):
                     if kw >= spec.KW:
                         continue
                     pick = ", ".join(f"i32 {kw % 2 + 2 * k}" for k in range(L))
                     v = ir.tmp("tap")
-                    ir(f"{v} = shufflevector {wt} {seg}, {wt} poison, <{L} x i32> <{pick}>")
-                    fma(v, kw)
+                    ir(f"{v} = shufflevector <{W2} x {x_elem}> {seg}, <{W2} x {x_elem}> poison, <{L} x i32> <{pick}>")
+                    fma(as_float(v, L), kw)
             ir(f"br label %{join}")
             ir.label(skip)
             ir(f"br label %{join}")
@@ -1051,20 +1069,153 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int) -> str:
                     accs[q] = merged
         for q in range(rows):
             acc = _activation(ir, spec, accs[q], vt, L)
-            p = ir.tmp("yp")
-            ir(f"{p} = getelementptr float, ptr %yb, i64 {q * spec.OW + ow0}")
+            if narrow:
+                acc = narrow(ir, acc, L)
+            at, yt = ir.tmp("yp"), f"<{L} x {y_elem}>"
+            ir(f"{at} = getelementptr {y_elem}, ptr %yb, i64 {q * spec.OW + ow0}")
             if n == L:
-                ir(f"store {vt} {acc}, ptr {p}, align 4")
+                ir(f"store {yt} {acc}, ptr {at}, align {y_align}")
             else:
-                ir(f"call void @llvm.masked.store.v{L}f32.p0({vt} {acc}, ptr align 4 {p}, <{L} x i1> "
-                   f"{const_mask([j < n for j in range(L)])})")
+                ir(f"call void @llvm.masked.store.v{L}{'i16' if narrow else 'f32'}.p0({yt} {acc}, "
+                   f"ptr align {y_align} {at}, <{L} x i1> {const_mask([j < n for j in range(L)])})")
+    ir("ret i32 0")
+    head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
+            f"ptr noalias %y, i64 %yoff) #0 {{")
+    xw, xl = f"<{W2} x {x_elem}>", f"<{L} x {x_elem}>"
+    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
+             f"declare {xw} @llvm.masked.load.v{W2}{x_ir}.p0(ptr, <{W2} x i1>, {xw})",
+             f"declare {xl} @llvm.masked.load.v{L}{x_ir}.p0(ptr, <{L} x i1>, {xl})",
+             f"declare void @llvm.masked.store.v{L}{'i16' if narrow else 'f32'}.p0(<{L} x {y_elem}>, ptr, "
+             f"<{L} x i1>)",
+             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
+    return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None) -> str:
+    """DwRowSpec's stride-1 rows over bf16 input rows (y float32, or 16-bit with `narrow` as in
+    dwrow_ir), 2L outputs a chunk. A load of 2L bf16 values seen as L 32-bit words gives the even
+    columns as floats by a shift (`shl 16`) and the odd ones by a mask (`and 0xffff0000`): one op
+    each, where widening lane by lane takes a zero-extension and a shift per L values, and each
+    tap a lane shift. The outputs are summed as an even and an odd vector: output 2i reads column
+    2i + kw (even column i + kw/2 for even kw, odd column i + (kw - 1)/2 for odd kw), output 2i + 1
+    column 2i + 1 + kw (odd column i + kw/2, or even column i + (kw + 1)/2), each a lane shift of
+    the two loads' columns; the pair is interleaved before the store."""
+    assert spec.stride == 1 and spec.KW <= 7
+    L = min(lanes_for(vector_bits), 16)
+    vt, it, ht = f"<{L} x float>", f"<{L} x i32>", f"<{2 * L} x i16>"
+    y_elem, y_ir, y_align = ("i16", "i16", 2) if narrow else ("float", "f32", 4)
+    splat = lambda v: "<" + ", ".join([f"i32 {v}"] * L) + ">"
+    const_mask = lambda bits: "<" + ", ".join(f"i1 {int(b)}" for b in bits) + ">"
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("%xb = getelementptr i16, ptr %x, i64 %xoff")
+    ir("%wb = getelementptr float, ptr %w, i64 %woff")
+    ir(f"%yb = getelementptr {y_elem}, ptr %y, i64 %yoff")
+    wv = []
+    for t in range(spec.KH * spec.KW + 1):
+        p, sc = ir.tmp("wp"), ir.tmp("ws")
+        ir(f"{p} = getelementptr float, ptr %wb, i64 {t}")
+        ir(f"{sc} = load float, ptr {p}, align 4")
+        wv.append(_broadcast(ir, sc, vt, L))
+    bias = wv.pop()
+    rows = spec.rows
+    valid = []
+    for kh in range(spec.KH + rows - 1):
+        r, lo, hi, ok, off, row = (ir.tmp(n) for n in ("r", "rlo", "rhi", "rok", "ro", "row"))
+        ir(f"{r} = add i64 %r0, {kh}")
+        ir(f"{lo} = icmp sge i64 {r}, 0")
+        ir(f"{hi} = icmp slt i64 {r}, {spec.H}")
+        ir(f"{ok} = and i1 {lo}, {hi}")
+        ir(f"{off} = mul i64 {r}, {spec.W}")
+        ir(f"{row} = getelementptr i16, ptr %xb, i64 {off}")
+        valid.append((ok, row))
+    for c in range(-(-spec.OW // (2 * L))):
+        ow0, n = c * 2 * L, min(2 * L, spec.OW - c * 2 * L)
+        base, need = ow0 - spec.p_l, n + spec.KW - 1   # the chunk reads columns base .. base + need - 1
+        accs = {(q, par): bias for q in range(rows) for par in (0, 1)}
+        for i in range(spec.KH + rows - 1):
+            ok, row = valid[i]
+            here, skip, join = f"c{c}r{i}", f"c{c}s{i}", f"c{c}j{i}"
+            ir(f"br i1 {ok}, label %{here}, label %{skip}")
+            ir.label(here)
+            cur = dict(accs)
+            halves = {}
+            for part in (0, 1):   # columns base + 2L*part + k, k < 2L
+                first = base + 2 * L * part
+                bits = [first + k - base < need and 0 <= first + k < spec.W for k in range(2 * L)]
+                if not any(bits):
+                    halves[part] = ("zeroinitializer", "zeroinitializer")
+                    continue
+                p, v, words = ir.tmp("sp"), ir.tmp("seg"), ir.tmp("wd")
+                ir(f"{p} = getelementptr i16, ptr {row}, i64 {first}")
+                if all(bits):
+                    ir(f"{v} = load {ht}, ptr {p}, align 2")
+                else:
+                    ir(f"{v} = call {ht} @llvm.masked.load.v{2 * L}i16.p0(ptr align 2 {p}, <{2 * L} x i1> "
+                       f"{const_mask(bits)}, {ht} zeroinitializer)")
+                ir(f"{words} = bitcast {ht} {v} to {it}")
+                even_bits, odd_bits, even, odd = ir.tmp("eb"), ir.tmp("ob"), ir.tmp("ev"), ir.tmp("od")
+                ir(f"{even_bits} = shl {it} {words}, {splat(16)}")
+                ir(f"{odd_bits} = and {it} {words}, {splat(-65536)}")
+                ir(f"{even} = bitcast {it} {even_bits} to {vt}")
+                ir(f"{odd} = bitcast {it} {odd_bits} to {vt}")
+                halves[part] = (even, odd)
+
+            def columns(parity, shift):
+                """Lanes shift .. shift + L - 1 of the even (0) or odd (1) columns of both loads."""
+                a, b = halves[0][parity], halves[1][parity]
+                if shift == 0:
+                    return a
+                v = ir.tmp("tap")
+                pick = ", ".join(f"i32 {shift + k}" for k in range(L))
+                ir(f"{v} = shufflevector {vt} {a}, {vt} {b}, <{L} x i32> <{pick}>")
+                return v
+            taps = {}
+            for kw in range(spec.KW):
+                # even outputs: column 2i + kw; odd outputs: column 2i + 1 + kw
+                taps[(0, kw)] = columns(kw % 2, kw // 2)
+                taps[(1, kw)] = columns(1 - kw % 2, (kw + 1) // 2)
+            for q in range(rows):
+                if not 0 <= i - q < spec.KH:
+                    continue
+                for kw in range(spec.KW):
+                    for par in (0, 1):
+                        nxt = ir.tmp("acc")
+                        ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {taps[(par, kw)]}, "
+                           f"{vt} {wv[(i - q) * spec.KW + kw]}, {vt} {cur[(q, par)]})")
+                        cur[(q, par)] = nxt
+            ir(f"br label %{join}")
+            ir.label(skip)
+            ir(f"br label %{join}")
+            ir.label(join)
+            for key in sorted(accs):
+                if cur[key] is not accs[key]:
+                    merged = ir.tmp("m")
+                    ir(f"{merged} = phi {vt} [ {cur[key]}, %{here} ], [ {accs[key]}, %{skip} ]")
+                    accs[key] = merged
+        for q in range(rows):
+            even, odd = (_activation(ir, spec, accs[(q, par)], vt, L) for par in (0, 1))
+            for part in range(-(-n // L)):   # outputs ow0 + L*part + j, j < L
+                lanes = min(L, n - L * part)
+                out = ir.tmp("il")
+                pick = ", ".join(f"i32 {(L * part + j) // 2 + ((L * part + j) % 2) * L}" for j in range(L))
+                ir(f"{out} = shufflevector {vt} {even}, {vt} {odd}, <{L} x i32> <{pick}>")
+                if narrow:
+                    out = narrow(ir, out, L)
+                at, yt = ir.tmp("yp"), f"<{L} x {y_elem}>"
+                ir(f"{at} = getelementptr {y_elem}, ptr %yb, i64 {q * spec.OW + ow0 + L * part}")
+                if lanes == L:
+                    ir(f"store {yt} {out}, ptr {at}, align {y_align}")
+                else:
+                    ir(f"call void @llvm.masked.store.v{L}{y_ir}.p0({yt} {out}, ptr align {y_align} {at}, "
+                       f"<{L} x i1> {const_mask([j < lanes for j in range(L)])})")
     ir("ret i32 0")
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
             f"ptr noalias %y, i64 %yoff) #0 {{")
     decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
-             f"declare {wt} @llvm.masked.load.v{W2}f32.p0(ptr, <{W2} x i1>, {wt})",
-             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
-             f"declare void @llvm.masked.store.v{L}f32.p0({vt}, ptr, <{L} x i1>)",
+             f"declare {ht} @llvm.masked.load.v{2 * L}i16.p0(ptr, <{2 * L} x i1>, {ht})",
+             f"declare void @llvm.masked.store.v{L}{y_ir}.p0(<{L} x {y_elem}>, ptr, <{L} x i1>)",
              f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"

@@ -50,10 +50,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .lowp import CvtSpec, PairCvtSpec, column_masks, cvt_ir, pair_cvt_ir, typed_declaration
+from .lowp import (CvtSpec, PairCopySpec, PairCvtSpec, bf16_to_f32, column_masks, cvt_ir, f16_to_f32, f32_to_bf16, f32_to_f16,
+                   pair_cvt_ir, typed_declaration)
 from backends.targets import has_feature
-from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, IRBuilder,
-                      close_k_loop, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
+from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, DwRowSpec, IRBuilder,
+                      close_k_loop, dwrow_ir, dwrow_split_ir, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
 from .ukernel_amx import amx_ir
 
 
@@ -383,13 +384,62 @@ def method_for(dtype: str, target) -> str | None:
     return "f16c" if has_feature(target, FEATURES["f16c"]) else None
 
 
+@dataclass(frozen=True)
+class DwRow16Spec(DwRowSpec):
+    """DwRowSpec's depthwise row over activations stored in 16 bits: x rows (`x_fmt`) and y rows
+    (`y_fmt`) are "bf16", "f16" or "f32" (not both "f32": that is DwRowSpec). A 16-bit input is
+    widened on load (exact), the taps, bias and activation run in float32 as in DwRowSpec, and a
+    16-bit output is rounded once, on the store (RNE; `method` as CvtSpec's float32 -> 16 bits).
+    Signature as DwRowSpec's, x and y as uint16 pointers where they hold 16 bits."""
+    x_fmt: str = "f32"
+    y_fmt: str = "f32"
+    method: str = "exact"
+    kind: str = "dwrow16"
+
+    def __post_init__(self):
+        assert {self.x_fmt, self.y_fmt} <= {"f32", "bf16", "f16"} and (self.x_fmt, self.y_fmt) != ("f32", "f32")
+        assert self.method in ("exact", "hw"), self.method
+
+    def _stem(self) -> str:
+        return f"cuvil_dwrow16_{self.x_fmt}_{self.y_fmt}"
+
+    def declaration(self, var: str) -> str:
+        sixteen = lambda fmt: "uint16" if fmt != "f32" else "float32"
+        return typed_declaration(self, var, {0: sixteen(self.x_fmt), 5: sixteen(self.y_fmt)})
+
+
+def dwrow16_ir(spec: DwRow16Spec, vector_bits: int) -> str:
+    """See DwRow16Spec: ukernel.dwrow_ir with lowp.py's conversions on the loads and the stores."""
+    def widen(ir, bits, lanes):
+        wide = bf16_to_f32(ir, bits, lanes) if spec.x_fmt == "bf16" else f16_to_f32(ir, bits, lanes, spec.method)
+        value = ir.tmp("xf")
+        ir(f"{value} = bitcast <{lanes} x i32> {wide} to <{lanes} x float>")
+        return value
+
+    def narrow(ir, value, lanes):
+        bits = ir.tmp("yb")
+        ir(f"{bits} = bitcast <{lanes} x float> {value} to <{lanes} x i32>")
+        to16 = f32_to_bf16 if spec.y_fmt == "bf16" else f32_to_f16
+        return to16(ir, bits, lanes, spec.method)
+    if spec.x_fmt == "bf16" and spec.stride == 1 and spec.OW > min(lanes_for(vector_bits), 16):
+        # bf16 widens by a shift: even / odd columns, 2L outputs a chunk (rows of at most L outputs
+        # keep one vector of L: a chunk of 2L would double their FMAs)
+        return dwrow_split_ir(spec, vector_bits, narrow if spec.y_fmt != "f32" else None)
+    return dwrow_ir(spec, vector_bits, widen if spec.x_fmt != "f32" else None,
+                    narrow if spec.y_fmt != "f32" else None)
+
+
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
     (ukernel_lowp_ir dispatches their IR)."""
-    return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d), "cvtpairs": lambda d: PairCvtSpec(**d)}
+    return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d),
+            "cvtpairs": lambda d: PairCvtSpec(**d), "copypairs": lambda d: PairCopySpec(**d),
+            "dwrow16": lambda d: DwRow16Spec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
-    """The IR of a LowpUKSpec, CvtSpec or PairCvtSpec (what ukernel.ukernel_ir would call for these kinds)."""
-    generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir}.get(spec.kind, lowp_ukernel_ir)
+    """The IR of a LowpUKSpec, CvtSpec, PairCvtSpec, PairCopySpec or DwRow16Spec (what
+    ukernel.ukernel_ir would call for these kinds)."""
+    generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir,
+                "dwrow16": dwrow16_ir}.get(spec.kind, lowp_ukernel_ir)
     return generate(spec, vector_bits)

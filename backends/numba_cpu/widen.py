@@ -24,13 +24,14 @@ def _narrow(graph, name) -> bool:
     return bool(name) and np.dtype(graph.values[name].dtype).name in WIDENED
 
 
-def in_float32(generator):
+def in_float32(generator, reads_narrow=None):
     """`generator` for nodes whose float inputs and outputs may be float16 / bfloat16. A node that
-    passes/assign_precision.py marked bf16/fp16 goes to `generator` as it is: its kernels read and
-    write the 16-bit activations themselves (`narrow_activations`), and widening them here would
-    undo that."""
+    passes/assign_precision.py marked bf16/fp16, or one `reads_narrow(node, graph)` says the
+    generator takes as it is (a depthwise conv on 16-bit activations), goes to `generator` as it
+    is: its kernels read and write the 16-bit activations themselves (`narrow_activations`), and
+    widening them here would undo that."""
     def lower(node, graph) -> Lowered:
-        if node.attr("precision") in ("bf16", "fp16") or \
+        if node.attr("precision") in ("bf16", "fp16") or (reads_narrow is not None and reads_narrow(node, graph)) or \
                 not any(_narrow(graph, n) for n in [*node.inputs, *node.outputs]):
             return generator(node, graph)
         calls, inputs, outputs = [], [], []

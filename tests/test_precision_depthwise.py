@@ -1,0 +1,309 @@
+"""Depthwise convs on activations stored in 16 bits (passes/assign_precision.py, `narrow_activations`):
+a depthwise Conv reads its 16-bit input and writes its 16-bit output (backends/numba_cpu/dwstride.py,
+ukernel_lowp.DwRow16Spec: widened on load, float32 FMAs with float32 weights, rounded once on the
+store), and so does a DepthwiseBlock (backends/numba_cpu/dwblock.py: t and u stay float32 inside).
+Compared with onnxruntime in float32.
+
+The bound is propagated stage by stage, with onnxruntime's float32 values of every tensor as the
+reference magnitudes (|.| * |.| below is the convolution of magnitudes, in float64). u = 2^-8 (bf16,
+8 significant bits) or 2^-11 (fp16, 11 bits) is the unit roundoff of one rounding to nearest;
+gamma(n) = n 2^-24 / (1 - n 2^-24) bounds a float32 sum of n terms. `b` is the bound on a stage's
+input (|h - h_ort| <= b), `e` the bound before a stage's store:
+
+    marked conv (bf16/fp16 operands):  e = |W| * b + (r + gamma(K + 1)) (|W| * (|h| + b) + |bias|)
+        r = u for W's rounding when h is stored in 16 bits already (exact operand), and
+        r = 2u + u^2 when h is a float32 graph input rounded to 16 bits by the conv
+    depthwise conv / the block's float32 1x1 convs (float32 weights, exact 16-bit or float32 input):
+                                       e = |W| * b + gamma(K + 1) (|W| * (|h| + b) + |bias|)
+    a residual r added before the store: e += b_r + gamma(1) (|y| + e)
+    stored in 16 bits:                 b_out = e + u (|y_ort| + e)       (one rounding, RNE)
+
+Relu / Clip are 1-Lipschitz and commute with these bounds. K = taps x input channels per group.
+"""
+import numpy as np
+import pytest
+from onnx import helper
+
+import cuvil
+from cuvil.explain import explain_model
+from tests.helpers import make_model, run_ort
+
+F = np.float32
+U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+
+
+def gamma(n):
+    return n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+
+
+def conv64(x, w, stride=1, pads=(0, 0, 0, 0), group=1, dilation=1):
+    """Float64 convolution (NCHW, OIHW; pads top, left, bottom, right): the bounds' magnitudes."""
+    N, C, H, W = x.shape
+    OC, ICg, KH, KW = w.shape
+    xp = np.pad(np.asarray(x, np.float64), ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    OH = (xp.shape[2] - dilation * (KH - 1) - 1) // stride + 1
+    OW = (xp.shape[3] - dilation * (KW - 1) - 1) // stride + 1
+    y = np.zeros((N, OC, OH, OW))
+    ocg = OC // group
+    for g in range(group):
+        xs = xp[:, g * ICg:(g + 1) * ICg]
+        wg = np.asarray(w[g * ocg:(g + 1) * ocg], np.float64)
+        for kh in range(KH):
+            for kw in range(KW):
+                patch = xs[:, :, kh * dilation:kh * dilation + stride * OH:stride,
+                           kw * dilation:kw * dilation + stride * OW:stride]
+                y[:, g * ocg:(g + 1) * ocg] += np.einsum("nchw,oc->nohw", patch, wg[:, :, kh, kw])
+    return y
+
+
+def stage_error(h, b, w, bias, rel, **geometry):
+    """e of one conv (see the module docstring): h its input (onnxruntime's), b h's bound, rel the
+    operand roundings' relative error."""
+    K = w.shape[1] * w.shape[2] * w.shape[3]
+    b = np.broadcast_to(np.asarray(b, np.float64), h.shape)
+    mag = conv64(np.abs(h) + b, np.abs(w), **geometry) + np.abs(bias)[None, :, None, None]
+    return conv64(b, np.abs(w), **geometry) + (rel + gamma(K + 1)) * mag
+
+
+def stored(e, y, u):
+    return e + u * (np.abs(y) + e)
+
+
+def weights(oc, icg, k, seed):
+    rng = np.random.default_rng(seed)
+    return ((rng.standard_normal((oc, icg, k, k)) / np.sqrt(icg * k * k)).astype(F),
+            (rng.standard_normal(oc) * 0.1).astype(F))
+
+
+def intermediates(model, feeds, names):
+    """onnxruntime's float32 values of the tensors `names` (added as graph outputs)."""
+    m = type(model)()
+    m.CopyFrom(model)
+    m.graph.output.extend(helper.make_tensor_value_info(n, 1, None) for n in names)
+    return run_ort(m, feeds)
+
+
+def families(info):
+    return {"_".join(k.symbol.split("_")[1:-1]) for k in info.kernels}
+
+
+DEPTHWISE_CASES = {   # C, H, W, kernel, stride, pads (t, l, b, r), dilation
+    "3x3_s1": (24, 14, 14, 3, 1, (1, 1, 1, 1), 1),
+    "3x3_s2_odd": (20, 15, 17, 3, 2, (1, 1, 1, 1), 1),
+    "5x5_s2": (36, 16, 16, 5, 2, (2, 2, 2, 2), 1),
+    "3x3_s2_end_pads": (40, 16, 16, 3, 2, (0, 0, 1, 1), 1),
+    "3x3_s1_narrow": (40, 7, 7, 3, 1, (1, 1, 1, 1), 1),   # rows narrower than the fp32 kernel's minimum
+    "3x3_s1_unpadded": (17, 12, 12, 3, 1, (0, 0, 0, 0), 1),
+    "3x3_dilation2": (24, 14, 14, 3, 1, (2, 2, 2, 2), 2),   # no 16-bit rows: widened copies around it
+    "7x7_s1": (16, 12, 12, 7, 1, (3, 3, 3, 3), 1),
+    "3x3_s1_wide": (8, 6, 45, 3, 1, (1, 1, 1, 1), 1),   # rows of more than 2 x 16 outputs
+}
+
+
+def depthwise_chain(C, H, W, k, stride, pads, dilation):
+    """x -> 1x1 conv (marked: writes h1 in 16 bits) -> depthwise conv + Clip(0, 6) (reads h1, writes
+    h2 in 16 bits) -> 1x1 conv (marked: reads h2) -> y (float32, a graph output)."""
+    w1, b1 = weights(C, 8, 1, 1)
+    w2, b2 = weights(C, 1, k, 2)
+    w3, b3 = weights(16, C, 1, 3)
+    six = np.array(6.0, F)
+    zero = np.array(0.0, F)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h1"]),
+             helper.make_node("Conv", ["h1", "w2", "b2"], ["d"], group=C, strides=[stride, stride],
+                              pads=list(pads), dilations=[dilation, dilation]),
+             helper.make_node("Clip", ["d", "zero", "six"], ["h2"]),
+             helper.make_node("Conv", ["h2", "w3", "b3"], ["y"])]
+    inits = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3, "six": six, "zero": zero}
+    model = make_model(nodes, [("x", F, [1, 8, H, W])], [("y", F, None)], inits)
+    return model, (w1, b1, w2, b2, w3, b3)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", sorted(DEPTHWISE_CASES))
+def test_a_depthwise_conv_between_16_bit_tensors_is_within_the_propagated_bound(case, precision):
+    C, H, W, k, stride, pads, dilation = DEPTHWISE_CASES[case]
+    model, (w1, b1, w2, b2, w3, b3) = depthwise_chain(C, H, W, k, stride, pads, dilation)
+    x = np.random.default_rng(0).standard_normal((1, 8, H, W)).astype(F)
+    u = U[precision]
+    ort = intermediates(model, {"x": x}, ["h1", "h2"])
+    h1, h2, y = (ort[n].astype(np.float64) for n in ("h1", "h2", "y"))
+    bound1 = stored(stage_error(x, 0.0, w1, b1, 2 * u + u * u), h1, u)
+    bound2 = stored(stage_error(h1, bound1, w2, b2, 0.0, stride=stride, pads=pads, group=C, dilation=dilation), h2, u)
+    bound = stage_error(h2, bound2, w3, b3, u)
+
+    got = cuvil.compile(model, precision=precision).run({"x": x})["y"]
+    err = np.abs(got.astype(np.float64) - y)
+    assert got.dtype == np.float32 and got.shape == y.shape
+    assert np.all(err <= bound), float(np.max(err - bound))
+    # the 16-bit tensors really were rounded: float32 throughout stays within ~gamma(K) of the values
+    assert np.max(err) > 2.0 ** -20 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
+
+    info = explain_model(model, precision=precision)
+    own = {b[4]: b[1] for b in info.buffers if "__" not in b[4]}
+    sizes = sorted(own.values())
+    assert 2 * h1.size in sizes and 2 * h2.size in sizes, (own, h1.size, h2.size)   # both stored in 16 bits
+    if dilation == 1:   # the depthwise rows read and write them: no widening copy
+        assert not any(f.startswith(("cast", "cvt16")) for f in families(info)), families(info)
+
+
+def test_depthwise_convs_keep_float32_tensors_when_narrow_activations_is_off():
+    model, _ = depthwise_chain(*DEPTHWISE_CASES["3x3_s1"])
+    off = explain_model(model, precision="bf16", pass_options={"assign_precision": {"narrow_activations": False}})
+    assert 4 * 24 * 14 * 14 in [b[1] for b in off.buffers if "__" not in b[4]]
+
+
+BLOCK_CASES = {   # expand, project, residual, stride
+    "expand_project_residual": (True, True, True, 1),
+    "expand_project_s2": (True, True, False, 2),
+    "project_only": (False, True, False, 1),
+    "expand_only_s2": (True, False, False, 2),
+}
+
+
+def block_chain(expand, project, residual, stride, C=24, H=20):
+    """x -> 3x3 conv (marked: writes h in 16 bits) -> [expand 1x1 + Clip] -> depthwise 3x3 + Clip ->
+    [project 1x1 (+ h)] -> g -> 3x3 conv (marked: reads g) -> y. With min_bytes 0 the middle becomes
+    one DepthwiseBlock (passes/fuse_depthwise_block.py) reading h (and the residual h) and writing
+    g in 16 bits."""
+    E = 3 * C if expand else C
+    w0, b0 = weights(C, 4, 3, 10)
+    inits = {"w0": w0, "b0": b0, "zero": np.array(0.0, F), "six": np.array(6.0, F)}
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["h"], pads=[1, 1, 1, 1])]
+    stages = []   # (input, weights, bias, geometry, output before Clip / residual, output)
+    t = "h"
+    if expand:
+        inits["we"], inits["be"] = weights(E, C, 1, 11)
+        nodes += [helper.make_node("Conv", ["h", "we", "be"], ["te"]), helper.make_node("Clip", ["te", "zero", "six"], ["t"])]
+        stages.append(("h", "we", "be", {}, "t"))
+        t = "t"
+    inits["wd"], inits["bd"] = weights(E, 1, 3, 12)
+    nodes += [helper.make_node("Conv", [t, "wd", "bd"], ["ud"], group=E, strides=[stride, stride], pads=[1, 1, 1, 1]),
+              helper.make_node("Clip", ["ud", "zero", "six"], ["u"])]
+    stages.append((t, "wd", "bd", {"stride": stride, "pads": (1, 1, 1, 1), "group": E}, "u"))
+    g = "u"
+    if project:
+        inits["wp"], inits["bp"] = weights(C, E, 1, 13)
+        nodes.append(helper.make_node("Conv", ["u", "wp", "bp"], ["p"]))
+        stages.append(("u", "wp", "bp", {}, "p"))
+        g = "p"
+        if residual:
+            nodes.append(helper.make_node("Add", ["p", "h"], ["g"]))
+            g = "g"
+    w9, b9 = weights(8, C if project else E, 3, 14)   # 3x3: not a project conv the block could take
+    inits.update(w9=w9, b9=b9)
+    nodes.append(helper.make_node("Conv", [g, "w9", "b9"], ["y"], pads=[1, 1, 1, 1]))
+    model = make_model(nodes, [("x", F, [1, 4, H, H])], [("y", F, None)], inits)
+    return model, inits, stages, g
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", sorted(BLOCK_CASES))
+def test_a_depthwise_block_between_16_bit_tensors_is_within_the_propagated_bound(case, precision):
+    expand, project, residual, stride = BLOCK_CASES[case]
+    model, inits, stages, g = block_chain(expand, project, residual, stride)
+    x = np.random.default_rng(0).standard_normal((1, 4, 20, 20)).astype(F)
+    u = U[precision]
+    names = ["h"] + [s[4] for s in stages] + ([g] if g != stages[-1][4] else [])
+    ort = {k: v.astype(np.float64) for k, v in intermediates(model, {"x": x}, names).items()}
+    bound = {"h": stored(stage_error(x, 0.0, inits["w0"], inits["b0"], 2 * u + u * u, pads=(1, 1, 1, 1)), ort["h"], u)}
+    for src, w, b, geometry, out in stages:   # float32 inside the block: t and u are not rounded
+        bound[out] = stage_error(ort[src], bound[src], inits[w], inits[b], 0.0, **geometry)
+    e = bound[stages[-1][4]]
+    if residual:
+        e = e + bound["h"] + gamma(1) * (np.abs(ort[g]) + e)
+    b_g = stored(e, ort[g], u)
+    want = ort["y"]
+    limit = stage_error(ort[g], b_g, inits["w9"], inits["b9"], u, pads=(1, 1, 1, 1))
+
+    options = {"fuse_depthwise_block": {"min_bytes": 0}}
+    info = explain_model(model, precision=precision, pass_options=options)
+    assert "depthwiseblock" in families(info), families(info)
+    assert not any(f.startswith(("cast", "cvt16")) for f in families(info)), families(info)
+    own = sorted(b[1] for b in info.buffers if "__" not in b[4])
+    assert 2 * ort["h"].size in own and 2 * ort[g].size in own, (own, ort["h"].size, ort[g].size)
+
+    got = cuvil.compile(model, precision=precision, pass_options=options).run({"x": x})["y"]
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= limit), float(np.max(err - limit))
+    assert np.max(err) > 2.0 ** -20 * np.max(np.abs(want)), (np.max(err), np.max(np.abs(want)))
+
+
+def _cosine(a, b):
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_small_mobilenet_v2_keeps_its_conv_chain_in_16_bits_and_its_cosine(precision):
+    pytest.importorskip("torch")
+    from tests import zoo
+    model = zoo.export(zoo.mobilenet_v2(width_mult=0.35, num_classes=100), {"x": (1, 3, 96, 96)})
+    x = zoo.sample_input((1, 3, 96, 96))
+    want = next(iter(run_ort(model, {"x": x}).values()))
+    got = next(iter(cuvil.compile(model, precision=precision).run({"x": x}).values()))
+    # (cosine >= 0.999 is the issue's bar for a reduced-precision model against float32)
+    assert _cosine(got, want) >= 0.999, _cosine(got, want)
+    # no depthwise conv widens its tensors into float32 copies (widen.in_float32's Cast kernels); the
+    # tiny 3x3-plane 1x1 convs at the end take float32 kernels with their own copies (cvt16, conv.py)
+    info = explain_model(model, precision=precision)
+    assert not any(f.startswith("cast") for f in families(info)), families(info)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mobilenet_v2_at_224_keeps_its_cosine_to_float32(precision):
+    pytest.importorskip("torch")
+    from tests import zoo
+    model = zoo.export(zoo.mobilenet_v2(), {"x": (1, 3, 224, 224)})
+    x = zoo.sample_input((1, 3, 224, 224))
+    want = next(iter(run_ort(model, {"x": x}).values()))
+    got = next(iter(cuvil.compile(model, precision=precision).run({"x": x}).values()))
+    assert _cosine(got, want) >= 0.999, _cosine(got, want)
+    assert got.argmax() == want.argmax()
+
+
+def test_mobilenet_v2_arena_in_bf16_is_at_most_055_of_float32():
+    pytest.importorskip("torch")
+    from tests import zoo
+    model = zoo.export(zoo.mobilenet_v2(), {"x": (1, 3, 224, 224)})
+    fp32 = explain_model(model).memory["arena_bytes"]
+    bf16 = explain_model(model, precision="bf16").memory["arena_bytes"]
+    assert bf16 <= 0.55 * fp32, (bf16, fp32, bf16 / fp32)
+
+
+def test_a_16_bit_depthwise_block_gives_the_same_bits_on_two_threads():
+    # each work item has its own scratch (the widened rows of x and the float32 band of y
+    # included): the result does not depend on which thread computes what (dwblock.py)
+    model, *_ = block_chain(*BLOCK_CASES["expand_project_residual"])
+    x = np.random.default_rng(0).standard_normal((1, 4, 20, 20)).astype(F)
+    options = {"fuse_depthwise_block": {"min_bytes": 0}}
+    one = cuvil.compile(model, precision="bf16", threads=1, pass_options=options).run({"x": x})["y"]
+    two = cuvil.compile(model, precision="bf16", threads=2, pass_options=options).run({"x": x})["y"]
+    assert np.array_equal(one, two)   # (the one-thread build's error bound: the block test above)
+
+
+@pytest.mark.parametrize("stride,width", [(1, 14), (2, 15), (1, 5)])
+def test_a_float16_models_depthwise_conv_reads_and_writes_float16_rows(stride, width):
+    # a float16 ONNX model (no precision option): its depthwise conv takes the 16-bit rows directly
+    # instead of float32 copies (widen.in_float32). Both engines sum in float32 from the same fp16
+    # values and round once to fp16, so they differ by at most one fp16 ulp of the result:
+    # 2^-10 |y| (normal range), plus 2^-24 (the subnormal ulp) near zero.
+    from onnx import TensorProto, numpy_helper
+    import onnxruntime as ort
+    C, H16 = 24, TensorProto.FLOAT16
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((C, 1, 3, 3)) / 3).astype(np.float16)
+    b = (rng.standard_normal(C) * 0.1).astype(np.float16)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], group=C, pads=[1, 1, 1, 1], strides=[stride, stride])
+    graph = helper.make_graph([node], "f16", [helper.make_tensor_value_info("x", H16, [1, C, width, width])],
+                              [helper.make_tensor_value_info("y", H16, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    x = rng.standard_normal((1, C, width, width)).astype(np.float16)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = cuvil.compile(model).run({"x": x})["y"]
+    assert got.dtype == np.float16 and got.shape == want.shape
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    assert np.all(err <= 2.0 ** -10 * np.abs(want.astype(np.float64)) + 2.0 ** -24), float(err.max())
+    assert not any(f.startswith("cast") for f in families(explain_model(model))), families(explain_model(model))

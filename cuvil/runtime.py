@@ -69,6 +69,36 @@ def find_prefix(path: Path) -> str:
 STAGED_BYTES = 16 * 1024
 
 
+def tensor_dtype(spec: dict) -> np.dtype:
+    """The numpy dtype of a model_info tensor: "string" tensors are object arrays of str."""
+    return np.dtype(object) if spec["dtype"] == "string" else np.dtype(spec["dtype"])
+
+
+def _string_table(arr: np.ndarray, name: str):
+    """A string input as the C ABI takes it: an array of NUL-terminated UTF-8 strings, C order
+    (docs/strings.md). The ctypes array keeps the encoded bytes alive."""
+    encoded = []
+    for item in arr.reshape(-1):
+        data = item.encode("utf-8") if isinstance(item, str) else item if isinstance(item, bytes) else None
+        if data is None:
+            raise CuvilError(f"input '{name}': an element is a {type(item).__name__}, not a str",
+                             hint="a string input takes a numpy array of str (dtype object or str)")
+        if b"\0" in data:
+            raise CuvilError(f"input '{name}': an element holds a NUL character, which a C string cannot",
+                             hint="remove the NUL characters")
+        encoded.append(data)
+    return (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
+
+
+def _strings_from(pointers: np.ndarray) -> np.ndarray:
+    """A string output: the element pointers the run wrote, read as UTF-8 into an object array."""
+    out = np.empty(pointers.shape, dtype=object)
+    flat = out.reshape(-1)
+    for k, address in enumerate(pointers.reshape(-1)):
+        flat[k] = ctypes.string_at(int(address)).decode("utf-8", "replace")
+    return out
+
+
 def _address(arr: np.ndarray) -> int:
     """The data address of a C-contiguous array.
 
@@ -105,8 +135,11 @@ class Session:
         self._out_ptrs = (ctypes.c_void_p * max(1, len(outputs)))()
         self._staged_inputs, self._addressed_inputs = [], []
         self._input_checks = []  # (name, dtype, shape, passed by address), for the fast check
+        # string tensors are passed by address, as arrays of char pointers (docs/strings.md)
+        self._string_inputs = {i for i, spec in enumerate(inputs) if spec["dtype"] == "string"}
+        self._string_outputs = {i for i, spec in enumerate(outputs) if spec["dtype"] == "string"}
         for i, spec in enumerate(inputs):
-            dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+            dtype, shape = tensor_dtype(spec), tuple(spec["shape"])
             staged = self._stage(self._in_ptrs, i, dtype, shape)
             if staged is None:
                 self._addressed_inputs.append(i)
@@ -116,7 +149,7 @@ class Session:
         self._addressed_outputs = []
         self._results = []  # (name, output index, staged buffer or None): each name once, in graph order
         for i, spec in enumerate(outputs):
-            dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+            dtype, shape = tensor_dtype(spec), tuple(spec["shape"])
             staged = self._stage(self._out_ptrs, i, dtype, shape)
             if staged is None:
                 self._addressed_outputs.append((i, shape, dtype))
@@ -132,8 +165,9 @@ class Session:
 
     @staticmethod
     def _stage(ptrs, index, dtype, shape):
-        """A buffer for a small tensor, its address stored in ptrs[index] once; None for a large one."""
-        if math.prod(shape) * dtype.itemsize > STAGED_BYTES:
+        """A buffer for a small tensor, its address stored in ptrs[index] once; None for a large one
+        (or a string tensor)."""
+        if math.prod(shape) * dtype.itemsize > STAGED_BYTES or dtype == object:
             return None
         buf = np.zeros(shape, dtype)
         ptrs[index] = _address(buf)
@@ -170,11 +204,16 @@ class Session:
         with self._lock:
             for i, staged in self._staged_inputs:
                 staged[...] = arrays[i]
+            tables = []   # string inputs' pointer arrays, alive until the run returns
             for i in self._addressed_inputs:
-                in_ptrs[i] = _address(arrays[i])
+                if i in self._string_inputs:
+                    tables.append(_string_table(arrays[i], self._input_checks[i][0]))
+                    in_ptrs[i] = ctypes.addressof(tables[-1])
+                else:
+                    in_ptrs[i] = _address(arrays[i])
             fresh = {}
             for i, shape, dtype in self._addressed_outputs:
-                arr = fresh[i] = np.empty(shape, dtype)
+                arr = fresh[i] = np.zeros(shape, np.uintp) if i in self._string_outputs else np.empty(shape, dtype)
                 out_ptrs[i] = _address(arr)
             code = self._run_c(self._handle_arg, in_ptrs, out_ptrs)
             if code != 0:
@@ -186,6 +225,8 @@ class Session:
                 results[name] = fresh[i] if staged is None else staged.copy()
                 if i in self._dynamic:
                     results[name] = self._actual(i, results[name])
+                if i in self._string_outputs:   # read now: the next run frees the strings
+                    results[name] = _strings_from(results[name])
             return results
 
     def _actual(self, index: int, buffer: np.ndarray) -> np.ndarray:
@@ -203,7 +244,7 @@ class Session:
             self._run_batch_c = lib._lib[f"{lib.prefix}session_run_batch"]
             self._run_batch_c.restype = ctypes.c_int
         in_ptrs = (ctypes.c_void_p * max(1, len(arrays)))(*[_address(a) for a in arrays])
-        outputs = [np.empty((rows, *spec["shape"][1:]), np.dtype(spec["dtype"])) for spec in lib.info["outputs"]]
+        outputs = [np.empty((rows, *spec["shape"][1:]), tensor_dtype(spec)) for spec in lib.info["outputs"]]
         out_ptrs = (ctypes.c_void_p * max(1, len(outputs)))(*[_address(a) for a in outputs])
         with self._lock:
             code = self._run_batch_c(self._handle_arg, ctypes.c_int64(rows), in_ptrs, out_ptrs)
@@ -463,12 +504,14 @@ class Library:
                 hint=f"inputs are {self.input_names}")
         arrays, rows, first = [], None, None
         for spec in self.info["inputs"]:
-            name, dtype, shape = spec["name"], np.dtype(spec["dtype"]), tuple(spec["shape"])
+            name, dtype, shape = spec["name"], tensor_dtype(spec), tuple(spec["shape"])
             arr = feeds[name]
             if not isinstance(arr, np.ndarray):
                 arr = np.asarray(arr)
                 if arr.dtype != dtype and np.can_cast(arr.dtype, dtype, "same_kind"):
                     arr = arr.astype(dtype)
+            if dtype == object and arr.dtype.kind in "US":   # numpy str / bytes arrays: as objects
+                arr = arr.astype(object)
             if arr.dtype != dtype:
                 raise CuvilError(f"input '{name}': dtype {arr.dtype}, the model takes {dtype}",
                                  hint=f"convert it with .astype(np.{dtype.name})")

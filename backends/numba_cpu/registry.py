@@ -10,7 +10,7 @@ from cuvil.errors import UnsupportedOpError
 from cuvil.ops import CONTROL_OPS, FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
 
 from . import attention, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
-from .kernel import lowering_for
+from .kernel import Lowered, lowering_for
 from .views import lower_view
 
 # rnn.py, convtranspose.py, norm.py, quant.py
@@ -41,6 +41,16 @@ from . import nbits_gemm   # many rows: dequantised panels; else nbits.py's pack
 # gqa.py (onnxruntime's LLM attention ops; cuvil/contrib.py has their forms)
 from cuvil import contrib
 from . import gqa
+
+# strings.py (string tensors: C kernels defined in the driver; docs/strings.md)
+from . import strings
+
+
+def _equal(node, graph) -> Lowered:
+    """Equal: on strings its own kernel, else the elementwise one."""
+    if strings.is_string(graph.values[node.inputs[0]]):
+        return strings.lower_string_equal(node, graph)
+    return ew.lower_elementwise(node, graph)
 
 GENERATORS = {
     # elementwise (elementwise.py)
@@ -166,6 +176,12 @@ GENERATORS = {
     "Compress": dynamic.lower_compress,
     "Unique": dynamic.lower_unique,
     "NonMaxSuppression": dynamic.lower_non_max_suppression,
+    # string tensors (strings.py)
+    "Equal": _equal,
+    "StringConcat": strings.lower_string_concat,
+    "StringNormalizer": strings.lower_string_normalizer,
+    "StringSplit": strings.lower_string_split,
+    "RegexFullMatch": strings.lower_regex_full_match,
 }
 
 
@@ -176,6 +192,7 @@ DOMAIN_GENERATORS = {
     (contrib.MS, "RotaryEmbedding"): gqa.lower_rotary_embedding,
     (contrib.MS, "SimplifiedLayerNormalization"): norm.lower_simplified_layer_normalization,
     (contrib.MS, "SkipSimplifiedLayerNormalization"): norm.lower_skip_simplified_layer_normalization,
+    ("ai.onnx.ml", "LabelEncoder"): strings.lower_label_encoder,
 }
 
 
@@ -207,5 +224,6 @@ def lower(graph, threads: int = 1, l1d_ways: int = DEFAULT_L1D_WAYS, target=None
     schedule = []
     with lowering_for(threads, target.l1d_ways if target is not None else l1d_ways, target):
         for node in graph.nodes:
+            strings.check_node(node, graph)   # a string tensor where the op has no string kernel
             schedule.extend(generator_for(node)(node, graph).calls)
     return schedule

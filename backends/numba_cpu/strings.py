@@ -1,0 +1,439 @@
+"""Kernels of the ops on string tensors: StringConcat, StringNormalizer, StringSplit, RegexFullMatch,
+Equal on strings and ai.onnx.ml LabelEncoder (docs/strings.md).
+
+A string tensor is an array of `const char*` (NUL-terminated UTF-8), one an element. These kernels
+are plain C (Kernel.language "c"), defined in the driver, not Numba code: each one's body sees its
+pointer arguments p0, p1... (inputs, then outputs), the session's string pool `S`, and the helpers
+of backends/native/strings.py (`str_alloc`, `str_copy`, `strings_error`). A kernel that fails sets
+the pool's error and returns; the driver checks it after the call. String constants (stopwords,
+LabelEncoder keys, a constant operand) are baked into the kernel's source as C literals.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuvil.errors import UnsupportedOpError
+from cuvil.ops import VIEW_OPS
+
+from . import regex
+from .kernel import Kernel, KernelCall, Lowered
+
+# What each op's kernel takes; any other op given a string tensor is refused (check_node).
+STRING_OPS = ("StringConcat", "StringNormalizer", "StringSplit", "RegexFullMatch", "Equal", "LabelEncoder")
+# StringNormalizer's locales: the case mapping here is the same in all of them (ASCII, Latin-1,
+# Greek and Cyrillic letters, docs/strings.md); another locale's rules (Turkish dotless i...) are not.
+LOCALES = ("", "C", "C.UTF-8", "POSIX", "en_US", "en_US.UTF-8", "en_US.utf8", "en_GB", "en_GB.UTF-8")
+
+ERR_OUT_OF_MEMORY, ERR_BAD_ARGUMENT = 3, 6   # backends/native/driver.py ERROR_CODES
+
+
+def is_string(value) -> bool:
+    return np.dtype(value.dtype) == np.dtype(object)
+
+
+def check_node(node, graph) -> None:
+    """Refuse a node that reads or writes a string tensor when its op has no string kernel (views
+    only move the element pointers, so they take strings as they are)."""
+    names = [n for n in list(node.inputs) + list(node.outputs) if n and n in graph.values]
+    touched = [n for n in names if is_string(graph.values[n])]
+    if not touched or node.op in STRING_OPS or node.op in VIEW_OPS:
+        return
+    raise UnsupportedOpError(f"node '{node.name}' ({node.op}): op {node.op} does not take string tensors "
+                             f"('{touched[0]}' is one)",
+                             hint=f"string tensors are taken by {', '.join(STRING_OPS)} and the views "
+                                  f"({', '.join(sorted(VIEW_OPS))}); see docs/strings.md")
+
+
+def c_literal(text) -> str:
+    """A C string literal of `text`'s UTF-8 bytes (octal escapes: no hex escape runs on)."""
+    data = text if isinstance(text, bytes) else str(text).encode("utf-8")
+    out = []
+    for byte in data:
+        ch = chr(byte)
+        out.append(ch if 32 <= byte < 127 and ch not in '\\"?' else f"\\{byte:03o}")
+    return '"' + "".join(out) + '"'
+
+
+def _table(name: str, texts) -> str:
+    items = ", ".join(c_literal(t) for t in texts) or '""'
+    return f"    static const char* const {name}[] = {{{items}}};"
+
+
+def _kernel(family, body, arg_types) -> Kernel:
+    return Kernel(family, body, tuple(arg_types), language="c")
+
+
+class _Operands:
+    """The kernel's pointer arguments as they are added; a constant string operand is a table in the
+    source instead."""
+
+    def __init__(self):
+        self.names, self.types, self.lines = [], [], []
+
+    def strings(self, value, c_name: str) -> None:
+        if value.is_const:
+            self.lines.append(_table(c_name, np.asarray(value.data, dtype=object).reshape(-1)))
+        else:
+            self.lines.append(f"    const char* const* {c_name} = (const char* const*)p{len(self.names)};")
+            self.names.append(value.name)
+            self.types.append("object")
+
+    def output(self, value, c_name: str, c_type: str) -> None:
+        self.lines.append(f"    {c_type}* {c_name} = ({c_type}*)p{len(self.names)};")
+        self.names.append(value.name)
+        self.types.append("object" if c_type == "const char*" else np.dtype(value.dtype).name)
+
+
+def _broadcast_index(out_shape, in_shapes, names) -> tuple[list[str], list[str]]:
+    """C that makes, for output element `i`, the index `names[k]` into input k (numpy broadcasting):
+    declarations before the loop, statements inside it."""
+    rank = len(out_shape)
+    if all(tuple(s) == tuple(out_shape) for s in in_shapes):
+        return [], [f"        const int64_t {n} = i;" for n in names]
+    decl = [f"    static const int64_t dims[] = {{{', '.join(map(str, out_shape)) or '0'}}};"]
+    for shape, n in zip(in_shapes, names):
+        padded = (1,) * (rank - len(shape)) + tuple(shape)
+        strides, step = [], 1
+        for d in reversed(padded):
+            strides.append(step if d != 1 else 0)
+            step *= d
+        decl.append(f"    static const int64_t {n}_stride[] = {{{', '.join(map(str, reversed(strides))) or '0'}}};")
+    body = [f"        int64_t {', '.join(f'{n} = 0' for n in names)}, rest = i;",
+            f"        for (int d = {rank - 1}; d >= 0; d--) {{",
+            "            const int64_t q = rest % dims[d];",
+            "            rest /= dims[d];",
+            *[f"            {n} += q * {n}_stride[d];" for n in names],
+            "        }"]
+    return decl, body
+
+
+def _binary(node, graph, family, make) -> Lowered:
+    a, b = (graph.values[n] for n in node.inputs[:2])
+    out = graph.values[node.outputs[0]]
+    if not (is_string(a) and is_string(b)):
+        raise UnsupportedOpError(f"node '{node.name}' ({node.op}): both inputs must be strings, got "
+                                 f"{np.dtype(a.dtype).name} and {np.dtype(b.dtype).name}")
+    ops = _Operands()
+    ops.strings(a, "x")
+    ops.strings(b, "y")
+    ops.output(out, "z", "const char*" if is_string(out) else "unsigned char")
+    decl, index = _broadcast_index(out.shape, [a.shape, b.shape], ["ia", "ib"])
+    body = "\n".join(ops.lines + decl + [f"    for (int64_t i = 0; i < {out.size}; i++) {{", *index,
+                                          *make(), "    }"])
+    kernel = _kernel(family, body, ops.types)
+    return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=1)])
+
+
+def lower_string_concat(node, graph) -> Lowered:
+    def make():
+        return ["        const size_t la = strlen(x[ia]), lb = strlen(y[ib]);",
+                "        char* t = str_alloc(S, la + lb + 1);",
+                "        if (!t) return;",
+                "        memcpy(t, x[ia], la);",
+                "        memcpy(t + la, y[ib], lb + 1);",
+                "        z[i] = t;"]
+    return _binary(node, graph, "string_concat", make)
+
+
+def lower_string_equal(node, graph) -> Lowered:
+    return _binary(node, graph, "string_equal", lambda: ["        z[i] = strcmp(x[ia], y[ib]) == 0;"])
+
+
+# -- StringNormalizer -----------------------------------------------------------------------------
+
+# Case mapping of one code point (the letters of ASCII, Latin-1, Greek and Cyrillic, whose upper and
+# lower cases are one code point apart by a fixed offset), then UTF-8 in and out.
+_CASE_C = r"""
+#define CP_UPPER(c) (((c) >= 'a' && (c) <= 'z') || ((c) >= 0xE0 && (c) <= 0xFE && (c) != 0xF7) \
+    || ((c) >= 0x3B1 && (c) <= 0x3C9 && (c) != 0x3C2) ? (c) - 32 : ((c) >= 0x430 && (c) <= 0x44F) ? (c) - 32 \
+    : ((c) >= 0x450 && (c) <= 0x45F) ? (c) - 80 : (c))
+#define CP_LOWER(c) (((c) >= 'A' && (c) <= 'Z') || ((c) >= 0xC0 && (c) <= 0xDE && (c) != 0xD7) \
+    || ((c) >= 0x391 && (c) <= 0x3A9 && (c) != 0x3A2) ? (c) + 32 : ((c) >= 0x410 && (c) <= 0x42F) ? (c) + 32 \
+    : ((c) >= 0x400 && (c) <= 0x40F) ? (c) + 80 : (c))
+"""
+
+
+def _case_copy(direction: str) -> list[str]:
+    """C statements: `t` := the pool copy of `src` with every letter mapped by CP_<direction>."""
+    return [
+        "            const unsigned char* u = (const unsigned char*)src;",
+        "            const size_t n = strlen(src);",
+        "            char* t = str_alloc(S, n + 1);   /* the mapped letters have the same UTF-8 length */",
+        "            if (!t) return;",
+        "            size_t k = 0, o = 0;",
+        "            while (k < n) {",
+        "                uint32_t c = u[k];",
+        "                int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;",
+        "                if (k + len > n) len = 1;",
+        "                if (len == 2) c = ((c & 0x1F) << 6) | (u[k + 1] & 0x3F);",
+        "                if (len == 2) {",
+        f"                    uint32_t m = CP_{direction}(c);",
+        "                    if (m < 0x80 || m >= 0x800) m = c;   /* stays two bytes long */",
+        "                    t[o++] = (char)(0xC0 | (m >> 6)); t[o++] = (char)(0x80 | (m & 0x3F));",
+        "                } else if (len == 1 && c < 0x80) {",
+        f"                    t[o++] = (char)CP_{direction}(c);",
+        "                } else {",
+        "                    memcpy(t + o, u + k, (size_t)len); o += (size_t)len;",
+        "                }",
+        "                k += (size_t)len;",
+        "            }",
+        "            t[o] = 0;",
+    ]
+
+
+def lower_string_normalizer(node, graph) -> Lowered:
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    action = str(node.attr("case_change_action", "NONE") or "NONE").upper()
+    sensitive = int(node.attr("is_case_sensitive", 0))
+    stopwords = list(node.attr("stopwords", []) or [])
+    locale = str(node.attr("locale", "") or "")
+    if action not in ("NONE", "LOWER", "UPPER"):
+        raise UnsupportedOpError(f"node '{node.name}' (StringNormalizer): case_change_action {action!r} is not "
+                                 "one of NONE, LOWER, UPPER")
+    if locale not in LOCALES:
+        raise UnsupportedOpError(f"node '{node.name}' (StringNormalizer): locale {locale!r} is not supported",
+                                 hint=f"supported locales: {', '.join(repr(l) for l in LOCALES)} (their case "
+                                      "mapping of ASCII, Latin-1, Greek and Cyrillic letters); docs/strings.md")
+    if not is_string(x):
+        raise UnsupportedOpError(f"node '{node.name}' (StringNormalizer): the input must be strings")
+    ops = _Operands()
+    ops.strings(x, "x")
+    ops.output(y, "y", "const char*")
+    dims = y.shape_from
+    if dims:
+        ops.output(graph.values[dims], "dims", "int64_t")
+    if not sensitive:   # stopwords compare in lower case
+        stopwords = [_lower(w) for w in stopwords]
+    lines = [_CASE_C, *ops.lines, _table("stop", stopwords),
+             f"    int64_t kept = 0;",
+             f"    for (int64_t i = 0; i < {x.size}; i++) {{",
+             "        const char* word = x[i];"]
+    if not sensitive and stopwords:
+        lines += ["        const char* src = word;", "        {", *_case_copy("LOWER"), "        word = t;", "        }"]
+    if stopwords:
+        lines += ["        int stopped = 0;",
+                  f"        for (int w = 0; w < {len(stopwords)}; w++) if (strcmp(word, stop[w]) == 0) {{ stopped = 1; break; }}",
+                  "        if (stopped) continue;"]
+    if action == "NONE":
+        lines += ["        y[kept++] = x[i];"]
+    else:
+        lines += ["        {", "            const char* src = x[i];", *_case_copy(action),
+                  "            y[kept++] = t;", "        }"]
+    lines.append("    }")
+    if dims:   # every element dropped: onnxruntime returns one empty string
+        lines += [f"    if (kept == 0) y[kept++] = \"\";",
+                  f"    for (int64_t i = kept; i < {y.size}; i++) y[i] = \"\";",
+                  *(["    dims[0] = 1;", "    dims[1] = kept;"] if len(y.shape) == 2 else ["    dims[0] = kept;"])]
+    else:
+        lines.append("    (void)kept;")
+    kernel = _kernel("string_normalizer", "\n".join(lines), ops.types)
+    return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=2 if dims else 1)])
+
+
+def _lower(word) -> str:
+    text = word.decode("utf-8", "replace") if isinstance(word, bytes) else str(word)
+    out = []
+    for ch in text:
+        c = ord(ch)
+        if 65 <= c <= 90 or (0xC0 <= c <= 0xDE and c != 0xD7) or (0x391 <= c <= 0x3A9 and c != 0x3A2) \
+                or 0x410 <= c <= 0x42F:
+            c += 32
+        elif 0x400 <= c <= 0x40F:
+            c += 80
+        out.append(chr(c))
+    return "".join(out)
+
+
+# -- StringSplit ----------------------------------------------------------------------------------
+
+def lower_string_split(node, graph) -> Lowered:
+    x = graph.values[node.inputs[0]]
+    y, z = graph.values[node.outputs[0]], graph.values[node.outputs[1]]
+    if not is_string(x):
+        raise UnsupportedOpError(f"node '{node.name}' (StringSplit): the input must be strings")
+    delimiter = node.attr("delimiter", "") or ""
+    delimiter = delimiter.encode("utf-8") if isinstance(delimiter, str) else bytes(delimiter)
+    maxsplit = node.attr("maxsplit")
+    limit = int(maxsplit) if maxsplit is not None and int(maxsplit) >= 0 else -1
+    bound = int(y.shape[-1])
+    ops = _Operands()
+    ops.strings(x, "x")
+    ops.output(y, "y", "const char*")
+    ops.output(z, "counts", "int64_t")
+    ops.output(graph.values[y.shape_from], "dims", "int64_t")
+    n = x.size
+    # split(src, emit): `emit` runs with piece [p, q) for each piece, in order
+    if delimiter:
+        d = c_literal(delimiter)
+        scan = [f"            const char* p = src; int64_t splits = 0;",
+                "            for (;;) {",
+                f"                const char* q = (splits != {limit}) ? strstr(p, {d}) : NULL;",
+                "                if (!q) { q = p + strlen(p); EMIT; break; }",
+                f"                EMIT; splits++; p = q + {len(delimiter)};",
+                "            }"]
+    else:   # runs of whitespace, none at either end (Python's str.split())
+        scan = ["            const char* p = src; int64_t splits = 0;",
+                "            for (;;) {",
+                "                while (*p && SPACE(*p)) p++;",
+                "                if (!*p) break;",
+                "                const char* q = p;",
+                f"                if (splits == {limit}) {{",
+                "                    q = p + strlen(p);",
+                "                    while (q > p && SPACE(q[-1])) q--;",
+                "                    EMIT; break;",
+                "                }",
+                "                while (*q && !SPACE(*q)) q++;",
+                "                EMIT; splits++; p = q;",
+                "            }"]
+    count_pass = [line.replace("EMIT", "pieces++") for line in scan]
+    write_pass = [line.replace("EMIT", "{ char* t = str_copy(S, p, (size_t)(q - p)); if (!t) return; "
+                                       "y[i * width + k++] = t; }") for line in scan]
+    message = c_literal(f"a string splits into more than {bound} substrings, the most this library was "
+                        "built for (give StringSplit a maxsplit to raise the bound)")
+    lines = [*ops.lines,
+             "#define SPACE(c) ((c) == ' ' || (c) == '\\t' || (c) == '\\n' || (c) == '\\v' || (c) == '\\f' || (c) == '\\r')",
+             "    int64_t width = 0;",
+             f"    for (int64_t i = 0; i < {n}; i++) {{",
+             "        int64_t pieces = 0;",
+             "        const char* src = x[i];",
+             "        {", *count_pass, "        }",
+             "        counts[i] = pieces;",
+             "        if (pieces > width) width = pieces;",
+             "    }",
+             f"    if (width > {bound}) {{ strings_error(S, {ERR_BAD_ARGUMENT}, {c_literal(node.name)}, {message}); return; }}",
+             f"    for (int64_t i = 0; i < {y.size}; i++) y[i] = \"\";",
+             f"    for (int64_t i = 0; i < {n}; i++) {{",
+             "        int64_t k = 0;",
+             "        const char* src = x[i];",
+             "        {", *write_pass, "        }",
+             "    }",
+             *[f"    dims[{k}] = {d};" for k, d in enumerate(x.shape)],
+             f"    dims[{len(x.shape)}] = width;",
+             "#undef SPACE"]
+    kernel = _kernel("string_split", "\n".join(lines), ops.types)
+    return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=3)])
+
+
+# -- RegexFullMatch -------------------------------------------------------------------------------
+
+def lower_regex_full_match(node, graph) -> Lowered:
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    if not is_string(x):
+        raise UnsupportedOpError(f"node '{node.name}' (RegexFullMatch): the input must be strings")
+    pattern = node.attr("pattern", "")
+    try:
+        program = regex.compile_pattern(pattern if isinstance(pattern, str) else bytes(pattern).decode("utf-8"))
+    except regex.PatternError as error:
+        raise UnsupportedOpError(f"node '{node.name}' (RegexFullMatch): pattern {pattern!r}: {error}",
+                                 hint="cuvil's regex engine takes RE2's syntax without flags, look-arounds, back "
+                                      "references or Unicode classes (docs/strings.md)") from None
+    ops = _Operands()
+    ops.strings(x, "x")
+    ops.output(y, "y", "unsigned char")
+    lines = [*ops.lines, *regex.c_matcher(program, x.size)]
+    kernel = _kernel("regex_full_match", "\n".join(lines), ops.types)
+    return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=1)])
+
+
+# -- LabelEncoder (ai.onnx.ml) -------------------------------------------------------------------
+
+_C_TYPES = {"int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t", "uint8": "uint8_t",
+            "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t", "float32": "float", "float64": "double"}
+
+
+def _encoder_table(node, kind: str):
+    """(array of the keys or values, its dtype) from the *_strings / *_int64s / *_floats / *_tensor
+    attribute; None when none is given."""
+    for suffix, dtype in (("strings", object), ("int64s", np.int64), ("floats", np.float32)):
+        got = node.attr(f"{kind}_{suffix}")
+        if got is not None and len(got):
+            return np.array(list(got), dtype=dtype)
+    tensor = node.attr(f"{kind}_tensor")
+    if tensor is not None:
+        arr = np.asarray(tensor).reshape(-1)
+        return arr.astype(object) if arr.dtype.kind in "OSU" else arr
+    return None
+
+
+def _numbers(arr, c_type) -> str:
+    if c_type in ("float", "double"):
+        items = [repr(float(v)) if np.isfinite(v) else ("NAN" if np.isnan(v) else ("INFINITY" if v > 0 else "-INFINITY"))
+                 for v in arr]
+        return ", ".join(items) or "0"
+    return ", ".join(f"{int(v)}" + ("LL" if c_type.endswith("64_t") else "") for v in arr) or "0"
+
+
+def lower_label_encoder(node, graph) -> Lowered:
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    keys, values = _encoder_table(node, "keys"), _encoder_table(node, "values")
+    if keys is None or values is None or len(keys) != len(values):
+        raise UnsupportedOpError(f"node '{node.name}' (LabelEncoder): keys and values must both be given, of "
+                                 "one length")
+    x_string, y_string = is_string(x), is_string(y)
+    x_type = None if x_string else _C_TYPES.get(np.dtype(x.dtype).name)
+    y_type = None if y_string else _C_TYPES.get(np.dtype(y.dtype).name)
+    if (not x_string and x_type is None) or (not y_string and y_type is None):
+        raise UnsupportedOpError(f"node '{node.name}' (LabelEncoder): {np.dtype(x.dtype).name} -> "
+                                 f"{np.dtype(y.dtype).name} is not supported",
+                                 hint="keys and values: strings, integers or floats")
+    # the default: default_tensor, else default_string / default_int64 / default_float
+    default = node.attr("default_tensor")
+    if default is not None:
+        default = np.asarray(default).reshape(-1)[0]
+    elif y_string:
+        default = node.attr("default_string", "_Unused")
+    elif np.dtype(y.dtype).kind == "f":
+        default = node.attr("default_float", -0.0)
+    else:
+        default = node.attr("default_int64", -1)
+    # keys sorted (C's strcmp order is the bytes' order) for a binary search; a repeated key: the first
+    if x_string:
+        encoded = [k.encode("utf-8") if isinstance(k, str) else bytes(k) for k in keys]
+        order = sorted(range(len(encoded)), key=lambda i: (encoded[i], i))
+        key_table = _table("keys", [encoded[i] for i in order])
+        compare = "strcmp(v, keys[mid])"
+        read = "const char* v = x[i];"
+        nan_key = None
+    else:
+        numeric = np.asarray(keys).astype(np.dtype(x.dtype))
+        finite = [i for i in range(len(numeric)) if not (numeric.dtype.kind == "f" and np.isnan(numeric[i]))]
+        order = sorted(finite, key=lambda i: (numeric[i], i))
+        nans = [i for i in range(len(numeric)) if i not in set(finite)]
+        nan_key = nans[0] if nans else None
+        key_table = f"    static const {x_type} keys[] = {{{_numbers(numeric[order], x_type)}}};"
+        compare = "(v < keys[mid] ? -1 : v > keys[mid] ? 1 : 0)"
+        read = f"const {x_type} v = x[i];"
+    ordered_values = [values[i] for i in order]
+    if y_string:
+        value_table = _table("vals", [v if isinstance(v, (str, bytes)) else str(v) for v in ordered_values])
+        default_c = c_literal(default if isinstance(default, (str, bytes)) else str(default))
+        nan_value = c_literal(values[nan_key]) if nan_key is not None else None
+    else:
+        typed = np.asarray(ordered_values).astype(np.dtype(y.dtype))
+        value_table = f"    static const {y_type} vals[] = {{{_numbers(typed, y_type)}}};"
+        default_c = f"({y_type}){_numbers(np.asarray([default]).astype(np.dtype(y.dtype)), y_type)}"
+        nan_value = (f"({y_type}){_numbers(np.asarray([values[nan_key]]).astype(np.dtype(y.dtype)), y_type)}"
+                     if nan_key is not None else None)
+    ops = _Operands()
+    if x_string:
+        ops.strings(x, "x")
+    else:
+        ops.lines.append(f"    const {x_type}* x = (const {x_type}*)p0;")
+        ops.names.append(x.name)
+        ops.types.append(np.dtype(x.dtype).name)
+    ops.output(y, "y", "const char*" if y_string else y_type)
+    lines = [*ops.lines, key_table, value_table,
+             f"    for (int64_t i = 0; i < {x.size}; i++) {{",
+             f"        {read}",
+             f"        int64_t lo = 0, hi = {len(order)} - 1, found = -1;"]
+    if nan_value is not None:
+        lines.append(f"        if (v != v) {{ y[i] = {nan_value}; continue; }}")
+    lines += ["        while (lo <= hi) {",
+              "            const int64_t mid = lo + (hi - lo) / 2;",
+              f"            const int c = {compare};",
+              "            if (c == 0) { found = mid; hi = mid - 1; } else if (c < 0) hi = mid - 1; else lo = mid + 1;",
+              "        }",
+              f"        y[i] = found >= 0 ? vals[found] : {default_c};",
+              "    }"]
+    kernel = _kernel("label_encoder", "\n".join(lines), ops.types)
+    return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=1)])

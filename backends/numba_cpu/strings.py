@@ -20,9 +20,6 @@ from .kernel import Kernel, KernelCall, Lowered
 
 # What each op's kernel takes; any other op given a string tensor is refused (check_node).
 STRING_OPS = ("StringConcat", "StringNormalizer", "StringSplit", "RegexFullMatch", "Equal", "LabelEncoder")
-# StringNormalizer's locales: the case mapping here is the same in all of them (ASCII, Latin-1,
-# Greek and Cyrillic letters, docs/strings.md); another locale's rules (Turkish dotless i...) are not.
-LOCALES = ("", "C", "C.UTF-8", "POSIX", "en_US", "en_US.UTF-8", "en_US.utf8", "en_GB", "en_GB.UTF-8")
 
 ERR_OUT_OF_MEMORY, ERR_BAD_ARGUMENT = 3, 6   # backends/native/driver.py ERROR_CODES
 
@@ -141,41 +138,74 @@ def lower_string_equal(node, graph) -> Lowered:
 
 # -- StringNormalizer -----------------------------------------------------------------------------
 
-# Case mapping of one code point (the letters of ASCII, Latin-1, Greek and Cyrillic, whose upper and
-# lower cases are one code point apart by a fixed offset), then UTF-8 in and out.
-_CASE_C = r"""
-#define CP_UPPER(c) (((c) >= 'a' && (c) <= 'z') || ((c) >= 0xE0 && (c) <= 0xFE && (c) != 0xF7) \
-    || ((c) >= 0x3B1 && (c) <= 0x3C9 && (c) != 0x3C2) ? (c) - 32 : ((c) >= 0x430 && (c) <= 0x44F) ? (c) - 32 \
-    : ((c) >= 0x450 && (c) <= 0x45F) ? (c) - 80 : (c))
-#define CP_LOWER(c) (((c) >= 'A' && (c) <= 'Z') || ((c) >= 0xC0 && (c) <= 0xDE && (c) != 0xD7) \
-    || ((c) >= 0x391 && (c) <= 0x3A9 && (c) != 0x3A2) ? (c) + 32 : ((c) >= 0x410 && (c) <= 0x42F) ? (c) + 32 \
-    : ((c) >= 0x400 && (c) <= 0x40F) ? (c) + 80 : (c))
-"""
+# The locales StringNormalizer takes, and which case mapping each means. onnxruntime maps one code
+# point at a time with the locale's towupper / towlower: in "C" / "POSIX" only ASCII letters change; in
+# a UTF-8 locale (and by default: onnxruntime's default is en_US.UTF-8) every letter with a one-code-
+# point mapping does. Cuvil's UTF-8 mapping is Unicode's simple case mapping of the code points below
+# U+0800 (Latin, Greek, Cyrillic, Armenian...; tested against onnxruntime in the C.UTF-8 locale);
+# letters from U+0800 on are left as they are (docs/strings.md).
+ASCII_LOCALES = ("C", "POSIX")
+UTF8_LOCALES = ("", "C.UTF-8", "C.utf8", "en_US", "en_US.UTF-8", "en_US.utf8", "en_GB.UTF-8", "en_GB.utf8")
+UTF8_LIMIT = 0x800
 
 
-def _case_copy(direction: str) -> list[str]:
-    """C statements: `t` := the pool copy of `src` with every letter mapped by CP_<direction>."""
+def case_map(direction: str, ascii_only: bool) -> dict[int, int]:
+    """code point -> its upper (direction "UPPER") or lower case, where that is one code point."""
+    table = {}
+    for cp in range(0x41, 0x80 if ascii_only else UTF8_LIMIT):
+        ch = chr(cp)
+        mapped = ch.upper() if direction == "UPPER" else ch.lower()
+        if len(mapped) == 1 and mapped != ch and ord(mapped) < 0x10000:
+            table[cp] = ord(mapped)
+    if direction == "LOWER" and not ascii_only:
+        table[0x130] = 0x69   # İ: Unicode's full mapping is two code points, towlower's simple one 'i'
+    return dict(sorted(table.items()))
+
+
+def map_text(text, direction: str, ascii_only: bool) -> str:
+    table = case_map(direction, ascii_only)
+    text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
+    return "".join(chr(table.get(ord(c), ord(c))) for c in text)
+
+
+def _case_function(name: str, table: dict[int, int]) -> list[str]:
+    """C statements declaring `name`'s table (sorted code points and their images) for _case_copy."""
+    keys = ", ".join(str(k) for k in table) or "0"
+    values = ", ".join(str(v) for v in table.values()) or "0"
+    return [f"    static const uint16_t {name}_from[] = {{{keys}}};",
+            f"    static const uint16_t {name}_to[] = {{{values}}};"]
+
+
+def _case_copy(name: str, size: int) -> list[str]:
+    """C statements: `t` := the pool copy of `src` with each code point below U+0800 mapped by the
+    table `name` (binary search); a two-byte code point may map to a three-byte one (ɐ -> Ɐ), so the
+    copy has room for twice the bytes."""
     return [
         "            const unsigned char* u = (const unsigned char*)src;",
         "            const size_t n = strlen(src);",
-        "            char* t = str_alloc(S, n + 1);   /* the mapped letters have the same UTF-8 length */",
+        "            char* t = str_alloc(S, 2 * n + 1);",
         "            if (!t) return;",
         "            size_t k = 0, o = 0;",
         "            while (k < n) {",
         "                uint32_t c = u[k];",
-        "                int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;",
-        "                if (k + len > n) len = 1;",
-        "                if (len == 2) c = ((c & 0x1F) << 6) | (u[k + 1] & 0x3F);",
-        "                if (len == 2) {",
-        f"                    uint32_t m = CP_{direction}(c);",
-        "                    if (m < 0x80 || m >= 0x800) m = c;   /* stays two bytes long */",
-        "                    t[o++] = (char)(0xC0 | (m >> 6)); t[o++] = (char)(0x80 | (m & 0x3F));",
-        "                } else if (len == 1 && c < 0x80) {",
-        f"                    t[o++] = (char)CP_{direction}(c);",
+        "                size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;",
+        "                if (k + len > n || (len == 2 && (u[k + 1] & 0xC0) != 0x80)) len = 1;",
+        "                if (len <= 2 && (len == 2 || c < 0x80)) {",
+        "                    if (len == 2) c = ((c & 0x1F) << 6) | (u[k + 1] & 0x3F);",
+        f"                    int64_t lo = 0, hi = {size} - 1;",
+        "                    while (lo <= hi) {",
+        "                        const int64_t mid = (lo + hi) / 2;",
+        f"                        if ({name}_from[mid] == c) {{ c = {name}_to[mid]; break; }}",
+        f"                        if ({name}_from[mid] < c) lo = mid + 1; else hi = mid - 1;",
+        "                    }",
+        "                    if (c < 0x80) t[o++] = (char)c;",
+        "                    else if (c < 0x800) { t[o++] = (char)(0xC0 | (c >> 6)); t[o++] = (char)(0x80 | (c & 0x3F)); }",
+        "                    else { t[o++] = (char)(0xE0 | (c >> 12)); t[o++] = (char)(0x80 | ((c >> 6) & 0x3F));",
+        "                           t[o++] = (char)(0x80 | (c & 0x3F)); }",
         "                } else {",
-        "                    memcpy(t + o, u + k, (size_t)len); o += (size_t)len;",
+        "                    memcpy(t + o, u + k, len); o += len;",
         "                }",
-        "                k += (size_t)len;",
+        "                k += len;",
         "            }",
         "            t[o] = 0;",
     ]
@@ -190,26 +220,35 @@ def lower_string_normalizer(node, graph) -> Lowered:
     if action not in ("NONE", "LOWER", "UPPER"):
         raise UnsupportedOpError(f"node '{node.name}' (StringNormalizer): case_change_action {action!r} is not "
                                  "one of NONE, LOWER, UPPER")
-    if locale not in LOCALES:
+    if locale not in ASCII_LOCALES + UTF8_LOCALES:
         raise UnsupportedOpError(f"node '{node.name}' (StringNormalizer): locale {locale!r} is not supported",
-                                 hint=f"supported locales: {', '.join(repr(l) for l in LOCALES)} (their case "
-                                      "mapping of ASCII, Latin-1, Greek and Cyrillic letters); docs/strings.md")
+                                 hint=f"supported locales: {', '.join(repr(l) for l in ASCII_LOCALES + UTF8_LOCALES)} "
+                                      "(see docs/strings.md for their case mapping)")
     if not is_string(x):
         raise UnsupportedOpError(f"node '{node.name}' (StringNormalizer): the input must be strings")
+    ascii_only = locale in ASCII_LOCALES
     ops = _Operands()
     ops.strings(x, "x")
     ops.output(y, "y", "const char*")
     dims = y.shape_from
     if dims:
         ops.output(graph.values[dims], "dims", "int64_t")
-    if not sensitive:   # stopwords compare in lower case
-        stopwords = [_lower(w) for w in stopwords]
-    lines = [_CASE_C, *ops.lines, _table("stop", stopwords),
-             f"    int64_t kept = 0;",
-             f"    for (int64_t i = 0; i < {x.size}; i++) {{",
-             "        const char* word = x[i];"]
-    if not sensitive and stopwords:
-        lines += ["        const char* src = word;", "        {", *_case_copy("LOWER"), "        word = t;", "        }"]
+    lines = list(ops.lines)
+    fold = not sensitive and bool(stopwords)   # stopwords compare in lower case
+    if fold:
+        stopwords = [map_text(w, "LOWER", ascii_only) for w in stopwords]
+        table = case_map("LOWER", ascii_only)
+        lines += _case_function("fold", table)
+    if action != "NONE":
+        table_change = case_map(action, ascii_only)
+        lines += _case_function("change", table_change)
+    lines += [_table("stop", stopwords),
+              "    int64_t kept = 0;",
+              f"    for (int64_t i = 0; i < {x.size}; i++) {{",
+              "        const char* word = x[i];"]
+    if fold:
+        lines += ["        {", "            const char* src = word;", *_case_copy("fold", len(table)),
+                  "            word = t;", "        }"]
     if stopwords:
         lines += ["        int stopped = 0;",
                   f"        for (int w = 0; w < {len(stopwords)}; w++) if (strcmp(word, stop[w]) == 0) {{ stopped = 1; break; }}",
@@ -217,31 +256,17 @@ def lower_string_normalizer(node, graph) -> Lowered:
     if action == "NONE":
         lines += ["        y[kept++] = x[i];"]
     else:
-        lines += ["        {", "            const char* src = x[i];", *_case_copy(action),
+        lines += ["        {", "            const char* src = x[i];", *_case_copy("change", len(table_change)),
                   "            y[kept++] = t;", "        }"]
     lines.append("    }")
     if dims:   # every element dropped: onnxruntime returns one empty string
-        lines += [f"    if (kept == 0) y[kept++] = \"\";",
+        lines += ["    if (kept == 0) y[kept++] = \"\";",
                   f"    for (int64_t i = kept; i < {y.size}; i++) y[i] = \"\";",
                   *(["    dims[0] = 1;", "    dims[1] = kept;"] if len(y.shape) == 2 else ["    dims[0] = kept;"])]
     else:
         lines.append("    (void)kept;")
     kernel = _kernel("string_normalizer", "\n".join(lines), ops.types)
     return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=2 if dims else 1)])
-
-
-def _lower(word) -> str:
-    text = word.decode("utf-8", "replace") if isinstance(word, bytes) else str(word)
-    out = []
-    for ch in text:
-        c = ord(ch)
-        if 65 <= c <= 90 or (0xC0 <= c <= 0xDE and c != 0xD7) or (0x391 <= c <= 0x3A9 and c != 0x3A2) \
-                or 0x410 <= c <= 0x42F:
-            c += 32
-        elif 0x400 <= c <= 0x40F:
-            c += 80
-        out.append(chr(c))
-    return "".join(out)
 
 
 # -- StringSplit ----------------------------------------------------------------------------------
@@ -266,12 +291,12 @@ def lower_string_split(node, graph) -> Lowered:
     if delimiter:
         d = c_literal(delimiter)
         scan = [f"            const char* p = src; int64_t splits = 0;",
-                "            for (;;) {",
+                "            if (*p) for (;;) {   /* an empty string has no substrings (as onnxruntime) */",
                 f"                const char* q = (splits != {limit}) ? strstr(p, {d}) : NULL;",
                 "                if (!q) { q = p + strlen(p); EMIT; break; }",
                 f"                EMIT; splits++; p = q + {len(delimiter)};",
                 "            }"]
-    else:   # runs of whitespace, none at either end (Python's str.split())
+    else:   # runs of spaces (' ' only, as onnxruntime), none at either end
         scan = ["            const char* p = src; int64_t splits = 0;",
                 "            for (;;) {",
                 "                while (*p && SPACE(*p)) p++;",
@@ -291,7 +316,7 @@ def lower_string_split(node, graph) -> Lowered:
     message = c_literal(f"a string splits into more than {bound} substrings, the most this library was "
                         "built for (give StringSplit a maxsplit to raise the bound)")
     lines = [*ops.lines,
-             "#define SPACE(c) ((c) == ' ' || (c) == '\\t' || (c) == '\\n' || (c) == '\\v' || (c) == '\\f' || (c) == '\\r')",
+             "#define SPACE(c) ((c) == ' ')",
              "    int64_t width = 0;",
              f"    for (int64_t i = 0; i < {n}; i++) {{",
              "        int64_t pieces = 0;",

@@ -1,0 +1,229 @@
+"""String tensors (docs/strings.md): every op's C kernel against onnxruntime on models made here,
+the C ABI's contract (pointer arrays in, session-owned strings out), and the refusals.
+
+Strings, booleans and integers are compared exactly; LabelEncoder's float outputs too (the kernel
+copies a value of the table, it computes nothing).
+"""
+import ctypes
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+import cuvil
+from cuvil.errors import CuvilError, RuntimeFailure
+
+
+def _model(nodes, inputs, outputs, opset=20, ml=False, inits=()):
+    graph = helper.make_graph(nodes, "strings", [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                              [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs], initializer=list(inits))
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("ai.onnx.ml", 4)] if ml else [])
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _check(model, feeds, **options):
+    """cuvil's outputs equal onnxruntime's, exactly (dtype, shape, values)."""
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    compiled = cuvil.compile(model, **options)
+    got = compiled.run(feeds)
+    names = [o.name for o in model.graph.output]
+    for name, want in zip(names, expected):
+        have = got[name]
+        assert have.shape == want.shape, (name, have.shape, want.shape)
+        if want.dtype == object:
+            assert have.dtype == object
+            assert have.tolist() == want.tolist(), name
+        else:
+            assert have.dtype == want.dtype, (name, have.dtype, want.dtype)
+            np.testing.assert_array_equal(have, want, err_msg=name)
+    return compiled
+
+
+def S(*items):
+    return np.array(items, dtype=object)
+
+
+def test_concat_broadcast_utf8_empty():
+    model = _model([helper.make_node("StringConcat", ["x", "y"], ["z"])],
+                   [("x", T.STRING, [2, 3]), ("y", T.STRING, [3])], [("z", T.STRING, [2, 3])])
+    _check(model, {"x": S(["a", "", "日本"], ["über", "x y", "é"]), "y": S("-", "", "語")})
+
+
+def test_concat_with_a_constant_operand_and_two_threads():
+    suffix = numpy_helper.from_array(np.array([".com"], dtype=object), "suffix")
+    model = _model([helper.make_node("StringConcat", ["x", "suffix"], ["z"])], [("x", T.STRING, [3])],
+                   [("z", T.STRING, [3])], inits=[suffix])
+    _check(model, {"x": S("a", "bb", "")}, threads=2)
+
+
+def test_equal_strings_broadcast():
+    model = _model([helper.make_node("Equal", ["x", "y"], ["z"])],
+                   [("x", T.STRING, [2, 3]), ("y", T.STRING, [3])], [("z", T.BOOL, [2, 3])], opset=19)
+    _check(model, {"x": S(["a", "b", "ç"], ["a", "", "c"]), "y": S("a", "", "ç")})
+
+
+# onnxruntime's default locale is en_US.UTF-8, not installed here: the oracle runs with C.UTF-8, whose
+# case mapping is the same (cuvil takes both, docs/strings.md), and with C (ASCII letters only).
+@pytest.mark.parametrize("locale", ["C.UTF-8", "C"])
+@pytest.mark.parametrize("action", ["NONE", "LOWER", "UPPER"])
+@pytest.mark.parametrize("sensitive", [0, 1])
+def test_normalizer_case_and_stopwords(action, sensitive, locale):
+    node = helper.make_node("StringNormalizer", ["x"], ["y"], case_change_action=action,
+                            is_case_sensitive=sensitive, stopwords=["the", "ÉTÉ"], locale=locale)
+    model = _model([node], [("x", T.STRING, [8])], [("y", T.STRING, [None])], opset=10)
+    _check(model, {"x": S("The", "quick", "été", "ÀÉÎõü µÿ", "Ωμέγα ΑΒΓ ς", "Привет Ёж", "the", "日本 ǅ İı ſ")})
+
+
+@pytest.mark.parametrize("action", ["LOWER", "UPPER"])
+def test_normalizer_maps_every_code_point_below_u0800_as_onnxruntime(action):
+    text = "".join(chr(c) for c in range(0x20, 0x800) if not 0xD800 <= c < 0xE000)
+    words = np.array([text[i:i + 64] for i in range(0, len(text), 64)], dtype=object)
+    node = helper.make_node("StringNormalizer", ["x"], ["y"], case_change_action=action, locale="C.UTF-8")
+    model = _model([node], [("x", T.STRING, [len(words)])], [("y", T.STRING, [len(words)])], opset=10)
+    _check(model, {"x": words})
+
+
+def test_normalizer_two_dims_all_dropped_and_no_stopwords():
+    drop_all = helper.make_node("StringNormalizer", ["x"], ["y"], stopwords=["a", "b"], locale="C.UTF-8")
+    _check(_model([drop_all], [("x", T.STRING, [1, 2])], [("y", T.STRING, [1, None])], opset=10),
+           {"x": S(["A", "b"])})
+    upper = helper.make_node("StringNormalizer", ["x"], ["y"], case_change_action="UPPER", locale="C.UTF-8")
+    _check(_model([upper], [("x", T.STRING, [3])], [("y", T.STRING, [3])], opset=10), {"x": S("a", "ß b", "")})
+
+
+def test_normalizer_refuses_a_locale_it_does_not_implement():
+    node = helper.make_node("StringNormalizer", ["x"], ["y"], case_change_action="UPPER", locale="tr_TR",
+                            name="norm_tr")
+    model = _model([node], [("x", T.STRING, [2])], [("y", T.STRING, [2])], opset=10)
+    with pytest.raises(CuvilError, match="norm_tr.*locale 'tr_TR'"):
+        cuvil.compile(model)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"delimiter": ""}, {"delimiter": "--"}, {"delimiter": ","},
+                                   {"maxsplit": 1}, {"delimiter": ",", "maxsplit": 2}, {"maxsplit": 0}])
+def test_split(attrs):
+    node = helper.make_node("StringSplit", ["x"], ["y", "n"], **attrs)
+    model = _model([node], [("x", T.STRING, [2, 3])], [("y", T.STRING, None), ("n", T.INT64, [2, 3])])
+    _check(model, {"x": S([" a  b\tc ", "x--y----z", ",,a,b,"], ["", "日本 語", "one"])})
+
+
+def test_split_beyond_its_bound_fails_the_run_with_the_node_named():
+    node = helper.make_node("StringSplit", ["x"], ["y", "n"], delimiter=",", name="split_csv")
+    compiled = cuvil.compile(_model([node], [("x", T.STRING, [1])], [("y", T.STRING, None), ("n", T.INT64, [1])]))
+    # a library names its nodes canonically (cuvil/semantic.py): <Op>_<k>
+    with pytest.raises(RuntimeFailure, match="code 6: node 'StringSplit_0'.*more than 64 substrings"):
+        compiled.run({"x": S("," * 80)})
+    assert compiled.run({"x": S("a,b")})["y"].tolist() == [["a", "b"]]   # the session goes on
+
+
+PATTERNS = [
+    r"www\.[\w.-]+\.\bcom\b", r"(\W|^)[\w.\-]{0,25}@(yahoo|gmail)\.com(\W|$)", r"[a-c]+x?", r"\d{2,3}-\d+",
+    r"(ab|a)*b", r"[^0-9]*", r".+é", r"\s*\S+\s*", r"(?:foo|bar){2}", r"a.*?b", r"^\bword\B.*$", r"(?P<x>[A-Z]){1,}",
+    r"", r"a{2,}", r"[\]\-x]+", r"\x41\.\*",
+]
+TEXTS = ["www.google.com", "www.bbc.co.uk", "account@gmail.com", " a.b@yahoo.com!", "abcabc", "aac", "12-345",
+         "123-", "ababb", "ab", "hello", "12", "café", "naïve", "  tok  ", "foobar", "barbar", "aXb", "a\nb",
+         "wordy", "word", "ABC", "", "aaa", "]-x", "A.*", "日本"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_regex_full_match(pattern):
+    node = helper.make_node("RegexFullMatch", ["x"], ["y"], pattern=pattern)
+    model = _model([node], [("x", T.STRING, [len(TEXTS)])], [("y", T.BOOL, [len(TEXTS)])])
+    _check(model, {"x": np.array(TEXTS, dtype=object)})
+
+
+@pytest.mark.parametrize("pattern", [r"a(?=b)", r"(a)\1", r"(?i)abc", r"\p{Greek}", r"[é]"])
+def test_regex_refuses_what_its_engine_does_not_take(pattern):
+    node = helper.make_node("RegexFullMatch", ["x"], ["y"], pattern=pattern, name="rx")
+    model = _model([node], [("x", T.STRING, [1])], [("y", T.BOOL, [1])])
+    with pytest.raises(CuvilError, match="rx.*RegexFullMatch"):
+        cuvil.compile(model)
+
+
+LABEL_CASES = [
+    # (input type, input, output type, attributes)
+    (T.STRING, S("a", "b", "zz", "c"), T.INT64, {"keys_strings": ["c", "a", "b"], "values_int64s": [3, 1, 2],
+                                                "default_int64": 7}),
+    (T.STRING, S("a", "q", "b"), T.FLOAT, {"keys_strings": ["a", "b"], "values_floats": [0.5, -2.25]}),
+    (T.STRING, S("x", "y", "é"), T.STRING, {"keys_strings": ["é", "x"], "values_strings": ["E", "X"],
+                                           "default_string": "?"}),
+    (T.INT64, np.array([5, -1, 9, 5], np.int64), T.STRING, {"keys_int64s": [9, 5, 0],
+                                                           "values_strings": ["nine", "five", "zero"]}),
+    (T.FLOAT, np.array([0.5, 1.0, 3.0], np.float32), T.STRING, {"keys_floats": [1.0, 0.5],
+                                                               "values_strings": ["one", "half"]}),
+    (T.INT64, np.array([1, 2, 3], np.int64), T.FLOAT, {"keys_int64s": [1, 3], "values_floats": [0.1, 0.3]}),
+]
+
+
+@pytest.mark.parametrize("in_type, x, out_type, attrs", LABEL_CASES)
+def test_label_encoder(in_type, x, out_type, attrs):
+    node = helper.make_node("LabelEncoder", ["x"], ["y"], domain="ai.onnx.ml", **attrs)
+    model = _model([node], [("x", in_type, list(x.shape))], [("y", out_type, list(x.shape))], ml=True)
+    _check(model, {"x": x})
+
+
+def test_label_encoder_tensor_attributes_into_a_numeric_graph():
+    keys = numpy_helper.from_array(np.array(["a", "b", "c"], dtype=object), "keys_tensor")
+    values = numpy_helper.from_array(np.array([10, 20, 30], np.int16), "values_tensor")
+    default = numpy_helper.from_array(np.array([-5], np.int16), "default_tensor")
+    node = helper.make_node("LabelEncoder", ["x"], ["codes"], domain="ai.onnx.ml")
+    node.attribute.extend([helper.make_attribute("keys_tensor", keys), helper.make_attribute("values_tensor", values),
+                           helper.make_attribute("default_tensor", default)])
+    add = helper.make_node("Add", ["codes", "codes"], ["y"])
+    model = _model([node, add], [("x", T.STRING, [4])], [("y", T.INT16, [4])], ml=True)
+    _check(model, {"x": S("c", "a", "nope", "b")})
+
+
+def test_identity_and_reshape_of_strings_are_views():
+    nodes = [helper.make_node("Identity", ["x"], ["i"]), helper.make_node("Reshape", ["x", "shape"], ["r"])]
+    shape = numpy_helper.from_array(np.array([3, 2], np.int64), "shape")
+    model = _model(nodes, [("x", T.STRING, [2, 3])], [("i", T.STRING, [2, 3]), ("r", T.STRING, [3, 2])], inits=[shape])
+    _check(model, {"x": S(["a", "b", "c"], ["d", "é", ""])})
+
+
+def test_an_op_without_a_string_kernel_is_refused_by_name():
+    node = helper.make_node("Transpose", ["x"], ["y"], name="flip")
+    model = _model([node], [("x", T.STRING, [2, 3])], [("y", T.STRING, [3, 2])])
+    with pytest.raises(CuvilError, match="flip.*Transpose does not take string tensors"):
+        cuvil.compile(model)
+
+
+def test_runtime_takes_str_arrays_and_refuses_non_strings():
+    model = _model([helper.make_node("StringConcat", ["x", "y"], ["z"])],
+                   [("x", T.STRING, [2]), ("y", T.STRING, [2])], [("z", T.STRING, [2])])
+    compiled = cuvil.compile(model)
+    assert compiled.run({"x": np.array(["a", "b"]), "y": ["c", "d"]})["z"].tolist() == ["ac", "bd"]
+    with pytest.raises(CuvilError, match="input 'x'.*int"):
+        compiled.run({"x": S(1, "b"), "y": S("c", "d")})
+    info = compiled.info
+    assert [v["dtype"] for v in info["inputs"] + info["outputs"]] == ["string"] * 3
+
+
+def test_c_abi_pointer_arrays_and_null_elements(tmp_path):
+    """Through the C ABI itself: `const char*` arrays in; out, pointers into the session's pool, valid
+    until the next run; a NULL element is refused with ERR_NULL_ARGUMENT."""
+    model = _model([helper.make_node("StringConcat", ["x", "y"], ["z"])],
+                   [("x", T.STRING, [2]), ("y", T.STRING, [2])], [("z", T.STRING, [2])])
+    path = cuvil.compile(model).save(tmp_path / "lib")
+    header = next(tmp_path.rglob("*.h")).read_text()
+    assert "const char*" in header and "string" in header
+    lib = ctypes.CDLL(str(path))
+    lib.cuvil_session_create.restype = ctypes.c_void_p
+    lib.cuvil_session_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuvil_session_error.restype = ctypes.c_char_p
+    lib.cuvil_session_error.argtypes = [ctypes.c_void_p]
+    lib.cuvil_session_destroy.argtypes = [ctypes.c_void_p]
+    session = lib.cuvil_session_create()
+    x, y = (ctypes.c_char_p * 2)(b"ab", "é".encode()), (ctypes.c_char_p * 2)(b"c", b"")
+    z = (ctypes.c_char_p * 2)()
+    inputs = (ctypes.c_void_p * 2)(ctypes.addressof(x), ctypes.addressof(y))
+    outputs = (ctypes.c_void_p * 1)(ctypes.addressof(z))
+    assert lib.cuvil_session_run(session, inputs, outputs) == 0
+    assert [z[0], z[1].decode()] == [b"abc", "é"]
+    y[1] = None
+    assert lib.cuvil_session_run(session, inputs, outputs) == 2
+    assert b"is NULL" in lib.cuvil_session_error(session)
+    lib.cuvil_session_destroy(session)

@@ -208,8 +208,9 @@ def generator_for(node):
     if (node.domain, node.op) in DOMAIN_GENERATORS:
         return DOMAIN_GENERATORS[node.domain, node.op]
     if node.domain not in ("", "ai.onnx"):
+        others = ", ".join(f"{domain}::{op}" for domain, op in sorted(DOMAIN_GENERATORS))
         raise UnsupportedOpError(f"node '{node.name}': op {node.domain}::{node.op} is not supported",
-                                 hint="only the default ONNX domain is supported")
+                                 hint=f"besides the default ONNX domain, cuvil compiles {others}")
     gen = GENERATORS.get(node.op)
     if gen is None:
         raise UnsupportedOpError(f"node '{node.name}': op {node.op} is not supported",

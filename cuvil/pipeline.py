@@ -265,6 +265,10 @@ def lower(graph, target, threads: int = 1) -> list:
     target's kernels: backends/numba_cuda/)."""
     if is_gpu(target):
         from backends.numba_cuda.registry import lower as lower_gpu
+        strings = [v.name for v in graph.values.values() if getattr(v.dtype, "kind", "") == "O"]
+        if strings:
+            raise UnsupportedOpError(f"'{strings[0]}' is a string tensor, and CUDA targets have no string kernels",
+                                     hint="build the model for a CPU target (docs/strings.md)")
         return lower_gpu(graph, target)
     from backends.numba_cpu.registry import lower as lower_graph
     return lower_graph(graph, threads, target=target)

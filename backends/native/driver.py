@@ -70,6 +70,7 @@ def header(prefix: str, model_name: str, info: dict, extra: list[str] = ()) -> s
         "",
         "/* The model's tensors (all C-contiguous, row-major):",
         *[l.replace("*/", "* /") for l in ios],
+        *(strings.HEADER_NOTE if any(v["dtype"] == "string" for v in info["inputs"] + info["outputs"]) else []),
         " */",
         "",
         f"#define {prefix.upper()}ABI_VERSION {ABI_VERSION}",

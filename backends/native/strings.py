@@ -90,6 +90,14 @@ static int strings_own(struct strings* S, const char** out, int64_t n) {
 }
 """
 
+# The header's words on string tensors (only a library that has one says them).
+HEADER_NOTE = [
+    " *",
+    " *   A string tensor is an array of const char*, one NUL-terminated UTF-8 string per element. An input's",
+    " *   strings need to live until session_run returns (a NULL element: ERR_NULL_ARGUMENT); an output's array",
+    " *   gets pointers into memory the session owns, valid until its next session_run or session_destroy.",
+]
+
 SESSION_FIELD = "    struct strings strings;   /* the bytes of the run's string tensors */\n"
 DESTROY = "    strings_free(&s->strings);\n"
 

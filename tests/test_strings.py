@@ -227,3 +227,31 @@ def test_c_abi_pointer_arrays_and_null_elements(tmp_path):
     assert lib.cuvil_session_run(session, inputs, outputs) == 2
     assert b"is NULL" in lib.cuvil_session_error(session)
     lib.cuvil_session_destroy(session)
+
+
+CAST_CASES = [
+    (T.FLOAT, np.array([0.1, 1.0, 1e20, -0.0, np.nan, np.inf, -np.inf, 3.4028235e38, 1e-7, 123456789.0, 1 / 3],
+                       np.float32)),
+    (T.DOUBLE, np.array([0.1, 1.0, 1e20, 1 / 3, 0.1 + 0.2, -2.5e-300], np.float64)),
+    (T.INT64, np.array([0, -5, 2**62, -2**63], np.int64)),
+    (T.UINT8, np.array([0, 255], np.uint8)),
+    (T.BOOL, np.array([True, False])),
+]
+
+
+@pytest.mark.parametrize("elem, x", CAST_CASES)
+def test_cast_to_string(elem, x):
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=T.STRING)], [("x", elem, list(x.shape))],
+                   [("y", T.STRING, list(x.shape))], opset=19)
+    _check(model, {"x": x})
+
+
+@pytest.mark.parametrize("elem", [T.FLOAT, T.DOUBLE, T.INT64, T.INT32, T.UINT16])
+def test_cast_from_string(elem):
+    texts = S("0.1", " 2", "1e3", "-7", "0x10", "1.5abc", "3.4028235e38", "12") if elem in (T.FLOAT, T.DOUBLE) \
+        else S("12", "-3", " 7", "40000", "0")
+    if elem == T.UINT16:
+        texts = S("12", "3", " 7", "40000", "0")
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=elem)], [("x", T.STRING, [len(texts)])],
+                   [("y", elem, [len(texts)])], opset=19)
+    _check(model, {"x": texts})

@@ -46,6 +46,13 @@ from . import gqa
 from . import strings
 
 
+def _cast(node, graph) -> Lowered:
+    """Cast and CastLike: to or from strings their own kernel, else the numeric one."""
+    if any(strings.is_string(graph.values[n]) for n in (node.inputs[0], node.outputs[0])):
+        return strings.lower_cast_strings(node, graph)
+    return indexing.lower_cast(node, graph)
+
+
 def _equal(node, graph) -> Lowered:
     """Equal: on strings its own kernel, else the elementwise one."""
     if strings.is_string(graph.values[node.inputs[0]]):
@@ -137,8 +144,8 @@ GENERATORS = {
     "LRN": reduce.lower_lrn,
     "DFT": reduce.lower_dft,
     # data movement and indexing (indexing.py)
-    "Cast": indexing.lower_cast,
-    "CastLike": indexing.lower_cast,
+    "Cast": _cast,
+    "CastLike": _cast,
     "Expand": indexing.lower_expand,
     "Tile": indexing.lower_tile,
     "Slice": indexing.lower_slice,

@@ -1,5 +1,5 @@
 """Kernels of the ops on string tensors: StringConcat, StringNormalizer, StringSplit, RegexFullMatch,
-Equal on strings and ai.onnx.ml LabelEncoder (docs/strings.md).
+Equal on strings, ai.onnx.ml LabelEncoder and Cast to and from strings (docs/strings.md).
 
 A string tensor is an array of `const char*` (NUL-terminated UTF-8), one an element. These kernels
 are plain C (Kernel.language "c"), defined in the driver, not Numba code: each one's body sees its
@@ -19,7 +19,8 @@ from . import regex
 from .kernel import Kernel, KernelCall, Lowered
 
 # What each op's kernel takes; any other op given a string tensor is refused (check_node).
-STRING_OPS = ("StringConcat", "StringNormalizer", "StringSplit", "RegexFullMatch", "Equal", "LabelEncoder")
+STRING_OPS = ("StringConcat", "StringNormalizer", "StringSplit", "RegexFullMatch", "Equal", "LabelEncoder", "Cast",
+              "CastLike")
 
 ERR_OUT_OF_MEMORY, ERR_BAD_ARGUMENT = 3, 6   # backends/native/driver.py ERROR_CODES
 
@@ -461,4 +462,67 @@ def lower_label_encoder(node, graph) -> Lowered:
               f"        y[i] = found >= 0 ? vals[found] : {default_c};",
               "    }"]
     kernel = _kernel("label_encoder", "\n".join(lines), ops.types)
+    return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=1)])
+
+
+# -- Cast to and from strings ---------------------------------------------------------------------
+
+_INT_FORMATS = {"int8": "%lld", "int16": "%lld", "int32": "%lld", "int64": "%lld",
+                "uint8": "%llu", "uint16": "%llu", "uint32": "%llu", "uint64": "%llu"}
+
+
+def lower_cast_strings(node, graph) -> Lowered:
+    """Cast (and CastLike) with a string side, as onnxruntime: numbers to text with "%.8g" (NaN,
+    INF, -INF), integers in decimal, bool as 1 / 0; text to floats with strtof / strtod and to
+    integers with strtoll / strtoull (leading spaces skipped, trailing text ignored)."""
+    from .kernel import lowering_target
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    ops = _Operands()
+    if is_string(x) and is_string(y):
+        ops.strings(x, "x")
+        ops.output(y, "y", "const char*")
+        lines = [*ops.lines, f"    for (int64_t i = 0; i < {x.size}; i++) y[i] = x[i];"]
+    elif is_string(y):
+        name = np.dtype(x.dtype).name
+        c_type = "unsigned char" if name == "bool" else _C_TYPES.get(name)
+        if c_type is None:
+            raise UnsupportedOpError(f"node '{node.name}' (Cast): {name} to string is not supported",
+                                     hint="cast to float32 first")
+        target = lowering_target()
+        if name.startswith("float") and target is not None and getattr(target, "arch", "") == "wasm32":
+            raise UnsupportedOpError(f"node '{node.name}' (Cast): floats to strings need the C library's "
+                                     "printf, which a wasm32 library does not link")
+        ops.lines.append(f"    const {c_type}* x = (const {c_type}*)p0;")
+        ops.names.append(x.name)
+        ops.types.append(name)
+        ops.output(y, "y", "const char*")
+        if name.startswith("float"):
+            text = ["        const double v = (double)x[i];",
+                    "        if (v != v) { y[i] = \"NaN\"; continue; }",
+                    "        if (v > 1.79e308 || v < -1.79e308) { y[i] = v > 0 ? \"INF\" : \"-INF\"; continue; }",
+                    "        char buffer[48];",
+                    "        const int n = snprintf(buffer, sizeof buffer, \"%.8g\", v);"]
+        elif name == "bool":
+            text = ["        char buffer[2] = {x[i] ? '1' : '0', 0};", "        const int n = 1;"]
+        else:
+            cast = "(long long)" if _INT_FORMATS[name] == "%lld" else "(unsigned long long)"
+            text = ["        char buffer[24];",
+                    f"        const int n = snprintf(buffer, sizeof buffer, \"{_INT_FORMATS[name]}\", {cast}x[i]);"]
+        lines = [*ops.lines, f"    for (int64_t i = 0; i < {x.size}; i++) {{", *text,
+                 "        char* t = str_copy(S, buffer, (size_t)n);",
+                 "        if (!t) return;",
+                 "        y[i] = t;",
+                 "    }"]
+    else:
+        name = np.dtype(y.dtype).name
+        c_type = _C_TYPES.get(name)
+        if c_type is None:
+            raise UnsupportedOpError(f"node '{node.name}' (Cast): string to {name} is not supported",
+                                     hint="cast to float32, float64 or an integer type")
+        parse = {"float": "strtof(x[i], NULL)", "double": "strtod(x[i], NULL)"}.get(
+            c_type, "strtoull(x[i], NULL, 10)" if name.startswith("uint") else "strtoll(x[i], NULL, 10)")
+        ops.strings(x, "x")
+        ops.output(y, "y", c_type)
+        lines = [*ops.lines, f"    for (int64_t i = 0; i < {x.size}; i++) y[i] = ({c_type}){parse};"]
+    kernel = _kernel("cast_string", "\n".join(lines), ops.types)
     return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=1)])

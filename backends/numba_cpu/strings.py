@@ -468,7 +468,7 @@ def lower_label_encoder(node, graph) -> Lowered:
 # -- Cast to and from strings ---------------------------------------------------------------------
 
 _INT_FORMATS = {"int8": "%lld", "int16": "%lld", "int32": "%lld", "int64": "%lld",
-                "uint8": "%llu", "uint16": "%llu", "uint32": "%llu", "uint64": "%llu"}
+                "uint8": "%lld", "uint16": "%lld", "uint32": "%lld", "uint64": "%llu"}
 
 
 def lower_cast_strings(node, graph) -> Lowered:
@@ -489,8 +489,8 @@ def lower_cast_strings(node, graph) -> Lowered:
             raise UnsupportedOpError(f"node '{node.name}' (Cast): {name} to string is not supported",
                                      hint="cast to float32 first")
         target = lowering_target()
-        if name.startswith("float") and target is not None and getattr(target, "arch", "") == "wasm32":
-            raise UnsupportedOpError(f"node '{node.name}' (Cast): floats to strings need the C library's "
+        if (name.startswith("float") or name == "uint64") and getattr(target, "arch", "") == "wasm32":
+            raise UnsupportedOpError(f"node '{node.name}' (Cast): {name} to strings needs the C library's "
                                      "printf, which a wasm32 library does not link")
         ops.lines.append(f"    const {c_type}* x = (const {c_type}*)p0;")
         ops.names.append(x.name)

@@ -255,3 +255,43 @@ def test_cast_from_string(elem):
     model = _model([helper.make_node("Cast", ["x"], ["y"], to=elem)], [("x", T.STRING, [len(texts)])],
                    [("y", elem, [len(texts)])], opset=19)
     _check(model, {"x": texts})
+
+
+def test_a_graph_input_that_is_also_an_output_is_read_after_its_copy():
+    """The driver keeps such an input in the output's buffer: it copies it there before the steps that
+    read it (a numeric library read the caller's empty output buffer before; a string one crashed)."""
+    strings = _model([helper.make_node("StringConcat", ["s", "s"], ["y"])], [("s", T.STRING, [2])],
+                     [("y", T.STRING, [2]), ("s", T.STRING, [2])])
+    _check(strings, {"s": S("a", "é")})
+    numbers = _model([helper.make_node("Relu", ["x"], ["y"])], [("x", T.FLOAT, [4])],
+                     [("y", T.FLOAT, [4]), ("x", T.FLOAT, [4])], opset=17)
+    _check(numbers, {"x": np.array([-1, 2, -3, 4], np.float32)})
+
+
+def test_a_string_constant_output():
+    table = numpy_helper.from_array(np.array(["k1", "ü"], dtype=object), "table")
+    model = _model([helper.make_node("Identity", ["table"], ["y"]), helper.make_node("Neg", ["x"], ["z"])],
+                   [("x", T.FLOAT, [2])], [("y", T.STRING, [2]), ("z", T.FLOAT, [2])], inits=[table], opset=17)
+    _check(model, {"x": np.array([1, -2], np.float32)})
+
+
+def test_many_runs_reuse_the_pool_and_sessions_run_concurrently():
+    import threading
+    node = helper.make_node("StringSplit", ["x"], ["y", "n"], delimiter=",")
+    compiled = cuvil.compile(_model([node], [("x", T.STRING, [2])], [("y", T.STRING, None), ("n", T.INT64, [2])]))
+    library = cuvil.load(compiled.artifacts.library)
+    errors = []
+
+    def work(seed):
+        session = library.session()
+        for k in range(300):
+            text = ",".join(str(seed * 1000 + k + j) * (1 + (k % 5)) for j in range(1 + k % 7))
+            got = session.run({"x": S(text, "")})
+            if got["y"][0].tolist() != text.split(",") or got["n"].tolist() != [len(text.split(",")), 0]:
+                errors.append((seed, k))
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

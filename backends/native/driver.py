@@ -350,13 +350,21 @@ def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_bas
             grain = 1 if call.kernel.self_sized and call.work <= ONE_BY_ONE_ITEMS else 0
             body.append(f"    parallel_for(s, {fn}, inputs, outputs, {call.work}, {grain}); /* {_comment(call.node)} */")
         body.append(f"    PROF_END({k});")
-    # Graph outputs that are graph inputs or constants (no node writes them) are copied.
+    # Graph outputs that are graph inputs or constants (no node writes them) are copied. A graph input
+    # that is also an output lives in the output's buffer (storage()): when a step reads it, the copy
+    # comes first, or the step would read the caller's output buffer before the input is in it.
     written = {a for c in schedule if isinstance(c, (KernelCall, LoopMark)) for a in c.args[len(c.args) - c.n_outputs:]}
+    read = {a for c in schedule if isinstance(c, (KernelCall, LoopMark))
+            for a in c.args[:len(c.args) - c.n_outputs] if isinstance(a, str)}
+    read |= {c.src for c in schedule if isinstance(c, View)}
+    early = []
     for i, name in enumerate(graph.outputs):
         first = output_index[name]
         if i != first or (name not in written and not any(isinstance(c, View) and c.dst == name for c in schedule)):
             src = ptr(name) if i != first else _pointer_source(name, graph, plan, weights_offsets, input_index)
-            body.append(f"    memcpy(outputs[{i}], {src}, {graph.values[name].nbytes});")
+            copy = f"    memcpy(outputs[{i}], {src}, {graph.values[name].nbytes});"
+            (early if i == first and name in input_index and name in read else body).append(copy)
+    code.body = early + body
     return code
 
 

@@ -234,4 +234,5 @@ def lower(graph, threads: int = 1, l1d_ways: int = DEFAULT_L1D_WAYS, target=None
         for node in graph.nodes:
             strings.check_node(node, graph)   # a string tensor where the op has no string kernel
             schedule.extend(generator_for(node)(node, graph).calls)
+        schedule.extend(strings.lower_constant_outputs(graph))
     return schedule

@@ -526,3 +526,19 @@ def lower_cast_strings(node, graph) -> Lowered:
         lines = [*ops.lines, f"    for (int64_t i = 0; i < {x.size}; i++) y[i] = ({c_type}){parse};"]
     kernel = _kernel("cast_string", "\n".join(lines), ops.types)
     return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=1)])
+
+
+def lower_constant_outputs(graph) -> list:
+    """A graph output that is a string constant: a kernel writes its table's pointers into the
+    output (a string constant is C literals, not bytes of the weights blob)."""
+    calls = []
+    for name in dict.fromkeys(graph.outputs):
+        value = graph.values[name]
+        if value.is_const and is_string(value):
+            ops = _Operands()
+            ops.strings(value, "x")
+            ops.output(value, "y", "const char*")
+            body = "\n".join([*ops.lines, f"    for (int64_t i = 0; i < {value.size}; i++) y[i] = x[i];"])
+            calls.append(KernelCall(_kernel("string_constant", body, ops.types), ops.names, 1,
+                                    node=f"constant {name}", n_outputs=1))
+    return calls

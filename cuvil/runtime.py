@@ -75,10 +75,32 @@ def tensor_dtype(spec: dict) -> np.dtype:
 
 
 def _string_table(arr: np.ndarray, name: str):
-    """A string input as the C ABI takes it: an array of NUL-terminated UTF-8 strings, C order
-    (docs/strings.md). The ctypes array keeps the encoded bytes alive."""
+    """A string input as the C ABI takes it: an array of pointers to NUL-terminated UTF-8 strings, C
+    order (docs/strings.md), as (the pointers, the bytes they point into: keep both alive). All the
+    strings are encoded at once, back to back; elements that are not all str take the slow way."""
+    flat = arr.reshape(-1)
+    n = flat.size
+    try:
+        text = "\0".join(flat.tolist())
+    except TypeError:
+        text = None
+    if text is not None and text.count("\0") == max(n - 1, 0):
+        data = text.encode("utf-8", "surrogatepass") + b"\0"
+        if len(data) == len(text) + 1:   # ASCII: a string's bytes are its characters
+            lengths = np.fromiter(map(len, flat.tolist()), np.int64, n)
+        else:
+            lengths = np.fromiter(map(len, data.split(b"\0")[:n]), np.int64, n)
+        offsets = np.zeros(n, np.int64)
+        np.cumsum(lengths[:-1] + 1, out=offsets[1:])
+        block = ctypes.create_string_buffer(data, len(data))
+        pointers = (offsets + ctypes.addressof(block)).astype(np.uint64) if n else np.zeros(1, np.uint64)
+        return pointers, block
+    return _string_table_slow(flat, name)
+
+
+def _string_table_slow(flat: np.ndarray, name: str):
     encoded = []
-    for item in arr.reshape(-1):
+    for item in flat:
         data = item.encode("utf-8") if isinstance(item, str) else item if isinstance(item, bytes) else None
         if data is None:
             raise CuvilError(f"input '{name}': an element is a {type(item).__name__}, not a str",
@@ -87,14 +109,31 @@ def _string_table(arr: np.ndarray, name: str):
             raise CuvilError(f"input '{name}': an element holds a NUL character, which a C string cannot",
                              hint="remove the NUL characters")
         encoded.append(data)
-    return (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
+    table = (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
+    return table, None
 
 
 def _strings_from(pointers: np.ndarray) -> np.ndarray:
-    """A string output: the element pointers the run wrote, read as UTF-8 into an object array."""
+    """A string output: the element pointers the run wrote, read as UTF-8 into an object array. The
+    library writes an output's strings back to back in element order (docs/strings.md): one copy of
+    that block, split at its NULs; pointers laid out otherwise are read one by one."""
     out = np.empty(pointers.shape, dtype=object)
     flat = out.reshape(-1)
-    for k, address in enumerate(pointers.reshape(-1)):
+    addresses = pointers.reshape(-1).astype(np.int64)
+    n = addresses.size
+    if n == 0:
+        return out
+    last = ctypes.string_at(int(addresses[-1]))
+    end = int(addresses[-1]) + len(last) + 1
+    steps = np.diff(addresses)
+    if np.all(steps > 0) and end - int(addresses[0]) < 1 << 40:
+        block = ctypes.string_at(int(addresses[0]), end - int(addresses[0]))
+        pieces = block.decode("utf-8", "replace").split("\0")[:-1]
+        starts = np.cumsum([0] + [len(p) + 1 for p in block.split(b"\0")[:-1]])[:-1]
+        if len(pieces) == n and np.array_equal(starts, addresses - addresses[0]):
+            flat[:] = pieces
+            return out
+    for k, address in enumerate(addresses):
         flat[k] = ctypes.string_at(int(address)).decode("utf-8", "replace")
     return out
 
@@ -207,8 +246,9 @@ class Session:
             tables = []   # string inputs' pointer arrays, alive until the run returns
             for i in self._addressed_inputs:
                 if i in self._string_inputs:
-                    tables.append(_string_table(arrays[i], self._input_checks[i][0]))
-                    in_ptrs[i] = ctypes.addressof(tables[-1])
+                    table, block = _string_table(arrays[i], self._input_checks[i][0])
+                    tables.append((table, block))
+                    in_ptrs[i] = _address(table) if isinstance(table, np.ndarray) else ctypes.addressof(table)
                 else:
                     in_ptrs[i] = _address(arrays[i])
             fresh = {}

@@ -155,6 +155,9 @@ LABEL_CASES = [
     (T.FLOAT, np.array([0.5, 1.0, 3.0], np.float32), T.STRING, {"keys_floats": [1.0, 0.5],
                                                                "values_strings": ["one", "half"]}),
     (T.INT64, np.array([1, 2, 3], np.int64), T.FLOAT, {"keys_int64s": [1, 3], "values_floats": [0.1, 0.3]}),
+    (T.FLOAT, np.array([np.nan, 2.0, 7.0], np.float32), T.INT64, {"keys_floats": [2.0, 7.0], "values_int64s": [20, 70]}),
+    (T.FLOAT, np.array([np.nan, 2.0], np.float32), T.STRING, {"keys_floats": [np.nan, 2.0],
+                                                              "values_strings": ["nan", "two"]}),
 ]
 
 

@@ -78,13 +78,18 @@ static void strings_error(struct strings* S, int code, const char* node, const c
 
 /* The graph's string outputs are copied into the pool at the end of the run: whatever element
    pointers the kernels and views left (into the inputs, the constants), the caller gets strings
-   the session owns. */
+   the session owns, back to back in element order in one block (docs/strings.md). */
 static int strings_own(struct strings* S, const char** out, int64_t n) {
+    size_t total = 0;
+    for (int64_t i = 0; i < n; i++) total += strlen(out[i] ? out[i] : "") + 1;
+    char* block = str_alloc(S, total ? total : 1);
+    if (!block) return S->code;
     for (int64_t i = 0; i < n; i++) {
         const char* t = out[i] ? out[i] : "";
-        char* p = str_copy(S, t, strlen(t));
-        if (!p) return S->code;
-        out[i] = p;
+        const size_t len = strlen(t) + 1;
+        memcpy(block, t, len);
+        out[i] = block;
+        block += len;
     }
     return 0;
 }

@@ -424,7 +424,7 @@ def lower_label_encoder(node, graph) -> Lowered:
         numeric = np.asarray(keys).astype(np.dtype(x.dtype))
         finite = [i for i in range(len(numeric)) if not (numeric.dtype.kind == "f" and np.isnan(numeric[i]))]
         order = sorted(finite, key=lambda i: (numeric[i], i))
-        nans = [i for i in range(len(numeric)) if i not in set(finite)]
+        nans = sorted(set(range(len(numeric))) - set(finite))
         nan_key = nans[0] if nans else None
         key_table = f"    static const {x_type} keys[] = {{{_numbers(numeric[order], x_type)}}};"
         compare = "(v < keys[mid] ? -1 : v > keys[mid] ? 1 : 0)"
@@ -452,8 +452,8 @@ def lower_label_encoder(node, graph) -> Lowered:
              f"    for (int64_t i = 0; i < {x.size}; i++) {{",
              f"        {read}",
              f"        int64_t lo = 0, hi = {len(order)} - 1, found = -1;"]
-    if nan_value is not None:
-        lines.append(f"        if (v != v) {{ y[i] = {nan_value}; continue; }}")
+    if not x_string and np.dtype(x.dtype).kind == "f":   # NaN: a NaN key's value, else the default
+        lines.append(f"        if (v != v) {{ y[i] = {nan_value if nan_value is not None else default_c}; continue; }}")
     lines += ["        while (lo <= hi) {",
               "            const int64_t mid = lo + (hi - lo) / 2;",
               f"            const int c = {compare};",

@@ -128,10 +128,9 @@ def _strings_from(pointers: np.ndarray) -> np.ndarray:
     steps = np.diff(addresses)
     if np.all(steps > 0) and end - int(addresses[0]) < 1 << 40:
         block = ctypes.string_at(int(addresses[0]), end - int(addresses[0]))
-        pieces = block.decode("utf-8", "replace").split("\0")[:-1]
-        starts = np.cumsum([0] + [len(p) + 1 for p in block.split(b"\0")[:-1]])[:-1]
-        if len(pieces) == n and np.array_equal(starts, addresses - addresses[0]):
-            flat[:] = pieces
+        nuls = np.flatnonzero(np.frombuffer(block, np.uint8) == 0)
+        if len(nuls) == n and np.array_equal(nuls[:-1] + 1, addresses[1:] - addresses[0]):
+            flat[:] = block.decode("utf-8", "replace").split("\0")[:-1]
             return out
     for k, address in enumerate(addresses):
         flat[k] = ctypes.string_at(int(address)).decode("utf-8", "replace")

@@ -298,3 +298,14 @@ def test_many_runs_reuse_the_pool_and_sessions_run_concurrently():
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_the_graph_key_hashes_string_constants_by_their_text():
+    """Two imports of one model (distinct str objects, distinct addresses) have one graph key; another
+    constant text, another key (an object array's bytes are pointers: cuvil/semantic.py hashes text)."""
+    def build(suffix):
+        table = numpy_helper.from_array(np.array(["p", suffix], dtype=object), "c")
+        return _model([helper.make_node("StringConcat", ["x", "c"], ["z"])], [("x", T.STRING, [2])],
+                      [("z", T.STRING, [2])], inits=[table])
+    keys = [cuvil.compile(build(s)).info["graph_sha256"] for s in ("".join(["q", "r"]), "qr", "qs")]
+    assert keys[0] == keys[1] != keys[2]

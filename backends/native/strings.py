@@ -100,7 +100,8 @@ HEADER_NOTE = [
     " *",
     " *   A string tensor is an array of const char*, one NUL-terminated UTF-8 string per element. An input's",
     " *   strings need to live until session_run returns (a NULL element: ERR_NULL_ARGUMENT); an output's array",
-    " *   gets pointers into memory the session owns, valid until its next session_run or session_destroy.",
+    " *   gets pointers into memory the session owns, valid until its next session_run or session_destroy,",
+    " *   the strings back to back in element order (each right after the previous one's NUL).",
 ]
 
 SESSION_FIELD = "    struct strings strings;   /* the bytes of the run's string tensors */\n"

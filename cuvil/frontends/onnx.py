@@ -384,8 +384,9 @@ class _Importer:
                     raise UnsupportedOpError(
                         f"node '{node.name}' ({node.op}) reads '{name}', whose shape depends on the data "
                         f"(made by node '{maker.name}' ({maker.op}))",
-                        hint="cuvil compiles data-dependent shapes (NonZero, Unique, NonMaxSuppression, Compress) "
-                             "only as graph outputs; return the value from the model, or make its shape static")
+                        hint="cuvil compiles data-dependent shapes (NonZero, Unique, NonMaxSuppression, Compress, "
+                             "StringNormalizer with stopwords, StringSplit) only as graph outputs; return the value "
+                             "from the model, or make its shape static")
 
     def _single_node_model(self, proto: onnx.NodeProto, with_data) -> onnx.ModelProto:
         inputs, inits = [], []

@@ -427,19 +427,16 @@ def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, th
     without one (session_error(NULL) says which)."""
     entry = Entry(graph, schedule, plan, weights_offsets)
     code = _entry_code(entry, prefix, threads)
+    body, extra = code.body, {}
     if strings.uses_strings(graph, schedule):   # string tensors: the session's pool (strings.py)
-        run = "\n".join(["    unsigned char* A = s->arena;", f"    const unsigned char* W = {prefix}weights;",
-                         "    (void)A; (void)W;", *strings.run_start(graph, c_string), *code.body, *strings.run_end(graph)])
-        return _driver_file(prefix, info, threads, cpu_features, arch, code.kernels, code.once, code.step_fns,
-                            code.profiled, plan.arena_bytes, plan.shared_bytes, _null_checks(graph), run,
-                            session_fields=strings.SESSION_FIELD, destroy=strings.DESTROY,
-                            dims=_dims_layout(graph),
-                            prelude=strings.PRELUDE + "\n" + strings.definitions(code.c_kernels) + "\n")
+        body = [*strings.run_start(graph, c_string), *code.body, *strings.run_end(graph)]
+        extra = dict(session_fields=strings.SESSION_FIELD, destroy=strings.DESTROY,
+                     prelude=strings.PRELUDE + "\n" + strings.definitions(code.c_kernels) + "\n")
     run = "\n".join(["    unsigned char* A = s->arena;", f"    const unsigned char* W = {prefix}weights;",
-                     "    (void)A; (void)W;", *code.body])
+                     "    (void)A; (void)W;", *body])
     return _driver_file(prefix, info, threads, cpu_features, arch, code.kernels, code.once, code.step_fns,
                         code.profiled, plan.arena_bytes, plan.shared_bytes, _null_checks(graph), run,
-                        dims=_dims_layout(graph))
+                        dims=_dims_layout(graph), **extra)
 
 
 def _dims_layout(graph, others=()) -> tuple[int, list[int]]:

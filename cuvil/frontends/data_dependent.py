@@ -1,7 +1,8 @@
 """Ops whose output shapes depend on the input *data*: static upper bounds.
 
 NonZero, Unique, NonMaxSuppression and Compress (with a condition known only at
-run time) return as many elements as the data selects. Cuvil gives each such
+run time), StringNormalizer with stopwords and StringSplit (docs/strings.md) return
+as many elements as the data selects. Cuvil gives each such
 output a static upper-bound shape (the bytes its buffer holds) and an int64
 "dims" value, one more output of the node, into which the kernel writes the
 actual shape; the tensor is the C-contiguous prefix of the buffer

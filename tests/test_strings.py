@@ -381,3 +381,17 @@ def test_every_string_kernel_under_valgrind(tmp_path):
     # the same values as the Python runtime (itself checked against onnxruntime above)
     got = cuvil.compile(model).run({"x": S("The a,b", "x@gmail.com", "", "été,ÉTÉ")})
     assert lines[1].split("|")[:2] == [got["concat"][1], got["normal"][1]]
+
+
+def test_a_text_pipeline_into_numbers():
+    """Lower-case, compare with a constant, encode, and add: string kernels feeding numeric ones."""
+    target = numpy_helper.from_array(np.array(["yes"], dtype=object), "target")
+    nodes = [helper.make_node("StringNormalizer", ["x"], ["low"], case_change_action="LOWER", locale="C.UTF-8"),
+             helper.make_node("Equal", ["low", "target"], ["is_yes"]),
+             helper.make_node("LabelEncoder", ["low"], ["code"], domain="ai.onnx.ml", keys_strings=["yes", "no"],
+                              values_floats=[1.0, -1.0], default_float=0.0),
+             helper.make_node("Cast", ["is_yes"], ["yes_f"], to=T.FLOAT),
+             helper.make_node("Add", ["code", "yes_f"], ["y"])]
+    model = _model(nodes, [("x", T.STRING, [5])], [("y", T.FLOAT, [5]), ("is_yes", T.BOOL, [5])], ml=True,
+                   inits=[target])
+    _check(model, {"x": S("YES", "No", "maybe", "yes", "ÝES")})

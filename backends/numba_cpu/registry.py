@@ -53,6 +53,13 @@ def _cast(node, graph) -> Lowered:
     return indexing.lower_cast(node, graph)
 
 
+def _gather(node, graph) -> Lowered:
+    """Gather: of strings its own kernel, else the indexing one."""
+    if strings.is_string(graph.values[node.inputs[0]]):
+        return strings.lower_gather_strings(node, graph)
+    return indexing.lower_gather(node, graph)
+
+
 def _equal(node, graph) -> Lowered:
     """Equal: on strings its own kernel, else the elementwise one."""
     if strings.is_string(graph.values[node.inputs[0]]):
@@ -151,7 +158,7 @@ GENERATORS = {
     "Slice": indexing.lower_slice,
     "Pad": indexing.lower_pad,
     "Split": indexing.lower_split,
-    "Gather": indexing.lower_gather,
+    "Gather": _gather,
     "GatherElements": indexing.lower_gather_elements,
     "GatherND": indexing.lower_gather_nd,
     "ScatterElements": indexing.lower_scatter_elements,

@@ -1,5 +1,6 @@
 """Kernels of the ops on string tensors: StringConcat, StringNormalizer, StringSplit, RegexFullMatch,
-Equal on strings, ai.onnx.ml LabelEncoder and Cast to and from strings (docs/strings.md).
+Equal on strings, ai.onnx.ml LabelEncoder, Cast to and from strings and Gather of strings
+(docs/strings.md).
 
 A string tensor is an array of `const char*` (NUL-terminated UTF-8), one an element. These kernels
 are plain C (Kernel.language "c"), defined in the driver, not Numba code: each one's body sees its
@@ -20,7 +21,7 @@ from .kernel import Kernel, KernelCall, Lowered
 
 # What each op's kernel takes; any other op given a string tensor is refused (check_node).
 STRING_OPS = ("StringConcat", "StringNormalizer", "StringSplit", "RegexFullMatch", "Equal", "LabelEncoder", "Cast",
-              "CastLike")
+              "CastLike", "Gather")
 
 ERR_OUT_OF_MEMORY, ERR_BAD_ARGUMENT = 3, 6   # backends/native/driver.py ERROR_CODES
 
@@ -542,3 +543,42 @@ def lower_constant_outputs(graph) -> list:
             calls.append(KernelCall(_kernel("string_constant", body, ops.types), ops.names, 1,
                                     node=f"constant {name}", n_outputs=1))
     return calls
+
+
+# -- Gather of strings ----------------------------------------------------------------------------
+
+def lower_gather_strings(node, graph) -> Lowered:
+    """Gather over a string tensor (a constant one too: class labels picked by an ArgMax): the element
+    pointers are copied; an index outside [-n, n) fails the run, as onnxruntime's."""
+    data, indices = graph.values[node.inputs[0]], graph.values[node.inputs[1]]
+    y = graph.values[node.outputs[0]]
+    index_type = _C_TYPES.get(np.dtype(indices.dtype).name)
+    if index_type not in ("int32_t", "int64_t"):
+        raise UnsupportedOpError(f"node '{node.name}' (Gather): indices of {np.dtype(indices.dtype).name}")
+    rank = len(data.shape)
+    axis = int(node.attr("axis", 0))
+    axis = axis + rank if axis < 0 else axis
+    outer = int(np.prod(data.shape[:axis], dtype=np.int64))
+    n = int(data.shape[axis])
+    inner = int(np.prod(data.shape[axis + 1:], dtype=np.int64))
+    ops = _Operands()
+    ops.strings(data, "x")
+    if indices.is_const:
+        ops.lines.append(f"    static const {index_type} ind[] = {{{_numbers(np.asarray(indices.data).reshape(-1), index_type)}}};")
+    else:
+        ops.lines.append(f"    const {index_type}* ind = (const {index_type}*)p{len(ops.names)};")
+        ops.names.append(indices.name)
+        ops.types.append(np.dtype(indices.dtype).name)
+    ops.output(y, "y", "const char*")
+    message = c_literal(f"an index is outside [-{n}, {n})")
+    lines = [*ops.lines,
+             f"    for (int64_t j = 0; j < {indices.size}; j++) {{",
+             f"        int64_t at = (int64_t)ind[j];",
+             f"        if (at < 0) at += {n};",
+             f"        if (at < 0 || at >= {n}) {{ strings_error(S, {ERR_BAD_ARGUMENT}, {c_literal(node.name)}, {message}); return; }}",
+             f"        for (int64_t o = 0; o < {outer}; o++)",
+             f"            for (int64_t k = 0; k < {inner}; k++)",
+             f"                y[(o * {indices.size} + j) * {inner} + k] = x[(o * {n} + at) * {inner} + k];",
+             "    }"]
+    kernel = _kernel("gather_strings", "\n".join(lines), ops.types)
+    return Lowered([KernelCall(kernel, ops.names, 1, node=node.name, n_outputs=1)])

@@ -36,10 +36,16 @@ class Kernel:
     # A GPU kernel (backends/numba_cuda/): the threads of one block it is launched with; 0 for a
     # CPU kernel. Its source then defines `kernel(p0, ..., n)` over n = the call's work threads.
     block: int = 0
+    # "c": `source` is the body of a C function `void kernel(void* p0, ..., int64_t begin, int64_t
+    # end)` that the driver defines itself (string kernels: numba_cpu/strings.py), not Numba source
+    # compiled to an object. Only a C kernel carries the field, so other kernels' keys are unchanged.
+    language: str = "numba"
 
     @cached_property
     def key(self) -> str:
         parts = [self.family, self.source, list(self.arg_types), self.in_place] + ([self.block] if self.block else [])
+        if self.language != "numba":
+            parts.append(self.language)
         blob = json.dumps(parts, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -52,12 +58,14 @@ class Kernel:
         """What compiling the kernel needs, as JSON (the codegen step's kernels.json)."""
         spec = {"symbol": self.symbol, "family": self.family, "source": self.source,
                 "arg_types": list(self.arg_types), "in_place": self.in_place}
+        if self.language != "numba":
+            spec["language"] = self.language
         return {**spec, "block": self.block} if self.block else spec
 
     @classmethod
     def from_spec(cls, spec: dict) -> Kernel:
         return cls(spec["family"], spec["source"], tuple(spec["arg_types"]), in_place=spec["in_place"],
-                   block=spec.get("block", 0))
+                   block=spec.get("block", 0), language=spec.get("language", "numba"))
 
 
 @dataclass

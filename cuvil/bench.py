@@ -133,6 +133,10 @@ def run_harness(lib, runs: int = 100, warmup: int = 10, info: dict | None = None
     the process's peak resident memory (VmHWM) as it ends. Raises CalledProcessError if it fails."""
     lib = Path(lib).resolve()
     info = info or _info(lib)
+    strings = [v["name"] for v in info["inputs"] + info["outputs"] if v["dtype"] == "string"]
+    if strings:   # the C program feeds zeroed buffers: NULL string pointers (docs/strings.md)
+        raise CuvilError(f"{lib.name}: '{strings[0]}' is a string tensor; the timing program feeds zeroed "
+                         "buffers, which are no strings", hint="time a string library from Python or your own C")
     size = lambda v: int(np.prod(v["shape"], dtype=np.int64)) * np.dtype(v["dtype"]).itemsize
     args = [str(harness()), str(lib), info.get("symbol_prefix", "cuvil_"), str(runs), str(warmup)]
     args += [str(len(info["inputs"]))] + [str(size(v)) for v in info["inputs"]]

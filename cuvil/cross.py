@@ -455,6 +455,10 @@ class WasmModule:
 def _checked_input(feeds: dict, spec: dict, info: dict) -> np.ndarray:
     if spec["name"] not in feeds:
         raise CuvilError(f"missing input '{spec['name']}'", hint=f"inputs are {[s['name'] for s in info['inputs']]}")
+    strings = [s["name"] for s in info["inputs"] + info["outputs"] if s["dtype"] == "string"]
+    if strings:
+        raise CuvilError(f"'{strings[0]}' is a string tensor: libraries of other machines with string tensors are "
+                         "built but not run here (under an emulator)", hint="run the library on its machine (docs/strings.md)")
     arr = np.array(feeds[spec["name"]], dtype=np.dtype(spec["dtype"]), order="C")   # (0-d stays 0-d)
     if list(arr.shape) != list(spec["shape"]):
         raise CuvilError(f"input '{spec['name']}': shape {list(arr.shape)}, the model was built for {spec['shape']}")

@@ -76,6 +76,10 @@ def _dtype_from(text: str) -> np.dtype:
         else np.dtype(text)
 
 
+def _text(x) -> str:
+    return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+
 def dumps(graph: Graph, store=None) -> bytes:
     """Serialise a graph. With a `store` (a Cache), constant arrays go into it as
     content-addressed entries of their own, so the graphs that successive passes
@@ -96,7 +100,9 @@ def dumps(graph: Graph, store=None) -> bytes:
     for arr in arrays:
         arr = np.ascontiguousarray(arr).reshape(np.shape(arr))   # (ascontiguousarray makes a 0-d array 1-d)
         entry = {"dtype": _dtype_text(arr.dtype), "shape": list(arr.shape), "size": arr.nbytes}
-        if store is not None and arr.nbytes > 1024:
+        if arr.dtype == object:   # a string tensor: its elements as JSON text (bytes would be pointers)
+            entry["strings"] = [_text(x) for x in arr.reshape(-1)]
+        elif store is not None and arr.nbytes > 1024:
             entry["blob"] = "blob-" + _digest(arr)
             if not store.contains(entry["blob"]):
                 store.put(entry["blob"], arr.tobytes())
@@ -119,6 +125,9 @@ def loads(data: bytes, store=None) -> Graph:
     base = 16 + size
     arrays = []
     for entry in header["arrays"]:
+        if "strings" in entry:
+            arrays.append(np.array(entry["strings"] + [None], dtype=object)[:-1].reshape(entry["shape"]))
+            continue
         if "blob" in entry:
             raw = store.get(entry["blob"]) if store is not None else None
             if raw is None or len(raw) != entry["size"]:

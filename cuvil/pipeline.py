@@ -265,6 +265,10 @@ def lower(graph, target, threads: int = 1) -> list:
     target's kernels: backends/numba_cuda/)."""
     if is_gpu(target):
         from backends.numba_cuda.registry import lower as lower_gpu
+        strings = [v.name for v in graph.values.values() if getattr(v.dtype, "kind", "") == "O"]
+        if strings:
+            raise UnsupportedOpError(f"'{strings[0]}' is a string tensor, and CUDA targets have no string kernels",
+                                     hint="build the model for a CPU target (docs/strings.md)")
         return lower_gpu(graph, target)
     from backends.numba_cpu.registry import lower as lower_graph
     return lower_graph(graph, threads, target=target)
@@ -299,7 +303,10 @@ def plan(graph, params: VariantParams, blob=None) -> Planned:
 def _io(graph, names) -> list[dict]:
     import numpy as np
     # "dynamic": the shape depends on the data; "shape" is then its upper bound (docs/dynamic_shapes.md)
-    return [{"name": n, "dtype": np.dtype(graph.values[n].dtype).name, "shape": list(graph.values[n].shape),
+    # "string": an array of char pointers (docs/strings.md)
+    def dtype_name(dtype):
+        return "string" if np.dtype(dtype) == np.dtype(object) else np.dtype(dtype).name
+    return [{"name": n, "dtype": dtype_name(graph.values[n].dtype), "shape": list(graph.values[n].shape),
              **({"dynamic": True} if graph.values[n].shape_from is not None else {})}
             for n in names]
 
@@ -326,7 +333,9 @@ def generate(planned: Planned, info: dict, symbol_prefix: str, threads: int) -> 
         driver_c = driver.generate(planned.graph, planned.schedule, planned.arena, planned.weight_offsets, info,
                                    symbol_prefix, threads, required_features(planned.target), planned.target.arch)
         header = driver.header(symbol_prefix, info["name"], info)
-    kernels = sorted((k.as_spec() for k in planned.kernels.values()), key=lambda k: k["symbol"])
+    # C kernels (string ops) are defined in the driver itself: nothing to compile apart
+    kernels = sorted((k.as_spec() for k in planned.kernels.values() if k.language == "numba"),
+                     key=lambda k: k["symbol"])
     return {"driver.c": driver_c.encode(), "weights.bin": planned.weights,
             "header.h": header.encode(),
             "info.json": json.dumps(info, sort_keys=True).encode(), "kernels.json": json.dumps(kernels).encode()}

@@ -69,6 +69,74 @@ def find_prefix(path: Path) -> str:
 STAGED_BYTES = 16 * 1024
 
 
+def tensor_dtype(spec: dict) -> np.dtype:
+    """The numpy dtype of a model_info tensor: "string" tensors are object arrays of str."""
+    return np.dtype(object) if spec["dtype"] == "string" else np.dtype(spec["dtype"])
+
+
+def _string_table(arr: np.ndarray, name: str):
+    """A string input as the C ABI takes it: an array of pointers to NUL-terminated UTF-8 strings, C
+    order (docs/strings.md), as (the pointers, the bytes they point into: keep both alive). All the
+    strings are encoded at once, back to back; elements that are not all str take the slow way."""
+    flat = arr.reshape(-1)
+    n = flat.size
+    try:
+        text = "\0".join(flat.tolist())
+    except TypeError:
+        text = None
+    if text is not None and text.count("\0") == max(n - 1, 0):
+        data = text.encode("utf-8", "surrogatepass") + b"\0"
+        if len(data) == len(text) + 1:   # ASCII: a string's bytes are its characters
+            lengths = np.fromiter(map(len, flat.tolist()), np.int64, n)
+        else:
+            lengths = np.fromiter(map(len, data.split(b"\0")[:n]), np.int64, n)
+        offsets = np.zeros(n, np.int64)
+        np.cumsum(lengths[:-1] + 1, out=offsets[1:])
+        block = ctypes.create_string_buffer(data, len(data))
+        pointers = (offsets + ctypes.addressof(block)).astype(np.uint64) if n else np.zeros(1, np.uint64)
+        return pointers, block
+    return _string_table_slow(flat, name)
+
+
+def _string_table_slow(flat: np.ndarray, name: str):
+    encoded = []
+    for item in flat:
+        data = item.encode("utf-8") if isinstance(item, str) else item if isinstance(item, bytes) else None
+        if data is None:
+            raise CuvilError(f"input '{name}': an element is a {type(item).__name__}, not a str",
+                             hint="a string input takes a numpy array of str (dtype object or str)")
+        if b"\0" in data:
+            raise CuvilError(f"input '{name}': an element holds a NUL character, which a C string cannot",
+                             hint="remove the NUL characters")
+        encoded.append(data)
+    table = (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
+    return table, None
+
+
+def _strings_from(pointers: np.ndarray) -> np.ndarray:
+    """A string output: the element pointers the run wrote, read as UTF-8 into an object array. The
+    library writes an output's strings back to back in element order (docs/strings.md): one copy of
+    that block, split at its NULs; pointers laid out otherwise are read one by one."""
+    out = np.empty(pointers.shape, dtype=object)
+    flat = out.reshape(-1)
+    addresses = pointers.reshape(-1).astype(np.int64)
+    n = addresses.size
+    if n == 0:
+        return out
+    last = ctypes.string_at(int(addresses[-1]))
+    end = int(addresses[-1]) + len(last) + 1
+    steps = np.diff(addresses)
+    if np.all(steps > 0) and end - int(addresses[0]) < 1 << 40:
+        block = ctypes.string_at(int(addresses[0]), end - int(addresses[0]))
+        nuls = np.flatnonzero(np.frombuffer(block, np.uint8) == 0)
+        if len(nuls) == n and np.array_equal(nuls[:-1] + 1, addresses[1:] - addresses[0]):
+            flat[:] = block.decode("utf-8", "replace").split("\0")[:-1]
+            return out
+    for k, address in enumerate(addresses):
+        flat[k] = ctypes.string_at(int(address)).decode("utf-8", "replace")
+    return out
+
+
 def _address(arr: np.ndarray) -> int:
     """The data address of a C-contiguous array.
 
@@ -105,8 +173,11 @@ class Session:
         self._out_ptrs = (ctypes.c_void_p * max(1, len(outputs)))()
         self._staged_inputs, self._addressed_inputs = [], []
         self._input_checks = []  # (name, dtype, shape, passed by address), for the fast check
+        # string tensors are passed by address, as arrays of char pointers (docs/strings.md)
+        self._string_inputs = {i for i, spec in enumerate(inputs) if spec["dtype"] == "string"}
+        self._string_outputs = {i for i, spec in enumerate(outputs) if spec["dtype"] == "string"}
         for i, spec in enumerate(inputs):
-            dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+            dtype, shape = tensor_dtype(spec), tuple(spec["shape"])
             staged = self._stage(self._in_ptrs, i, dtype, shape)
             if staged is None:
                 self._addressed_inputs.append(i)
@@ -116,7 +187,7 @@ class Session:
         self._addressed_outputs = []
         self._results = []  # (name, output index, staged buffer or None): each name once, in graph order
         for i, spec in enumerate(outputs):
-            dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+            dtype, shape = tensor_dtype(spec), tuple(spec["shape"])
             staged = self._stage(self._out_ptrs, i, dtype, shape)
             if staged is None:
                 self._addressed_outputs.append((i, shape, dtype))
@@ -132,8 +203,9 @@ class Session:
 
     @staticmethod
     def _stage(ptrs, index, dtype, shape):
-        """A buffer for a small tensor, its address stored in ptrs[index] once; None for a large one."""
-        if math.prod(shape) * dtype.itemsize > STAGED_BYTES:
+        """A buffer for a small tensor, its address stored in ptrs[index] once; None for a large one
+        (or a string tensor)."""
+        if math.prod(shape) * dtype.itemsize > STAGED_BYTES or dtype == object:
             return None
         buf = np.zeros(shape, dtype)
         ptrs[index] = _address(buf)
@@ -170,11 +242,17 @@ class Session:
         with self._lock:
             for i, staged in self._staged_inputs:
                 staged[...] = arrays[i]
+            tables = []   # string inputs' pointer arrays, alive until the run returns
             for i in self._addressed_inputs:
-                in_ptrs[i] = _address(arrays[i])
+                if i in self._string_inputs:
+                    table, block = _string_table(arrays[i], self._input_checks[i][0])
+                    tables.append((table, block))
+                    in_ptrs[i] = _address(table) if isinstance(table, np.ndarray) else ctypes.addressof(table)
+                else:
+                    in_ptrs[i] = _address(arrays[i])
             fresh = {}
             for i, shape, dtype in self._addressed_outputs:
-                arr = fresh[i] = np.empty(shape, dtype)
+                arr = fresh[i] = np.zeros(shape, np.uintp) if i in self._string_outputs else np.empty(shape, dtype)
                 out_ptrs[i] = _address(arr)
             code = self._run_c(self._handle_arg, in_ptrs, out_ptrs)
             if code != 0:
@@ -186,6 +264,8 @@ class Session:
                 results[name] = fresh[i] if staged is None else staged.copy()
                 if i in self._dynamic:
                     results[name] = self._actual(i, results[name])
+                if i in self._string_outputs:   # read now: the next run frees the strings
+                    results[name] = _strings_from(results[name])
             return results
 
     def _actual(self, index: int, buffer: np.ndarray) -> np.ndarray:
@@ -203,7 +283,7 @@ class Session:
             self._run_batch_c = lib._lib[f"{lib.prefix}session_run_batch"]
             self._run_batch_c.restype = ctypes.c_int
         in_ptrs = (ctypes.c_void_p * max(1, len(arrays)))(*[_address(a) for a in arrays])
-        outputs = [np.empty((rows, *spec["shape"][1:]), np.dtype(spec["dtype"])) for spec in lib.info["outputs"]]
+        outputs = [np.empty((rows, *spec["shape"][1:]), tensor_dtype(spec)) for spec in lib.info["outputs"]]
         out_ptrs = (ctypes.c_void_p * max(1, len(outputs)))(*[_address(a) for a in outputs])
         with self._lock:
             code = self._run_batch_c(self._handle_arg, ctypes.c_int64(rows), in_ptrs, out_ptrs)
@@ -463,12 +543,14 @@ class Library:
                 hint=f"inputs are {self.input_names}")
         arrays, rows, first = [], None, None
         for spec in self.info["inputs"]:
-            name, dtype, shape = spec["name"], np.dtype(spec["dtype"]), tuple(spec["shape"])
+            name, dtype, shape = spec["name"], tensor_dtype(spec), tuple(spec["shape"])
             arr = feeds[name]
             if not isinstance(arr, np.ndarray):
                 arr = np.asarray(arr)
                 if arr.dtype != dtype and np.can_cast(arr.dtype, dtype, "same_kind"):
                     arr = arr.astype(dtype)
+            if dtype == object and arr.dtype.kind in "US":   # numpy str / bytes arrays: as objects
+                arr = arr.astype(object)
             if arr.dtype != dtype:
                 raise CuvilError(f"input '{name}': dtype {arr.dtype}, the model takes {dtype}",
                                  hint=f"convert it with .astype(np.{dtype.name})")

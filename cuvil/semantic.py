@@ -34,10 +34,19 @@ def _sha(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _array_sha(arr: np.ndarray) -> str:
+    """sha256 of an array's contents: its bytes, or for a string tensor (dtype object, whose bytes
+    are pointers) its elements' UTF-8 text."""
+    if arr.dtype == object:
+        items = [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)]
+        return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+    return hashlib.sha256(arr.tobytes()).hexdigest()
+
+
 def _canonical_attr(value, subgraph_hash):
     """An attribute value as plain JSON-able data: arrays by their bytes, subgraphs by their hash."""
     if isinstance(value, np.ndarray):
-        return ["array", _dtype(value.dtype), list(value.shape), hashlib.sha256(value.tobytes()).hexdigest()]
+        return ["array", _dtype(value.dtype), list(value.shape), _array_sha(value)]
     if isinstance(value, (list, tuple)):
         return [_canonical_attr(v, subgraph_hash) for v in value]
     if isinstance(value, dict):
@@ -77,7 +86,7 @@ def _value_hashes(graph) -> tuple[dict[str, str], dict[int, str]]:
     for name, v in graph.values.items():
         if v.is_const and name not in hashes:
             data = np.ascontiguousarray(v.data)
-            hashes[name] = _sha("const", _dtype(data.dtype), list(data.shape), hashlib.sha256(data.tobytes()).hexdigest())
+            hashes[name] = _sha("const", _dtype(data.dtype), list(data.shape), _array_sha(data))
     nodes = {}
     for k, node in enumerate(graph.nodes):  # topological order: every input is hashed before it is read
         nodes[k] = _node_hash(node, hashes)

@@ -14,6 +14,8 @@ import numpy as np
 from backends.schedule import KernelCall, LoopMark, View
 from cuvil.errors import UnsupportedOpError
 
+from . import strings
+
 ABI_VERSION = 1
 
 ERROR_CODES = {
@@ -68,6 +70,7 @@ def header(prefix: str, model_name: str, info: dict, extra: list[str] = ()) -> s
         "",
         "/* The model's tensors (all C-contiguous, row-major):",
         *[l.replace("*/", "* /") for l in ios],
+        *(strings.HEADER_NOTE if any(v["dtype"] == "string" for v in info["inputs"] + info["outputs"]) else []),
         " */",
         "",
         f"#define {prefix.upper()}ABI_VERSION {ABI_VERSION}",
@@ -289,6 +292,7 @@ class _EntryCode:
     once: list = field(default_factory=list)        # the run-once calls
     step_fns: list = field(default_factory=list)    # the pool's step functions (threads > 1)
     profiled: list = field(default_factory=list)    # (family, node) of each timed step
+    c_kernels: dict = field(default_factory=dict)   # symbol -> (pointer arguments, C body): strings.py
 
 
 def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_base: int = 0) -> _EntryCode:
@@ -307,7 +311,9 @@ def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_bas
         return _pointer(n, graph, plan, weights_offsets, input_index, output_index)
     code = _EntryCode()
     for call in schedule:
-        if isinstance(call, KernelCall):
+        if isinstance(call, KernelCall) and call.kernel.language == "c":
+            code.c_kernels[call.kernel.symbol] = (len(call.args), call.kernel.source)
+        elif isinstance(call, KernelCall):
             code.kernels[call.kernel.symbol] = len(call.args)
     body = code.body
     for step, call in enumerate(schedule):
@@ -328,7 +334,9 @@ def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_bas
         k = prof_base + len(code.profiled)
         code.profiled.append((call.kernel.family, call.node))
         body.append(f"    PROF_BEGIN({k});")
-        if threads == 1 or _serial(call, graph) or any(isinstance(a, str) and a in slots for a in call.args):
+        if call.kernel.language == "c":   # a string kernel: on the calling thread, with the pool
+            body.extend(strings.call(call.kernel.symbol, args, call.work, _comment(call.node)))
+        elif threads == 1 or _serial(call, graph) or any(isinstance(a, str) and a in slots for a in call.args):
             body.append(f"    {call.kernel.symbol}({args}, 0, {call.work}); /* {_comment(call.node)} */")
         else:
             fn = f"{tag}step_{step}"
@@ -342,13 +350,21 @@ def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_bas
             grain = 1 if call.kernel.self_sized and call.work <= ONE_BY_ONE_ITEMS else 0
             body.append(f"    parallel_for(s, {fn}, inputs, outputs, {call.work}, {grain}); /* {_comment(call.node)} */")
         body.append(f"    PROF_END({k});")
-    # Graph outputs that are graph inputs or constants (no node writes them) are copied.
+    # Graph outputs that are graph inputs or constants (no node writes them) are copied. A graph input
+    # that is also an output lives in the output's buffer (storage()): when a step reads it, the copy
+    # comes first, or the step would read the caller's output buffer before the input is in it.
     written = {a for c in schedule if isinstance(c, (KernelCall, LoopMark)) for a in c.args[len(c.args) - c.n_outputs:]}
+    read = {a for c in schedule if isinstance(c, (KernelCall, LoopMark))
+            for a in c.args[:len(c.args) - c.n_outputs] if isinstance(a, str)}
+    read |= {c.src for c in schedule if isinstance(c, View)}
+    early = []
     for i, name in enumerate(graph.outputs):
         first = output_index[name]
         if i != first or (name not in written and not any(isinstance(c, View) and c.dst == name for c in schedule)):
             src = ptr(name) if i != first else _pointer_source(name, graph, plan, weights_offsets, input_index)
-            body.append(f"    memcpy(outputs[{i}], {src}, {graph.values[name].nbytes});")
+            copy = f"    memcpy(outputs[{i}], {src}, {graph.values[name].nbytes});"
+            (early if i == first and name in input_index and name in read else body).append(copy)
+    code.body = early + body
     return code
 
 
@@ -411,11 +427,16 @@ def generate(graph, schedule, plan, weights_offsets, info: dict, prefix: str, th
     without one (session_error(NULL) says which)."""
     entry = Entry(graph, schedule, plan, weights_offsets)
     code = _entry_code(entry, prefix, threads)
+    body, extra = code.body, {}
+    if strings.uses_strings(graph, schedule):   # string tensors: the session's pool (strings.py)
+        body = [*strings.run_start(graph, c_string), *code.body, *strings.run_end(graph)]
+        extra = dict(session_fields=strings.SESSION_FIELD, destroy=strings.DESTROY,
+                     prelude=strings.PRELUDE + "\n" + strings.definitions(code.c_kernels) + "\n")
     run = "\n".join(["    unsigned char* A = s->arena;", f"    const unsigned char* W = {prefix}weights;",
-                     "    (void)A; (void)W;", *code.body])
+                     "    (void)A; (void)W;", *body])
     return _driver_file(prefix, info, threads, cpu_features, arch, code.kernels, code.once, code.step_fns,
                         code.profiled, plan.arena_bytes, plan.shared_bytes, _null_checks(graph), run,
-                        dims=_dims_layout(graph))
+                        dims=_dims_layout(graph), **extra)
 
 
 def _dims_layout(graph, others=()) -> tuple[int, list[int]]:
@@ -437,6 +458,9 @@ def generate_entries(entries: list[Entry], run_entry: int, info: dict, prefix: s
     kernels, once, step_fns, profiled, run_fns = {}, [], [], [], []
     for k, entry in enumerate(entries):
         code = _entry_code(entry, prefix, threads, tag=f"e{k}_", prof_base=len(profiled))
+        if code.c_kernels:
+            raise UnsupportedOpError("string tensors are not supported in a library of several entries "
+                                     "(generation, batch buckets)", hint="build the string model on its own")
         kernels.update(code.kernels)
         once += code.once
         step_fns += code.step_fns
@@ -455,7 +479,8 @@ def generate_entries(entries: list[Entry], run_entry: int, info: dict, prefix: s
 
 
 def _driver_file(P, info, threads, cpu_features, arch, kernels, once, step_fns, profiled, arena_bytes, shared_bytes,
-                 null_checks, run_body, session_fields="", create="", destroy="", tail="", dims=(1, None)) -> str:
+                 null_checks, run_body, session_fields="", create="", destroy="", tail="", dims=(1, None),
+                 prelude="") -> str:
     if arch not in CPU_CHECKS:
         raise ValueError(f"no C driver for the ISA {arch!r}")
     if arch == "wasm32" and threads > 1:
@@ -533,7 +558,7 @@ static void shared_release(void) {
 #define ARENA_BYTES {max(arena_bytes, 64)}
 
 extern const unsigned char {P}weights[] HIDDEN;
-{decls}
+{decls}{prelude}
 
 typedef struct {P}session {P}session;
 {pool}

@@ -53,9 +53,10 @@ def pack_weights(graph, schedule, blob: Blob | None = None) -> tuple[bytes, dict
                     packed += 1
                     offsets[name] = blob.place(arg)
                     args[i] = name
-                elif arg not in offsets and graph.values[arg].is_const:
+                elif arg not in offsets and graph.values[arg].is_const and graph.values[arg].data.dtype != object:
                     offsets[arg] = blob.place(graph.values[arg].data)
     for name in graph.outputs:
-        if name not in offsets and graph.values[name].is_const:
+        # (a string constant output is written by a kernel of its own: numba_cpu/strings.py)
+        if name not in offsets and graph.values[name].is_const and graph.values[name].data.dtype != object:
             offsets[name] = blob.place(graph.values[name].data)
     return (blob.data if shared else bytes(blob.data)), offsets

@@ -10,7 +10,7 @@ from cuvil.errors import UnsupportedOpError
 from cuvil.ops import CONTROL_OPS, FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
 
 from . import attention, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
-from .kernel import lowering_for
+from .kernel import Lowered, lowering_for
 from .views import lower_view
 
 # rnn.py, convtranspose.py, norm.py, quant.py
@@ -41,6 +41,30 @@ from . import nbits_gemm   # many rows: dequantised panels; else nbits.py's pack
 # gqa.py (onnxruntime's LLM attention ops; cuvil/contrib.py has their forms)
 from cuvil import contrib
 from . import gqa
+
+# strings.py (string tensors: C kernels defined in the driver; docs/strings.md)
+from . import strings
+
+
+def _cast(node, graph) -> Lowered:
+    """Cast and CastLike: to or from strings their own kernel, else the numeric one."""
+    if any(strings.is_string(graph.values[n]) for n in (node.inputs[0], node.outputs[0])):
+        return strings.lower_cast_strings(node, graph)
+    return indexing.lower_cast(node, graph)
+
+
+def _gather(node, graph) -> Lowered:
+    """Gather: of strings its own kernel, else the indexing one."""
+    if strings.is_string(graph.values[node.inputs[0]]):
+        return strings.lower_gather_strings(node, graph)
+    return indexing.lower_gather(node, graph)
+
+
+def _equal(node, graph) -> Lowered:
+    """Equal: on strings its own kernel, else the elementwise one."""
+    if strings.is_string(graph.values[node.inputs[0]]):
+        return strings.lower_string_equal(node, graph)
+    return ew.lower_elementwise(node, graph)
 
 GENERATORS = {
     # elementwise (elementwise.py)
@@ -127,14 +151,14 @@ GENERATORS = {
     "LRN": reduce.lower_lrn,
     "DFT": reduce.lower_dft,
     # data movement and indexing (indexing.py)
-    "Cast": indexing.lower_cast,
-    "CastLike": indexing.lower_cast,
+    "Cast": _cast,
+    "CastLike": _cast,
     "Expand": indexing.lower_expand,
     "Tile": indexing.lower_tile,
     "Slice": indexing.lower_slice,
     "Pad": indexing.lower_pad,
     "Split": indexing.lower_split,
-    "Gather": indexing.lower_gather,
+    "Gather": _gather,
     "GatherElements": indexing.lower_gather_elements,
     "GatherND": indexing.lower_gather_nd,
     "ScatterElements": indexing.lower_scatter_elements,
@@ -166,6 +190,12 @@ GENERATORS = {
     "Compress": dynamic.lower_compress,
     "Unique": dynamic.lower_unique,
     "NonMaxSuppression": dynamic.lower_non_max_suppression,
+    # string tensors (strings.py)
+    "Equal": _equal,
+    "StringConcat": strings.lower_string_concat,
+    "StringNormalizer": strings.lower_string_normalizer,
+    "StringSplit": strings.lower_string_split,
+    "RegexFullMatch": strings.lower_regex_full_match,
 }
 
 
@@ -176,6 +206,7 @@ DOMAIN_GENERATORS = {
     (contrib.MS, "RotaryEmbedding"): gqa.lower_rotary_embedding,
     (contrib.MS, "SimplifiedLayerNormalization"): norm.lower_simplified_layer_normalization,
     (contrib.MS, "SkipSimplifiedLayerNormalization"): norm.lower_skip_simplified_layer_normalization,
+    ("ai.onnx.ml", "LabelEncoder"): strings.lower_label_encoder,
 }
 
 
@@ -191,8 +222,9 @@ def generator_for(node):
     if (node.domain, node.op) in DOMAIN_GENERATORS:
         return DOMAIN_GENERATORS[node.domain, node.op]
     if node.domain not in ("", "ai.onnx"):
+        others = ", ".join(f"{domain}::{op}" for domain, op in sorted(DOMAIN_GENERATORS))
         raise UnsupportedOpError(f"node '{node.name}': op {node.domain}::{node.op} is not supported",
-                                 hint="only the default ONNX domain is supported")
+                                 hint=f"besides the default ONNX domain, cuvil compiles {others}")
     gen = GENERATORS.get(node.op)
     if gen is None:
         raise UnsupportedOpError(f"node '{node.name}': op {node.op} is not supported",
@@ -207,5 +239,7 @@ def lower(graph, threads: int = 1, l1d_ways: int = DEFAULT_L1D_WAYS, target=None
     schedule = []
     with lowering_for(threads, target.l1d_ways if target is not None else l1d_ways, target):
         for node in graph.nodes:
+            strings.check_node(node, graph)   # a string tensor where the op has no string kernel
             schedule.extend(generator_for(node)(node, graph).calls)
+        schedule.extend(strings.lower_constant_outputs(graph))
     return schedule

@@ -1,7 +1,8 @@
 """Ops whose output shapes depend on the input *data*: static upper bounds.
 
 NonZero, Unique, NonMaxSuppression and Compress (with a condition known only at
-run time) return as many elements as the data selects. Cuvil gives each such
+run time), StringNormalizer with stopwords and StringSplit (docs/strings.md) return
+as many elements as the data selects. Cuvil gives each such
 output a static upper-bound shape (the bytes its buffer holds) and an int64
 "dims" value, one more output of the node, into which the kernel writes the
 actual shape; the tensor is the C-contiguous prefix of the buffer
@@ -15,7 +16,11 @@ import numpy as np
 
 from ..errors import UnsupportedOpError
 
-OPS = ("NonZero", "Unique", "NonMaxSuppression", "Compress")
+OPS = ("NonZero", "Unique", "NonMaxSuppression", "Compress", "StringNormalizer", "StringSplit")
+
+# StringSplit without maxsplit: at most this many substrings per string (the buffer's last dim); a
+# run that finds more fails with an error naming the node (docs/strings.md).
+STRING_SPLIT_PIECES = 64
 
 
 def _axis(attrs, rank, name, op):
@@ -65,4 +70,17 @@ def bounds(op: str, name: str, attrs: dict, inputs: list) -> list[tuple[tuple[in
             selected, dynamic = min(length, cond.size), True
         out = (selected,) if axis is None else shape[:axis] + (selected,) + shape[axis + 1:]
         return [(out, np.dtype(x.dtype), dynamic)]
+    if op == "StringNormalizer":
+        # stopwords drop elements: at most the input's count, and onnxruntime returns one empty
+        # string ([1] or [1, 1]) when every element is dropped
+        stopwords = [w for w in attrs.get("stopwords", []) or []]
+        if len(shape) not in (1, 2) or (len(shape) == 2 and shape[0] != 1):
+            raise UnsupportedOpError(f"node '{name}' (StringNormalizer): the input's shape is {list(shape)}; "
+                                     "the op takes [C] or [1, C]")
+        count = max(shape[-1], 1)
+        return [(shape[:-1] + (count,), np.dtype(object), bool(stopwords))]
+    if op == "StringSplit":
+        maxsplit = attrs.get("maxsplit")
+        pieces = int(maxsplit) + 1 if maxsplit is not None and int(maxsplit) >= 0 else STRING_SPLIT_PIECES
+        return [(shape + (pieces,), np.dtype(object), True), (shape, np.dtype(np.int64), False)]
     raise AssertionError(op)

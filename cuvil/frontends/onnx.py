@@ -67,6 +67,8 @@ _NARROW_DTYPES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "flo
 
 
 def _np_dtype(elem_type: int, where: str) -> np.dtype:
+    if elem_type == onnx.TensorProto.STRING:
+        return np.dtype(object)   # a string tensor: one char pointer an element (docs/strings.md)
     try:
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
     except Exception:
@@ -74,7 +76,7 @@ def _np_dtype(elem_type: int, where: str) -> np.dtype:
     if dtype is None or (dtype.kind in "OUSVc" and dtype.name not in _NARROW_DTYPES):
         name = onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else elem_type
         raise UnsupportedOpError(f"{where}: tensors of element type {name} are not supported",
-                                 hint="supported: float, integer and bool tensors (float16, bfloat16, float8, float4, int4, int2 included)")
+                                 hint="supported: float, integer, bool and string tensors (float16, bfloat16, float8, float4, int4, int2 included)")
     return dtype
 
 
@@ -226,7 +228,8 @@ class _Importer:
         unknown = sorted(set(self.given) - set(inputs))
         if unknown:
             raise ShapeError(f"input_shapes names {unknown}, which are not inputs of the model (inputs: {inputs})")
-        if "" not in self.opsets and "ai.onnx" not in self.opsets:
+        if "" not in self.opsets and "ai.onnx" not in self.opsets \
+                and any(n.domain in ("", "ai.onnx") for n in g.node):   # ai.onnx.ml alone is fine
             raise UnsupportedOpError("the model imports no version of the default ONNX domain")
         for node in _topological(list(g.node), set(self.values)):
             self._import_node(node)
@@ -381,8 +384,9 @@ class _Importer:
                     raise UnsupportedOpError(
                         f"node '{node.name}' ({node.op}) reads '{name}', whose shape depends on the data "
                         f"(made by node '{maker.name}' ({maker.op}))",
-                        hint="cuvil compiles data-dependent shapes (NonZero, Unique, NonMaxSuppression, Compress) "
-                             "only as graph outputs; return the value from the model, or make its shape static")
+                        hint="cuvil compiles data-dependent shapes (NonZero, Unique, NonMaxSuppression, Compress, "
+                             "StringNormalizer with stopwords, StringSplit) only as graph outputs; return the value "
+                             "from the model, or make its shape static")
 
     def _single_node_model(self, proto: onnx.NodeProto, with_data) -> onnx.ModelProto:
         inputs, inits = [], []

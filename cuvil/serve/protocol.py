@@ -67,8 +67,8 @@ class Signature:
                 if spec["name"] in seen:  # an output listed twice: the runtime returns it once
                     continue
                 seen.add(spec["name"])
-                dtype = np.dtype(spec["dtype"])
-                if dtype.name not in DATATYPES:
+                dtype = np.dtype(object if spec["dtype"] == "string" else spec["dtype"])
+                if dtype.name not in DATATYPES:   # (a string tensor: dtype object)
                     raise CuvilError(f"tensor '{spec['name']}' has dtype {dtype}, which the v2 protocol "
                                      f"server does not carry (it carries {', '.join(DATATYPES)})")
                 result.append(Tensor(spec["name"], dtype, tuple(spec["shape"])))

@@ -60,9 +60,10 @@ def test_unknown_op_in_unknown_domain():
 
 
 def test_unsupported_dtype():
-    model = _graph([helper.make_node("Identity", ["x"], ["y"])], inputs=[("x", TensorProto.STRING, [2])],
-                   outputs=[("y", TensorProto.STRING, None)])
-    with pytest.raises(cuvil.CuvilError):
+    # (string tensors are supported since issue 24: tests/test_strings.py; complex ones are not)
+    model = _graph([helper.make_node("Identity", ["x"], ["y"])], inputs=[("x", TensorProto.COMPLEX64, [2])],
+                   outputs=[("y", TensorProto.COMPLEX64, None)])
+    with pytest.raises(cuvil.CuvilError, match="COMPLEX64 are not supported"):
         cuvil.compile(model)
 
 

@@ -46,9 +46,14 @@ class Inliner:
     def __init__(self, importer):
         self.imp = importer
 
+    def _structured(self, name) -> bool:
+        """Whether `name` is a sequence or an optional (frontends/sequences.py), not a tensor."""
+        seqs = getattr(self.imp, "seqs", None)
+        return seqs is not None and seqs.defines(name)
+
     def _fresh(self, base):
         name, i = base, 0
-        while name in self.imp.values:
+        while name in self.imp.values or self._structured(name):
             i += 1
             name = f"{base}~{i}"
         return name
@@ -122,6 +127,13 @@ class Inliner:
             raise UnsupportedOpError(f"node '{name}' (If): its condition has {cond.size} elements, not 1")
         then = self.run_body(_subgraph(proto, "then_branch"), f"{name}/then/", {})
         other = self.run_body(_subgraph(proto, "else_branch"), f"{name}/else/", {})
+        structured = [out for out, a, b in zip(proto.output, then, other) if self._structured(a) or self._structured(b)]
+        if structured:
+            raise UnsupportedOpError(f"node '{name}' (If): its condition is only known at run time and it returns "
+                                     f"a sequence or an optional ({', '.join(structured)}), whose length or presence "
+                                     "cuvil fixes at build time",
+                                     hint="make the condition known at build time (a constant, or a model input "
+                                          "the backend specialises)")
         for out, a, b in zip(proto.output, then, other):
             va, vb = self.imp.values[a], self.imp.values[b]
             if tuple(va.shape) != tuple(vb.shape) or np.dtype(va.dtype) != np.dtype(vb.dtype):
@@ -146,6 +158,13 @@ class Inliner:
         if not trip and not cond:
             raise UnsupportedOpError(f"node '{name}' (Loop): it has neither a trip count nor a condition")
         if (trip and not self.imp.values[trip].is_const) or (cond and not self.imp.values[cond].is_const):
+            structured = [c for c in carried if self._structured(c)]
+            if structured:
+                raise UnsupportedOpError(f"node '{name}' (Loop): its trip count or condition is known only at run "
+                                         f"time and it carries a sequence or an optional ({', '.join(structured)}), "
+                                         "whose length cuvil fixes at build time",
+                                         hint="make the trip count and condition known at build time (the loop is "
+                                              "then unrolled)")
             self._compiled_loop(proto, name, trip, cond, carried, body)
             return
         if not trip and not cond:

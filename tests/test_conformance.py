@@ -54,7 +54,6 @@ EXCLUDE = {
     ],
     "ShapeError: the shape of output '…' cannot be inferred statically": [
         'op:ImageDecoder',
-        'test_scan_sum',  # Scan-8: a batch axis and sequence_lens, not inlined
     ],
     # float16 attention: the float32 products and softmax round once, the reference rounds after every
     # op; two elements here differ by one float16 ulp (1.2e-3 relative), just above the tests' rtol 1e-3

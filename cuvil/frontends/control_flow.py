@@ -276,6 +276,48 @@ class Inliner:
 
     # -- Scan -------------------------------------------------------------------------
     def inline_scan(self, proto, name):
+        if self.imp.opsets.get("", self.imp.opsets.get("ai.onnx", 0)) < 9:
+            self._scan8(proto, name)
+            return
+        self._scan9(proto, name)
+
+    def _scan8(self, proto, name):
+        """Scan-8: states and scan inputs have a batch axis 0 (the scan axis is 1) and an optional
+        sequence_lens first input. Each batch row is the Scan-9 of that row's slices (one Gather
+        each), and the results are stacked back along axis 0."""
+        n_scan = _int_attr(proto, "num_scan_inputs", 0)
+        lens = proto.input[0] if proto.input else ""
+        states = list(proto.input[1:len(proto.input) - n_scan])
+        scans = list(proto.input[len(proto.input) - n_scan:])
+        if not scans:
+            raise UnsupportedOpError(f"node '{name}' (Scan): no scan inputs")
+        batch, length = self.imp.values[scans[0]].shape[:2]
+        if lens:
+            value = self.imp.values[lens]
+            if not value.is_const or np.any(np.asarray(value.data) != length):
+                raise UnsupportedOpError(f"node '{name}' (Scan-8): sequence_lens '{lens}' shorter than the scan "
+                                         f"axis ({length}) or known only at run time",
+                                         hint="give every row the full length, or export at opset >= 9")
+        directions = list(_int_attr(proto, "directions", [0] * n_scan))
+        outs: list[list[str]] = [[] for _ in proto.output]
+        for b in range(batch):
+            index = self._const(f"{name}/b{b}/index", np.array(b, np.int64))
+            rows = []
+            for k, src in enumerate(states + scans):
+                rows.append(self._fresh(f"{name}/b{b}/row{k}"))
+                self._emit("Gather", [src, index], [rows[-1]], f"{name}/b{b}/gather{k}", axis=0)
+            results = [self._fresh(f"{name}/b{b}/out{k}") for k in range(len(proto.output))]
+            row_scan = helper.make_node("Scan", rows, results, name=f"{name}/b{b}", num_scan_inputs=n_scan,
+                                        scan_input_directions=directions)
+            row_scan.attribute.extend(a for a in proto.attribute if a.name == "body")
+            self._scan9(row_scan, f"{name}/b{b}")
+            for k, value in enumerate(results):
+                outs[k].append(value)
+        for k, (parts, out) in enumerate(zip(outs, proto.output)):
+            if out:
+                self._stack(parts, out, 0, f"{name}/batch{k}")
+
+    def _scan9(self, proto, name):
         body = _subgraph(proto, "body")
         n_scan = _int_attr(proto, "num_scan_inputs", 0)
         states = list(proto.input[:len(proto.input) - n_scan])

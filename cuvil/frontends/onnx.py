@@ -410,7 +410,8 @@ class _Importer:
                     pass
         outputs = [helper.make_empty_tensor_value_info(o) for o in proto.output if o]
         graph = helper.make_graph([proto], "node", inputs, outputs, initializer=inits)
-        return helper.make_model(graph, opset_imports=self.model.opset_import, ir_version=self.model.ir_version)
+        # IR version 4 at least: before it, initializers count only when also listed as graph inputs
+        return helper.make_model(graph, opset_imports=self.model.opset_import, ir_version=max(self.model.ir_version, 4))
 
     def _evaluate(self, proto: onnx.NodeProto, name: str) -> list[np.ndarray]:
         from onnx.reference import ReferenceEvaluator

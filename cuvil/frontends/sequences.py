@@ -331,8 +331,10 @@ class Sequences:
         self._set(proto.output[0], items)
 
     def _op_SequenceMap(self, proto, name):
-        from .control_flow import Inliner, _subgraph
-        body = _subgraph(proto, "body")
+        from .control_flow import Inliner
+        body = next((a.g for a in proto.attribute if a.name == "body"), None)
+        if body is None:
+            raise UnsupportedOpError(f"node '{name}' (SequenceMap) has no 'body' subgraph")
         lengths = {len(self.sequences[i]) for i in proto.input if i in self.sequences}
         if not proto.input or proto.input[0] not in self.sequences:
             raise UnsupportedOpError(f"node '{name}' (SequenceMap): its first input is not a sequence")

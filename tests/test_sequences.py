@@ -140,6 +140,25 @@ def test_loop_carrying_a_sequence_is_unrolled_and_matches_onnxruntime():
     _check(model, {"x": np.random.default_rng(3).standard_normal(5).astype(np.float32)})
 
 
+def test_run_time_if_selects_sequences_element_by_element():
+    def branch(tag, ops):
+        nodes = [helper.make_node(op, ["x"], [f"{tag}{k}"]) for k, op in enumerate(ops)]
+        nodes.append(helper.make_node("SequenceConstruct", [f"{tag}{k}" for k in range(len(ops))], [f"{tag}_seq"]))
+        return helper.make_graph(nodes, tag, [], [_seq(f"{tag}_seq", F, [2, 3])])
+    model = _model([helper.make_node("If", ["c"], ["s"], then_branch=branch("t", ["Relu", "Neg"]),
+                                     else_branch=branch("e", ["Sigmoid", "Abs"])),
+                    helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0)],
+                   [helper.make_tensor_value_info("c", TensorProto.BOOL, []), helper.make_tensor_value_info("x", F, [2, 3])],
+                   [_seq("s", F, [2, 3]), helper.make_tensor_value_info("y", F, [4, 3])])
+    x = np.random.default_rng(5).standard_normal((2, 3)).astype(np.float32)
+    lib = cuvil.compile(model)
+    for c in (True, False):
+        feeds = {"c": np.array(c), "x": x}
+        got, want = lib.run(feeds), run_ort(model, feeds)
+        _close(got["s"], want["s"])
+        _close(got["y"], want["y"])
+
+
 def test_optionals_match_onnxruntime():
     model = _model([helper.make_node("Optional", ["x"], ["o"]),
                     helper.make_node("OptionalHasElement", ["o"], ["has"]),
@@ -158,7 +177,7 @@ def test_tensor_only_library_has_no_structure():
     assert " is a sequence" not in next(f for f in lib.artifacts.files if f.suffix == ".h").read_text()
 
 
-@pytest.mark.parametrize("case", ["position", "loop", "tensor_op"])
+@pytest.mark.parametrize("case", ["position", "loop", "tensor_op", "if"])
 def test_data_dependent_structure_is_refused_naming_the_node(case):
     s = [helper.make_node("SequenceConstruct", ["x", "x"], ["s"], name="make")]
     inputs = [helper.make_tensor_value_info("x", F, [2])]
@@ -178,6 +197,14 @@ def test_data_dependent_structure_is_refused_naming_the_node(case):
         nodes = s + [helper.make_node("Loop", ["n", "", "s", "x"], ["out", "y"], body=body, name="grow")]
         inputs.append(helper.make_tensor_value_info("n", TensorProto.INT64, []))
         match = r"node 'grow' \(Loop\): its trip count or condition is known only at run time"
+    elif case == "if":
+        one = helper.make_graph([helper.make_node("SequenceConstruct", ["x"], ["o1"])], "one", [], [_seq("o1", F, [2])])
+        two = helper.make_graph([helper.make_node("SequenceConstruct", ["x", "x"], ["o2"])], "two", [],
+                                [_seq("o2", F, [2])])
+        nodes = [helper.make_node("If", ["c"], ["q"], then_branch=one, else_branch=two, name="choose"),
+                 helper.make_node("ConcatFromSequence", ["q"], ["y"], axis=0)]
+        inputs.append(helper.make_tensor_value_info("c", TensorProto.BOOL, []))
+        match = r"node 'choose' \(If\): its condition is only known at run time and output 'q' has another length"
     else:
         nodes = s + [helper.make_node("Relu", ["s"], ["y"], name="bad")]
         match = r"node 'bad' \(Relu\) reads 's', a sequence"

@@ -127,14 +127,15 @@ class Inliner:
             raise UnsupportedOpError(f"node '{name}' (If): its condition has {cond.size} elements, not 1")
         then = self.run_body(_subgraph(proto, "then_branch"), f"{name}/then/", {})
         other = self.run_body(_subgraph(proto, "else_branch"), f"{name}/else/", {})
-        structured = [out for out, a, b in zip(proto.output, then, other) if self._structured(a) or self._structured(b)]
-        if structured:
-            raise UnsupportedOpError(f"node '{name}' (If): its condition is only known at run time and it returns "
-                                     f"a sequence or an optional ({', '.join(structured)}), whose length or presence "
-                                     "cuvil fixes at build time",
-                                     hint="make the condition known at build time (a constant, or a model input "
-                                          "the backend specialises)")
+        # sequences / optionals: selected element by element when both branches give the same
+        # structure (frontends/sequences.py); their tensors are then checked like any output below
+        pairs = []
         for out, a, b in zip(proto.output, then, other):
+            if self._structured(a) or self._structured(b):
+                pairs.extend(self.imp.seqs.paired_elements(name, out, a, b))
+            else:
+                pairs.append((out, a, b))
+        for out, a, b in pairs:
             va, vb = self.imp.values[a], self.imp.values[b]
             if tuple(va.shape) != tuple(vb.shape) or np.dtype(va.dtype) != np.dtype(vb.dtype):
                 raise UnsupportedOpError(
@@ -145,7 +146,7 @@ class Inliner:
         scalar = self._fresh(f"{name}/cond")
         self._emit("Reshape", [proto.input[0], self._const(f"{name}/scalar", np.zeros(0, np.int64))], [scalar],
                    f"{name}/cond_scalar")
-        for out, a, b in zip(proto.output, then, other):
+        for out, a, b in pairs:
             if out:
                 self._emit("Where", [scalar, a, b], [out], f"{name}/select:{out}")
 

@@ -166,6 +166,43 @@ class Sequences:
 
     # -- nodes ------------------------------------------------------------------------------------
 
+    def paired_elements(self, name: str, out: str, a: str, b: str) -> list[tuple[str, str, str]]:
+        """An If decided at run time whose branches give the sequences / optionals `a` and `b` of one
+        structure: `out` becomes that structure over fresh tensors, returned as (tensor, from a,
+        from b) triples for the If to select between (control_flow.Inliner._select_if)."""
+        def shape_of(value):
+            if value in self.optionals:
+                element = self.optionals[value]
+                return ("optional", None if element is None else shape_of(element))
+            if value in self.sequences:
+                return ("sequence", self.sequences[value])
+            return ("tensor", value)
+        left, right = shape_of(a), shape_of(b)
+        same = (left[0] == right[0] and (left[1] is None) == (right[1] is None)
+                and (left[0] != "sequence" or len(left[1]) == len(right[1])))
+        if same and left[0] == "optional" and left[1] is not None:
+            same = left[1][0] == right[1][0] and (left[1][0] != "sequence" or len(left[1][1]) == len(right[1][1]))
+        if not same:
+            raise UnsupportedOpError(f"node '{name}' (If): its condition is only known at run time and output "
+                                     f"'{out}' has another length or presence in each branch, which cuvil fixes "
+                                     "at build time", hint="make the condition known at build time (a constant, or "
+                                                          "a model input the backend specialises)")
+        if not out:
+            return []
+        if left[0] == "optional":
+            if left[1] is None:
+                self.optionals[out] = None
+                return []
+            inner = self._fresh(f"{out}/element")
+            self.optionals[out] = inner
+            return self.paired_elements(name, inner, self.optionals[a], self.optionals[b])
+        if left[0] == "tensor":
+            return [(out, a, b)]
+        triples = [(self._fresh(f"{out}/item{k}"), x, y)
+                   for k, (x, y) in enumerate(zip(self.sequences[a], self.sequences[b]))]
+        self.sequences[out] = [t for t, _, _ in triples]
+        return triples
+
     def _emit(self, op, inputs, outputs, name, **attrs):
         self._emitting = True
         try:

@@ -508,6 +508,11 @@ class Library:
             self._session = Session(self)
         return self._session.run(feeds)
 
+    def run_tensors(self, feeds: dict) -> dict:
+        """Run on the tensors of the C ABI by their own names (a sequence input's `x[0]`, `x[1]`...)
+        and return the output tensors the same way: `run` without grouping sequences and optionals."""
+        return self._default()._run_tensors(feeds)
+
     def _check_feeds(self, feeds: dict, batched: bool = False):
         """The feeds as contiguous arrays of the inputs' dtypes and shapes, in input order; with
         `batched` (a batch-bucket library) dim 0 may be any batch from 1 to the largest bucket, the

@@ -113,6 +113,9 @@ def test_sequence_input_and_output_cross_the_abi_as_tensors():
     # the tensors may also be given one by one, under their ABI names
     flat = lib.run({"x[0]": feeds["x"][0], "x[1]": feeds["x"][1]})
     _close(flat["y"], lib.run(feeds)["y"])
+    tensors = lib.run_tensors({"x[0]": feeds["x"][0], "x[1]": feeds["x"][1]})  # what `cuvil run` writes
+    assert list(tensors) == ["y[0]", "y[1]", "total"]
+    _close([tensors["y[0]"], tensors["y[1]"]], flat["y"])
     with pytest.raises(CuvilError, match="a sequence of 2 tensors, got 3"):
         lib.run({"x": feeds["x"] + feeds["x"][:1]})
 

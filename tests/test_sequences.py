@@ -172,6 +172,27 @@ def test_optionals_match_onnxruntime():
     _check(model, {"x": np.random.default_rng(4).standard_normal((3, 2)).astype(np.float32)})
 
 
+def test_optional_input_present_or_empty_matches_onnxruntime():
+    then = helper.make_graph([helper.make_node("OptionalGetElement", ["o"], ["g"]), helper.make_node("Relu", ["g"], ["t"])],
+                             "then", [], [helper.make_tensor_value_info("t", F, [3])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [], [helper.make_tensor_value_info("e", F, [3])])
+    optional = helper.make_value_info("o", helper.make_optional_type_proto(helper.make_tensor_type_proto(F, [3])))
+    model = _model([helper.make_node("OptionalHasElement", ["o"], ["has"]),
+                    helper.make_node("If", ["has"], ["y"], then_branch=then, else_branch=other)],
+                   [optional, helper.make_tensor_value_info("x", F, [3])],
+                   [helper.make_tensor_value_info("y", F, [3]), helper.make_tensor_value_info("has", TensorProto.BOOL, [])])
+    rng = np.random.default_rng(6)
+    x, o = rng.standard_normal(3).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+    present = _check(model, {"o": o, "x": x})
+    assert present.input_names == ["o", "x"]
+    assert present.info["structure"]["inputs"][0] == {"name": "o", "kind": "optional", "dtype": "float32",
+                                                      "tensors": ["o"], "present": True}
+    empty = _check(model, {"o": None, "x": x}, input_shapes={"o": None})
+    assert empty.input_names == ["x"]
+    with pytest.raises(CuvilError, match="an optional built empty"):
+        empty.run({"o": o, "x": x})
+
+
 def test_tensor_only_library_has_no_structure():
     model = _model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", F, [2])],
                    [helper.make_tensor_value_info("y", F, [2])])

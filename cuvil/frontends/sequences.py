@@ -126,7 +126,13 @@ class Sequences:
 
     def declare_output(self, vi: onnx.ValueInfoProto) -> list[str]:
         """A sequence or optional graph output: Identity nodes write its tensors under their ABI names."""
-        kind, elem = _kind(vi.type, f"output '{vi.name}'")
+        if is_tensor_type(vi.type):  # untyped (or typed a tensor) in the model: the value says what it is
+            held = self.optionals.get(vi.name, vi.name)
+            kind = "sequence" if vi.name in self.sequences else \
+                "optional_sequence" if held in self.sequences else "optional"
+            elem = onnx.TypeProto()
+        else:
+            kind, elem = _kind(vi.type, f"output '{vi.name}'")
         if not self.defines(vi.name):
             raise UnsupportedOpError(f"output '{vi.name}' is declared a {kind.replace('_', ' ')} but is a tensor",
                                      hint="check the model's output types")
@@ -159,7 +165,8 @@ class Sequences:
         return names
 
     def _record(self, kind, name, what, elem, tensors, present):
-        entry = {"name": name, "kind": what, "dtype": _dtype_name(elem), "tensors": list(tensors)}
+        dtype = _dtype_name(elem) or (np.dtype(self.imp.values[tensors[0]].dtype).name if tensors else None)
+        entry = {"name": name, "kind": what, "dtype": dtype, "tensors": list(tensors)}
         if present is not None:
             entry["present"] = present
         self.structure.setdefault(kind, []).append(entry)

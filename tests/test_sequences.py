@@ -120,6 +120,14 @@ def test_sequence_input_and_output_cross_the_abi_as_tensors():
         lib.run({"x": feeds["x"] + feeds["x"][:1]})
 
 
+def test_untyped_sequence_output_is_returned_as_a_list():
+    model = _model([helper.make_node("SplitToSequence", ["x"], ["s"], axis=1, keepdims=1)],
+                   [helper.make_tensor_value_info("x", F, [2, 3])], [helper.make_empty_tensor_value_info("s")])
+    lib = _check(model, {"x": np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32)})
+    assert lib.info["structure"]["outputs"] == [{"name": "s", "kind": "sequence", "dtype": "float32",
+                                                 "tensors": ["s[0]", "s[1]", "s[2]"]}]
+
+
 def test_sequence_input_needs_its_element_shapes():
     with pytest.raises(ShapeError, match=r"input 'x' is a sequence") as info:
         cuvil.compile(_sigmoid_map_model())

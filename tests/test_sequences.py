@@ -246,10 +246,13 @@ def test_data_dependent_structure_is_refused_naming_the_node(case):
         cuvil.compile(model)
 
 
-# ONNX's node tests of these ops through cuvil.backend (the rest run in test_conformance's slow suite).
-NODE_TESTS = ["test_sequence_map_add_1_sequence_1_tensor_expanded", "test_loop16_seq_none", "test_if_opt",
-              "test_split_to_sequence_2", "test_optional_has_element_empty_optional_input", "test_identity_opt",
-              "test_sequence_insert_at_front"]
+# ONNX's node tests of these ops through cuvil.backend (all of them run in test_conformance's slow suite);
+# three in the default suite.
+NODE_TESTS = ["test_sequence_map_add_1_sequence_1_tensor_expanded", "test_loop16_seq_none",
+              "test_optional_has_element_empty_optional_input",
+              *[pytest.param(name, marks=pytest.mark.slow) for name in (
+                  "test_if_opt", "test_split_to_sequence_2", "test_identity_opt", "test_sequence_insert_at_front",
+                  "test_scan_sum")]]
 
 
 @pytest.mark.parametrize("name", NODE_TESTS)

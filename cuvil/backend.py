@@ -7,7 +7,9 @@ cannot be a run-time input of a compiled library, so the rep compiles when it
 first sees such a value, with the value baked in as a constant, and keeps one
 library per distinct value. Models with symbolic input dims are likewise
 compiled per input-shape signature. Everything else is compiled once, in
-`prepare`.
+`prepare`. Sequence and optional inputs (docs/sequences.md) are compiled per
+signature too: the length and element shapes of a sequence, the presence of an
+optional, are fixed in a library.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import onnx
 from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep
 
-from .errors import CuvilError, UnsupportedOpError
+from .errors import CuvilError
+from .frontends.sequences import element_name, is_tensor_type
 
 # Inputs (by position) whose values decide output shapes or kernel parameters.
 # Shape inputs of these ops that come from the graph's inputs are specialised
@@ -34,7 +37,7 @@ BUILD_TIME_INPUTS = {
     "ReduceSumSquare": (1,), "Trilu": (1,), "CenterCropPad": (1,), "Compress": (1,),
     "MaxUnpool": (2,), "Col2Im": (1, 2), "BlackmanWindow": (0,), "HannWindow": (0,),
     "HammingWindow": (0,), "DFT": (1, 2), "STFT": (1, 3), "MelWeightMatrix": (0, 1, 2, 3, 4), "AffineGrid": (1,),
-    "Dropout": (1, 2),
+    "Dropout": (1, 2), "SequenceAt": (1,), "SequenceInsert": (2,), "SequenceErase": (1,), "SplitToSequence": (1,),
 }
 
 
@@ -63,7 +66,8 @@ def build_time_inputs(model: onnx.ModelProto) -> list[str]:
     """Graph inputs whose values a build-time position (BUILD_TIME_INPUTS) depends
     on, directly or through the nodes that compute it (shape arithmetic)."""
     inits = {t.name for t in model.graph.initializer}
-    graph_inputs = [vi.name for vi in model.graph.input if vi.name not in inits]
+    # a sequence or optional input is compiled for its structure, never as a constant
+    graph_inputs = [vi.name for vi in model.graph.input if vi.name not in inits and is_tensor_type(vi.type)]
     nodes = list(_all_nodes(model.graph))
     producer = {out: node for node in nodes for out in node.output if out}
     wanted, stack = set(), []
@@ -81,7 +85,8 @@ def build_time_inputs(model: onnx.ModelProto) -> list[str]:
             continue
         wanted.add(name)
         node = producer.get(name)
-        if node is not None and node.op_type not in ("Shape", "Size"):  # those read only the static shape
+        # those read only the static shape, or the build-time length / presence of a sequence / optional
+        if node is not None and node.op_type not in ("Shape", "Size", "SequenceLength", "OptionalHasElement"):
             stack.extend(i for i in node.input if i)
             # an If or Loop also reads whatever its subgraphs read from the outer scope
             stack.extend(i for sub in _subgraphs(node) for inner in _all_nodes(sub) for i in inner.input if i)
@@ -100,6 +105,34 @@ def _specialise(model: onnx.ModelProto, values: dict) -> onnx.ModelProto:
     return special
 
 
+def _structured_feed(name: str, value):
+    """A sequence or optional input's value: a list of arrays, an array, or None (an empty optional)."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [np.asarray(v) for v in value]
+    return np.asarray(value)
+
+
+def _signature(value):
+    """What of an input's value a library is built for: its shape (a tensor), its elements' shapes
+    and dtypes (a sequence), or None (an empty optional)."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return tuple((v.dtype.str, v.shape) for v in value)
+    return value.shape
+
+
+def _structured_shapes(name: str, value) -> dict:
+    """input_shapes entries for a sequence or optional input (docs/sequences.md)."""
+    if value is None:
+        return {name: None}
+    if isinstance(value, list):
+        return {element_name(name, i): list(v.shape) for i, v in enumerate(value)} if value else {name: []}
+    return {name: list(value.shape)}
+
+
 class CuvilRep(BackendRep):
     """A prepared model: one compiled library, or one per specialised input signature."""
 
@@ -110,11 +143,8 @@ class CuvilRep(BackendRep):
         self.inputs = [vi for vi in model.graph.input if vi.name not in inits]
         self.input_names = [vi.name for vi in self.inputs]
         self.output_names = [o.name for o in model.graph.output]
-        for kind, infos in (("input", self.inputs), ("output", model.graph.output)):
-            for vi in infos:
-                if vi.type.WhichOneof("value") not in (None, "tensor_type"):
-                    raise UnsupportedOpError(f"{kind} '{vi.name}' is not a tensor (sequences, optionals and maps "
-                                             "are not supported)")
+        # sequence and optional inputs: a list of arrays, an array or None each (frontends/sequences.py)
+        self.structured = {vi.name for vi in self.inputs if not is_tensor_type(vi.type)}
         self.specialised = build_time_inputs(model)
         self.dynamic_shapes = not all(_is_static(vi) for vi in self.inputs)
         self._libraries: dict = {}
@@ -137,6 +167,9 @@ class CuvilRep(BackendRep):
             feeds = dict(zip(self.input_names, inputs))
         arrays = {}
         for name, value in feeds.items():
+            if name in self.structured:
+                arrays[name] = _structured_feed(name, value)
+                continue
             try:
                 arrays[name] = np.asarray(value)
             except ValueError as exc:  # a ragged list: a sequence, not a tensor
@@ -147,21 +180,23 @@ class CuvilRep(BackendRep):
         """The library for these feeds (compiled now if their signature is new)."""
         key = tuple((n, feeds[n].dtype.str, feeds[n].shape, feeds[n].tobytes()) for n in self.specialised)
         if self.dynamic_shapes:
-            key += tuple((n, feeds[n].shape) for n in self.input_names if n not in self.specialised)
+            key += tuple((n, _signature(feeds[n])) for n in self.input_names if n not in self.specialised)
         lib = self._libraries.get(key)
         if lib is None:
             model = _specialise(self.model, {n: feeds[n] for n in self.specialised}) if self.specialised else self.model
             shapes = None
             if self.dynamic_shapes:
                 shapes = {vi.name: list(feeds[vi.name].shape) for vi in self.inputs
-                          if vi.name not in self.specialised and not _is_static(vi)}
+                          if vi.name not in self.specialised and not _is_static(vi) and vi.name not in self.structured}
+                for name in self.structured:
+                    shapes.update(_structured_shapes(name, feeds[name]))
             lib = self._libraries[key] = self._compile(model, shapes)
         return lib
 
     def run(self, inputs, **kwargs):
         feeds = self._feeds(inputs)
         lib = self.library_for(feeds)
-        results = lib.run({n: feeds[n] for n in lib.input_names})
+        results = lib.run({n: feeds[n] for n in self.input_names if n not in self.specialised})
         return self._outputs_type(*[results[n] for n in self.output_names])
 
 
@@ -267,8 +302,16 @@ def _compare(outputs, expected, rtol, atol) -> None:
     if len(outputs) != len(expected):
         raise OutputMismatch(f"{len(outputs)} outputs, expected {len(expected)}")
     for i, (got, want) in enumerate(zip(outputs, expected)):
-        if not isinstance(want, (np.ndarray, np.generic)):  # a sequence or an optional
-            raise OutputMismatch(f"output {i}: expected a {type(want).__name__}, not a tensor")
+        if want is None or isinstance(want, list):  # an optional or a sequence
+            if type(got) is not type(want):
+                raise OutputMismatch(f"output {i}: a {type(got).__name__}, expected a {type(want).__name__}")
+            if want is not None:
+                if len(got) != len(want):
+                    raise OutputMismatch(f"output {i}: a sequence of {len(got)} tensors, expected {len(want)}")
+                _compare(got, want, rtol, atol)
+            continue
+        if not isinstance(got, (np.ndarray, np.generic)):
+            raise OutputMismatch(f"output {i}: a {type(got).__name__}, expected a tensor")
         if got.shape != want.shape:
             raise OutputMismatch(f"output {i}: shape {got.shape}, expected {want.shape}")
         if got.dtype != want.dtype:

@@ -228,7 +228,9 @@ def _run_link(dag, bundle, params, extra_files=None):
 
 # -- planning --------------------------------------------------------------------------------
 
-def _shape(name, dims) -> list[int]:
+def _shape(name, dims) -> list[int] | None:
+    if dims is None:  # an empty optional input (docs/sequences.md)
+        return None
     if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
         raise CuvilError(f"input '{name}': the shape {dims!r} is not a list of integers")
     shape = []
@@ -244,7 +246,8 @@ def _shape(name, dims) -> list[int]:
 def spec_hash(model_sha: str, spec: VariantSpec, pass_names, by_graph: bool = False) -> str:
     """The hash of what a variant is built from; `by_graph`: `model_sha` is the imported graph's
     identity (semantic.identity), which a SavedModel's signature already chose."""
-    payload = {"model": model_sha, "inputs": {k: list(v) for k, v in sorted(spec.input_shapes.items())},
+    inputs = {k: None if v is None else list(v) for k, v in sorted(spec.input_shapes.items())}  # None: empty optional
+    payload = {"model": model_sha, "inputs": inputs,
                "target": spec.target, "precision": spec.precision, "passes": pass_names,
                "threads": spec.threads, "symbol_prefix": spec.symbol_prefix}
     if spec.pass_options:

@@ -707,7 +707,7 @@ def cmd_run(args) -> int:
 
     library = load(args.library)
     feeds = _read_inputs(args.inputs, library.input_names)
-    outputs = library.run(feeds)
+    outputs = library.run_tensors(feeds)  # a sequence's tensors one file each (x[0].npy...)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for name, file_name in zip(outputs, _file_names(list(outputs))):
         array = outputs[name]

@@ -60,6 +60,9 @@ class Graph:
     inputs: list[str]
     outputs: list[str]
     opset: int = 17
+    # Graph inputs and outputs of sequence or optional type, each as the tensors of `inputs` /
+    # `outputs` it crosses the C ABI as (frontends/sequences.py); empty for a model of tensors only.
+    structure: dict = field(default_factory=dict)
 
     def copy(self) -> "Graph":
         """A copy whose node list and value table can be edited freely (constant data is shared)."""
@@ -71,6 +74,7 @@ class Graph:
             inputs=list(self.inputs),
             outputs=list(self.outputs),
             opset=self.opset,
+            structure=self.structure,
         )
 
     def producers(self) -> dict[str, Node]:

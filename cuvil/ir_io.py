@@ -113,7 +113,8 @@ def dumps(graph: Graph, store=None) -> bytes:
             offset += len(raw)
         index.append(entry)
     header = json.dumps({"name": graph.name, "opset": graph.opset, "inputs": graph.inputs, "outputs": graph.outputs,
-                         "values": values, "nodes": nodes, "arrays": index}, sort_keys=True).encode()
+                         "values": values, "nodes": nodes, "arrays": index,
+                         **({"structure": graph.structure} if graph.structure else {})}, sort_keys=True).encode()
     return _MAGIC + struct.pack("<Q", len(header)) + header + b"".join(blobs)
 
 
@@ -141,4 +142,5 @@ def loads(data: bytes, store=None) -> Graph:
                                   arrays[v["data"]] if "data" in v else None, v.get("shape_from"))
     nodes = [Node(n["op"], n["name"], n["inputs"], n["outputs"],
                   {k: _decode_attr(a, arrays) for k, a in n["attrs"].items()}, n["domain"]) for n in header["nodes"]]
-    return Graph(header["name"], values, nodes, header["inputs"], header["outputs"], header["opset"])
+    return Graph(header["name"], values, nodes, header["inputs"], header["outputs"], header["opset"],
+                 header.get("structure", {}))

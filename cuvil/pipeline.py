@@ -318,6 +318,8 @@ def describe(planned: Planned, provenance: dict) -> dict:
     graph = planned.graph
     return {"abi_version": ABI_VERSION, **provenance,
             "inputs": _io(graph, graph.inputs), "outputs": _io(graph, graph.outputs),
+            # sequence / optional inputs and outputs as their tensors (docs/sequences.md); absent otherwise
+            **({"structure": graph.structure} if graph.structure else {}),
             "memory": planned.figures(), "kernels": len(planned.kernels), "steps": len(planned.calls)}
 
 

@@ -163,6 +163,7 @@ class Session:
             reason = library._error(None).decode("utf-8", "replace")
             raise RuntimeFailure(f"{library.path}: session_create failed: {reason}")
         self._lock = threading.Lock()
+        self._structure = library.info.get("structure")  # sequence / optional inputs and outputs
         # session_run without argtypes: ctypes then converts the arguments ~2x faster
         # (~0.15 us a call), so every argument must already be a ctypes object or None.
         self._run_c = library._lib[f"{library.prefix}session_run"]
@@ -229,7 +230,15 @@ class Session:
         return arrays
 
     def run(self, feeds: dict) -> dict:
-        """Run on numpy arrays by input name; return new output arrays by name, in graph order."""
+        """Run on numpy arrays by input name; return new output arrays by name, in graph order. A
+        sequence input or output is a list of arrays, an optional one an array (or list) or None
+        (docs/sequences.md)."""
+        if self._structure is None:
+            return self._run_tensors(feeds)
+        flat = _flatten_feeds(self._structure, feeds, self.library.path.name)
+        return _regroup_results(self._structure, self._run_tensors(flat))
+
+    def _run_tensors(self, feeds: dict) -> dict:
         arrays = self._feeds_as_given(feeds)
         if arrays is None:
             if "batch" in self.library.info:
@@ -409,6 +418,56 @@ class _Generation:
                                        float(sampling.get("top_p", 1.0))))
 
 
+def _flatten_feeds(structure: dict, feeds, library: str) -> dict:
+    """Feeds with each sequence / optional input replaced by the tensors it crosses the ABI as."""
+    if not isinstance(feeds, dict):
+        raise CuvilError(f"feeds must be a dict of input name -> array, got {type(feeds).__name__}")
+    entries = structure.get("inputs", [])
+    flat = {k: v for k, v in feeds.items() if k not in {e["name"] for e in entries}}
+    for entry in entries:
+        name, tensors = entry["name"], entry["tensors"]
+        value = feeds.get(name)
+        if entry.get("present") is False:
+            if value is not None:
+                raise CuvilError(f"{library}: input '{name}' is an optional built empty, but a value was given",
+                                 hint="pass None (or rebuild with the optional present)")
+            continue
+        if name not in feeds or value is None:
+            if all(t in feeds for t in tensors):
+                continue  # given tensor by tensor, under their ABI names
+            raise CuvilError(f"{library}: missing input '{name}'",
+                             hint=f"the library takes it as {len(tensors)} tensor(s) {tensors}")
+        if entry["kind"] == "optional":
+            flat[tensors[0]] = value
+            continue
+        if not isinstance(value, (list, tuple)) or len(value) != len(tensors):
+            got = f"{len(value)} tensors" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"
+            raise CuvilError(f"{library}: input '{name}' is a sequence of {len(tensors)} tensors, got {got}",
+                             hint="a sequence's length and element shapes are fixed at build time; rebuild with "
+                                  "input_shapes {'" + name + "[0]': [...], ...} for another length")
+        flat.update(zip(tensors, value))
+    return flat
+
+
+def _regroup_results(structure: dict, results: dict) -> dict:
+    """Results with each sequence / optional output's tensors gathered back under its name, at the
+    place of its first tensor (an empty optional output, which has none, comes last)."""
+    groups = {e["tensors"][0]: e for e in structure.get("outputs", []) if e["tensors"]}
+    members = {t for e in structure.get("outputs", []) for t in e["tensors"]}
+    regrouped = {}
+    for name, value in results.items():
+        if name in groups:
+            entry = groups[name]
+            items = [results[t] for t in entry["tensors"]]
+            regrouped[entry["name"]] = items[0] if entry["kind"] == "optional" else items
+        elif name not in members:
+            regrouped[name] = value
+    for entry in structure.get("outputs", []):
+        if not entry["tensors"]:
+            regrouped[entry["name"]] = [] if entry["kind"] == "sequence" else None
+    return regrouped
+
+
 class Library:
     """A built model library opened with ctypes."""
 
@@ -528,6 +587,11 @@ class Library:
         if self._session is None:
             self._session = Session(self)
         return self._session.run(feeds)
+
+    def run_tensors(self, feeds: dict) -> dict:
+        """Run on the tensors of the C ABI by their own names (a sequence input's `x[0]`, `x[1]`...)
+        and return the output tensors the same way: `run` without grouping sequences and optionals."""
+        return self._default()._run_tensors(feeds)
 
     def _check_feeds(self, feeds: dict, batched: bool = False):
         """The feeds as contiguous arrays of the inputs' dtypes and shapes, in input order; with

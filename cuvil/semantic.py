@@ -123,6 +123,8 @@ def identity(graph) -> str:
     if _has_subgraphs(graph) or _duplicates(graph):
         return _sha("exact", _exact_digest(graph))
     inputs = [(n, _dtype(graph.values[n].dtype), list(graph.values[n].shape)) for n in graph.inputs]
+    if graph.structure:  # sequence / optional inputs and outputs: their tensors are part of the ABI
+        return _sha("semantic", graph_hash(graph), graph.opset, inputs, graph.structure)
     return _sha("semantic", graph_hash(graph), graph.opset, inputs)
 
 
@@ -250,4 +252,5 @@ def _canonicalize(graph) -> tuple[Graph, dict[str, str]]:
         source = graph.values.get(old)
         if source is not None and source.shape_from is not None and new in values:
             values[new].shape_from = rename.get(source.shape_from, source.shape_from)
-    return Graph("model", values, nodes, list(graph.inputs), list(graph.outputs), graph.opset), originals
+    return Graph("model", values, nodes, list(graph.inputs), list(graph.outputs), graph.opset,
+                 graph.structure), originals

@@ -43,13 +43,6 @@ FAST_SAMPLE = [
 ]
 
 EXCLUDE = {
-    "UnsupportedOpError: input '…' is not a tensor (sequences, optionals and maps are not supported)": [
-        'test_identity_opt', 'test_identity_sequence', 'test_loop13_seq', 'test_loop16_seq_none',
-        'test_optional_get_element_optional_sequence', 'test_optional_get_element_optional_tensor',
-        'test_optional_get_element_sequence', 'test_optional_has_element_empty_optional_input',
-        'test_optional_has_element_optional_input', 'test_optional_has_element_tensor_input', 'op:SequenceInsert',
-        'op:SequenceMap',
-    ],
     # bfloat16 attention: the float32 products round once, the reference rounds after every op (one
     # bfloat16 ulp apart, above the tests' rtol 1e-3); the expanded bodies lose bfloat16 in folding (voidN)
     'OutputMismatch (one bfloat16 ulp) / UnsupportedOpError: dtype voidN of … is not supported': [
@@ -61,7 +54,6 @@ EXCLUDE = {
     ],
     "ShapeError: the shape of output '…' cannot be inferred statically": [
         'op:ImageDecoder',
-        'test_scan_sum',  # Scan-8: a batch axis and sequence_lens, not inlined
     ],
     # float16 attention: the float32 products and softmax round once, the reference rounds after every
     # op; two elements here differ by one float16 ulp (1.2e-3 relative), just above the tests' rtol 1e-3
@@ -85,9 +77,6 @@ EXCLUDE = {
     ],
     'UnsupportedOpError: op RandomUniformLike is not supported': [
         'test_bernoulli_double_expanded', 'test_bernoulli_expanded', 'test_bernoulli_seed_expanded',
-    ],
-    "UnsupportedOpError: output '…' is not a tensor (sequences, optionals and maps are not supported)": [
-        'test_if_opt', 'test_if_seq', 'op:SplitToSequence',
     ],
     'UnsupportedOpError: op DeformConv is not supported': [
         'op:DeformConv',

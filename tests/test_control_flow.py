@@ -124,6 +124,23 @@ def test_scan_cumulative_sum(direction):
     assert_matches_ort(model, {"s0": rand(3), "xs": rand(5, 3, seed=4)})
 
 
+@pytest.mark.parametrize("direction", [0, 1])
+def test_scan8_batched_cumulative_sum(direction):
+    """Scan-8: a batch axis 0 on states and scan inputs (the scan axis is 1), no sequence_lens."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "x_t"], ["s_out"]), helper.make_node("Mul", ["s_out", "x_t"], ["y_t"])],
+        "body",
+        [helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("x_t", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("s_out", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("y_t", TensorProto.FLOAT, [3])])
+    nodes = [helper.make_node("Scan", ["", "s0", "xs"], ["s", "ys"], body=body, num_scan_inputs=1,
+                              directions=[direction])]
+    model = make_model(nodes, [("s0", F, [2, 3]), ("xs", F, [2, 4, 3])], [("s", F, [2, 3]), ("ys", F, [2, 4, 3])],
+                       opset=8)
+    assert_matches_ort(model, {"s0": rand(2, 3), "xs": rand(2, 4, 3, seed=5)})
+
+
 # -- Loops decided at run time: compiled as a C loop (LoopBegin / LoopEnd) ------------------------
 
 def _runtime_loop_body():

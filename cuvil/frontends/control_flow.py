@@ -46,9 +46,14 @@ class Inliner:
     def __init__(self, importer):
         self.imp = importer
 
+    def _structured(self, name) -> bool:
+        """Whether `name` is a sequence or an optional (frontends/sequences.py), not a tensor."""
+        seqs = getattr(self.imp, "seqs", None)
+        return seqs is not None and seqs.defines(name)
+
     def _fresh(self, base):
         name, i = base, 0
-        while name in self.imp.values:
+        while name in self.imp.values or self._structured(name):
             i += 1
             name = f"{base}~{i}"
         return name
@@ -122,7 +127,15 @@ class Inliner:
             raise UnsupportedOpError(f"node '{name}' (If): its condition has {cond.size} elements, not 1")
         then = self.run_body(_subgraph(proto, "then_branch"), f"{name}/then/", {})
         other = self.run_body(_subgraph(proto, "else_branch"), f"{name}/else/", {})
+        # sequences / optionals: selected element by element when both branches give the same
+        # structure (frontends/sequences.py); their tensors are then checked like any output below
+        pairs = []
         for out, a, b in zip(proto.output, then, other):
+            if self._structured(a) or self._structured(b):
+                pairs.extend(self.imp.seqs.paired_elements(name, out, a, b))
+            else:
+                pairs.append((out, a, b))
+        for out, a, b in pairs:
             va, vb = self.imp.values[a], self.imp.values[b]
             if tuple(va.shape) != tuple(vb.shape) or np.dtype(va.dtype) != np.dtype(vb.dtype):
                 raise UnsupportedOpError(
@@ -133,7 +146,7 @@ class Inliner:
         scalar = self._fresh(f"{name}/cond")
         self._emit("Reshape", [proto.input[0], self._const(f"{name}/scalar", np.zeros(0, np.int64))], [scalar],
                    f"{name}/cond_scalar")
-        for out, a, b in zip(proto.output, then, other):
+        for out, a, b in pairs:
             if out:
                 self._emit("Where", [scalar, a, b], [out], f"{name}/select:{out}")
 
@@ -146,6 +159,13 @@ class Inliner:
         if not trip and not cond:
             raise UnsupportedOpError(f"node '{name}' (Loop): it has neither a trip count nor a condition")
         if (trip and not self.imp.values[trip].is_const) or (cond and not self.imp.values[cond].is_const):
+            structured = [c for c in carried if self._structured(c)]
+            if structured:
+                raise UnsupportedOpError(f"node '{name}' (Loop): its trip count or condition is known only at run "
+                                         f"time and it carries a sequence or an optional ({', '.join(structured)}), "
+                                         "whose length cuvil fixes at build time",
+                                         hint="make the trip count and condition known at build time (the loop is "
+                                              "then unrolled)")
             self._compiled_loop(proto, name, trip, cond, carried, body)
             return
         if not trip and not cond:
@@ -257,6 +277,48 @@ class Inliner:
 
     # -- Scan -------------------------------------------------------------------------
     def inline_scan(self, proto, name):
+        if self.imp.opsets.get("", self.imp.opsets.get("ai.onnx", 0)) < 9:
+            self._scan8(proto, name)
+            return
+        self._scan9(proto, name)
+
+    def _scan8(self, proto, name):
+        """Scan-8: states and scan inputs have a batch axis 0 (the scan axis is 1) and an optional
+        sequence_lens first input. Each batch row is the Scan-9 of that row's slices (one Gather
+        each), and the results are stacked back along axis 0."""
+        n_scan = _int_attr(proto, "num_scan_inputs", 0)
+        lens = proto.input[0] if proto.input else ""
+        states = list(proto.input[1:len(proto.input) - n_scan])
+        scans = list(proto.input[len(proto.input) - n_scan:])
+        if not scans:
+            raise UnsupportedOpError(f"node '{name}' (Scan): no scan inputs")
+        batch, length = self.imp.values[scans[0]].shape[:2]
+        if lens:
+            value = self.imp.values[lens]
+            if not value.is_const or np.any(np.asarray(value.data) != length):
+                raise UnsupportedOpError(f"node '{name}' (Scan-8): sequence_lens '{lens}' shorter than the scan "
+                                         f"axis ({length}) or known only at run time",
+                                         hint="give every row the full length, or export at opset >= 9")
+        directions = list(_int_attr(proto, "directions", [0] * n_scan))
+        outs: list[list[str]] = [[] for _ in proto.output]
+        for b in range(batch):
+            index = self._const(f"{name}/b{b}/index", np.array(b, np.int64))
+            rows = []
+            for k, src in enumerate(states + scans):
+                rows.append(self._fresh(f"{name}/b{b}/row{k}"))
+                self._emit("Gather", [src, index], [rows[-1]], f"{name}/b{b}/gather{k}", axis=0)
+            results = [self._fresh(f"{name}/b{b}/out{k}") for k in range(len(proto.output))]
+            row_scan = helper.make_node("Scan", rows, results, name=f"{name}/b{b}", num_scan_inputs=n_scan,
+                                        scan_input_directions=directions)
+            row_scan.attribute.extend(a for a in proto.attribute if a.name == "body")
+            self._scan9(row_scan, f"{name}/b{b}")
+            for k, value in enumerate(results):
+                outs[k].append(value)
+        for k, (parts, out) in enumerate(zip(outs, proto.output)):
+            if out:
+                self._stack(parts, out, 0, f"{name}/batch{k}")
+
+    def _scan9(self, proto, name):
         body = _subgraph(proto, "body")
         n_scan = _int_attr(proto, "num_scan_inputs", 0)
         states = list(proto.input[:len(proto.input) - n_scan])

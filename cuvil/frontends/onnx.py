@@ -21,7 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .. import contrib, nbits
-from . import data_dependent
+from . import data_dependent, sequences
 from ..evaluate import evaluate_exact
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
@@ -209,8 +209,9 @@ class _Importer:
         self.opsets = {o.domain or "": o.version for o in model.opset_import}
         self.values: dict[str, Value] = {}
         self.nodes: list[Node] = []
-        self.given = {k: tuple(v) for k, v in (input_shapes or {}).items()}
+        self.given = {k: tuple(v) if v is not None else None for k, v in (input_shapes or {}).items()}
         self.node_names: set[str] = set()
+        self.seqs = sequences.Sequences(self)  # sequence- and optional-typed values (frontends/sequences.py)
 
     def run(self) -> Graph:
         g = self.model.graph
@@ -221,29 +222,46 @@ class _Importer:
         for vi in g.input:
             if vi.name in self.values:
                 continue  # an initializer listed as input (old exporters): a constant
+            if not sequences.is_tensor_type(vi.type):
+                inputs.extend(self.seqs.declare_input(vi, self.given, self._tensor_input))
+                continue
             shape, dtype = _static_shape(vi, self.given)
             _check_size(shape, dtype, f"input '{vi.name}'")
             self.values[vi.name] = Value(vi.name, dtype, shape)
             inputs.append(vi.name)
-        unknown = sorted(set(self.given) - set(inputs))
+        unknown = sorted(set(self.given) - set(inputs) - {e["name"] for e in self.seqs.structure.get("inputs", [])})
         if unknown:
             raise ShapeError(f"input_shapes names {unknown}, which are not inputs of the model (inputs: {inputs})")
         if "" not in self.opsets and "ai.onnx" not in self.opsets \
                 and any(n.domain in ("", "ai.onnx") for n in g.node):   # ai.onnx.ml alone is fine
             raise UnsupportedOpError("the model imports no version of the default ONNX domain")
-        for node in _topological(list(g.node), set(self.values)):
+        for node in _topological(list(g.node), set(self.values) | set(self.seqs.sequences) | set(self.seqs.optionals)):
             self._import_node(node)
-        outputs = [o.name for o in g.output]
+        outputs = []
         for vi in g.output:
-            if vi.type.WhichOneof("value") not in (None, "tensor_type"):
-                raise UnsupportedOpError(f"output '{vi.name}' is not a tensor (sequences, optionals and maps are not "
-                                         "supported)", hint="make the model return tensors")
+            if sequences.is_tensor_type(vi.type) and not self.seqs.defines(vi.name):
+                outputs.append(vi.name)
+            else:
+                outputs.extend(self.seqs.declare_output(vi))
         for name in outputs:
             if name not in self.values:
                 raise ModelError(f"graph output '{name}' is never produced")
         self._check_data_dependent(outputs)
         return Graph(name=g.name or "model", values=self.values, nodes=self.nodes, inputs=inputs,
-                     outputs=outputs, opset=self.opsets.get("", self.opsets.get("ai.onnx", 0)))
+                     outputs=outputs, opset=self.opsets.get("", self.opsets.get("ai.onnx", 0)),
+                     structure=self.seqs.structure)
+
+    def _tensor_input(self, name: str, tensor_type: onnx.TypeProto) -> str:
+        """One tensor of a sequence or optional input, declared like a tensor input (the given shape
+        of a sequence's element wins over the sequence's element type, which only bounds it)."""
+        vi = onnx.ValueInfoProto(name=name)
+        vi.type.CopyFrom(tensor_type)
+        if name in self.given and self.given[name] is not None:
+            vi.type.tensor_type.ClearField("shape")
+        shape, dtype = _static_shape(vi, self.given)
+        _check_size(shape, dtype, f"input '{name}'")
+        self.values[name] = Value(name, dtype, shape)
+        return name
 
     def _unique_node_name(self, base: str) -> str:
         """ONNX does not require node names to be unique (a Scan body inlined per step, or a
@@ -274,6 +292,9 @@ class _Importer:
     def _import_node(self, proto: onnx.NodeProto) -> None:
         name = self._unique_node_name(proto.name or f"{proto.op_type}_{len(self.nodes)}")
         domain = "" if proto.domain in ("", "ai.onnx") else proto.domain
+        if self.seqs.handles(proto):
+            self.seqs.import_node(proto, name)
+            return
         if domain == "" and proto.op_type in ("If", "Loop", "Scan"):
             from .control_flow import Inliner
             getattr(Inliner(self), f"inline_{proto.op_type.lower()}")(proto, name)
@@ -283,14 +304,6 @@ class _Importer:
         if domain == "" and proto.op_type == "STFT":
             self._import_stft(proto, name)
             return
-        if domain == "" and proto.op_type == "OptionalHasElement" and proto.output and proto.output[0]:
-            # Every value here is a tensor (optional types are refused at the graph's edges), so an
-            # optional is empty exactly when its input is omitted.
-            present = np.array(bool(proto.input) and bool(proto.input[0]))
-            self.values[proto.output[0]] = Value(proto.output[0], present.dtype, (), present)
-            return
-        if domain == "" and proto.op_type == "OptionalGetElement" and proto.input and proto.input[0]:
-            proto = helper.make_node("Identity", [proto.input[0]], list(proto.output), name=proto.name)
         attrs = _attrs(proto)
         if proto.op_type == "Constant" and domain == "":
             arr = self._evaluate(proto, name)[0]
@@ -401,7 +414,8 @@ class _Importer:
                     pass
         outputs = [helper.make_empty_tensor_value_info(o) for o in proto.output if o]
         graph = helper.make_graph([proto], "node", inputs, outputs, initializer=inits)
-        return helper.make_model(graph, opset_imports=self.model.opset_import, ir_version=self.model.ir_version)
+        # IR version 4 at least: before it, initializers count only when also listed as graph inputs
+        return helper.make_model(graph, opset_imports=self.model.opset_import, ir_version=max(self.model.ir_version, 4))
 
     def _evaluate(self, proto: onnx.NodeProto, name: str) -> list[np.ndarray]:
         from onnx.reference import ReferenceEvaluator

@@ -25,6 +25,9 @@ from . import linalg, tfidf
 # widen.py (float16 / bfloat16 through the float32 kernels)
 from .widen import in_float32
 
+# rng.py (the random ops, on a counter-based generator)
+from . import rng
+
 # control.py (a Loop decided at run time, compiled as a C loop)
 from . import control
 
@@ -166,6 +169,10 @@ GENERATORS = {
     "Compress": dynamic.lower_compress,
     "Unique": dynamic.lower_unique,
     "NonMaxSuppression": dynamic.lower_non_max_suppression,
+    # random numbers (rng.py; training Dropout is there too)
+    **{op: rng.lower_random for op in ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike")},
+    "Bernoulli": rng.lower_bernoulli,
+    "Multinomial": rng.lower_multinomial,
 }
 
 

@@ -80,16 +80,6 @@ EXCLUDE = {
     'UnsupportedOpError: the model imports no version of the default ONNX domain': [
         'op:Adagrad', 'op:Adam', 'op:ArrayFeatureExtractor', 'op:Binarizer', 'op:Momentum', 'op:TreeEnsemble',
     ],
-    'UnsupportedOpError: training_mode with a non-zero ratio is random': [
-        'test_training_dropout', 'test_training_dropout_default', 'test_training_dropout_default_mask',
-        'test_training_dropout_mask',
-    ],
-    'UnsupportedOpError: op Bernoulli is not supported': [
-        'test_bernoulli', 'test_bernoulli_double', 'test_bernoulli_seed',
-    ],
-    'UnsupportedOpError: op RandomUniformLike is not supported': [
-        'test_bernoulli_double_expanded', 'test_bernoulli_expanded', 'test_bernoulli_seed_expanded',
-    ],
     "UnsupportedOpError: output '…' is not a tensor (sequences, optionals and maps are not supported)": [
         'test_if_opt', 'test_if_seq', 'op:SplitToSequence',
     ],

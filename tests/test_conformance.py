@@ -77,9 +77,6 @@ EXCLUDE = {
         'test_equal_string', 'test_equal_string_broadcast', 'op:LabelEncoder', 'op:RegexFullMatch', 'op:StringConcat',
         'op:StringNormalizer', 'op:StringSplit',
     ],
-    'UnsupportedOpError: the model imports no version of the default ONNX domain': [
-        'op:Adagrad', 'op:Adam', 'op:ArrayFeatureExtractor', 'op:Binarizer', 'op:Momentum', 'op:TreeEnsemble',
-    ],
     "UnsupportedOpError: output '…' is not a tensor (sequences, optionals and maps are not supported)": [
         'test_if_opt', 'test_if_seq', 'op:SplitToSequence',
     ],

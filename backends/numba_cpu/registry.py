@@ -25,6 +25,9 @@ from . import linalg, tfidf
 # widen.py (float16 / bfloat16 through the float32 kernels)
 from .widen import in_float32
 
+# ml.py (ai.onnx.ml: Binarizer, ArrayFeatureExtractor, TreeEnsemble), training.py (optimiser steps)
+from . import ml, training
+
 # rng.py (the random ops, on a counter-based generator)
 from . import rng
 
@@ -183,6 +186,12 @@ DOMAIN_GENERATORS = {
     (contrib.MS, "RotaryEmbedding"): gqa.lower_rotary_embedding,
     (contrib.MS, "SimplifiedLayerNormalization"): norm.lower_simplified_layer_normalization,
     (contrib.MS, "SkipSimplifiedLayerNormalization"): norm.lower_skip_simplified_layer_normalization,
+    (ml.DOMAIN, "Binarizer"): ml.lower_binarizer,
+    (ml.DOMAIN, "ArrayFeatureExtractor"): ml.lower_array_feature_extractor,
+    (ml.DOMAIN, "TreeEnsemble"): ml.lower_tree_ensemble,
+    (training.DOMAIN, "Adagrad"): training.lower_adagrad,
+    (training.DOMAIN, "Momentum"): training.lower_momentum,
+    (training.DOMAIN, "Adam"): training.lower_adam,
 }
 
 

@@ -226,8 +226,9 @@ class _Importer:
         unknown = sorted(set(self.given) - set(inputs))
         if unknown:
             raise ShapeError(f"input_shapes names {unknown}, which are not inputs of the model (inputs: {inputs})")
-        if "" not in self.opsets and "ai.onnx" not in self.opsets:
-            raise UnsupportedOpError("the model imports no version of the default ONNX domain")
+        if not self.opsets:
+            raise ModelError("the model imports no opset (opset_import is empty)",
+                             hint="re-export it; every ONNX model names the versions of the domains it uses")
         for node in _topological(list(g.node), set(self.values)):
             self._import_node(node)
         outputs = [o.name for o in g.output]

@@ -4,7 +4,8 @@ TreeEnsemble is a compiled tree walk: the nodes are constant tables packed at bu
 node: feature, mode, next on true, next on false, missing-tracks-true; a next < 0 is leaf
 -next - 1), the split of each node cast to the input's dtype (onnxruntime compares in it), and each
 MEMBER node's set as a range of a members table. Each row walks every tree from its root and
-aggregates the leaf weights per target (SUM, AVERAGE = SUM / trees, MIN, MAX), then applies the
+aggregates the leaf weights per target. A missing value (NaN) goes the true way where the node's
+missing_value_tracks_true says so, and for NEQ (NaN != s, as onnxruntime compares) (SUM, AVERAGE = SUM / trees, MIN, MAX), then applies the
 post transform (NONE, LOGISTIC, SOFTMAX, SOFTMAX_ZERO)."""
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def lower_tree_ensemble(node, graph) -> Lowered:
     bits_type, exp_mask, abs_mask = ("uint32", 0x7F800000, 0x7FFFFFFF) if t == "float32" else \
         ("uint64", 0x7FF0000000000000, 0x7FFFFFFFFFFFFFFF)
     src.line(f"if (p7[xb + p1[b]] & np.{bits_type}({abs_mask})) > np.{bits_type}({exp_mask}):").indent()
-    src.line("go = p1[b + 4] != 0").dedent()
+    src.line(f"go = p1[b + 4] != 0 or mode == {MODES.index('!=')}").dedent()   # NaN != s is true
     for mode, op in enumerate(MODES):
         src.line(f"elif mode == {mode}:").indent().line(f"go = v {op} s").dedent()
     src.line("else:").indent().line("go = False")
@@ -125,6 +126,9 @@ def lower_tree_ensemble(node, graph) -> Lowered:
     src.line("leaf = -at - 1").line("k = p5[leaf]").line(f"w = np.{t}(p6[leaf])")
     src.line({0: "p8[yb + k] += w", 1: "p8[yb + k] += w", 2: "p8[yb + k] = min(p8[yb + k], w)", 3: "p8[yb + k] = max(p8[yb + k], w)"}[aggregate])
     src.dedent()
+    if aggregate in (2, 3):   # a target no leaf reached is 0 (onnxruntime), not the start value
+        src.line(f"for k in range({n_targets}):").indent()
+        src.line(f"if p8[yb + k] == {init}:").indent().line(f"p8[yb + k] = np.{t}(0.0)").dedent().dedent()
     if aggregate == 0:
         src.line(f"for k in range({n_targets}):").indent().line(f"p8[yb + k] = p8[yb + k] / {len(roots)}").dedent()
     if post == 2:

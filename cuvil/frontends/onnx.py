@@ -451,6 +451,12 @@ class _Importer:
             # ONNX's inference leaves the output dims unknown when output_shape is given; it is the shape
             x = self.values[proto.input[0]]
             return [(tuple(int(d) for d in np.asarray(self.values[proto.input[2]].data).reshape(-1)), np.dtype(x.dtype))]
+        if proto.op_type == "ArrayFeatureExtractor" and proto.domain == "ai.onnx.ml":
+            # ONNX infers no shape here; onnxruntime's: x's leading dims (one row for a 1-D x) and
+            # one column per index
+            x, indices = self.values[proto.input[0]], self.values[proto.input[1]]
+            lead = tuple(x.shape[:-1]) if len(x.shape) > 1 else (1,)
+            return [(lead + (int(np.prod(indices.shape, dtype=np.int64)),), np.dtype(x.dtype))]
         model = self._single_node_model(proto, with_data=lambda v: v.size <= _SMALL_CONST)
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)

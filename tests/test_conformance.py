@@ -80,12 +80,6 @@ EXCLUDE = {
     "UnsupportedOpError: output '…' is not a tensor (sequences, optionals and maps are not supported)": [
         'test_if_opt', 'test_if_seq', 'op:SplitToSequence',
     ],
-    'UnsupportedOpError: op DeformConv is not supported': [
-        'op:DeformConv',
-    ],
-    'UnsupportedOpError: op RoiAlign is not supported': [
-        'op:RoiAlign',
-    ],
 }
 
 

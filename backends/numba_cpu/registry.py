@@ -28,6 +28,9 @@ from .widen import in_float32
 # ml.py (ai.onnx.ml: Binarizer, ArrayFeatureExtractor, TreeEnsemble), training.py (optimiser steps)
 from . import ml, training
 
+# roi_align.py, deform_conv.py (bilinear sampling at computed points)
+from . import deform_conv, roi_align
+
 # rng.py (the random ops, on a counter-based generator)
 from . import rng
 
@@ -176,6 +179,9 @@ GENERATORS = {
     **{op: rng.lower_random for op in ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike")},
     "Bernoulli": rng.lower_bernoulli,
     "Multinomial": rng.lower_multinomial,
+    # bilinear sampling at computed points (roi_align.py, deform_conv.py)
+    "RoiAlign": roi_align.lower_roi_align,
+    "DeformConv": deform_conv.lower_deform_conv,
 }
 
 

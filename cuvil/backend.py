@@ -21,6 +21,7 @@ from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep
 
 from .errors import CuvilError, UnsupportedOpError
+from .ops import RANDOM_OPS
 
 # Inputs (by position) whose values decide output shapes or kernel parameters.
 # Shape inputs of these ops that come from the graph's inputs are specialised
@@ -325,8 +326,7 @@ def _random_kind(model: onnx.ModelProto, inputs: list) -> str | None:
 
 def _seeded(model: onnx.ModelProto) -> bool:
     return all(any(a.name == "seed" for a in n.attribute) for n in model.graph.node
-               if n.op_type in ("Bernoulli", "RandomUniformLike", "RandomUniform", "RandomNormal",
-                                "RandomNormalLike", "Multinomial", "Dropout"))
+               if n.op_type in RANDOM_OPS or n.op_type == "Dropout")
 
 
 def _check_random(kind: str, inputs: list, runs: list[list]) -> None:

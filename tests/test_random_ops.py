@@ -205,3 +205,16 @@ def test_two_unseeded_nodes_draw_different_numbers():
                        [("a", np.float32, [1000]), ("b", np.float32, [1000])])
     out = cuvil.compile(model).run({})
     assert out["a"].tobytes() != out["b"].tobytes()
+
+
+def test_training_dropout_of_a_constant_is_not_folded():
+    """Neither the importer nor fold_constants evaluates a training Dropout at build time."""
+    model = make_model([helper.make_node("Dropout", ["c", "r", "t"], ["y"]), helper.make_node("Add", ["y", "x"], ["z"])],
+                       [("x", np.float32, [4000])], [("z", np.float32, [4000])],
+                       initializers={"c": np.ones(4000, np.float32), "r": np.array(0.5, np.float32),
+                                     "t": np.array(True)}, opset=13)
+    compiled = cuvil.compile(model)
+    zeros = {"x": np.zeros(4000, np.float32)}
+    first, second = compiled.run(zeros)["z"], compiled.run(zeros)["z"]
+    assert set(np.unique(first)) == {0.0, 2.0} and first.tobytes() != second.tobytes()
+    _check_binomial(int((first == 2.0).sum()), first.size, 0.5)

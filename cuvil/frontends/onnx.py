@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -23,6 +24,7 @@ from onnx import helper, numpy_helper
 from .. import contrib, nbits
 from . import data_dependent
 from ..evaluate import evaluate_exact
+from ..ops import is_random_dropout
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
 
@@ -298,7 +300,8 @@ class _Importer:
         in_values = [self.values[i] for i in inputs if i]
         # Shape and Size only read the (static) shape, so their result is known now.
         if domain == "" and (all(v.is_const for v in in_values) or proto.op_type in ("Shape", "Size")) \
-                and proto.op_type not in _NEVER_FOLD and not _keeps_quantised(proto, in_values) and in_values:
+                and proto.op_type not in _NEVER_FOLD and not _keeps_quantised(proto, in_values) and in_values \
+                and not self._random_dropout(proto, domain):
             if sum(v.size for v in in_values if v.is_const) <= _MAX_FOLD_ELEMENTS or proto.op_type in ("Shape", "Size"):
                 results = self._evaluate(proto, name)
                 for out, arr in zip(proto.output, results):
@@ -324,6 +327,11 @@ class _Importer:
                     outputs.append(dims)
         self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=outputs,
                                attrs=attrs, domain=domain))
+
+    def _random_dropout(self, proto: onnx.NodeProto, domain: str) -> bool:
+        """A training Dropout draws its mask at run time: not folded, even of a constant."""
+        node = SimpleNamespace(op=proto.op_type, domain=domain, inputs=list(proto.input))
+        return is_random_dropout(node, SimpleNamespace(values=self.values))
 
     def _import_stft(self, proto: onnx.NodeProto, name: str) -> None:
         """STFT as the frames (a Gather of constant positions), times the window, and a DFT over

@@ -49,3 +49,28 @@ IN_PLACE_OPS = frozenset({
     "Sin", "Cos", "Softplus", "Softsign", "Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "PRelu", "Sum",
     "Mean", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Gelu", "FusedElementwise",
 })
+
+# The random ops (backends/numba_cpu/rng.py): never folded, each run draws new numbers unless seeded.
+RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                        "Bernoulli"})
+# The value a random op without a `seed` reads its generator state from: two uint64 words (the
+# session's seed, the number of runs so far) that the driver keeps in the session.
+RNG_STATE = "__cuvil_rng_state__"
+
+
+def is_random_dropout(node, graph) -> bool:
+    """A Dropout in training mode with a non-zero ratio: random, so not an identity or a view.
+    (Both inputs must be constants to compile it; a computed one counts as random here.)"""
+    if node.op != "Dropout" or node.domain:
+        return False
+
+    def const(pos):
+        if len(node.inputs) <= pos or not node.inputs[pos]:
+            return None
+        value = graph.values[node.inputs[pos]]
+        return value.data if value.is_const else "computed"
+
+    training, ratio = const(2), const(1)
+    if training is None or (not isinstance(training, str) and not bool(training.reshape(-1)[0])):
+        return False
+    return ratio is None or isinstance(ratio, str) or float(ratio.reshape(-1)[0]) != 0.0

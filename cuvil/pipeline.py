@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CuvilError, UnsupportedOpError
+from .ops import RNG_STATE
 
 # What the compiler computes in today; config.PRECISIONS are the values cuvil.yaml may name.
 # bf16 and fp16: the weight products compute in that precision (passes/assign_precision.py);
@@ -288,7 +289,8 @@ def plan(graph, params: VariantParams, blob=None) -> Planned:
     shared = shared_values(schedule)
     # the dims of data-dependent shapes live in the session (driver.dims_slots), not in the arena
     dims = {v.shape_from for v in graph.values.values() if v.shape_from is not None}
-    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(shared) | dims
+    # so does the generator state of unseeded random ops (driver: s->rng)
+    external = set(graph.inputs) | set(graph.outputs) | set(weight_offsets) | set(shared) | dims | {RNG_STATE}
     arena = plan_arena(graph, schedule, external, strategy=params.memory["strategy"],
                        in_place=params.memory["in_place"])
     place_shared_values(arena, graph, shared)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuvil.ir import Graph
-from cuvil.ops import RESHAPE_OPS
+from cuvil.ops import RESHAPE_OPS, is_random_dropout
 
 from ._rewrite import drop_unused_values, replace_uses
 
@@ -25,7 +25,7 @@ def _is_identity(node, graph: Graph, producers) -> bool:
         return True
     if node.op == "Dropout":
         mask_used = len(node.outputs) > 1 and node.outputs[1]
-        return not mask_used
+        return not mask_used and not is_random_dropout(node, graph)
     if node.op in RESHAPE_OPS:
         return tuple(src.shape) == tuple(dst.shape)
     if node.op == "Transpose":

@@ -11,10 +11,13 @@ import numpy as np
 
 from cuvil.evaluate import evaluate_exact
 from cuvil.ir import Graph, Value
+from cuvil.ops import RANDOM_OPS, is_random_dropout
 
 from ._rewrite import drop_unused_values
 
-_NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+def _nondeterministic(node, graph) -> bool:
+    """A random op, or a training Dropout: its values are drawn at run time, never folded."""
+    return node.op in RANDOM_OPS or is_random_dropout(node, graph)
 
 
 def evaluate_node(node, graph: Graph) -> list[np.ndarray]:
@@ -33,14 +36,14 @@ def evaluate_node(node, graph: Graph) -> list[np.ndarray]:
 
 
 def fold_constants(graph: Graph) -> Graph:
-    foldable = [n for n in graph.nodes if n.inputs and n.op not in _NONDETERMINISTIC and n.domain == ""
+    foldable = [n for n in graph.nodes if n.inputs and not _nondeterministic(n, graph) and n.domain == ""
                 and all(graph.values[i].is_const for i in n.inputs if i)]
     if not foldable:
         return graph
     result = graph.copy()
     kept = []
     for node in result.nodes:
-        if node.inputs and node.op not in _NONDETERMINISTIC and node.domain == "" \
+        if node.inputs and not _nondeterministic(node, result) and node.domain == "" \
                 and all(result.values[i].is_const for i in node.inputs if i):
             for name, arr in zip([o for o in node.outputs if o], evaluate_node(node, result)):
                 declared = result.values[name]

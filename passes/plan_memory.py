@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from cuvil.ir import Graph
-from cuvil.ops import VIEW_OPS  # their output shares the input's bytes (backends/numba_cpu/views.py)
+from cuvil.ops import VIEW_OPS, is_random_dropout  # their output shares the input's bytes (backends/numba_cpu/views.py)
 
 
 class Options(BaseModel):
@@ -39,7 +39,7 @@ def _storage(graph: Graph) -> dict[str, str]:
         for out in node.outputs:
             if out:
                 owner[out] = owner.get(node.inputs[0], node.inputs[0]) if node.op in VIEW_OPS and not node.domain \
-                    else out
+                    and not is_random_dropout(node, graph) else out
     return owner
 
 

@@ -79,11 +79,12 @@ def test_symbolic_dim_without_shape_is_a_clear_error():
 
 
 def test_unsupported_op_names_node_and_op():
-    model = make_model([helper.make_node("Bernoulli", ["x"], ["y"], name="draw1")],
+    # GlobalLpPool: no kernel and no function body (Bernoulli, the op here before, now compiles)
+    model = make_model([helper.make_node("GlobalLpPool", ["x"], ["y"], name="pool1")],
                        [("x", np.float32, [2, 4, 4])], [("y", TensorProto.FLOAT, None)])
     with pytest.raises(cuvil.CuvilError) as err:
         cuvil.compile(model)
-    assert "draw1" in str(err.value) and "Bernoulli" in str(err.value) and "supported ops" in str(err.value)
+    assert "pool1" in str(err.value) and "GlobalLpPool" in str(err.value) and "supported ops" in str(err.value)
 
 
 def test_bad_protobuf_is_a_clear_error(tmp_path):

@@ -210,17 +210,17 @@ def test_check_lists_ops_and_passes_a_supported_model(built, capsys):
 
 def _unsupported_op() -> str:
     from backends.numba_cpu.registry import GENERATORS
-    # Bernoulli (a random draw per element) is far from what cuvil's users run; if it ever lands,
-    # pick another (the models below keep their input's shape: [N, 4, 4] -> [N, 4, 4]).
-    assert "Bernoulli" not in GENERATORS
-    return "Bernoulli"
+    # GlobalLpPool has no kernel and no function body (Bernoulli, the op here before, now compiles);
+    # if it ever lands, pick another (the models below pool their input: [N, 4, 4] -> [N, 4, 1]).
+    assert "GlobalLpPool" not in GENERATORS
+    return "GlobalLpPool"
 
 
 def test_check_reports_an_unsupported_op(tmp_path, capsys):
     op = _unsupported_op()
     model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
                         helper.make_node(op, ["r"], ["y"], name="odd")],
-                       [("x", np.float32, ["N", 4, 4])], [("y", np.float32, ["N", 4, 4])])
+                       [("x", np.float32, ["N", 4, 4])], [("y", np.float32, ["N", 4, 1])])
     (tmp_path / "odd.onnx").write_bytes(model.SerializeToString())
     (tmp_path / "cuvil.yaml").write_text("version: 1\nmodels:\n  - name: odd\n    source: odd.onnx\n"
                                          "    inputs: {x: [2, 4, 4]}\n")

@@ -43,21 +43,20 @@ FAST_SAMPLE = [
 ]
 
 EXCLUDE = {
-    # bfloat16 attention: the float32 products round once, the reference rounds after every op (one
-    # bfloat16 ulp apart, above the tests' rtol 1e-3); the expanded bodies lose bfloat16 in folding (voidN)
-    'OutputMismatch (one bfloat16 ulp) / UnsupportedOpError: dtype voidN of … is not supported': [
+    # Reduced-precision attention (all 12 of Attention's failing tests: 6 cases and their _expanded
+    # forms, which fail identically): cuvil computes the products and the softmax in float32 and rounds once;
+    # onnx's reference, which made the expected outputs, rounds to bfloat16/float16 after every op
+    # (Q * sqrt(scale), K * sqrt(scale), the product, the mask add, exp, sum, divide). 23-78 of 192
+    # elements differ, by at most 2 ulps of the output dtype, above the tests' rtol 1e-3. Against a
+    # float64 evaluation of the same inputs cuvil is the closer one (4d_causal_bf16: max error 3.4e-3
+    # vs the expected output's 4.4e-3; 4d_causal_fp16: 4.0e-4 vs 4.9e-4; 3d_causal_bf16: 2.9e-3 vs
+    # 3.6e-3). Attention's other float16 tests (4d_fp16, gqa fp16: 6 with _expanded) pass.
+    'OutputMismatch: bfloat16/float16 attention, at most 2 ulps from the per-op-rounded reference': [
         'test_attention_3d_causal_bf16', 'test_attention_3d_causal_bf16_expanded',
         'test_attention_4d_attn_mask_causal_bf16', 'test_attention_4d_attn_mask_causal_bf16_expanded',
         'test_attention_4d_causal_bf16', 'test_attention_4d_causal_bf16_expanded',
         'test_attention_4d_causal_padded_kv_bf16', 'test_attention_4d_causal_padded_kv_bf16_expanded',
         'test_attention_4d_padded_kv_bf16', 'test_attention_4d_padded_kv_bf16_expanded',
-    ],
-    "ShapeError: the shape of output '…' cannot be inferred statically": [
-        'op:ImageDecoder',
-    ],
-    # float16 attention: the float32 products and softmax round once, the reference rounds after every
-    # op; two elements here differ by one float16 ulp (1.2e-3 relative), just above the tests' rtol 1e-3
-    'OutputMismatch: one float16 ulp': [
         'test_attention_4d_causal_fp16', 'test_attention_4d_causal_fp16_expanded',
     ],
     # onnxruntime (the oracle) scatters the indices into output_shape, as cuvil does; the reference
@@ -65,24 +64,8 @@ EXCLUDE = {
     'OutputMismatch: MaxUnpool output_shape (onnxruntime agrees with cuvil)': [
         'test_maxunpool_export_with_output_shape',
     ],
-    'UnsupportedOpError: op ai.onnx.ml::… / ai.onnx.preview.training::… is not supported': [
-        'op:Adagrad', 'op:Adam', 'op:ArrayFeatureExtractor', 'op:Binarizer', 'op:Momentum', 'op:TreeEnsemble',
-    ],
-    'UnsupportedOpError: training_mode with a non-zero ratio is random': [
-        'test_training_dropout', 'test_training_dropout_default', 'test_training_dropout_default_mask',
-        'test_training_dropout_mask',
-    ],
-    'UnsupportedOpError: op Bernoulli is not supported': [
-        'test_bernoulli', 'test_bernoulli_double', 'test_bernoulli_seed',
-    ],
-    'UnsupportedOpError: op RandomUniformLike is not supported': [
-        'test_bernoulli_double_expanded', 'test_bernoulli_expanded', 'test_bernoulli_seed_expanded',
-    ],
-    'UnsupportedOpError: op DeformConv is not supported': [
-        'op:DeformConv',
-    ],
-    'UnsupportedOpError: op RoiAlign is not supported': [
-        'op:RoiAlign',
+    "ShapeError: the shape of output '…' cannot be inferred statically": [
+        'op:ImageDecoder',
     ],
 }
 

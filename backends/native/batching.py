@@ -77,6 +77,7 @@ EXPORT int {P}session_run_batch({P}session* s, int64_t n, const void* const* inp
     }}
     if (rc) return rc;
     s->runs++;
+    s->rng[1]++;   /* unseeded random ops: the next run's stream */
     s->error[0] = 0;
     return 0;
 }}

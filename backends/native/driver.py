@@ -13,6 +13,7 @@ import numpy as np
 
 from backends.schedule import KernelCall, LoopMark, View
 from cuvil.errors import UnsupportedOpError
+from cuvil.ops import RNG_STATE
 
 from . import strings
 
@@ -314,6 +315,8 @@ def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_bas
     def ptr(n):
         if n in slots:  # a data-dependent shape's dims: the session's out_dims (its kernel runs serially)
             return f"(void*)(s->out_dims + {slots[n]})"
+        if n == RNG_STATE:  # an unseeded random op's generator state: the session's (it runs serially too)
+            return "(void*)s->rng"
         return _pointer(n, graph, plan, weights_offsets, input_index, output_index)
     code = _EntryCode()
     for call in schedule:
@@ -342,7 +345,7 @@ def _entry_code(entry: Entry, prefix: str, threads: int, tag: str = "", prof_bas
         body.append(f"    PROF_BEGIN({k});")
         if call.kernel.language == "c":   # a string kernel: on the calling thread, with the pool
             body.extend(strings.call(call.kernel.symbol, args, call.work, _comment(call.node)))
-        elif threads == 1 or _serial(call, graph) or any(isinstance(a, str) and a in slots for a in call.args):
+        elif threads == 1 or _serial(call, graph) or any(isinstance(a, str) and (a in slots or a == RNG_STATE) for a in call.args):
             body.append(f"    {call.kernel.symbol}({args}, 0, {call.work}); /* {_comment(call.node)} */")
         else:
             fn = f"{tag}step_{step}"
@@ -571,6 +574,7 @@ typedef struct {P}session {P}session;
 struct {P}session {{
     unsigned char* arena;
 {pool_fields}{session_fields}    int64_t out_dims[{n_dims}];  /* actual shapes of the data-dependent outputs, after a run */
+    uint64_t rng[2];           /* unseeded random ops: the seed (CUVIL_SEED at session_create), the runs so far */
     char error[512];
     int profile;               /* CUVIL_PROFILE set at session_create: time every step */
     long runs;
@@ -647,6 +651,8 @@ EXPORT const char* {P}model_info(void) {{ return model_info; }}
 #if !defined(__wasm__)
     const char* prof = getenv("CUVIL_PROFILE");
     s->profile = prof && prof[0] && prof[0] != '0';
+    const char* seed = getenv("CUVIL_SEED");
+    s->rng[0] = seed && seed[0] ? strtoull(seed, NULL, 10) : 0;
 #endif
 {pool_init}{shared_init}{create}    return s;
 }}
@@ -679,6 +685,7 @@ EXPORT int {P}session_run({P}session* s, const void* const* inputs, void* const*
 {chr(10).join(null_checks)}
 {run_body}
     s->runs++;
+    s->rng[1]++;
     s->error[0] = 0;
     return 0;
 }}

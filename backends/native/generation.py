@@ -144,6 +144,7 @@ static int gen_run(struct {P}session* s, int k, const int64_t* tokens, int64_t m
     if (rc) return rc;
     s->position = past + m;
     s->runs++;
+    s->rng[1]++;   /* unseeded random ops: the next run's stream */
     return 0;
 }}
 

@@ -659,14 +659,12 @@ def lower_einsum(node, graph) -> Lowered:
 
 def lower_dropout(node, graph) -> Lowered:
     """Inference Dropout: the output is the input (a view) and the optional mask
-    is all true. Training mode with a non-zero ratio is random: refused."""
+    is all true. Training mode with a non-zero ratio draws its mask (rng.py)."""
     from .kernel import View
-    ratio = const_input(node, graph, 1, "ratio")
-    training = const_input(node, graph, 2, "training_mode")
-    if training is not None and bool(np.asarray(training).reshape(-1)[0]) and \
-            (ratio is None or float(np.asarray(ratio).reshape(-1)[0]) != 0.0):
-        raise UnsupportedOpError(f"node '{node.name}' (Dropout): training_mode with a non-zero ratio is random",
-                                 hint="export the model in inference mode")
+    from .rng import dropout_ratio, lower_training_dropout
+    ratio = dropout_ratio(node, graph)
+    if ratio is not None:
+        return lower_training_dropout(node, graph, ratio)
     calls = [View(node.inputs[0], node.outputs[0], node.name)]
     if len(node.outputs) > 1 and node.outputs[1]:
         mask = graph.values[node.outputs[1]]

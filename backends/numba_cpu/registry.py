@@ -25,6 +25,15 @@ from . import linalg, tfidf
 # widen.py (float16 / bfloat16 through the float32 kernels)
 from .widen import in_float32
 
+# ml.py (ai.onnx.ml: Binarizer, ArrayFeatureExtractor, TreeEnsemble), training.py (optimiser steps)
+from . import ml, training
+
+# roi_align.py, deform_conv.py (bilinear sampling at computed points)
+from . import deform_conv, roi_align
+
+# rng.py (the random ops, on a counter-based generator)
+from . import rng
+
 # control.py (a Loop decided at run time, compiled as a C loop)
 from . import control
 
@@ -196,6 +205,13 @@ GENERATORS = {
     "StringNormalizer": strings.lower_string_normalizer,
     "StringSplit": strings.lower_string_split,
     "RegexFullMatch": strings.lower_regex_full_match,
+    # random numbers (rng.py; training Dropout is there too)
+    **{op: rng.lower_random for op in ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike")},
+    "Bernoulli": rng.lower_bernoulli,
+    "Multinomial": rng.lower_multinomial,
+    # bilinear sampling at computed points (roi_align.py, deform_conv.py)
+    "RoiAlign": roi_align.lower_roi_align,
+    "DeformConv": deform_conv.lower_deform_conv,
 }
 
 
@@ -207,6 +223,12 @@ DOMAIN_GENERATORS = {
     (contrib.MS, "SimplifiedLayerNormalization"): norm.lower_simplified_layer_normalization,
     (contrib.MS, "SkipSimplifiedLayerNormalization"): norm.lower_skip_simplified_layer_normalization,
     ("ai.onnx.ml", "LabelEncoder"): strings.lower_label_encoder,
+    (ml.DOMAIN, "Binarizer"): ml.lower_binarizer,
+    (ml.DOMAIN, "ArrayFeatureExtractor"): ml.lower_array_feature_extractor,
+    (ml.DOMAIN, "TreeEnsemble"): ml.lower_tree_ensemble,
+    (training.DOMAIN, "Adagrad"): training.lower_adagrad,
+    (training.DOMAIN, "Momentum"): training.lower_momentum,
+    (training.DOMAIN, "Adam"): training.lower_adam,
 }
 
 

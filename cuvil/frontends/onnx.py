@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -23,6 +24,7 @@ from onnx import helper, numpy_helper
 from .. import contrib, nbits
 from . import data_dependent, sequences
 from ..evaluate import evaluate_exact
+from ..ops import is_random_dropout
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
 from ..ir import Graph, Node, Value
 
@@ -232,6 +234,9 @@ class _Importer:
         unknown = sorted(set(self.given) - set(inputs) - {e["name"] for e in self.seqs.structure.get("inputs", [])})
         if unknown:
             raise ShapeError(f"input_shapes names {unknown}, which are not inputs of the model (inputs: {inputs})")
+        if not self.opsets:
+            raise ModelError("the model imports no opset (opset_import is empty)",
+                             hint="re-export it; every ONNX model names the versions of the domains it uses")
         if "" not in self.opsets and "ai.onnx" not in self.opsets \
                 and any(n.domain in ("", "ai.onnx") for n in g.node):   # ai.onnx.ml alone is fine
             raise UnsupportedOpError("the model imports no version of the default ONNX domain")
@@ -313,7 +318,8 @@ class _Importer:
         in_values = [self.values[i] for i in inputs if i]
         # Shape and Size only read the (static) shape, so their result is known now.
         if domain == "" and (all(v.is_const for v in in_values) or proto.op_type in ("Shape", "Size")) \
-                and proto.op_type not in _NEVER_FOLD and not _keeps_quantised(proto, in_values) and in_values:
+                and proto.op_type not in _NEVER_FOLD and not _keeps_quantised(proto, in_values) and in_values \
+                and not self._random_dropout(proto, domain):
             if sum(v.size for v in in_values if v.is_const) <= _MAX_FOLD_ELEMENTS or proto.op_type in ("Shape", "Size"):
                 results = self._evaluate(proto, name)
                 for out, arr in zip(proto.output, results):
@@ -339,6 +345,11 @@ class _Importer:
                     outputs.append(dims)
         self.nodes.append(Node(op=proto.op_type, name=name, inputs=inputs, outputs=outputs,
                                attrs=attrs, domain=domain))
+
+    def _random_dropout(self, proto: onnx.NodeProto, domain: str) -> bool:
+        """A training Dropout draws its mask at run time: not folded, even of a constant."""
+        node = SimpleNamespace(op=proto.op_type, domain=domain, inputs=list(proto.input))
+        return is_random_dropout(node, SimpleNamespace(values=self.values))
 
     def _import_stft(self, proto: onnx.NodeProto, name: str) -> None:
         """STFT as the frames (a Gather of constant positions), times the window, and a DFT over
@@ -468,6 +479,12 @@ class _Importer:
             # ONNX's inference leaves the output dims unknown when output_shape is given; it is the shape
             x = self.values[proto.input[0]]
             return [(tuple(int(d) for d in np.asarray(self.values[proto.input[2]].data).reshape(-1)), np.dtype(x.dtype))]
+        if proto.op_type == "ArrayFeatureExtractor" and proto.domain == "ai.onnx.ml":
+            # ONNX infers no shape here; onnxruntime's: x's leading dims (one row for a 1-D x) and
+            # one column per index
+            x, indices = self.values[proto.input[0]], self.values[proto.input[1]]
+            lead = tuple(x.shape[:-1]) if len(x.shape) > 1 else (1,)
+            return [(lead + (int(np.prod(indices.shape, dtype=np.int64)),), np.dtype(x.dtype))]
         model = self._single_node_model(proto, with_data=lambda v: v.size <= _SMALL_CONST)
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)

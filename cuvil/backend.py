@@ -22,7 +22,7 @@ import onnx
 from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep
 
-from .errors import CuvilError, UnsupportedOpError
+from .errors import CuvilError
 from .frontends.sequences import element_name, is_tensor_type
 from .ops import RANDOM_OPS
 

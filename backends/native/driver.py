@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from backends.schedule import KernelCall, LoopMark, View
 from cuvil.errors import UnsupportedOpError

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CuvilError, UnsupportedOpError
-from .ops import RNG_STATE
+from .ops import RANDOM_OPS, RNG_STATE, is_random_dropout
 
 # What the compiler computes in today; config.PRECISIONS are the values cuvil.yaml may name.
 # bf16 and fp16: the weight products compute in that precision (passes/assign_precision.py);
@@ -270,6 +270,11 @@ def lower(graph, target, threads: int = 1) -> list:
         if strings:
             raise UnsupportedOpError(f"'{strings[0]}' is a string tensor, and CUDA targets have no string kernels",
                                      hint="build the model for a CPU target (docs/strings.md)")
+        random = [n for n in graph.nodes if n.op in RANDOM_OPS or is_random_dropout(n, graph)]
+        if random:
+            raise UnsupportedOpError(f"node '{random[0].name}' ({random[0].op}) draws random numbers, and CUDA "
+                                     "targets have no random-number kernels (the session's generator state is "
+                                     "CPU-only)", hint="build the model for a CPU target, or remove the random op")
         return lower_gpu(graph, target)
     from backends.numba_cpu.registry import lower as lower_graph
     return lower_graph(graph, threads, target=target)

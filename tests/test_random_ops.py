@@ -23,6 +23,7 @@ import pytest
 from onnx import helper
 
 import cuvil
+from cuvil.errors import UnsupportedOpError
 from backends.numba_cpu.rng import philox4x32
 from tests.helpers import make_model, run_ort
 
@@ -218,3 +219,10 @@ def test_training_dropout_of_a_constant_is_not_folded():
     first, second = compiled.run(zeros)["z"], compiled.run(zeros)["z"]
     assert set(np.unique(first)) == {0.0, 2.0} and first.tobytes() != second.tobytes()
     _check_binomial(int((first == 2.0).sum()), first.size, 0.5)
+
+
+def test_cuda_target_refuses_random_ops_by_node():
+    """The generator state lives in the CPU driver's session: a GPU build says so, naming the node."""
+    model = _uniform_model((4, 4), seed=1.0)
+    with pytest.raises(UnsupportedOpError, match=r"RandomUniform.*CUDA targets have no random"):
+        cuvil.compile(model, target="cuda-sm90")

@@ -960,35 +960,28 @@ def _activation(ir: IRBuilder, spec, x: str, vt: str, L: int) -> str:
     return x
 
 
-def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
-    """See DwRowSpec. x and y are float32 rows unless `widen` / `narrow` are given: then x (or y)
-    holds 16-bit values (i16 bits), `widen(ir, bits, lanes)` makes an <lanes x float> of an
-    <lanes x i16>, `narrow(ir, value, lanes)` the <lanes x i16> stored for a float vector (rounded
-    once). The taps, bias and activation are float32 either way."""
-    L = min(lanes_for(vector_bits), 16)
-    W2 = 2 * L
-    vt, wt = f"<{L} x float>", f"<{W2} x float>"
-    x_elem, y_elem = ("i16" if widen else "float"), ("i16" if narrow else "float")
-    x_ir = "i16" if widen else "f32"
-    x_align, y_align = (2 if widen else 4), (2 if narrow else 4)
-    taps = spec.KH * spec.KW
-    runs = (spec.KW + 1) // 2
-    ir = IRBuilder()
+def _const_mask(bits) -> str:
+    return "<" + ", ".join(f"i1 {int(b)}" for b in bits) + ">"
+
+
+def _dw_prologue(ir: IRBuilder, spec, x_elem: str, y_elem: str, vt: str, L: int):
+    """A depthwise row kernel's entry: the row bases, the KH*KW taps and the bias broadcast to
+    vectors, and for each input row the call reads (r0 + kh) whether it is inside [0, H) and its
+    start. Returns (tap vectors, bias vector, [(ok, row pointer)])."""
     ir.label("entry")
     ir(f"%xb = getelementptr {x_elem}, ptr %x, i64 %xoff")
     ir("%wb = getelementptr float, ptr %w, i64 %woff")
     ir(f"%yb = getelementptr {y_elem}, ptr %y, i64 %yoff")
     wv = []
-    for t in range(taps + 1):
+    for t in range(spec.KH * spec.KW + 1):
         p = ir.tmp("wp")
         ir(f"{p} = getelementptr float, ptr %wb, i64 {t}")
         sc = ir.tmp("ws")
         ir(f"{sc} = load float, ptr {p}, align 4")
         wv.append(_broadcast(ir, sc, vt, L))
     bias = wv.pop()
-    rows = spec.rows
     valid = []
-    for kh in range(spec.KH + rows - 1):
+    for kh in range(spec.KH + spec.rows - 1):
         r = ir.tmp("r")
         ir(f"{r} = add i64 %r0, {kh}")
         lo = ir.tmp("rlo")
@@ -1002,7 +995,53 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
         row = ir.tmp("row")
         ir(f"{row} = getelementptr {x_elem}, ptr %xb, i64 {off}")
         valid.append((ok, row))
-    const_mask = lambda bits: "<" + ", ".join(f"i1 {int(b)}" for b in bits) + ">"
+    return wv, bias, valid
+
+
+def _dw_join(ir: IRBuilder, here: str, skip: str, join: str, cur: dict, accs: dict, keys, vt: str):
+    """Close an input row's block (`here`, taken when the row is inside the image; `skip` when
+    not): each accumulator (of `keys`) the block changed becomes a phi of its new and old value."""
+    ir(f"br label %{join}")
+    ir.label(skip)
+    ir(f"br label %{join}")
+    ir.label(join)
+    for key in keys:
+        if cur[key] is not accs[key]:
+            merged = ir.tmp("m")
+            ir(f"{merged} = phi {vt} [ {cur[key]}, %{here} ], [ {accs[key]}, %{skip} ]")
+            accs[key] = merged
+
+
+def _dw_store(ir: IRBuilder, value: str, narrow, offset: int, lanes: int, L: int):
+    """Store the first `lanes` of float vector `value` at y row position `offset` (16-bit, rounded
+    by `narrow`, when given), masked when fewer than L."""
+    y_elem, y_ir, y_align = ("i16", "i16", 2) if narrow else ("float", "f32", 4)
+    if narrow:
+        value = narrow(ir, value, L)
+    at, yt = ir.tmp("yp"), f"<{L} x {y_elem}>"
+    ir(f"{at} = getelementptr {y_elem}, ptr %yb, i64 {offset}")
+    if lanes == L:
+        ir(f"store {yt} {value}, ptr {at}, align {y_align}")
+    else:
+        ir(f"call void @llvm.masked.store.v{L}{y_ir}.p0({yt} {value}, ptr align {y_align} {at}, "
+           f"<{L} x i1> {_const_mask([j < lanes for j in range(L)])})")
+
+
+def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
+    """See DwRowSpec. x and y are float32 rows unless `widen` / `narrow` are given: then x (or y)
+    holds 16-bit values (i16 bits), `widen(ir, bits, lanes)` makes an <lanes x float> of an
+    <lanes x i16>, `narrow(ir, value, lanes)` the <lanes x i16> stored for a float vector (rounded
+    once). The taps, bias and activation are float32 either way."""
+    L = min(lanes_for(vector_bits), 16)
+    W2 = 2 * L
+    vt, wt = f"<{L} x float>", f"<{W2} x float>"
+    x_elem, y_elem = ("i16" if widen else "float"), ("i16" if narrow else "float")
+    x_ir = "i16" if widen else "f32"
+    x_align = 2 if widen else 4
+    runs = (spec.KW + 1) // 2
+    ir = IRBuilder()
+    wv, bias, valid = _dw_prologue(ir, spec, x_elem, y_elem, vt, L)
+    rows = spec.rows
     for c in range(-(-spec.OW // L)):
         ow0, n = c * L, min(L, spec.OW - c * L)
         accs = [bias] * rows
@@ -1031,7 +1070,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
                     ir(f"{v} = load {t}, ptr {p}, align {x_align}")
                 else:
                     ir(f"{v} = call {t} @llvm.masked.load.v{lanes}{x_ir}.p0(ptr align {x_align} {p}, "
-                       f"<{lanes} x i1> {const_mask(bits)}, {t} zeroinitializer)")
+                       f"<{lanes} x i1> {_const_mask(bits)}, {t} zeroinitializer)")
                 return v
 
             def as_float(v, lanes):
@@ -1058,26 +1097,9 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
                     v = ir.tmp("tap")
                     ir(f"{v} = shufflevector <{W2} x {x_elem}> {seg}, <{W2} x {x_elem}> poison, <{L} x i32> <{pick}>")
                     fma(as_float(v, L), kw)
-            ir(f"br label %{join}")
-            ir.label(skip)
-            ir(f"br label %{join}")
-            ir.label(join)
-            for q in range(rows):
-                if cur[q] is not accs[q]:
-                    merged = ir.tmp("m")
-                    ir(f"{merged} = phi {vt} [ {cur[q]}, %{here} ], [ {accs[q]}, %{skip} ]")
-                    accs[q] = merged
+            _dw_join(ir, here, skip, join, cur, accs, range(rows), vt)
         for q in range(rows):
-            acc = _activation(ir, spec, accs[q], vt, L)
-            if narrow:
-                acc = narrow(ir, acc, L)
-            at, yt = ir.tmp("yp"), f"<{L} x {y_elem}>"
-            ir(f"{at} = getelementptr {y_elem}, ptr %yb, i64 {q * spec.OW + ow0}")
-            if n == L:
-                ir(f"store {yt} {acc}, ptr {at}, align {y_align}")
-            else:
-                ir(f"call void @llvm.masked.store.v{L}{'i16' if narrow else 'f32'}.p0({yt} {acc}, "
-                   f"ptr align {y_align} {at}, <{L} x i1> {const_mask([j < n for j in range(L)])})")
+            _dw_store(ir, _activation(ir, spec, accs[q], vt, L), narrow, q * spec.OW + ow0, n, L)
     ir("ret i32 0")
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
             f"ptr noalias %y, i64 %yoff) #0 {{")
@@ -1104,32 +1126,11 @@ def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None) -> str:
     assert spec.stride == 1 and spec.KW <= 7
     L = min(lanes_for(vector_bits), 16)
     vt, it, ht = f"<{L} x float>", f"<{L} x i32>", f"<{2 * L} x i16>"
-    y_elem, y_ir, y_align = ("i16", "i16", 2) if narrow else ("float", "f32", 4)
+    y_elem, y_ir = ("i16", "i16") if narrow else ("float", "f32")
     splat = lambda v: "<" + ", ".join([f"i32 {v}"] * L) + ">"
-    const_mask = lambda bits: "<" + ", ".join(f"i1 {int(b)}" for b in bits) + ">"
     ir = IRBuilder()
-    ir.label("entry")
-    ir("%xb = getelementptr i16, ptr %x, i64 %xoff")
-    ir("%wb = getelementptr float, ptr %w, i64 %woff")
-    ir(f"%yb = getelementptr {y_elem}, ptr %y, i64 %yoff")
-    wv = []
-    for t in range(spec.KH * spec.KW + 1):
-        p, sc = ir.tmp("wp"), ir.tmp("ws")
-        ir(f"{p} = getelementptr float, ptr %wb, i64 {t}")
-        ir(f"{sc} = load float, ptr {p}, align 4")
-        wv.append(_broadcast(ir, sc, vt, L))
-    bias = wv.pop()
+    wv, bias, valid = _dw_prologue(ir, spec, "i16", y_elem, vt, L)
     rows = spec.rows
-    valid = []
-    for kh in range(spec.KH + rows - 1):
-        r, lo, hi, ok, off, row = (ir.tmp(n) for n in ("r", "rlo", "rhi", "rok", "ro", "row"))
-        ir(f"{r} = add i64 %r0, {kh}")
-        ir(f"{lo} = icmp sge i64 {r}, 0")
-        ir(f"{hi} = icmp slt i64 {r}, {spec.H}")
-        ir(f"{ok} = and i1 {lo}, {hi}")
-        ir(f"{off} = mul i64 {r}, {spec.W}")
-        ir(f"{row} = getelementptr i16, ptr %xb, i64 {off}")
-        valid.append((ok, row))
     for c in range(-(-spec.OW // (2 * L))):
         ow0, n = c * 2 * L, min(2 * L, spec.OW - c * 2 * L)
         base, need = ow0 - spec.p_l, n + spec.KW - 1   # the chunk reads columns base .. base + need - 1
@@ -1153,7 +1154,7 @@ def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None) -> str:
                     ir(f"{v} = load {ht}, ptr {p}, align 2")
                 else:
                     ir(f"{v} = call {ht} @llvm.masked.load.v{2 * L}i16.p0(ptr align 2 {p}, <{2 * L} x i1> "
-                       f"{const_mask(bits)}, {ht} zeroinitializer)")
+                       f"{_const_mask(bits)}, {ht} zeroinitializer)")
                 ir(f"{words} = bitcast {ht} {v} to {it}")
                 even_bits, odd_bits, even, odd = ir.tmp("eb"), ir.tmp("ob"), ir.tmp("ev"), ir.tmp("od")
                 ir(f"{even_bits} = shl {it} {words}, {splat(16)}")
@@ -1185,15 +1186,7 @@ def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None) -> str:
                         ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {taps[(par, kw)]}, "
                            f"{vt} {wv[(i - q) * spec.KW + kw]}, {vt} {cur[(q, par)]})")
                         cur[(q, par)] = nxt
-            ir(f"br label %{join}")
-            ir.label(skip)
-            ir(f"br label %{join}")
-            ir.label(join)
-            for key in sorted(accs):
-                if cur[key] is not accs[key]:
-                    merged = ir.tmp("m")
-                    ir(f"{merged} = phi {vt} [ {cur[key]}, %{here} ], [ {accs[key]}, %{skip} ]")
-                    accs[key] = merged
+            _dw_join(ir, here, skip, join, cur, accs, sorted(accs), vt)
         for q in range(rows):
             even, odd = (_activation(ir, spec, accs[(q, par)], vt, L) for par in (0, 1))
             for part in range(-(-n // L)):   # outputs ow0 + L*part + j, j < L
@@ -1201,15 +1194,7 @@ def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None) -> str:
                 out = ir.tmp("il")
                 pick = ", ".join(f"i32 {(L * part + j) // 2 + ((L * part + j) % 2) * L}" for j in range(L))
                 ir(f"{out} = shufflevector {vt} {even}, {vt} {odd}, <{L} x i32> <{pick}>")
-                if narrow:
-                    out = narrow(ir, out, L)
-                at, yt = ir.tmp("yp"), f"<{L} x {y_elem}>"
-                ir(f"{at} = getelementptr {y_elem}, ptr %yb, i64 {q * spec.OW + ow0 + L * part}")
-                if lanes == L:
-                    ir(f"store {yt} {out}, ptr {at}, align {y_align}")
-                else:
-                    ir(f"call void @llvm.masked.store.v{L}{y_ir}.p0({yt} {out}, ptr align {y_align} {at}, "
-                       f"<{L} x i1> {const_mask([j < lanes for j in range(L)])})")
+                _dw_store(ir, out, narrow, q * spec.OW + ow0 + L * part, lanes, L)
     ir("ret i32 0")
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
             f"ptr noalias %y, i64 %yoff) #0 {{")

@@ -805,6 +805,14 @@ def swap_phase(client, folder, rate, swaps, model_name=None, mix_rate=None) -> d
     # pauses of the server alone, without this client's own (the gap above counts both)
     resumed = np.sort([r[7]["cuvil_resumed"] for r in timed])
     result["longest_gap_in_server_ms"] = float(np.diff(resumed).max() * 1000) if len(resumed) > 1 else 0.0
+    # the client's own share: how late it sent (a request sent late cannot be answered in time, and a
+    # pause in sending shows as a gap in answers that no request waited through)
+    sent = np.sort([r[6] for r in rec.rows])
+    result["longest_gap_between_sends_ms"] = float(np.diff(sent).max() * 1000) if len(sent) > 1 else 0.0
+    result["client_send_lag_max_ms"] = max(((r[6] - r[1]) * 1000 for r in rec.rows), default=0.0)
+    # from the scheduled send to the answer: what a caller sending on time would have waited
+    result["longest_wait_from_schedule_ms"] = max(((r[2] - r[1]) * 1000 for r in rec.rows if r[3] == 200),
+                                                  default=float("nan"))
     slow = sorted(timed, key=lambda r: r[2] - r[6])[-10:]
     result["slowest_answers_stages_ms"] = [
         {"total": (r[2] - r[6]) * 1000, "send_to_handler": (r[7]["cuvil_received"] - r[6]) * 1000,

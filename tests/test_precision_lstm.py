@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 import cuvil
 from cuvil.explain import explain_model
 
-U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 0.0}
 A = 1e-6
 
 
@@ -54,8 +54,12 @@ def _lstm_model(T, B, I, H, seed=0):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w[0], r[0], b[0]
 
 
-def _bounds(x, w, r, b, precision):
-    """The bounds on |h_t - h_ort| (every step) and |c_T - c_ort| (see the module docstring)."""
+def _bounds(x, w, r, b, precision, quantised_activations=False):
+    """The bounds on |h_t - h_ort| (every step) and |c_T - c_ort| (see the module docstring).
+    `quantised_activations`: onnxruntime rounds x and each step's h to uint8 (its
+    DynamicQuantizeLSTM, tests/test_quantized_lstm.py): up to half a quantisation step each,
+    step = (max - min) / 255 over the matrix, 0 inside the range; the step of h is taken over the
+    reference h widened by its bound."""
     u = U[precision]
     T, B, I = x.shape
     H = r.shape[1]
@@ -70,6 +74,9 @@ def _bounds(x, w, r, b, precision):
         hr = (np.abs(h) + e_h) @ np.abs(r).T
         e_pre = (2 * u + u * u) * hr + 2 * _gamma(I + H + 3) * (np.abs(x[t]) @ np.abs(w).T + hr + np.abs(bias)) \
             + e_h @ np.abs(r).T
+        if quantised_activations:
+            step = lambda v, e: (max(0.0, float(np.max(v + e))) - min(0.0, float(np.min(v - e)))) / 255
+            e_pre += 0.5 * step(x, 0) * np.abs(w).sum(axis=1) + 0.5 * step(h, e_h) * np.abs(r).sum(axis=1)
         if precision == "fp16":
             e_pre += 2.0 ** -25 * (1 + u) * np.abs(r).sum(axis=1)
         i, o, f, g = sig(pre[:, :H]), sig(pre[:, H:2 * H]), sig(pre[:, 2 * H:3 * H]), np.tanh(pre[:, 3 * H:])

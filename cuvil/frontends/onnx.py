@@ -22,7 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .. import contrib, nbits
-from . import data_dependent, sequences
+from . import data_dependent, quantized_lstm, sequences
 from ..evaluate import evaluate_exact
 from ..ops import is_random_dropout
 from ..errors import CuvilError, ModelError, ShapeError, UnsupportedOpError
@@ -309,6 +309,13 @@ class _Importer:
         if domain == "" and proto.op_type == "STFT":
             self._import_stft(proto, name)
             return
+        if domain == quantized_lstm.DOMAIN and proto.op_type == quantized_lstm.OP:
+            lstm = quantized_lstm.lstm_node(proto, name, self.values, self._fresh_value, self.add_constant)
+            self.node_names.discard(name)   # the LSTM keeps the node's name
+            self._import_node(lstm)
+            # its recurrence multiplies on 16-bit operands, as accurate as 8-bit activations or more
+            self.nodes[-1].attrs["precision"] = quantized_lstm.RECURRENCE_PRECISION
+            return
         attrs = _attrs(proto)
         if proto.op_type == "Constant" and domain == "":
             arr = self._evaluate(proto, name)[0]
@@ -500,6 +507,12 @@ class _Importer:
                 result.append(((), np.dtype(np.float32)))
                 continue
             t = types.get(out)
+            if (t is None or not t.HasField("tensor_type")) and domain not in ("", "ai.onnx", "ai.onnx.ml"):
+                # ONNX's inference knows no op of this domain, and neither does Cuvil
+                raise UnsupportedOpError(f"node '{name}': op {proto.op_type} of domain '{proto.domain}' is not "
+                                         "supported", hint="README.md, 'Supported ops', lists the contrib ops Cuvil compiles; "
+                                         "export the model without it (with onnxruntime's quantisation tools: "
+                                         "leave its float op out of op_types_to_quantize)")
             if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape") \
                     or any(not d.HasField("dim_value") for d in t.tensor_type.shape.dim) or t.tensor_type.elem_type == 0:
                 raise ShapeError(f"node '{name}' ({proto.op_type}): the shape of output '{out}' cannot be inferred statically",

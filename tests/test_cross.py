@@ -192,6 +192,7 @@ def test_feature_variant_checks_hwcap(tmp_path):
 
 
 @needs_cross
+@pytest.mark.slow   # CI budget: MobileNetV2, the encoder and the example cover this target by default
 def test_small_resnet_on_aarch64(tmp_path):
     zoo = _zoo()
     model = zoo.export(zoo.resnet((1, 1, 1, 1), width=8, num_classes=10), {"input": (1, 3, 32, 32)})

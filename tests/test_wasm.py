@@ -212,6 +212,7 @@ def test_session_errors_come_back_through_the_abi(tmp_path):
 
 
 @needs_wasm
+@pytest.mark.slow   # CI budget: MobileNetV2, the encoder and the example cover this target by default
 def test_small_resnet_in_wasmtime(tmp_path):
     zoo = _zoo()
     model = zoo.export(zoo.resnet((1, 1, 1, 1), width=8, num_classes=10), {"input": (1, 3, 32, 32)})

@@ -376,12 +376,19 @@ def gemv_kernel(family: str, p: Product):
         fma(["k"])
         src.dedent()
     src.dedent()
+    reduce_and_store(src, p, off, slices, 1 if lanes_over_k else 32)
+    work = p.n_batch * col_blocks * THREADS
+    return gpu_kernel(family, src.text(), ["float32"] * _n_ptrs(p), THREADS), work
+
+
+def reduce_and_store(src: Source, p: Product, off: dict, slices: int, stride: int) -> None:
+    """A gemv's end: the `slices` partial sums acc<m> of each column (threads `stride` apart in tid)
+    added by a fixed tree in shared memory `red`, and slice m stores row m of the column."""
     for m in range(p.M):
         src.line(f"red[{m}, tid] = acc{m}")
     src.line("cuda.syncthreads()")
     # A fixed tree over the slices: slice s adds slice s + half, halving until slice 0 holds the sum.
     half = slices // 2
-    stride = 1 if lanes_over_k else 32     # tid distance between slices s and s + 1
     while half:
         src.line(f"if s < {half}:").indent()
         for m in range(p.M):
@@ -392,8 +399,6 @@ def gemv_kernel(family: str, p: Product):
     src.line(f"if s < {p.M} and n < {p.N}:").indent()
     src.line(f"v0 = red[s, tid - s * {stride}]")
     _store(src, p, off, "v0", "s", "n")
-    work = p.n_batch * col_blocks * THREADS
-    return gpu_kernel(family, src.text(), ["float32"] * _n_ptrs(p), THREADS), work
 
 
 def uses_gemv(M: int, N: int) -> bool:
@@ -456,9 +461,15 @@ def lower_gemm(node, graph) -> Lowered:
     K = A.shape[0] if trans_a else A.shape[1]
     a = Operand((), 1, M) if trans_a else Operand((), K, 1)
     args: list = [A.name]
+    fmt = _marked_format(node, B)
     if B.is_const:
-        packed, b = _pack_b(np.asarray(B.data.T if trans_b else B.data, dtype=np.float64) * alpha, uses_gemv(M, N))
-        args.append(packed)
+        data = np.asarray(B.data.T if trans_b else B.data, dtype=np.float64) * alpha
+        if fmt:       # packed by gemm_tc for the kernel it chooses
+            args.append(data.astype(np.float32))
+            b = Operand((), N, 1)
+        else:
+            packed, b = _pack_b(data, uses_gemv(M, N))
+            args.append(packed)
         alpha = 1.0
     else:
         args.append(B.name)
@@ -479,7 +490,20 @@ def lower_gemm(node, graph) -> Lowered:
     ptrs = [f"p{i}" for i in range(len(args))]
     p = Product(M, N, K, (), a, b, Operand((), N, 1), c, r, alpha, beta, epilogue,
                 (ptrs[0], ptrs[1], ptrs[2] if c else None, ptrs[-2] if r else None, ptrs[-1]))
-    return Lowered(product_calls(node.op.replace("Fused", ""), p, args, graph, node))
+    return Lowered(_calls(node.op.replace("Fused", ""), p, args, graph, node, fmt))
+
+
+def _marked_format(node, B) -> str | None:
+    """The 16-bit format of a product assign_precision marked (constant B), else None (float32)."""
+    from .gemm_tc import format_of
+    return format_of(node) if B.is_const else None
+
+
+def _calls(family: str, p: Product, args: list, graph, node, fmt: str | None) -> list:
+    if fmt is None:
+        return product_calls(family, p, args, graph, node)
+    from .gemm_tc import product_calls as tensor_core_calls
+    return tensor_core_calls(family, p, args, graph, node, fmt)
 
 
 def _linear(strides, dims) -> bool:
@@ -523,13 +547,16 @@ def lower_matmul(node, graph) -> Lowered:
     b_batch = tuple(s * K * N for s in broadcast_strides(b_shape[:-2], batch)) if batch else ()
     o_batch = tuple(s * M * N for s in dims_strides(batch)) if batch else ()
     b = Operand(b_batch, N, 1)
-    if B.is_const and not any(b_batch):
+    fmt = _marked_format(node, B) if not any(b_batch) else None
+    if fmt:           # packed by gemm_tc for the kernel it chooses
+        args[1] = np.asarray(B.data, dtype=np.float32).reshape(K, N)
+    elif B.is_const and not any(b_batch):
         args[1], b = _pack_b(np.asarray(B.data, dtype=np.float32).reshape(K, N), uses_gemv(M, N))
         b = Operand(b_batch, b.rows, b.cols)
     args.append(Y.name)
     p = Product(M, N, K, batch, Operand(a_batch, K, 1), b, Operand(o_batch, N, 1), None, r,
                 epilogue=epilogue, ptr=("p0", "p1", None, "p2" if r else None, f"p{len(args) - 1}"))
-    return Lowered(product_calls("MatMul", p, args, graph, node))
+    return Lowered(_calls("MatMul", p, args, graph, node, fmt))
 
 
 GENERATORS: dict = {"Gemm": lower_gemm, "FusedGemm": lower_gemm, "MatMul": lower_matmul, "FusedMatMul": lower_matmul}

@@ -40,7 +40,8 @@ from backends.numba_cpu.kernel import Source
 from backends.numba_cpu.scratch import scratch_value
 
 from . import gemm
-from .gemm import F, GEMV_ROWS, GEMV_UNROLL, THREADS, WARPS, Product, _batch_offsets, _header, _n_ptrs, _store, _sum, _term
+from .gemm import (F, GEMV_ROWS, GEMV_UNROLL, THREADS, WARPS, Product, add_terms, batch_offsets, kernel_header,
+                   pointer_count, store_output, stride_term)
 from .kernel import KernelCall, gpu_kernel
 from .mma import FORMATS, pack_pairs
 
@@ -117,7 +118,7 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
     tiles_m, tiles_n, steps = ceil_div(p.M, BM), ceil_div(p.N, BN), per_split // BK
     n_pad = tiles_n * BN
     src = Source()
-    _header(src, _n_ptrs(p))
+    kernel_header(src, pointer_count(p))
     src.line(f"tn = bid % {tiles_n}")
     src.line(f"rest = bid // {tiles_n}")
     src.line(f"tm = rest % {tiles_m}")
@@ -125,10 +126,10 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
         src.line(f"rest = rest // {tiles_m}")
         src.line(f"ks = rest % {splits}")
         src.line(f"k_base = ks * {per_split}")
-        off = _batch_offsets(src.line(f"bt = rest // {splits}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
-        off["o"] = _sum(off["o"], f"ks * {p.n_batch * p.M * p.N}")
+        off = batch_offsets(src.line(f"bt = rest // {splits}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+        off["o"] = add_terms(off["o"], f"ks * {p.n_batch * p.M * p.N}")
     else:
-        off = _batch_offsets(src.line(f"bt = rest // {tiles_m}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+        off = batch_offsets(src.line(f"bt = rest // {tiles_m}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
     src.line(f"m0 = tm * {BM}")
     src.line(f"n0 = tn * {BN}")
     src.line("lane = tid % 32")
@@ -146,14 +147,14 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
     if k_contiguous:
         src.line(f"a_kp = tid % {KP}")
         src.line(f"a_r = tid // {KP}")
-        a_items = [("a_kp", _sum("a_r", j * (THREADS // KP))) for j in range(BM * KP // THREADS)]
+        a_items = [("a_kp", add_terms("a_r", j * (THREADS // KP))) for j in range(BM * KP // THREADS)]
     else:
         src.line(f"a_r = tid % {BM}")
         src.line(f"a_kp = tid // {BM}")
-        a_items = [(_sum("a_kp", j * (THREADS // BM)), "a_r") for j in range(BM * KP // THREADS)]
+        a_items = [(add_terms("a_kp", j * (THREADS // BM)), "a_r") for j in range(BM * KP // THREADS)]
     src.line(f"b_n = tid % {BN}")
     src.line(f"b_kp = tid // {BN}")
-    b_items = [(_sum("b_kp", j * (THREADS // BN)), "b_n") for j in range(BN * KP // THREADS)]
+    b_items = [(add_terms("b_kp", j * (THREADS // BN)), "b_n") for j in range(BN * KP // THREADS)]
     k_guard = per_split * splits != p.K
 
     def load(k0):
@@ -162,7 +163,7 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
             for half in (0, 1):
                 gk = f"({k0} + 2 * ({kp}) + {half})"
                 guards = ([f"{gr} < {p.M}"] if p.M % BM else []) + ([f"{gk} < {p.K}"] if k_guard else [])
-                value = f"{pa}[{_sum(off['a'], _term(gr, p.a.rows), _term(gk, p.a.cols))}]"
+                value = f"{pa}[{add_terms(off['a'], stride_term(gr, p.a.rows), stride_term(gk, p.a.cols))}]"
                 if guards:
                     value = f"{value} if {' and '.join(guards)} else {F(0)}"
                 src.line(f"ga{j}_{half} = {value}")
@@ -185,16 +186,16 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
     src.line("cur = step % 2")
     src.line(f"more = step + 1 < {steps}")
     src.line("if more:").indent()
-    load(_sum(k_base, f"(step + 1) * {BK}"))
+    load(add_terms(k_base, f"(step + 1) * {BK}"))
     src.dedent()
     for k16 in range(BK // 16):
         kp0 = k16 * 8
         for i in range(MF):
             for reg, (dr, dk) in enumerate(A_REGS):
-                src.line(f"a{i}_{reg} = sh_a[cur, {_sum('t', kp0 + dk)}, {_sum('wm', 'g', i * 16 + dr)}]")
+                src.line(f"a{i}_{reg} = sh_a[cur, {add_terms('t', kp0 + dk)}, {add_terms('wm', 'g', i * 16 + dr)}]")
         for j in range(NF):
             for reg, dk in enumerate(B_REGS):
-                src.line(f"b{j}_{reg} = sh_b[cur, {_sum('t', kp0 + dk)}, {_sum('wn', 'g', j * 8)}]")
+                src.line(f"b{j}_{reg} = sh_b[cur, {add_terms('t', kp0 + dk)}, {add_terms('wn', 'g', j * 8)}]")
         for i in range(MF):
             for j in range(NF):
                 a = ", ".join(f"a{i}_{reg}" for reg in range(4))
@@ -208,15 +209,15 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
     for i in range(MF):
         for j in range(NF):
             for e, (dr, dc) in enumerate(C_ELEMS):
-                src.line(f"m = m0 + {_sum('wm', 'g', i * 16 + dr)}")
-                src.line(f"n = n0 + {_sum('wn', '2 * t', j * 8 + dc)}")
+                src.line(f"m = m0 + {add_terms('wm', 'g', i * 16 + dr)}")
+                src.line(f"n = n0 + {add_terms('wn', '2 * t', j * 8 + dc)}")
                 guards = ([f"m < {p.M}"] if p.M % BM else []) + ([f"n < {p.N}"] if p.N % BN else [])
                 if guards:
                     src.line(f"if {' and '.join(guards)}:").indent()
-                _store(src, p, off, acc(i, j)[e], "m", "n")
+                store_output(src, p, off, acc(i, j)[e], "m", "n")
                 if guards:
                     src.dedent()
-    types = ["float32", "uint32"] + ["float32"] * (_n_ptrs(p) - 2)
+    types = ["float32", "uint32"] + ["float32"] * (pointer_count(p) - 2)
     work = p.n_batch * tiles_m * tiles_n * splits * THREADS
     return gpu_kernel(family, src.text(), types, THREADS), work
 
@@ -228,9 +229,9 @@ def gemv_kernel(family: str, p: Product, fmt: str):
     col_blocks = ceil_div(p.N, WARPS)
     pa, pb = p.ptr[0], p.ptr[1]
     src = Source()
-    _header(src, _n_ptrs(p))
+    kernel_header(src, pointer_count(p))
     src.line(f"cb = bid % {col_blocks}")
-    off = _batch_offsets(src.line(f"bt = bid // {col_blocks}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+    off = batch_offsets(src.line(f"bt = bid // {col_blocks}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
     src.line("s = tid % 32")
     src.line(f"n = cb * {WARPS} + tid // 32")
     src.line(f"red = cuda.shared.array(({p.M}, {THREADS}), float32)")
@@ -240,14 +241,14 @@ def gemv_kernel(family: str, p: Product, fmt: str):
 
     def fma(w_exprs, odd_tail: bool):
         for u, w in enumerate(w_exprs):
-            src.line(f"b{u} = {pb}[{_sum('bcol', w)}]")
+            src.line(f"b{u} = {pb}[{add_terms('bcol', w)}]")
         for u, w in enumerate(w_exprs):
             src.line(f"lo{u} = {fmt}_lo(b{u})")
             src.line(f"hi{u} = {fmt}_hi(b{u})")
             for m in range(p.M):
-                row = _sum(off["a"], m * p.a.rows)
-                lo = f"{pa}[{_sum(row, _term(f'2 * {w}', p.a.cols))}]"
-                hi = f"{pa}[{_sum(row, _term(f'(2 * {w} + 1)', p.a.cols))}]"
+                row = add_terms(off["a"], m * p.a.rows)
+                lo = f"{pa}[{add_terms(row, stride_term(f'2 * {w}', p.a.cols))}]"
+                hi = f"{pa}[{add_terms(row, stride_term(f'(2 * {w} + 1)', p.a.cols))}]"
                 if odd_tail:     # the last word's odd k is padding: A has no element there
                     hi = f"({hi} if 2 * {w} + 1 < {p.K} else {F(0)})"
                 src.line(f"acc{m} += {lo} * lo{u} + {hi} * hi{u}")
@@ -265,7 +266,7 @@ def gemv_kernel(family: str, p: Product, fmt: str):
         src.dedent()
     src.dedent()
     gemm.reduce_and_store(src, p, off, slices=32, stride=1)
-    types = ["float32", "uint32"] + ["float32"] * (_n_ptrs(p) - 2)
+    types = ["float32", "uint32"] + ["float32"] * (pointer_count(p) - 2)
     return gpu_kernel(family, src.text(), types, THREADS), p.n_batch * col_blocks * THREADS
 
 
@@ -292,3 +293,17 @@ def product_calls(family: str, p: Product, args: list, graph, node, fmt: str) ->
     return [KernelCall(kernel, args[:2] + [partial], work, node.name, precision=how),
             KernelCall(sums, [partial] + args[2:], sum_work, node.name, precision=how)]
 
+
+
+def lower_gemm(node, graph):
+    """gemm.lower_gemm, a marked product (constant B) taken here."""
+    return gemm.lower_gemm(node, graph, reduced=(format_of, product_calls))
+
+
+def lower_matmul(node, graph):
+    """gemm.lower_matmul, a marked product (constant B) taken here."""
+    return gemm.lower_matmul(node, graph, reduced=(format_of, product_calls))
+
+
+# gemm.py's generators with the marked products taken here (registry.py lets these override gemm's)
+GENERATORS: dict = {"Gemm": lower_gemm, "FusedGemm": lower_gemm, "MatMul": lower_matmul, "FusedMatMul": lower_matmul}

@@ -172,7 +172,7 @@ def _sim_half(fmt: str, which: int, w):
 def simulated(ns: dict) -> dict:
     """The twins, bound to the kernel namespace `ns` (whose `cuda` the simulator swaps per launch)."""
     out = {}
-    for precision, fmt in FORMATS.items():
+    for fmt in FORMATS.values():
         out[f"mma_{fmt}"] = lambda *args, fmt=fmt: _sim_mma(ns, fmt, *args)
         out[f"pack_{fmt}x2"] = lambda lo, hi, fmt=fmt: _sim_pack(fmt, lo, hi)
         out[f"{fmt}_lo"] = lambda w, fmt=fmt: _sim_half(fmt, 0, w)
@@ -252,7 +252,7 @@ def _build_intrinsics() -> dict:
         return half_intrinsic
 
     out = {}
-    for precision, fmt in FORMATS.items():
+    for fmt in FORMATS.values():
         out[f"mma_{fmt}"] = mma(fmt)
         out[f"pack_{fmt}x2"] = pack(fmt)
         out[f"{fmt}_lo"] = half(fmt, 0)

@@ -15,12 +15,13 @@ from backends.schedule import KernelCall, View
 from cuvil.errors import UnsupportedOpError
 from cuvil.ops import FUSED_DOMAIN
 
-from . import conv, gemm, movement, pool, rnn, rows
+from . import conv, gemm, gemm_tc, movement, pool, rnn, rows
 from .portable import PORTABLE_THREADS, portable_call
 
-# op -> generator(node, graph) -> Lowered, one module per family (each defines GENERATORS)
-GENERATORS: dict = {**gemm.GENERATORS, **conv.GENERATORS, **rows.GENERATORS, **rnn.GENERATORS, **pool.GENERATORS,
-                   **movement.GENERATORS}
+# op -> generator(node, graph) -> Lowered, one module per family (each defines GENERATORS);
+# gemm_tc's wrap gemm's, taking the bf16 / fp16 products assign_precision marked
+GENERATORS: dict = {**gemm.GENERATORS, **gemm_tc.GENERATORS, **conv.GENERATORS, **rows.GENERATORS, **rnn.GENERATORS,
+                   **pool.GENERATORS, **movement.GENERATORS}
 
 
 

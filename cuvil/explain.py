@@ -155,7 +155,7 @@ def _precision(call, node, target=None) -> str:
     from backends.numba_cpu.ukernel_lowp import method_for
     from backends.targets import is_cuda, missing_feature_reason
     if target is not None and is_cuda(target):
-        return (f"float32 (marked {marked}: on CUDA targets only Gemm / MatMul weight products compute in "
+        return (f"float32 (marked {marked}: on CUDA targets only Gemm / MatMul / Conv weight products compute in "
                 f"{marked}; this op's GPU kernel is float32)")
     if target is not None and marked in LOWP_FORMATS and method_for(LOWP_FORMATS[marked], target) is None:
         return f"float32 (marked {marked}: {missing_feature_reason(target, marked)})"

@@ -88,11 +88,16 @@ def product_bound(a_abs, w_abs, rest_abs, precision: str):
     + eta^2 and is exact in float32; the float32 sum of K + 2 terms is within 1.01 (K + 2) u_acc of
     their magnitudes, here and in onnxruntime. A 1-Lipschitz activation (Relu) keeps the bound.
     docs/cuda.md derives it."""
-    u, eta = LOWP_U[precision], LOWP_ETA[precision]
     a_abs, w_abs = np.asarray(a_abs, np.float64), np.asarray(w_abs, np.float64)
-    K = w_abs.shape[0]
-    S = a_abs @ w_abs
-    underflow = eta * (1 + u) * (a_abs.sum(axis=-1, keepdims=True) + w_abs.sum(axis=0)) + K * eta * eta
+    return bound_of_sums(a_abs @ w_abs, a_abs.sum(axis=-1, keepdims=True) + w_abs.sum(axis=0), w_abs.shape[0],
+                         rest_abs, precision)
+
+
+def bound_of_sums(S, operand_sums, K: int, rest_abs, precision: str):
+    """product_bound from its sums: S = sum_k |a||w| and operand_sums = sum_k |a| + |w| of each output
+    (a convolution's: the window's and the filter's), K products each."""
+    u, eta = LOWP_U[precision], LOWP_ETA[precision]
+    underflow = eta * (1 + u) * operand_sums + K * eta * eta
     return (2 * u + u * u) * S + underflow + 2.02 * (K + 2) * U_ACC * (1 + u) ** 2 * (S + rest_abs)
 
 

@@ -242,19 +242,24 @@ def test_gpu_pass_list_keeps_activations_float32():
 
 
 def test_explain_names_the_tensor_core_products_and_what_stays_float32():
-    """A MatMul with a constant weight on tensor cores; a marked conv (its GPU kernel is float32) says so."""
+    """A conv and a MatMul with constant weights on tensor cores; a marked LSTM (its GPU kernel is
+    float32) says so."""
     from cuvil.explain import explain_model
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     m = rng.standard_normal((8, 16)).astype(np.float32)
+    lstm_w, lstm_r = rng.standard_normal((1, 32, 16)).astype(np.float32), rng.standard_normal((1, 32, 8)).astype(np.float32)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("Reshape", ["c", "shape"], ["r"]), helper.make_node("MatMul", ["r", "m"], ["Y"])]
-    shape = np.array([32, 8], np.int64)
-    model = _model(nodes, {"x": [2, 3, 4, 4]}, {"Y": [32, 16]}, {"w": w, "m": m, "shape": shape})
+             helper.make_node("Reshape", ["c", "shape"], ["r"]), helper.make_node("MatMul", ["r", "m"], ["mm"]),
+             helper.make_node("Reshape", ["mm", "seq"], ["s"]),
+             helper.make_node("LSTM", ["s", "W", "R"], ["Y"], hidden_size=8)]
+    consts = {"w": w, "m": m, "shape": np.array([32, 8], np.int64), "seq": np.array([32, 1, 16], np.int64),
+              "W": lstm_w, "R": lstm_r}
+    model = _model(nodes, {"x": [2, 3, 4, 4]}, {"Y": [32, 1, 1, 8]}, consts)
     kernels = explain_model(model, {"x": [2, 3, 4, 4]}, target="cuda-sm90", precision="bf16").kernels
     by_op = {k.op: k.precision for k in kernels}
-    assert by_op["MatMul"] == "bf16 (mma.sync m16n8k16)"
-    assert by_op["Conv"].startswith("float32 (marked bf16: on CUDA targets only Gemm / MatMul")
+    assert by_op["MatMul"] == by_op["Conv"] == "bf16 (mma.sync m16n8k16)"
+    assert by_op["LSTM"].startswith("float32 (marked bf16: on CUDA targets only Gemm / MatMul / Conv")
 
 
 def test_a_bf16_build_is_deterministic_and_keyed_by_its_precision(tmp_path):
@@ -279,3 +284,86 @@ def test_min_cosine_is_refused_for_a_cuda_build(tmp_path):
     with pytest.raises(CuvilError, match="accuracy.min_cosine cannot be checked for CUDA target"):
         cuvil.compile(model, input_shapes={"A": [4, 8]}, target="cuda-sm90", precision="fp16",
                       accuracy={"min_cosine": 0.99}, cache_dir=tmp_path / "cache")
+
+
+# -- convolutions on tensor cores (conv_tc.py) ----------------------------------------------------
+
+def _conv_np(x, w, stride, pad, group):
+    """NCHW 2-D convolution in float64 (numpy), for the bound's sums and the rounded reference."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    n, c, h, wd = x.shape
+    oc, icg, kh, kw = w.shape
+    ocg = oc // group
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    oh, ow = (h + 2 * pad - kh) // stride + 1, (wd + 2 * pad - kw) // stride + 1
+    out = np.zeros((n, oc, oh, ow))
+    for g in range(group):
+        for i in range(kh):
+            for j in range(kw):
+                patch = xp[:, g * icg:(g + 1) * icg, i:i + stride * oh:stride, j:j + stride * ow:stride]
+                out[:, g * ocg:(g + 1) * ocg] += np.einsum("ncij,oc->noij", patch, w[g * ocg:(g + 1) * ocg, :, i, j])
+    return out
+
+
+def check_conv(precision, n, c, hw, oc, k, stride=1, pad=0, group=1, residual=False, seed=0, family="ConvMma",
+               ptx=False):
+    """act(conv(x, w) + bias (+ r)), Relu, in the simulator: the derived bound against onnxruntime's
+    float32 (S and the operand sums from the convolution of magnitudes) and numpy on rounded operands."""
+    from backends.numba_cuda.simulate import simulate_schedule
+    from backends.schedule import kernel_calls
+    from tests.cuda_check import bound_of_sums
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, hw, hw)).astype(np.float32)
+    w = rng.standard_normal((oc, c // group, k, k)).astype(np.float32)
+    bias = rng.standard_normal((oc,)).astype(np.float32)
+    conv = _conv_np(x, w, stride, pad, group)
+    out_shape = list(conv.shape)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[stride] * 2, pads=[pad] * 4, group=group)]
+    feeds, rest = {"x": x}, np.abs(bias)[None, :, None, None]
+    inputs = {"x": list(x.shape)}
+    r = np.zeros(out_shape)
+    if residual:
+        r = rng.standard_normal(out_shape).astype(np.float32)
+        nodes.append(helper.make_node("Add", ["c", "r"], ["s"]))
+        feeds["r"], inputs["r"], rest = r, out_shape, rest + np.abs(r)
+    nodes.append(helper.make_node("Relu", ["s" if residual else "c"], ["Y"]))
+    model = _model(nodes, inputs, {"Y": out_shape}, {"w": w, "b": bias})
+    graph, schedule = _lowered(model, feeds, precision)
+    calls = kernel_calls(schedule)
+    assert family in {c.kernel.family for c in calls}, sorted({c.kernel.family for c in calls})
+    assert all(c.precision == f"{precision} (mma.sync m16n8k16)" for c in calls)
+    got = simulate_schedule(graph, schedule, feeds)["Y"].astype(np.float64)
+    want = ort_outputs(model, feeds)["Y"].astype(np.float64)
+    K = (c // group) * k * k
+    S = _conv_np(np.abs(x), np.abs(w), stride, pad, group)
+    sums = _conv_np(np.abs(x), np.ones_like(w), stride, pad, group) + np.abs(w).sum(axis=(1, 2, 3))[None, :, None, None]
+    bound = bound_of_sums(S, sums, K, rest, precision)
+    err = np.abs(got - want)
+    assert np.all(err <= bound), f"max error {err.max():.3g}, worst ratio to the bound {np.max(err / bound):.3g}"
+    fmt = FMT[precision]
+    xr, wr = mma.round16(x, fmt), mma.round16(w, fmt)
+    reference = np.maximum(_conv_np(xr, wr, stride, pad, group) + bias[None, :, None, None] + r, 0)
+    tight = 1.01 * (K + 2) * U_ACC * (_conv_np(np.abs(xr), np.abs(wr), stride, pad, group) + rest)
+    assert np.all(np.abs(got - reference) <= tight), np.max(np.abs(got - reference) / tight)
+    if ptx:
+        assert_ptx(schedule, archs=("cuda-sm80", "cuda-sm90"))
+    return calls
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_conv3x3_bias_relu_on_tensor_cores(precision):
+    check_conv(precision, n=2, c=8, hw=6, oc=12, k=3, pad=1, ptx=True)
+
+
+def test_pointwise_conv_on_tensor_cores():
+    check_conv("bf16", n=1, c=16, hw=5, oc=24, k=1, seed=1)
+
+
+def test_grouped_strided_conv_with_residual_on_tensor_cores():
+    check_conv("fp16", n=1, c=8, hw=7, oc=8, k=3, stride=2, pad=1, group=2, residual=True, seed=2)
+
+
+def test_split_k_conv_on_tensor_cores():
+    """K = 288 in 9 steps, 16 x 16 outputs: too few tiles, k split in two, conv.py's sum kernel."""
+    calls = check_conv("bf16", n=1, c=32, hw=4, oc=16, k=3, pad=1, seed=3, family="ConvMmaSplitK", ptx=True)
+    assert [c.kernel.family for c in calls] == ["ConvMmaSplitK", "ConvSplitKSum"]

@@ -20,7 +20,8 @@ Two kernels, chosen by shape as gemm.py chooses between its own:
   distinct banks), double-buffered like gemm.py's float32 tile: the next step's global loads
   are issued before the current step's mmas and stored after them. A fragment register of A
   holds (row g [+ 8], k pair t [+ 4]) and one of B (k pair t [+ 4], column g), g = lane >> 2,
-  t = lane % 4 (A_REGS, B_REGS; tests check them against mma.a_element / b_element). B's
+  t = lane % 4 (A_REGS, B_REGS; tests check them against mma.a_element / b_element; the kernel
+  source names them lg, lt). B's
   packed rows are padded to whole steps and its columns to whole tiles: no guards on its loads.
   Split k, when tiles are too few to fill the GPU, as gemm.py does it (the same second kernel).
 - gemv (M <= GEMV_ROWS, batch-1 inference: bound by the bytes of B): gemm.py's gemv with lanes
@@ -109,6 +110,51 @@ def pack_b_gemv(data: np.ndarray, fmt: str) -> np.ndarray:
     return np.ascontiguousarray(pack_pairs(data, fmt).T)
 
 
+def warp_lines(src: Source, tile: TcTile) -> None:
+    """A tile kernel's lane coordinates (lg = groupID, lt = threadID_in_group), its warp's corner
+    (wm, wn) in the block tile, and the shared arrays sh_a, sh_b [buffer, k pair, row]."""
+    src.line("lane = tid % 32")
+    src.line("lg = lane // 4")
+    src.line("lt = lane % 4")
+    src.line(f"wm = tid // 32 // {tile.warps_n} * {tile.WM}")
+    src.line(f"wn = tid // 32 % {tile.warps_n} * {tile.WN}")
+    src.line(f"sh_a = cuda.shared.array((2, {tile.BK // 2}, {tile.BM + PAD}), uint32)")
+    src.line(f"sh_b = cuda.shared.array((2, {tile.BK // 2}, {tile.BN + PAD}), uint32)")
+
+
+def accumulators(i: int, j: int) -> list[str]:
+    """The four accumulator names of the warp's fragment (i along m, j along n)."""
+    return [f"c{i}_{j}_{e}" for e in range(4)]
+
+
+def mma_step(src: Source, tile: TcTile, fmt: str) -> None:
+    """One step's products: per 16 values of k, the warp's A and B fragments read from buffer `cur`
+    (registers as A_REGS / B_REGS place them) and one mma per (i, j) fragment pair."""
+    MF, NF = tile.WM // 16, tile.WN // 8
+    for k16 in range(tile.BK // 16):
+        kp0 = k16 * 8
+        for i in range(MF):
+            for reg, (dr, dk) in enumerate(A_REGS):
+                src.line(f"a{i}_{reg} = sh_a[cur, {add_terms('lt', kp0 + dk)}, {add_terms('wm', 'lg', i * 16 + dr)}]")
+        for j in range(NF):
+            for reg, dk in enumerate(B_REGS):
+                src.line(f"b{j}_{reg} = sh_b[cur, {add_terms('lt', kp0 + dk)}, {add_terms('wn', 'lg', j * 8)}]")
+        for i in range(MF):
+            for j in range(NF):
+                a = ", ".join(f"a{i}_{reg}" for reg in range(4))
+                acc = ", ".join(accumulators(i, j))
+                src.line(f"{acc} = mma_{fmt}({a}, b{j}_0, b{j}_1, {acc})")
+
+
+def output_elements(tile: TcTile):
+    """(accumulator, row in the block tile, column in the block tile) of every element the lane
+    holds (C_ELEMS)."""
+    for i in range(tile.WM // 16):
+        for j in range(tile.WN // 8):
+            for acc, (dr, dc) in zip(accumulators(i, j), C_ELEMS):
+                yield acc, add_terms("wm", "lg", i * 16 + dr), add_terms("wn", "2 * lt", j * 8 + dc)
+
+
 def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1):
     """The tensor-core tile kernel of product p (its B packed by pack_b_tile) and its work."""
     BM, BN, BK, WM, WN = tile.BM, tile.BN, tile.BK, tile.WM, tile.WN
@@ -132,13 +178,7 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
         off = batch_offsets(src.line(f"bt = rest // {tiles_m}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
     src.line(f"m0 = tm * {BM}")
     src.line(f"n0 = tn * {BN}")
-    src.line("lane = tid % 32")
-    src.line("g = lane // 4")
-    src.line("t = lane % 4")
-    src.line(f"wm = tid // 32 // {tile.warps_n} * {WM}")
-    src.line(f"wn = tid // 32 % {tile.warps_n} * {WN}")
-    src.line(f"sh_a = cuda.shared.array((2, {KP}, {BM + PAD}), uint32)")
-    src.line(f"sh_b = cuda.shared.array((2, {KP}, {BN + PAD}), uint32)")
+    warp_lines(src, tile)
 
     # A's loads: rows x k pairs of the step, consecutive threads along A's contiguous dim; each
     # item is two float32 (k even, k odd) kept in registers until they are rounded into shared memory.
@@ -176,8 +216,7 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
         for j, (kp, n) in enumerate(b_items):
             src.line(f"sh_b[{buffer}, {kp}, {n}] = gb{j}")
 
-    acc = lambda i, j: [f"c{i}_{j}_{e}" for e in range(4)]
-    src.line(" = ".join(name for i in range(MF) for j in range(NF) for name in acc(i, j)) + f" = {F(0)}")
+    src.line(" = ".join(name for i in range(MF) for j in range(NF) for name in accumulators(i, j)) + f" = {F(0)}")
     k_base = "k_base" if splits > 1 else "0"
     load(k_base)
     store("0")
@@ -188,35 +227,22 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
     src.line("if more:").indent()
     load(add_terms(k_base, f"(step + 1) * {BK}"))
     src.dedent()
-    for k16 in range(BK // 16):
-        kp0 = k16 * 8
-        for i in range(MF):
-            for reg, (dr, dk) in enumerate(A_REGS):
-                src.line(f"a{i}_{reg} = sh_a[cur, {add_terms('t', kp0 + dk)}, {add_terms('wm', 'g', i * 16 + dr)}]")
-        for j in range(NF):
-            for reg, dk in enumerate(B_REGS):
-                src.line(f"b{j}_{reg} = sh_b[cur, {add_terms('t', kp0 + dk)}, {add_terms('wn', 'g', j * 8)}]")
-        for i in range(MF):
-            for j in range(NF):
-                a = ", ".join(f"a{i}_{reg}" for reg in range(4))
-                src.line(f"{', '.join(acc(i, j))} = mma_{fmt}({a}, b{j}_0, b{j}_1, {', '.join(acc(i, j))})")
+    mma_step(src, tile, fmt)
     src.line("if more:").indent()
     store("1 - cur")
     src.dedent()
     src.line("cuda.syncthreads()")
     src.dedent()
 
-    for i in range(MF):
-        for j in range(NF):
-            for e, (dr, dc) in enumerate(C_ELEMS):
-                src.line(f"m = m0 + {add_terms('wm', 'g', i * 16 + dr)}")
-                src.line(f"n = n0 + {add_terms('wn', '2 * t', j * 8 + dc)}")
-                guards = ([f"m < {p.M}"] if p.M % BM else []) + ([f"n < {p.N}"] if p.N % BN else [])
-                if guards:
-                    src.line(f"if {' and '.join(guards)}:").indent()
-                store_output(src, p, off, acc(i, j)[e], "m", "n")
-                if guards:
-                    src.dedent()
+    for acc, row, col in output_elements(tile):
+        src.line(f"m = m0 + {row}")
+        src.line(f"n = n0 + {col}")
+        guards = ([f"m < {p.M}"] if p.M % BM else []) + ([f"n < {p.N}"] if p.N % BN else [])
+        if guards:
+            src.line(f"if {' and '.join(guards)}:").indent()
+        store_output(src, p, off, acc, "m", "n")
+        if guards:
+            src.dedent()
     types = ["float32", "uint32"] + ["float32"] * (pointer_count(p) - 2)
     work = p.n_batch * tiles_m * tiles_n * splits * THREADS
     return gpu_kernel(family, src.text(), types, THREADS), work

@@ -15,13 +15,13 @@ from backends.schedule import KernelCall, View
 from cuvil.errors import UnsupportedOpError
 from cuvil.ops import FUSED_DOMAIN
 
-from . import conv, gemm, gemm_tc, movement, pool, rnn, rows
+from . import conv, conv_tc, gemm, gemm_tc, movement, pool, rnn, rows
 from .portable import PORTABLE_THREADS, portable_call
 
 # op -> generator(node, graph) -> Lowered, one module per family (each defines GENERATORS);
-# gemm_tc's wrap gemm's, taking the bf16 / fp16 products assign_precision marked
-GENERATORS: dict = {**gemm.GENERATORS, **gemm_tc.GENERATORS, **conv.GENERATORS, **rows.GENERATORS, **rnn.GENERATORS,
-                   **pool.GENERATORS, **movement.GENERATORS}
+# gemm_tc's and conv_tc's wrap gemm's and conv's, taking the bf16 / fp16 products assign_precision marked
+GENERATORS: dict = {**gemm.GENERATORS, **gemm_tc.GENERATORS, **conv.GENERATORS, **conv_tc.GENERATORS, **rows.GENERATORS,
+                   **rnn.GENERATORS, **pool.GENERATORS, **movement.GENERATORS}
 
 
 

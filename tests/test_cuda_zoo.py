@@ -77,13 +77,16 @@ def test_full_zoo_model_builds_deterministically(name, tmp_path):
         assert libs[0] == libs[1], arch
 
 
-# bf16 / fp16 (docs/cuda.md): the models whose work is weight products. The MLP runs in the simulator
-# against onnxruntime's float32 within the bound carried through its layers (cuda_check.sequential_bound).
-LOWP = ("mlp", "bert")
+# bf16 / fp16 (docs/cuda.md): the models whose work is weight products (Gemm / MatMul / Conv on tensor
+# cores). The MLP runs in the simulator against onnxruntime's float32 within the bound carried through
+# its layers (cuda_check.sequential_bound). By default the MLP and the small ResNet in bf16; the rest -m slow.
+LOWP = ("mlp", "resnet", "resnet_bottleneck", "mobilenet_v2", "bert")
+DEFAULT_LOWP = (("mlp", "bf16"), ("resnet", "bf16"))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("name", [n if n == "mlp" else pytest.param(n, marks=pytest.mark.slow) for n in LOWP])
+@pytest.mark.parametrize("name,precision", [
+    (n, p) if (n, p) in DEFAULT_LOWP else pytest.param(n, p, marks=pytest.mark.slow)
+    for n in LOWP for p in ("bf16", "fp16")])
 def test_small_zoo_model_in_16_bits_for_both_architectures(name, precision, tmp_path):
     module, shapes, ints = SMALL[name]()
     model = zoo.export(module, shapes, int_inputs=ints)
@@ -117,7 +120,7 @@ def _simulated_mlp_within_bound(model, module, feeds, precision):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["bert"])
+@pytest.mark.parametrize("name", ["bert", "mobilenet_v2", "resnet18", "resnet50"])
 def test_full_zoo_model_in_16_bits_builds_deterministically(name, precision, tmp_path):
     module, shapes, ints = FULL[name]()
     model = zoo.export(module, shapes, int_inputs=ints)

@@ -29,10 +29,11 @@ Instructions", section "Matrix Fragments for mma.m16n8k16 with floating point ty
         row = groupID for i < 2, groupID + 8 otherwise
         col = threadID_in_group * 2 + (i & 1)
 
-`a_element`, `b_element` and `c_element` below are those formulas; the kernel generators
-(gemm_tc.py) and the simulator twin both index through them, the twin by rebuilding the whole
-16 x 16 A and 16 x 8 B of a warp from its 32 lanes' registers, so a kernel that puts an element
-in the wrong register computes a wrong product in the simulator as it would on a GPU.
+`a_element`, `b_element` and `c_element` below are those formulas. The simulator twin indexes
+through them, rebuilding the whole 16 x 16 A and 16 x 8 B of a warp from its 32 lanes' registers,
+so a kernel that puts an element in the wrong register computes a wrong product in the simulator
+as it would on a GPU; the kernel generators' own register tables (gemm_tc.py A_REGS, B_REGS,
+C_ELEMS) are checked against them for every lane (tests/test_cuda_lowp.py).
 
 On a GPU the functions are Numba intrinsics emitting PTX through `llvmlite.ir.InlineAsm`
 (numba-cuda 0.30.4 has no mma or 16-bit pack helpers of its own; its cache_hints.py uses the

@@ -79,9 +79,10 @@ def test_full_zoo_model_builds_deterministically(name, tmp_path):
 
 # bf16 / fp16 (docs/cuda.md): the models whose work is weight products (Gemm / MatMul / Conv on tensor
 # cores). The MLP runs in the simulator against onnxruntime's float32 within the bound carried through
-# its layers (cuda_check.sequential_bound). By default the MLP and the small ResNet in bf16; the rest -m slow.
+# its layers (cuda_check.sequential_bound). By default the MLP in bf16 (24 s); the rest -m slow (the small
+# ResNet took 190 s on a loaded 2-core machine; conv_tc's kernels have their own default tests).
 LOWP = ("mlp", "resnet", "resnet_bottleneck", "mobilenet_v2", "bert")
-DEFAULT_LOWP = (("mlp", "bf16"), ("resnet", "bf16"))
+DEFAULT_LOWP = (("mlp", "bf16"),)
 
 
 @pytest.mark.parametrize("name,precision", [

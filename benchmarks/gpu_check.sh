@@ -2,9 +2,11 @@
 # On a machine with an NVIDIA GPU (and the CUDA 13 toolkit's ptxas/fatbinary on PATH, or in
 # /usr/local/cuda/bin): build the zoo for this GPU's architecture, check every model against
 # onnxruntime, time it against PyTorch on the same GPU (and onnxruntime's CUDA provider when
-# onnxruntime-gpu is installed), and write the results as JSON.
+# onnxruntime-gpu is installed), and write the results as JSON. The product models (MLP, the
+# encoders) are built again in bf16 and fp16 (tensor cores) and checked against onnxruntime's
+# float32 with the derived bound (docs/cuda.md).
 #
-#   benchmarks/gpu_check.sh [OUT.json] [-- gpu_check.py options, e.g. --models mlp,resnet18]
+#   benchmarks/gpu_check.sh [OUT.json] [-- gpu_check.py options, e.g. --models mlp,resnet18 --lowp-models mlp]
 #
 # What it needs: Python with torch (CUDA), onnx, onnxruntime, numba, numba-cuda; it installs
 # cuvil itself (pip install -e ".[cuda]"), or, on a machine without a package index, puts the

@@ -529,6 +529,15 @@ def _plan_link(dag: StepGraph, spec: VariantSpec, target, base: str, codegen: st
     link_name = _add_link(dag, spec, target, codegen, f"{base}/link", spec.link)
     if spec.precision == "fp32":
         return link_name
+    if pipeline.is_gpu(target):
+        # Measuring runs the library, which for a CUDA target needs a GPU at build time: its
+        # accuracy is checked by benchmarks/gpu_check.sh instead (docs/cuda.md).
+        if spec.accuracy and spec.accuracy.get("min_cosine") is not None:
+            raise CuvilError(f"model '{spec.name}': accuracy.min_cosine cannot be checked for CUDA target "
+                             f"'{spec.target}' (the build would have to run the library on a GPU)",
+                             hint="remove accuracy.min_cosine for CUDA targets; benchmarks/gpu_check.sh measures "
+                                  "a GPU build against onnxruntime")
+        return link_name
     # The measurement loads a shared library: a static-only variant links one beside its archive.
     measured = link_name if spec.link != "static" else _add_link(dag, spec, target, codegen, f"{base}/link:shared",
                                                                  "shared")

@@ -154,8 +154,10 @@ def _precision(call, node, target=None) -> str:
     from backends.numba_cpu.gemm import LOWP_FORMATS
     from backends.numba_cpu.ukernel_lowp import method_for
     from backends.targets import is_cuda, missing_feature_reason
-    if target is not None and not is_cuda(target) and marked in LOWP_FORMATS and \
-            method_for(LOWP_FORMATS[marked], target) is None:
+    if target is not None and is_cuda(target):
+        return (f"float32 (marked {marked}: on CUDA targets only Gemm / MatMul / Conv weight products compute in "
+                f"{marked}; this op's GPU kernel is float32)")
+    if target is not None and marked in LOWP_FORMATS and method_for(LOWP_FORMATS[marked], target) is None:
         return f"float32 (marked {marked}: {missing_feature_reason(target, marked)})"
     return f"float32 (marked {marked}: the target has no kernel for it, or its operands do not fit one)"
 
@@ -167,12 +169,13 @@ def explain_model(source, input_shapes=None, opt_level=2, passes=None, disable_p
 
     source = pipeline.calibrated_source(source, input_shapes or {}, precision, calibration)
     graph = pipeline.import_any(source, input_shapes or {})   # TorchScript / TensorFlow exported first
-    names, options = pipeline.pass_list(opt_level, passes, disable_passes, pass_options, precision)
+    resolved = pipeline.resolve_variant_target(target, precision)
+    names, options = pipeline.pass_list(opt_level, passes, disable_passes, pass_options, precision,
+                                        gpu=pipeline.is_gpu(resolved))
     graph = pipeline.canonical_graph(graph, options)   # what the build's passes read: canonical names
     stages = [("import", graph)]
     pipeline.run_passes(graph, names, options, on_pass=lambda n, b, a: stages.append((n, a)))
-    params = pipeline.VariantParams(name, pipeline.resolve_variant_target(target, precision), threads,
-                                    pipeline.memory_options(names, options))
+    params = pipeline.VariantParams(name, resolved, threads, pipeline.memory_options(names, options))
     return explain_graphs(name, stages, params)
 
 

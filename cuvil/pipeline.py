@@ -32,6 +32,8 @@ PRECISIONS_SUPPORTED = ("fp32", "bf16", "fp16", "int4", "int8")
 CALIBRATED = ("int8",)
 # Weight-only precisions: the pass that quantises the weights runs first, with these bits.
 WEIGHT_ONLY_BITS = {"int4": 4}
+# What the CUDA targets build: bf16 / fp16 weight products on tensor cores (docs/cuda.md).
+GPU_PRECISIONS = ("fp32", "bf16", "fp16")
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth")
 
@@ -146,7 +148,8 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
     """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
     precision adds assign_precision at the end, with the precision among its options, and leaves
     out winograd unless `passes` names it (REDUCED_WITHOUT_WINOGRAD); a weight-only one, int4, adds
-    quantize_weights first instead of assign_precision; a GPU target leaves out CPU_ONLY_PASSES."""
+    quantize_weights first instead of assign_precision; a GPU target leaves out CPU_ONLY_PASSES and
+    keeps every activation float32 (assign_precision's narrow_activations off)."""
     from passes import resolve_pass_options, resolve_passes
     names = resolve_passes(opt_level, passes, disable_passes)
     if gpu:
@@ -162,6 +165,8 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
         names.append("assign_precision")
     if "assign_precision" in names:
         options["assign_precision"] = {**options.get("assign_precision", {}), "precision": precision}
+        if gpu:   # the GPU kernels read and write float32 activations only (docs/cuda.md)
+            options["assign_precision"]["narrow_activations"] = False
     return names, resolve_pass_options(names, options)
 
 
@@ -214,9 +219,9 @@ def resolve_variant_target(target: str, precision: str):
                                  hint=f"supported: {', '.join(PRECISIONS_SUPPORTED)}")
     resolved = resolve_target(target)
     from backends.targets import is_cuda
-    if is_cuda(resolved) and precision != "fp32":
+    if is_cuda(resolved) and precision not in GPU_PRECISIONS:
         raise UnsupportedOpError(f"precision '{precision}' is not supported yet for CUDA targets ('{target}')",
-                                 hint="build CUDA targets in fp32; bf16/fp16/int4/int8 run on the CPU targets")
+                                 hint=f"build CUDA targets in {', '.join(GPU_PRECISIONS)}; int4/int8 run on the CPU targets")
     return resolved
 
 

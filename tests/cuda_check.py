@@ -70,3 +70,52 @@ def assert_ptx(schedule, archs=ARCHS) -> None:
         target = resolve_target(arch)
         for kernel in kernels.values():
             assert ptxas(kernel_ptx(kernel, target.cc), target.arch)
+
+
+# -- reduced precision (bf16 / fp16 weight products: backends/numba_cuda/gemm_tc.py) -------------
+
+LOWP_U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}   # unit roundoff of the 16-bit operand formats
+# Half the spacing of the formats' subnormals: below the normal range a rounding is off by this
+# much, not by u relative (bf16 has float32's exponent range: negligible; fp16 below 2^-14).
+LOWP_ETA = {"bf16": 2.0 ** -134, "fp16": 2.0 ** -25}
+U_ACC = 2.0 ** -23      # float32 sums, twice round-to-nearest's 2^-24: a tensor core may truncate
+
+
+def product_bound(a_abs, w_abs, rest_abs, precision: str):
+    """Per output element, the largest |y - y_ort| of act(a @ w + rest) computed with a and w rounded
+    to `precision` and float32 sums. A rounding is r(x) = x (1 + d) + e, |d| <= u, |e| <= eta (e only
+    below the normal range), so a product is off by at most (2u + u^2) |a||w| + eta (1 + u)(|a| + |w|)
+    + eta^2 and is exact in float32; the float32 sum of K + 2 terms is within 1.01 (K + 2) u_acc of
+    their magnitudes, here and in onnxruntime. A 1-Lipschitz activation (Relu) keeps the bound.
+    docs/cuda.md derives it."""
+    a_abs, w_abs = np.asarray(a_abs, np.float64), np.asarray(w_abs, np.float64)
+    return bound_of_sums(a_abs @ w_abs, a_abs.sum(axis=-1, keepdims=True) + w_abs.sum(axis=0), w_abs.shape[0],
+                         rest_abs, precision)
+
+
+def bound_of_sums(S, operand_sums, K: int, rest_abs, precision: str):
+    """product_bound from its sums: S = sum_k |a||w| and operand_sums = sum_k |a| + |w| of each output
+    (a convolution's: the window's and the filter's), K products each."""
+    u, eta = LOWP_U[precision], LOWP_ETA[precision]
+    underflow = eta * (1 + u) * operand_sums + K * eta * eta
+    return (2 * u + u * u) * S + underflow + 2.02 * (K + 2) * U_ACC * (1 + u) ** 2 * (S + rest_abs)
+
+
+def sequential_bound(module, x, precision: str):
+    """product_bound carried through a torch nn.Sequential of Linear and ReLU layers (zoo.mlp): the
+    error e of a layer's input adds e |W| to its output's, and its magnitude |h| + e is what is
+    rounded. Returns (float64 reference output, bound)."""
+    import torch
+    h = np.asarray(x, np.float64)
+    e = np.zeros_like(h)
+    for layer in module:
+        if isinstance(layer, torch.nn.Linear):
+            w = layer.weight.detach().numpy().astype(np.float64).T
+            b = layer.bias.detach().numpy().astype(np.float64) if layer.bias is not None else 0.0
+            e = product_bound(np.abs(h) + e, np.abs(w), np.abs(b), precision) + e @ np.abs(w)
+            h = h @ w + b
+        elif isinstance(layer, torch.nn.ReLU):
+            h = np.maximum(h, 0)
+        else:
+            raise TypeError(f"sequential_bound: no bound for {type(layer).__name__}")
+    return h, e

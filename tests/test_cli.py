@@ -238,8 +238,8 @@ def test_check_reports_an_unsupported_op(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("changes, refused", [
-    ({"targets": "[native, cuda-sm90]", "precision": "bf16"},
-     "target 'cuda-sm90', precision 'bf16': precision 'bf16' is not supported yet for CUDA targets"),
+    ({"targets": "[native, cuda-sm90]", "precision": "int4"},
+     "target 'cuda-sm90', precision 'int4': precision 'int4' is not supported yet for CUDA targets"),
     ({"targets": "[native, cuda-sm90]", "precision": "int8"},
      "target 'cuda-sm90', precision 'int8': precision 'int8' is not supported yet for CUDA targets"),
 ])

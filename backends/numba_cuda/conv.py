@@ -109,8 +109,9 @@ class ConvShape:
                           and not any(self.pads) and self.in_spatial == self.out_spatial)
 
 
-def lower_conv(node, graph) -> Lowered:
-    """Conv, and FusedConv (domain "cuvil"): y = act(conv(x) + bias + residual)."""
+def lower_conv(node, graph, reduced=None) -> Lowered:
+    """Conv, and FusedConv (domain "cuvil"): y = act(conv(x) + bias + residual). `reduced`: conv_tc.py's
+    (format_of, calls), which take the convs assign_precision marked (constant weights, not depthwise)."""
     epilogue, inputs = epilogue_of(node)
     X = graph.values[inputs[0]]
     W = graph.values[inputs[1]]
@@ -138,6 +139,9 @@ def lower_conv(node, graph) -> Lowered:
     if shape.icg == 1 and group > 1:
         kernel_obj, work = depthwise_kernel(shape)
         return Lowered([KernelCall(kernel_obj, [X.name, W.name] + tail, work, node.name)])
+    fmt = reduced[0](node) if reduced is not None and W.is_const else None
+    if fmt:
+        return Lowered(reduced[1](shape, X.name, np.asarray(W.data, dtype=np.float32), tail, graph, node, fmt))
     tile, splits = choose_tile(shape)
     weights = pack_weights(np.asarray(W.data, dtype=np.float32), shape, tile) if W.is_const else W.name
     head = [X.name, weights] + ([] if shape.pointwise else [tap_table(shape, tile)])
@@ -178,7 +182,7 @@ def pack_weights(w: np.ndarray, shape: ConvShape, tile: Tile) -> np.ndarray:
     return packed
 
 
-def _spatial_decode(src: Source, flat: str, dims: list, prefix: str) -> list[str]:
+def spatial_decode(src: Source, flat: str, dims: list, prefix: str) -> list[str]:
     """Lines that split the flat index `flat` over `dims` (last fastest) into prefix0, prefix1...;
     returns those names."""
     names = [f"{prefix}{d}" for d in range(len(dims))]
@@ -200,7 +204,7 @@ def _residual_index(src: Source, shape: ConvShape, b: str, oc: str, p: str, tag:
     if flat is not None:
         terms.append(f"({p}) * {flat}" if flat else "")
     else:
-        coords = _spatial_decode(src, p, shape.out_spatial, f"ro{tag}_")
+        coords = spatial_decode(src, p, shape.out_spatial, f"ro{tag}_")
         terms += [f"{c} * {s}" for c, s in zip(coords, spatial) if s]
     return " + ".join(t for t in terms if t) or "0"
 
@@ -215,7 +219,7 @@ def _flat_stride(strides, dims):
     return None
 
 
-def _epilogue_lines(src: Source, shape: ConvShape, value: str, b: str, oc: str, p: str, tag: str,
+def epilogue_lines(src: Source, shape: ConvShape, value: str, b: str, oc: str, p: str, tag: str,
                     bias_ptr: str, res_ptr: str) -> str:
     """Lines that add bias and residual to `value` and apply the activation; returns the result's name."""
     out = f"v{tag}"
@@ -293,7 +297,7 @@ def implicit_gemm_kernel(shape: ConvShape, tile: Tile, splits: int, packed: bool
     if s.pointwise:
         src.line("xb += pix")
     else:
-        _spatial_decode(src, "pix", s.out_spatial, "o")
+        spatial_decode(src, "pix", s.out_spatial, "o")
         for d in range(nd):
             src.line(f"i{d}0 = o{d} * {s.strides[d]} - {s.pads[d]}")
             src.line(f"xb += i{d}0 * {in_strides[d]}")
@@ -368,7 +372,7 @@ def implicit_gemm_kernel(shape: ConvShape, tile: Tile, splits: int, packed: bool
             src.line(f"if m < {M}:").indent()
             src.line(f"oc = g * {M} + m")
             if splits == 1:
-                v = _epilogue_lines(src, s, f"c{i}_{j}", f"b_{j}", "oc", f"p_{j}", "", bias, res)
+                v = epilogue_lines(src, s, f"c{i}_{j}", f"b_{j}", "oc", f"p_{j}", "", bias, res)
                 src.line(f"{y}[(b_{j} * {s.OC} + oc) * {s.out_plane} + p_{j}] = {v}")
             else:
                 src.line(f"{y}[((split * {s.batch} + b_{j}) * {s.OC} + oc) * {s.out_plane} + p_{j}] = c{i}_{j}")
@@ -394,7 +398,7 @@ def split_sum_kernel(shape: ConvShape, splits: int):
     for k in range(1, splits):
         src.line(f"acc += p0[i + {k * total}]")
     src.line(f"p = i % {s.out_plane}").line(f"oc = (i // {s.out_plane}) % {s.OC}").line(f"b = i // {s.OC * s.out_plane}")
-    v = _epilogue_lines(src, s, "acc", "b", "oc", "p", "", bias, res)
+    v = epilogue_lines(src, s, "acc", "b", "oc", "p", "", bias, res)
     src.line(f"p{n_ptrs - 1}[i] = {v}")
     return gpu_kernel("ConvSplitKSum", src.text(), [np.float32] * n_ptrs, BLOCK), total
 
@@ -424,7 +428,7 @@ def depthwise_kernel(shape: ConvShape):
     src.line(f"cb = i % {col_blocks}").line(f"rest = i // {col_blocks}")
     src.line(f"orow = rest % {lead}").line(f"rest //= {lead}")
     src.line(f"oc = rest % {s.OC}").line(f"b = rest // {s.OC}")
-    coords = _spatial_decode(src, "orow", s.out_spatial[:-1], "o") if nd > 1 else []
+    coords = spatial_decode(src, "orow", s.out_spatial[:-1], "o") if nd > 1 else []
     src.line(f"ow0 = cb * {q_cols}")
     src.line(f"xb = (b * {s.C} + oc // {s.ocg}) * {s.in_plane}")
     src.line(f"wb = oc * {s.taps}")
@@ -463,7 +467,7 @@ def depthwise_kernel(shape: ConvShape):
         guard = OW % q_cols != 0
         if guard:
             src.line(f"if ow0 + {q} < {OW}:").indent()
-        v = _epilogue_lines(src, s, f"acc{q}", "b", "oc", f"orow * {OW} + ow0 + {q}", "", bias, res)
+        v = epilogue_lines(src, s, f"acc{q}", "b", "oc", f"orow * {OW} + ow0 + {q}", "", bias, res)
         src.line(f"p{n_ptrs - 1}[yb + {q}] = {v}")
         if guard:
             src.dedent()

@@ -33,6 +33,7 @@ def _signature(arg_types):
 
 
 _MANGLED = re.compile(r"\b_ZN[0-9A-Za-z_$]+")
+_SHARED = re.compile(r"\b_cudapy_smem_\d+\b")
 _ENTRY = re.compile(r"^\.(?:visible|weak) \.entry (\S+)\(", re.M)
 
 
@@ -55,7 +56,13 @@ def kernel_ptx(kernel: Kernel, cc: tuple[int, int]) -> str:
     names: dict[str, str] = {}
     def rename(match):
         return names.setdefault(match.group(0), f"{kernel.symbol}__g{len(names)}")
-    return _MANGLED.sub(rename, ptx)
+    ptx = _MANGLED.sub(rename, ptx)
+    # So do its shared arrays ("_cudapy_smem_<n>", n counting every array the process compiled): a
+    # compile worker serves many kernels, so without this the bytes depend on what it compiled before.
+    arrays: dict[str, str] = {}
+    def rename_shared(match):
+        return arrays.setdefault(match.group(0), f"_cudapy_smem_{len(arrays)}")
+    return _SHARED.sub(rename_shared, ptx)
 
 
 def _tool(name: str) -> str:

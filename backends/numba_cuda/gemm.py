@@ -139,18 +139,18 @@ class Product:
 F = lambda v: literal(v, np.float32)
 
 
-def _term(var: str, stride: int) -> str | None:
+def stride_term(var: str, stride: int) -> str | None:
     if stride == 0:
         return None
     return var if stride == 1 else f"{var} * {stride}"
 
 
-def _sum(*terms) -> str:
+def add_terms(*terms) -> str:
     kept = [str(t) for t in terms if t is not None and str(t) != "0"]
     return " + ".join(kept) if kept else "0"
 
 
-def _batch_offsets(src: Source, var: str, p: Product) -> dict:
+def batch_offsets(src: Source, var: str, p: Product) -> dict:
     """Emit `<x>_off`, each operand's offset for flat batch index `var`; {operand: expression}."""
     operands = {name: op for name, op, ptr in zip("abcro", (p.a, p.b, p.c, p.r, p.out), p.ptr)
                 if op is not None and ptr is not None}
@@ -168,10 +168,10 @@ def _batch_offsets(src: Source, var: str, p: Product) -> dict:
             src.line(f"bq{d} = {rest} // {size}")
             rest = f"bq{d}"
         for name, op in operands.items():
-            terms[name].append(_term(index, op.batch[d]))
+            terms[name].append(stride_term(index, op.batch[d]))
     offsets = {}
     for name in operands:
-        expr = _sum(*terms[name])
+        expr = add_terms(*terms[name])
         if expr != "0":
             src.line(f"{name}_off = {expr}")
             expr = f"{name}_off"
@@ -179,26 +179,26 @@ def _batch_offsets(src: Source, var: str, p: Product) -> dict:
     return offsets
 
 
-def _store(src: Source, p: Product, off: dict, acc: str, m: str, n: str) -> None:
+def store_output(src: Source, p: Product, off: dict, acc: str, m: str, n: str) -> None:
     """Write the output element (m, n) from accumulator `acc`, the epilogue applied."""
     pa, pb, pc, pr, po = p.ptr
     terms = [acc if p.alpha == 1.0 else f"{acc} * {F(p.alpha)}"]
     if p.c is not None:
-        value = f"{pc}[{_sum(off['c'], _term(m, p.c.rows), _term(n, p.c.cols))}]"
+        value = f"{pc}[{add_terms(off['c'], stride_term(m, p.c.rows), stride_term(n, p.c.cols))}]"
         terms.append(value if p.beta == 1.0 else f"{value} * {F(p.beta)}")
     if p.r is not None:
-        terms.append(f"{pr}[{_sum(off['r'], _term(m, p.r.rows), _term(n, p.r.cols))}]")
+        terms.append(f"{pr}[{add_terms(off['r'], stride_term(m, p.r.rows), stride_term(n, p.r.cols))}]")
     src.line(f"v = {' + '.join(terms)}")
-    src.line(f"{po}[{_sum(off['o'], _term(m, p.out.rows), _term(n, p.out.cols))}] = {p.epilogue.expr('v', np.float32)}")
+    src.line(f"{po}[{add_terms(off['o'], stride_term(m, p.out.rows), stride_term(n, p.out.cols))}] = {p.epilogue.expr('v', np.float32)}")
 
 
-def _header(src: Source, n_ptrs: int) -> None:
+def kernel_header(src: Source, n_ptrs: int) -> None:
     src.line(f"def kernel({', '.join(f'p{i}' for i in range(n_ptrs))}, n):").indent()
     src.line("tid = cuda.threadIdx.x")
     src.line("bid = cuda.blockIdx.x")
 
 
-def _n_ptrs(p: Product) -> int:
+def pointer_count(p: Product) -> int:
     return 3 + (p.c is not None) + (p.r is not None)
 
 
@@ -210,12 +210,12 @@ def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
     T = tile.threads
     assert T == THREADS and T % BM == 0 and T % BN == 0 and T % BK == 0
     tyn, txn = BM // TM, BN // TN         # threads along m and n; thread (ty, tx) owns rows ty + i*tyn
-    row = lambda i: _sum("ty", i * tyn)
-    col = lambda j: _sum("tx", j * txn)
+    row = lambda i: add_terms("ty", i * tyn)
+    col = lambda j: add_terms("tx", j * txn)
     per_split, splits = split_k(p.K, splits, BK)
     tiles_m, tiles_n, steps = ceil_div(p.M, BM), ceil_div(p.N, BN), per_split // BK
     src = Source()
-    _header(src, _n_ptrs(p))
+    kernel_header(src, pointer_count(p))
     src.line(f"tn = bid % {tiles_n}")
     src.line(f"rest = bid // {tiles_n}")
     src.line(f"tm = rest % {tiles_m}")
@@ -223,10 +223,10 @@ def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
         src.line(f"rest = rest // {tiles_m}")
         src.line(f"ks = rest % {splits}")
         src.line(f"k_base = ks * {per_split}")
-        off = _batch_offsets(src.line(f"bt = rest // {splits}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
-        off["o"] = _sum(off["o"], f"ks * {p.n_batch * p.M * p.N}")
+        off = batch_offsets(src.line(f"bt = rest // {splits}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+        off["o"] = add_terms(off["o"], f"ks * {p.n_batch * p.M * p.N}")
     else:
-        off = _batch_offsets(src.line(f"bt = rest // {tiles_m}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+        off = batch_offsets(src.line(f"bt = rest // {tiles_m}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
     src.line(f"m0 = tm * {BM}")
     src.line(f"n0 = tn * {BN}")
     src.line(f"ty = tid // {txn}")
@@ -243,11 +243,11 @@ def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
         if k_major:
             src.line(f"{name}_k = tid % {BK}")
             src.line(f"{name}_r = tid // {BK}")
-            items = [(f"{name}_k", _sum(f"{name}_r", j * (T // BK))) for j in range(per_thread)]
+            items = [(f"{name}_k", add_terms(f"{name}_r", j * (T // BK))) for j in range(per_thread)]
         else:
             src.line(f"{name}_r = tid % {rows}")
             src.line(f"{name}_k = tid // {rows}")
-            items = [(_sum(f"{name}_k", j * (T // rows)), f"{name}_r") for j in range(per_thread)]
+            items = [(add_terms(f"{name}_k", j * (T // rows)), f"{name}_r") for j in range(per_thread)]
         src.line(f"sh_{name} = cuda.shared.array((2, {BK}, {rows + pad}), float32)")
         loads.append((name, ptr, base, rows, size, k_stride, row_stride, items))
 
@@ -259,7 +259,7 @@ def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
             for j, (k, r) in enumerate(items):
                 gk, gr = f"({k0} + {k})", f"({base} + {r})"
                 guards = ([f"{gr} < {size}"] if size % rows else []) + ([f"{gk} < {p.K}"] if per_split * splits != p.K else [])
-                value = f"{ptr}[{_sum(off[name], _term(gr, row_stride), _term(gk, k_stride))}]"
+                value = f"{ptr}[{add_terms(off[name], stride_term(gr, row_stride), stride_term(gk, k_stride))}]"
                 if guards:
                     value = f"{value} if {' and '.join(guards)} else {F(0)}"
                 src.line(f"g{name}{j} = {value}")
@@ -279,7 +279,7 @@ def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
     src.line("cur = step % 2")
     src.line(f"more = step + 1 < {steps}")
     src.line("if more:").indent()
-    load(_sum(k_base, f"(step + 1) * {BK}"))
+    load(add_terms(k_base, f"(step + 1) * {BK}"))
     src.dedent()
     if not tile.unroll:
         src.line(f"for kk in range({BK}):").indent()
@@ -307,13 +307,13 @@ def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
             src.line(f"n = n0 + {col(j)}")
             if p.N % BN:
                 src.line(f"if n < {p.N}:").indent()
-            _store(src, p, off, f"c{i}_{j}", "m", "n")
+            store_output(src, p, off, f"c{i}_{j}", "m", "n")
             if p.N % BN:
                 src.dedent()
         if p.M % BM:
             src.dedent()
     work = p.n_batch * tiles_m * tiles_n * splits * T
-    return gpu_kernel(family, src.text(), ["float32"] * _n_ptrs(p), T), work
+    return gpu_kernel(family, src.text(), ["float32"] * pointer_count(p), T), work
 
 
 def split_sum_kernel(family: str, p: Product, splits: int):
@@ -322,16 +322,16 @@ def split_sum_kernel(family: str, p: Product, splits: int):
     sums, then p's C, R and output."""
     size = p.n_batch * p.M * p.N
     src = Source()
-    src.line(f"def kernel({', '.join(f'p{i}' for i in range(_n_ptrs(p) - 1))}, n):").indent()
+    src.line(f"def kernel({', '.join(f'p{i}' for i in range(pointer_count(p) - 1))}, n):").indent()
     src.line("i = cuda.grid(1)")
     src.line("if i < n:").indent()
-    partials = [f"p0[{_sum('i', s * size)}]" for s in range(splits)]
+    partials = [f"p0[{add_terms('i', s * size)}]" for s in range(splits)]
     src.line(f"acc = {' + '.join(partials)}")
     src.line(f"col = i % {p.N}")
     src.line(f"row = i // {p.N} % {p.M}")
-    off = _batch_offsets(src.line(f"bt = i // {p.M * p.N}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
-    _store(src, p, off, "acc", "row", "col")
-    return gpu_kernel(family, src.text(), ["float32"] * (_n_ptrs(p) - 1), THREADS), size
+    off = batch_offsets(src.line(f"bt = i // {p.M * p.N}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+    store_output(src, p, off, "acc", "row", "col")
+    return gpu_kernel(family, src.text(), ["float32"] * (pointer_count(p) - 1), THREADS), size
 
 
 def gemv_kernel(family: str, p: Product):
@@ -343,9 +343,9 @@ def gemv_kernel(family: str, p: Product):
     col_blocks = ceil_div(p.N, cols)
     pa, pb = p.ptr[0], p.ptr[1]
     src = Source()
-    _header(src, _n_ptrs(p))
+    kernel_header(src, pointer_count(p))
     src.line(f"cb = bid % {col_blocks}")
-    off = _batch_offsets(src.line(f"bt = bid // {col_blocks}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+    off = batch_offsets(src.line(f"bt = bid // {col_blocks}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
     if lanes_over_k:
         src.line("s = tid % 32")
         src.line(f"n = cb * {cols} + tid // 32")
@@ -355,14 +355,14 @@ def gemv_kernel(family: str, p: Product):
     src.line(f"red = cuda.shared.array(({p.M}, {THREADS}), float32)")
     src.line(" = ".join(f"acc{m}" for m in range(p.M)) + f" = {F(0)}")
     src.line(f"if n < {p.N}:").indent()
-    src.line(f"bcol = {_sum(off['b'], _term('n', p.b.cols))}")
+    src.line(f"bcol = {add_terms(off['b'], stride_term('n', p.b.cols))}")
 
     def fma(k_exprs):
         for u, k in enumerate(k_exprs):
-            src.line(f"b{u} = {pb}[{_sum('bcol', _term(k, p.b.rows))}]")
+            src.line(f"b{u} = {pb}[{add_terms('bcol', stride_term(k, p.b.rows))}]")
         for u, k in enumerate(k_exprs):
             for m in range(p.M):
-                a = f"{pa}[{_sum(off['a'], m * p.a.rows, _term(k, p.a.cols))}]"
+                a = f"{pa}[{add_terms(off['a'], m * p.a.rows, stride_term(k, p.a.cols))}]"
                 src.line(f"acc{m} += {a} * b{u}")
 
     chunk = slices * GEMV_UNROLL
@@ -376,12 +376,19 @@ def gemv_kernel(family: str, p: Product):
         fma(["k"])
         src.dedent()
     src.dedent()
+    reduce_and_store(src, p, off, slices, 1 if lanes_over_k else 32)
+    work = p.n_batch * col_blocks * THREADS
+    return gpu_kernel(family, src.text(), ["float32"] * pointer_count(p), THREADS), work
+
+
+def reduce_and_store(src: Source, p: Product, off: dict, slices: int, stride: int) -> None:
+    """A gemv's end: the `slices` partial sums acc<m> of each column (threads `stride` apart in tid)
+    added by a fixed tree in shared memory `red`, and slice m stores row m of the column."""
     for m in range(p.M):
         src.line(f"red[{m}, tid] = acc{m}")
     src.line("cuda.syncthreads()")
     # A fixed tree over the slices: slice s adds slice s + half, halving until slice 0 holds the sum.
     half = slices // 2
-    stride = 1 if lanes_over_k else 32     # tid distance between slices s and s + 1
     while half:
         src.line(f"if s < {half}:").indent()
         for m in range(p.M):
@@ -391,9 +398,7 @@ def gemv_kernel(family: str, p: Product):
         half //= 2
     src.line(f"if s < {p.M} and n < {p.N}:").indent()
     src.line(f"v0 = red[s, tid - s * {stride}]")
-    _store(src, p, off, "v0", "s", "n")
-    work = p.n_batch * col_blocks * THREADS
-    return gpu_kernel(family, src.text(), ["float32"] * _n_ptrs(p), THREADS), work
+    store_output(src, p, off, "v0", "s", "n")
 
 
 def uses_gemv(M: int, N: int) -> bool:
@@ -442,9 +447,10 @@ def _residual(graph, name: str):
     return (np.ascontiguousarray(R.data, dtype=np.float32) if R.is_const else R.name), R
 
 
-def lower_gemm(node, graph) -> Lowered:
+def lower_gemm(node, graph, reduced=None) -> Lowered:
     """Y = act(alpha * A' @ B' + beta * C (+ R)), A' = A^T if transA, B' = B^T if transB; C and R broadcast
-    to (M, N). Also FusedGemm (domain "cuvil", see numba_cpu/epilogue.py)."""
+    to (M, N). Also FusedGemm (domain "cuvil", see numba_cpu/epilogue.py). `reduced`: gemm_tc.py's
+    (format_of, product_calls), which take the products assign_precision marked."""
     epilogue, inputs = epilogue_of(node)
     A, B = graph.values[inputs[0]], graph.values[inputs[1]]
     C = graph.values[inputs[2]] if len(inputs) > 2 and inputs[2] else None
@@ -456,9 +462,15 @@ def lower_gemm(node, graph) -> Lowered:
     K = A.shape[0] if trans_a else A.shape[1]
     a = Operand((), 1, M) if trans_a else Operand((), K, 1)
     args: list = [A.name]
+    fmt = _marked_format(node, B, reduced)
     if B.is_const:
-        packed, b = _pack_b(np.asarray(B.data.T if trans_b else B.data, dtype=np.float64) * alpha, uses_gemv(M, N))
-        args.append(packed)
+        data = np.asarray(B.data.T if trans_b else B.data, dtype=np.float64) * alpha
+        if fmt:       # packed by gemm_tc for the kernel it chooses
+            args.append(data.astype(np.float32))
+            b = Operand((), N, 1)
+        else:
+            packed, b = _pack_b(data, uses_gemv(M, N))
+            args.append(packed)
         alpha = 1.0
     else:
         args.append(B.name)
@@ -479,7 +491,18 @@ def lower_gemm(node, graph) -> Lowered:
     ptrs = [f"p{i}" for i in range(len(args))]
     p = Product(M, N, K, (), a, b, Operand((), N, 1), c, r, alpha, beta, epilogue,
                 (ptrs[0], ptrs[1], ptrs[2] if c else None, ptrs[-2] if r else None, ptrs[-1]))
-    return Lowered(product_calls(node.op.replace("Fused", ""), p, args, graph, node))
+    return Lowered(_calls(node.op.replace("Fused", ""), p, args, graph, node, fmt, reduced))
+
+
+def _marked_format(node, B, reduced) -> str | None:
+    """The 16-bit format of a product assign_precision marked (constant B) that `reduced` takes, else None."""
+    return reduced[0](node) if reduced is not None and B.is_const else None
+
+
+def _calls(family: str, p: Product, args: list, graph, node, fmt: str | None, reduced) -> list:
+    if fmt is None:
+        return product_calls(family, p, args, graph, node)
+    return reduced[1](family, p, args, graph, node, fmt)
 
 
 def _linear(strides, dims) -> bool:
@@ -487,9 +510,9 @@ def _linear(strides, dims) -> bool:
     return all(strides[i] == strides[i + 1] * dims[i + 1] for i in range(len(dims) - 1))
 
 
-def lower_matmul(node, graph) -> Lowered:
+def lower_matmul(node, graph, reduced=None) -> Lowered:
     """numpy matmul: 1-D operands are promoted (and the added dim dropped), leading dims broadcast.
-    Also FusedMatMul (domain "cuvil"): Y = act(A @ B + R)."""
+    Also FusedMatMul (domain "cuvil"): Y = act(A @ B + R). `reduced`: as lower_gemm's."""
     epilogue, inputs = epilogue_of(node)
     A, B = graph.values[inputs[0]], graph.values[inputs[1]]
     Y = graph.values[node.outputs[0]]
@@ -523,13 +546,16 @@ def lower_matmul(node, graph) -> Lowered:
     b_batch = tuple(s * K * N for s in broadcast_strides(b_shape[:-2], batch)) if batch else ()
     o_batch = tuple(s * M * N for s in dims_strides(batch)) if batch else ()
     b = Operand(b_batch, N, 1)
-    if B.is_const and not any(b_batch):
+    fmt = _marked_format(node, B, reduced) if not any(b_batch) else None
+    if fmt:           # packed by gemm_tc for the kernel it chooses
+        args[1] = np.asarray(B.data, dtype=np.float32).reshape(K, N)
+    elif B.is_const and not any(b_batch):
         args[1], b = _pack_b(np.asarray(B.data, dtype=np.float32).reshape(K, N), uses_gemv(M, N))
         b = Operand(b_batch, b.rows, b.cols)
     args.append(Y.name)
     p = Product(M, N, K, batch, Operand(a_batch, K, 1), b, Operand(o_batch, N, 1), None, r,
                 epilogue=epilogue, ptr=("p0", "p1", None, "p2" if r else None, f"p{len(args) - 1}"))
-    return Lowered(product_calls("MatMul", p, args, graph, node))
+    return Lowered(_calls("MatMul", p, args, graph, node, fmt, reduced))
 
 
 GENERATORS: dict = {"Gemm": lower_gemm, "FusedGemm": lower_gemm, "MatMul": lower_matmul, "FusedMatMul": lower_matmul}

@@ -10,8 +10,9 @@ over raw pointers (inputs first, then outputs, as on the CPU; `p[i]` indexes the
 and every thread with `cuda.grid(1) >= n` must do nothing. A kernel that works on tiles
 (a GEMM, a row reduction) takes `work = tiles * block` and finds its tile in
 `cuda.blockIdx.x`. Shared memory is static (`cuda.shared.array` with literal shapes).
-The names the source may use: `cuda`, `math`, `np`, `float32`, `int32`, `int64`, `libdevice`
-(numba.cuda.libdevice) and the PRELUDE's device functions.
+The names the source may use: `cuda`, `math`, `np`, `float32`, `int32`, `int64`, `uint32`,
+`libdevice` (numba.cuda.libdevice), the PRELUDE's device functions and mma.py's (tensor-core
+products, 16-bit packing).
 
 The same source runs three ways: compiled to PTX for a CudaTarget (emit.py), in Numba's
 CUDA simulator over numpy arrays (simulate.py: the CI checks without a GPU), and on a GPU
@@ -62,11 +63,17 @@ def vmax(a, b):
 
 
 def namespace(cuda_module) -> dict:
-    """The globals a kernel's source is executed in (cuda_module: numba.cuda, real or simulated)."""
-    from numba import float32, int32, int64
+    """The globals a kernel's source is executed in (cuda_module: numba.cuda, real or simulated),
+    with the tensor-core and 16-bit functions of mma.py (FUNCTIONS) for the reduced-precision kernels."""
+    import os
+
+    from numba import float32, int32, int64, uint32
+
+    from .mma import namespace_entries
     ns = {"__name__": "cuvil_kernel", "cuda": cuda_module, "math": math, "np": np,
-          "float32": float32, "int32": int32, "int64": int64, "libdevice": _libdevice()}
+          "float32": float32, "int32": int32, "int64": int64, "uint32": uint32, "libdevice": _libdevice()}
     exec(compile(PRELUDE, "<cuvil gpu prelude>", "exec"), ns)
+    ns.update(namespace_entries(ns, simulator=os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"))
     return ns
 
 

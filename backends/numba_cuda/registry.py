@@ -7,19 +7,30 @@ kernels are portable (portable.py), else it is a CuvilError naming the node.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from backends.numba_cpu.kernel import lowering_for
 from backends.numba_cpu.registry import generator_for as cpu_generator_for
 from backends.schedule import KernelCall, View
 from cuvil.errors import UnsupportedOpError
 from cuvil.ops import FUSED_DOMAIN
 
-from . import conv, gemm, movement, pool, rnn, rows
+from . import conv, conv_tc, gemm, gemm_tc, movement, pool, rnn, rows
 from .portable import PORTABLE_THREADS, portable_call
 
-# op -> generator(node, graph) -> Lowered, one module per family (each defines GENERATORS)
-GENERATORS: dict = {**gemm.GENERATORS, **conv.GENERATORS, **rows.GENERATORS, **rnn.GENERATORS, **pool.GENERATORS,
-                   **movement.GENERATORS}
+# op -> generator(node, graph) -> Lowered, one module per family (each defines GENERATORS);
+# gemm_tc's and conv_tc's wrap gemm's and conv's, taking the bf16 / fp16 products assign_precision marked
+GENERATORS: dict = {**gemm.GENERATORS, **gemm_tc.GENERATORS, **conv.GENERATORS, **conv_tc.GENERATORS, **rows.GENERATORS,
+                   **rnn.GENERATORS, **pool.GENERATORS, **movement.GENERATORS}
 
+
+
+def float32_node(node):
+    """The node without assign_precision's mark: a CPU kernel run as portable GPU threads computes in
+    float32 (the CPU's 16-bit micro-kernels are x86 code)."""
+    if "precision" not in node.attrs:
+        return node
+    return dataclasses.replace(node, attrs={k: v for k, v in node.attrs.items() if k != "precision"})
 
 
 def generator_for(node):
@@ -38,7 +49,7 @@ def lower(graph, target=None) -> list:
             schedule.extend(lowered.calls)
             continue
         with lowering_for(PORTABLE_THREADS):
-            calls = cpu_generator_for(node)(node, graph).calls
+            calls = cpu_generator_for(node)(float32_node(node), graph).calls
         for call in calls:
             if isinstance(call, View):
                 schedule.append(call)
@@ -61,7 +72,7 @@ def gpu_problem(node, graph) -> str | None:
         if lower_node is not None and lower_node(node, graph) is not None:
             return None
         with lowering_for(PORTABLE_THREADS):
-            calls = cpu_generator_for(node)(node, graph).calls
+            calls = cpu_generator_for(node)(float32_node(node), graph).calls
         for call in calls:
             if isinstance(call, KernelCall) and portable_call(call) is None:
                 return f"no GPU kernel yet for {node.op} (its CPU kernel uses x86 micro-kernels)"

@@ -185,8 +185,10 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Kerne
 
 
 def _out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_strides, epilogue: Epilogue,
-                dtype) -> Kernel:
-    """M[n, xi, oc, t] -> Y (+ bias, + residual, activation); a work item is one (image, channel) plane."""
+                dtype, r16: bool = False, y16: bool = False) -> Kernel:
+    """M[n, xi, oc, t] -> Y (+ bias, + residual, activation); a work item is one (image, channel) plane.
+    `r16` / `y16`: the residual / Y are bf16 activations (uint16 bits): the residual widened on load
+    (exact), Y rounded once on the store (RNE, as lowp.py's "exact" conversion; winograd_bf16.py)."""
     a, m = t.a, t.m
     n_ptrs = 2 + has_bias + (res_strides is not None)
     pb = "p1" if has_bias else None
@@ -225,10 +227,13 @@ def _out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_stride
                 if has_bias:
                     terms.append("bias")
                 if pr is not None:
-                    terms.append(f"{pr}[rb + ({m} * ti + {r}) * {sh} + ({m} * {tj} + {q}) * {sw}]")
+                    res = f"{pr}[rb + ({m} * ti + {r}) * {sh} + ({m} * {tj} + {q}) * {sw}]"
+                    terms.append(f"_f32_from_bits(np.int64({res}) << 16)" if r16 else res)
                 v = f"{pre}v{r}_{q}"
                 src.line(f"{v} = {' + '.join(f'({x})' if k == 0 and len(terms) > 1 else x for k, x in enumerate(terms))}")
-                src.line(f"{py}[yb + ({m} * ti + {r}) * {OW} + {m} * {tj} + {q}] = {epilogue.expr(v, dtype)}")
+                value = epilogue.expr(v, dtype)
+                src.line(f"{py}[yb + ({m} * ti + {r}) * {OW} + {m} * {tj} + {q}] = "
+                         + (f"np.uint16(bf16_rne({value}))" if y16 else value))
                 if guard:
                     src.dedent()
 
@@ -260,8 +265,11 @@ def _out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_stride
         src.line(f"o = mb + ti * {pitch}")
         tile(m, m, "tj", guarded=True, pre="e")
         src.dedent()
-    types = ["float32"] + (["float32"] if has_bias else []) + (["float32"] if res_strides is not None else []) \
-        + ["float32"]
+    types = ["float32"] + (["float32"] if has_bias else []) \
+        + ([("uint16" if r16 else "float32")] if res_strides is not None else []) + ["uint16" if y16 else "float32"]
+    if r16 or y16:
+        from .winograd_bf16 import with_bf16_helpers
+        return Kernel("WinoOut_bf16", with_bf16_helpers(src.text()), tuple(types))
     return Kernel("WinoOut", src.text(), tuple(types))
 
 

@@ -107,7 +107,8 @@ def _labels(model, **kw):
 
 CASES = {   # x shape, out channels, residual, threads
     "32 -> 48 channels, 20x20": ((2, 32, 20, 20), 48, False, 1),
-    "64 channels, odd 15x17, residual": ((1, 64, 15, 17), 64, True, 2),
+    # V and M over winograd_bf16.BAND_BYTES: three bands of tile rows, the last one partial
+    "64 channels, odd 39x41 in 3 bands, residual": ((1, 64, 39, 41), 64, True, 2),
     "128 -> 96 channels, 9x11": ((1, 128, 9, 11), 96, False, 1),
     "256 channels, 7x7": ((1, 256, 7, 7), 256, True, 2),
 }

@@ -54,25 +54,10 @@ from .emit import NOALIAS_MARK
 from .epilogue import Epilogue
 from .gemm import Operand, bf16_k_pass, choose_tile, uk_eligible, uk_gemm_kernel
 from .kernel import Kernel, KernelCall, Source, kernel_header
-from .narrow import BIT_HELPERS
-from .winograd import F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, _combine, _out_kernel, _tiles
+from .narrow import with_bf16_rounding
+from .winograd import F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel, tiles
 
-# float32 -> bf16 bits, round to nearest even, as a select LLVM vectorises (lowp.py's "exact"
-# formula; NaN kept a quiet NaN): narrow.f32_to_bf16 branches, one value at a time.
-_HELPERS = '''
-
-@njit(inline="always")
-def bf16_rne(x):
-    b = _f32_bits(np.float32(x))
-    r = (b + 32767 + ((b >> 16) & 1)) >> 16
-    return ((b >> 16) | 64) if (b & 2147483647) > 2139095040 else r
-
-'''
-
-
-def with_bf16_helpers(source: str) -> str:
-    """Kernel source with bf16_rne, _f32_bits and _f32_from_bits defined before it."""
-    return BIT_HELPERS + _HELPERS + source
+BAND_BYTES = 1 << 20   # V and M of one band of tile rows at most this many bytes (see lower_winograd_bf16)
 
 
 def choose(lowp, X, W, group, kernel, strides, dilations, Y) -> Transform | None:
@@ -86,7 +71,7 @@ def choose(lowp, X, W, group, kernel, strides, dilations, Y) -> Transform | None
     OH, OW = (int(v) for v in Y.shape[2:])
     if C % 2 or min(C, OC) < MIN_CHANNELS:
         return None
-    T = _tiles(OH, OW, F2.m)
+    T = tiles(OH, OW, F2.m)
     if T < MIN_TILES or not uk_eligible(np.float32, OC, T, C, Operand((0, 0), C, 1), Operand((0, 0), T, 1)):
         return None
     return F2
@@ -121,18 +106,20 @@ def pack_u(t: Transform, W: np.ndarray, MR: int, lead: int) -> np.ndarray:
     return out.ravel()
 
 
-def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: bool) -> Kernel:
+def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: bool, row0: int = 0,
+               ldv: int = 0) -> Kernel:
     """Phase images -> V[n, xi] in bf16 pairs: word V[n, xi, cp, ti * pitch + tj] holds channels 2cp
     (low half) and 2cp + 1 of (B^T d B)[xi], each rounded once. A work item is one (image, channel
     pair). `x16`: the phases are bf16 with the pair interleaved (one 32-bit word per position,
     ldb words per pair), else float32 planes (ldb floats per channel). As winograd._in_kernel
-    otherwise (pitch == PW: one loop over the grid)."""
+    otherwise (pitch == PW: one loop over the grid). A band: TH tile rows (T columns) from tile row
+    `row0` on, in pair rows `ldv` words apart (default T)."""
     a = t.a
     src = Source()
     src.line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {C // 2}").line(f"cp = item - n * {C // 2}")
-    src.line(f"sb = item * {ldb if x16 else 2 * ldb}").line(f"vb = n * {a * a * xs} + cp * {T}")
+    src.line(f"sb = item * {ldb if x16 else 2 * ldb} + {row0 * PW}").line(f"vb = n * {a * a * xs} + cp * {ldv or T}")
     if pitch == PW:
         src.line("r = sb").line("o = vb").line(f"for q in range({T}):").indent()
     else:
@@ -151,18 +138,24 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
     for h in (0, 1):
         for i, row in enumerate(t.BT):          # along the columns of the patch
             for l in range(a):
-                src.line(f"e{i}_{l}_{h} = {_combine(row, lambda k: f'd{k}_{l}_{h}')}")
+                src.line(f"e{i}_{l}_{h} = {combine(row, lambda k: f'd{k}_{l}_{h}')}")
     for i in range(a):
         for j, row in enumerate(t.BT):          # along its rows
-            lo, hi = (f"bf16_rne({_combine(row, lambda l: f'e{i}_{l}_{h}')})" for h in (0, 1))
+            lo, hi = (f"bf16_rne({combine(row, lambda l: f'e{i}_{l}_{h}')})" for h in (0, 1))
             src.line(f"p1[o + q + {(a * i + j) * xs}] = np.uint32({lo} | ({hi} << 16))")
-    return Kernel("WinoIn_bf16", with_bf16_helpers(src.text()), ("uint32" if x16 else "float32", "uint32"))
+    return Kernel("WinoIn_bf16", with_bf16_rounding(src.text()), ("uint32" if x16 else "float32", "uint32"))
 
 
 def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, residual_arg=None, res_strides=None,
                         epilogue: Epilogue | None = None) -> list:
     """The kernel calls of a bf16 Winograd conv (see `choose` and the module docstring). X, Y and a
-    residual may be float32 or bf16 activations."""
+    residual may be float32 or bf16 activations.
+
+    V and M are a*a/m^2 = 4 times X and Y (M in float32: 8 times a bf16 Y), more than the whole rest
+    of a bf16 network's arena at its largest images. So the tile rows go in bands whose V and M
+    take at most BAND_BYTES, the buffers reused band after band: ConvPad once, then WinoIn, WinoGemm
+    and WinoOut per band (ResNet-18 at 224x224: 5 bands at 56x56, 3 at 28x28, 2 at 14x14). A band's
+    GEMM is about as efficient as the whole one (its last column panel is only as wide as it needs)."""
     epilogue = epilogue or Epilogue()
     x16 = np.dtype(X.dtype).name == "bfloat16"
     y16 = np.dtype(Y.dtype).name == "bfloat16"
@@ -175,7 +168,10 @@ def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, resid
     TH, TW = -(-OH // t.m), -(-OW // t.m)
     phases, PH, PW, ldb, offsets, left = convgemm.phase_geometry((a, a), (t.m, t.m), (1, 1), p_l, Wd, TH, TW)
     pitch = PW if (-(-TH * PW // 16) == -(-TH * TW // 16) or TW >= FLAT_MIN_TW) else TW
-    T = TH * pitch
+    per_row = N * P * pitch * (2 * C + 4 * OC)    # bytes of V and M per tile row
+    rows = -(-TH // -(-TH * per_row // BAND_BYTES))
+    bands = -(-TH // rows)
+    T = rows * pitch
     MR, NR = choose_tile(OC, T)
     # V in 32-bit words (a channel pair each), M in floats; each position's matrix one cache line
     # further than a plain layout (winograd.py's XI_SKEW). V's buffer ends with 2 NR bf16 of slack:
@@ -194,23 +190,29 @@ def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, resid
                                                                    PH, PW, N)
     else:
         pad_kernel, pad_work = convgemm.padded_input_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N)
+    calls = [KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name,
+                        precision=f"{label} ({'X bf16' if x16 else 'X float32'})")]
 
-    rows = -(-OC // MR) * MR
-    lead = rows * C + 2 * XI_SKEW
+    lead = -(-OC // MR) * MR * C + 2 * XI_SKEW
     u = pack_u(t, np.asarray(W.data), MR, lead)
     a_op = Operand((0, lead), C, 1)
     b_op = Operand((2 * P * xs_in, 2 * xs_in), 2 * T, 1)
     m_op = Operand((P * xs_out, xs_out), T, 1)
-    gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, T, C, (N, P), a_op, b_op, None, m_op, a_panels=True,
-                                     self_sized=False, lowp=lowp)
-    out = _out_kernel(t, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue,
-                      np.dtype(np.float32), r16=r16, y16=y16)
     out_args = [names["winom"]] + ([B.name] if B is not None else []) \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
-    return [KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name,
-                       precision=f"{label} ({'X bf16' if x16 else 'X float32'})"),
-            KernelCall(_in_kernel(t, C, T, TH, TW, PW, pitch, ldb, offsets, xs_in, x16),
-                       [names["winopad"], names["winov"]], N * C // 2, node.name, precision=f"{label} (V rounded)"),
-            KernelCall(gemm, [u, names["winov"], names["winom"]], gemm_work, node.name,
-                       precision=f"{label} ({lowp[1]})"),
-            KernelCall(out, out_args, N * OC, node.name, precision=f"{label} (float32 out)")]
+    for band in range(bands):
+        row0 = band * rows
+        th = min(rows, TH - row0)
+        t_b = th * pitch
+        # (every band's GEMM takes the whole band's tile: U is packed in its row panels)
+        gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, t_b, C, (N, P), a_op, b_op, None, m_op, a_panels=True,
+                                         self_sized=False, lowp=lowp, tile=(MR, NR))
+        out = out_kernel(t, OC, T, th, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
+                         res_strides, epilogue, np.dtype(np.float32), r16=r16, y16=y16, row0=row0, plane=OH * OW)
+        calls += [KernelCall(_in_kernel(t, C, t_b, th, TW, PW, pitch, ldb, offsets, xs_in, x16, row0, T),
+                             [names["winopad"], names["winov"]], N * C // 2, node.name,
+                             precision=f"{label} (V rounded)"),
+                  KernelCall(gemm, [u, names["winov"], names["winom"]], gemm_work, node.name,
+                             precision=f"{label} ({lowp[1]})"),
+                  KernelCall(out, out_args, N * OC, node.name, precision=f"{label} (float32 out)")]
+    return calls

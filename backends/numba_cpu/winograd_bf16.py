@@ -57,7 +57,7 @@ from .kernel import Kernel, KernelCall, Source, kernel_header
 from .narrow import with_bf16_rounding
 from .winograd import F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel, tiles
 
-BAND_BYTES = 1 << 20   # V and M of one band of tile rows at most this many bytes (see lower_winograd_bf16)
+BAND_BYTES = 3 << 19   # V and M of one band of tile rows at most this many bytes (see lower_winograd_bf16)
 
 
 def choose(lowp, X, W, group, kernel, strides, dilations, Y) -> Transform | None:
@@ -154,7 +154,7 @@ def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, resid
     V and M are a*a/m^2 = 4 times X and Y (M in float32: 8 times a bf16 Y), more than the whole rest
     of a bf16 network's arena at its largest images. So the tile rows go in bands whose V and M
     take at most BAND_BYTES, the buffers reused band after band: ConvPad once, then WinoIn, WinoGemm
-    and WinoOut per band (ResNet-18 at 224x224: 5 bands at 56x56, 3 at 28x28, 2 at 14x14). A band's
+    and WinoOut per band (ResNet-18 at 224x224: 4 bands at 56x56, 2 at 28x28, 1 at 14x14 and 7x7). A band's
     GEMM is about as efficient as the whole one (its last column panel is only as wide as it needs)."""
     epilogue = epilogue or Epilogue()
     x16 = np.dtype(X.dtype).name == "bfloat16"

@@ -19,11 +19,13 @@ with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in floa
 - `WinoGemm` (gemm.uk_gemm_kernel over LowpUKSpec, A in pair panels, B read in place);
 - `WinoOut` as in float32 from the float32 M; a bf16 residual widened on load, a bf16 Y rounded
   once on the store.
+The last three run per band of tile rows whose V and M fit BAND_BYTES (lower_winograd_bf16): the
+arena holds one band's V (bf16) and M (float32), not the whole conv's.
 
 Error bound (u = 2^-8, bf16's unit roundoff; v = 2^-24, float32's; gamma(n) = n v / (1 - n v);
 |.| elementwise, products of |.| matrices with magnitudes):
 
-    U^ = U (1 + d1), |d1| <= u                              (U exact in float64 up to 2^-50)
+    U^ = U (1 + d1), |d1| <= u                              (U's float64 error negligible)
     V^ = V + e,  |e| <= (u + (1 + u) gamma(2)) |B^T| |d| |B|   (F2: two float32 stages of 2 terms)
     M^ = sum_c U^ V^ (vdpbf16ps: each product exact, each accumulation rounds once)
     |M^ - M| <= eta S_M,   S_M = sum_c (|G| |W| |G^T|) * (|B^T| |d| |B|),
@@ -34,12 +36,14 @@ Error bound (u = 2^-8, bf16's unit roundoff; v = 2^-24, float32's; gamma(n) = n 
 and a 1-Lipschitz activation (Relu) keeps it. tests/test_precision_winograd.py computes S_M per
 tile in float64 and adds onnxruntime's own float32 error, gamma(9 C + 3) (|X| * |W| + |b| + |R|).
 The factor over the direct bf16 conv's bound (2u + u^2) |X| * |W| is |A^T| S_M |A| / (|X| * |W|):
-for F(2x2, 3x3) (coefficients 0, +-1, 1/2) 1.5-4x by the magnitudes; measured on ResNet-style
-convs (64-512 channels, post-Relu inputs, one bf16 input rounding on both sides) the max error
-is 1.5-1.7x the direct bf16 conv's. F(4x4, 3x3) (points +-2: B^T's rows sum to 10 in magnitude,
-A^T's to 19) measured 20-26x the direct conv's error (max |Y^ - Y| up to 6 % of max |Y|), far
-past the 4x this project accepts, so a bf16 conv never takes F(4x4) (`choose`; the numbers:
-docs/performance.md, 2026-12-07).
+for F(2x2, 3x3) (coefficients 0, +-1, 1/2) 5.5-15x (median 7x, random 64-256 channel convs): a
+worst case where every rounding adds up; the errors measured are closer. Measured against
+onnxruntime float32 on ResNet-style convs (64 ch 56x56, 128 ch 28x28, 256 ch 14x14, 512 ch 7x7,
+post-Relu inputs, bias, Relu), max |Y^ - Y_ort| / max |Y_ort|: direct bf16 1.3-1.7e-3, F(2x2)
+bf16 2.0-2.6e-3 (1.42-1.61x the direct conv's), F(4x4) bf16 2.6-4.0e-2 (19-23x: its points +-2
+make B^T's rows sum to 10 in magnitude and A^T's to 19), float32 F(4x4) <= 1.1e-5. F(4x4) is
+far past the 4x this project accepts, so a bf16 conv never takes it (`choose`;
+benchmarks/bf16_winograd_error.py, docs/performance.md 2026-12-07).
 
 Channels are paired, so the conv needs an even channel count (odd: the direct bf16 conv).
 """

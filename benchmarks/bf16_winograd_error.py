@@ -53,10 +53,11 @@ def main():
                   "F2 bf16": build(model, precision="bf16"),
                   "F4 bf16": build(model, winograd.F4, precision="bf16"),
                   "fp32 (F4)": build(model)}
-        err = {k: float(np.max(np.abs(lib.run({"x": x})["y"] - want)) / np.max(np.abs(want))) for k, lib in builds.items()}
+        scale = np.max(np.abs(want))
+        err = {k: float(np.max(np.abs(lib.run({"x": x})["y"] - want)) / scale) for k, lib in builds.items()}
+        ratios = {k: err[k] / err["direct bf16"] for k in ("F2 bf16", "F4 bf16")}
         print(f"C={C} {HW}x{HW}: " + "  ".join(f"{k} {v:.2e}" for k, v in err.items())
-              + f"  F2/direct {err['F2 bf16'] / err['direct bf16']:.2f}  F4/direct {err['F4 bf16'] / err['direct bf16']:.2f}",
-              flush=True)
+              + "".join(f"  {k.split()[0]}/direct {v:.2f}" for k, v in ratios.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,9 @@ def _cosine(a, b):
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+# two builds of an 18-layer model, ~25 s: test_bf16_activations_between_two_winograd_convs is the
+# default run's case of convs between bf16 activations
+@pytest.mark.slow
 def test_a_resnet18_shaped_model_in_bf16_winograd_keeps_its_outputs():
     pytest.importorskip("torch")
     from tests import zoo

@@ -129,6 +129,19 @@ def test_a_bf16_winograd_conv_is_within_the_derived_bound(case):
     assert "bf16 winograd F2 (dpbf16)" in labels or "bf16 winograd F2 (widen)" in labels, labels
 
 
+def test_a_target_without_avx512_bf16_widens_the_pairs():
+    """x86_64-avx2 has no vdpbf16ps: the same bf16 U and V, each pair widened to two float32 FMAs
+    (ukernel_lowp "widen"; one rounding per product as vdpbf16ps, so the same bound)."""
+    x_shape, oc = (1, 32, 13, 15), 48
+    model, w, b, _ = _conv_model(x_shape, oc, True)
+    feeds = _feeds(x_shape, oc, True)
+    got, want = cuvil.compile(model, precision="bf16", target="x86_64-avx2").run(feeds)["y"], _ort(model, feeds)
+    bound = _bound(feeds["x"], w, b, feeds["r"])
+    assert np.all(np.abs(got.astype(np.float64) - want) <= bound), float(np.max(np.abs(got - want) - bound))
+    assert np.max(np.abs(got - want)) > 1e-3 * np.max(bound)
+    assert "bf16 winograd F2 (widen)" in _labels(model, target="x86_64-avx2")
+
+
 def test_f2_keeps_within_4x_of_the_direct_bf16_conv_error():
     """The choice of F(2x2, 3x3) over F(4x4, 3x3) in bf16 rests on this (module docstring): on a
     ResNet-style conv (post-Relu input) F2's max error against onnxruntime float32 is at most 4x

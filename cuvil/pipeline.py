@@ -146,7 +146,7 @@ REDUCED_WITHOUT_WINOGRAD = ("fp16",)
 def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
               precision: str = "fp32", gpu: bool = False) -> tuple[list[str], dict]:
     """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
-    precision adds assign_precision at the end, with the precision among its options, and leaves
+    precision adds assign_precision at the end, with the precision among its options; fp16 leaves
     out winograd unless `passes` names it (REDUCED_WITHOUT_WINOGRAD); a weight-only one, int4, adds
     quantize_weights first instead of assign_precision; a GPU target leaves out CPU_ONLY_PASSES."""
     from passes import resolve_pass_options, resolve_passes

@@ -235,17 +235,18 @@ def quantise(name, model_path: Path, shapes, precision: str = "int8") -> Path:
     return target
 
 
-def build(name, model_path, shapes, threads, cache_dir, jobs, precision="fp32"):
+def build(name, model_path, shapes, threads, cache_dir, jobs, precision="fp32", disable=()):
     import cuvil
     t = time.perf_counter()
     # int8: the file is quantised already; cuvil builds it as it is
     compiled = cuvil.compile(str(model_path), input_shapes=shapes, threads=threads, cache_dir=cache_dir, jobs=jobs,
-                             name=name, precision="fp32" if precision.startswith("int8") else precision)
+                             name=name, precision="fp32" if precision.startswith("int8") else precision,
+                             disable_passes=tuple(disable))
     return compiled, time.perf_counter() - t
 
 
 def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, openvino: bool = False,
-                precision: str = "fp32"):
+                precision: str = "fp32", disable=()):
     from cuvil import bench as ctime
     feeds = feeds_path = None
     if name in EXPORTED:
@@ -260,7 +261,7 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
     if precision.startswith("int8"):
         model_path = quantise(name, model_path, shapes, precision)
     cache_dir = workdir / f"cache-{name}-{threads}" if cold else None
-    compiled, build_s = build(name, model_path, shapes, threads, cache_dir, jobs, precision)
+    compiled, build_s = build(name, model_path, shapes, threads, cache_dir, jobs, precision, disable)
     lib_dir = workdir / f"{name}-t{threads}-{precision}"
     compiled.save(lib_dir)
     library = lib_dir / compiled.artifacts.library.name
@@ -316,13 +317,16 @@ def main(argv=None):
                         help="cuvil's (and OpenVINO's) precisions, comma separated (fp32,bf16,fp16,int8,int8-own); "
                              "onnxruntime: fp32, or with int8 / int8-own the same quantised file (int8-own: "
                              "quantised by cuvil's own calibration)")
+    parser.add_argument("--disable", action="append", default=[], metavar="PASS",
+                        help="build cuvil without this pass (repeatable; e.g. winograd: bf16 3x3 convs direct)")
     args = parser.parse_args(argv)
     ov_version = None if args.no_openvino else openvino_version()
     flags = set(cpu_flags())
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                        "amx_tile") if f in flags]
     print(f"# {cpu_name()} ({os.cpu_count()} cores; {' '.join(isa)}), onnxruntime {ort.__version__}, "
-          + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}")
+          + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}"
+          + (f", cuvil built without {', '.join(args.disable)}" if args.disable else ""))
     print(f"{'model':<14}{'thr':>4}{'prec':>9}{'cuvil C ms':>12}{'cuvil py ms':>13}{'ort ms':>10}{'ratio':>7}{'rel err':>9}"
           + (f"{'ov ms':>10}{'vs ov':>7}{'ov err':>9}" if ov_version else "") + f"{'build s':>9}")
     results = []
@@ -331,7 +335,7 @@ def main(argv=None):
         for name in args.models.split(","):
             for threads, precision in ((int(t), p) for t in args.threads.split(",") for p in args.precision.split(",")):
                 r = bench_model(name, threads, args.runs, args.rounds, args.jobs, workdir, args.cold, bool(ov_version),
-                                precision)
+                                precision, args.disable)
                 results.append(r)
                 ov = (f"{r['openvino_ms']:>10.3f}{r['ratio_openvino']:>7.2f}{r['openvino_rel_err']:>9.1e}"
                       if "openvino_ms" in r else " " * 26 if ov_version else "")

@@ -135,18 +135,20 @@ def calibrated_source(source, input_shapes: dict, precision: str, calibration: d
 CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block", "fold_qdq")
 
 
-# A bf16/fp16 build leaves the winograd pass out of the opt level's list (an explicit `passes:`
-# list that names it keeps it): Winograd convs compute in float32 on weights transformed at load
-# time, 16/9-4x the convs' float32 weights, next to the 16-bit copy the library holds. ResNet-50
-# with enable_fp16=True peaked at 167 MB resident with it and 62 MB without (a C program,
-# benchmarks/resident.py), and the bf16 implicit GEMM on vdpbf16ps is as fast as float32 Winograd.
-REDUCED_WITHOUT_WINOGRAD = ("bf16", "fp16")
+# An fp16 build leaves the winograd pass out of the opt level's list (an explicit `passes:` list
+# that names it keeps it): its Winograd convs would compute in float32 on weights transformed at
+# load time, 16/9-4x the convs' float32 weights, next to the 16-bit copy the library holds
+# (ResNet-50 with enable_fp16=True peaked at 167 MB resident with it and 62 MB without, a C
+# program, benchmarks/resident.py). A bf16 build keeps it: its 3x3 stride-1 convs run as bf16
+# Winograd F(2x2, 3x3) (backends/numba_cpu/winograd_bf16.py: U in bf16, packed at build time in
+# place of W, GEMMs on vdpbf16ps), faster than the direct bf16 conv and within 1.5-1.7x its error.
+REDUCED_WITHOUT_WINOGRAD = ("fp16",)
 
 
 def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
               precision: str = "fp32", gpu: bool = False) -> tuple[list[str], dict]:
     """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
-    precision adds assign_precision at the end, with the precision among its options, and leaves
+    precision adds assign_precision at the end, with the precision among its options; fp16 leaves
     out winograd unless `passes` names it (REDUCED_WITHOUT_WINOGRAD); a weight-only one, int4, adds
     quantize_weights first instead of assign_precision; a GPU target leaves out CPU_ONLY_PASSES and
     keeps every activation float32 (assign_precision's narrow_activations off)."""

@@ -12,9 +12,12 @@ instructions double the products per cycle:
     everything else                                                   -> float32
 
 A marked conv computes in the precision where it runs as an implicit GEMM
-(backends/numba_cpu/convgemm.py, 1x1 convs included); a conv the backend gives to a Winograd
-transform or to a direct kernel (tiny convs), or a bf16 grouped conv with an odd channel count
-per group, stays float32 and shows so in `cuvil explain`. Depthwise convs are not marked: one
+(backends/numba_cpu/convgemm.py, 1x1 convs included) or, bf16 only, as bf16 Winograd F(2x2, 3x3)
+(a 3x3 stride-1 conv the `winograd` pass marked, even channel count:
+backends/numba_cpu/winograd_bf16.py; U and V rounded once to bf16, float32 sums; its error
+1.4-1.6x the implicit GEMM's); a conv the backend gives to a float32 Winograd transform (fp16
+with an explicit `passes:` list naming winograd) or to a direct kernel (tiny convs), or a bf16
+grouped conv with an odd channel count per group, stays float32 and shows so in `cuvil explain`. Depthwise convs are not marked: one
 product per tap and channel, no weight matrix to halve. A marked LSTM multiplies its state h by R
 in the precision where its steps run in two halves of the hidden units (batch <= 6, no sequence
 lengths, an even hidden size: backends/numba_cpu/rnn.py), the product that streams R once per step

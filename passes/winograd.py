@@ -12,9 +12,14 @@ not want, which disabling this pass (`disable_passes: [winograd]`) avoids:
 - rounding: F(4x4, 3x3) computes through the points 0, +-1, +-2, a few times the direct
   sum's error (a 256-channel conv in float32: ~7e-6 of the largest output).
 
-A bf16 / fp16 build leaves this pass out unless its `passes:` list names it
-(cuvil/pipeline.py, REDUCED_WITHOUT_WINOGRAD): the transformed weights are float32, held next
-to the 16-bit weights the reduced precision is for.
+A bf16 build keeps this pass: a conv marked both bf16 (passes/assign_precision.py) and here
+runs as bf16 Winograd F(2x2, 3x3) (backends/numba_cpu/winograd_bf16.py: U rounded to bf16 at
+build time and held in place of W, 16/9 of the direct bf16 conv's weight bytes; GEMMs on the bf16
+micro-kernel; error 1.4-1.6x the direct bf16 conv's, where F(4x4) in bf16 measured ~20x), or,
+when that declines (an odd channel count), as the direct bf16 conv, never in float32. An fp16
+build leaves this pass out unless its `passes:` list names it (cuvil/pipeline.py,
+REDUCED_WITHOUT_WINOGRAD): its transformed weights would be float32, held next to the 16-bit
+weights the reduced precision is for.
 """
 from __future__ import annotations
 

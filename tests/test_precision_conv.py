@@ -11,7 +11,8 @@ within gamma(K + 3) of the sum of magnitudes. With a 1-Lipschitz activation (Rel
     |Y - Y_ort| <= (2u + u^2 + 2 gamma(K + 3)) (|X| * |W| + |b| + |R|)   [+ the fp16 subnormal term]
 
 where |X| * |W| is the convolution of the magnitudes, computed here in float64. Winograd is
-disabled: a conv it takes stays float32 (its transforms are not reduced-precision kernels).
+disabled: these are the implicit GEMM's cases (a bf16 3x3 stride-1 conv would take bf16 Winograd:
+tests/test_precision_winograd.py; an fp16 build leaves Winograd out).
 """
 import numpy as np
 import onnxruntime as ort

@@ -218,7 +218,7 @@ def test_output_transform_vectorises(tmp_path):
     from backends.targets import resolve_target
     from backends.numba_cpu.epilogue import Epilogue
     t, T = winograd.F4, 14 * 15
-    kernel = winograd._out_kernel(t, 64, T, 14, 15, 56, 56, 64 * T + winograd.XI_SKEW, True, None,
+    kernel = winograd.out_kernel(t, 64, T, 14, 15, 56, 56, 64 * T + winograd.XI_SKEW, True, None,
                                   Epilogue("Relu"), np.float32)
     for source, vector in ((kernel.source, True), (kernel.source.replace(NOALIAS_MARK, ""), False)):
         obj = emit_object(kernel_ir(source, kernel.arg_types), "k", resolve_target("x86_64-avx512"), source)

@@ -45,7 +45,7 @@ from .ukernel import specs_in
 from cuvil.errors import UnsupportedOpError
 from cuvil.ir import Value
 
-from . import conv1d, convgemm, convim2col, convsmall, dwlanes, dwstride, winograd
+from . import conv1d, convgemm, convim2col, convsmall, dwlanes, dwstride, winograd, winograd_bf16
 from .elementwise import elementwise_kernel
 from .epilogue import Epilogue, epilogue_of
 from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
@@ -201,7 +201,10 @@ def _lower_stored16(node, graph, stored16, epilogue, X, W, B, Y) -> Lowered:
     into float32 copies before the conv and its output narrowed after it: correct, only slower."""
     group = int(node.attr("group", 1))
     lowp = convgemm.lowp_conv(node, group, int(X.shape[1]) // group) if len(X.shape) == 4 else None
-    if lowp is not None and W.is_const and not node.attr("winograd", 0) \
+    bf16_winograd = _bf16_winograd(node, graph, lowp, X, W, B, Y, group, epilogue)
+    if bf16_winograd is not None:
+        return bf16_winograd
+    if lowp is not None and W.is_const and not _float32_winograd(node, lowp) \
             and len(W.shape) == 4 and X.shape[1] % group == 0 and W.shape[1] == X.shape[1] // group:
         kernel, strides, dilations, pads = conv_geometry(node, X.shape[2:], W.shape[2:])
         res_arg = res_strides = None
@@ -240,12 +243,41 @@ def _lower_stored16(node, graph, stored16, epilogue, X, W, B, Y) -> Lowered:
     return Lowered(before + lower_conv(wide, graph).calls + after)
 
 
+def _float32_winograd(node, lowp) -> bool:
+    """Whether a conv marked for Winograd may take the float32 transforms: not when it is marked bf16
+    (one winograd_bf16.py declines, an odd channel count say, runs as the direct bf16 conv; the
+    float32 transforms would hold 16/9-4x its weights in float32). fp16 keeps them (as before)."""
+    return bool(node.attr("winograd", 0)) and not (lowp and lowp[0] == "bf16")
+
+
+def _bf16_winograd(node, graph, lowp, X, W, B, Y, group, epilogue) -> Lowered | None:
+    """A conv marked both bf16 and for Winograd, on winograd_bf16.py's kernels when they take it
+    (float32 or bf16 activations), else None."""
+    if lowp is None or not node.attr("winograd", 0) or not W.is_const or len(X.shape) != 4 or len(W.shape) != 4:
+        return None
+    kernel, strides, dilations, pads = conv_geometry(node, X.shape[2:], W.shape[2:])
+    transform = winograd_bf16.choose(lowp, X, W, group, kernel, strides, dilations, Y)
+    if transform is None:
+        return None
+    res_arg = res_strides = None
+    if epilogue.residual is not None:
+        R = graph.values[epilogue.residual]
+        res_arg = np.ascontiguousarray(np.asarray(R.data, dtype=np.float32)) if R.is_const else R.name
+        res_strides = tuple(broadcast_strides(R.shape, Y.shape))
+    return Lowered(winograd_bf16.lower_winograd_bf16(node, graph, transform, lowp, X, W, B, Y, pads, res_arg,
+                                                     res_strides, epilogue))
+
+
 def _gemm_paths(node, graph, dtype, X, W, B, Y, group, kernel, strides, dilations, pads, res_arg, res_strides,
                 epilogue, pointwise, in_place_residual) -> Lowered | None:
     """The conv on one of the GEMM-shaped kernels (Winograd, convsmall.py, dwstride.py,
     convgemm.py) when one takes it, else None (the pointwise GEMM or the direct kernel)."""
+    lowp = convgemm.lowp_conv(node, group, int(X.shape[1]) // group) if len(X.shape) == 4 else None
+    bf16_winograd = _bf16_winograd(node, graph, lowp, X, W, B, Y, group, epilogue)
+    if bf16_winograd is not None:
+        return bf16_winograd
     transform = winograd.choose(dtype, X, W, group, kernel, strides, dilations, Y) \
-        if W.is_const and node.attr("winograd", 0) else None
+        if W.is_const and _float32_winograd(node, lowp) else None
     if transform is not None:
         return Lowered(winograd.lower_winograd(node, graph, transform, X, W, B, Y, pads, res_arg, res_strides,
                                                epilogue))

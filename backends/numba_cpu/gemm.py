@@ -309,6 +309,12 @@ def uk_k_pass(K: int) -> int:
     return ceil_div(K, ceil_div(K, kc))
 
 
+def bf16_k_pass(K: int) -> int:
+    """k values per pass of a bf16 GEMM reading A in pair panels (K even): uk_k_pass's, in whole
+    pairs. What packs such panels (winograd_bf16.py) splits k in the same passes."""
+    return max(2, uk_k_pass(K) // 2 * 2)
+
+
 class TileLoops:
     """The loops of a GEMM on micro-tiles inside a fused kernel's source (DepthwiseBlock's 1x1
     convs, Attention's two products): column tiles of NR (the last one masked), passes over k,
@@ -501,10 +507,16 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
 
     `lowp` = (format, method): A and B are 16-bit ("bf16" | "f16", ukernel_lowp.LowpUKSpec), B packed
     at build time by `pack_b_lowp`, A read by rows from a buffer of K_pad columns (lowp_k(K)), C
-    and the sums in float32."""
+    and the sums in float32. Or (bf16 only, Winograd's batched GEMMs) A in pair panels
+    (`a_panels`: lowp_pack.pack_a_pairs per pass of bf16_k_pass(K) k, passes one after the other)
+    and B read in place in the VNNI pair layout: b.rows is the distance of two pair rows and
+    b.batch the batch strides, in 16-bit elements; B's last column panel is read in full (NR
+    columns, bf16 loads are not masked), so its buffer needs 2 NR elements of slack."""
     from .ukernel import UKSpec
     from .ukernel_lowp import LowpUKSpec
-    assert lowp is None or (b is None and not a_panels and not batch_shape and a.cols == 1)
+    assert lowp is None or (b is None and not a_panels and not batch_shape and a.cols == 1) \
+        or (lowp[0] == "bf16" and a_panels and b is not None and b.cols == 1 and K % 2 == 0)
+    pairs_in_place = bool(lowp) and b is not None
     Kp = lowp_k(K, lowp[0]) if lowp else K
     assert out.cols == 1
     dtype = np.dtype(np.float32)
@@ -525,7 +537,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     else:
         a_packed, a_panel, lda, a_k = 1, a.cols, 0, a.cols
     ldb = NR if b is None else b.rows
-    if lowp and lowp[0] == "bf16":
+    if lowp and lowp[0] == "bf16" and b is None:
         ldb = 2 * NR   # k pairs: each packed row holds two k of NR columns
     specs = {}
 
@@ -562,7 +574,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     # stays in L1 from one tile to the next (T=16 encoder, 1 thread: 171.6 -> 163.7 us at 64 k).
     kc_max = uk_k_pass(Kp) if a_panels or not MR < M <= UK_FEW_ROWS else min(Kp, UK_KC_FEW_ROWS)
     if lowp and lowp[0] == "bf16":
-        kc_max = max(2, kc_max // 2 * 2)   # whole k pairs a pass
+        kc_max = bf16_k_pass(Kp) if a_panels else max(2, kc_max // 2 * 2)   # whole k pairs a pass
 
     body = Source().indent()
     body.line("for item in range(begin, end):").indent()
@@ -600,6 +612,8 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     body.line(f"mask = np.int64(-1) if nv >= {NR} else (np.int64(1) << nv) - np.int64(1)")
     if b is None:
         body.line(f"boff = pn * {Kp * NR} + k0 * {NR}")
+    elif pairs_in_place:   # pass k0 starts at pair row k0 / 2, column n0 at 2 n0
+        body.line(f"boff = {_sum(off['b'], _term('(k0 >> 1)', b.rows))} + 2 * n0")
     else:
         body.line(f"boff = {_sum(off['b'], _term('k0', b.rows))} + n0")
 

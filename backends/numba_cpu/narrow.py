@@ -421,6 +421,25 @@ def is_inf(x):
 '''
 
 
+# float32 -> bf16 bits, round to nearest even, as a select LLVM vectorises (lowp.py's "exact"
+# formula; a NaN stays a quiet NaN): f32_to_bf16 above branches, one value at a time.
+BF16_RNE = '''
+
+@njit(inline="always")
+def bf16_rne(x):
+    b = _f32_bits(np.float32(x))
+    r = (b + 32767 + ((b >> 16) & 1)) >> 16
+    return ((b >> 16) | 64) if (b & 2147483647) > 2139095040 else r
+
+'''
+
+
+def with_bf16_rounding(source: str) -> str:
+    """Kernel source with `bf16_rne(x)` (the bf16 bits of float32 x, RNE, as an int64; vectorises),
+    `_f32_bits` and `_f32_from_bits` defined before it."""
+    return BIT_HELPERS + BF16_RNE + source
+
+
 def with_helpers(source: str) -> str:
     """Kernel source with the helpers it calls (float16 conversions, NaN/inf tests) defined before it."""
     names = ("_f64_bits", "_f32_bits", "is_nan", "is_inf", "intn_load", "intn_from_int", "intn_from_float") + \

@@ -50,6 +50,7 @@ from . import convgemm
 from .epilogue import Epilogue
 from .gemm import Operand, choose_tile, uk_eligible, uk_gemm_kernel, uk_k_pass
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal
+from .narrow import with_bf16_rounding
 
 @dataclass(frozen=True)
 class Transform:
@@ -86,7 +87,7 @@ FLAT_MIN_TW = 14    # rows of this many tiles (or more) take the grid layout wha
 XI_SKEW = 16        # floats between the end of one position's matrix and the start of the next (see below)
 
 
-def _tiles(OH, OW, m) -> int:
+def tiles(OH, OW, m) -> int:
     return -(-OH // m) * -(-OW // m)
 
 
@@ -101,7 +102,7 @@ def choose(dtype, X, W, group, kernel, strides, dilations, Y) -> Transform | Non
     if min(C, OC) < MIN_CHANNELS:
         return None
     for t in (F4, F2):   # the larger tile when it leaves enough tiles
-        T = _tiles(OH, OW, t.m)
+        T = tiles(OH, OW, t.m)
         if T >= MIN_TILES and uk_eligible(np.float32, OC, T, C, Operand((0, 0), C, 1), Operand((0, 0), T, 1)):
             return t
     return None
@@ -143,7 +144,7 @@ def _prep_kernel(t: Transform, OC, C, MR, kc, rows, lead) -> Kernel:
     return Kernel("WinoPrep", src.text(), ("float32", "float32"))
 
 
-def _combine(row, name) -> str:
+def combine(row, name) -> str:
     """sum of coefficient * name(index) over one row of a transform matrix, as source."""
     text = ""
     for index, c in row:
@@ -177,16 +178,20 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Kerne
             src.line(f"d{k}_{l} = p0[r + q + {offsets[a * k + l]}]")
     for i, row in enumerate(t.BT):          # along the columns of the patch
         for l in range(a):
-            src.line(f"e{i}_{l} = {_combine(row, lambda k: f'd{k}_{l}')}")
+            src.line(f"e{i}_{l} = {combine(row, lambda k: f'd{k}_{l}')}")
     for i in range(a):
         for j, row in enumerate(t.BT):      # along its rows
-            src.line(f"p1[o + q + {(a * i + j) * xs}] = {_combine(row, lambda l: f'e{i}_{l}')}")
+            src.line(f"p1[o + q + {(a * i + j) * xs}] = {combine(row, lambda l: f'e{i}_{l}')}")
     return Kernel("WinoIn", src.text(), ("float32", "float32"))
 
 
-def _out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_strides, epilogue: Epilogue,
-                dtype) -> Kernel:
-    """M[n, xi, oc, t] -> Y (+ bias, + residual, activation); a work item is one (image, channel) plane."""
+def out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_strides, epilogue: Epilogue,
+               dtype, r16: bool = False, y16: bool = False, row0: int = 0, plane: int = 0) -> Kernel:
+    """M[n, xi, oc, t] -> Y (+ bias, + residual, activation); a work item is one (image, channel) plane.
+    `r16` / `y16`: the residual / Y are bf16 activations (uint16 bits): the residual widened on load
+    (exact), Y rounded once on the store (RNE, as lowp.py's "exact" conversion; winograd_bf16.py).
+    A band of tile rows (winograd_bf16.py): M holds TH tile rows from tile row `row0` on, which are
+    OH output rows of planes of `plane` outputs."""
     a, m = t.a, t.m
     n_ptrs = 2 + has_bias + (res_strides is not None)
     pb = "p1" if has_bias else None
@@ -196,12 +201,12 @@ def _out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_stride
     src.line(NOALIAS_MARK).line(kernel_header(n_ptrs)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
-    src.line(f"mb = n * {a * a * xs} + oc * {T}").line(f"yb = item * {OH * OW}")
+    src.line(f"mb = n * {a * a * xs} + oc * {T}").line(f"yb = item * {plane or OH * OW} + {row0 * m * OW}")
     if has_bias:
         src.line(f"bias = {pb}[oc]")
     if pr is not None:
         sn, sc, sh, sw = res_strides
-        src.line(f"rb = n * {sn} + oc * {sc}")
+        src.line(f"rb = n * {sn} + oc * {sc} + {row0 * m * sh}")
 
     def tile(rows: int, cols: int, tj: str, guarded: bool = False, pre: str = ""):
         # Only the positions the stored outputs depend on are loaded (A^T's last columns feed the
@@ -215,20 +220,23 @@ def _out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_stride
                 src.line(f"{pre}m{i}_{j} = p0[o + {tj} + {(a * i + j) * xs}]")
         for r in range(rows):
             for j in used:
-                src.line(f"{pre}s{r}_{j} = {_combine(t.AT[r], lambda i: f'{pre}m{i}_{j}')}")
+                src.line(f"{pre}s{r}_{j} = {combine(t.AT[r], lambda i: f'{pre}m{i}_{j}')}")
         for r in range(rows):
             for q in range(cols):
                 guard = [g for g, need in ((f"rl > {r}", r), (f"cl > {q}", q)) if guarded and need]
                 if guard:
                     src.line(f"if {' and '.join(guard)}:").indent()
-                terms = [_combine(t.AT[q], lambda j: f'{pre}s{r}_{j}')]
+                terms = [combine(t.AT[q], lambda j: f'{pre}s{r}_{j}')]
                 if has_bias:
                     terms.append("bias")
                 if pr is not None:
-                    terms.append(f"{pr}[rb + ({m} * ti + {r}) * {sh} + ({m} * {tj} + {q}) * {sw}]")
+                    res = f"{pr}[rb + ({m} * ti + {r}) * {sh} + ({m} * {tj} + {q}) * {sw}]"
+                    terms.append(f"_f32_from_bits(np.int64({res}) << 16)" if r16 else res)
                 v = f"{pre}v{r}_{q}"
                 src.line(f"{v} = {' + '.join(f'({x})' if k == 0 and len(terms) > 1 else x for k, x in enumerate(terms))}")
-                src.line(f"{py}[yb + ({m} * ti + {r}) * {OW} + {m} * {tj} + {q}] = {epilogue.expr(v, dtype)}")
+                value = epilogue.expr(v, dtype)
+                src.line(f"{py}[yb + ({m} * ti + {r}) * {OW} + {m} * {tj} + {q}] = "
+                         + (f"np.uint16(bf16_rne({value}))" if y16 else value))
                 if guard:
                     src.dedent()
 
@@ -260,8 +268,10 @@ def _out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_stride
         src.line(f"o = mb + ti * {pitch}")
         tile(m, m, "tj", guarded=True, pre="e")
         src.dedent()
-    types = ["float32"] + (["float32"] if has_bias else []) + (["float32"] if res_strides is not None else []) \
-        + ["float32"]
+    types = ["float32"] + (["float32"] if has_bias else []) \
+        + ([("uint16" if r16 else "float32")] if res_strides is not None else []) + ["uint16" if y16 else "float32"]
+    if r16 or y16:
+        return Kernel("WinoOut_bf16", with_bf16_rounding(src.text()), tuple(types))
     return Kernel("WinoOut", src.text(), tuple(types))
 
 
@@ -314,7 +324,7 @@ def lower_winograd(node, graph, t: Transform, X, W, B, Y, pads, residual_arg=Non
     gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, T, C, (N, P), a_op, b_op, None, m_op, a_panels=True,
                                      self_sized=False)
 
-    out = _out_kernel(t, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
+    out = out_kernel(t, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
     out_args = [names["winom"]] + ([B.name] if B is not None else []) \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
     return [prep, KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name),

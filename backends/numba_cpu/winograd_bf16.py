@@ -1,0 +1,222 @@
+"""bf16 Winograd: a 3x3 stride-1 conv marked bf16 (passes/assign_precision.py) as F(2x2, 3x3)
+whose batched GEMMs run on the bf16 micro-kernel (vdpbf16ps, ukernel_lowp.py).
+
+The maths and the four steps are winograd.py's:
+
+    Y_tile = A^T ( sum_c  U[oc, c] * V[c] ) A,   U = G W G^T,   V = B^T d B
+
+with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in float32:
+
+- U is computed at build time in float64 from the float32 W, rounded once to bf16 (RNE) and
+  packed in the pair panels the micro-kernel reads (lowp_pack.pack_a_pairs per pass over the
+  channels). The library holds U, not W: 16 bf16 per (oc, c), 32 bytes, against 36 for W in
+  float32 and 18 for the direct bf16 conv's packed W (16/9 of it). Nothing runs at load.
+- `ConvPad` lays X out as phase images: float32 (winograd.py's) for a float32 X; for an X stored
+  in bf16 (narrowed activations), bf16 with channel pairs interleaved (convgemm's 16-bit copy);
+- `WinoIn_bf16` transforms two channels at a time in float32 (a bf16 input widened, exactly) and
+  rounds each V value once (RNE) into one 32-bit word per channel pair: the VNNI pair layout
+  vdpbf16ps reads (V[n, xi] is C/2 pair rows of T words);
+- `WinoGemm` (gemm.uk_gemm_kernel over LowpUKSpec, A in pair panels, B read in place);
+- `WinoOut` as in float32 from the float32 M; a bf16 residual widened on load, a bf16 Y rounded
+  once on the store.
+The last three run per band of tile rows whose V and M fit BAND_BYTES (lower_winograd_bf16): the
+arena holds one band's V (bf16) and M (float32), not the whole conv's.
+
+Error bound (u = 2^-8, bf16's unit roundoff; v = 2^-24, float32's; gamma(n) = n v / (1 - n v);
+|.| elementwise, products of |.| matrices with magnitudes):
+
+    U^ = U (1 + d1), |d1| <= u                              (U's float64 error negligible)
+    V^ = V + e,  |e| <= (u + (1 + u) gamma(2)) |B^T| |d| |B|   (F2: two float32 stages of 2 terms)
+    M^ = sum_c U^ V^ (vdpbf16ps: each product exact, each accumulation rounds once)
+    |M^ - M| <= eta S_M,   S_M = sum_c (|G| |W| |G^T|) * (|B^T| |d| |B|),
+        eta = 2u + u^2 + (1 + u) gamma(2) (1 + u) + gamma(C) (1 + u)(1 + u + gamma(2))
+    Y^ = A^T M^ A + b (+ R) in float32 (F2: two stages of 3 terms, then 1-2 adds: gamma(6))
+    |Y^ - Y| <= eta |A^T| S_M |A| + gamma(6) ((1 + eta) |A^T| S_M |A| + |b| + |R|)
+
+and a 1-Lipschitz activation (Relu) keeps it. tests/test_precision_winograd.py computes S_M per
+tile in float64 and adds onnxruntime's own float32 error, gamma(9 C + 3) (|X| * |W| + |b| + |R|).
+The factor over the direct bf16 conv's bound (2u + u^2) |X| * |W| is |A^T| S_M |A| / (|X| * |W|):
+for F(2x2, 3x3) (coefficients 0, +-1, 1/2) 5.5-15x (median 7x, random 64-256 channel convs): a
+worst case where every rounding adds up; the errors measured are closer. Measured against
+onnxruntime float32 on ResNet-style convs (64 ch 56x56, 128 ch 28x28, 256 ch 14x14, 512 ch 7x7,
+post-Relu inputs, bias, Relu), max |Y^ - Y_ort| / max |Y_ort|: direct bf16 1.3-1.7e-3, F(2x2)
+bf16 2.0-2.6e-3 (1.42-1.61x the direct conv's), F(4x4) bf16 2.6-4.0e-2 (19-23x: its points +-2
+make B^T's rows sum to 10 in magnitude and A^T's to 19), float32 F(4x4) <= 1.1e-5. F(4x4) is
+far past the 4x this project accepts, so a bf16 conv never takes it (`choose`;
+benchmarks/bf16_winograd_error.py, docs/performance.md 2026-12-07).
+
+Channels are paired, so the conv needs an even channel count (odd: the direct bf16 conv).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuvil.ir import Value
+
+from . import convgemm
+from .emit import NOALIAS_MARK
+from .epilogue import Epilogue
+from .gemm import Operand, bf16_k_pass, choose_tile, uk_eligible, uk_gemm_kernel
+from .kernel import Kernel, KernelCall, Source, kernel_header
+from .narrow import with_bf16_rounding
+from .winograd import F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel, tiles
+
+BAND_BYTES = 3 << 19   # V and M of one band of tile rows at most this many bytes (see lower_winograd_bf16)
+
+
+def choose(lowp, X, W, group, kernel, strides, dilations, Y) -> Transform | None:
+    """The transform a conv marked bf16 runs with (F(2x2, 3x3) only: see the module docstring for
+    why never F(4x4, 3x3)), or None (the direct bf16 conv)."""
+    if lowp is None or lowp[0] != "bf16" or len(X.shape) != 4 or group != 1:
+        return None
+    if tuple(kernel) != (3, 3) or tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
+        return None
+    C, OC = int(X.shape[1]), int(W.shape[0])
+    OH, OW = (int(v) for v in Y.shape[2:])
+    if C % 2 or min(C, OC) < MIN_CHANNELS:
+        return None
+    T = tiles(OH, OW, F2.m)
+    if T < MIN_TILES or not uk_eligible(np.float32, OC, T, C, Operand((0, 0), C, 1), Operand((0, 0), T, 1)):
+        return None
+    return F2
+
+
+def bf16_round64(x: np.ndarray) -> np.ndarray:
+    """float64 -> the nearest bf16 (RNE, one rounding), as float32 values (exactly representable)."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(np.rint(m * 256.0) / 256.0, e).astype(np.float32)
+
+
+def transformed_weights(t: Transform, W: np.ndarray) -> np.ndarray:
+    """U[xi, oc, c] = (G W[oc, c] G^T)[xi] in float64, xi = a * i + j."""
+    G = np.asarray(t.G, dtype=np.float64)
+    U = np.einsum("ik,ockl,jl->ijoc", G, np.asarray(W, dtype=np.float64), G)
+    return U.reshape(t.a * t.a, *U.shape[2:])
+
+
+def pack_u(t: Transform, W: np.ndarray, MR: int, lead: int) -> np.ndarray:
+    """U rounded once to bf16, per position xi the pair panels of gemm.uk_gemm_kernel's A (passes of
+    bf16_k_pass(C) channels one after the other, each pack_a_pairs' panels of MR output channels),
+    `lead` 16-bit elements apart."""
+    from .lowp_pack import bf16_bits, pack_a_pairs
+    U = bf16_bits(bf16_round64(transformed_weights(t, W)))
+    P, OC, C = U.shape
+    kc = bf16_k_pass(C)
+    out = np.zeros((P, lead), dtype=np.uint16)
+    for xi in range(P):
+        parts = [pack_a_pairs(U[xi][:, k0:k0 + kc], MR).ravel() for k0 in range(0, C, kc)]
+        flat = np.concatenate(parts)
+        out[xi, :flat.size] = flat
+    return out.ravel()
+
+
+def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: bool, row0: int = 0,
+               ldv: int = 0) -> Kernel:
+    """Phase images -> V[n, xi] in bf16 pairs: word V[n, xi, cp, ti * pitch + tj] holds channels 2cp
+    (low half) and 2cp + 1 of (B^T d B)[xi], each rounded once. A work item is one (image, channel
+    pair). `x16`: the phases are bf16 with the pair interleaved (one 32-bit word per position,
+    ldb words per pair), else float32 planes (ldb floats per channel). As winograd._in_kernel
+    otherwise (pitch == PW: one loop over the grid). A band: TH tile rows (T columns) from tile row
+    `row0` on, in pair rows `ldv` words apart (default T)."""
+    a = t.a
+    src = Source()
+    src.line(NOALIAS_MARK).line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {C // 2}").line(f"cp = item - n * {C // 2}")
+    src.line(f"sb = item * {ldb if x16 else 2 * ldb} + {row0 * PW}").line(f"vb = n * {a * a * xs} + cp * {ldv or T}")
+    if pitch == PW:
+        src.line("r = sb").line("o = vb").line(f"for q in range({T}):").indent()
+    else:
+        src.line(f"for ti in range({TH}):").indent()
+        src.line(f"r = sb + ti * {PW}").line(f"o = vb + ti * {pitch}")
+        src.line(f"for q in range({TW}):").indent()
+    for k in range(a):
+        for l in range(a):
+            at = f"r + q + {offsets[a * k + l]}"
+            if x16:
+                src.line(f"w{k}_{l} = np.int64(p0[{at}])")
+                src.line(f"d{k}_{l}_0 = _f32_from_bits(w{k}_{l} << 16)")
+                src.line(f"d{k}_{l}_1 = _f32_from_bits(w{k}_{l} & 4294901760)")
+            else:
+                src.line(f"d{k}_{l}_0 = p0[{at}]").line(f"d{k}_{l}_1 = p0[{at} + {ldb}]")
+    for h in (0, 1):
+        for i, row in enumerate(t.BT):          # along the columns of the patch
+            for l in range(a):
+                src.line(f"e{i}_{l}_{h} = {combine(row, lambda k: f'd{k}_{l}_{h}')}")
+    for i in range(a):
+        for j, row in enumerate(t.BT):          # along its rows
+            lo, hi = (f"bf16_rne({combine(row, lambda l: f'e{i}_{l}_{h}')})" for h in (0, 1))
+            src.line(f"p1[o + q + {(a * i + j) * xs}] = np.uint32({lo} | ({hi} << 16))")
+    return Kernel("WinoIn_bf16", with_bf16_rounding(src.text()), ("uint32" if x16 else "float32", "uint32"))
+
+
+def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, residual_arg=None, res_strides=None,
+                        epilogue: Epilogue | None = None) -> list:
+    """The kernel calls of a bf16 Winograd conv (see `choose` and the module docstring). X, Y and a
+    residual may be float32 or bf16 activations.
+
+    V and M are a*a/m^2 = 4 times X and Y (M in float32: 8 times a bf16 Y), more than the whole rest
+    of a bf16 network's arena at its largest images. So the tile rows go in bands whose V and M
+    take at most BAND_BYTES, the buffers reused band after band: ConvPad once, then WinoIn, WinoGemm
+    and WinoOut per band (ResNet-18 at 224x224: 4 bands at 56x56, 2 at 28x28, 1 at 14x14 and 7x7). A band's
+    GEMM is about as efficient as the whole one (its last column panel is only as wide as it needs)."""
+    epilogue = epilogue or Epilogue()
+    x16 = np.dtype(X.dtype).name == "bfloat16"
+    y16 = np.dtype(Y.dtype).name == "bfloat16"
+    r16 = isinstance(residual_arg, str) and np.dtype(graph.values[residual_arg].dtype).name == "bfloat16"
+    a, P = t.a, t.a * t.a
+    N, C, H, Wd = (int(v) for v in X.shape)
+    OC = int(W.shape[0])
+    OH, OW = (int(v) for v in Y.shape[2:])
+    p_t, p_l = pads[:2]
+    TH, TW = -(-OH // t.m), -(-OW // t.m)
+    phases, PH, PW, ldb, offsets, left = convgemm.phase_geometry((a, a), (t.m, t.m), (1, 1), p_l, Wd, TH, TW)
+    pitch = PW if (-(-TH * PW // 16) == -(-TH * TW // 16) or TW >= FLAT_MIN_TW) else TW
+    per_row = N * P * pitch * (2 * C + 4 * OC)    # bytes of V and M per tile row
+    rows = -(-TH // -(-TH * per_row // BAND_BYTES))
+    bands = -(-TH // rows)
+    T = rows * pitch
+    MR, NR = choose_tile(OC, T)
+    # V in 32-bit words (a channel pair each), M in floats; each position's matrix one cache line
+    # further than a plain layout (winograd.py's XI_SKEW). V's buffer ends with 2 NR bf16 of slack:
+    # the GEMM reads B's last column panel in full.
+    xs_in, xs_out = (C // 2) * T + XI_SKEW, OC * T + XI_SKEW
+    label = f"bf16 winograd F{t.m}"
+    names = {}
+    pad_dtype = np.dtype(np.uint16) if x16 else np.dtype(np.float32)
+    for tag, dtype, size in (("winopad", pad_dtype, N * C * ldb + 2 * XI_SKEW),
+                             ("winov", np.dtype(np.uint16), 2 * N * P * xs_in + 2 * NR),
+                             ("winom", np.dtype(np.float32), N * P * xs_out)):
+        names[tag] = graph.unique_name(f"{Y.name}__{tag}")
+        graph.values[names[tag]] = Value(names[tag], dtype, (size,))
+    if x16:
+        pad_kernel, pad_work = convgemm.padded_narrow_input_kernel(True, C, C, H, Wd, t.m, t.m, p_t, left, phases,
+                                                                   PH, PW, N)
+    else:
+        pad_kernel, pad_work = convgemm.padded_input_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N)
+    calls = [KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name,
+                        precision=f"{label} ({'X bf16' if x16 else 'X float32'})")]
+
+    lead = -(-OC // MR) * MR * C + 2 * XI_SKEW
+    u = pack_u(t, np.asarray(W.data), MR, lead)
+    a_op = Operand((0, lead), C, 1)
+    b_op = Operand((2 * P * xs_in, 2 * xs_in), 2 * T, 1)
+    m_op = Operand((P * xs_out, xs_out), T, 1)
+    out_args = [names["winom"]] + ([B.name] if B is not None else []) \
+        + ([residual_arg] if residual_arg is not None else []) + [Y.name]
+    for band in range(bands):
+        row0 = band * rows
+        th = min(rows, TH - row0)
+        t_b = th * pitch
+        # (every band's GEMM takes the whole band's tile: U is packed in its row panels)
+        gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, t_b, C, (N, P), a_op, b_op, None, m_op, a_panels=True,
+                                         self_sized=False, lowp=lowp, tile=(MR, NR))
+        out = out_kernel(t, OC, T, th, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
+                         res_strides, epilogue, np.dtype(np.float32), r16=r16, y16=y16, row0=row0, plane=OH * OW)
+        calls += [KernelCall(_in_kernel(t, C, t_b, th, TW, PW, pitch, ldb, offsets, xs_in, x16, row0, T),
+                             [names["winopad"], names["winov"]], N * C // 2, node.name,
+                             precision=f"{label} (V rounded)"),
+                  KernelCall(gemm, [u, names["winov"], names["winom"]], gemm_work, node.name,
+                             precision=f"{label} ({lowp[1]})"),
+                  KernelCall(out, out_args, N * OC, node.name, precision=f"{label} (float32 out)")]
+    return calls

@@ -32,7 +32,7 @@ from .ukernel import LOADC_EPILOGUE
 from .epilogue import Epilogue, register_epilogue
 from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
-from .gemm import PRECISION_OF, ceil_div, choose_tile, lowp_label, lowp_product, split_work
+from .gemm import PRECISION_OF, UK_NR_STEP, ceil_div, choose_tile, lowp_label, lowp_product, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
@@ -147,8 +147,12 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         from .lowp_pack import bf16_bits, f16_bits
         packed = bf16_bits(packed) if pairs else f16_bits(packed)
 
-    # Tiles of the flat grid: (mask, first output index, count).
+    # Tiles of the flat grid: (mask, first output index, count). The last tile is computed by a
+    # micro-kernel only as wide as its lanes need (whole vectors), as gemm.py's last column panel:
+    # a TCN's 400 positions on 8 x 48 tiles leave 16 lanes in the ninth, which a 48-wide kernel
+    # computed in full (7 % of the conv's multiply-adds on garbage lanes).
     n_tiles = ceil_div(q_valid, NR)
+    edge_nr = min(NR, ceil_div(q_valid - (n_tiles - 1) * NR, UK_NR_STEP) * UK_NR_STEP) if not y_narrow else NR
     table = np.zeros((n_tiles, 3), dtype=np.int64)
     for t in range(n_tiles):
         q = np.arange(t * NR, t * NR + NR)
@@ -156,8 +160,8 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         bits = 0
         for j in np.nonzero(valid)[0]:
             bits |= 1 << int(j)
-        if bits == (1 << NR) - 1:
-            bits = -1   # every lane valid: the micro-kernel's unmasked loads and stores
+        if bits == (1 << (edge_nr if t == n_tiles - 1 else NR)) - 1:
+            bits = -1   # every lane of the tile's kernel valid: its unmasked loads and stores
         table[t, 0] = bits - 2 ** 64 if bits >= 2 ** 63 else bits
         first = int(q[valid][0]) if valid.any() else 0
         table[t, 1] = (first // PW) * OW + first % PW
@@ -192,14 +196,14 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     in_registers = uk_epilogue is not None
     uk_epilogue = uk_epilogue or {}
 
-    def spec(mr):
-        if mr not in specs:
-            specs[mr] = (f"uk{len(specs)}",
-                         LowpUKSpec(mr=mr, nr=NR, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
-                                    taps=offsets, store=store, **uk_epilogue) if lowp else
-                         UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR, taps=offsets, store=store,
-                                prefetch_c=int(accumulate), **uk_epilogue))
-        return specs[mr][0]
+    def spec(mr, nr=NR):
+        if (mr, nr) not in specs:
+            specs[mr, nr] = (f"uk{len(specs)}",
+                             LowpUKSpec(mr=mr, nr=nr, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
+                                        taps=offsets, store=store, **uk_epilogue) if lowp else
+                             UKSpec(mr=mr, nr=nr, a_packed=1, a_panel=MR, taps=offsets, store=store,
+                                    prefetch_c=int(accumulate), **uk_epilogue))
+        return specs[mr, nr][0]
 
     body = Source().indent()
     body.line("for item in range(begin, end):").indent()
@@ -220,8 +224,8 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     F = lambda v: literal(v, dtype)
     has_epi = (has_bias or residual_arg is not None or epilogue.active) and not in_registers
 
-    def call(mr):
-        name = spec(mr)
+    def call(mr, nr):
+        name = spec(mr, nr)
         body.line(f"{name}(p1, (g * {icg_p} + c0) * {n_panels * T * MR} + (m // {MR}) * kc * {T * MR}, 0, p0, boff, {ldb_b}, "
                   f"{py}, (n * {OC} + g * {ocg} + m) * {OHW} + y0, {OHW}, {k_arg}, mask, "
                   + (f"lc + {LOADC_EPILOGUE} * last, " + (f"{pb}, g * {ocg} + m)" if has_bias else f"{py}, 0)")
@@ -245,15 +249,25 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             body.line(f"{py}[ob + j] = {epilogue.expr('v', dtype) if epilogue.active else 'v'}")
             body.dedent().dedent().dedent()
 
-    body.line("m = mg")
-    body.line(f"while m + {MR} <= mg_hi:").indent()
-    call(MR)
-    body.line(f"m += {MR}")
-    body.dedent()
-    if ocg % MR:
-        body.line("if m < mg_hi:").indent()
-        call(ocg % MR)
+    def panels(nr):
+        body.line("m = mg")
+        body.line(f"while m + {MR} <= mg_hi:").indent()
+        call(MR, nr)
+        body.line(f"m += {MR}")
         body.dedent()
+        if ocg % MR:
+            body.line("if m < mg_hi:").indent()
+            call(ocg % MR, nr)
+            body.dedent()
+
+    if edge_nr < NR:
+        body.line(f"if tt < {n_tiles - 1}:").indent()
+        panels(NR)
+        body.dedent().line("else:").indent()
+        panels(edge_nr)
+        body.dedent()
+    else:
+        panels(NR)
     if y_narrow:
         from .lowp import CvtSpec, best_method
         from .kernel import lowering_target

@@ -312,3 +312,15 @@ def test_conv2d_last_tile_on_a_narrower_micro_kernel(x_shape, w_shape, attrs, ex
     assert len({nr for _, nr in _edge_specs(model)}) == 2
     assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
     assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))), threads=2)
+
+
+def test_phase_images_end_with_the_right_padding_not_a_row():
+    """Stride 1: a channel's phase image is its rows and then g zeros (the last row's right
+    padding), not a whole zero row: a 1-D conv wrote twice the floats it needed. The numeric
+    checks are the conv tests above (right padding of 1 to 32 columns, 1-D and 2-D)."""
+    from backends.numba_cpu.convgemm import phase_geometry
+    phases, PH, PW, ldb, offsets, g = phase_geometry([1, 3], [1, 1], [1, 32], 32, 400, 1, 400)
+    assert (PH, PW, g, ldb) == (1, 432, 32, 432 + 32)
+    assert max(offsets) + 399 < ldb    # the last output's last tap reads the last padding zero
+    phases, PH, PW, ldb, offsets, g = phase_geometry([3, 3], [1, 1], [1, 1], 1, 56, 56, 56)
+    assert (PH, PW, ldb) == (58, 57, 58 * 57 + 1)

@@ -3,6 +3,15 @@
 destroyed), and print the steps by time and the time per kernel family.
 
     python benchmarks/profile.py resnet18 [--threads 1] [--runs 30] [--top 25] [--precision bf16]
+
+MODEL is one of benchmarks/bench.py's or of the corpus (benchmarks/corpus_models.py, at
+`--batch`, default 1). Thread scaling: `--threads 1,2` builds one library per thread count and
+prints each step's time at every count, the speedup, and the time it loses against perfect
+scaling (t2 - t1 / 2), worst first: which steps do not scale. `--samples N` takes each step's
+minimum over N single-run profiles (each its own process, thread counts interleaved) instead of
+the mean of `--runs`: on a shared machine a step a preempted thread held up is then left out.
+
+    python benchmarks/profile.py yolo_neck --threads 1,2 --samples 50
 """
 from __future__ import annotations
 
@@ -38,25 +47,57 @@ def profile_library(library, info, runs=30, warmup=3):
     return total, steps
 
 
-def main(argv=None):
+def _build(name, batch, threads, disable, precision):
     import cuvil
     from benchmarks.bench import MODELS
+    from benchmarks.corpus_models import CORPUS
     from tests import zoo
+    module, shapes = MODELS[name]() if name in MODELS else CORPUS[name][0](batch)
+    return cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=threads, jobs=2,
+                         disable_passes=disable, precision=precision)
+
+
+def _minima(minima, steps):
+    """Step by step, the smaller time of two profiles of one library."""
+    return steps if minima is None else [(i, min(ms, m[1]), fam, node) for m, (i, ms, fam, node) in zip(minima, steps)]
+
+
+def main(argv=None):
+    from benchmarks.bench import MODELS
+    from benchmarks.corpus_models import CORPUS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("model", help=f"one of {', '.join(sorted(set(MODELS) | set(CORPUS)))}")
+    parser.add_argument("--batch", type=int, default=1, help="a corpus model's batch size")
+    parser.add_argument("--threads", default="1", help="thread count, or counts to compare (1,2)")
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--samples", type=int, default=0,
+                        help="per-step minimum over this many single-run profiles (instead of --runs' mean)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--disable", action="append", default=[], metavar="PASS",
                         help="build without this pass (repeatable): where the time goes without it")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                         help="build in this precision (default fp32)")
     args = parser.parse_args(argv)
-    module, shapes = MODELS[args.model]()
-    compiled = cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=args.threads, jobs=2,
-                              disable_passes=args.disable, precision=args.precision)
-    total, steps = profile_library(compiled.artifacts.library, compiled.info, args.runs)
-    print(f"# {args.model} {args.precision}, threads={args.threads}: {total:.3f} ms per run (sum of steps), {len(steps)} steps")
+    if args.model not in MODELS and args.model not in CORPUS:
+        parser.error(f"unknown model {args.model!r}")
+    counts = [int(t) for t in args.threads.split(",")]
+    built = {t: _build(args.model, args.batch, t, args.disable, args.precision) for t in counts}
+    profiles = {}
+    if args.samples:
+        minima = dict.fromkeys(counts)
+        for _ in range(args.samples):   # thread counts interleaved: both see the same machine
+            for t in counts:
+                minima[t] = _minima(minima[t], profile_library(built[t].artifacts.library, built[t].info, 1)[1])
+        profiles = {t: (sum(step[1] for step in minima[t]), minima[t]) for t in counts}
+    else:
+        profiles = {t: profile_library(built[t].artifacts.library, built[t].info, args.runs) for t in counts}
+    how = f"minimum of {args.samples} single runs per step" if args.samples else f"mean of {args.runs} runs"
+    if len(counts) > 1:
+        _print_scaling(args.model, counts, profiles, how, args.top)
+        return
+    total, steps = profiles[counts[0]]
+    print(f"# {args.model} {args.precision}, threads={counts[0]}: {total:.3f} ms per run (sum of steps, {how}), "
+          f"{len(steps)} steps")
     families = defaultdict(float)
     for _, ms, fam, _ in steps:
         families[fam] += ms
@@ -65,6 +106,26 @@ def main(argv=None):
     print("# slowest steps")
     for i, ms, fam, node in sorted(steps, key=lambda s: -s[1])[:args.top]:
         print(f"  {i:>4} {ms:>8.3f} ms  {fam:<14} {node}")
+
+
+def _print_scaling(model, counts, profiles, how, top):
+    """Per step: ms at each thread count, the speedup of the last count, and the ms it loses
+    against perfect scaling (t_last - t_first * first / last), the largest loss first."""
+    first, last = counts[0], counts[-1]
+    for t in counts:
+        print(f"# {model}, threads={t}: {profiles[t][0]:.3f} ms per run (sum of steps, {how})")
+    if len({len(profiles[t][1]) for t in counts}) != 1:
+        print("# the builds have different step lists: compare the totals only")
+        return
+    rows = []
+    for k, (i, ms, fam, node) in enumerate(profiles[first][1]):
+        times = [profiles[t][1][k][1] for t in counts]
+        rows.append((times[-1] - times[0] * first / last, i, times, fam, node))
+    print(f"{'step':>5} " + "".join(f"{f't={t} ms':>10}" for t in counts) + f"{'speedup':>9}{'lost ms':>9}  family / node")
+    for lost, i, times, fam, node in sorted(rows, key=lambda r: -r[0])[:top]:
+        speed = times[0] / times[-1] if times[-1] else float("inf")
+        print(f"{i:>5} " + "".join(f"{t:>10.4f}" for t in times) + f"{speed:>9.2f}{lost:>9.4f}  {fam:<14} {node}")
+    print(f"# lost in all: {sum(r[0] for r in rows):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -51,3 +51,17 @@ def test_every_corpus_model_exports_and_runs(tmp_path):
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         out = sess.run(None, {k: rand(*s) for k, s in shapes.items()})[0]
         assert np.isfinite(out).all(), name
+
+
+def test_profile_scaling_table(capsys):
+    """benchmarks/profile.py's thread-scaling table on given profiles (no timing): per-step minima
+    and the ms each step loses against perfect scaling, worst first."""
+    from benchmarks import profile
+    one = [(0, 1.0, "Conv", "a"), (1, 0.4, "Concat", "b")]
+    assert profile._minima(one, [(0, 0.8, "Conv", "a"), (1, 0.5, "Concat", "b")]) == \
+        [(0, 0.8, "Conv", "a"), (1, 0.4, "Concat", "b")]
+    two = [(0, 0.5, "Conv", "a"), (1, 0.4, "Concat", "b")]     # the Conv scales, the Concat does not
+    profile._print_scaling("m", [1, 2], {1: (1.4, one), 2: (0.9, two)}, "test", 5)
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(("#", " step"))]
+    assert lines[0].split()[-2:] == ["Concat", "b"] and float(lines[0].split()[-3]) == pytest.approx(0.2)
+    assert float(lines[1].split()[-3]) == pytest.approx(0.0)

@@ -236,3 +236,91 @@ def test_depthwise_lanes_selection_rule(C, H, k, strides, act, fires):
     OH = (H + 2 * (k // 2) - k) // strides[0] + 1
     X, W, B, Y = _values((1, C, H, H), (C, 1, k, k), (1, C, OH, OH))
     assert dwlanes.prefer(np.float32, X, W, B, C, [k, k], strides, [1, 1], Y, Epilogue(activation=act)) is fires
+
+
+# A 1-D conv with stride > 1 and at least 16 taps and 16 positions: its col is written by 16 x 16
+# block transposes of the frames (convim2col.frames_im2col_kernel); the blocks that read the zero
+# padding or a partial 16 taps are copied one float at a time. A copy: the GEMM after it is the
+# same, so the tolerance is that of the K = C x taps sums (tol).
+@pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
+    ((2, 1, 16000), (258, 1, 256), dict(strides=[128]), dict(bias=False)),             # log-mel: 124 frames
+    ((1, 1, 4224), (64, 1, 256), dict(strides=[128]), {}),                             # 32 frames: whole blocks
+    ((1, 2, 1000), (24, 2, 72), dict(strides=[8], pads=[36, 36]), dict(relu=True)),   # padded, 72 taps (4.5 blocks)
+    ((3, 1, 900), (16, 1, 100), dict(strides=[3]), dict(residual=True)),               # overlapping frames
+])
+def test_strided_conv1d_frames_by_block_transposes(x_shape, w_shape, attrs, extra):
+    model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
+    assert any(k.family == "Im2col" and "cuvil_tblock16" in k.source for k in lowered_kernels(model))
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))), threads=2)
+
+
+def test_frames_rule():
+    # must not fire: stride 1 (contiguous row copies), fewer than 16 frames (the STFT's 7), 2-D
+    assert not convim2col.frames_eligible(1, 1, 1, 256, 869, 1, 1)
+    assert not convim2col.frames_eligible(1, 1, 1, 256, 7, 128, 1)
+    assert not convim2col.frames_eligible(224, 14, 16, 16, 14, 16, 1)
+    assert convim2col.frames_eligible(1, 1, 1, 256, 124, 128, 1)
+
+
+# The implicit GEMM's last tile of the flat output grid, when it has fewer lanes than the tile,
+# runs on a micro-kernel only as wide as they need (convgemm.py): a TCN's 400 positions on 8 x 48
+# tiles (16 lanes in the ninth), a 2-D grid, the compress-store ("x") and the positional ("m",
+# 1x1 stride 2) layouts, a residual the conv accumulates onto, 2 threads.
+def tcn_block_model(C, L, d, seed=0):
+    """conv 1x1 -> h; y = relu(h + conv_k3_dilated(h)): the residual is an intermediate the conv
+    may accumulate onto (in place)."""
+    inits = {"w0": (rand(C, C, 1, seed=seed + 1) / np.sqrt(C)).astype(np.float32), "b0": rand(C, seed=seed + 2),
+             "w1": (rand(C, C, 3, seed=seed + 3) / np.sqrt(3 * C)).astype(np.float32), "b1": rand(C, seed=seed + 4)}
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["h"]),
+             helper.make_node("Conv", ["h", "w1", "b1"], ["c"], pads=[d, d], dilations=[d]),
+             helper.make_node("Add", ["h", "c"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    return make_model(nodes, [("x", np.float32, (1, C, L))], [("y", np.float32, None)], inits), \
+        {"x": rand(1, C, L, seed=seed + 5)}
+
+
+def _edge_specs(model, threads=1):
+    """The (mr, nr) of every taps micro-kernel (convgemm.py's) the model's Conv kernels declare."""
+    import json
+    import re
+    specs = set()
+    for k in lowered_kernels(model, threads):
+        if k.family == "Conv":
+            for blob in re.findall(r"# cuvil-ukernel \S+ (\{.*\})", k.source):
+                spec = json.loads(blob)
+                if spec.get("taps") and "nr" in spec:
+                    specs.add((spec["mr"], spec["nr"]))
+    return specs
+
+
+@pytest.mark.parametrize("d", [1, 32])
+def test_conv_last_tile_on_a_narrower_micro_kernel(d):
+    model, feeds = tcn_block_model(128, 400, d)
+    assert {nr for _, nr in _edge_specs(model)} == {48, 16}   # 8 x 48 tiles, the ninth of 16 lanes
+    # sums of K = 3 x 128 products, then the residual add (one more rounding, within the margin)
+    assert_matches_ort(model, feeds, tol=tol(3 * 128))
+    assert_matches_ort(model, feeds, tol=tol(3 * 128), threads=2)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
+    ((1, 16, 18, 18), (24, 16, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2]), dict(relu=True)),  # "x" stores
+    ((2, 64, 28, 28), (128, 64, 1, 1), dict(strides=[2, 2]), {}),                   # 196 positions ("m" stores)
+    ((1, 16, 18, 18), (24, 16, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2]), dict(residual=True)),
+])
+def test_conv2d_last_tile_on_a_narrower_micro_kernel(x_shape, w_shape, attrs, extra):
+    model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
+    assert len({nr for _, nr in _edge_specs(model)}) == 2
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))), threads=2)
+
+
+def test_phase_images_end_with_the_right_padding_not_a_row():
+    """Stride 1: a channel's phase image is its rows and then g zeros (the last row's right
+    padding), not a whole zero row: a 1-D conv wrote twice the floats it needed. The numeric
+    checks are the conv tests above (right padding of 1 to 32 columns, 1-D and 2-D)."""
+    from backends.numba_cpu.convgemm import phase_geometry
+    phases, PH, PW, ldb, offsets, g = phase_geometry([1, 3], [1, 1], [1, 32], 32, 400, 1, 400)
+    assert (PH, PW, g, ldb) == (1, 432, 32, 432 + 32)
+    assert max(offsets) + 399 < ldb    # the last output's last tap reads the last padding zero
+    phases, PH, PW, ldb, offsets, g = phase_geometry([3, 3], [1, 1], [1, 1], 1, 56, 56, 56)
+    assert (PH, PW, ldb) == (58, 57, 58 * 57 + 1)

@@ -32,7 +32,7 @@ from .ukernel import LOADC_EPILOGUE
 from .epilogue import Epilogue, register_epilogue
 from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
-from .gemm import PRECISION_OF, ceil_div, choose_tile, lowp_label, lowp_product, split_work
+from .gemm import PRECISION_OF, UK_NR_STEP, ceil_div, choose_tile, lowp_label, lowp_product, split_work
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
@@ -82,6 +82,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # Phases read by the taps, the phase-image extents and each tap's offset in a channel's phases.
     phases, PH, PW, ldb, offsets, left = phase_geometry(kernel, strides, dilations, p_l, Wd, OH, OW)
     T = len(offsets)
+    tail = ldb - len(phases) * PH * PW   # zeros after the last row (stride 1: the last row's right padding)
     q_valid = (OH - 1) * PW + OW
     MR, NR = choose_tile(ocg, q_valid, "taps")
     scratch_floats = N * C * ldb + NR + 2 * PW + 16  # garbage lanes of the last tiles read past the end
@@ -101,7 +102,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         scratch = graph.unique_name(f"{Y.name}__phases_{lowp[0]}")
         graph.values[scratch] = Value(scratch, np.dtype(np.uint16), (N * C_p * ldb + 2 * (NR + 2 * PW + 16),))
         pad_kernel, pad_work = padded_narrow_input_kernel(pairs, C, C_p, H, Wd, s_h, s_w, p_t, left, phases, PH,
-                                                          PW, N)
+                                                          PW, N, tail)
         calls.append(KernelCall(pad_kernel, [X.name, scratch], pad_work, node.name,
                                 precision=f"{PRECISION_OF[lowp[0]]} (B stored)"))
     if scratch is None and lowp and s_w == 1:
@@ -109,13 +110,14 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         # input (no float32 phase images written and read back).
         scratch = graph.unique_name(f"{Y.name}__phases_{lowp[0]}")
         graph.values[scratch] = Value(scratch, np.dtype(np.uint16), (N * C_p * ldb + 2 * (NR + 2 * PW + 16),))
-        pad_kernel, pad_work = padded_lowp_input_kernel(lowp[0], C, C_p, H, Wd, s_h, p_t, left, phases, PH, PW, N)
+        pad_kernel, pad_work = padded_lowp_input_kernel(lowp[0], C, C_p, H, Wd, s_h, p_t, left, phases, PH, PW, N,
+                                                        tail)
         calls.append(KernelCall(pad_kernel, [X.name, scratch], pad_work, node.name,
                                 precision=f"{PRECISION_OF[lowp[0]]} (B converted)"))
     if scratch is None:   # (given: another form of the same conv, reading the same scratch)
         phases_name = graph.unique_name(f"{Y.name}__phases")
         graph.values[phases_name] = Value(phases_name, np.dtype(np.float32), (scratch_floats,))
-        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N)
+        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N, tail)
         calls.append(KernelCall(pad_kernel, [X.name, phases_name], pad_work, node.name))
         scratch = phases_name
         if lowp:
@@ -147,8 +149,12 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         from .lowp_pack import bf16_bits, f16_bits
         packed = bf16_bits(packed) if pairs else f16_bits(packed)
 
-    # Tiles of the flat grid: (mask, first output index, count).
+    # Tiles of the flat grid: (mask, first output index, count). The last tile is computed by a
+    # micro-kernel only as wide as its lanes need (whole vectors), as gemm.py's last column panel:
+    # a TCN's 400 positions on 8 x 48 tiles leave 16 lanes in the ninth, which a 48-wide kernel
+    # computed in full (7 % of the conv's multiply-adds on garbage lanes).
     n_tiles = ceil_div(q_valid, NR)
+    edge_nr = min(NR, ceil_div(q_valid - (n_tiles - 1) * NR, UK_NR_STEP) * UK_NR_STEP) if not y_narrow else NR
     table = np.zeros((n_tiles, 3), dtype=np.int64)
     for t in range(n_tiles):
         q = np.arange(t * NR, t * NR + NR)
@@ -156,8 +162,8 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         bits = 0
         for j in np.nonzero(valid)[0]:
             bits |= 1 << int(j)
-        if bits == (1 << NR) - 1:
-            bits = -1   # every lane valid: the micro-kernel's unmasked loads and stores
+        if bits == (1 << (edge_nr if t == n_tiles - 1 else NR)) - 1:
+            bits = -1   # every lane of the tile's kernel valid: its unmasked loads and stores
         table[t, 0] = bits - 2 ** 64 if bits >= 2 ** 63 else bits
         first = int(q[valid][0]) if valid.any() else 0
         table[t, 1] = (first // PW) * OW + first % PW
@@ -192,14 +198,14 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     in_registers = uk_epilogue is not None
     uk_epilogue = uk_epilogue or {}
 
-    def spec(mr):
-        if mr not in specs:
-            specs[mr] = (f"uk{len(specs)}",
-                         LowpUKSpec(mr=mr, nr=NR, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
-                                    taps=offsets, store=store, **uk_epilogue) if lowp else
-                         UKSpec(mr=mr, nr=NR, a_packed=1, a_panel=MR, taps=offsets, store=store,
-                                prefetch_c=int(accumulate), **uk_epilogue))
-        return specs[mr][0]
+    def spec(mr, nr=NR):
+        if (mr, nr) not in specs:
+            specs[mr, nr] = (f"uk{len(specs)}",
+                             LowpUKSpec(mr=mr, nr=nr, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
+                                        taps=offsets, store=store, **uk_epilogue) if lowp else
+                             UKSpec(mr=mr, nr=nr, a_packed=1, a_panel=MR, taps=offsets, store=store,
+                                    prefetch_c=int(accumulate), **uk_epilogue))
+        return specs[mr, nr][0]
 
     body = Source().indent()
     body.line("for item in range(begin, end):").indent()
@@ -220,8 +226,8 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     F = lambda v: literal(v, dtype)
     has_epi = (has_bias or residual_arg is not None or epilogue.active) and not in_registers
 
-    def call(mr):
-        name = spec(mr)
+    def call(mr, nr):
+        name = spec(mr, nr)
         body.line(f"{name}(p1, (g * {icg_p} + c0) * {n_panels * T * MR} + (m // {MR}) * kc * {T * MR}, 0, p0, boff, {ldb_b}, "
                   f"{py}, (n * {OC} + g * {ocg} + m) * {OHW} + y0, {OHW}, {k_arg}, mask, "
                   + (f"lc + {LOADC_EPILOGUE} * last, " + (f"{pb}, g * {ocg} + m)" if has_bias else f"{py}, 0)")
@@ -245,15 +251,25 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             body.line(f"{py}[ob + j] = {epilogue.expr('v', dtype) if epilogue.active else 'v'}")
             body.dedent().dedent().dedent()
 
-    body.line("m = mg")
-    body.line(f"while m + {MR} <= mg_hi:").indent()
-    call(MR)
-    body.line(f"m += {MR}")
-    body.dedent()
-    if ocg % MR:
-        body.line("if m < mg_hi:").indent()
-        call(ocg % MR)
+    def panels(nr):
+        body.line("m = mg")
+        body.line(f"while m + {MR} <= mg_hi:").indent()
+        call(MR, nr)
+        body.line(f"m += {MR}")
         body.dedent()
+        if ocg % MR:
+            body.line("if m < mg_hi:").indent()
+            call(ocg % MR, nr)
+            body.dedent()
+
+    if edge_nr < NR:
+        body.line(f"if tt < {n_tiles - 1}:").indent()
+        panels(NR)
+        body.dedent().line("else:").indent()
+        panels(edge_nr)
+        body.dedent()
+    else:
+        panels(NR)
     if y_narrow:
         from .lowp import CvtSpec, best_method
         from .kernel import lowering_target
@@ -350,14 +366,15 @@ def _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, 
     return body
 
 
-def _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, fill) -> int:
+def _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, fill, tail: int = 0) -> int:
     """The work-item loop of the 16-bit phase-image kernels (padded_narrow_input_kernel,
     padded_lowp_input_kernel): a work item is an (image, channel pair) for bf16 (`pairs`: xs is the
     second channel's distance, 0 for a last unpaired one) or an (image, channel), in blocks of rows
     when there are few. Each phase row is zero where it reads outside the input; `fill(src, b,
     j_lo, j_hi)` writes its columns j_lo..j_hi of phase column b from input row r (xb: the plane;
-    o: the row's first element). Returns the number of work items."""
-    ldb = len(phases) * PH * PW
+    o: the row's first element); `tail` zero columns follow the last row (see phase_geometry).
+    Returns the number of work items."""
+    ldb = len(phases) * PH * PW + tail
     planes = N * C_p // 2 if pairs else N * C
     blocks = min(PH, ROW_BLOCKS) if planes < FEW_PLANES else 1
     rows = ceil_div(PH, blocks)
@@ -394,10 +411,15 @@ def _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N,
         if j_hi < PW:
             src.line(f"for j in range({width * j_hi}, {width * PW}):").indent().line("p1[o + j] = 0").dedent()
         src.dedent().dedent()
+    if tail:
+        src.line(f"if i_hi == {PH}:").indent()
+        src.line(f"for j in range({width * tail}):").indent().line(f"p1[sb + {width * (ldb - tail)} + j] = 0")
+        src.dedent().dedent()
     return planes * blocks
 
 
-def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
+def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N,
+                               tail: int = 0) -> tuple[Kernel, int]:
     """X (N, C, H, W) already in 16 bits (uint16 bits of bf16 / fp16) -> the 16-bit phase images
     the conv reads, at any stride: what padded_input_kernel then the conversion write, without
     rounding (the values are 16-bit already). bf16: a work item is an (image, channel pair), the
@@ -426,7 +448,7 @@ def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, 
         for line in PairCopySpec().declaration("copy_pairs").splitlines():
             src.line(line)
     src.line(kernel_header(2)).indent()
-    items = _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, copy)
+    items = _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, copy, tail)
     return Kernel(f"ConvPad_{'pairs' if pairs else 'copy'}16", src.text(), ("uint16", "uint16")), items
 
 
@@ -461,7 +483,7 @@ def _phase_cvt_kernel(fmt: str, N: int, C: int, C_p: int, ldb: int) -> tuple[Ker
     return Kernel(f"Cvt_{fmt}", src.text(), ("float32", "uint16")), N * C
 
 
-def padded_lowp_input_kernel(fmt, C, C_p, H, W, s_h, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
+def padded_lowp_input_kernel(fmt, C, C_p, H, W, s_h, p_t, p_l, phases, PH, PW, N, tail: int = 0) -> tuple[Kernel, int]:
     """X (N, C, H, W) float32 -> the 16-bit phase images the conv reads (stride 1 along the rows:
     each phase row is a contiguous run of an input row), in one pass: what padded_input_kernel
     and _phase_cvt_kernel write one after the other, bit for bit, without the float32 images
@@ -484,7 +506,7 @@ def padded_lowp_input_kernel(fmt, C, C_p, H, W, s_h, p_t, p_l, phases, PH, PW, N
     for line in spec.declaration("cvt").splitlines():
         src.line(line)
     src.line(kernel_header(2)).indent()
-    items = _phase_rows(src, pairs, C, C_p, H, W, s_h, 1, p_t, p_l, phases, PH, PW, N, convert)
+    items = _phase_rows(src, pairs, C, C_p, H, W, s_h, 1, p_t, p_l, phases, PH, PW, N, convert, tail)
     return Kernel(f"ConvPad_{fmt}", src.text(), ("float32", "uint16")), items
 
 
@@ -494,7 +516,10 @@ def phase_geometry(kernel, strides, dilations, p_l, W, OH, OW):
 
     With stride 1 along the rows the image has one phase, and a row's zero columns serve as the
     right padding of the row before it too: g = max(left pad, right pad) zeros then the W inputs,
-    so a row is W + g wide instead of W + left + right (fewer garbage columns on the grid)."""
+    so a row is W + g wide instead of W + left + right (fewer garbage columns on the grid). The
+    right padding of the last row is g zeros after it: a channel's image is PH * PW + g floats
+    (the writers' `tail`). It was a whole zero row, which for a 1-D conv (one row) doubled the
+    floats ConvPad wrote: a TCN's 128 x 400 input took 128 x 802 of them at dilation 1."""
     KH, KW = kernel
     s_h, s_w = strides
     d_h, d_w = dilations
@@ -502,10 +527,9 @@ def phase_geometry(kernel, strides, dilations, p_l, W, OH, OW):
         p_r = OW + (KW - 1) * d_w - p_l - W
         g = max(p_l, p_r, 0)
         PW = max(OW, W + g)
-        # One more zero row: the right padding of the last row is the first column after it.
-        PH = OH + (KH - 1) * d_h + 1
+        PH = OH + (KH - 1) * d_h
         offsets = tuple(kh * d_h * PW + kw * d_w + g - p_l for kh in range(KH) for kw in range(KW))
-        return [(0, 0)], PH, PW, PH * PW, offsets, g
+        return [(0, 0)], PH, PW, PH * PW + g, offsets, g
     taps = [(kh, kw) for kh in range(KH) for kw in range(KW)]
     phases = sorted({((kh * d_h) % s_h, (kw * d_w) % s_w) for kh, kw in taps})
     ph_index = {p: i for i, p in enumerate(phases)}
@@ -524,12 +548,13 @@ def flat_residual(res_strides, out_spatial) -> bool:
     return (sh == 0 and sw == 0) or sh == sw * out_spatial[1]
 
 
-def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple[Kernel, int]:
+def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: int = 0) -> tuple[Kernel, int]:
     """X (N, C, H, W) -> phase images, and the work size. A work item is one channel's plane or,
     with few planes (a network's first conv: 3 channels), a block of rows of one, so that
-    threads share the work evenly; blocks run top rows first, like the conv's output tiles."""
+    threads share the work evenly; blocks run top rows first, like the conv's output tiles.
+    `tail`: zeros after a plane's last row (phase_geometry's ldb minus its rows)."""
     zero = literal(0, np.float32)
-    ldb = len(phases) * PH * PW
+    ldb = len(phases) * PH * PW + tail
     blocks = min(PH, ROW_BLOCKS) if N * C < FEW_PLANES else 1
     rows = ceil_div(PH, blocks)
     blocks = ceil_div(PH, rows)
@@ -566,4 +591,7 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N) -> tuple
         if j_hi < PW:
             src.line(f"for j in range({j_hi}, {PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
         src.dedent().dedent()
+    if tail:
+        src.line(f"if i_hi == {PH}:").indent()
+        src.line(f"for j in range({tail}):").indent().line(f"p1[sb + {ldb - tail} + j] = {zero}")
     return Kernel("ConvPad", src.text(), ("float32", "float32")), N * C * blocks

@@ -36,6 +36,7 @@ from cuvil.ir import Node, Value
 
 from .kernel import Kernel, KernelCall, Source, kernel_header, literal
 from .scratch import scratch_value
+from .ukernel import TBLOCK, TBlockSpec
 
 # The implicit-GEMM kernels unroll their tap loop: past this many taps per input channel the
 # micro-kernel's code outgrows the instruction cache (256 taps x 7 broadcasts x 2-3 FMAs ~ 40 KB
@@ -116,6 +117,48 @@ def im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple
     return Kernel("Im2col", src.text(), ("float32", "float32")), N * C * T
 
 
+def frames_eligible(H, OH, KH, KW, OW, s_w, d_w) -> bool:
+    """Whether frames_im2col_kernel writes this conv's col: one row (a 1-D conv), stride > 1 (at
+    stride 1 im2col_kernel's row copies are contiguous and vectorise), unit dilation, and at least
+    one whole 16 x 16 block of (taps, positions)."""
+    return H == 1 and OH == 1 and KH == 1 and s_w > 1 and d_w == 1 and KW >= TBLOCK and OW >= TBLOCK
+
+
+def frames_im2col_kernel(N, C, W, OW, KW, s_w, p_l) -> tuple[Kernel, int]:
+    """A 1-D conv's col by block transposes: col[n, c*KW + kw, ow] = Xpad[n, c, ow*s + kw - p_l].
+
+    For one (image, channel), the frames F[ow, kw] = X[ow*s + kw - p_l] are rows of X at stride s
+    (an STFT's overlapping windows: kernel 256, stride 128), and col is F transposed. im2col_kernel
+    copies each col row with a stride-s gather (one scalar load per float: 256 x 124 of them per
+    image for a 1 s log-mel front end); here 16 frames x 16 taps are one TBlockSpec call (16 row
+    loads of 16 contiguous taps, lane shuffles, 16 row stores). A block reading outside the row
+    (the zero padding) or past the last whole 16 taps is copied one float at a time; the positions
+    past the last whole 16 are the block ending at OW - 1 (it rewrites a few of its neighbour's
+    columns with the same values, in the same work item). A work item is (image, channel, 16 taps)."""
+    KB = -(-KW // TBLOCK)
+    zero = literal(0, np.float32)
+    src = Source()
+    for line in TBlockSpec().declaration("tblock").splitlines():
+        src.line(line)
+    src.line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"k0 = (item % {KB}) * {TBLOCK}").line(f"plane = item // {KB}")
+    src.line(f"k_hi = min(k0 + {TBLOCK}, {KW})")
+    src.line(f"xb = plane * {W}").line(f"ob = (plane * {KW} + k0) * {OW}")
+    regular = OW // TBLOCK   # whole blocks; then, with a remainder, the block ending at OW - 1
+    src.line(f"for bi in range({-(-OW // TBLOCK)}):").indent()
+    src.line(f"ow0 = bi * {TBLOCK} if bi < {regular} else {OW - TBLOCK}")
+    src.line(f"x0 = ow0 * {s_w} + k0 - {p_l}")
+    src.line(f"if k_hi - k0 == {TBLOCK} and x0 >= 0 and x0 + {(TBLOCK - 1) * s_w + TBLOCK - 1} < {W}:").indent()
+    src.line(f"tblock(p0, xb + x0, {s_w}, p1, ob + ow0, {OW})").dedent()
+    src.line("else:").indent()
+    src.line("for kw in range(k0, k_hi):").indent()
+    src.line(f"for ow in range(ow0, ow0 + {TBLOCK}):").indent()
+    src.line(f"q = ow * {s_w} + kw - {p_l}")
+    src.line(f"p1[ob + (kw - k0) * {OW} + ow] = p0[xb + q] if q >= 0 and q < {W} else {zero}")
+    return Kernel("Im2col", src.text(), ("float32", "float32")), N * C * KB
+
+
 def folded_im2col_kernel(N, C, H, W, OH, OW, kernel, strides, dilations, pads) -> tuple[Kernel, int]:
     """X (N, C, H, W) -> col (C*T, N*OH*OW): row (c, t) holds image n's positions at [n*P, (n+1)*P).
     One work item per (image, channel) plane: the rows of a few positions each are too short to
@@ -158,7 +201,10 @@ def lower_im2col(node, graph, X, W, B, Y, kernel, strides, dilations, pads, lowe
     if folds(X, W, Y, residual=bool(int(node.attr("has_residual", 0)))):
         return _lower_folded(node, graph, X, W, Y, kernel, strides, dilations, pads, lower_conv)
     col_name = scratch_value(graph, node, (N, C * T, OH, OW), np.float32, tag="im2col")
-    col_kernel, work = im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads)
+    if frames_eligible(H, OH, kernel[0], kernel[1], OW, strides[1], dilations[1]):
+        col_kernel, work = frames_im2col_kernel(N, C, Wd, OW, kernel[1], strides[1], pads[1])
+    else:
+        col_kernel, work = im2col_kernel(N, C, H, Wd, OH, OW, kernel, strides, dilations, pads)
     w_name = f"__im2col_w__{node.name}"
     graph.values[w_name] = Value(w_name, np.dtype(np.float32), (OC, C * T, 1, 1),
                                  np.ascontiguousarray(np.asarray(W.data, dtype=np.float32).reshape(OC, C * T, 1, 1)))

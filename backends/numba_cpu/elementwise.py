@@ -21,7 +21,7 @@ from ..numba_cpu.kernel import (Kernel, KernelCall, Lowered, Source, broadcast_s
 # Expressions over operand names a, b (c for Where; a, b, c... for the
 # variadic ops). `F(x)` is a typed literal of the output dtype, filled in by
 # `render`. Bool operands arrive as Numba booleans (see `load`).
-# vexp, vsigmoid, vtanh, verf (vmath.py) are vectorisable float32 versions of the libm
+# vexp, vlog, vsigmoid, vtanh, verf (vmath.py) are vectorisable float32 versions of the libm
 # functions (which are scalar calls LLVM cannot vectorise); float64 gets libm.
 UNARY = {
     "Relu": "a if a > F(0) else F(0)",
@@ -29,7 +29,7 @@ UNARY = {
     "Abs": "abs(a)",
     "Sqrt": "math.sqrt(a)",
     "Exp": "vexp(a)",
-    "Log": "math.log(a)",
+    "Log": "vlog(a)",
     "Tanh": "vtanh(a)",
     "Erf": "verf(a)",
     "Sigmoid": "vsigmoid(a)",

@@ -1,4 +1,4 @@
-"""Vectorisable float32 exp, sigmoid, tanh and erf for kernel source.
+"""Vectorisable float32 exp, log, sigmoid, tanh and erf for kernel source.
 
 `math.exp` & co. in a Numba loop are scalar libm calls, so LLVM cannot
 vectorise the loop around them. These functions are Numba intrinsics that
@@ -6,13 +6,16 @@ expand to straight-line LLVM IR (range reduction, a polynomial, the exponent
 built from its bits): inlined in a loop, the loop vectoriser turns them into
 16-wide AVX-512 code. For float64 arguments they are the libm functions.
 
-Kernel source calls them by name: `vexp(a)`, `vsigmoid(a)`, `vtanh(a)`,
+Kernel source calls them by name: `vexp(a)`, `vlog(a)`, `vsigmoid(a)`, `vtanh(a)`,
 `verf(a)`, and `vmax(a, b)` for a max reduction that vectorises (emit.py puts
 them in every kernel's namespace).
 
 Accuracy (float32): exp and sigmoid within a few ulp (inputs below -87 give
-e^-87 ~ 1.6e-38 rather than a smaller number); tanh within 4e-7 and erf
-within 1e-7 absolute (rational approximations, as Eigen's fast float ones).
+e^-87 ~ 1.6e-38 rather than a smaller number); log within a few ulp (Cephes' logf
+polynomial), with log(0) = -inf, log(x < 0) = NaN, log(inf) = inf, NaN -> NaN and
+subnormal inputs exact to the same few ulp (the special cases are picked on the bits, which
+fast-math does not reason about); tanh within 4e-7 and erf within 1e-7 absolute (rational
+approximations, as Eigen's fast float ones).
 """
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ LN2_LO = -2.12194440e-4
 EXP_LO, EXP_HI = -87.0, 88.72283   # e^x stays a normal float32 on this range
 # Cephes expf polynomial: exp(r) ~ 1 + r + r^2 * P(r) on |r| <= ln2/2.
 EXP_P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+# Cephes logf: log(1 + f) ~ f - f^2/2 + f^3 * P(f) on sqrt(1/2) - 1 <= f < sqrt(2) - 1.
+LOG_P = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
+         -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1)
+SQRT_HALF_BITS = 0x3F3504F3   # sqrt(1/2) as float32 bits: mantissas are taken in [sqrt(1/2), sqrt(2))
 # Rational approximations (Eigen's fast float tanh and erf): f(x) = x * P(x^2) / Q(x^2) on a clamped range.
 TANH_CLAMP = 7.90531110763549805
 TANH_P = (-2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11, 5.12229709037114e-08,
@@ -78,6 +85,38 @@ def _exp_ir(builder, x):
     return builder.bitcast(builder.add(builder.bitcast(y, _I), shift), _F)
 
 
+def _log_ir(builder, x):
+    """log(x) for float32 x, as straight-line IR (musl's and Cephes' logf): x = 2^k * m with m in
+    [sqrt(1/2), sqrt(2)) taken from the bits, log(m) = log(1 + f) by a polynomial, plus k ln2 (in
+    two parts). Subnormals are scaled by 2^23 first. The special cases (zero, negative, inf, NaN)
+    are chosen by integer tests of the bits: fast-math lets LLVM assume no float is NaN or inf."""
+    i32 = lambda v: ir.Constant(_I, v)
+    bits = builder.bitcast(x, _I)
+    tiny = builder.icmp_unsigned("<", bits, i32(0x00800000))          # +0 and positive subnormals
+    scaled = builder.select(tiny, builder.fmul(x, _c(8388608.0)), x)  # * 2^23, exact
+    ix = builder.add(builder.bitcast(scaled, _I), i32(0x3F800000 - SQRT_HALF_BITS))
+    k = builder.sub(builder.ashr(ix, i32(23)), builder.select(tiny, i32(127 + 23), i32(127)))
+    m = builder.bitcast(builder.add(builder.and_(ix, i32(0x007FFFFF)), i32(SQRT_HALF_BITS)), _F)
+    f = builder.fsub(m, _c(1.0))
+    kf = builder.sitofp(k, _F)
+    z = builder.fmul(f, f)
+    p = _c(LOG_P[0])
+    for coef in LOG_P[1:]:
+        p = _fma(builder, p, f, _c(coef))
+    y = builder.fmul(builder.fmul(f, z), p)
+    y = _fma(builder, kf, _c(LN2_LO), y)
+    y = _fma(builder, z, _c(-0.5), y)
+    y = _fma(builder, kf, _c(LN2_HI), builder.fadd(f, y))
+    # Special cases, on the bits: +-0 -> -inf, negative -> NaN, inf / NaN -> x.
+    magnitude = builder.and_(bits, i32(0x7FFFFFFF))
+    inf_nan = builder.icmp_unsigned(">=", magnitude, i32(0x7F800000))
+    y = builder.select(inf_nan, x, y)
+    negative = builder.icmp_signed("<", bits, i32(0))
+    y = builder.select(negative, builder.bitcast(i32(0x7FC00000), _F), y)
+    zero = builder.icmp_unsigned("==", magnitude, i32(0))
+    return builder.select(zero, builder.bitcast(i32(0xFF800000 - (1 << 32)), _F), y)
+
+
 def _sigmoid_ir(builder, x):
     e = _exp_ir(builder, builder.fsub(_c(0.0), x))
     return builder.fdiv(_c(1.0), builder.fadd(_c(1.0), e))
@@ -116,6 +155,7 @@ def _make_intrinsic(body):
 
 
 _exp32 = _make_intrinsic(_exp_ir)
+_log32 = _make_intrinsic(_log_ir)
 _sigmoid32 = _make_intrinsic(_sigmoid_ir)
 _tanh32 = _make_intrinsic(_tanh_ir)
 _erf32 = _make_intrinsic(_erf_ir)
@@ -123,6 +163,10 @@ _erf32 = _make_intrinsic(_erf_ir)
 
 def vexp(x):
     return math.exp(x)
+
+
+def vlog(x):
+    return math.log(x)
 
 
 def vsigmoid(x):
@@ -170,6 +214,7 @@ def _vmax(a, b):
 
 
 _dispatch(vexp, _exp32, lambda x: math.exp(x))
+_dispatch(vlog, _log32, lambda x: math.log(x))
 _dispatch(vsigmoid, _sigmoid32, lambda x: 1.0 / (1.0 + math.exp(-x)))
 _dispatch(vtanh, _tanh32, lambda x: math.tanh(x))
 _dispatch(verf, _erf32, lambda x: math.erf(x))
@@ -186,4 +231,4 @@ def same_buffer(typingctx, a, b):
     return types.boolean(a, b), codegen
 
 
-NAMESPACE = {"vexp": vexp, "vsigmoid": vsigmoid, "vtanh": vtanh, "verf": verf, "vmax": vmax, "same_buffer": same_buffer}
+NAMESPACE = {"vexp": vexp, "vlog": vlog, "vsigmoid": vsigmoid, "vtanh": vtanh, "verf": verf, "vmax": vmax, "same_buffer": same_buffer}

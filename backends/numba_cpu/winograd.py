@@ -306,7 +306,8 @@ def lower_winograd(node, graph, t: Transform, X, W, B, Y, pads, residual_arg=Non
     for tag, size in (("winopad", N * C * ldb + 16), ("winov", N * P * xs_in), ("winom", N * P * xs_out)):
         names[tag] = graph.unique_name(f"{Y.name}__{tag}")
         graph.values[names[tag]] = Value(names[tag], dtype, (size,))
-    pad_kernel, pad_work = convgemm.padded_input_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N)
+    pad_kernel, pad_work = convgemm.padded_input_kernel(C, H, Wd, t.m, t.m, p_t, left, phases, PH, PW, N,
+                                                        ldb - len(phases) * PH * PW)
 
     # U, packed into panels, is computed from W by the library's first session (the library
     # holds W: U is a*a/9 times larger).

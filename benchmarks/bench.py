@@ -218,21 +218,29 @@ def quantise(name, model_path: Path, shapes, precision: str = "int8") -> Path:
         target = model_path.with_suffix(".own-int8.onnx")
         target.write_bytes(quantize_model(model_path.read_bytes(), shapes, {"samples": 8}))
         return target
-    from onnxruntime import quantization as q
     target = model_path.with_suffix(".int8.onnx")
     if name in CONVOLUTIONAL:
-        class Samples(q.CalibrationDataReader):
-            def __init__(self):
-                self.feeds = iter([{k: np.random.default_rng(10 + i).standard_normal(s).astype(np.float32)
-                                    for k, s in shapes.items()} for i in range(2)])
-
-            def get_next(self):
-                return next(self.feeds, None)
-        q.quantize_static(str(model_path), str(target), Samples(), quant_format=q.QuantFormat.QDQ, per_channel=True,
-                          activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8)
+        quantize_static_qdq(model_path, target, shapes)
     else:
+        from onnxruntime import quantization as q
         q.quantize_dynamic(str(model_path), str(target), weight_type=q.QuantType.QInt8)
     return target
+
+
+def quantize_static_qdq(model_path: Path, target: Path, shapes: dict) -> None:
+    """onnxruntime's `quantize_static`: QDQ, per-channel int8 weights, uint8 activations, calibrated
+    on two seeded random inputs."""
+    from onnxruntime import quantization as q
+
+    class Samples(q.CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([{k: np.random.default_rng(10 + i).standard_normal(s).astype(np.float32)
+                                for k, s in shapes.items()} for i in range(2)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+    q.quantize_static(str(model_path), str(target), Samples(), quant_format=q.QuantFormat.QDQ, per_channel=True,
+                      activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8)
 
 
 def build(name, model_path, shapes, threads, cache_dir, jobs, precision="fp32", disable=()):

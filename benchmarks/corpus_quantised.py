@@ -29,21 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def quantised(path: Path, shapes: dict, mode: str) -> Path:
-    from onnxruntime import quantization as q
+    from bench import quantize_static_qdq
     out = path.with_suffix(f".{mode}.onnx")
     if mode == "dynamic":
+        from onnxruntime import quantization as q
         q.quantize_dynamic(str(path), str(out), weight_type=q.QuantType.QInt8)
-        return out
-
-    class Samples(q.CalibrationDataReader):
-        def __init__(self):
-            self.feeds = iter([{k: np.random.default_rng(10 + i).standard_normal(s).astype(np.float32)
-                                for k, s in shapes.items()} for i in range(2)])
-
-        def get_next(self):
-            return next(self.feeds, None)
-    q.quantize_static(str(path), str(out), Samples(), quant_format=q.QuantFormat.QDQ, per_channel=True,
-                      activation_type=q.QuantType.QUInt8, weight_type=q.QuantType.QInt8)
+    else:
+        quantize_static_qdq(path, out, shapes)
     return out
 
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def quantised(path: Path, shapes: dict, mode: str) -> Path:
-    from bench import quantize_static_qdq
+    from benchmarks.bench import quantize_static_qdq
     out = path.with_suffix(f".{mode}.onnx")
     if mode == "dynamic":
         from onnxruntime import quantization as q

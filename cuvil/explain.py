@@ -99,19 +99,20 @@ def explain_graphs(model: str, stages: list[tuple[str, object]], params) -> Expl
     for (_, before), (name, after) in zip(stages, stages[1:]):
         records.append(PassRecord(name, len(before.nodes), len(after.nodes), describe(name, before, after)))
     first, final = stages[0][1], stages[-1][1]
-    before_calls = len(kernel_calls(pipeline.lower(first, params.target, params.threads)))
+    before_calls = len(kernel_calls(pipeline.lower(first.copy(), params.target, params.threads)))
     planned = pipeline.plan(final, params)
     nodes = {n.name: n for n in final.nodes}
+    lowered = planned.graph.values    # the final graph's values and the lowering's scratch values
     kernels = []
     for call in planned.calls:
         node = nodes.get(call.node)
         out = call.args[-1] if isinstance(call.args[-1], str) else ""
-        shape = tuple(final.values[out].shape) if out in final.values else ()
+        shape = tuple(lowered[out].shape) if out in lowered else ()
         kernels.append(KernelRecord(call.node, node.op if node else "?", computes(node) if node else "?",
                                     call.kernel.symbol, shape, _precision(call, node, params.target)))
     edges = _kernel_edges(final, [call.node for call in planned.calls])
     arena = planned.arena
-    buffers = sorted((arena.offsets[r], final.values[r].nbytes, *arena.lifetimes[r], r) for r in arena.offsets)
+    buffers = sorted((arena.offsets[r], lowered[r].nbytes, *arena.lifetimes[r], r) for r in arena.offsets)
     return Explanation(model, records, kernels, before_calls, len(planned.schedule) - len(planned.calls),
                        {**planned.figures(), "in_place": len(arena.in_place), "strategy": arena.strategy},
                        buffers, first.op_counts(), final.op_counts(), edges)

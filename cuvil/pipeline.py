@@ -270,7 +270,8 @@ class Planned:
 
 def lower(graph, target, threads: int = 1) -> list:
     """The graph's kernel calls and views for a session of `threads` threads on `target` (a GPU
-    target's kernels: backends/numba_cuda/)."""
+    target's kernels: backends/numba_cuda/). The lowering adds its scratch values to `graph`: give
+    it a graph nobody else reads (`plan` lowers a copy)."""
     if is_gpu(target):
         from backends.numba_cuda.registry import lower as lower_gpu
         strings = [v.name for v in graph.values.values() if getattr(v.dtype, "kind", "") == "O"]
@@ -296,6 +297,11 @@ def plan(graph, params: VariantParams, blob=None) -> Planned:
     from backends.targets import check_memory, check_threads
 
     check_threads(params.target, params.threads)
+    # Lowering adds its scratch values to the graph it lowers. The graph given is a step's output,
+    # which the step cache's writer thread may be encoding right now (dag.StepGraph._write): lower a
+    # copy, so that encoding never sees the table change under it and the cached graph never holds
+    # scratch values.
+    graph = graph.copy()
     schedule = lower(graph, params.target, params.threads)
     weights, weight_offsets = pack_weights(graph, schedule, blob)
     shared = shared_values(schedule)

@@ -44,6 +44,7 @@ from backends.numba_cpu.kernel import Source, broadcast_strides, dims_strides
 from cuvil.errors import UnsupportedOpError
 from cuvil.ir import Value
 
+from .gemm import double_buffered
 from .kernel import BLOCK, KernelCall, Lowered, gpu_kernel
 
 SMS = 132          # streaming multiprocessors of an H100/H200 (an A100 has 108): the blocks to fill
@@ -248,6 +249,19 @@ def tap_table(shape: ConvShape, tile: Tile) -> np.ndarray:
     return table
 
 
+def gather_line(src: Source, s, x: str, table: str, row: int, dest: str) -> None:
+    """Lines that read element `kb` of the current pixel's im2col column (the pixel's input base
+    `xb`, its first input position i<d>0) through the tap table (per k: the input offset, then the
+    tap's offset per spatial dim) into `dest`, zero in the padding or past the last column."""
+    nd = len(s.in_spatial)
+    src.line(f"e = kb * {row}")
+    conds = ["col_ok"]
+    for d in range(nd):
+        src.line(f"i{d} = i{d}0 + {table}[e + {1 + d}]")
+        conds.append(f"0 <= i{d} < {s.in_spatial[d]}")
+    src.line(f"{dest} = {x}[xb + {table}[e]] if {' and '.join(conds)} else float32(0)")
+
+
 def implicit_gemm_kernel(shape: ConvShape, tile: Tile, splits: int, packed: bool):
     """The implicit-GEMM kernel and its work. Pointers: X, W (packed [G, Kpad, Mpad] or ONNX layout),
     the tap table (but for a pointwise conv), then [bias], [residual], Y when splits == 1, else the
@@ -320,12 +334,7 @@ def implicit_gemm_kernel(shape: ConvShape, tile: Tile, splits: int, packed: bool
             if s.pointwise:
                 src.line(f"rb{r} = {x}[xb + kb * {s.in_plane}] if col_ok and kb < {K} else float32(0)")
                 continue
-            src.line(f"e = kb * {row}")
-            conds = ["col_ok"]
-            for d in range(nd):
-                src.line(f"i{d} = i{d}0 + {table}[e + {1 + d}]")
-                conds.append(f"0 <= i{d} < {s.in_spatial[d]}")
-            src.line(f"rb{r} = {x}[xb + {table}[e]] if {' and '.join(conds)} else float32(0)")
+            gather_line(src, s, x, table, row, f"rb{r}")
 
     def store_tiles(buf: str):
         for r in range(a_loads):
@@ -336,31 +345,21 @@ def implicit_gemm_kernel(shape: ConvShape, tile: Tile, splits: int, packed: bool
     for i in range(t.tm):
         for j in range(t.tn):
             src.line(f"c{i}_{j} = float32(0)")
-    load_tiles("kt0")
-    store_tiles("0")
-    src.line("cuda.syncthreads()")
-    src.line("for step in range(kt_count):").indent()
-    src.line("cur = step % 2")
-    src.line("more = step + 1 < kt_count")
-    src.line("if more:").indent()
-    load_tiles("kt0 + step + 1")
-    src.dedent()
-    # The register block is unrolled (scalars: registers); the K step is a loop that LLVM unrolls
-    # as it sees fit (unrolled here it costs 4x the compile time and 1.7x the registers).
-    src.line(f"for kk in range({t.bk}):").indent()
-    for i in range(t.tm):
-        src.line(f"a{i} = a_sm[cur, kk, ty + {i * rows_t}]")
-    for j in range(t.tn):
-        src.line(f"b{j} = b_sm[cur, kk, tx + {j * cols_t}]")
-    for i in range(t.tm):
+    def compute():
+        # The register block is unrolled (scalars: registers); the K step is a loop that LLVM
+        # unrolls as it sees fit (unrolled here it costs 4x the compile time and 1.7x the registers).
+        src.line(f"for kk in range({t.bk}):").indent()
+        for i in range(t.tm):
+            src.line(f"a{i} = a_sm[cur, kk, ty + {i * rows_t}]")
         for j in range(t.tn):
-            src.line(f"c{i}_{j} += a{i} * b{j}")
-    src.dedent()
-    src.line("if more:").indent()
-    store_tiles("1 - cur")
-    src.dedent()
-    src.line("cuda.syncthreads()")
-    src.dedent()
+            src.line(f"b{j} = b_sm[cur, kk, tx + {j * cols_t}]")
+        for i in range(t.tm):
+            for j in range(t.tn):
+                src.line(f"c{i}_{j} += a{i} * b{j}")
+        src.dedent()
+
+    double_buffered(src, "kt_count", lambda: load_tiles("kt0"), lambda: load_tiles("kt0 + step + 1"), compute,
+                    store_tiles)
 
     # The store: columns j (pixels) outer, so that their decode is shared by the rows.
     for j in range(t.tn):

@@ -25,6 +25,7 @@ from cuvil.ir import Value
 
 from . import conv
 from .conv import ceil_div, tap_table
+from .gemm import double_buffered
 from .gemm_tc import TC_TILES, THREADS, TcTile, format_of, label, mma_step, output_elements, pack_pairs, warp_lines
 from .kernel import KernelCall, gpu_kernel
 
@@ -119,12 +120,7 @@ def implicit_gemm_kernel(shape, tile: TcTile, splits: int, fmt: str):
                 if s.pointwise:
                     src.line(f"rb{r}_{half} = {x}[xb + kb * {s.in_plane}] if col_ok and kb < {K} else float32(0)")
                     continue
-                src.line(f"e = kb * {row}")
-                conds = ["col_ok"]
-                for d in range(nd):
-                    src.line(f"i{d} = i{d}0 + {table}[e + {1 + d}]")
-                    conds.append(f"0 <= i{d} < {s.in_spatial[d]}")
-                src.line(f"rb{r}_{half} = {x}[xb + {table}[e]] if {' and '.join(conds)} else float32(0)")
+                conv.gather_line(src, s, x, table, row, f"rb{r}_{half}")
 
     def store_tiles(buf: str):
         for r, kp in enumerate(a_items):
@@ -134,21 +130,8 @@ def implicit_gemm_kernel(shape, tile: TcTile, splits: int, fmt: str):
 
     accs = [acc for acc, _, _ in output_elements(t)]
     src.line(" = ".join(accs) + " = float32(0)")
-    load_tiles("kt0")
-    store_tiles("0")
-    src.line("cuda.syncthreads()")
-    src.line("for step in range(kt_count):").indent()
-    src.line("cur = step % 2")
-    src.line("more = step + 1 < kt_count")
-    src.line("if more:").indent()
-    load_tiles("kt0 + step + 1")
-    src.dedent()
-    mma_step(src, t, fmt)
-    src.line("if more:").indent()
-    store_tiles("1 - cur")
-    src.dedent()
-    src.line("cuda.syncthreads()")
-    src.dedent()
+    double_buffered(src, "kt_count", lambda: load_tiles("kt0"), lambda: load_tiles("kt0 + step + 1"),
+                    lambda: mma_step(src, t, fmt), store_tiles)
 
     for acc, m_in, n_in in output_elements(t):
         src.line(f"m = m0 + {m_in}")

@@ -202,6 +202,47 @@ def pointer_count(p: Product) -> int:
     return 3 + (p.c is not None) + (p.r is not None)
 
 
+def block_tile(src: Source, p: Product, tiles_m: int, tiles_n: int, splits: int, per_split: int) -> dict:
+    """Lines that decode a tiled kernel's block index into its output tile (tm, tn; m0, n0), its
+    split of k (ks, k_base: splits > 1) and its batch; returns the operands' batch offsets (the
+    output's moved to its split's partial product)."""
+    src.line(f"tn = bid % {tiles_n}")
+    src.line(f"rest = bid // {tiles_n}")
+    src.line(f"tm = rest % {tiles_m}")
+    if splits > 1:
+        src.line(f"rest = rest // {tiles_m}")
+        src.line(f"ks = rest % {splits}")
+        src.line(f"k_base = ks * {per_split}")
+        off = batch_offsets(src.line(f"bt = rest // {splits}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+        off["o"] = add_terms(off["o"], f"ks * {p.n_batch * p.M * p.N}")
+    else:
+        off = batch_offsets(src.line(f"bt = rest // {tiles_m}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+    return off
+
+
+def double_buffered(src: Source, steps: str, load_first, load_next, compute, store) -> None:
+    """The k loop of every tiled kernel (GEMM and implicit-GEMM conv, float32 and tensor-core):
+    the first k step's tiles are loaded and stored into shared buffer 0; then per step, the next
+    step's global loads are issued before the current buffer is computed on and stored into the
+    other buffer after it, one barrier a step. `load_first`, `load_next` and `compute` write their
+    lines; `store(buffer)` stores the loaded registers into shared buffer `buffer`."""
+    load_first()
+    store("0")
+    src.line("cuda.syncthreads()")
+    src.line(f"for step in range({steps}):").indent()
+    src.line("cur = step % 2")
+    src.line(f"more = step + 1 < {steps}")
+    src.line("if more:").indent()
+    load_next()
+    src.dedent()
+    compute()
+    src.line("if more:").indent()
+    store("1 - cur")
+    src.dedent()
+    src.line("cuda.syncthreads()")
+    src.dedent()
+
+
 def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
     """The tiled SGEMM kernel of product p and its work (blocks x threads). With `splits` > 1 each
     block sums one split of k, and the output is the stack of the splits' partial products (the
@@ -216,17 +257,7 @@ def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
     tiles_m, tiles_n, steps = ceil_div(p.M, BM), ceil_div(p.N, BN), per_split // BK
     src = Source()
     kernel_header(src, pointer_count(p))
-    src.line(f"tn = bid % {tiles_n}")
-    src.line(f"rest = bid // {tiles_n}")
-    src.line(f"tm = rest % {tiles_m}")
-    if splits > 1:
-        src.line(f"rest = rest // {tiles_m}")
-        src.line(f"ks = rest % {splits}")
-        src.line(f"k_base = ks * {per_split}")
-        off = batch_offsets(src.line(f"bt = rest // {splits}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
-        off["o"] = add_terms(off["o"], f"ks * {p.n_batch * p.M * p.N}")
-    else:
-        off = batch_offsets(src.line(f"bt = rest // {tiles_m}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+    off = block_tile(src, p, tiles_m, tiles_n, splits, per_split)
     src.line(f"m0 = tm * {BM}")
     src.line(f"n0 = tn * {BN}")
     src.line(f"ty = tid // {txn}")
@@ -271,33 +302,23 @@ def tile_kernel(family: str, p: Product, tile: Tile, splits: int = 1):
 
     for i in range(TM):
         src.line(" = ".join(f"c{i}_{j}" for j in range(TN)) + f" = {F(0)}")
-    k_base = "k_base" if splits > 1 else "0"
-    load(k_base)
-    store("0")
-    src.line("cuda.syncthreads()")
-    src.line(f"for step in range({steps}):").indent()
-    src.line("cur = step % 2")
-    src.line(f"more = step + 1 < {steps}")
-    src.line("if more:").indent()
-    load(add_terms(k_base, f"(step + 1) * {BK}"))
-    src.dedent()
-    if not tile.unroll:
-        src.line(f"for kk in range({BK}):").indent()
-    for kk in (range(BK) if tile.unroll else ["kk"]):
-        for i in range(TM):
-            src.line(f"ra{i} = sh_a[cur, {kk}, {row(i)}]")
-        for j in range(TN):
-            src.line(f"rb{j} = sh_b[cur, {kk}, {col(j)}]")
-        for i in range(TM):
+    def compute():
+        if not tile.unroll:
+            src.line(f"for kk in range({BK}):").indent()
+        for kk in (range(BK) if tile.unroll else ["kk"]):
+            for i in range(TM):
+                src.line(f"ra{i} = sh_a[cur, {kk}, {row(i)}]")
             for j in range(TN):
-                src.line(f"c{i}_{j} += ra{i} * rb{j}")
-    if not tile.unroll:
-        src.dedent()
-    src.line("if more:").indent()
-    store("1 - cur")
-    src.dedent()
-    src.line("cuda.syncthreads()")
-    src.dedent()
+                src.line(f"rb{j} = sh_b[cur, {kk}, {col(j)}]")
+            for i in range(TM):
+                for j in range(TN):
+                    src.line(f"c{i}_{j} += ra{i} * rb{j}")
+        if not tile.unroll:
+            src.dedent()
+
+    k_base = "k_base" if splits > 1 else "0"
+    double_buffered(src, str(steps), lambda: load(k_base), lambda: load(add_terms(k_base, f"(step + 1) * {BK}")),
+                    compute, store)
 
     for i in range(TM):
         src.line(f"m = m0 + {row(i)}")

@@ -165,17 +165,7 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
     n_pad = tiles_n * BN
     src = Source()
     kernel_header(src, pointer_count(p))
-    src.line(f"tn = bid % {tiles_n}")
-    src.line(f"rest = bid // {tiles_n}")
-    src.line(f"tm = rest % {tiles_m}")
-    if splits > 1:
-        src.line(f"rest = rest // {tiles_m}")
-        src.line(f"ks = rest % {splits}")
-        src.line(f"k_base = ks * {per_split}")
-        off = batch_offsets(src.line(f"bt = rest // {splits}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
-        off["o"] = add_terms(off["o"], f"ks * {p.n_batch * p.M * p.N}")
-    else:
-        off = batch_offsets(src.line(f"bt = rest // {tiles_m}"), "bt", p) if p.n_batch > 1 else dict.fromkeys("abcro", "0")
+    off = gemm.block_tile(src, p, tiles_m, tiles_n, splits, per_split)
     src.line(f"m0 = tm * {BM}")
     src.line(f"n0 = tn * {BN}")
     warp_lines(src, tile)
@@ -218,21 +208,8 @@ def tile_kernel(family: str, p: Product, tile: TcTile, fmt: str, splits: int = 1
 
     src.line(" = ".join(name for i in range(MF) for j in range(NF) for name in accumulators(i, j)) + f" = {F(0)}")
     k_base = "k_base" if splits > 1 else "0"
-    load(k_base)
-    store("0")
-    src.line("cuda.syncthreads()")
-    src.line(f"for step in range({steps}):").indent()
-    src.line("cur = step % 2")
-    src.line(f"more = step + 1 < {steps}")
-    src.line("if more:").indent()
-    load(add_terms(k_base, f"(step + 1) * {BK}"))
-    src.dedent()
-    mma_step(src, tile, fmt)
-    src.line("if more:").indent()
-    store("1 - cur")
-    src.dedent()
-    src.line("cuda.syncthreads()")
-    src.dedent()
+    gemm.double_buffered(src, str(steps), lambda: load(k_base), lambda: load(add_terms(k_base, f"(step + 1) * {BK}")),
+                         lambda: mma_step(src, tile, fmt), store)
 
     for acc, row, col in output_elements(tile):
         src.line(f"m = m0 + {row}")

@@ -155,6 +155,18 @@ def combine(row, name) -> str:
     return text
 
 
+def tile_grid_loop(src: Source, T, TH, TW, PW, pitch) -> None:
+    """The loop of an input transform over the tile grid, `r` the patch's offset in the phases
+    (from `sb`) and `o` the tile's in V (from `vb`), `q` the tile in its row: one loop over the
+    whole grid when pitch == PW, else a loop per row of tiles (see _in_kernel)."""
+    if pitch == PW:
+        src.line("r = sb").line("o = vb").line(f"for q in range({T}):").indent()
+    else:
+        src.line(f"for ti in range({TH}):").indent()
+        src.line(f"r = sb + ti * {PW}").line(f"o = vb + ti * {pitch}")
+        src.line(f"for q in range({TW}):").indent()
+
+
 def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Kernel:
     """Phase images (ConvPad) -> V[n, xi, c, ti * pitch + tj]; a work item is one (image, channel)
     plane. Patch value d[k][l] of tile (ti, tj) is at offsets[a*k + l] + ti * PW + tj of the
@@ -167,12 +179,7 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Kerne
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {C}").line(f"c = item - n * {C}")
     src.line(f"sb = item * {ldb}").line(f"vb = n * {a * a * xs} + c * {T}")
-    if pitch == PW:
-        src.line("r = sb").line("o = vb").line(f"for q in range({T}):").indent()
-    else:
-        src.line(f"for ti in range({TH}):").indent()
-        src.line(f"r = sb + ti * {PW}").line(f"o = vb + ti * {pitch}")
-        src.line(f"for q in range({TW}):").indent()
+    tile_grid_loop(src, T, TH, TW, PW, pitch)
     for k in range(a):
         for l in range(a):
             src.line(f"d{k}_{l} = p0[r + q + {offsets[a * k + l]}]")

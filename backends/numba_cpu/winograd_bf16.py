@@ -59,7 +59,8 @@ from .epilogue import Epilogue
 from .gemm import Operand, bf16_k_pass, choose_tile, uk_eligible, uk_gemm_kernel
 from .kernel import Kernel, KernelCall, Source, kernel_header
 from .narrow import with_bf16_rounding
-from .winograd import F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel, tiles
+from .winograd import (F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel,
+                       tile_grid_loop, tiles)
 
 BAND_BYTES = 3 << 19   # V and M of one band of tile rows at most this many bytes (see lower_winograd_bf16)
 
@@ -124,12 +125,7 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {C // 2}").line(f"cp = item - n * {C // 2}")
     src.line(f"sb = item * {ldb if x16 else 2 * ldb} + {row0 * PW}").line(f"vb = n * {a * a * xs} + cp * {ldv or T}")
-    if pitch == PW:
-        src.line("r = sb").line("o = vb").line(f"for q in range({T}):").indent()
-    else:
-        src.line(f"for ti in range({TH}):").indent()
-        src.line(f"r = sb + ti * {PW}").line(f"o = vb + ti * {pitch}")
-        src.line(f"for q in range({TW}):").indent()
+    tile_grid_loop(src, T, TH, TW, PW, pitch)
     for k in range(a):
         for l in range(a):
             at = f"r + q + {offsets[a * k + l]}"

@@ -57,6 +57,13 @@ def assert_matches_ort(model: onnx.ModelProto, feeds: dict, tol: float = 1e-4, i
     return compiled, got
 
 
+def cosine(a, b) -> float:
+    """Cosine similarity of two arrays (flattened, in float64): the accuracy measure of the reduced
+    precisions' whole-model checks."""
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
 def rand(*shape, seed=0, dtype=np.float32):
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 

@@ -13,6 +13,7 @@ from cuvil.accuracy import sample_inputs
 from cuvil.cli import main
 from cuvil.runtime import load
 from tests.test_cli import TEST_CACHE
+from tests.helpers import cosine
 
 torch = pytest.importorskip("torch")
 
@@ -37,11 +38,6 @@ models:
     return str(folder / "cuvil.yaml")
 
 
-def _cosine(a, b):
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 def test_a_bf16_build_reports_its_accuracy(project, capsys):
     assert main(["build", "-f", _config(project)]) == 0
     out = capsys.readouterr().out
@@ -56,7 +52,7 @@ def test_a_bf16_build_reports_its_accuracy(project, capsys):
     session = ort.InferenceSession(str(project / "mlp.onnx"), providers=["CPUExecutionProvider"])
     got = np.concatenate([lib.run(f)[name] for f in feeds])
     want = np.concatenate([session.run([name], f)[0] for f in feeds])
-    assert abs(_cosine(got, want) - figures["cosine"]) < 1e-6
+    assert abs(cosine(got, want) - figures["cosine"]) < 1e-6
     assert abs(float(np.max(np.abs(got - want))) - figures["max_abs_err"]) <= 1e-4 * float(np.max(np.abs(want)))
     assert main(["inspect", str(folder / "libmlp.so")]) == 0
     assert "accuracy vs fp32" in capsys.readouterr().out

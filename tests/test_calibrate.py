@@ -23,17 +23,13 @@ from cuvil import calibrate
 from cuvil.config import load_config
 from cuvil.errors import ConfigError, CuvilError
 from cuvil.explain import explain_model
+from tests.helpers import cosine
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
 IMAGE = (1, 3, 32, 32)
 HELD_OUT = range(100, 104)     # seeds; calibration draws its own (calibrate.CALIBRATION_SEED)
-
-
-def _cosine(a, b):
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def _ort(model_bytes, feed):
@@ -82,7 +78,7 @@ def test_own_int8_resnet_close_to_float32_and_integer(small_resnet):
     feeds = _held_out(IMAGE)
     got = np.concatenate([lib.run({"input": x})["output"] for x in feeds])
     want = np.concatenate([_ort(small_resnet, {"input": x}) for x in feeds])
-    assert _cosine(got, want) >= 0.99
+    assert cosine(got, want) >= 0.99
     # the accuracy report of reduced-precision builds works for int8 too
     assert lib.accuracy is not None and lib.accuracy["outputs"]["output"]["cosine"] >= 0.99
     assert lib.info["precision"] == "int8"
@@ -103,7 +99,7 @@ def test_own_int8_mlp_close_to_float32(mlp):
     feeds = _held_out((4, 64))
     got = np.concatenate([lib.run({"input": x})["output"] for x in feeds])
     want = np.concatenate([_ort(mlp, {"input": x}) for x in feeds])
-    assert _cosine(got, want) >= 0.99
+    assert cosine(got, want) >= 0.99
     from backends.targets import has_feature, resolve_target
     if has_feature(resolve_target("native"), "avx512vnni"):
         labels = [k.precision for k in explain_model(mlp, precision="int8").kernels]

@@ -66,13 +66,18 @@ FULL = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FULL))
 def test_full_zoo_model_builds_deterministically(name, tmp_path):
+    _assert_builds_twice_identically(name, "fp32", tmp_path)
+
+
+def _assert_builds_twice_identically(name, precision, tmp_path):
+    """The full-size model built twice from empty caches, for both architectures: the same bytes."""
     module, shapes, ints = FULL[name]()
     model = zoo.export(module, shapes, int_inputs=ints)
     for arch in ("cuda-sm80", "cuda-sm90"):
         libs = []
         for attempt in (1, 2):
             compiled = cuvil.compile(model, input_shapes={k: list(v) for k, v in shapes.items()}, target=arch,
-                                     cache_dir=tmp_path / f"cache{attempt}", jobs=2, name=name)
+                                     precision=precision, cache_dir=tmp_path / f"cache{attempt}", jobs=2, name=name)
             libs.append(compiled.artifacts.library.read_bytes())
         assert libs[0] == libs[1], arch
 
@@ -123,12 +128,4 @@ def _simulated_mlp_within_bound(model, module, feeds, precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["bert", "mobilenet_v2", "resnet18", "resnet50"])
 def test_full_zoo_model_in_16_bits_builds_deterministically(name, precision, tmp_path):
-    module, shapes, ints = FULL[name]()
-    model = zoo.export(module, shapes, int_inputs=ints)
-    for arch in ("cuda-sm80", "cuda-sm90"):
-        libs = []
-        for attempt in (1, 2):
-            compiled = cuvil.compile(model, input_shapes={k: list(v) for k, v in shapes.items()}, target=arch,
-                                     precision=precision, cache_dir=tmp_path / f"cache{attempt}", jobs=2, name=name)
-            libs.append(compiled.artifacts.library.read_bytes())
-        assert libs[0] == libs[1], arch
+    _assert_builds_twice_identically(name, precision, tmp_path)

@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import cuvil
 from cuvil.errors import CuvilError
 from cuvil.explain import explain_model
+from tests.helpers import cosine
 
 U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
@@ -88,11 +89,6 @@ def test_a_batched_matmul_folds_into_one_reduced_precision_product():
     assert np.all(np.abs(got.astype(np.float64) - want) <= bound)
 
 
-def _cosine(a, b):
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_an_mlp_keeps_its_outputs_and_halves_its_weights(precision):
     torch = pytest.importorskip("torch")
@@ -102,7 +98,7 @@ def test_an_mlp_keeps_its_outputs_and_halves_its_weights(precision):
     want = _ort(model, {"x": x})
     fp32 = cuvil.compile(model)
     reduced = cuvil.compile(model, precision=precision)
-    assert _cosine(reduced.run({"x": x})[fp32.output_names[0]], want) >= 0.999
+    assert cosine(reduced.run({"x": x})[fp32.output_names[0]], want) >= 0.999
     assert reduced.info["memory"]["weights_bytes"] <= 0.55 * fp32.info["memory"]["weights_bytes"]
     assert torch is not None
 
@@ -115,7 +111,7 @@ def test_enable_fp16_is_precision_fp16_for_onnx_and_torch_models(tmp_path):
     want = module(x).detach().numpy()
     lib = cuvil.compile(module, input_shapes={"x": [3, 64]}, enable_fp16=True)
     assert lib.info["precision"] == "fp16"
-    assert _cosine(lib.run({lib.input_names[0]: x.numpy()})[lib.output_names[0]], want) >= 0.999
+    assert cosine(lib.run({lib.input_names[0]: x.numpy()})[lib.output_names[0]], want) >= 0.999
 
     model, _, _ = _linear_model((4, 64), 64, 32)
     a = cuvil.compile(model, enable_fp16=True).save(tmp_path / "a")

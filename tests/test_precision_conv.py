@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import cuvil
 from cuvil.explain import explain_model
+from tests.helpers import cosine
 
 U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 FORMAT = {"bf16": "bf16", "fp16": "f16"}   # the kernels' names of the formats
@@ -117,11 +118,6 @@ def test_a_conv_is_within_the_derived_bound(case, precision):
     assert any(label.startswith(f"{precision} (") and "converted" not in label for label in labels), labels
 
 
-def _cosine(a, b):
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 def test_a_small_resnet_in_bf16_keeps_its_outputs():
     pytest.importorskip("torch")
     from tests import zoo
@@ -131,8 +127,8 @@ def test_a_small_resnet_in_bf16_keeps_its_outputs():
     bf16 = cuvil.compile(model, precision="bf16")
     name = fp32.output_names[0]
     want = fp32.run({fp32.input_names[0]: x})[name]
-    assert _cosine(bf16.run({bf16.input_names[0]: x})[name], want) >= 0.999
-    assert _cosine(want, _ort(model, {fp32.input_names[0]: x})) >= 0.99999
+    assert cosine(bf16.run({bf16.input_names[0]: x})[name], want) >= 0.999
+    assert cosine(want, _ort(model, {fp32.input_names[0]: x})) >= 0.99999
     labels = [k.precision for k in explain_model(model, precision="bf16").kernels]
     assert sum(label.startswith("bf16 (") and "converted" not in label for label in labels) >= 4, labels
 

@@ -26,7 +26,7 @@ from onnx import helper
 
 import cuvil
 from cuvil.explain import explain_model
-from tests.helpers import make_model, run_ort
+from tests.helpers import cosine, make_model, run_ort
 
 F = np.float32
 U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
@@ -229,16 +229,11 @@ def test_a_depthwise_block_between_16_bit_tensors_is_within_the_propagated_bound
     assert np.max(err) > 2.0 ** -20 * np.max(np.abs(want)), (np.max(err), np.max(np.abs(want)))
 
 
-def _cosine(a, b):
-    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
-
-
 # 25 + 13 s of cold kernel builds: -m slow to keep CI's budget (the default run keeps every conv and
 # block case in bf16 and the arena check of the full MobileNetV2)
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_a_small_mobilenet_v2_keeps_its_conv_chain_in_16_bits_and_its_cosine(precision):
+def test_a_small_mobilenet_v2_keeps_its_conv_chain_in_16_bits_and_itscosine(precision):
     pytest.importorskip("torch")
     from tests import zoo
     model = zoo.export(zoo.mobilenet_v2(width_mult=0.35, num_classes=100), {"x": (1, 3, 96, 96)})
@@ -246,7 +241,7 @@ def test_a_small_mobilenet_v2_keeps_its_conv_chain_in_16_bits_and_its_cosine(pre
     want = next(iter(run_ort(model, {"x": x}).values()))
     got = next(iter(cuvil.compile(model, precision=precision).run({"x": x}).values()))
     # (cosine >= 0.999 is the issue's bar for a reduced-precision model against float32)
-    assert _cosine(got, want) >= 0.999, _cosine(got, want)
+    assert cosine(got, want) >= 0.999, cosine(got, want)
     # no depthwise conv widens its tensors into float32 copies (widen.in_float32's Cast kernels); the
     # tiny 3x3-plane 1x1 convs at the end take float32 kernels with their own copies (cvt16, conv.py)
     info = explain_model(model, precision=precision)
@@ -262,7 +257,7 @@ def test_mobilenet_v2_at_224_keeps_its_cosine_to_float32(precision):
     x = zoo.sample_input((1, 3, 224, 224))
     want = next(iter(run_ort(model, {"x": x}).values()))
     got = next(iter(cuvil.compile(model, precision=precision).run({"x": x}).values()))
-    assert _cosine(got, want) >= 0.999, _cosine(got, want)
+    assert cosine(got, want) >= 0.999, cosine(got, want)
     assert got.argmax() == want.argmax()
 
 

@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import cuvil
 from cuvil.explain import explain_model
+from tests.helpers import cosine
 
 U, V32 = 2.0 ** -8, 2.0 ** -24
 BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=np.float64)
@@ -196,11 +197,6 @@ def test_what_bf16_winograd_does_not_take():
     assert all(label == "" for label in fp32), fp32
 
 
-def _cosine(a, b):
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 # two builds of an 18-layer model, ~25 s: test_bf16_activations_between_two_winograd_convs is the
 # default run's case of convs between bf16 activations
 @pytest.mark.slow
@@ -213,6 +209,6 @@ def test_a_resnet18_shaped_model_in_bf16_winograd_keeps_its_outputs():
     bf16 = cuvil.compile(model, precision="bf16")
     name = fp32.output_names[0]
     want = fp32.run({fp32.input_names[0]: x})[name]
-    assert _cosine(bf16.run({bf16.input_names[0]: x})[name], want) >= 0.999
+    assert cosine(bf16.run({bf16.input_names[0]: x})[name], want) >= 0.999
     labels = _labels(model)
     assert sum(label in ("bf16 winograd F2 (dpbf16)", "bf16 winograd F2 (widen)") for label in labels) >= 4, labels

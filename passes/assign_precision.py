@@ -89,9 +89,12 @@ def stored_dtype(precision: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if precision == "bf16" else np.dtype(np.float16)
 
 
-def _marks(node, graph: Graph, keep: set) -> bool:
+def _marks(node, graph: Graph, keep: set, precision: str) -> bool:
     if node.name in keep or node.op in keep:
         return False
+    if (node.domain, node.op) == (FUSED_DOMAIN, "FusedAttention"):
+        # bf16 only: its products have a bf16 kernel (backends/numba_cpu/attention_bf16.py), no fp16 one
+        return precision == "bf16" and all(graph.values[name].dtype == np.float32 for name in node.inputs[:3])
     if (node.domain, node.op) in CONVS:
         w = graph.values.get(node.inputs[1])
         return w is not None and w.is_const and len(w.shape) == 4 and w.shape[1] > 1 \
@@ -151,7 +154,7 @@ def assign_precision(graph: Graph, options: Options = Options()) -> Graph:
     if options.precision not in REDUCED:
         return graph
     keep = set(options.keep_fp32)
-    marked = [n.name for n in graph.nodes if _marks(n, graph, keep)]
+    marked = [n.name for n in graph.nodes if _marks(n, graph, keep, options.precision)]
     if not marked:
         return graph
     g = graph.copy()

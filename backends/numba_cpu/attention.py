@@ -32,7 +32,7 @@ import numpy as np
 
 from .ukernel import TBLOCK, TBlockSpec, UKSpec
 
-from .gemm import TileLoops, ceil_div, choose_tile
+from .gemm import TileLoops, ceil_div, choose_tile, lowp_product
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
                      session_threads, work_items)
 from .scratch import scratch_value
@@ -77,51 +77,134 @@ class _Product(TileLoops):
         self.loops(src, self.N, rows, self.rem, f"min({t}k0, 1)", call)
 
 
+class Geometry:
+    """The shapes, strides and blocking of one FusedAttention node (float32 and bf16 kernels alike)."""
+
+    def __init__(self, node, graph):
+        self.q_name, self.k_name, self.v_name = node.inputs[:3]
+        self.mask_name = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3] else ""
+        self.out_name = node.outputs[0]
+        q, k, v, out = (graph.values[n] for n in (self.q_name, self.k_name, self.v_name, self.out_name))
+        (qshape, self.qs), (kshape, self.ks), (vshape, self.vs) = (
+            operand(x.shape, node.attr(f"{p}_perm")) for x, p in ((q, "q"), (k, "k"), (v, "v")))
+        self.os = output_strides(out.shape, node.attr("out_perm"))
+        self.T, self.D = qshape[-2:]
+        self.S, self.Dv = kshape[-1], vshape[-1]
+        self.batch = qshape[:-2]
+        self.nb = math.prod(self.batch)
+        T, S, Dv = self.T, self.S, self.Dv
+        # The mask's strides along the scores' axes [.., T, S]: 0 where it broadcasts.
+        self.ms = broadcast_strides(graph.values[self.mask_name].shape, self.batch + [T, S]) if self.mask_name else None
+        assert self.qs[-1] == 1 and self.vs[-1] == 1 and self.os[-1] == 1, "fuse_attention checks the unit strides"
+
+        SP = ceil_div(S, PAD) * PAD
+        if (4 * SP) % ALIAS_BYTES == 0:
+            # Rows a multiple of 1 KB apart (S = 241..256, 497..512...) fall in a few L1 sets: one more vector
+            # breaks the stride. Whisper's 6 heads x 250 tokens: 0.615 -> 0.457 ms one-node, from C
+            # (onnxruntime 0.46 ms); 240 tokens (960 B apart) ran 0.420 ms before and after.
+            SP += PAD
+        self.SP = SP
+        self.s_tile, self.o_tile = choose_tile(T, S), choose_tile(T, Dv)
+        step = math.lcm(self.s_tile[0], self.o_tile[0])    # blocks of whole tiles of both products
+        RB = max(step, BLOCK_BYTES // (4 * SP) // step * step)
+        self.one_slot = session_threads() == 1
+        if not self.one_slot and self.nb * ceil_div(T, RB) < work_items():   # smaller blocks: something for every thread
+            RB = max(step, ceil_div(ceil_div(T, ceil_div(work_items(), self.nb)), step) * step)
+        self.RB = RB = min(RB, ceil_div(T, step) * step)
+        self.n_blocks = ceil_div(T, RB)
+        # Work items: (batch, run of consecutive blocks); one run per batch on one thread, else as many
+        # as the threads want (each item packs its batch's Kt once, into a slot of its own).
+        self.runs = 1 if self.one_slot else min(self.n_blocks, ceil_div(work_items(), self.nb))
+        self.work = self.nb * self.runs
+        self.slot = self.D * SP + RB * SP
+        # Every block but the last has RB rows (whole tiles of both products); the last may end in a partial tile.
+        self.last_rows = T - (self.n_blocks - 1) * RB
+
+    def slots(self) -> int:
+        """Scratch slots: one on one thread, one per work item else."""
+        return 1 if self.one_slot else self.work
+
+    def emit_item_head(self, src: Source) -> None:
+        """The item loop's first lines: n (the batch), run, so (the float32 slot's offset) and the
+        batch axes' offsets of each operand (qb, kb, vb, ob, mb)."""
+        g = self
+        src.line("for item in range(begin, end):").indent()
+        src.line(f"n = item // {g.runs}").line(f"run = item % {g.runs}")
+        src.line("so = 0" if g.one_slot else f"so = item * {g.slot}")
+        operands = [("qb", g.qs), ("kb", g.ks), ("vb", g.vs), ("ob", g.os)] + ([("mb", g.ms)] if g.mask_name else [])
+        for name, _ in operands:
+            src.line(f"{name} = 0")
+        if g.batch:
+            src.line("rest = n")
+            for axis in reversed(range(len(g.batch))):
+                src.line(f"i{axis} = rest % {g.batch[axis]}").line(f"rest = rest // {g.batch[axis]}")
+                for name, strides in operands:
+                    if strides[axis]:
+                        src.line(f"{name} += i{axis} * {strides[axis]}")
+
+    def emit_kt_pack(self, src: Source, SC: str) -> None:
+        """Kt [D][S] of this batch (float32) into the slot's first D*SP floats of SC."""
+        D, S, SP = self.D, self.S, self.SP
+        ks_d, ks_s = self.ks[-2], self.ks[-1]
+        pack = f"{SC}[so + d * {SP} + s] = p1[kb + d * {ks_d} + s * {ks_s}]"
+        if ks_s == 1:   # rows of Kt are contiguous already: copy them
+            src.line(f"for d in range({D}):").indent().line(f"for s in range({S}):").indent().line(pack)
+            src.dedent().dedent()
+        elif ks_d == 1 and min(S, D) >= TBLOCK:
+            # K rows [S][D] contiguous along d: 16 x 16 blocks by the shuffle micro-kernel, the rows and
+            # columns past the last whole block one float at a time.
+            S16, D16 = S - S % TBLOCK, D - D % TBLOCK
+            src.line(f"for s0 in range(0, {S16}, {TBLOCK}):").indent()
+            src.line(f"for d0 in range(0, {D16}, {TBLOCK}):").indent()
+            src.line(f"tblock(p1, kb + s0 * {ks_s} + d0, {ks_s}, {SC}, so + d0 * {SP} + s0, {SP})").dedent()
+            if D16 < D:
+                src.line(f"for s in range(s0, s0 + {TBLOCK}):").indent()
+                src.line(f"for d in range({D16}, {D}):").indent().line(pack).dedent().dedent()
+            src.dedent()
+            if S16 < S:
+                src.line(f"for s in range({S16}, {S}):").indent()
+                src.line(f"for d in range({D}):").indent().line(pack).dedent().dedent()
+        else:           # read along d (contiguous when K is [.., S, D] in memory), write along s
+            src.line(f"for s in range({S}):").indent().line(f"for d in range({D}):").indent().line(pack)
+            src.dedent().dedent()
+
+    def emit_softmax(self, src: Source, node, SC: str, MK: str) -> None:
+        """P = softmax(S * scale + mask) in place, row by row, over the block's rows of S at SC[sb...]."""
+        S, SP = self.S, self.SP
+        scale = float(node.attr("scale", 1.0))
+        scale_op = node.attr("scale_op", "")
+        F = lambda x: literal(x, np.float32)
+        src.line("for i in range(rows):").indent()
+        src.line(f"ro = sb + i * {SP}")
+        sj = f"{SC}[ro + j]"
+        scaled = {"Mul": f"{sj} * {F(scale)}", "Div": f"{sj} / {F(scale)}", "": sj}[scale_op]
+        if self.mask_name:
+            src.line(f"mo = mb + (r0 + i) * {self.ms[-2]}")
+            scaled += f" + {MK}[mo + j * {self.ms[-1]}]"
+        src.line("j = 0").line(f"m = {scaled}")
+        src.line(f"for j in range({S}):").indent()
+        if scale_op or self.mask_name:
+            src.line(f"x = {scaled}").line(f"{sj} = x").line("m = vmax(m, x)")
+        else:
+            src.line(f"m = vmax(m, {sj})")
+        src.dedent()
+        src.line(f"total = {F(0)}")
+        src.line(f"for j in range({S}):").indent()
+        src.line(f"e = vexp({sj} - m)").line(f"{sj} = e").line("total += e").dedent()
+        src.line(f"inv = {F(1)} / total")
+        src.line(f"for j in range({S}):").indent().line(f"{sj} = {sj} * inv").dedent()
+        src.dedent()
+
+
 def lower_attention(node, graph) -> Lowered:
-    q_name, k_name, v_name = node.inputs[:3]
-    mask_name = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3] else ""
-    out_name = node.outputs[0]
-    q, k, v, out = (graph.values[n] for n in (q_name, k_name, v_name, out_name))
-    (qshape, qs), (kshape, ks), (vshape, vs) = (operand(x.shape, node.attr(f"{p}_perm"))
-                                                 for x, p in ((q, "q"), (k, "k"), (v, "v")))
-    os_ = output_strides(out.shape, node.attr("out_perm"))
-    T, D = qshape[-2:]
-    S, Dv = kshape[-1], vshape[-1]
-    batch = qshape[:-2]
-    nb = math.prod(batch)
-    # The mask's strides along the scores' axes [.., T, S]: 0 where it broadcasts.
-    ms = broadcast_strides(graph.values[mask_name].shape, batch + [T, S]) if mask_name else None
-    assert qs[-1] == 1 and vs[-1] == 1 and os_[-1] == 1, "fuse_attention checks the unit strides"
-
-    SP = ceil_div(S, PAD) * PAD
-    if (4 * SP) % ALIAS_BYTES == 0:
-        # Rows a multiple of 1 KB apart (S = 241..256, 497..512...) fall in a few L1 sets: one more vector
-        # breaks the stride. Whisper's 6 heads x 250 tokens: 0.615 -> 0.457 ms one-node, from C
-        # (onnxruntime 0.46 ms); 240 tokens (960 B apart) ran 0.420 ms before and after.
-        SP += PAD
-    s_tile, o_tile = choose_tile(T, S), choose_tile(T, Dv)
-    step = math.lcm(s_tile[0], o_tile[0])               # blocks of whole tiles of both products
-    RB = max(step, BLOCK_BYTES // (4 * SP) // step * step)
-    one_slot = session_threads() == 1
-    if not one_slot and nb * ceil_div(T, RB) < work_items():   # smaller blocks: something for every thread
-        RB = max(step, ceil_div(ceil_div(T, ceil_div(work_items(), nb)), step) * step)
-    RB = min(RB, ceil_div(T, step) * step)
-    n_blocks = ceil_div(T, RB)
-    # Work items: (batch, run of consecutive blocks); one run per batch on one thread, else as many
-    # as the threads want (each item packs its batch's Kt once, into a slot of its own).
-    runs = 1 if one_slot else min(n_blocks, ceil_div(work_items(), nb))
-    work = nb * runs
-    slot = D * SP + RB * SP
-    scratch = scratch_value(graph, node, ((1 if one_slot else work) * slot,), np.float32, tag="attention")
-
-    # Every block but the last has RB rows (whole tiles of both products); the last may end in a partial tile.
-    last_rows = T - (n_blocks - 1) * RB
-    prod_s = _Product("us", s_tile, S, D, last_rows % s_tile[0])
-    prod_o = _Product("uo", o_tile, Dv, S, last_rows % o_tile[0])
-
-    scale = float(node.attr("scale", 1.0))
-    scale_op = node.attr("scale_op", "")
-    F = lambda x: literal(x, np.float32)
+    lowp = lowp_product(node)
+    if lowp is not None and lowp[0] == "bf16":
+        from .attention_bf16 import lower_attention_bf16
+        return lower_attention_bf16(node, graph, lowp)
+    g = Geometry(node, graph)
+    scratch = scratch_value(graph, node, (g.slots() * g.slot,), np.float32, tag="attention")
+    prod_s = _Product("us", g.s_tile, g.S, g.D, g.last_rows % g.s_tile[0])
+    prod_o = _Product("uo", g.o_tile, g.Dv, g.S, g.last_rows % g.o_tile[0])
 
     src = Source()
     for line in TBlockSpec().declaration("tblock").splitlines():
@@ -129,73 +212,18 @@ def lower_attention(node, graph) -> Lowered:
     prod_s.declare(src)
     prod_o.declare(src)
     # Pointers: p0 q, p1 k, p2 v, [mask], scratch, out (what the kernel writes comes last)
-    MK, SC, OUT = ("p3", "p4", "p5") if mask_name else ("", "p3", "p4")
-    src.line(kernel_header(6 if mask_name else 5)).indent()
-    src.line("for item in range(begin, end):").indent()
-    src.line(f"n = item // {runs}").line(f"run = item % {runs}")
-    src.line("so = 0" if one_slot else f"so = item * {slot}")
-    # The batch axes' offsets of each operand.
-    operands = [("qb", qs), ("kb", ks), ("vb", vs), ("ob", os_)] + ([("mb", ms)] if mask_name else [])
-    for name, _ in operands:
-        src.line(f"{name} = 0")
-    if batch:
-        src.line("rest = n")
-        for axis in reversed(range(len(batch))):
-            src.line(f"i{axis} = rest % {batch[axis]}").line(f"rest = rest // {batch[axis]}")
-            for name, strides in operands:
-                if strides[axis]:
-                    src.line(f"{name} += i{axis} * {strides[axis]}")
-    # Kt [D][S] of this batch into the slot's first D*SP floats.
-    ks_d, ks_s = ks[-2], ks[-1]
-    pack = f"{SC}[so + d * {SP} + s] = p1[kb + d * {ks_d} + s * {ks_s}]"
-    if ks_s == 1:   # rows of Kt are contiguous already: copy them
-        src.line(f"for d in range({D}):").indent().line(f"for s in range({S}):").indent().line(pack)
-        src.dedent().dedent()
-    elif ks_d == 1 and min(S, D) >= TBLOCK:
-        # K rows [S][D] contiguous along d: 16 x 16 blocks by the shuffle micro-kernel, the rows and
-        # columns past the last whole block one float at a time.
-        S16, D16 = S - S % TBLOCK, D - D % TBLOCK
-        src.line(f"for s0 in range(0, {S16}, {TBLOCK}):").indent()
-        src.line(f"for d0 in range(0, {D16}, {TBLOCK}):").indent()
-        src.line(f"tblock(p1, kb + s0 * {ks_s} + d0, {ks_s}, {SC}, so + d0 * {SP} + s0, {SP})").dedent()
-        if D16 < D:
-            src.line(f"for s in range(s0, s0 + {TBLOCK}):").indent()
-            src.line(f"for d in range({D16}, {D}):").indent().line(pack).dedent().dedent()
-        src.dedent()
-        if S16 < S:
-            src.line(f"for s in range({S16}, {S}):").indent()
-            src.line(f"for d in range({D}):").indent().line(pack).dedent().dedent()
-    else:           # read along d (contiguous when K is [.., S, D] in memory), write along s
-        src.line(f"for s in range({S}):").indent().line(f"for d in range({D}):").indent().line(pack)
-        src.dedent().dedent()
-    src.line(f"for blk in range(run * {n_blocks} // {runs}, (run + 1) * {n_blocks} // {runs}):").indent()
-    src.line(f"r0 = blk * {RB}").line(f"rows = min({RB}, {T} - r0)")
-    src.line(f"sb = so + {D * SP}")
+    MK, SC, OUT = ("p3", "p4", "p5") if g.mask_name else ("", "p3", "p4")
+    src.line(kernel_header(6 if g.mask_name else 5)).indent()
+    g.emit_item_head(src)
+    g.emit_kt_pack(src, SC)
+    src.line(f"for blk in range(run * {g.n_blocks} // {g.runs}, (run + 1) * {g.n_blocks} // {g.runs}):").indent()
+    src.line(f"r0 = blk * {g.RB}").line(f"rows = min({g.RB}, {g.T} - r0)")
+    src.line(f"sb = so + {g.D * g.SP}")
     # S = Q[r0:r0+rows] @ Kt
-    prod_s.emit(src, "rows", "p0", f"qb + r0 * {qs[-2]}", qs[-2], SC, "so", SP, SC, "sb", SP)
-    # P = softmax(S * scale + mask) row by row
-    src.line("for i in range(rows):").indent()
-    src.line(f"ro = sb + i * {SP}")
-    sj = f"{SC}[ro + j]"
-    scaled = {"Mul": f"{sj} * {F(scale)}", "Div": f"{sj} / {F(scale)}", "": sj}[scale_op]
-    if mask_name:
-        src.line(f"mo = mb + (r0 + i) * {ms[-2]}")
-        scaled += f" + {MK}[mo + j * {ms[-1]}]"
-    src.line("j = 0").line(f"m = {scaled}")
-    src.line(f"for j in range({S}):").indent()
-    if scale_op or mask_name:
-        src.line(f"x = {scaled}").line(f"{sj} = x").line("m = vmax(m, x)")
-    else:
-        src.line(f"m = vmax(m, {sj})")
-    src.dedent()
-    src.line(f"total = {F(0)}")
-    src.line(f"for j in range({S}):").indent()
-    src.line(f"e = vexp({sj} - m)").line(f"{sj} = e").line("total += e").dedent()
-    src.line(f"inv = {F(1)} / total")
-    src.line(f"for j in range({S}):").indent().line(f"{sj} = {sj} * inv").dedent()
-    src.dedent()
+    prod_s.emit(src, "rows", "p0", f"qb + r0 * {g.qs[-2]}", g.qs[-2], SC, "so", g.SP, SC, "sb", g.SP)
+    g.emit_softmax(src, node, SC, MK)
     # O[r0:r0+rows] = P @ V
-    prod_o.emit(src, "rows", SC, "sb", SP, "p2", "vb", vs[-2], OUT, f"ob + r0 * {os_[-2]}", os_[-2])
-    args = [q_name, k_name, v_name] + ([mask_name] if mask_name else []) + [scratch, out_name]
+    prod_o.emit(src, "rows", SC, "sb", g.SP, "p2", "vb", g.vs[-2], OUT, f"ob + r0 * {g.os[-2]}", g.os[-2])
+    args = [g.q_name, g.k_name, g.v_name] + ([g.mask_name] if g.mask_name else []) + [scratch, g.out_name]
     kernel = Kernel("FusedAttention", src.text(), ("float32",) * len(args))
-    return Lowered([KernelCall(kernel, args, work, node.name, n_outputs=2)])
+    return Lowered([KernelCall(kernel, args, g.work, node.name, n_outputs=2)])

@@ -9,6 +9,7 @@ instructions double the products per cycle:
     Gemm, MatMul, FusedGemm, FusedMatMul with a constant 2-D B        -> the precision
     Conv, FusedConv with constant 4-D weights, not depthwise          -> the precision
     LSTM with a constant recurrence matrix R                          -> the precision
+    FusedAttention on float32 q, k, v (bf16 only)                     -> bf16
     everything else                                                   -> float32
 
 A marked conv computes in the precision where it runs as an implicit GEMM
@@ -22,7 +23,11 @@ product per tap and channel, no weight matrix to halve. A marked LSTM multiplies
 in the precision where its steps run in two halves of the hidden units (batch <= 6, no sequence
 lengths, an even hidden size: backends/numba_cpu/rnn.py), the product that streams R once per step
 and so is bound by R's bytes; h is rounded to 16 bits once per step for that product, the cell's
-update (gates, c, h) and the input projection stay float32.
+update (gates, c, h) and the input projection stay float32. A marked FusedAttention
+(passes/fuse_attention.py) computes S = Q Kt and O = P V on the bf16 micro-kernel with Q, Kt, P
+and V rounded to bf16 once each and its softmax in float32 (backends/numba_cpu/attention_bf16.py;
+its error bound is in attention.py's docstring); there is no fp16 attention kernel, so fp16
+builds leave it float32.
 
 Everything else stays in float32 because it is numerically sensitive or gains nothing:
 reductions and their accumulators, Softmax / LayerNorm / normalisation statistics, exp and
@@ -175,5 +180,7 @@ def describe(before: Graph, after: Graph) -> str:
     precision = marked[0].attr("precision")
     stored = [name for name, v in after.values.items() if v.dtype == stored_dtype(precision)
               and name in before.values and before.values[name].dtype == np.float32]
-    return (f"{len(marked)} weight products in {precision}, {len(after.nodes) - len(marked)} nodes in float32"
+    attentions = sum(1 for n in marked if (n.domain, n.op) == (FUSED_DOMAIN, "FusedAttention"))
+    products = f"{len(marked) - attentions} weight products" + (f" and {attentions} attentions" if attentions else "")
+    return (f"{products} in {precision}, {len(after.nodes) - len(marked)} nodes in float32"
             + (f", {len(stored)} activations stored in {precision}" if stored else ""))

@@ -23,6 +23,30 @@ output rows in place. With one thread there is one run per batch and one
 scratch slot; with more, the runs are as many as the threads want (blocks
 get smaller when there are fewer than threads) and each item has a slot of
 its own, so no result depends on which thread ran what.
+
+bf16 builds (the node marked `precision: bf16` by passes/assign_precision.py; attention_bf16.py):
+both products on the bf16 micro-kernel (`vdpbf16ps` with AVX512-BF16, "widen" elsewhere), float32
+sums: Kt and V rounded once to bf16 and packed per batch in the pair layout, Q's rows rounded once
+per block, the softmax in float32 on S as above, P rounded once to bf16 as the second product's A.
+fp16 builds keep the float32 kernel (no fp16 attention kernel). The error against a float32
+engine (onnxruntime), u = 2^-8 (bf16), u32 = 2^-24, gamma(n) = n u32 / (1 - n u32), c the scale
+(1/scale for "Div"), z = c S + M, for query row i:
+
+- S: q and k each rounded once (relative u), their product exact in float32, D products summed
+  in float32 by both engines, so |S^ - S| <= (2u + u^2 + 2 gamma(D + 1)(1 + u)^2) sum_d |q_id| |k_dj|.
+  The scale, the mask's add and x - max each round once more in float32 in both engines:
+  E_ij = |c| (that bound) + 4 u32 (|c S_ij| + |z_ij|) + 2 u32 (|z_ij| + max_j |z_ij|) bounds
+  the perturbation of softmax's argument; E_i = max_j E_ij.
+- softmax: P_j = e^z_j / sum_k e^z_k, so perturbing every z_k by at most E_i scales each P_j by
+  a factor in [e^-2E_i, e^2E_i]; vexp (within 4 ulp), the sum (gamma(S)), 1/sum and the product
+  add a relative 2 gamma(S + 12) for both engines: P^_j <= w_i P_j, w_i = e^(2 E_i)(1 + 2 gamma(S + 12)).
+- O: P^ and V each rounded once (relative u) and S products summed in float32 by both engines:
+  |O^_ic - O_ort,ic| <= w_i sum_j P_j |V_jc| (w_i (1 + u)^2 - 1 + gamma(S + 1)(w_i (1 + u)^2 + 1)),
+  P the exact softmax (P_ort <= w_i P too).
+vdpbf16ps treats bf16 subnormals (|x| < 2^-126) as zero: an absolute 2^-126 per operand, far
+below the bound. tests/test_precision_attention.py checks it element by element against
+onnxruntime (the errors measured are 2-6 % of it: the e^(2E) factor is a worst case over
+the row).
 """
 from __future__ import annotations
 
@@ -32,7 +56,7 @@ import numpy as np
 
 from .ukernel import TBLOCK, TBlockSpec, UKSpec
 
-from .gemm import TileLoops, ceil_div, choose_tile, lowp_product
+from .gemm import TileLoops, ceil_div, choose_tile
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
                      session_threads, work_items)
 from .scratch import scratch_value
@@ -197,10 +221,7 @@ class Geometry:
 
 
 def lower_attention(node, graph) -> Lowered:
-    lowp = lowp_product(node)
-    if lowp is not None and lowp[0] == "bf16":
-        from .attention_bf16 import lower_attention_bf16
-        return lower_attention_bf16(node, graph, lowp)
+    """The float32 kernel (attention_bf16.lower_fused_attention sends a bf16-marked node elsewhere)."""
     g = Geometry(node, graph)
     scratch = scratch_value(graph, node, (g.slots() * g.slot,), np.float32, tag="attention")
     prod_s = _Product("us", g.s_tile, g.S, g.D, g.last_rows % g.s_tile[0])

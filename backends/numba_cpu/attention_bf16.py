@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import Geometry, PAD
-from .gemm import TileLoops, bf16_k_pass, ceil_div, lowp_label
+from .attention import PAD, Geometry, lower_attention
+from .gemm import TileLoops, bf16_k_pass, ceil_div, lowp_label, lowp_product
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header
 from .lowp import CvtSpec, PairCvtSpec
 from .scratch import scratch_value
@@ -80,6 +80,15 @@ def _rows_to_bf16(src: Source, src_ptr: str, soff: str, stride, dst: str, doff: 
     if n % 2:
         src.line(f"{dst}[{doff} + i * {ld} + {n}] = np.uint16(0)")
     src.dedent()
+
+
+def lower_fused_attention(node, graph) -> Lowered:
+    """FusedAttention: these products where the node is marked bf16 (and the target has a method:
+    every target has "widen"), else attention.py's float32 kernel."""
+    lowp = lowp_product(node)
+    if lowp is None or lowp[0] != "bf16":
+        return lower_attention(node, graph)
+    return lower_attention_bf16(node, graph, lowp)
 
 
 def lower_attention_bf16(node, graph, lowp: tuple[str, str]) -> Lowered:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cuvil.errors import UnsupportedOpError
+from cuvil.ir import Value
 
 from .ukernel import LOADC_EPILOGUE
 
@@ -447,10 +448,15 @@ def pack_b_lowp(data: np.ndarray, nr: int, fmt: str) -> np.ndarray:
 def lowp_a_calls(graph, node, A_name: str, M: int, K: int, fmt: str) -> tuple[list, str, Operand]:
     """The call converting A's M rows of K float32 to the 16-bit format (rounded to nearest even;
     bf16 rows padded with a zero to whole pairs) into a scratch value, its name, and how the GEMM
-    reads it."""
+    reads it. The value is named after A: a later product of the same A (attention's Q, K and V
+    projections of one tensor) reads the conversion an earlier one made, and no call is added
+    (the arena keeps the value from its first write to its last reader)."""
     from .lowp import CvtSpec
     Kp = lowp_k(K, fmt)
-    converted = scratch_value(graph, node, (M, Kp), np.uint16, tag=f"{fmt}_a")
+    converted = f"__{fmt}_a__{A_name}"
+    if converted in graph.values and tuple(graph.values[converted].shape) == (M, Kp):
+        return [], converted, Operand((), Kp, 1)
+    graph.values[converted] = Value(converted, np.dtype(np.uint16), (M, Kp))
     src = Source()
     for line in CvtSpec("f32", fmt).declaration("cvt").splitlines():
         src.line(line)

@@ -9,7 +9,7 @@ from backends.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
 from cuvil.ops import CONTROL_OPS, FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
 
-from . import attention, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
+from . import attention_bf16, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
 from .kernel import Lowered, lowering_for
 from .views import lower_view
 
@@ -96,7 +96,7 @@ GENERATORS = {
     "FusedMatMul": in_float32(gemm.lower_matmul),
     "FusedConv": in_float32(conv.lower_conv, conv.reads_stored16),
     "DepthwiseBlock": dwblock.lower_depthwise_block,
-    "FusedAttention": attention.lower_attention,
+    "FusedAttention": attention_bf16.lower_fused_attention,   # float32: attention.lower_attention
     # fused elementwise loops, domain "cuvil" (fused.py)
     "FusedElementwise": fused.lower_fused_elementwise,
     # a loop compiled as a loop, domain "cuvil" (control.py)

@@ -101,3 +101,19 @@ def test_activations_stay_float32_when_asked_or_when_a_reader_is_kept_in_float32
     kept = assign_precision(before, Options(precision="bf16", keep_fp32=["b"]))
     # b stays float32, so p (its input) does; h still goes conv a -> MaxPool in 16 bits
     assert _dtypes(kept, names) == {"h": "bfloat16", "p": "float32"}
+
+
+def test_marks_a_fused_attention_in_bf16_only():
+    """FusedAttention's two products have a bf16 kernel (backends/numba_cpu/attention_bf16.py; its
+    numerics against onnxruntime: tests/test_precision_attention.py), no fp16 one."""
+    from passes.fuse_attention import fuse_attention
+    from tests.test_attention import heads
+    model, _ = heads(T=8, H=2, D=16)
+    before = fuse_attention(import_onnx(model)[0])
+    assert [n.op for n in before.nodes] == ["FusedAttention"]
+    after = assign_precision(before, Options(precision="bf16"))
+    verify(after)
+    assert [n.attr("precision") for n in after.nodes] == ["bf16"]
+    assert describe(before, after) == "0 weight products and 1 attentions in bf16, 0 nodes in float32"
+    assert assign_precision(before, Options(precision="fp16")) is before
+    assert assign_precision(before, Options(precision="bf16", keep_fp32=["FusedAttention"])) is before

@@ -454,8 +454,10 @@ def lowp_a_calls(graph, node, A_name: str, M: int, K: int, fmt: str) -> tuple[li
     from .lowp import CvtSpec
     Kp = lowp_k(K, fmt)
     converted = f"__{fmt}_a__{A_name}"
-    if converted in graph.values and tuple(graph.values[converted].shape) == (M, Kp):
-        return [], converted, Operand((), Kp, 1)
+    if converted in graph.values:
+        if tuple(graph.values[converted].shape) == (M, Kp):
+            return [], converted, Operand((), Kp, 1)
+        converted = f"__{fmt}_a__{node.name}"   # (A read as other rows: a conversion of its own)
     graph.values[converted] = Value(converted, np.dtype(np.uint16), (M, Kp))
     src = Source()
     for line in CvtSpec("f32", fmt).declaration("cvt").splitlines():

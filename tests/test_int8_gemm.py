@@ -43,20 +43,26 @@ def _jit_kernel(spec):
 
 
 UKERNEL = {
-    # name: (out, a dtype, rows, N)
+    # name: (out, a dtype, rows, N[, multiplier range])
     "i32_u8": ("i32", U8, 6, 64),
     "i32_s8_narrow": ("i32", I8, 4, 40),
     "f32_u8_scale_bias_relu": ("f32", U8, 6, 50),
     "u8_s8_requantised": ("u8", I8, 3, 64),
     "s8_u8_requantised_clip": ("s8", U8, 5, 20),
+    # multipliers up to 1e7 (signed sums up to ~6e5): scaled values far past +-2^31, where the x86
+    # requantisation's rounding conversion gives INT_MIN (_requantise): both ends must saturate
+    "u8_u8_multiplier_past_int32": ("u8", U8, 6, 64, (1e-2, 1e7)),
+    "s8_s8_multiplier_past_int32": ("s8", I8, 4, 30, (1e-2, 1e7)),
 }
 
 
 @pytest.mark.parametrize("case", list(UKERNEL))
 def test_micro_kernel_is_exact(case):
-    out, a_dtype, mr, N = UKERNEL[case]
+    out, a_dtype, mr, N, *scales = UKERNEL[case]
     K, za, zy = 36, 9, -3 if out == "s8" else 7
     act = {"f32": ("Relu", 0.0, 0.0), "s8": ("Clip", -0.5, 0.25)}.get(out, ("", 0.0, 0.0))
+    if scales:
+        act = ("", 0.0, 0.0)
     nr = 64 if N > 48 else 48
     spec = Int8UKSpec(mr=mr, nr=nr, out=out, a_signed=int(a_dtype == I8), ascale=1, bias=1, act=act[0],
                       act_lo=act[1], act_hi=act[2], zy=zy)
@@ -65,7 +71,7 @@ def test_micro_kernel_is_exact(case):
     rng = np.random.default_rng(3)
     comp = np.zeros(nr, np.int32)
     comp[:N] = -B.astype(np.int32).sum(0)
-    mult = rng.uniform(1e-3, 2e-2, nr).astype(F32)
+    mult = rng.uniform(*(scales[0] if scales else (1e-3, 2e-2)), nr).astype(F32)
     bias = rng.uniform(-1, 1, nr).astype(F32)
     ascale = np.array([0.37], F32)
     C = np.zeros((mr, N), {"i32": np.int32, "f32": F32, "u8": U8, "s8": I8}[out])

@@ -75,7 +75,12 @@ def conv_pads(node, in_spatial, kernel, strides, dilations, out_spatial):
 MIN_SPLIT_OPS = 1 << 21
 
 
-TILES = ((6, 64), (12, 32), (24, 16))   # output channels x pixels of a micro-tile: 24 int32 accumulators
+# output channels x pixels of a micro-tile: 24 int32 accumulators. A core running two `vpdpbusd` a
+# cycle (Zen 5; latency 4) needs 8 or more independent ones; the loads a tap (pixel vectors + weight
+# broadcasts: 10, 11, 14, 25 for 24 dot products) leave 24x16 load-bound at ~90 % of the peak, the
+# others at 97-100 % (benchmarks/peak_lowp.py, the tile alone in a loop). 8x48 fits 64 channels
+# (ResNet's stem and first layer) in whole tiles.
+TILES = ((6, 64), (8, 48), (12, 32), (24, 16))
 
 
 QUAD_TILES = ((8, 48), (12, 32), (24, 16))   # rows in whole quads, for a conv writing the next one's quads
@@ -311,13 +316,14 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, qua
             return None
         Hps += extra
         pl = pl + s * col
-    elif s == 1 and Wps > max(OW, W + pl):
-        # Stride 1: the rows as narrow as the taps allow. A tap right of a row's end reads the next
-        # row's left padding, so W + max(left, right pad) columns do (a 3x3 pad-1 conv: 57 for a
-        # 56-wide image, not 58; 29 for 28): the tiles compute 1.8 / 3.4 % fewer lanes that are no
-        # output. Not narrower than W + the left pad: a conv writing this one's quads
-        # (conv_into_conv) puts its output row inside one grid row.
-        for width in range(max(OW, W + pl), Wps):
+    elif Wps > max(OW, (W - 1 + pl) // s + 1):
+        # The rows as narrow as the taps allow. A tap right of a row's end reads the next row's left
+        # padding, so at stride 1 W + max(left, right pad) columns do (a 3x3 pad-1 conv: 57 for a
+        # 56-wide image, not 58; 29 for 28; the 7x7 stride-2 stem's phases: 114, not 115): the
+        # tiles compute 1.8 / 3.4 / 0.9 % fewer lanes that are no output. Not so narrow that an
+        # input row runs on into the next (a conv writing this one's quads, conv_into_conv, puts
+        # its output row inside one grid row; PhasePad copies rows as they are).
+        for width in range(max(OW, (W - 1 + pl) // s + 1), Wps):
             extra = next((e for e in (0, 1) if _layout_holds(*shape, 0, Hps + e, width)), None)
             if extra is not None:
                 Hps, Wps = Hps + extra, width

@@ -11,7 +11,13 @@ so the micro-kernel only ever reads unsigned bytes; the compensation uses z_x + 
 runs the micro-kernel on tiles of output channels x 64 positions of the phase grid (OH rows of
 Wps pixels, read as one run: the columns past OW are computed and left out of the compressed
 store); every tap (kh, kw) reads the phase ((kh d) % s, (kw d) % s) at pixel offset
-((kh d) // s) * Wps + (kw d) // s.
+((kh d) // s) * Wps + (kw d) // s. Only the phases the taps read are copied (a strided 1x1: one).
+The rows are as narrow as that reading allows (`_layout_holds`, checked pixel by pixel at build
+time): a tap past a row's end reads the next row's left padding, so a 3x3 pad-1 conv's rows are
+W + 1 pixels, not W + 2 (the columns past OW are lanes computed for nothing: 1.8 % of them at 56,
+3.4 % at 28), with one more padding row at the bottom. Where a conv computes on the next conv's
+grid (below) its own input rows may then run on into the next row: QuadPad writes such an image
+as one run of pixels a row in flat order (`_flat_runs`).
 
     sum (x - z_x) w' = sum x w' - z_x * sum_{c, t} w'[oc, c, t]      (w' = w - z_w, int8, packed)
 

@@ -14,7 +14,7 @@ import llvmlite.binding as llvm
 
 def _module(lanes: int, accs: int) -> str:
     vt = f"<{lanes} x float>"
-    lines = [f"define i64 @peak(i64 %n, ptr %out) #0 {{", "entry:", "  br label %loop", "loop:",
+    lines = ["define i64 @peak(i64 %n, ptr %out) #0 {", "entry:", "  br label %loop", "loop:",
              "  %i = phi i64 [ 0, %entry ], [ %i.next, %loop ]"]
     for a in range(accs):
         lines.append(f"  %a{a} = phi {vt} [ <{', '.join(f'float {1.0 + a * 0.0078125!r}' for _ in range(lanes))}>, %entry ], "

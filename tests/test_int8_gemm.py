@@ -177,6 +177,9 @@ QLINEAR_CONV = {
                                        I8, "channel lanes"),
     "1x1_stride2_to_7x7": ((1, 64, 14, 14), (128, 64, 1, 1), {"strides": [2, 2]}, U8, "channel lanes"),
     "3x3_14x14_plane": ((1, 24, 14, 14), (32, 24, 3, 3), {"pads": [1, 1, 1, 1]}, U8, "channel lanes"),
+    # tiles of 11 and 5 pixels: the channel-lane store's transpose in 16- and 8-byte slots
+    "3x3_11x11_plane_rows_of_11": ((1, 12, 11, 11), (64, 12, 3, 3), {"pads": [1, 1, 1, 1]}, U8, "channel lanes"),
+    "1x1_5x5_plane_int8_batch2": ((2, 8, 5, 5), (32, 8, 1, 1), {}, I8, "channel lanes"),
     # the rows narrower than the taps' reach (W + max pad: _layout_holds): asymmetric pads, left
     # heavier and right heavier; a strided 1x1 with padding copies only the phase it reads
     "3x3_left_pad_2_right_0_odd": ((1, 8, 11, 13), (16, 8, 3, 3), {"pads": [0, 2, 1, 0]}, U8, ""),

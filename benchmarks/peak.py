@@ -67,13 +67,13 @@ def host_cpu() -> tuple[str, str]:
     return llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
 
 
-def measure(seconds: float = 0.3, repeats: int = 5) -> dict:
+def measure(seconds: float = 0.3, repeats: int = 5, timer=time.perf_counter) -> dict:
     cpu, features = host_cpu()
     lanes = 16 if "+avx512f" in features.split(",") else 8 if "+avx2" in features.split(",") else 4
     accs = 24 if lanes == 16 else 12
     ir = _module(lanes, accs) + (f'attributes #0 = {{ "target-cpu"="{cpu}" "target-features"="{features}" '
                                  f'"prefer-vector-width"="{lanes * 32}" }}\n')
-    best = time_loop(ir, 2 * lanes * accs, cpu, features, seconds, repeats)
+    best = time_loop(ir, 2 * lanes * accs, cpu, features, seconds, repeats, timer)
     return {"gflops": best, "lanes": lanes, "cpu": cpu}
 
 

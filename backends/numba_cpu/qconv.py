@@ -50,6 +50,8 @@ buffer is the consumer's scratch value (its name comes from the consumer node).
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from .emit import NOALIAS_MARK
@@ -84,8 +86,8 @@ MIN_SPLIT_OPS = 1 << 21
 # output channels x pixels of a micro-tile: 24 int32 accumulators. A core running two `vpdpbusd` a
 # cycle (Zen 5; latency 4) needs 8 or more independent ones; the loads a tap (pixel vectors + weight
 # broadcasts: 10, 11, 14, 25 for 24 dot products) leave 24x16 load-bound at ~90 % of the peak, the
-# others at 97-100 % (benchmarks/peak_lowp.py, the tile alone in a loop). 8x48 fits 64 channels
-# (ResNet's stem and first layer) in whole tiles.
+# others at 95-100 % (benchmarks/int8_tiles.py, each tile alone in a loop, against peak_lowp.py's
+# ~1100 GOP/s). 8x48 fits 64 channels (ResNet's stem and first layer) in whole tiles.
 TILES = ((6, 64), (8, 48), (12, 32), (24, 16))
 
 
@@ -161,18 +163,25 @@ def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: in
 
 def _quad_row_copy(src, read, s, pl, C, H, W, z):
     """The copy of one row's valid columns [wlo, whi) inside _padded_rows' loop (closes it)."""
-    HW = H * W
     src.line(f"sb = ((n * {C} + q * 4) * {H} + h) * {W} + b - {pl}")
+    _copy_quads(src, read, s, C, H * W, "ww", "wlo, whi", z)
+    src.dedent().dedent()
+
+
+def _copy_quads(src, read, s, C, HW, var, bounds, z):
+    """Pixels `var` in range(bounds) of quad q, input pixel sb + var * s of channel 4q + h to byte
+    o + var * 4 + h: the quad's 4 bytes stored together (an interleaved store LLVM vectorises), a
+    last quad past C filled with the zero point."""
     src.line(f"if q * 4 + 4 <= {C}:").indent()
-    src.line("for ww in range(wlo, whi):").indent()
-    src.line(f"i = sb + ww * {s}").line("d = o + ww * 4")
+    src.line(f"for {var} in range({bounds}):").indent()
+    src.line(f"i = sb + {var} * {s}").line(f"d = o + {var} * 4")
     for c4 in range(4):
         src.line(f"p1[d + {c4}] = {read(f'p0[i + {c4 * HW}]')}")
     src.dedent().dedent().line("else:").indent()
     src.line("for c4 in range(4):").indent()
-    src.line("for ww in range(wlo, whi):").indent()
-    src.line(f"p1[o + ww * 4 + c4] = {read(f'p0[sb + c4 * {HW} + ww * {s}]')} if q * 4 + c4 < {C} else {z}")
-    src.dedent().dedent().dedent().dedent().dedent()
+    src.line(f"for {var} in range({bounds}):").indent()
+    src.line(f"p1[o + {var} * 4 + c4] = {read(f'p0[sb + c4 * {HW} + {var} * {s}]')} if q * 4 + c4 < {C} else {z}")
+    src.dedent().dedent().dedent()
 
 
 def _flat_runs(src, read, s, pt, pl, C, H, W, Wps, plane, z):
@@ -181,7 +190,6 @@ def _flat_runs(src, read, s, pt, pl, C, H, W, Wps, plane, z):
     phase image (a, b), input row h's pixels w = w0, w0 + s, ... (those of column phase b) are one
     run of `cnt` quads from pixel ((h + pt) // s) * Wps + j0 on, whatever row that ends in; the
     runs of successive rows follow one another, and everything between them is the zero point."""
-    HW = H * W
     src.line(f"a = ph // {s}").line(f"b = ph % {s}")
     src.line(f"dst = item * {plane}")
     src.line(f"w0 = (b + {s - pl % s}) % {s}")
@@ -193,16 +201,7 @@ def _flat_runs(src, read, s, pt, pl, C, H, W, Wps, plane, z):
     src.line("for i in range(prev * 4, start * 4):").indent().line(f"p1[dst + i] = {z}").dedent()
     src.line(f"sb = ((n * {C} + q * 4) * {H} + h) * {W} + w0")
     src.line("o = dst + start * 4")
-    src.line(f"if q * 4 + 4 <= {C}:").indent()
-    src.line("for k in range(cnt):").indent()
-    src.line(f"i = sb + k * {s}").line("d = o + k * 4")
-    for c4 in range(4):
-        src.line(f"p1[d + {c4}] = {read(f'p0[i + {c4 * HW}]')}")
-    src.dedent().dedent().line("else:").indent()
-    src.line("for c4 in range(4):").indent()
-    src.line("for k in range(cnt):").indent()
-    src.line(f"p1[o + k * 4 + c4] = {read(f'p0[sb + c4 * {HW} + k * {s}]')} if q * 4 + c4 < {C} else {z}")
-    src.dedent().dedent().dedent()
+    _copy_quads(src, read, s, C, H * W, "k", "cnt", z)
     src.line("prev = start + cnt").dedent()
     src.line(f"for i in range(prev * 4, {plane}):").indent().line(f"p1[dst + i] = {z}").dedent()
     src.dedent()
@@ -239,6 +238,7 @@ def im2col_pays(C: int, T: int) -> bool:
     return C % 4 != 0 and C * T <= IM2COL_MAX_K and 10 * -(-(C * T) // 4) <= 9 * -(-C // 4) * T
 
 
+@lru_cache(maxsize=256)     # every predicate on a conv asks its plan again (conv_into_conv, ...)
 def _layout_holds(H, W, OH, OW, KH, KW, s, dil, pt, pl, col, Hps, Wps) -> bool:
     """Whether phase images of Hps rows of Wps pixels, read flat, give every output lane every tap's
     input: input pixel (h, w) is at padded (h + pt, w + pl + s*col), i.e. phase ((h + pt) % s,

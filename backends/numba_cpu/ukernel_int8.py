@@ -670,8 +670,8 @@ def _store_channel_rows(ir: IRBuilder, rows: dict, mr: int, v: int, L: int) -> N
     """The requantised bytes of one vector of channels, rows[i] (<16 x i8>: channel v*16 + c of
     pixel i), stored NCHW: channel c's mr pixels are mr consecutive bytes at y[yoff + (v*16 + c)*ldy].
     Transposed in registers (one byte shuffle: channel c's pixels to bytes [c*M, c*M + mr), M = 8
-    or 16), then one masked store a channel, not mr byte stores: the 7-pixel tiles of a 7x7 or
-    14x14 plane stored 112 bytes one by one a vector, a tenth of a 64-quad tile's time. A masked
+    or 16), then one masked store a channel, not mr byte stores (the 7x32 tile at 16 quads x 9
+    taps: 932-956 -> 1060-1100 GOP/s, benchmarks/int8_tiles.py). A masked
     store reads and writes none of the bytes outside its mask (AVX-512 suppresses their faults),
     so the store may start before channel c's bytes."""
     M = 8 if mr <= 8 else 16

@@ -2,7 +2,7 @@
 (the driver then times every step and prints the sums when the session is
 destroyed), and print the steps by time and the time per kernel family.
 
-    python benchmarks/profile.py resnet18 [--threads 1] [--runs 30] [--top 25] [--precision bf16]
+    python benchmarks/profile.py resnet18 [--threads 1] [--runs 30] [--top 25] [--precision bf16|int8]
 
 MODEL is one of benchmarks/bench.py's or of the corpus (benchmarks/corpus_models.py, at
 `--batch`, default 1). Thread scaling: `--threads 1,2` builds one library per thread count and
@@ -53,8 +53,15 @@ def _build(name, batch, threads, disable, precision):
     from benchmarks.corpus_models import CORPUS
     from tests import zoo
     module, shapes = MODELS[name]() if name in MODELS else CORPUS[name][0](batch)
-    return cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=threads, jobs=2,
-                         disable_passes=disable, precision=precision)
+    model = zoo.export(module, shapes)
+    if precision == "int8":     # bench.py's quantised file (quantize_static QDQ / quantize_dynamic), built as it is
+        import tempfile
+        from benchmarks.bench import quantise
+        path = Path(tempfile.mkdtemp(prefix="cuvil-profile-")) / f"{name}.onnx"
+        path.write_bytes(model.SerializeToString())
+        model, precision = str(quantise(name, path, shapes)), "fp32"
+    return cuvil.compile(model, input_shapes=shapes, threads=threads, jobs=2, disable_passes=disable,
+                         precision=precision)
 
 
 def _minima(minima, steps):
@@ -75,8 +82,8 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--disable", action="append", default=[], metavar="PASS",
                         help="build without this pass (repeatable): where the time goes without it")
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                        help="build in this precision (default fp32)")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16", "int8"),
+                        help="build in this precision (default fp32; int8: bench.py's quantised file)")
     args = parser.parse_args(argv)
     if args.model not in MODELS and args.model not in CORPUS:
         parser.error(f"unknown model {args.model!r}")

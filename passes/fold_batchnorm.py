@@ -1,7 +1,9 @@
-"""fold_batchnorm: fold an inference BatchNormalization into the Conv, Gemm or MatMul that feeds it.
+"""fold_batchnorm: fold an inference BatchNormalization into the Conv, ConvTranspose, Gemm or MatMul
+that feeds it.
 
     BN(y) = (y - mean) * s + beta,  s = gamma / sqrt(var + eps)   (per channel)
     Conv:   W' = W * s[oc],                 b' = (b - mean) * s + beta
+    ConvTranspose: W[c, j, ...]' = W * s[g*M/group + j] (c in group g),  b' as Conv's
     Gemm:   B' = B * s[n] (column n of op(B)),  C' = (beta_gemm * C - mean) * s + beta,  beta_gemm' = 1
     MatMul: (2-D, x @ B) becomes Gemm(x, B * s[n], (0 - mean) * s + beta)
 
@@ -40,7 +42,7 @@ def _const(graph, node, k):
 
 def _foldable(src: Node, graph: Graph) -> bool:
     weight, bias = _const(graph, src, 1), _const(graph, src, 2)
-    if src.op == "Conv":
+    if src.op in ("Conv", "ConvTranspose"):
         return bool(weight) and bias is not False
     if src.op == "Gemm":
         return bool(weight) and bias is not False and len(graph.values[src.outputs[0]].shape) == 2
@@ -76,6 +78,13 @@ def fold_batchnorm(graph: Graph) -> Graph:
             new_w = data * scale.reshape((oc,) + (1,) * (len(w.shape) - 1))
             old_b = _bias(graph, src, (oc,))
             new_b = old_b * scale + shift
+        elif src.op == "ConvTranspose":
+            # W is [C, M/group, k...]: output channel g*M/group + j reads column j of group g's rows
+            group = int(src.attr("group", 1))
+            C, mg = w.shape[0], w.shape[1]
+            per_group = scale.reshape(group, 1, mg, *(1,) * (len(w.shape) - 2))
+            new_w = (data.reshape(group, C // group, *w.shape[1:]) * per_group).reshape(w.shape)
+            new_b = _bias(graph, src, (group * mg,)) * scale + shift
         else:
             trans_b = src.op == "Gemm" and int(src.attr("transB", 0))
             new_w = data * (scale[:, None] if trans_b else scale[None, :])

@@ -43,20 +43,26 @@ def _jit_kernel(spec):
 
 
 UKERNEL = {
-    # name: (out, a dtype, rows, N)
+    # name: (out, a dtype, rows, N[, multiplier range])
     "i32_u8": ("i32", U8, 6, 64),
     "i32_s8_narrow": ("i32", I8, 4, 40),
     "f32_u8_scale_bias_relu": ("f32", U8, 6, 50),
     "u8_s8_requantised": ("u8", I8, 3, 64),
     "s8_u8_requantised_clip": ("s8", U8, 5, 20),
+    # multipliers up to 1e7 (signed sums up to ~6e5): scaled values far past +-2^31, where the x86
+    # requantisation's rounding conversion gives INT_MIN (_requantise): both ends must saturate
+    "u8_u8_multiplier_past_int32": ("u8", U8, 6, 64, (1e-2, 1e7)),
+    "s8_s8_multiplier_past_int32": ("s8", I8, 4, 30, (1e-2, 1e7)),
 }
 
 
 @pytest.mark.parametrize("case", list(UKERNEL))
 def test_micro_kernel_is_exact(case):
-    out, a_dtype, mr, N = UKERNEL[case]
+    out, a_dtype, mr, N, *scales = UKERNEL[case]
     K, za, zy = 36, 9, -3 if out == "s8" else 7
     act = {"f32": ("Relu", 0.0, 0.0), "s8": ("Clip", -0.5, 0.25)}.get(out, ("", 0.0, 0.0))
+    if scales:
+        act = ("", 0.0, 0.0)
     nr = 64 if N > 48 else 48
     spec = Int8UKSpec(mr=mr, nr=nr, out=out, a_signed=int(a_dtype == I8), ascale=1, bias=1, act=act[0],
                       act_lo=act[1], act_hi=act[2], zy=zy)
@@ -65,7 +71,7 @@ def test_micro_kernel_is_exact(case):
     rng = np.random.default_rng(3)
     comp = np.zeros(nr, np.int32)
     comp[:N] = -B.astype(np.int32).sum(0)
-    mult = rng.uniform(1e-3, 2e-2, nr).astype(F32)
+    mult = rng.uniform(*(scales[0] if scales else (1e-3, 2e-2)), nr).astype(F32)
     bias = rng.uniform(-1, 1, nr).astype(F32)
     ascale = np.array([0.37], F32)
     C = np.zeros((mr, N), {"i32": np.int32, "f32": F32, "u8": U8, "s8": I8}[out])
@@ -171,6 +177,15 @@ QLINEAR_CONV = {
                                        I8, "channel lanes"),
     "1x1_stride2_to_7x7": ((1, 64, 14, 14), (128, 64, 1, 1), {"strides": [2, 2]}, U8, "channel lanes"),
     "3x3_14x14_plane": ((1, 24, 14, 14), (32, 24, 3, 3), {"pads": [1, 1, 1, 1]}, U8, "channel lanes"),
+    # tiles of 11 and 5 pixels: the channel-lane store's transpose in 16- and 8-byte slots
+    "3x3_11x11_plane_rows_of_11": ((1, 12, 11, 11), (64, 12, 3, 3), {"pads": [1, 1, 1, 1]}, U8, "channel lanes"),
+    "1x1_5x5_plane_int8_batch2": ((2, 8, 5, 5), (32, 8, 1, 1), {}, I8, "channel lanes"),
+    # the rows narrower than the taps' reach (W + max pad: _layout_holds): asymmetric pads, left
+    # heavier and right heavier; a strided 1x1 with padding copies only the phase it reads
+    "3x3_left_pad_2_right_0_odd": ((1, 8, 11, 13), (16, 8, 3, 3), {"pads": [0, 2, 1, 0]}, U8, ""),
+    "3x3_right_pad_2_int8": ((1, 4, 9, 10), (12, 4, 3, 3), {"pads": [2, 0, 0, 2]}, I8, ""),
+    "1x1_stride2_padded_batch2": ((2, 16, 15, 13), (24, 16, 1, 1), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, U8,
+                                  ""),
     # must not fire: 48 output channels are not whole blocks of 32 (channel lanes); 8 channels are
     # whole quads (im2col)
     "7x7_plane_48_channels": ((1, 16, 7, 7), (48, 16, 3, 3), {"pads": [1, 1, 1, 1]}, U8, ""),
@@ -341,6 +356,11 @@ CONV_INTO_CONV = {
     # three convs: the middle one reads what the first wrote, so it writes its own output plainly
     "chain_of_three": ((1, 8, 12, 12), [(16, 3, {"pads": [1] * 4}), (16, 3, {"pads": [1] * 4}),
                                         (8, 3, {"pads": [1] * 4})], 1),
+    # odd sizes on the narrow grid (W + 1 wide): the first conv's own input rows run on into the
+    # next row (QuadPad's flat runs); a 5x5 pad-2 conv into a 3x3 pad-1 conv: its input, shifted
+    # by 1 + 2, would need rows of W + 2 and the grid has W + 1 (must not fire)
+    "odd_planes_batch2": ((2, 12, 9, 13), [(16, 3, {"pads": [1] * 4}), (8, 3, {"pads": [1] * 4})], 1),
+    "5x5_into_3x3": ((1, 8, 11, 12), [(8, 5, {"pads": [2] * 4}), (8, 3, {"pads": [1] * 4})], 0),
     # must not fire: a 3x3 conv's grid is wider than the unpadded 1x1's; 6 channels are not whole quads
     "3x3_then_1x1": ((1, 8, 10, 10), [(16, 3, {"pads": [1] * 4}), (8, 1, {})], 0),
     "channels_not_quads": ((1, 8, 10, 10), [(6, 3, {"pads": [1] * 4}), (8, 3, {"pads": [1] * 4})], 0),
@@ -370,3 +390,24 @@ def test_conv_writes_the_next_convs_quads(case):
     want = run_ort(model, feeds)[src]
     for threads in (1, 2):
         np.testing.assert_array_equal(cuvil.compile(model, threads=threads).run(feeds)[src], want)
+
+
+def test_narrow_grid_layouts():
+    """qconv._layout_holds, the check behind the grids' widths: every output lane's every tap must
+    find its pixel, or padding, in phase images read flat (rows may run on into the next)."""
+    from backends.numba_cpu.qconv import _layout_holds
+    # a 3x3 pad-1 conv on 56x56: rows of 57 hold (a tap past the end reads the next row's left
+    # padding) with one more row at the bottom; 56 do not, nor 57 without that row
+    resnet = (56, 56, 56, 56, 3, 3, 1, (1, 1), 1, 1)
+    assert _layout_holds(*resnet, 0, 59, 57)
+    assert not _layout_holds(*resnet, 0, 58, 57)
+    assert not _layout_holds(*resnet, 0, 59, 56)
+    # on the next conv's grid (its left pad: col 1) the input rows run on into the next row, and hold
+    assert _layout_holds(*resnet, 1, 59, 57)
+    # left pad 2, right pad 0: the left padding must hold both pad columns (W + 2)
+    assert _layout_holds(10, 10, 10, 10, 3, 3, 1, (1, 1), 1, 2, 0, 13, 12)
+    assert not _layout_holds(10, 10, 10, 10, 3, 3, 1, (1, 1), 1, 2, 0, 13, 11)
+    # the 7x7 stride-2 stem: phases 114 wide with a row more, not 113
+    stem = (224, 224, 112, 112, 7, 7, 2, (1, 1), 3, 3, 0)
+    assert _layout_holds(*stem, 116, 114) and not _layout_holds(*stem, 115, 114)
+    assert not _layout_holds(*stem, 116, 113)

@@ -49,6 +49,12 @@ CONV_TRANSPOSE = {
     "1d": ((2, 3, 7), (3, 2, 4), {"strides": [3], "pads": [2, 1]}, True, True, F32),
     "3d": ((1, 2, 3, 3, 2), (2, 2, 2, 3, 2), {"strides": [2, 1, 2], "pads": [0, 1, 1, 1, 0, 0]}, True, True, F32),
     "runtime_weights": ((1, 3, 4, 4), (3, 2, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, True, False, F32),
+    # strides == kernel, no pads: each input pixel writes a patch of its own (convtranspose._patches:
+    # a 1x1 GEMM on the micro-kernel, then a permutation); channels enough for whole micro-tiles,
+    # odd planes, a non-square kernel
+    "patches_2x2_bias": ((2, 32, 20, 20), (32, 16, 2, 2), {"strides": [2, 2]}, True, True, F32),
+    "patches_odd_plane": ((1, 24, 7, 9), (24, 8, 2, 2), {"strides": [2, 2]}, False, True, F32),
+    "patches_2x3_kernel": ((1, 16, 5, 6), (16, 5, 2, 3), {"strides": [2, 3]}, True, True, F32),
 }
 
 

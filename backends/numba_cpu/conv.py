@@ -139,12 +139,12 @@ def lower_conv(node, graph) -> Lowered:
         return lowered
     if pointwise:
         pixels = int(np.prod(X.shape[2:]))
-        kernel_obj, work, packed = _pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None,
+        kernel_obj, work, packed = pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None,
                                                      res_strides, Y.shape[2:], epilogue, W.data)
         args[0], args[1] = (W.name if packed is None else packed), X.name  # the GEMM reads A = W, B = X
         if in_place_residual and specs_in(kernel_obj.source):
             # The same GEMM, accumulating onto its output: it reads the weights packed above.
-            form, form_work, _ = _pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None, None,
+            form, form_work, _ = pointwise_kernel(dtype, N, C, OC, group, pixels, B is not None, None,
                                                    Y.shape[2:], epilogue, W.data, accumulate=True, packed=packed)
             form_args = args + [Y.name]
             call = KernelCall(kernel_obj, args + [res_arg, Y.name], work, node.name,
@@ -320,7 +320,7 @@ def _flat_spatial(strides, dims):
     return None
 
 
-def _pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias, res_strides=None, out_spatial=(), epilogue=None,
+def pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias, res_strides=None, out_spatial=(), epilogue=None,
                       weights=None, accumulate=False, packed=None):
     """1x1 conv as a GEMM batched over (image, group): A = W[g] (OCg x ICg), B = X[n, g] (ICg x pixels).
     Returns the kernel, its work size and the weights packed into micro-kernel panels (or None: W as is);

@@ -74,8 +74,55 @@ def lower_convtranspose(node, graph) -> Lowered:
         raise _unsupported(node, f"weight shape {W.shape} does not match {C} input channels, {M} outputs, group {group}")
     geometry = _Geometry(N, C, M, group, in_spatial, out_spatial, kernel, strides, dilations, pads, dtype)
     col = scratch_value(graph, node, (N * group * geometry.MK * geometry.HW,), dtype, tag="col")
+    if _patches(geometry, W, Bv):
+        return _patch_calls(geometry, node, X, W, Bv, Y, col)
     return Lowered([_gemm_call(geometry, X.name, W.name, col, node.name),
                     _col2im_call(geometry, col, Bv.name if Bv is not None else None, Y.name, node.name)])
+
+
+def _patches(g, W, Bv) -> bool:
+    """Whether every input position's outputs are a patch of their own: 2-D, strides equal to the
+    kernel, no dilation, padding or output padding (the 2x "deconvolution" upsampling of U-Nets
+    and segmentation heads), group 1, float32, constant weights and bias."""
+    return (len(g.kernel) == 2 and g.group == 1 and g.dtype == np.float32 and W.is_const
+            and (Bv is None or Bv.is_const) and list(g.strides) == list(g.kernel)
+            and all(d == 1 for d in g.dilations) and not any(g.pads)
+            and [i * s for i, s in zip(g.in_spatial, g.strides)] == list(g.out_spatial))
+
+
+def _patch_calls(g, node, X, W, Bv, Y, col) -> Lowered:
+    """The non-overlapping case in two calls, neither of which reads what it writes twice:
+
+    1. col[n, (oc, kh, kw), i] = B[oc] + sum_c W[c, oc, kh, kw] * X[n, c, i]: a 1x1 convolution of
+       M*KH*KW output "channels" (conv.py's pointwise GEMM on the micro-kernel, W^T packed in
+       panels at build time, the bias added in its epilogue);
+    2. Y[n, oc, h*KH + kh, w*KW + kw] = col[n, (oc, kh, kw), h*W + w]: a permutation, every output
+       written once (the general col2im sets each plane to the bias, then adds every tap).
+    """
+    from .conv import pointwise_kernel
+    rows = g.M * g.K
+    weights = np.asarray(W.data, dtype=np.float32).reshape(g.C, rows).T
+    gemm, work, packed = pointwise_kernel(g.dtype, g.N, g.C, rows, 1, g.HW, Bv is not None, weights=weights)
+    args = [packed if packed is not None else np.ascontiguousarray(weights), X.name]
+    if Bv is not None:
+        args.append(np.repeat(np.asarray(Bv.data, dtype=np.float32).reshape(g.M), g.K))
+    KH, KW = g.kernel
+    H, Wd = g.in_spatial
+    OW = g.out_spatial[1]
+    src = Source().line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()   # (image, output channel, input row)
+    src.line(f"plane = item // {H}").line(f"h = item % {H}")
+    src.line(f"ob = plane*{g.OUT}").line(f"cb = plane*{g.K * g.HW}")
+    for kh in range(KH):
+        src.line(f"yo = ob + (h*{KH} + {kh})*{OW}")
+        src.line(f"co = cb + {kh * KW * g.HW} + h*{Wd}")
+        src.line(f"for w in range({Wd}):").indent()
+        for kw in range(KW):
+            src.line(f"p1[yo + w*{KW} + {kw}] = p0[co + {kw * g.HW} + w]")
+        src.dedent()
+    shuffle = Kernel("ConvTransposePatches", src.text(), (g.dtype.name,) * 2)
+    return Lowered([KernelCall(gemm, args + [col], work, node.name),
+                    KernelCall(shuffle, [col, Y.name], g.N * g.M * H, node.name)])
 
 
 class _Geometry:

@@ -11,7 +11,13 @@ so the micro-kernel only ever reads unsigned bytes; the compensation uses z_x + 
 runs the micro-kernel on tiles of output channels x 64 positions of the phase grid (OH rows of
 Wps pixels, read as one run: the columns past OW are computed and left out of the compressed
 store); every tap (kh, kw) reads the phase ((kh d) % s, (kw d) % s) at pixel offset
-((kh d) // s) * Wps + (kw d) // s.
+((kh d) // s) * Wps + (kw d) // s. Only the phases the taps read are copied (a strided 1x1: one).
+The rows are as narrow as that reading allows (`_layout_holds`, checked pixel by pixel at build
+time): a tap past a row's end reads the next row's left padding, so a 3x3 pad-1 conv's rows are
+W + 1 pixels, not W + 2 (the columns past OW are lanes computed for nothing: 1.8 % of them at 56,
+3.4 % at 28), with one more padding row at the bottom. Where a conv computes on the next conv's
+grid (below) its own input rows may then run on into the next row: QuadPad writes such an image
+as one run of pixels a row in flat order (`_flat_runs`).
 
     sum (x - z_x) w' = sum x w' - z_x * sum_{c, t} w'[oc, c, t]      (w' = w - z_w, int8, packed)
 
@@ -44,6 +50,8 @@ buffer is the consumer's scratch value (its name comes from the consumer node).
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from .emit import NOALIAS_MARK
@@ -75,7 +83,12 @@ def conv_pads(node, in_spatial, kernel, strides, dilations, out_spatial):
 MIN_SPLIT_OPS = 1 << 21
 
 
-TILES = ((6, 64), (12, 32), (24, 16))   # output channels x pixels of a micro-tile: 24 int32 accumulators
+# output channels x pixels of a micro-tile: 24 int32 accumulators. A core running two `vpdpbusd` a
+# cycle (Zen 5; latency 4) needs 8 or more independent ones; the loads a tap (pixel vectors + weight
+# broadcasts: 10, 11, 14, 25 for 24 dot products) leave 24x16 load-bound at ~90 % of the peak, the
+# others at 95-100 % (benchmarks/int8_tiles.py, each tile alone in a loop, against peak_lowp.py's
+# ~1100 GOP/s). 8x48 fits 64 channels (ResNet's stem and first layer) in whole tiles.
+TILES = ((6, 64), (8, 48), (12, 32), (24, 16))
 
 
 QUAD_TILES = ((8, 48), (12, 32), (24, 16))   # rows in whole quads, for a conv writing the next one's quads
@@ -123,50 +136,89 @@ def _padded_rows(src, s, pt, pl, H, W, Hps, Wps, width, plane, z):
 
 
 def quad_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
-                    Cq: int, zero: int, slack: int) -> tuple[Kernel, int]:
-    """x [N, C, H, W] -> [N, s*s phases, Cq quads, Hps, Wps, 4] uint8 (+ `slack` bytes of zero point
-    at the end, which tiles read past the last row). One work item per (image, phase, quad); each
+                    Cq: int, zero: int, slack: int, phases: int) -> tuple[Kernel, int]:
+    """x [N, C, H, W] -> [N, phases, Cq quads, Hps, Wps, 4] uint8 (+ `slack` bytes of zero point
+    at the end, which tiles read past the last row): the first `phases` of the s*s phase images (the
+    ones the conv's taps read). One work item per (image, phase, quad); each
     row's valid columns are one loop storing the quad's 4 bytes together (an interleaved store
     LLVM vectorises), the padding around them filled apart."""
     read = _to_uint8(x_dtype)
     plane = Hps * Wps * 4
-    total = N * s * s * Cq * plane
-    HW = H * W
+    total = N * phases * Cq * plane
     z = f"np.uint8({zero})"
     src = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
-    src.line(f"q = item % {Cq}").line(f"ph = (item // {Cq}) % {s * s}").line(f"n = item // {Cq * s * s}")
-    _padded_rows(src, s, pt, pl, H, W, Hps, Wps, 4, plane, z)
+    src.line(f"q = item % {Cq}").line(f"ph = (item // {Cq}) % {phases}").line(f"n = item // {Cq * phases}")
+    if (W - 1 + pl) // s >= Wps:
+        _flat_runs(src, read, s, pt, pl, C, H, W, Wps, plane, z)
+    else:
+        _padded_rows(src, s, pt, pl, H, W, Hps, Wps, 4, plane, z)
+        _quad_row_copy(src, read, s, pl, C, H, W, z)
+    if slack:
+        src.line(f"if end == {N * phases * Cq}:").indent()
+        src.line(f"for i in range({slack}):").indent()
+        src.line(f"p1[{total} + i] = {z}")
+    return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * phases * Cq
+
+
+def _quad_row_copy(src, read, s, pl, C, H, W, z):
+    """The copy of one row's valid columns [wlo, whi) inside _padded_rows' loop (closes it)."""
     src.line(f"sb = ((n * {C} + q * 4) * {H} + h) * {W} + b - {pl}")
+    _copy_quads(src, read, s, C, H * W, "ww", "wlo, whi", z)
+    src.dedent().dedent()
+
+
+def _copy_quads(src, read, s, C, HW, var, bounds, z):
+    """Pixels `var` in range(bounds) of quad q, input pixel sb + var * s of channel 4q + h to byte
+    o + var * 4 + h: the quad's 4 bytes stored together (an interleaved store LLVM vectorises), a
+    last quad past C filled with the zero point."""
     src.line(f"if q * 4 + 4 <= {C}:").indent()
-    src.line("for ww in range(wlo, whi):").indent()
-    src.line(f"i = sb + ww * {s}").line("d = o + ww * 4")
+    src.line(f"for {var} in range({bounds}):").indent()
+    src.line(f"i = sb + {var} * {s}").line(f"d = o + {var} * 4")
     for c4 in range(4):
         src.line(f"p1[d + {c4}] = {read(f'p0[i + {c4 * HW}]')}")
     src.dedent().dedent().line("else:").indent()
     src.line("for c4 in range(4):").indent()
-    src.line(f"for ww in range(wlo, whi):").indent()
-    src.line(f"p1[o + ww * 4 + c4] = {read(f'p0[sb + c4 * {HW} + ww * {s}]')} if q * 4 + c4 < {C} else {z}")
-    src.dedent().dedent().dedent().dedent().dedent()
-    if slack:
-        src.line(f"if end == {N * s * s * Cq}:").indent()
-        src.line(f"for i in range({slack}):").indent()
-        src.line(f"p1[{total} + i] = {z}")
-    return Kernel("QuadPad", src.text(), (x_dtype, "uint8")), N * s * s * Cq
+    src.line(f"for {var} in range({bounds}):").indent()
+    src.line(f"p1[o + {var} * 4 + c4] = {read(f'p0[sb + c4 * {HW} + {var} * {s}]')} if q * 4 + c4 < {C} else {z}")
+    src.dedent().dedent().dedent()
+
+
+def _flat_runs(src, read, s, pt, pl, C, H, W, Wps, plane, z):
+    """QuadPad's loop for a layout whose rows run on into the next (a conv computing on the next
+    conv's grid, shifted right by that conv's left pad: _vnni_plan, `_layout_holds`): in the flat
+    phase image (a, b), input row h's pixels w = w0, w0 + s, ... (those of column phase b) are one
+    run of `cnt` quads from pixel ((h + pt) // s) * Wps + j0 on, whatever row that ends in; the
+    runs of successive rows follow one another, and everything between them is the zero point."""
+    src.line(f"a = ph // {s}").line(f"b = ph % {s}")
+    src.line(f"dst = item * {plane}")
+    src.line(f"w0 = (b + {s - pl % s}) % {s}")
+    src.line(f"cnt = ({W} - w0 + {s - 1}) // {s}")
+    src.line(f"j0 = (w0 + {pl}) // {s}")
+    src.line("prev = 0")
+    src.line(f"for h in range((a + {s - pt % s}) % {s}, {H}, {s}):").indent()
+    src.line(f"start = ((h + {pt}) // {s}) * {Wps} + j0")
+    src.line("for i in range(prev * 4, start * 4):").indent().line(f"p1[dst + i] = {z}").dedent()
+    src.line(f"sb = ((n * {C} + q * 4) * {H} + h) * {W} + w0")
+    src.line("o = dst + start * 4")
+    _copy_quads(src, read, s, C, H * W, "k", "cnt", z)
+    src.line("prev = start + cnt").dedent()
+    src.line(f"for i in range(prev * 4, {plane}):").indent().line(f"p1[dst + i] = {z}").dedent()
+    src.dedent()
 
 
 def phase_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
-                      zero: int, slack: int) -> tuple[Kernel, int]:
-    """x [N, C, H, W] -> [N, C, s*s phases, Hps, Wps] uint8 (+ `slack` bytes of zero point): QuadPad's
-    padded phase images, one channel a plane, the source an im2col conv gathers its patches from.
-    One work item per (image, channel, phase)."""
+                      zero: int, slack: int, phases: int) -> tuple[Kernel, int]:
+    """x [N, C, H, W] -> [N, C, phases, Hps, Wps] uint8 (+ `slack` bytes of zero point): QuadPad's
+    padded phase images (the first `phases` of s*s), one channel a plane, the source an im2col conv
+    gathers its patches from. One work item per (image, channel, phase)."""
     read = _to_uint8(x_dtype)
     plane = Hps * Wps
-    items = N * C * s * s
+    items = N * C * phases
     z = f"np.uint8({zero})"
     src = Source().line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
-    src.line(f"ph = item % {s * s}").line(f"nc = item // {s * s}")
+    src.line(f"ph = item % {phases}").line(f"nc = item // {phases}")
     _padded_rows(src, s, pt, pl, H, W, Hps, Wps, 1, plane, z)
     src.line(f"sb = (nc * {H} + h) * {W} + b - {pl}")
     src.line("for ww in range(wlo, whi):").indent()
@@ -184,6 +236,41 @@ def im2col_pays(C: int, T: int) -> bool:
     channel quads: C not whole quads (a stem's 3 channels fill 3 of every 4 lanes), patches of at
     most IM2COL_MAX_K bytes, and a tenth of the lanes or more saved (7x7x3: 37 quads, not 49)."""
     return C % 4 != 0 and C * T <= IM2COL_MAX_K and 10 * -(-(C * T) // 4) <= 9 * -(-C // 4) * T
+
+
+@lru_cache(maxsize=256)     # every predicate on a conv asks its plan again (conv_into_conv, ...)
+def _layout_holds(H, W, OH, OW, KH, KW, s, dil, pt, pl, col, Hps, Wps) -> bool:
+    """Whether phase images of Hps rows of Wps pixels, read flat, give every output lane every tap's
+    input: input pixel (h, w) is at padded (h + pt, w + pl + s*col), i.e. phase ((h + pt) % s,
+    (w + pl') % s) at flat pixel ((h + pt) // s) * Wps + (w + pl') // s (a row too long runs on into
+    the next one: QuadPad's `_flat_runs`), every other pixel is the zero point, and output (oh, ow)
+    is lane oh * Wps + col + ow, its tap (kh, kw) reading phase ((kh d) % s, (kw d) % s) at
+    + ((kh d) // s) * Wps + (kw d) // s. Holds when no two pixels share a place, no read leaves the
+    image and every read finds the pixel the convolution wants there, or padding where it wants
+    padding: checked pixel by pixel (build time, numpy)."""
+    P = Hps * Wps
+    hh, ww = np.meshgrid(np.arange(H), np.arange(W), indexing="ij")
+    hp, wp = hh + pt, ww + pl + s * col
+    at = ((hp % s) * s + wp % s) * P + (hp // s) * Wps + wp // s
+    if ((hp // s) * Wps + wp // s).max(initial=0) >= P:
+        return False
+    held = np.full(s * s * P, -1, np.int64)
+    held[at.reshape(-1)] = (hh * W + ww).reshape(-1)
+    if np.count_nonzero(held >= 0) != H * W:
+        return False
+    oh, ow = np.meshgrid(np.arange(OH), np.arange(OW), indexing="ij")
+    lane = oh * Wps + col + ow
+    for kh in range(KH):
+        for kw in range(KW):
+            reads = lane + ((kh * dil[0]) // s) * Wps + (kw * dil[1]) // s
+            if reads.max(initial=0) >= P:
+                return False
+            h, w = oh * s + kh * dil[0] - pt, ow * s + kw * dil[1] - pl
+            want = np.where((h >= 0) & (h < H) & (w >= 0) & (w < W), h * W + w, -1)
+            phase = ((kh * dil[0]) % s) * s + (kw * dil[1]) % s
+            if not np.array_equal(held[phase * P + reads], want):
+                return False
+    return True
 
 
 def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, quad_out=False) -> dict | None:
@@ -218,17 +305,35 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, qua
         return None
     T = KH * KW
     Cq = -(-C // 4)
-    # the phase images, sized so that every tap of every output pixel lands inside
+    # the phase images, sized so that every tap of every output pixel lands inside its row
     Hps = OH + ((KH - 1) * dil[0]) // s
     Wps = OW + ((KW - 1) * dil[1]) // s
     col = 0
+    shape = (H, W, OH, OW, KH, KW, s, tuple(dil), pt, pl)
     if grid is not None:
-        # a valid lane's taps stay in its row, or (stride 1) run on into the next row's left
-        # padding, which holds what the row's right padding would (the zero point)
-        if grid[0] < Wps + grid[1] - (pl + grid[1] if s == 1 else 0):
-            return None
+        # the lanes (output columns) on the grid's rows; the taps' reads may run on into the next
+        # row where that holds what they must read (_layout_holds), with one more row of padding
+        # at the bottom where the last row's reads run past the image
         Wps, col = grid
+        if col + OW > Wps:
+            return None
+        extra = next((e for e in (0, 1) if _layout_holds(*shape, col, Hps + e, Wps)), None)
+        if extra is None:
+            return None
+        Hps += extra
         pl = pl + s * col
+    elif Wps > max(OW, (W - 1 + pl) // s + 1):
+        # The rows as narrow as the taps allow. A tap right of a row's end reads the next row's left
+        # padding, so at stride 1 W + max(left, right pad) columns do (a 3x3 pad-1 conv: 57 for a
+        # 56-wide image, not 58; 29 for 28; the 7x7 stride-2 stem's phases: 114, not 115): the
+        # tiles compute 1.8 / 3.4 / 0.9 % fewer lanes that are no output. Not so narrow that an
+        # input row runs on into the next (a conv writing this one's quads, conv_into_conv, puts
+        # its output row inside one grid row; PhasePad copies rows as they are).
+        for width in range(max(OW, (W - 1 + pl) // s + 1), Wps):
+            extra = next((e for e in (0, 1) if _layout_holds(*shape, 0, Hps + e, width)), None)
+            if extra is not None:
+                Hps, Wps = Hps + extra, width
+                break
     plane = Hps * Wps
     # Tiles run over whole rows of the phase grid (OH rows of Wps pixels, the last Wps - OW of each
     # not an output): a 7x7 output computes 64 lanes for 49 pixels, not 7 of every 16. The mask of
@@ -241,7 +346,9 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, qua
     masks = (valid.astype(np.uint64) << np.arange(NR, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
     stores = ((pos < flat).astype(np.uint64) << np.arange(NR, dtype=np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
     starts = np.concatenate([[0], np.cumsum(valid.sum(axis=1))[:-1]]).astype(np.int64)
-    phases = s * s
+    # the phase images the taps read, in the order a * s + b: all s * s of a 3x3 stride-2 conv, the
+    # first alone of a 1x1 (a strided 1x1 reads every s-th pixel: its copy is 1 / s^2 of the input)
+    phases = max(((kh * dil[0]) % s) * s + (kw * dil[1]) % s for kh in range(KH) for kw in range(KW)) + 1
     taps = []
     for kh in range(KH):
         for kw in range(KW):
@@ -255,6 +362,8 @@ def _vnni_plan(node, x, sx, zx, w, sw, zw, sy, zy, bias, y, pads, grid=None, qua
     # [tile, q, t, MR, 4]
     packed = np.ascontiguousarray(packed.reshape(tiles, MR, Cq, 4, T).transpose(0, 2, 4, 1, 3))
     im2col = im2col_pays(C, T)
+    if im2col and (W - 1 + pl) // s >= Wps:     # rows running on into the next: QuadPad's alone
+        return None
     Kq, koffs = Cq, None
     if im2col:
         # patch byte k = (c, kh, kw), the weights' own order, gathered from the phase plane of c
@@ -312,7 +421,8 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
     chained = producer is not None and _same(depthwise_quad_consumer(producer, graph), node)
     if im2col:      # C is not whole quads: no conv before writes this conv's input (see conv_into_conv)
         quads = scratch_value(graph, node, (N * C * phases * plane + slack // 4,), np.uint8, tag="planes")
-        pad_kernel, pad_work = phase_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, zero_x, slack // 4)
+        pad_kernel, pad_work = phase_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, zero_x, slack // 4,
+                                                 phases)
         pad_args = [x.name, quads]
     elif producer is not None and _same((conv_into_conv(producer, graph) or (None,))[0], node):
         quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
@@ -329,7 +439,8 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         pad_kernel, pad_work, pad_args = Kernel("QuadBorder", border.text(), ("uint8",)), N * Cq, [quads]
     else:
         quads = scratch_value(graph, node, (N * phases * Cq * plane * 4 + slack,), np.uint8, tag="quads")
-        pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack)
+        pad_kernel, pad_work = quad_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, Cq, zero_x, slack,
+                                                   phases)
         pad_args = [x.name, quads]
     if onto:    # the next conv's quads: rows pt .. pt + OH - 1 of each, padding columns included
         next_node, nxt = onto

@@ -135,9 +135,28 @@ def _const_f32(value: float, L: int = 16) -> str:
     return f"<{', '.join([f'float {float_ir(value)}'] * L)}>"
 
 
-def _requantise(ir: IRBuilder, y: str, zy: int, lo: int, hi: int, vf: str, vi: str) -> str:
+def _requantise(ir: IRBuilder, y: str, zy: int, lo: int, hi: int, vf: str, vi: str, x86: bool = False) -> str:
     """A 16-lane float32 `y` (already scaled) to the output's integers as onnxruntime rounds them:
-    round half to even, + zero point, clamped to [lo, hi]; returns the i32 vector."""
+    round half to even, + zero point, clamped to [lo, hi]; returns the i32 vector.
+
+    `x86` (AVX-512): the same integers in 4 floating-point and 3 integer instructions, not 7 and 0:
+        q = max(cvt_rne(min(y, hi - zy)), lo - zy) + zy
+    rint(min(y, B)) = min(rint(y), B) for an integer B, so clamping before the rounding conversion
+    changes nothing; `vcvtps2dq` with {rn-sae} rounds half to even whatever MXCSR says, and gives
+    INT_MIN below -2^31, which the integer max then clamps to lo - zy (the min before it leaves no
+    overflow upwards). The floating-point pipes are the ones `vpdpbusd` runs on (Zen 4 and 5), so
+    the epilogue's share of them is what a tile loses: 7 of them a vector of 16 outputs against
+    K / 4 dot products (36 at 3x3 x 16 quads; 37 for ResNet's im2col stem)."""
+    if x86:
+        top = ir.tmp("r")
+        ir(f"{top} = call {vf} @llvm.minnum.v16f32({vf} {y}, {vf} {_const_f32(float(hi - zy))})")
+        r = ir.tmp("r")
+        ir(f"{r} = call {vi} @llvm.x86.avx512.mask.cvtps2dq.512({vf} {top}, {vi} zeroinitializer, i16 -1, i32 8)")
+        low = ir.tmp("r")
+        ir(f"{low} = call {vi} @llvm.smax.v16i32({vi} {r}, {vi} {_const_i32(lo - zy)})")
+        q = ir.tmp("q")
+        ir(f"{q} = add {vi} {low}, {_const_i32(zy)}")
+        return q
     r = ir.tmp("r")
     ir(f"{r} = call {vf} @llvm.roundeven.v16f32({vf} {y})")
     r2 = ir.tmp("r")
@@ -149,6 +168,15 @@ def _requantise(ir: IRBuilder, y: str, zy: int, lo: int, hi: int, vf: str, vi: s
     q = ir.tmp("q")
     ir(f"{q} = fptosi {vf} {r4} to {vi}")
     return q
+
+
+def _const_i32(value: int, L: int = 16) -> str:
+    return f"<{', '.join([f'i32 {int(value)}'] * L)}>"
+
+
+# what the x86 requantisation calls (_requantise), for the modules' declarations
+REQUANTISE_X86_DECLS = ("declare <16 x i32> @llvm.x86.avx512.mask.cvtps2dq.512(<16 x float>, <16 x i32>, i16, i32)",
+                        "declare <16 x i32> @llvm.smax.v16i32(<16 x i32>, <16 x i32>)")
 
 
 def _sdot16(ir: IRBuilder, acc: str, a4: str, b: str) -> str:
@@ -306,7 +334,7 @@ def int8_ukernel_ir(spec: Int8UKSpec, vector_bits: int = 512) -> str:
                 ir(f"call void @llvm.masked.store.v16f32.p0({vf} {y}, ptr align 1 {p}, <16 x i1> {masks[v]})")
                 continue
             lo, hi = _RANGE[spec.out]
-            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi, x86=not sdot)
             q8 = ir.tmp("q")
             ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
             ir(f"call void @llvm.masked.store.v16i8.p0(<16 x i8> {q8}, ptr align 1 {p}, <16 x i1> {masks[v]})")
@@ -325,7 +353,7 @@ def int8_ukernel_ir(spec: Int8UKSpec, vector_bits: int = 512) -> str:
              f"declare {vf} @llvm.roundeven.v16f32({vf})",
              f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})"]
-    return function_module(head, ir, rename, decls)
+    return function_module(head, ir, rename, decls + ([] if sdot else list(REQUANTISE_X86_DECLS)))
 
 
 def _activation(ir: IRBuilder, spec: Int8UKSpec, y: str, vf: str) -> str:
@@ -554,7 +582,7 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
             ir(f"{f} = sitofp {vi} {x} to {vf}")
             y = ir.tmp("y")
             ir(f"{y} = fmul {vf} {f}, {msplat}")
-            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi, x86=True)
             if blend:
                 qb = ir.tmp("qb")
                 ir(f"{qb} = select <16 x i1> {masks[v]}, {vi} {q}, {vi} <{', '.join([f'i32 {spec.zy}'] * L)}>")
@@ -593,7 +621,7 @@ def int8_conv_ir(spec: Int8ConvSpec, vector_bits: int = 512) -> str:
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
              f"declare {vi} @llvm.experimental.vector.compress.v16i32({vi}, <16 x i1>, {vi})",
              "declare i64 @llvm.ctpop.i64(i64)"]
-    return function_module(head, ir, rename, decls)
+    return function_module(head, ir, rename, decls + list(REQUANTISE_X86_DECLS))
 
 
 ROWCONV_ARG_NAMES = ("w", "woff", "x", "xoff", "y", "yoff", "ldy", "kc", "comp", "mult", "moff")
@@ -638,6 +666,46 @@ class Int8RowConvSpec(Declared):
         return typed_declaration(self, var, {i: types[n] for i, n in enumerate(ROWCONV_ARG_NAMES) if n in types})
 
 
+def _store_channel_rows(ir: IRBuilder, rows: dict, mr: int, v: int, L: int) -> None:
+    """The requantised bytes of one vector of channels, rows[i] (<16 x i8>: channel v*16 + c of
+    pixel i), stored NCHW: channel c's mr pixels are mr consecutive bytes at y[yoff + (v*16 + c)*ldy].
+    Transposed in registers (one byte shuffle: channel c's pixels to bytes [c*M, c*M + mr), M = 8
+    or 16), then one masked store a channel, not mr byte stores (the 7x32 tile at 16 quads x 9
+    taps: 932-956 -> 1060-1100 GOP/s, benchmarks/int8_tiles.py). A masked
+    store reads and writes none of the bytes outside its mask (AVX-512 suppresses their faults),
+    so the store may start before channel c's bytes."""
+    M = 8 if mr <= 8 else 16
+    pad = "zeroinitializer"
+    parts = [rows[i] if i < mr else pad for i in range(M)]
+    width = 16
+    while len(parts) > 1:   # concatenate pairwise: <16 M x i8>, pixel i at bytes [16 i, 16 i + 16)
+        joined = []
+        for a, b in zip(parts[0::2], parts[1::2]):
+            out = ir.tmp("cat")
+            order = ", ".join(f"i32 {k}" for k in range(2 * width))
+            ir(f"{out} = shufflevector <{width} x i8> {a}, <{width} x i8> {b}, <{2 * width} x i32> <{order}>")
+            joined.append(out)
+        parts, width = joined, 2 * width
+    whole = parts[0]
+    per = 64 // M     # channels a 64-byte vector
+    for k in range(L // per):
+        picks = ", ".join(f"i32 {(slot % M) * 16 + k * per + slot // M}" for slot in range(64))
+        chunk = ir.tmp("tr")
+        ir(f"{chunk} = shufflevector <{width} x i8> {whole}, <{width} x i8> poison, <64 x i32> <{picks}>")
+        for j in range(per):
+            c = k * per + j
+            at = ir.tmp("yo")
+            ir(f"{at} = mul i64 %ldy, {v * L + c}")
+            at2 = ir.tmp("yo")
+            ir(f"{at2} = add i64 %yoff, {at}")
+            at3 = ir.tmp("yo")
+            ir(f"{at3} = sub i64 {at2}, {j * M}")
+            ptr = ir.tmp("yp")
+            ir(f"{ptr} = getelementptr i8, ptr %y, i64 {at3}")
+            mask = ", ".join("i1 1" if j * M <= b < j * M + mr else "i1 0" for b in range(64))
+            ir(f"call void @llvm.masked.store.v64i8.p0(<64 x i8> {chunk}, ptr align 1 {ptr}, <64 x i1> <{mask}>)")
+
+
 def int8_row_conv_ir(spec: Int8RowConvSpec, vector_bits: int = 512) -> str:
     L = 16
     V = spec.nr // L
@@ -648,6 +716,7 @@ def int8_row_conv_ir(spec: Int8RowConvSpec, vector_bits: int = 512) -> str:
     final = _tap_dots(ir, spec.mr, V, spec.taps, spec.plane, spec.nr, rename, pixels_in_lanes=False)
     lo, hi = _RANGE[spec.out]
     for v in range(V):
+        rows = {}
         col = ir.tmp("col")
         ir(f"{col} = add i64 %moff, {v * L}")
         cp = ir.tmp("cp")
@@ -665,30 +734,21 @@ def int8_row_conv_ir(spec: Int8RowConvSpec, vector_bits: int = 512) -> str:
             ir(f"{f} = sitofp {vi} {x} to {vf}")
             y = ir.tmp("y")
             ir(f"{y} = fmul {vf} {f}, {mvec}")
-            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi, x86=True)
             q8 = ir.tmp("q")
             ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
-            for lane in range(L):
-                e = ir.tmp("e")
-                ir(f"{e} = extractelement <16 x i8> {q8}, i64 {lane}")
-                yo = ir.tmp("yo")
-                ir(f"{yo} = mul i64 %ldy, {v * L + lane}")
-                yo2 = ir.tmp("yo")
-                ir(f"{yo2} = add i64 %yoff, {yo}")
-                yo3 = ir.tmp("yo")
-                ir(f"{yo3} = add i64 {yo2}, {i}")
-                yp = ir.tmp("yp")
-                ir(f"{yp} = getelementptr i8, ptr %y, i64 {yo3}")
-                ir(f"store i8 {e}, ptr {yp}, align 1")
+            rows[i] = q8
+        _store_channel_rows(ir, rows, spec.mr, v, L)
     ir("ret i32 0")
     args = ", ".join(f"ptr {'' if n == 'y' else 'noalias '}%{n}" if n in _CONV_POINTERS else f"i64 %{n}"
                      for n in ROWCONV_ARG_NAMES)
     head = f"define i32 @{spec.name}({args}) #0 {{"
     decls = [f"declare {vi} @llvm.x86.avx512.vpdpbusd.512({vi}, {vi}, {vi})",
+             "declare void @llvm.masked.store.v64i8.p0(<64 x i8>, ptr, <64 x i1>)",
              f"declare {vf} @llvm.roundeven.v16f32({vf})",
              f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})"]
-    return function_module(head, ir, rename, decls)
+    return function_module(head, ir, rename, decls + list(REQUANTISE_X86_DECLS))
 
 
 def kinds() -> dict:
@@ -810,7 +870,7 @@ def int8_dw_ir(spec: Int8DwSpec, vector_bits: int = 512) -> str:
         ir(f"{f} = sitofp {vi} {acc} to {vf}")
         y = ir.tmp("y")
         ir(f"{y} = fmul {vf} {f}, {msplat}")
-        q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+        q = _requantise(ir, y, spec.zy, lo, hi, vf, vi, x86=True)
         q8 = ir.tmp("q")
         ir(f"{q8} = trunc {vi} {q} to <16 x i8>")
         # lanes left: npos - base (masked store of the first ones)
@@ -847,7 +907,7 @@ def int8_dw_ir(spec: Int8DwSpec, vector_bits: int = 512) -> str:
              f"declare {vf} @llvm.maxnum.v16f32({vf}, {vf})",
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
              "declare i64 @llvm.smax.i64(i64, i64)", "declare i64 @llvm.smin.i64(i64, i64)"]
-    return function_module(head, ir, {}, decls)
+    return function_module(head, ir, {}, decls + list(REQUANTISE_X86_DECLS))
 
 
 # ---------------------------------------------------------------- depthwise rows, channel-quad output
@@ -957,7 +1017,7 @@ def int8_dw_quad_ir(spec: Int8DwQuadSpec, vector_bits: int = 512) -> str:
             ir(f"{f} = sitofp {vi} {acc} to {vf}")
             y = ir.tmp("y")
             ir(f"{y} = fmul {vf} {f}, {msplat[h]}")
-            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi)
+            q = _requantise(ir, y, spec.zy, lo, hi, vf, vi, x86=True)
             qc = ir.tmp("qc")
             ir(f"{qc} = call {vi} @llvm.experimental.vector.compress.v16i32({vi} {q}, <16 x i1> {lanes}, {vi} poison)")
             packed[h] = ir.tmp("q")
@@ -1006,4 +1066,4 @@ def int8_dw_quad_ir(spec: Int8DwQuadSpec, vector_bits: int = 512) -> str:
              f"declare {vf} @llvm.minnum.v16f32({vf}, {vf})",
              f"declare {vi} @llvm.experimental.vector.compress.v16i32({vi}, <16 x i1>, {vi})",
              "declare i64 @llvm.ctpop.i64(i64)"]
-    return function_module(head, ir, {}, decls)
+    return function_module(head, ir, {}, decls + list(REQUANTISE_X86_DECLS))

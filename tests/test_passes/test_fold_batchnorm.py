@@ -1,4 +1,4 @@
-"""fold_batchnorm: BatchNormalization after Conv, Gemm or MatMul folded into its weights."""
+"""fold_batchnorm: BatchNormalization after Conv, ConvTranspose, Gemm or MatMul folded into its weights."""
 import numpy as np
 from onnx import helper
 
@@ -31,6 +31,26 @@ def test_fold_batchnorm_must_not_fire_on_runtime_parameters():
     feeds = {"x": rand(1, 3, 8, 8), "gamma": 1 + rand(4, seed=9) * 0.1}
     before, after = run_pass(fold_batchnorm, _conv_bn(bn_params_const=False), feeds)
     assert after is before
+
+def _conv_transpose_bn(group, bias):
+    c_in, per_group = 6, 2
+    c = group * per_group
+    inits = {"w": rand(c_in, per_group, 2, 3, seed=1) * 0.3, "b": rand(c, seed=2), "gamma": 1 + 0.1 * rand(c, seed=3),
+             "beta": rand(c, seed=4), "mean": rand(c, seed=5) * 0.1, "var": 1 + np.abs(rand(c, seed=6))}
+    if not bias:
+        inits.pop("b")
+    nodes = [helper.make_node("ConvTranspose", ["x", "w", "b"] if bias else ["x", "w"], ["c"], strides=[2, 3],
+                              group=group),
+             helper.make_node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["y"], epsilon=1e-3)]
+    return make_model(nodes, [("x", F, [2, c_in, 5, 4])], [("y", F, None)], inits)
+
+def test_fold_batchnorm_into_conv_transpose():
+    """W is [C_in, C_out/group, k...]: each output channel's scale lands on its column of its group's
+    rows; onnxruntime runs the graph before and after (run_pass)."""
+    for group, bias in ((1, True), (3, False)):
+        before, after = run_pass(fold_batchnorm, _conv_transpose_bn(group, bias), {"x": rand(2, 6, 5, 4)})
+        assert ops(before) == ["ConvTranspose", "BatchNormalization"]
+        assert ops(after) == ["ConvTranspose"] and after.nodes[0].outputs == ["y"]
 
 def _linear_bn(op):
     c = 5

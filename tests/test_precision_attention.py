@@ -64,6 +64,7 @@ CASES = {
     "padding_mask_T197_D32": {"B": 2, "T": 197, "H": 2, "D": 32, "mask": (2, 1, 1, 197), "mask_input": True},
     "causal_mask_D32_2_threads": {"T": 45, "H": 2, "D": 32, "mask": (45, 45), "scale": "Div", "threads": 2},
     "odd_D_and_S_cross": {"T": 5, "S": 33, "H": 3, "D": 21, "Dv": 12},        # a zero pair pads D and S
+    "one_query_row": {"T": 1, "S": 64, "H": 2, "D": 64},                       # a partial row tile only
     "widen_on_avx2_T37": {"T": 37, "H": 2, "D": 32, "target": "x86_64-avx2"},
 }
 

@@ -104,7 +104,9 @@ class _Product(TileLoops):
 class Geometry:
     """The shapes, strides and blocking of one FusedAttention node (float32 and bf16 kernels alike)."""
 
-    def __init__(self, node, graph):
+    def __init__(self, node, graph, whole_batches: bool = False):
+        """`whole_batches`: with several threads, when the batches (batch x heads) divide among them
+        evenly, a work item is a whole batch (one run): no batch's Kt (and V) is packed twice."""
         self.q_name, self.k_name, self.v_name = node.inputs[:3]
         self.mask_name = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3] else ""
         self.out_name = node.outputs[0]
@@ -132,13 +134,14 @@ class Geometry:
         step = math.lcm(self.s_tile[0], self.o_tile[0])    # blocks of whole tiles of both products
         RB = max(step, BLOCK_BYTES // (4 * SP) // step * step)
         self.one_slot = session_threads() == 1
-        if not self.one_slot and self.nb * ceil_div(T, RB) < work_items():   # smaller blocks: something for every thread
+        whole = whole_batches and self.nb % session_threads() == 0
+        if not self.one_slot and not whole and self.nb * ceil_div(T, RB) < work_items():   # smaller blocks: something for every thread
             RB = max(step, ceil_div(ceil_div(T, ceil_div(work_items(), self.nb)), step) * step)
         self.RB = RB = min(RB, ceil_div(T, step) * step)
         self.n_blocks = ceil_div(T, RB)
         # Work items: (batch, run of consecutive blocks); one run per batch on one thread, else as many
         # as the threads want (each item packs its batch's Kt once, into a slot of its own).
-        self.runs = 1 if self.one_slot else min(self.n_blocks, ceil_div(work_items(), self.nb))
+        self.runs = 1 if self.one_slot or whole else min(self.n_blocks, ceil_div(work_items(), self.nb))
         self.work = self.nb * self.runs
         self.slot = self.D * SP + RB * SP
         # Every block but the last has RB rows (whole tiles of both products); the last may end in a partial tile.

@@ -89,9 +89,11 @@ def stored_dtype(precision: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if precision == "bf16" else np.dtype(np.float16)
 
 
-def _marks(node, graph: Graph, keep: set) -> bool:
+def _marks(node, graph: Graph, keep: set, precision: str) -> bool:
     if node.name in keep or node.op in keep:
         return False
+    if (node.domain, node.op) == (FUSED_DOMAIN, "DepthwiseBlock"):   # its 1x1 convs' weights (bf16 only)
+        return precision == "bf16" and any(node.inputs[k] and graph.values[node.inputs[k]].is_const for k in (1, 5))
     if (node.domain, node.op) in CONVS:
         w = graph.values.get(node.inputs[1])
         return w is not None and w.is_const and len(w.shape) == 4 and w.shape[1] > 1 \
@@ -151,7 +153,7 @@ def assign_precision(graph: Graph, options: Options = Options()) -> Graph:
     if options.precision not in REDUCED:
         return graph
     keep = set(options.keep_fp32)
-    marked = [n.name for n in graph.nodes if _marks(n, graph, keep)]
+    marked = [n.name for n in graph.nodes if _marks(n, graph, keep, options.precision)]
     if not marked:
         return graph
     g = graph.copy()

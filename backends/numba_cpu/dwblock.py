@@ -32,13 +32,15 @@ from __future__ import annotations
 import numpy as np
 
 from .ukernel import LOADC_EPILOGUE, UKSpec
+from .ukernel_lowp import LowpUKSpec
 from cuvil.ir import Node
 
 from .dwstride import RowCalls, fmt, packed_weights
 from .epilogue import Epilogue, epilogue_of, register_epilogue
-from .gemm import TileLoops, ceil_div, choose_tile, pack_a_panels
+from .gemm import TileLoops, bf16_k_pass, ceil_div, choose_tile, lowp_label, lowp_product, pack_a_panels
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target, session_threads, work_items
-from .lowp import CvtSpec, best_method
+from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, best_method
+from .lowp_pack import bf16_bits, pack_a_pairs
 from .narrow import load, pointer_type, with_helpers
 from .scratch import scratch_value
 
@@ -81,6 +83,52 @@ class _Gemm(TileLoops):
                    f"min({t}k0, 1) + {LOADC_EPILOGUE} * ({t}k0 + {self.kc} >= {self.K})", call)
 
 
+class _PairGemm(TileLoops):
+    """bf16 (a block marked bf16, passes/assign_precision.py): out[M x npx] = act(A @ B + bias) on
+    ukernel_lowp's micro-kernel (`vdpbf16ps`, or "widen" FMAs without AVX512-BF16). A is rounded
+    to bf16 and packed at build time in pair panels (lowp_pack.pack_a_pairs per pass of
+    bf16_k_pass(K) k, passes one after the other; K padded to even with a zero column); B is read
+    in the VNNI pair layout, pair row kp at b[boff + kp*ldb + 2j + h] (16-bit elements), columns
+    past npx up to the tile's NR read but not stored (the buffer needs 2 NR elements of slack);
+    out is float32, rows `ldc` apart."""
+
+    def __init__(self, tag: str, weights: np.ndarray, bias_name: str, graph, epilogue: Epilogue, n_typical: int,
+                 method: str):
+        self.M, K = weights.shape
+        Kp = K + K % 2
+        MR, NR = choose_tile(self.M, n_typical)
+        kc = bf16_k_pass(Kp)
+        bits = np.zeros((self.M, Kp), np.uint16)
+        bits[:, :K] = bf16_bits(weights)
+        self.panels = np.concatenate([pack_a_pairs(bits[:, k0:k0 + kc], MR).ravel() for k0 in range(0, Kp, kc)])
+        self.bias = np.zeros(ceil_div(self.M, MR) * MR, dtype=np.float32)
+        if bias_name:
+            self.bias[:self.M] = np.asarray(graph.values[bias_name].data, dtype=np.float32).reshape(self.M)
+        fields = register_epilogue(True, epilogue)
+        specs = {}
+        for i, mr in enumerate(sorted({MR, self.M % MR} - {0})):
+            spec = (f"{tag}{i}", LowpUKSpec(mr=mr, nr=NR, dtype="bf16", method=method, a_packed=1, a_panel=MR,
+                                            **fields))
+            specs[(mr, 0)] = specs[(mr, 1)] = spec   # B loads are never masked (the slack)
+        super().__init__(tag, MR, NR, Kp, specs)
+        self.kc = kc
+
+    def declare(self, src: Source) -> None:
+        for name, spec in sorted(set(self.specs.values())):
+            for line in spec.declaration(name).splitlines():
+                src.line(line)
+
+    def emit(self, src: Source, pa, pb, boff, ldb, pc, coff, ldc, pbias, npx) -> None:
+        t, panels = self.tag, ceil_div(self.M, self.MR) * self.MR
+
+        def call(mr, m, masked):
+            name = self.specs[(mr, masked)][0]
+            src.line(f"{name}({pa}, {t}k0 * {panels} + {m} * {t}kc, 0, {pb}, {boff} + ({t}k0 >> 1) * {ldb} + 2 * {t}n0, "
+                     f"{ldb}, {pc}, {coff} + {m} * {ldc} + {t}n0, {ldc}, {t}kc >> 1, {t}mask, {t}flags, {pbias}, {m})")
+        self.loops(src, npx, self.M, self.M % self.MR,
+                   f"min({t}k0, 1) + {LOADC_EPILOGUE} * ({t}k0 + {self.kc} >= {self.K})", call)
+
+
 def lower_depthwise_block(node, graph) -> Lowered:
     x_name, w1_name, b1_name, w2_name, b2_name, w3_name, b3_name, r_name = node.inputs
     X, W2, Y = (graph.values[n] for n in (x_name, w2_name, node.outputs[0]))
@@ -92,17 +140,25 @@ def lower_depthwise_block(node, graph) -> Lowered:
     s = int(node.attr("strides")[0])
     p_t, p_l = (int(v) for v in node.attr("pads")[:2])
     expand, project = bool(w1_name), bool(w3_name)
-    # 16-bit x read by the expand GEMM / y written by the project GEMM: float32 pieces of the scratch
-    x_wide = expand and fmt(X) != "f32"
+    # bf16 (the block marked bf16): the 1x1 convs on the bf16 micro-kernel, their B in channel
+    # pairs in the 16-bit scratch (x's new rows copied / rounded into pairs; u written in pairs by
+    # the depthwise rows)
+    lowp = lowp_product(node)
+    method = lowp[1] if lowp and lowp[0] == "bf16" else None
+    x_pairs = expand and method is not None
+    u_pairs = project and method is not None
+    # 16-bit x read by a float32 expand GEMM / y written by the project GEMM: float32 pieces of the scratch
+    x_wide = expand and fmt(X) != "f32" and not x_pairs
     y_wide = project and fmt(Y) != "f32"
+    C0p, C1p = C0 + C0 % 2, C1 + C1 % 2   # channel pairs (a last odd channel gets a zero weight)
 
     # Bands of R output rows: t's rows of a band (BR of them) and u's (and the float32 pieces of
-    # x and y) fit BAND_BYTES; at least MIN_BANDS bands (and on several threads at least one per
-    # work item).
+    # x and y, or the pairs of x and u) fit BAND_BYTES; at least MIN_BANDS bands (and on several
+    # threads at least one per work item).
     one_slot = session_threads() == 1
-    row_bytes = 4 * (C1 * ((s * Wd if expand else 0) + (OW if project else 0))
-                     + (C0 * s * Wd if x_wide else 0) + (C2 * OW if y_wide else 0))
-    fixed_bytes = 4 * (C1 + (C0 if x_wide else 0)) * (KH - s) * Wd if expand else 0
+    row_bytes = (4 * C1 * (s * Wd if expand else 0) + (2 * C1p if u_pairs else 4 * C1) * (OW if project else 0)
+                 + (4 * C0 * s * Wd if x_wide else 0) + (2 * C0p * s * Wd if x_pairs else 0) + 4 * (C2 * OW if y_wide else 0))
+    fixed_bytes = (4 * C1 + (4 * C0 if x_wide else 0)) * (KH - s) * Wd if expand else 0
     R = max(1, min(ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
                    (BAND_BYTES - fixed_bytes) // row_bytes))
     BR = (R - 1) * s + KH
@@ -110,37 +166,56 @@ def lower_depthwise_block(node, graph) -> Lowered:
     runs = 1 if one_slot else min(n_bands, max(1, ceil_div(work_items(), N)))
     work = N * runs
     t_floats = C1 * BR * Wd if expand else 0
-    u_floats = C1 * R * OW if project else 0
+    u_floats = C1 * R * OW if project and not u_pairs else 0
     x_floats = C0 * BR * Wd if x_wide else 0
     slot = t_floats + u_floats + x_floats + (C2 * R * OW if y_wide else 0)
-    scratch = scratch_value(graph, node, ((1 if one_slot else work) * slot,), np.float32, tag="bands")
+    scratch = scratch_value(graph, node, (max(1, (1 if one_slot else work) * slot),), np.float32, tag="bands")
+    # The 16-bit scratch: x's pairs (rows of 2 BR W) then u's (rows of 2 R OW), each followed by the
+    # 2 NR elements its GEMM's last tile reads past its last row.
+    gx = gp = None
+    if expand:
+        w1 = np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0)
+        gx = (_PairGemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd, method) if x_pairs else
+              _Gemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd))
+    if project:
+        w3 = np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1)
+        gp = (_PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
+              _Gemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW))
+    ldx, ldu = 2 * BR * Wd, 2 * R * OW   # 16-bit elements per pair row of x / u
+    xp_elems = C0p // 2 * ldx + 2 * gx.NR if x_pairs else 0
+    up_elems = C1p // 2 * ldu + 2 * gp.NR if u_pairs else 0
+    pair_slot = xp_elems + up_elems
+    pairs = (scratch_value(graph, node, ((1 if one_slot else work) * pair_slot,), np.uint16, tag="pairs")
+             if pair_slot else None)
 
     # Pointers, in order: x, [expand panels, bias], depthwise weights, [project panels, bias],
-    # [residual], scratch, y.
+    # [residual], scratch, [pairs], y.
     ptrs = {"x": x_name}
     if expand:
-        gx = _Gemm("ex", np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0), b1_name, graph,
-                   _epilogue(node, "expand_"), R * s * Wd)
         ptrs.update(a1=gx.panels, b1=gx.bias)
     ptrs["w2"] = packed_weights(W2.data, graph.values[b2_name].data if b2_name else None, C1)
     if project:
-        gp = _Gemm("pj", np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1), b3_name, graph,
-                   _epilogue(node, "project_"), R * OW)
         ptrs.update(a3=gp.panels, b3=gp.bias)
         if r_name:
             ptrs["r"] = r_name
-    ptrs.update(scratch=scratch, y=node.outputs[0])
+    ptrs["scratch"] = scratch
+    if pairs:
+        ptrs["pairs"] = pairs
+    ptrs["y"] = node.outputs[0]
     p = {key: f"p{i}" for i, key in enumerate(ptrs)}
     stored = {"x": X.dtype, "y": Y.dtype, **({"r": graph.values[r_name].dtype} if "r" in ptrs else {})}
-    types = tuple(pointer_type(stored[key]) if key in stored else "float32" for key in ptrs)
+    sixteen = {"pairs"} | ({"a1"} if x_pairs else set()) | ({"a3"} if u_pairs else set())
+    types = tuple(pointer_type(stored[key]) if key in stored else "uint16" if key in sixteen else "float32"
+                  for key in ptrs)
 
     rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
-                    "f32" if project else fmt(Y))
+                    "bf16pairs" if u_pairs else "f32" if project else fmt(Y))
 
     src = Source()
     rows.declare(src)
     for wide, var, spec in ((x_wide, "cvt_in", lambda: CvtSpec(fmt(X), "f32", best_method(fmt(X), "f32", lowering_target()))),
-                            (y_wide, "cvt_out", lambda: CvtSpec("f32", fmt(Y), best_method("f32", fmt(Y), lowering_target())))):
+                            (y_wide, "cvt_out", lambda: CvtSpec("f32", fmt(Y), best_method("f32", fmt(Y), lowering_target()))),
+                            (x_pairs, "to_pairs", lambda: PairCopySpec() if fmt(X) == "bf16" else PairCvtSpec())):
         if wide:
             for line in spec().declaration(var).splitlines():
                 src.line(line)
@@ -152,12 +227,21 @@ def lower_depthwise_block(node, graph) -> Lowered:
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {runs}").line(f"run = item % {runs}")
     src.line("so = 0" if one_slot else f"so = item * {slot}")
-    if project:
+    if project and not u_pairs:
         src.line(f"su = so + {t_floats}")   # u's scratch
     if x_wide:
         src.line(f"sx = so + {t_floats + u_floats}")   # the band's new rows of x, widened
     if y_wide:
         src.line(f"sy = so + {t_floats + u_floats + x_floats}")   # the band of y before its rounding
+    if pairs:
+        src.line("sp = 0" if one_slot else f"sp = item * {pair_slot}")
+        if x_pairs:
+            src.line("sxp = sp")   # the band's new rows of x in channel pairs
+        if u_pairs:
+            src.line(f"sup = sp + {xp_elems}")   # the band of u in channel pairs
+            if C1 % 2:   # the last pair's second channel: zeros (times zero weights), never written
+                src.line(f"for j in range({ldu}):").indent()
+                src.line(f"{p['pairs']}[sup + {(C1p // 2 - 1) * ldu} + j] = np.uint16(0)").dedent()
     src.line(f"b_lo = run * {n_bands} // {runs}").line(f"b_hi = (run + 1) * {n_bands} // {runs}")
     if expand:   # t's scratch holds its rows [base, have_hi) from its top on
         src.line("base = 0").line("have_hi = 0")
@@ -179,7 +263,15 @@ def lower_depthwise_block(node, graph) -> Lowered:
         src.dedent().dedent().dedent()
         # The new rows: t[C1 x pixels] = W1 @ x[C0 x pixels], pixels the flat run of rows [new, hi).
         src.line("if new < hi:").indent()
-        if x_wide:
+        if x_pairs:   # channels 2cp, 2cp + 1 of the rows interleaved (a last odd channel with itself)
+            plane = H * Wd
+            src.line(f"for cp in range({C0p // 2}):").indent()
+            src.line("c = 2 * cp").line(f"xs = {plane} if c + 1 < {C0} else 0" if C0 % 2 else f"xs = {plane}")
+            src.line(f"to_pairs({p['x']}, (n * {C0} + c) * {plane} + new * {Wd}, xs, {p['pairs']}, sxp + cp * {ldx}, "
+                     f"(hi - new) * {Wd})").dedent()
+            gx.emit(src, p["a1"], p["pairs"], "sxp", ldx, p["scratch"], f"so + (new - top) * {Wd}", BR * Wd, p["b1"],
+                    f"(hi - new) * {Wd}")
+        elif x_wide:
             src.line(f"for c in range({C0}):").indent()
             src.line(f"cvt_in({p['x']}, (n * {C0} + c) * {H * Wd} + new * {Wd}, {p['scratch']}, sx + c * {BR * Wd}, "
                      f"(hi - new) * {Wd})").dedent()
@@ -190,18 +282,23 @@ def lower_depthwise_block(node, graph) -> Lowered:
                     f"so + (new - top) * {Wd}", BR * Wd, p["b1"], f"(hi - new) * {Wd}")
         src.dedent()
         src.line("base = top").line("have_hi = hi")
-    # The depthwise conv over the band: input row r of channel c at xo + r*W, output row oh at yo + oh*OW.
+    # The depthwise conv over the band: input row r of channel c at xo + r*W, output row oh at yo + oh*OW
+    # (u's pairs: channel c is half c % 2 of pair row c // 2, its row oh at yo + 2 oh OW).
     src.line(f"for c in range({C1}):").indent()
     src.line(f"xo = so + c * {BR * Wd} - top * {Wd}" if expand else f"xo = (n * {C1} + c) * {H * Wd}")
-    src.line(f"yo = su + c * {R * OW} - oh0 * {OW}" if project else f"yo = (n * {C1} + c) * {OH * OW}")
+    if u_pairs:
+        src.line(f"yo = sup + (c >> 1) * {ldu} + (c & 1) - oh0 * {2 * OW}")
+    else:
+        src.line(f"yo = su + c * {R * OW} - oh0 * {OW}" if project else f"yo = (n * {C1} + c) * {OH * OW}")
     rows.emit(src, p["scratch"] if expand else p["x"], "xo", p["w2"], f"c * {KH * KW + 1}",
-              p["scratch"] if project else p["y"], "yo", "oh0", "oh1")
+              p["pairs"] if u_pairs else p["scratch"] if project else p["y"], "yo", "oh0", "oh1")
     src.dedent()
     if project:
         # y[:, band rows] = W3 @ u (channels of u are k, its R*OW pixels apart), then the residual.
         src.line(f"npx = (oh1 - oh0) * {OW}")
+        b_ptr, b_off, b_ld = (p["pairs"], "sup", ldu) if u_pairs else (p["scratch"], "su", R * OW)
         if y_wide:   # into the float32 piece sy (rows R*OW apart), residual added there, rounded into y
-            gp.emit(src, p["a3"], p["scratch"], "su", R * OW, p["scratch"], "sy", R * OW, p["b3"], "npx")
+            gp.emit(src, p["a3"], b_ptr, b_off, b_ld, p["scratch"], "sy", R * OW, p["b3"], "npx")
             src.line(f"for c in range({C2}):").indent()
             src.line(f"yb = (n * {C2} + c) * {OH * OW} + oh0 * {OW}").line(f"cb = sy + c * {R * OW}")
             if r_name:
@@ -209,7 +306,7 @@ def lower_depthwise_block(node, graph) -> Lowered:
                 src.line(f"{p['scratch']}[cb + j] += {load(p['r'], 'yb + j', stored['r'])}").dedent()
             src.line(f"cvt_out({p['scratch']}, cb, {p['y']}, yb, npx)").dedent()
         else:
-            gp.emit(src, p["a3"], p["scratch"], "su", R * OW, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
+            gp.emit(src, p["a3"], b_ptr, b_off, b_ld, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
                     p["b3"], "npx")
             if r_name:
                 src.line(f"for c in range({C2}):").indent()
@@ -218,4 +315,6 @@ def lower_depthwise_block(node, graph) -> Lowered:
                 src.line(f"{p['y']}[yb + j] += {load(p['r'], 'yb + j', stored['r'])}")
                 src.dedent().dedent()
     kernel = Kernel("DepthwiseBlock", with_helpers(src.text()), types)
-    return Lowered([KernelCall(kernel, list(ptrs.values()), work, node.name, n_outputs=2)])
+    label = lowp_label(("bf16", method)) if method and (expand or project) else ""
+    return Lowered([KernelCall(kernel, list(ptrs.values()), work, node.name, n_outputs=2 + bool(pairs),
+                               precision=label)])

@@ -132,14 +132,18 @@ def test_a_depthwise_conv_between_16_bit_tensors_is_within_the_propagated_bound(
     bound2 = stored(stage_error(h1, bound1, w2, b2, 0.0, stride=stride, pads=pads, group=C, dilation=dilation), h2, u)
     bound = stage_error(h2, bound2, w3, b3, u)
 
-    got = cuvil.compile(model, precision=precision).run({"x": x})["y"]
+    # the depthwise conv's own kernel: a bf16 build would fuse the chain into a DepthwiseBlock
+    # (pipeline.FUSE_ALL_BLOCKS; the block tests below)
+    separate = {"disable_passes": ["fuse_depthwise_block"]}
+    got = cuvil.compile(model, precision=precision, **separate).run({"x": x})["y"]
     err = np.abs(got.astype(np.float64) - y)
     assert got.dtype == np.float32 and got.shape == y.shape
     assert np.all(err <= bound), float(np.max(err - bound))
     # the 16-bit tensors really were rounded: float32 throughout stays within ~gamma(K) of the values
     assert np.max(err) > 2.0 ** -20 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
 
-    info = explain_model(model, precision=precision)
+    info = explain_model(model, precision=precision, **separate)
+    assert "depthwiseblock" not in families(info), families(info)
     own = {b[4]: b[1] for b in info.buffers if "__" not in b[4]}
     sizes = sorted(own.values())
     assert 2 * h1.size in sizes and 2 * h2.size in sizes, (own, h1.size, h2.size)   # both stored in 16 bits
@@ -149,7 +153,8 @@ def test_a_depthwise_conv_between_16_bit_tensors_is_within_the_propagated_bound(
 
 def test_depthwise_convs_keep_float32_tensors_when_narrow_activations_is_off():
     model, _ = depthwise_chain(*DEPTHWISE_CASES["3x3_s1"])
-    off = explain_model(model, precision="bf16", pass_options={"assign_precision": {"narrow_activations": False}})
+    off = explain_model(model, precision="bf16", pass_options={"assign_precision": {"narrow_activations": False}},
+                        disable_passes=["fuse_depthwise_block"])
     assert 4 * 24 * 14 * 14 in [b[1] for b in off.buffers if "__" not in b[4]]
 
 

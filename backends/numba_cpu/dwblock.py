@@ -20,12 +20,36 @@ Work items are (image, run of consecutive bands), each with scratch of its own
 depend on which thread computes what.
 
 Activations stored in 16 bits (bf16 / fp16, passes/assign_precision.py `narrow_activations`):
-x, r and y may hold 16-bit values; t and u stay float32 in the scratch. The expand GEMM reads
-its band's new rows of x widened into a float32 piece of the scratch (exact; a conversion
-micro-kernel per channel, lowp.CvtSpec), the project GEMM writes the band of y into a float32
-piece, adds the residual (widened) and rounds it once into y; without expand / project the
-depthwise rows read x / write y in 16 bits themselves (ukernel_lowp.DwRow16Spec). The sums
-are the float32 ones either way: the only new errors are the roundings of the stored tensors.
+x, r and y may hold 16-bit values. Without expand / project the depthwise rows read x / write
+y in 16 bits themselves (ukernel_lowp.DwRow16Spec); the project GEMM writes the band of y into a
+float32 piece of the scratch, adds the residual (widened) and rounds it once into y.
+
+bf16 (a block that passes/assign_precision.py marked bf16; lowp_product gives the method:
+"dpbf16" = `vdpbf16ps` with AVX512-BF16, else "widen" = the pairs split into float32 FMAs): both
+1x1 convs run on ukernel_lowp's micro-kernel, W1 and W3 rounded to bf16 once at build time and
+packed in pair panels (_PairGemm). Their B operands live in a 16-bit scratch in the VNNI pair
+layout the micro-kernel reads, channels as k: the band's new rows of x copied into channel pairs
+(lowp.PairCopySpec; a float32 x, a graph input, rounded into them by lowp.PairCvtSpec), and u
+written by the depthwise rows straight into channel pairs (ukernel_lowp.DwRowPairSpec: each
+value rounded once to bf16). t stays float32: the expand GEMM stores its float32 sums and the
+depthwise taps (float32 FMAs, DwRowSpec) read them as they are, with no rounding of t (a bf16 t,
+half the scratch bytes, was not tried). An odd channel count gets a zero weight column and a zero
+(or repeated) partner channel. Error, with u = 2^-8 (one bf16 rounding to nearest), gamma(n) = n 2^-24 / (1 -
+n 2^-24) (a float32 sum of n terms, one rounding per accumulation: vdpbf16ps rounds each of its
+two products' additions), |.| * |.| the convolution of magnitudes, and e_x the error x holds:
+
+    t:  |dt| <= |W1| * e_x + (r + gamma(C0 + 1)) (|W1| * (|x| + e_x) + |b1|)
+           r = u (W1's rounding; x is exact in bf16), 2u + u^2 when x is rounded too (float32 x)
+    u (before its rounding):  |du| <= |w2| * |dt| + gamma(KH KW + 1) (|w2| * (|t| + |dt|) + |b2|)
+    u's bf16 pairs:           e_u = |du| + u (|u| + |du|)
+    y (before its store):     |dy| <= |W3| * e_u + (u + gamma(C1 + 1)) (|W3| * (|u| + e_u) + |b3|)
+                               [+ e_r + gamma(1) (|y| + |dy|) with a residual r]
+    y stored in bf16:          e_y = |dy| + u (|y| + |dy|)
+
+Relu / Clip are 1-Lipschitz and leave the bounds as they are. tests/test_precision_depthwise.py
+checks every case against onnxruntime's float32 values with this bound. fp16 blocks keep the
+float32 1x1 convs on float32 t and u (x widened into a float32 piece of the scratch, exact: lowp.
+CvtSpec), whose only errors are the roundings of the stored x, r and y.
 """
 from __future__ import annotations
 
@@ -46,6 +70,14 @@ from .scratch import scratch_value
 
 BAND_BYTES = 256 << 10   # a band's scratch (t's rows and u's) stays well inside a 1-2 MiB L2
 MIN_BANDS = 4
+# bf16 blocks (x and u in pairs): as few bands as their scratch allows, at least one per thread (not
+# MIN_BANDS / work_items()), of balanced heights: a band is the N of both GEMMs, and short bands
+# leave their micro-tiles' columns idle (MobileNetV2's 7 x 7 blocks in 4 bands of 14 pixels: 0.171
+# ms a block against 0.090 ms in one band, AMD Zen 5, 1 thread). The scratch may grow to
+# BAND_BYTES_PAIRS less the bytes of x and y (at least BAND_BYTES): the step then holds no more
+# than max(x + y + BAND_BYTES, BAND_BYTES_PAIRS), so the small late blocks get tall bands without
+# raising the arena's peak, which the large early tensors set.
+BAND_BYTES_PAIRS = 768 << 10
 
 
 def _epilogue(node, prefix: str) -> Epilogue:
@@ -155,15 +187,23 @@ def lower_depthwise_block(node, graph) -> Lowered:
     # Bands of R output rows: t's rows of a band (BR of them) and u's (and the float32 pieces of
     # x and y, or the pairs of x and u) fit BAND_BYTES; at least MIN_BANDS bands (and on several
     # threads at least one per work item).
-    one_slot = session_threads() == 1
+    threads = session_threads()
+    one_slot = threads == 1
     row_bytes = (4 * C1 * (s * Wd if expand else 0) + (2 * C1p if u_pairs else 4 * C1) * (OW if project else 0)
                  + (4 * C0 * s * Wd if x_wide else 0) + (2 * C0p * s * Wd if x_pairs else 0) + 4 * (C2 * OW if y_wide else 0))
     fixed_bytes = (4 * C1 + (4 * C0 if x_wide else 0)) * (KH - s) * Wd if expand else 0
-    R = max(1, min(ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
-                   (BAND_BYTES - fixed_bytes) // row_bytes))
+    if method:   # (bf16: see BAND_BYTES_PAIRS)
+        budget = max(BAND_BYTES, BAND_BYTES_PAIRS - X.nbytes - Y.nbytes)
+        R = max(1, min(ceil_div(OH, ceil_div(threads, N)), (budget - fixed_bytes) // row_bytes))
+        R = ceil_div(OH, ceil_div(OH, R))   # the same band count, heights balanced
+        items = threads
+    else:
+        R = max(1, min(ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
+                       (BAND_BYTES - fixed_bytes) // row_bytes))
+        items = work_items()
     BR = (R - 1) * s + KH
     n_bands = ceil_div(OH, R)
-    runs = 1 if one_slot else min(n_bands, max(1, ceil_div(work_items(), N)))
+    runs = 1 if one_slot else min(n_bands, max(1, ceil_div(items, N)))
     work = N * runs
     t_floats = C1 * BR * Wd if expand else 0
     u_floats = C1 * R * OW if project and not u_pairs else 0

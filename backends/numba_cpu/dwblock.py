@@ -27,7 +27,7 @@ float32 piece of the scratch, adds the residual (widened) and rounds it once int
 bf16 (a block that passes/assign_precision.py marked bf16; lowp_product gives the method:
 "dpbf16" = `vdpbf16ps` with AVX512-BF16, else "widen" = the pairs split into float32 FMAs): both
 1x1 convs run on ukernel_lowp's micro-kernel, W1 and W3 rounded to bf16 once at build time and
-packed in pair panels (_PairGemm). Their B operands live in a 16-bit scratch in the VNNI pair
+packed in pair panels (dwblock_pairs.PairGemm). Their B operands live in a 16-bit scratch in the VNNI pair
 layout the micro-kernel reads, channels as k: the band's new rows of x copied into channel pairs
 (lowp.PairCopySpec; a float32 x, a graph input, rounded into them by lowp.PairCvtSpec), and u
 written by the depthwise rows straight into channel pairs (ukernel_lowp.DwRowPairSpec: each
@@ -56,15 +56,14 @@ from __future__ import annotations
 import numpy as np
 
 from .ukernel import LOADC_EPILOGUE, UKSpec
-from .ukernel_lowp import LowpUKSpec
 from cuvil.ir import Node
 
+from .dwblock_pairs import SPLIT_PIXELS, PairGemm, lower_by_channels
 from .dwstride import RowCalls, fmt, packed_weights
 from .epilogue import Epilogue, epilogue_of, register_epilogue
-from .gemm import TileLoops, bf16_k_pass, ceil_div, choose_tile, lowp_label, lowp_product, pack_a_panels
+from .gemm import TileLoops, ceil_div, choose_tile, lowp_label, lowp_product, pack_a_panels
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target, session_threads, work_items
 from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, best_method
-from .lowp_pack import bf16_bits, pack_a_pairs
 from .narrow import load, pointer_type, with_helpers
 from .scratch import scratch_value
 
@@ -115,52 +114,6 @@ class _Gemm(TileLoops):
                    f"min({t}k0, 1) + {LOADC_EPILOGUE} * ({t}k0 + {self.kc} >= {self.K})", call)
 
 
-class _PairGemm(TileLoops):
-    """bf16 (a block marked bf16, passes/assign_precision.py): out[M x npx] = act(A @ B + bias) on
-    ukernel_lowp's micro-kernel (`vdpbf16ps`, or "widen" FMAs without AVX512-BF16). A is rounded
-    to bf16 and packed at build time in pair panels (lowp_pack.pack_a_pairs per pass of
-    bf16_k_pass(K) k, passes one after the other; K padded to even with a zero column); B is read
-    in the VNNI pair layout, pair row kp at b[boff + kp*ldb + 2j + h] (16-bit elements), columns
-    past npx up to the tile's NR read but not stored (the buffer needs 2 NR elements of slack);
-    out is float32, rows `ldc` apart."""
-
-    def __init__(self, tag: str, weights: np.ndarray, bias_name: str, graph, epilogue: Epilogue, n_typical: int,
-                 method: str):
-        self.M, K = weights.shape
-        Kp = K + K % 2
-        MR, NR = choose_tile(self.M, n_typical)
-        kc = bf16_k_pass(Kp)
-        bits = np.zeros((self.M, Kp), np.uint16)
-        bits[:, :K] = bf16_bits(weights)
-        self.panels = np.concatenate([pack_a_pairs(bits[:, k0:k0 + kc], MR).ravel() for k0 in range(0, Kp, kc)])
-        self.bias = np.zeros(ceil_div(self.M, MR) * MR, dtype=np.float32)
-        if bias_name:
-            self.bias[:self.M] = np.asarray(graph.values[bias_name].data, dtype=np.float32).reshape(self.M)
-        fields = register_epilogue(True, epilogue)
-        specs = {}
-        for i, mr in enumerate(sorted({MR, self.M % MR} - {0})):
-            spec = (f"{tag}{i}", LowpUKSpec(mr=mr, nr=NR, dtype="bf16", method=method, a_packed=1, a_panel=MR,
-                                            **fields))
-            specs[(mr, 0)] = specs[(mr, 1)] = spec   # B loads are never masked (the slack)
-        super().__init__(tag, MR, NR, Kp, specs)
-        self.kc = kc
-
-    def declare(self, src: Source) -> None:
-        for name, spec in sorted(set(self.specs.values())):
-            for line in spec.declaration(name).splitlines():
-                src.line(line)
-
-    def emit(self, src: Source, pa, pb, boff, ldb, pc, coff, ldc, pbias, npx) -> None:
-        t, panels = self.tag, ceil_div(self.M, self.MR) * self.MR
-
-        def call(mr, m, masked):
-            name = self.specs[(mr, masked)][0]
-            src.line(f"{name}({pa}, {t}k0 * {panels} + {m} * {t}kc, 0, {pb}, {boff} + ({t}k0 >> 1) * {ldb} + 2 * {t}n0, "
-                     f"{ldb}, {pc}, {coff} + {m} * {ldc} + {t}n0, {ldc}, {t}kc >> 1, {t}mask, {t}flags, {pbias}, {m})")
-        self.loops(src, npx, self.M, self.M % self.MR,
-                   f"min({t}k0, 1) + {LOADC_EPILOGUE} * ({t}k0 + {self.kc} >= {self.K})", call)
-
-
 def lower_depthwise_block(node, graph) -> Lowered:
     x_name, w1_name, b1_name, w2_name, b2_name, w3_name, b3_name, r_name = node.inputs
     X, W2, Y = (graph.values[n] for n in (x_name, w2_name, node.outputs[0]))
@@ -204,6 +157,10 @@ def lower_depthwise_block(node, graph) -> Lowered:
     BR = (R - 1) * s + KH
     n_bands = ceil_div(OH, R)
     runs = 1 if one_slot else min(n_bands, max(1, ceil_div(items, N)))
+    if method and expand and project and runs > 1 and ceil_div(OH, ceil_div(threads, N)) * OW < SPLIT_PIXELS:
+        # a small plane shared by several threads (see dwblock_pairs.py)
+        return lower_by_channels(node, graph, method, threads,
+                                 (_epilogue(node, "expand_"), _epilogue(node, ""), _epilogue(node, "project_")))
     work = N * runs
     t_floats = C1 * BR * Wd if expand else 0
     u_floats = C1 * R * OW if project and not u_pairs else 0
@@ -215,11 +172,11 @@ def lower_depthwise_block(node, graph) -> Lowered:
     gx = gp = None
     if expand:
         w1 = np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0)
-        gx = (_PairGemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd, method) if x_pairs else
+        gx = (PairGemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd, method) if x_pairs else
               _Gemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd))
     if project:
         w3 = np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1)
-        gp = (_PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
+        gp = (PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
               _Gemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW))
     ldx, ldu = 2 * BR * Wd, 2 * R * OW   # 16-bit elements per pair row of x / u
     xp_elems = C0p // 2 * ldx + 2 * gx.NR if x_pairs else 0

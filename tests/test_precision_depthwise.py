@@ -294,7 +294,8 @@ def test_a_depthwise_block_between_16_bit_tensors_is_within_the_propagated_bound
     got = cuvil.compile(model, precision=precision, pass_options=options).run({"x": x})[g if direct else "y"]
     err = np.abs(got.astype(np.float64) - want)
     assert np.all(err <= limit), float(np.max(err - limit))
-    assert np.max(err) > 2.0 ** -20 * np.max(np.abs(want)), (np.max(err), np.max(np.abs(want)))
+    if not (direct and precision == "fp16"):   # (an fp16 block between float32 graph tensors rounds nothing)
+        assert np.max(err) > 2.0 ** -20 * np.max(np.abs(want)), (np.max(err), np.max(np.abs(want)))
 
 
 @pytest.mark.parametrize("case", ["odd_channels_residual", "odd_channels_s2", "graph_input_output"])
@@ -404,3 +405,13 @@ def test_a_float16_models_depthwise_conv_reads_and_writes_float16_rows(stride, w
     err = np.abs(got.astype(np.float64) - want.astype(np.float64))
     assert np.all(err <= 2.0 ** -10 * np.abs(want.astype(np.float64)) + 2.0 ** -24), float(err.max())
     assert not any(f.startswith("cast") for f in families(explain_model(model))), families(explain_model(model))
+
+
+def test_a_bf16_build_fuses_every_depthwise_block_unless_its_options_say_otherwise():
+    from cuvil import pipeline
+    assert pipeline.pass_list(2, precision="bf16")[1]["fuse_depthwise_block"]["min_bytes"] == 0
+    for precision in ("fp32", "fp16"):
+        assert pipeline.pass_list(2, precision=precision)[1]["fuse_depthwise_block"]["min_bytes"] == 1 << 20
+    given = {"fuse_depthwise_block": {"min_bytes": 4096}}
+    assert pipeline.pass_list(2, pass_options=given, precision="bf16")[1]["fuse_depthwise_block"]["min_bytes"] == 4096
+    assert "fuse_depthwise_block" not in pipeline.pass_list(2, precision="bf16", gpu=True)[1]

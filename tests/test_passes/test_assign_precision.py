@@ -101,3 +101,28 @@ def test_activations_stay_float32_when_asked_or_when_a_reader_is_kept_in_float32
     kept = assign_precision(before, Options(precision="bf16", keep_fp32=["b"]))
     # b stays float32, so p (its input) does; h still goes conv a -> MaxPool in 16 bits
     assert _dtypes(kept, names) == {"h": "bfloat16", "p": "float32"}
+
+
+def _block():
+    """1x1 conv -> depthwise 3x3 conv -> 1x1 conv, fused into one DepthwiseBlock."""
+    from passes.fuse_depthwise_block import Options as FuseOptions, fuse_depthwise_block
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["t"], name="expand"),
+             helper.make_node("Conv", ["t", "w2"], ["u"], name="dw", group=12, pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["u", "w3"], ["y"], name="project")]
+    model = make_model(nodes, [("x", F, [1, 4, 8, 8])], [("y", F, None)],
+                       {"w1": rand(12, 4, 1, 1, seed=5), "w2": rand(12, 1, 3, 3, seed=6), "w3": rand(4, 12, 1, 1, seed=7)})
+    graph, _ = import_onnx(model)
+    fused = fuse_depthwise_block(graph, FuseOptions(min_bytes=0))
+    assert [n.op for n in fused.nodes] == ["DepthwiseBlock"]
+    return fused
+
+
+def test_marks_a_depthwise_block_in_bf16_only():
+    # its 1x1 convs run on the bf16 micro-kernel (backends/numba_cpu/dwblock.py); fp16 blocks keep
+    # float32 1x1 convs, so an fp16 mark would claim what the kernel does not do
+    before = _block()
+    after = assign_precision(before, Options(precision="bf16"))
+    verify(after)
+    assert _marks(after) == {"dw": "bf16"}
+    assert _marks(assign_precision(before, Options(precision="fp16"))) == {"dw": None}
+    assert _marks(assign_precision(before, Options(precision="bf16", keep_fp32=["DepthwiseBlock"]))) == {"dw": None}

@@ -144,12 +144,20 @@ CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block", "fold_qdq")
 # place of W, GEMMs on vdpbf16ps), faster than the direct bf16 conv and within 1.5-1.7x its error.
 REDUCED_WITHOUT_WINOGRAD = ("fp16",)
 
+# A bf16 build fuses every depthwise block, however small its tensors (fuse_depthwise_block's
+# min_bytes 0, unless the variant's pass_options set it): its DepthwiseBlock runs both 1x1 convs
+# on the bf16 micro-kernel with u passed in channel pairs (backends/numba_cpu/dwblock.py), where the
+# separate convs copy each 1x1 conv's input into pairs (ConvPad_pairs16) and round t and u to bf16
+# in memory. MobileNetV2 at 224, AMD Zen 5, 1 thread: see docs/performance.md (2026-12-07).
+FUSE_ALL_BLOCKS = ("bf16",)
+
 
 def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
               precision: str = "fp32", gpu: bool = False) -> tuple[list[str], dict]:
     """The passes a variant runs, in order, and each one's options (defaults filled in). A reduced
     precision adds assign_precision at the end, with the precision among its options; fp16 leaves
-    out winograd unless `passes` names it (REDUCED_WITHOUT_WINOGRAD); a weight-only one, int4, adds
+    out winograd unless `passes` names it (REDUCED_WITHOUT_WINOGRAD), bf16 fuses every depthwise block
+    (FUSE_ALL_BLOCKS); a weight-only one, int4, adds
     quantize_weights first instead of assign_precision; a GPU target leaves out CPU_ONLY_PASSES and
     keeps every activation float32 (assign_precision's narrow_activations off)."""
     from passes import resolve_pass_options, resolve_passes
@@ -165,6 +173,8 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
         options["quantize_weights"] = {**options.get("quantize_weights", {}), "bits": WEIGHT_ONLY_BITS[precision]}
     elif precision not in ("fp32", *CALIBRATED) and "assign_precision" not in names:
         names.append("assign_precision")
+    if precision in FUSE_ALL_BLOCKS and "fuse_depthwise_block" in names:
+        options["fuse_depthwise_block"] = {"min_bytes": 0, **options.get("fuse_depthwise_block", {})}
     if "assign_precision" in names:
         options["assign_precision"] = {**options.get("assign_precision", {}), "precision": precision}
         if gpu:   # the GPU kernels read and write float32 activations only (docs/cuda.md)

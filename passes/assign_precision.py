@@ -10,6 +10,7 @@ instructions double the products per cycle:
     Conv, FusedConv with constant 4-D weights, not depthwise          -> the precision
     LSTM with a constant recurrence matrix R                          -> the precision
     FusedAttention on float32 q, k, v (bf16 only)                     -> bf16
+    DepthwiseBlock with a constant expand or project weight, bf16 only -> bf16
     everything else                                                   -> float32
 
 A marked conv computes in the precision where it runs as an implicit GEMM
@@ -19,7 +20,10 @@ backends/numba_cpu/winograd_bf16.py; U and V rounded once to bf16, float32 sums;
 1.4-1.6x the implicit GEMM's); a conv the backend gives to a float32 Winograd transform (fp16
 with an explicit `passes:` list naming winograd) or to a direct kernel (tiny convs), or a bf16
 grouped conv with an odd channel count per group, stays float32 and shows so in `cuvil explain`. Depthwise convs are not marked: one
-product per tap and channel, no weight matrix to halve. A marked LSTM multiplies its state h by R
+product per tap and channel, no weight matrix to halve. A marked DepthwiseBlock (bf16) runs its
+expand and project 1x1 convs on the bf16 micro-kernel, its depthwise taps in float32
+(backends/numba_cpu/dwblock.py, where its error bound is); an fp16 build leaves blocks unmarked
+(their 1x1 convs stay float32). A marked LSTM multiplies its state h by R
 in the precision where its steps run in two halves of the hidden units (batch <= 6, no sequence
 lengths, an even hidden size: backends/numba_cpu/rnn.py), the product that streams R once per step
 and so is bound by R's bytes; h is rounded to 16 bits once per step for that product, the cell's
@@ -54,7 +58,8 @@ A depthwise conv (group = channels, constant 4-D weights, one input channel per 
 marked (it computes in float32: one product per tap and channel, memory-bound), but it reads
 and writes the 16-bit tensors around it (backends/numba_cpu/dwstride.py: widened on load,
 rounded once on the store), and so does a DepthwiseBlock (passes/fuse_depthwise_block.py;
-backends/numba_cpu/dwblock.py: its inner tensors t and u stay float32). Without them the
+backends/numba_cpu/dwblock.py: its inner tensor t stays float32, u too unless the block is marked
+bf16, when u is rounded once into bf16 channel pairs for the project GEMM). Without them the
 tensors on either side of a MobileNet block's depthwise conv, the largest of the model, would
 stay float32.
 
@@ -100,6 +105,8 @@ def _marks(node, graph: Graph, keep: set, precision: str) -> bool:
     if (node.domain, node.op) == (FUSED_DOMAIN, "FusedAttention"):
         # bf16 only: its products have a bf16 kernel (backends/numba_cpu/attention_bf16.py), no fp16 one
         return precision == "bf16" and all(graph.values[name].dtype == np.float32 for name in node.inputs[:3])
+    if (node.domain, node.op) == (FUSED_DOMAIN, "DepthwiseBlock"):   # its 1x1 convs' weights (bf16 only)
+        return precision == "bf16" and any(node.inputs[k] and graph.values[node.inputs[k]].is_const for k in (1, 5))
     if (node.domain, node.op) in CONVS:
         w = graph.values.get(node.inputs[1])
         return w is not None and w.is_const and len(w.shape) == 4 and w.shape[1] > 1 \

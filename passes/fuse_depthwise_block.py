@@ -14,7 +14,10 @@ memory what the one before just wrote there. The fused kernel
 stay in L2; t and u never exist as a whole.
 
 The expand conv joins when t has at least `min_bytes` bytes, the project
-conv when u has; the op exists when one of them joins. The depthwise conv:
+conv when u has; the op exists when one of them joins. A bf16 build sets
+min_bytes to 0 unless its pass_options say otherwise (cuvil/pipeline.py
+FUSE_ALL_BLOCKS: there the block's 1x1 convs pass u in bf16 channel pairs,
+where separate convs copy their inputs into pairs). The depthwise conv:
 as many groups as channels, constant weights, equal strides of 1 or 2,
 dilation 1, explicit pads, a kernel of at most 7x7, an output row of at most
 128 values, no residual. The 1x1 convs: group 1, stride 1, no padding,

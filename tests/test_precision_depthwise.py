@@ -132,14 +132,18 @@ def test_a_depthwise_conv_between_16_bit_tensors_is_within_the_propagated_bound(
     bound2 = stored(stage_error(h1, bound1, w2, b2, 0.0, stride=stride, pads=pads, group=C, dilation=dilation), h2, u)
     bound = stage_error(h2, bound2, w3, b3, u)
 
-    got = cuvil.compile(model, precision=precision).run({"x": x})["y"]
+    # the depthwise conv's own kernel: a bf16 build would fuse the chain into a DepthwiseBlock
+    # (pipeline.FUSE_ALL_BLOCKS; the block tests below)
+    separate = {"disable_passes": ["fuse_depthwise_block"]}
+    got = cuvil.compile(model, precision=precision, **separate).run({"x": x})["y"]
     err = np.abs(got.astype(np.float64) - y)
     assert got.dtype == np.float32 and got.shape == y.shape
     assert np.all(err <= bound), float(np.max(err - bound))
     # the 16-bit tensors really were rounded: float32 throughout stays within ~gamma(K) of the values
     assert np.max(err) > 2.0 ** -20 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
 
-    info = explain_model(model, precision=precision)
+    info = explain_model(model, precision=precision, **separate)
+    assert "depthwiseblock" not in families(info), families(info)
     own = {b[4]: b[1] for b in info.buffers if "__" not in b[4]}
     sizes = sorted(own.values())
     assert 2 * h1.size in sizes and 2 * h2.size in sizes, (own, h1.size, h2.size)   # both stored in 16 bits
@@ -149,33 +153,45 @@ def test_a_depthwise_conv_between_16_bit_tensors_is_within_the_propagated_bound(
 
 def test_depthwise_convs_keep_float32_tensors_when_narrow_activations_is_off():
     model, _ = depthwise_chain(*DEPTHWISE_CASES["3x3_s1"])
-    off = explain_model(model, precision="bf16", pass_options={"assign_precision": {"narrow_activations": False}})
+    off = explain_model(model, precision="bf16", pass_options={"assign_precision": {"narrow_activations": False}},
+                        disable_passes=["fuse_depthwise_block"])
     assert 4 * 24 * 14 * 14 in [b[1] for b in off.buffers if "__" not in b[4]]
 
 
-BLOCK_CASES = {   # expand, project, residual, stride
-    "expand_project_residual": (True, True, True, 1),
-    "expand_project_s2": (True, True, False, 2),
-    "project_only": (False, True, False, 1),
-    "expand_only_s2": (True, False, False, 2),
+BLOCK_CASES = {   # expand, project, residual, stride, C, H, W, the block reads the graph input
+    "expand_project_residual": (True, True, True, 1, 24, 20, 20, False),
+    "expand_project_s2": (True, True, False, 2, 24, 20, 20, False),
+    "project_only": (False, True, False, 1, 24, 20, 20, False),
+    "expand_only_s2": (True, False, False, 2, 24, 20, 20, False),
+    # odd channel counts (a last channel pair with a zero weight), odd and unequal widths
+    "odd_channels_residual": (True, True, True, 1, 13, 17, 23, False),
+    "odd_channels_s2": (True, True, False, 2, 13, 15, 21, False),
+    "odd_project_only_s2": (False, True, False, 2, 13, 15, 9, False),
+    "small_plane_residual": (True, True, True, 1, 13, 7, 7, False),
+    # x a float32 graph input (rounded to bf16 into pairs by the block), y a float32 graph output
+    "graph_input_output": (True, True, False, 1, 16, 9, 13, True),
 }
 
 
-def block_chain(expand, project, residual, stride, C=24, H=20):
+def block_chain(expand, project, residual, stride, C=24, H=20, W=20, direct=False):
     """x -> 3x3 conv (marked: writes h in 16 bits) -> [expand 1x1 + Clip] -> depthwise 3x3 + Clip ->
     [project 1x1 (+ h)] -> g -> 3x3 conv (marked: reads g) -> y. With min_bytes 0 the middle becomes
     one DepthwiseBlock (passes/fuse_depthwise_block.py) reading h (and the residual h) and writing
-    g in 16 bits."""
+    g in 16 bits. `direct`: the block reads the graph input (h = x, C channels, float32) and
+    writes the graph output (y = g, float32)."""
     E = 3 * C if expand else C
-    w0, b0 = weights(C, 4, 3, 10)
-    inits = {"w0": w0, "b0": b0, "zero": np.array(0.0, F), "six": np.array(6.0, F)}
-    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["h"], pads=[1, 1, 1, 1])]
-    stages = []   # (input, weights, bias, geometry, output before Clip / residual, output)
-    t = "h"
+    inits = {"zero": np.array(0.0, F), "six": np.array(6.0, F)}
+    nodes = []
+    if not direct:
+        inits["w0"], inits["b0"] = weights(C, 4, 3, 10)
+        nodes.append(helper.make_node("Conv", ["x", "w0", "b0"], ["h"], pads=[1, 1, 1, 1]))
+    h = "x" if direct else "h"
+    stages = []   # (input, weights, bias, geometry, output)
+    t = h
     if expand:
         inits["we"], inits["be"] = weights(E, C, 1, 11)
-        nodes += [helper.make_node("Conv", ["h", "we", "be"], ["te"]), helper.make_node("Clip", ["te", "zero", "six"], ["t"])]
-        stages.append(("h", "we", "be", {}, "t"))
+        nodes += [helper.make_node("Conv", [h, "we", "be"], ["te"]), helper.make_node("Clip", ["te", "zero", "six"], ["t"])]
+        stages.append((h, "we", "be", {}, "t"))
         t = "t"
     inits["wd"], inits["bd"] = weights(E, 1, 3, 12)
     nodes += [helper.make_node("Conv", [t, "wd", "bd"], ["ud"], group=E, strides=[stride, stride], pads=[1, 1, 1, 1]),
@@ -188,45 +204,115 @@ def block_chain(expand, project, residual, stride, C=24, H=20):
         stages.append(("u", "wp", "bp", {}, "p"))
         g = "p"
         if residual:
-            nodes.append(helper.make_node("Add", ["p", "h"], ["g"]))
+            nodes.append(helper.make_node("Add", ["p", h], ["g"]))
             g = "g"
+    if direct:
+        model = make_model(nodes, [("x", F, [1, C, H, W])], [(g, F, None)], inits)
+        return model, inits, stages, g
     w9, b9 = weights(8, C if project else E, 3, 14)   # 3x3: not a project conv the block could take
     inits.update(w9=w9, b9=b9)
     nodes.append(helper.make_node("Conv", [g, "w9", "b9"], ["y"], pads=[1, 1, 1, 1]))
-    model = make_model(nodes, [("x", F, [1, 4, H, H])], [("y", F, None)], inits)
+    model = make_model(nodes, [("x", F, [1, 4, H, W])], [("y", F, None)], inits)
     return model, inits, stages, g
+
+
+def block_bound(case, precision, x, ort):
+    """The bound on |y - y_ort| of block_chain(case) (see the module docstring), ort: onnxruntime's
+    float32 values of x's chain (h, the stages' outputs, g, y).
+
+    Inside a bf16 block (marked bf16 by passes/assign_precision.py, backends/numba_cpu/dwblock.py)
+    the 1x1 convs run on the bf16 micro-kernel: their weights are rounded to bf16 (r = u; x too
+    when it is a float32 graph input the block rounds into pairs: r = 2u + u^2), t stays float32,
+    and u is rounded once to bf16 when the project conv reads it (stored()). An fp16 block keeps
+    float32 1x1 convs on float32 t and u (r = 0, u not rounded)."""
+    expand, project, residual, stride, C, H, W, direct = BLOCK_CASES[case]
+    u = U[precision]
+    inside = u if precision == "bf16" else 0.0
+    if direct:
+        bound = {"x": np.zeros(x.shape)}
+    else:
+        bound = {"h": stored(stage_error(x, 0.0, INITS_OF[case]["w0"], INITS_OF[case]["b0"], 2 * u + u * u,
+                                         pads=(1, 1, 1, 1)), ort["h"], u)}
+    inits = INITS_OF[case]
+    for src, w, b, geometry, out in STAGES_OF[case]:
+        rel = 0.0 if geometry else (2 * u + u * u if direct and src == "x" and precision == "bf16" else inside)
+        here = ort[src] if src in ort else x.astype(np.float64)
+        bound[out] = stage_error(here, bound[src], inits[w], inits[b], rel, **geometry)
+        if out == "u" and project and precision == "bf16":
+            bound["u"] = stored(bound["u"], ort["u"], u)   # u's bf16 pairs
+    g = GS_OF[case]
+    e = bound[STAGES_OF[case][-1][4]]
+    if residual:
+        e = e + bound["x" if direct else "h"] + gamma(1) * (np.abs(ort[g]) + e)
+    if direct:
+        return e
+    b_g = stored(e, ort[g], u)
+    return stage_error(ort[g], b_g, inits["w9"], inits["b9"], u, pads=(1, 1, 1, 1))
+
+
+INITS_OF, STAGES_OF, GS_OF, MODEL_OF = {}, {}, {}, {}
+for _case, _params in BLOCK_CASES.items():
+    expand, project, residual, stride, C, H, W, direct = _params
+    MODEL_OF[_case], INITS_OF[_case], STAGES_OF[_case], GS_OF[_case] = block_chain(
+        expand, project, residual, stride, C, H, W, direct)
+
+
+def block_input(case):
+    expand, project, residual, stride, C, H, W, direct = BLOCK_CASES[case]
+    return np.random.default_rng(0).standard_normal((1, C if direct else 4, H, W)).astype(F)
+
+
+def block_reference(case, x):
+    """onnxruntime's float32 values of the chain's tensors (float64)."""
+    names = ([] if BLOCK_CASES[case][7] else ["h"]) + [s[4] for s in STAGES_OF[case]]
+    g = GS_OF[case]
+    names += [g] if g not in names else []
+    ort = intermediates(MODEL_OF[case], {"x": x}, [n for n in names if n != g or not BLOCK_CASES[case][7]])
+    return {k: v.astype(np.float64) for k, v in ort.items()}
 
 
 @pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", sorted(BLOCK_CASES))
 def test_a_depthwise_block_between_16_bit_tensors_is_within_the_propagated_bound(case, precision):
-    expand, project, residual, stride = BLOCK_CASES[case]
-    model, inits, stages, g = block_chain(expand, project, residual, stride)
-    x = np.random.default_rng(0).standard_normal((1, 4, 20, 20)).astype(F)
-    u = U[precision]
-    names = ["h"] + [s[4] for s in stages] + ([g] if g != stages[-1][4] else [])
-    ort = {k: v.astype(np.float64) for k, v in intermediates(model, {"x": x}, names).items()}
-    bound = {"h": stored(stage_error(x, 0.0, inits["w0"], inits["b0"], 2 * u + u * u, pads=(1, 1, 1, 1)), ort["h"], u)}
-    for src, w, b, geometry, out in stages:   # float32 inside the block: t and u are not rounded
-        bound[out] = stage_error(ort[src], bound[src], inits[w], inits[b], 0.0, **geometry)
-    e = bound[stages[-1][4]]
-    if residual:
-        e = e + bound["h"] + gamma(1) * (np.abs(ort[g]) + e)
-    b_g = stored(e, ort[g], u)
-    want = ort["y"]
-    limit = stage_error(ort[g], b_g, inits["w9"], inits["b9"], u, pads=(1, 1, 1, 1))
+    model, direct, g = MODEL_OF[case], BLOCK_CASES[case][7], GS_OF[case]
+    x = block_input(case)
+    ort = block_reference(case, x)
+    limit = block_bound(case, precision, x, ort)
+    want = ort[g] if direct else ort["y"]
 
     options = {"fuse_depthwise_block": {"min_bytes": 0}}
     info = explain_model(model, precision=precision, pass_options=options)
     assert "depthwiseblock" in families(info), families(info)
     assert not any(f.startswith(("cast", "cvt16")) for f in families(info)), families(info)
+    blocks = [k for k in info.kernels if k.symbol.split("_")[1] == "depthwiseblock"]
+    if precision == "bf16":   # the 1x1 convs on the bf16 micro-kernel (vdpbf16ps on this machine's target)
+        assert all(k.precision.startswith("bf16 (") for k in blocks), [k.precision for k in blocks]
     own = sorted(b[1] for b in info.buffers if "__" not in b[4])
-    assert 2 * ort["h"].size in own and 2 * ort[g].size in own, (own, ort["h"].size, ort[g].size)
+    if not direct:
+        assert 2 * ort["h"].size in own and 2 * ort[g].size in own, (own, ort["h"].size, ort[g].size)
 
-    got = cuvil.compile(model, precision=precision, pass_options=options).run({"x": x})["y"]
+    got = cuvil.compile(model, precision=precision, pass_options=options).run({"x": x})[g if direct else "y"]
     err = np.abs(got.astype(np.float64) - want)
     assert np.all(err <= limit), float(np.max(err - limit))
-    assert np.max(err) > 2.0 ** -20 * np.max(np.abs(want)), (np.max(err), np.max(np.abs(want)))
+    if not (direct and precision == "fp16"):   # (an fp16 block between float32 graph tensors rounds nothing)
+        assert np.max(err) > 2.0 ** -20 * np.max(np.abs(want)), (np.max(err), np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("case", ["odd_channels_residual", "odd_channels_s2", "graph_input_output"])
+def test_a_bf16_depthwise_block_for_a_target_without_avx512_bf16_is_within_the_same_bound(case):
+    # x86_64-avx2: the bf16 micro-kernels' "widen" method (pairs split into float32, two FMAs) and
+    # the pair stores of 8-lane vectors; the same roundings, so the same bound
+    model, direct, g = MODEL_OF[case], BLOCK_CASES[case][7], GS_OF[case]
+    x = block_input(case)
+    ort = block_reference(case, x)
+    limit = block_bound(case, "bf16", x, ort)
+    options = {"fuse_depthwise_block": {"min_bytes": 0}}
+    info = explain_model(model, precision="bf16", pass_options=options, target="x86_64-avx2")
+    blocks = [k for k in info.kernels if k.symbol.split("_")[1] == "depthwiseblock"]
+    assert blocks and all(k.precision == "bf16 (widen)" for k in blocks), [k.precision for k in blocks]
+    got = cuvil.compile(model, precision="bf16", pass_options=options, target="x86_64-avx2").run({"x": x})
+    err = np.abs(got[g if direct else "y"].astype(np.float64) - (ort[g] if direct else ort["y"]))
+    assert np.all(err <= limit), float(np.max(err - limit))
 
 
 # 25 + 13 s of cold kernel builds: -m slow to keep CI's budget (the default run keeps every conv and
@@ -266,18 +352,31 @@ def test_mobilenet_v2_arena_in_bf16_is_at_most_055_of_float32():
     from tests import zoo
     model = zoo.export(zoo.mobilenet_v2(), {"x": (1, 3, 224, 224)})
     fp32 = explain_model(model).memory["arena_bytes"]
-    bf16 = explain_model(model, precision="bf16").memory["arena_bytes"]
+    info = explain_model(model, precision="bf16")
+    bf16 = info.memory["arena_bytes"]
     assert bf16 <= 0.55 * fp32, (bf16, fp32, bf16 / fp32)
+    # every one of its 17 blocks fused (pipeline.FUSE_ALL_BLOCKS), each on the bf16 micro-kernel (the
+    # bands' scratch of the small late blocks grows only where it leaves the arena's peak as it is)
+    blocks = [k.precision for k in info.kernels if k.symbol.split("_")[1] == "depthwiseblock"]
+    assert len(blocks) == 17 and all(p.startswith("bf16 (") for p in blocks), blocks
 
 
-def test_a_16_bit_depthwise_block_gives_the_same_bits_on_two_threads():
-    # each work item has its own scratch (the widened rows of x and the float32 band of y
-    # included): the result does not depend on which thread computes what (dwblock.py)
-    model, *_ = block_chain(*BLOCK_CASES["expand_project_residual"])
-    x = np.random.default_rng(0).standard_normal((1, 4, 20, 20)).astype(F)
+@pytest.mark.parametrize("case,calls", [("expand_project_residual", 1), ("odd_channels_s2", 2),
+                                        ("small_plane_residual", 2), ("graph_input_output", 2)])
+def test_a_16_bit_depthwise_block_gives_the_same_bits_on_two_threads(case, calls):
+    # each work item has its own scratch (the pairs of x and u and the float32 band of y included):
+    # the result does not depend on which thread computes what (dwblock.py). A plane whose share per
+    # thread is small is split by channels on two threads, in two calls (dwblock_pairs.py): the same
+    # sums in the same order as the one-thread bands, so the same bits
+    model, direct, g = MODEL_OF[case], BLOCK_CASES[case][7], GS_OF[case]
+    x = block_input(case)
     options = {"fuse_depthwise_block": {"min_bytes": 0}}
-    one = cuvil.compile(model, precision="bf16", threads=1, pass_options=options).run({"x": x})["y"]
-    two = cuvil.compile(model, precision="bf16", threads=2, pass_options=options).run({"x": x})["y"]
+    info = explain_model(model, precision="bf16", pass_options=options, threads=2)
+    blocks = [k for k in info.kernels if k.symbol.split("_")[1] == "depthwiseblock"]
+    assert len(blocks) == calls and all(k.precision.startswith("bf16 (") for k in blocks), blocks
+    out = g if direct else "y"
+    one = cuvil.compile(model, precision="bf16", threads=1, pass_options=options).run({"x": x})[out]
+    two = cuvil.compile(model, precision="bf16", threads=2, pass_options=options).run({"x": x})[out]
     assert np.array_equal(one, two)   # (the one-thread build's error bound: the block test above)
 
 
@@ -306,3 +405,13 @@ def test_a_float16_models_depthwise_conv_reads_and_writes_float16_rows(stride, w
     err = np.abs(got.astype(np.float64) - want.astype(np.float64))
     assert np.all(err <= 2.0 ** -10 * np.abs(want.astype(np.float64)) + 2.0 ** -24), float(err.max())
     assert not any(f.startswith("cast") for f in families(explain_model(model))), families(explain_model(model))
+
+
+def test_a_bf16_build_fuses_every_depthwise_block_unless_its_options_say_otherwise():
+    from cuvil import pipeline
+    assert pipeline.pass_list(2, precision="bf16")[1]["fuse_depthwise_block"]["min_bytes"] == 0
+    for precision in ("fp32", "fp16"):
+        assert pipeline.pass_list(2, precision=precision)[1]["fuse_depthwise_block"]["min_bytes"] == 1 << 20
+    given = {"fuse_depthwise_block": {"min_bytes": 4096}}
+    assert pipeline.pass_list(2, pass_options=given, precision="bf16")[1]["fuse_depthwise_block"]["min_bytes"] == 4096
+    assert "fuse_depthwise_block" not in pipeline.pass_list(2, precision="bf16", gpu=True)[1]

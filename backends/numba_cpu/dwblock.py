@@ -20,12 +20,36 @@ Work items are (image, run of consecutive bands), each with scratch of its own
 depend on which thread computes what.
 
 Activations stored in 16 bits (bf16 / fp16, passes/assign_precision.py `narrow_activations`):
-x, r and y may hold 16-bit values; t and u stay float32 in the scratch. The expand GEMM reads
-its band's new rows of x widened into a float32 piece of the scratch (exact; a conversion
-micro-kernel per channel, lowp.CvtSpec), the project GEMM writes the band of y into a float32
-piece, adds the residual (widened) and rounds it once into y; without expand / project the
-depthwise rows read x / write y in 16 bits themselves (ukernel_lowp.DwRow16Spec). The sums
-are the float32 ones either way: the only new errors are the roundings of the stored tensors.
+x, r and y may hold 16-bit values. Without expand / project the depthwise rows read x / write
+y in 16 bits themselves (ukernel_lowp.DwRow16Spec); the project GEMM writes the band of y into a
+float32 piece of the scratch, adds the residual (widened) and rounds it once into y.
+
+bf16 (a block that passes/assign_precision.py marked bf16; lowp_product gives the method:
+"dpbf16" = `vdpbf16ps` with AVX512-BF16, else "widen" = the pairs split into float32 FMAs): both
+1x1 convs run on ukernel_lowp's micro-kernel, W1 and W3 rounded to bf16 once at build time and
+packed in pair panels (dwblock_pairs.PairGemm). Their B operands live in a 16-bit scratch in the VNNI pair
+layout the micro-kernel reads, channels as k: the band's new rows of x copied into channel pairs
+(lowp.PairCopySpec; a float32 x, a graph input, rounded into them by lowp.PairCvtSpec), and u
+written by the depthwise rows straight into channel pairs (ukernel_lowp.DwRowPairSpec: each
+value rounded once to bf16). t stays float32: the expand GEMM stores its float32 sums and the
+depthwise taps (float32 FMAs, DwRowSpec) read them as they are, with no rounding of t (a bf16 t,
+half the scratch bytes, was not tried). An odd channel count gets a zero weight column and a zero
+(or repeated) partner channel. Error, with u = 2^-8 (one bf16 rounding to nearest), gamma(n) = n 2^-24 / (1 -
+n 2^-24) (a float32 sum of n terms, one rounding per accumulation: vdpbf16ps rounds each of its
+two products' additions), |.| * |.| the convolution of magnitudes, and e_x the error x holds:
+
+    t:  |dt| <= |W1| * e_x + (r + gamma(C0 + 1)) (|W1| * (|x| + e_x) + |b1|)
+           r = u (W1's rounding; x is exact in bf16), 2u + u^2 when x is rounded too (float32 x)
+    u (before its rounding):  |du| <= |w2| * |dt| + gamma(KH KW + 1) (|w2| * (|t| + |dt|) + |b2|)
+    u's bf16 pairs:           e_u = |du| + u (|u| + |du|)
+    y (before its store):     |dy| <= |W3| * e_u + (u + gamma(C1 + 1)) (|W3| * (|u| + e_u) + |b3|)
+                               [+ e_r + gamma(1) (|y| + |dy|) with a residual r]
+    y stored in bf16:          e_y = |dy| + u (|y| + |dy|)
+
+Relu / Clip are 1-Lipschitz and leave the bounds as they are. tests/test_precision_depthwise.py
+checks every case against onnxruntime's float32 values with this bound. fp16 blocks keep the
+float32 1x1 convs on float32 t and u (x widened into a float32 piece of the scratch, exact: lowp.
+CvtSpec), whose only errors are the roundings of the stored x, r and y.
 """
 from __future__ import annotations
 
@@ -34,16 +58,25 @@ import numpy as np
 from .ukernel import LOADC_EPILOGUE, UKSpec
 from cuvil.ir import Node
 
+from .dwblock_pairs import SPLIT_PIXELS, PairGemm, lower_by_channels
 from .dwstride import RowCalls, fmt, packed_weights
 from .epilogue import Epilogue, epilogue_of, register_epilogue
-from .gemm import TileLoops, ceil_div, choose_tile, pack_a_panels
+from .gemm import TileLoops, ceil_div, choose_tile, lowp_label, lowp_product, pack_a_panels
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target, session_threads, work_items
-from .lowp import CvtSpec, best_method
+from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, best_method
 from .narrow import load, pointer_type, with_helpers
 from .scratch import scratch_value
 
 BAND_BYTES = 256 << 10   # a band's scratch (t's rows and u's) stays well inside a 1-2 MiB L2
 MIN_BANDS = 4
+# bf16 blocks (x and u in pairs): as few bands as their scratch allows, at least one per thread (not
+# MIN_BANDS / work_items()), of balanced heights: a band is the N of both GEMMs, and short bands
+# leave their micro-tiles' columns idle (MobileNetV2's 7 x 7 blocks in 4 bands of 14 pixels: 0.171
+# ms a block against 0.090 ms in one band, AMD Zen 5, 1 thread). The scratch may grow to
+# BAND_BYTES_PAIRS less the bytes of x and y (at least BAND_BYTES): the step then holds no more
+# than max(x + y + BAND_BYTES, BAND_BYTES_PAIRS), so the small late blocks get tall bands without
+# raising the arena's peak, which the large early tensors set.
+BAND_BYTES_PAIRS = 768 << 10
 
 
 def _epilogue(node, prefix: str) -> Epilogue:
@@ -92,55 +125,94 @@ def lower_depthwise_block(node, graph) -> Lowered:
     s = int(node.attr("strides")[0])
     p_t, p_l = (int(v) for v in node.attr("pads")[:2])
     expand, project = bool(w1_name), bool(w3_name)
-    # 16-bit x read by the expand GEMM / y written by the project GEMM: float32 pieces of the scratch
-    x_wide = expand and fmt(X) != "f32"
+    # bf16 (the block marked bf16): the 1x1 convs on the bf16 micro-kernel, their B in channel
+    # pairs in the 16-bit scratch (x's new rows copied / rounded into pairs; u written in pairs by
+    # the depthwise rows)
+    lowp = lowp_product(node)
+    method = lowp[1] if lowp and lowp[0] == "bf16" else None
+    x_pairs = expand and method is not None
+    u_pairs = project and method is not None
+    # 16-bit x read by a float32 expand GEMM / y written by the project GEMM: float32 pieces of the scratch
+    x_wide = expand and fmt(X) != "f32" and not x_pairs
     y_wide = project and fmt(Y) != "f32"
+    C0p, C1p = C0 + C0 % 2, C1 + C1 % 2   # channel pairs (a last odd channel gets a zero weight)
 
     # Bands of R output rows: t's rows of a band (BR of them) and u's (and the float32 pieces of
-    # x and y) fit BAND_BYTES; at least MIN_BANDS bands (and on several threads at least one per
-    # work item).
-    one_slot = session_threads() == 1
-    row_bytes = 4 * (C1 * ((s * Wd if expand else 0) + (OW if project else 0))
-                     + (C0 * s * Wd if x_wide else 0) + (C2 * OW if y_wide else 0))
-    fixed_bytes = 4 * (C1 + (C0 if x_wide else 0)) * (KH - s) * Wd if expand else 0
-    R = max(1, min(ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
-                   (BAND_BYTES - fixed_bytes) // row_bytes))
+    # x and y, or the pairs of x and u) fit BAND_BYTES; at least MIN_BANDS bands (and on several
+    # threads at least one per work item).
+    threads = session_threads()
+    one_slot = threads == 1
+    row_bytes = (4 * C1 * (s * Wd if expand else 0) + (2 * C1p if u_pairs else 4 * C1) * (OW if project else 0)
+                 + (4 * C0 * s * Wd if x_wide else 0) + (2 * C0p * s * Wd if x_pairs else 0) + 4 * (C2 * OW if y_wide else 0))
+    fixed_bytes = (4 * C1 + (4 * C0 if x_wide else 0)) * (KH - s) * Wd if expand else 0
+    if method:   # (bf16: see BAND_BYTES_PAIRS)
+        budget = max(BAND_BYTES, BAND_BYTES_PAIRS - X.nbytes - Y.nbytes)
+        R = max(1, min(ceil_div(OH, ceil_div(threads, N)), (budget - fixed_bytes) // row_bytes))
+        R = ceil_div(OH, ceil_div(OH, R))   # the same band count, heights balanced
+        items = threads
+    else:
+        R = max(1, min(ceil_div(OH, MIN_BANDS if one_slot else max(MIN_BANDS, work_items())),
+                       (BAND_BYTES - fixed_bytes) // row_bytes))
+        items = work_items()
     BR = (R - 1) * s + KH
     n_bands = ceil_div(OH, R)
-    runs = 1 if one_slot else min(n_bands, max(1, ceil_div(work_items(), N)))
+    runs = 1 if one_slot else min(n_bands, max(1, ceil_div(items, N)))
+    if method and expand and project and runs > 1 and ceil_div(OH, ceil_div(threads, N)) * OW < SPLIT_PIXELS:
+        # a small plane shared by several threads (see dwblock_pairs.py)
+        return lower_by_channels(node, graph, method, threads,
+                                 (_epilogue(node, "expand_"), _epilogue(node, ""), _epilogue(node, "project_")))
     work = N * runs
     t_floats = C1 * BR * Wd if expand else 0
-    u_floats = C1 * R * OW if project else 0
+    u_floats = C1 * R * OW if project and not u_pairs else 0
     x_floats = C0 * BR * Wd if x_wide else 0
     slot = t_floats + u_floats + x_floats + (C2 * R * OW if y_wide else 0)
-    scratch = scratch_value(graph, node, ((1 if one_slot else work) * slot,), np.float32, tag="bands")
+    scratch = scratch_value(graph, node, (max(1, (1 if one_slot else work) * slot),), np.float32, tag="bands")
+    # The 16-bit scratch: x's pairs (rows of 2 BR W) then u's (rows of 2 R OW), each followed by the
+    # 2 NR elements its GEMM's last tile reads past its last row.
+    gx = gp = None
+    if expand:
+        w1 = np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0)
+        gx = (PairGemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd, method) if x_pairs else
+              _Gemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd))
+    if project:
+        w3 = np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1)
+        gp = (PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
+              _Gemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW))
+    ldx, ldu = 2 * BR * Wd, 2 * R * OW   # 16-bit elements per pair row of x / u
+    xp_elems = C0p // 2 * ldx + 2 * gx.NR if x_pairs else 0
+    up_elems = C1p // 2 * ldu + 2 * gp.NR if u_pairs else 0
+    pair_slot = xp_elems + up_elems
+    pairs = (scratch_value(graph, node, ((1 if one_slot else work) * pair_slot,), np.uint16, tag="pairs")
+             if pair_slot else None)
 
     # Pointers, in order: x, [expand panels, bias], depthwise weights, [project panels, bias],
-    # [residual], scratch, y.
+    # [residual], scratch, [pairs], y.
     ptrs = {"x": x_name}
     if expand:
-        gx = _Gemm("ex", np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0), b1_name, graph,
-                   _epilogue(node, "expand_"), R * s * Wd)
         ptrs.update(a1=gx.panels, b1=gx.bias)
     ptrs["w2"] = packed_weights(W2.data, graph.values[b2_name].data if b2_name else None, C1)
     if project:
-        gp = _Gemm("pj", np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1), b3_name, graph,
-                   _epilogue(node, "project_"), R * OW)
         ptrs.update(a3=gp.panels, b3=gp.bias)
         if r_name:
             ptrs["r"] = r_name
-    ptrs.update(scratch=scratch, y=node.outputs[0])
+    ptrs["scratch"] = scratch
+    if pairs:
+        ptrs["pairs"] = pairs
+    ptrs["y"] = node.outputs[0]
     p = {key: f"p{i}" for i, key in enumerate(ptrs)}
     stored = {"x": X.dtype, "y": Y.dtype, **({"r": graph.values[r_name].dtype} if "r" in ptrs else {})}
-    types = tuple(pointer_type(stored[key]) if key in stored else "float32" for key in ptrs)
+    sixteen = {"pairs"} | ({"a1"} if x_pairs else set()) | ({"a3"} if u_pairs else set())
+    types = tuple(pointer_type(stored[key]) if key in stored else "uint16" if key in sixteen else "float32"
+                  for key in ptrs)
 
     rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
-                    "f32" if project else fmt(Y))
+                    "bf16pairs" if u_pairs else "f32" if project else fmt(Y))
 
     src = Source()
     rows.declare(src)
     for wide, var, spec in ((x_wide, "cvt_in", lambda: CvtSpec(fmt(X), "f32", best_method(fmt(X), "f32", lowering_target()))),
-                            (y_wide, "cvt_out", lambda: CvtSpec("f32", fmt(Y), best_method("f32", fmt(Y), lowering_target())))):
+                            (y_wide, "cvt_out", lambda: CvtSpec("f32", fmt(Y), best_method("f32", fmt(Y), lowering_target()))),
+                            (x_pairs, "to_pairs", lambda: PairCopySpec() if fmt(X) == "bf16" else PairCvtSpec())):
         if wide:
             for line in spec().declaration(var).splitlines():
                 src.line(line)
@@ -152,12 +224,21 @@ def lower_depthwise_block(node, graph) -> Lowered:
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {runs}").line(f"run = item % {runs}")
     src.line("so = 0" if one_slot else f"so = item * {slot}")
-    if project:
+    if project and not u_pairs:
         src.line(f"su = so + {t_floats}")   # u's scratch
     if x_wide:
         src.line(f"sx = so + {t_floats + u_floats}")   # the band's new rows of x, widened
     if y_wide:
         src.line(f"sy = so + {t_floats + u_floats + x_floats}")   # the band of y before its rounding
+    if pairs:
+        src.line("sp = 0" if one_slot else f"sp = item * {pair_slot}")
+        if x_pairs:
+            src.line("sxp = sp")   # the band's new rows of x in channel pairs
+        if u_pairs:
+            src.line(f"sup = sp + {xp_elems}")   # the band of u in channel pairs
+            if C1 % 2:   # the last pair's second channel: zeros (times zero weights), never written
+                src.line(f"for j in range({ldu}):").indent()
+                src.line(f"{p['pairs']}[sup + {(C1p // 2 - 1) * ldu} + j] = np.uint16(0)").dedent()
     src.line(f"b_lo = run * {n_bands} // {runs}").line(f"b_hi = (run + 1) * {n_bands} // {runs}")
     if expand:   # t's scratch holds its rows [base, have_hi) from its top on
         src.line("base = 0").line("have_hi = 0")
@@ -179,7 +260,15 @@ def lower_depthwise_block(node, graph) -> Lowered:
         src.dedent().dedent().dedent()
         # The new rows: t[C1 x pixels] = W1 @ x[C0 x pixels], pixels the flat run of rows [new, hi).
         src.line("if new < hi:").indent()
-        if x_wide:
+        if x_pairs:   # channels 2cp, 2cp + 1 of the rows interleaved (a last odd channel with itself)
+            plane = H * Wd
+            src.line(f"for cp in range({C0p // 2}):").indent()
+            src.line("c = 2 * cp").line(f"xs = {plane} if c + 1 < {C0} else 0" if C0 % 2 else f"xs = {plane}")
+            src.line(f"to_pairs({p['x']}, (n * {C0} + c) * {plane} + new * {Wd}, xs, {p['pairs']}, sxp + cp * {ldx}, "
+                     f"(hi - new) * {Wd})").dedent()
+            gx.emit(src, p["a1"], p["pairs"], "sxp", ldx, p["scratch"], f"so + (new - top) * {Wd}", BR * Wd, p["b1"],
+                    f"(hi - new) * {Wd}")
+        elif x_wide:
             src.line(f"for c in range({C0}):").indent()
             src.line(f"cvt_in({p['x']}, (n * {C0} + c) * {H * Wd} + new * {Wd}, {p['scratch']}, sx + c * {BR * Wd}, "
                      f"(hi - new) * {Wd})").dedent()
@@ -190,18 +279,23 @@ def lower_depthwise_block(node, graph) -> Lowered:
                     f"so + (new - top) * {Wd}", BR * Wd, p["b1"], f"(hi - new) * {Wd}")
         src.dedent()
         src.line("base = top").line("have_hi = hi")
-    # The depthwise conv over the band: input row r of channel c at xo + r*W, output row oh at yo + oh*OW.
+    # The depthwise conv over the band: input row r of channel c at xo + r*W, output row oh at yo + oh*OW
+    # (u's pairs: channel c is half c % 2 of pair row c // 2, its row oh at yo + 2 oh OW).
     src.line(f"for c in range({C1}):").indent()
     src.line(f"xo = so + c * {BR * Wd} - top * {Wd}" if expand else f"xo = (n * {C1} + c) * {H * Wd}")
-    src.line(f"yo = su + c * {R * OW} - oh0 * {OW}" if project else f"yo = (n * {C1} + c) * {OH * OW}")
+    if u_pairs:
+        src.line(f"yo = sup + (c >> 1) * {ldu} + (c & 1) - oh0 * {2 * OW}")
+    else:
+        src.line(f"yo = su + c * {R * OW} - oh0 * {OW}" if project else f"yo = (n * {C1} + c) * {OH * OW}")
     rows.emit(src, p["scratch"] if expand else p["x"], "xo", p["w2"], f"c * {KH * KW + 1}",
-              p["scratch"] if project else p["y"], "yo", "oh0", "oh1")
+              p["pairs"] if u_pairs else p["scratch"] if project else p["y"], "yo", "oh0", "oh1")
     src.dedent()
     if project:
         # y[:, band rows] = W3 @ u (channels of u are k, its R*OW pixels apart), then the residual.
         src.line(f"npx = (oh1 - oh0) * {OW}")
+        b_ptr, b_off, b_ld = (p["pairs"], "sup", ldu) if u_pairs else (p["scratch"], "su", R * OW)
         if y_wide:   # into the float32 piece sy (rows R*OW apart), residual added there, rounded into y
-            gp.emit(src, p["a3"], p["scratch"], "su", R * OW, p["scratch"], "sy", R * OW, p["b3"], "npx")
+            gp.emit(src, p["a3"], b_ptr, b_off, b_ld, p["scratch"], "sy", R * OW, p["b3"], "npx")
             src.line(f"for c in range({C2}):").indent()
             src.line(f"yb = (n * {C2} + c) * {OH * OW} + oh0 * {OW}").line(f"cb = sy + c * {R * OW}")
             if r_name:
@@ -209,7 +303,7 @@ def lower_depthwise_block(node, graph) -> Lowered:
                 src.line(f"{p['scratch']}[cb + j] += {load(p['r'], 'yb + j', stored['r'])}").dedent()
             src.line(f"cvt_out({p['scratch']}, cb, {p['y']}, yb, npx)").dedent()
         else:
-            gp.emit(src, p["a3"], p["scratch"], "su", R * OW, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
+            gp.emit(src, p["a3"], b_ptr, b_off, b_ld, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
                     p["b3"], "npx")
             if r_name:
                 src.line(f"for c in range({C2}):").indent()
@@ -218,4 +312,6 @@ def lower_depthwise_block(node, graph) -> Lowered:
                 src.line(f"{p['y']}[yb + j] += {load(p['r'], 'yb + j', stored['r'])}")
                 src.dedent().dedent()
     kernel = Kernel("DepthwiseBlock", with_helpers(src.text()), types)
-    return Lowered([KernelCall(kernel, list(ptrs.values()), work, node.name, n_outputs=2)])
+    label = lowp_label(("bf16", method)) if method and (expand or project) else ""
+    return Lowered([KernelCall(kernel, list(ptrs.values()), work, node.name, n_outputs=2 + bool(pairs),
+                               precision=label)])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .ukernel import EPILOGUE_ACTIVATIONS, DwRowSpec
-from .ukernel_lowp import DwRow16Spec
+from .ukernel_lowp import DwRow16Spec, DwRowPairSpec
 
 from .epilogue import Epilogue, register_activation
 from .kernel import Kernel, KernelCall, Source, kernel_header, lowering_target
@@ -69,12 +69,18 @@ def packed_weights(W, B, C: int) -> np.ndarray:
 
 class RowCalls:
     """The DwRowSpec micro-kernels of one depthwise conv and the calls computing its output rows
-    [lo, hi) of one channel: row by row (stride 2), or in pairs and then the last one (stride 1)."""
+    [lo, hi) of one channel: row by row (stride 2), or in pairs and then the last one (stride 1).
+    y_fmt "bf16pairs": y is one half of rows of bf16 channel pairs (DwRowPairSpec: output ow at
+    16-bit element 2 ow of the row, rows 2 OW elements apart)."""
 
     def __init__(self, H, W, OW, KH, KW, p_t, p_l, stride, epilogue: Epilogue, x_fmt="f32", y_fmt="f32"):
         fields = dict(H=H, W=W, OW=OW, KH=KH, KW=KW, p_l=p_l, stride=stride, **register_activation(epilogue))
         spec = DwRowSpec
-        if (x_fmt, y_fmt) != ("f32", "f32"):   # x and/or y stored in 16 bits (DwRow16Spec)
+        self.y_step = 1   # y elements per output
+        if y_fmt == "bf16pairs":
+            fields.update(x_fmt=x_fmt, y_fmt="bf16", method=best_method("f32", "bf16", lowering_target()))
+            spec, self.y_step = DwRowPairSpec, 2
+        elif (x_fmt, y_fmt) != ("f32", "f32"):   # x and/or y stored in 16 bits (DwRow16Spec)
             sixteen = y_fmt if y_fmt != "f32" else x_fmt
             fields.update(x_fmt=x_fmt, y_fmt=y_fmt, method=best_method("f32", sixteen, lowering_target()))
             spec = DwRow16Spec
@@ -91,7 +97,7 @@ class RowCalls:
     def emit(self, src: Source, x, xo, w, wo, y, yo, lo, hi) -> None:
         """Rows lo..hi (expressions) of the channel whose input plane starts at x[xo] (its row r at
         xo + r*W), weights at w[wo], output plane at y[yo]."""
-        p_t, OW = self.p_t, self.OW
+        p_t, OW = self.p_t, self.OW * self.y_step
         if self.s == 1:   # pairs of rows (the input rows loaded feed both), then the last one
             src.line(f"for oh in range({lo}, {hi} - 1, 2):").indent()
             src.line(f"dwrows2({x}, {xo}, oh - {p_t}, {w}, {wo}, {y}, {yo} + oh * {OW})").dedent()

@@ -1027,11 +1027,13 @@ def _dw_store(ir: IRBuilder, value: str, narrow, offset: int, lanes: int, L: int
            f"<{L} x i1> {_const_mask([j < lanes for j in range(L)])})")
 
 
-def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
+def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None, store=None) -> str:
     """See DwRowSpec. x and y are float32 rows unless `widen` / `narrow` are given: then x (or y)
     holds 16-bit values (i16 bits), `widen(ir, bits, lanes)` makes an <lanes x float> of an
     <lanes x i16>, `narrow(ir, value, lanes)` the <lanes x i16> stored for a float vector (rounded
-    once). The taps, bias and activation are float32 either way."""
+    once). The taps, bias and activation are float32 either way. `store` replaces _dw_store (same
+    arguments): another layout of y (ukernel_lowp.DwRowPairSpec's channel pairs)."""
+    store = store or _dw_store
     L = min(lanes_for(vector_bits), 16)
     W2 = 2 * L
     vt, wt = f"<{L} x float>", f"<{W2} x float>"
@@ -1099,7 +1101,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
                     fma(as_float(v, L), kw)
             _dw_join(ir, here, skip, join, cur, accs, range(rows), vt)
         for q in range(rows):
-            _dw_store(ir, _activation(ir, spec, accs[q], vt, L), narrow, q * spec.OW + ow0, n, L)
+            store(ir, _activation(ir, spec, accs[q], vt, L), narrow, q * spec.OW + ow0, n, L)
     ir("ret i32 0")
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
             f"ptr noalias %y, i64 %yoff) #0 {{")
@@ -1114,7 +1116,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None) -> str:
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
-def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None) -> str:
+def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None, store=None) -> str:
     """DwRowSpec's stride-1 rows over bf16 input rows (y float32, or 16-bit with `narrow` as in
     dwrow_ir), 2L outputs a chunk. A load of 2L bf16 values seen as L 32-bit words gives the even
     columns as floats by a shift (`shl 16`) and the odd ones by a mask (`and 0xffff0000`): one op
@@ -1122,8 +1124,9 @@ def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None) -> str:
     tap a lane shift. The outputs are summed as an even and an odd vector: output 2i reads column
     2i + kw (even column i + kw/2 for even kw, odd column i + (kw - 1)/2 for odd kw), output 2i + 1
     column 2i + 1 + kw (odd column i + kw/2, or even column i + (kw + 1)/2), each a lane shift of
-    the two loads' columns; the pair is interleaved before the store."""
+    the two loads' columns; the pair is interleaved before the store. `store`: as dwrow_ir's."""
     assert spec.stride == 1 and spec.KW <= 7
+    store = store or _dw_store
     L = min(lanes_for(vector_bits), 16)
     vt, it, ht = f"<{L} x float>", f"<{L} x i32>", f"<{2 * L} x i16>"
     y_elem, y_ir = ("i16", "i16") if narrow else ("float", "f32")
@@ -1194,7 +1197,7 @@ def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None) -> str:
                 out = ir.tmp("il")
                 pick = ", ".join(f"i32 {(L * part + j) // 2 + ((L * part + j) % 2) * L}" for j in range(L))
                 ir(f"{out} = shufflevector {vt} {even}, {vt} {odd}, <{L} x i32> <{pick}>")
-                _dw_store(ir, out, narrow, q * spec.OW + ow0 + L * part, lanes, L)
+                store(ir, out, narrow, q * spec.OW + ow0 + L * part, lanes, L)
     ir("ret i32 0")
     head = (f"define i32 @{spec.name}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, "
             f"ptr noalias %y, i64 %yoff) #0 {{")

@@ -408,8 +408,9 @@ class DwRow16Spec(DwRowSpec):
         return typed_declaration(self, var, {0: sixteen(self.x_fmt), 5: sixteen(self.y_fmt)})
 
 
-def dwrow16_ir(spec: DwRow16Spec, vector_bits: int) -> str:
-    """See DwRow16Spec: ukernel.dwrow_ir with lowp.py's conversions on the loads and the stores."""
+def dwrow16_ir(spec: DwRow16Spec, vector_bits: int, store=None) -> str:
+    """See DwRow16Spec: ukernel.dwrow_ir with lowp.py's conversions on the loads and the stores
+    (`store`: ukernel.dwrow_ir's, for DwRowPairSpec)."""
     def widen(ir, bits, lanes):
         wide = bf16_to_f32(ir, bits, lanes) if spec.x_fmt == "bf16" else f16_to_f32(ir, bits, lanes, spec.method)
         value = ir.tmp("xf")
@@ -424,9 +425,53 @@ def dwrow16_ir(spec: DwRow16Spec, vector_bits: int) -> str:
     if spec.x_fmt == "bf16" and spec.stride == 1 and spec.OW > min(lanes_for(vector_bits), 16):
         # bf16 widens by a shift: even / odd columns, 2L outputs a chunk (rows of at most L outputs
         # keep one vector of L: a chunk of 2L would double their FMAs)
-        return dwrow_split_ir(spec, vector_bits, narrow if spec.y_fmt != "f32" else None)
+        return dwrow_split_ir(spec, vector_bits, narrow if spec.y_fmt != "f32" else None, store=store)
     return dwrow_ir(spec, vector_bits, widen if spec.x_fmt != "f32" else None,
-                    narrow if spec.y_fmt != "f32" else None)
+                    narrow if spec.y_fmt != "f32" else None, store=store)
+
+
+@dataclass(frozen=True)
+class DwRowPairSpec(DwRow16Spec):
+    """DwRow16Spec's row with y written as one half of a row of bf16 channel pairs, the VNNI pair
+    layout a `vdpbf16ps` GEMM reads as its B (channels its k: lowp_pack.pack_b_pairs' rows):
+
+        y[yoff + 2 ow] = bf16(act(bias + sum_{kh, kw} w * x))      (i16 elements; y_fmt "bf16")
+
+    so a call with yoff = (pair row) + h writes the h-th channel of the pair (h in {0, 1}) and
+    leaves the other's elements as they were. Each vector's L rounded values are spread to the even
+    lanes of 2L 16-bit lanes and stored under a mask of those lanes (`vmovdqu16` with a mask on
+    AVX-512 BW). x as DwRow16Spec's ("f32" or "bf16"). Signature as DwRow16Spec's (y uint16)."""
+    kind: str = "dwrowpairs"
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.y_fmt == "bf16" and self.x_fmt in ("f32", "bf16"), (self.x_fmt, self.y_fmt)
+
+    def _stem(self) -> str:
+        return f"cuvil_dwrowpairs_{self.x_fmt}"
+
+
+def _pair_store(ir: IRBuilder, value: str, narrow, offset: int, lanes: int, L: int) -> None:
+    """ukernel._dw_store for DwRowPairSpec: the first `lanes` of float vector `value`, rounded by
+    `narrow`, at y row position `offset`, i.e. at 16-bit elements 2 (offset + j) from %yb."""
+    bits = narrow(ir, value, L)
+    spread = ir.tmp("yp")
+    pick = ", ".join(f"i32 {j // 2}" if j % 2 == 0 else "i32 poison" for j in range(2 * L))
+    ir(f"{spread} = shufflevector <{L} x i16> {bits}, <{L} x i16> poison, <{2 * L} x i32> <{pick}>")
+    at = ir.tmp("yp")
+    ir(f"{at} = getelementptr i16, ptr %yb, i64 {2 * offset}")
+    mask = "<" + ", ".join(f"i1 {int(j % 2 == 0 and j // 2 < lanes)}" for j in range(2 * L)) + ">"
+    ir(f"call void @llvm.masked.store.v{2 * L}i16.p0(<{2 * L} x i16> {spread}, ptr align 2 {at}, <{2 * L} x i1> {mask})")
+
+
+def dwrowpairs_ir(spec: DwRowPairSpec, vector_bits: int) -> str:
+    """See DwRowPairSpec: dwrow16_ir's row with _pair_store for the stores."""
+    L = min(lanes_for(vector_bits), 16)
+    decl = f"declare void @llvm.masked.store.v{2 * L}i16.p0(<{2 * L} x i16>, ptr, <{2 * L} x i1>)"
+    text = dwrow16_ir(spec, vector_bits, store=_pair_store)
+    if decl not in text:
+        text = text.replace("\n\nattributes #0", f"\n{decl}\n\nattributes #0", 1)
+    return text
 
 
 def kinds() -> dict:
@@ -434,12 +479,12 @@ def kinds() -> dict:
     (ukernel_lowp_ir dispatches their IR)."""
     return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d),
             "cvtpairs": lambda d: PairCvtSpec(**d), "copypairs": lambda d: PairCopySpec(**d),
-            "dwrow16": lambda d: DwRow16Spec(**d)}
+            "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
-    """The IR of a LowpUKSpec, CvtSpec, PairCvtSpec, PairCopySpec or DwRow16Spec (what
-    ukernel.ukernel_ir would call for these kinds)."""
+    """The IR of a LowpUKSpec, CvtSpec, PairCvtSpec, PairCopySpec, DwRow16Spec or DwRowPairSpec
+    (what ukernel.ukernel_ir would call for these kinds)."""
     generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir,
-                "dwrow16": dwrow16_ir}.get(spec.kind, lowp_ukernel_ir)
+                "dwrow16": dwrow16_ir, "dwrowpairs": dwrowpairs_ir}.get(spec.kind, lowp_ukernel_ir)
     return generate(spec, vector_bits)

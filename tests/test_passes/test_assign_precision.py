@@ -117,3 +117,28 @@ def test_marks_a_fused_attention_in_bf16_only():
     assert describe(before, after) == "0 weight products and 1 attentions in bf16, 0 nodes in float32"
     assert assign_precision(before, Options(precision="fp16")) is before
     assert assign_precision(before, Options(precision="bf16", keep_fp32=["FusedAttention"])) is before
+
+
+def _block():
+    """1x1 conv -> depthwise 3x3 conv -> 1x1 conv, fused into one DepthwiseBlock."""
+    from passes.fuse_depthwise_block import Options as FuseOptions, fuse_depthwise_block
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["t"], name="expand"),
+             helper.make_node("Conv", ["t", "w2"], ["u"], name="dw", group=12, pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["u", "w3"], ["y"], name="project")]
+    model = make_model(nodes, [("x", F, [1, 4, 8, 8])], [("y", F, None)],
+                       {"w1": rand(12, 4, 1, 1, seed=5), "w2": rand(12, 1, 3, 3, seed=6), "w3": rand(4, 12, 1, 1, seed=7)})
+    graph, _ = import_onnx(model)
+    fused = fuse_depthwise_block(graph, FuseOptions(min_bytes=0))
+    assert [n.op for n in fused.nodes] == ["DepthwiseBlock"]
+    return fused
+
+
+def test_marks_a_depthwise_block_in_bf16_only():
+    # its 1x1 convs run on the bf16 micro-kernel (backends/numba_cpu/dwblock.py); fp16 blocks keep
+    # float32 1x1 convs, so an fp16 mark would claim what the kernel does not do
+    before = _block()
+    after = assign_precision(before, Options(precision="bf16"))
+    verify(after)
+    assert _marks(after) == {"dw": "bf16"}
+    assert _marks(assign_precision(before, Options(precision="fp16"))) == {"dw": None}
+    assert _marks(assign_precision(before, Options(precision="bf16", keep_fp32=["DepthwiseBlock"]))) == {"dw": None}

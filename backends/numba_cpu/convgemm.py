@@ -29,6 +29,7 @@ from cuvil.ir import Value
 
 from .ukernel import LOADC_EPILOGUE
 
+from . import conv1x1t
 from .epilogue import EPILOGUE_ACTIVATIONS, Epilogue, register_activation, register_epilogue
 from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
@@ -105,8 +106,11 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # be X with its channel pairs interleaved), no copy at all: the micro-kernel pairs the channel
     # planes in registers (LowpOut16Spec.b_planar: bf16 with an even channel count; its loads are
     # masked, so nothing is read past X, which has no zero tail as the phase images have).
+    # A small plane (a ResNet's 7 x 7) takes the transposed GEMM (conv1x1t.py), which reads the phase
+    # image's pair words as its A: the copy stays.
+    transposed = direct16 and conv1x1t.eligible(pairs, group, T, OH, OW, PW)
     in_place_x = direct16 and x_narrow and scratch is None and tuple(strides) == (1, 1) and not any(pads) \
-        and ldb == H * Wd and pairs and icg % 2 == 0
+        and ldb == H * Wd and pairs and icg % 2 == 0 and not transposed
     if in_place_x:
         scratch = X.name
     if scratch is None and x_narrow:
@@ -140,6 +144,15 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             cvt_kernel, cvt_work = _phase_cvt_kernel(lowp[0], N, C, C_p, ldb)
             calls.append(KernelCall(cvt_kernel, [phases_name, scratch], cvt_work, node.name,
                                     precision=f"{PRECISION_OF[lowp[0]]} (B converted)"))
+
+    if transposed:
+        from .lowp import best_method
+        from .kernel import lowering_target
+        fmt = STORED_FORMAT[np.dtype(Y.dtype).name]
+        return calls + [conv1x1t.conv_call(node, lowp, best_method("f32", fmt, lowering_target()), epilogue, scratch,
+                                           conv1x1t.pack_weights(W.data, icg_p), B, residual_arg,
+                                           res_strides[0] if residual_arg is not None else 0, r_dtype, Y, N, OC, icg_p,
+                                           ldb, OH * OW)]
 
     # Channels per pass over the channels (balanced; bf16: whole pairs).
     kc_max = max(1, min(icg_p, K_PER_PASS // T)) if not direct16 else icg_p

@@ -122,12 +122,16 @@ class LowpOut16Spec(LowpUKSpec):
                             # b[boff + kp*ldb + h*ldb/2 + j] (a 1x1 conv reading its 16-bit X in place:
                             # channel planes 2kp, 2kp + 1), interleaved in registers; B loads masked
                             # by `mask` (nothing read past the valid columns)
+    c_transposed: int = 0   # 1: C(i, j) at c[coff + j*ldc + i] and R(i, j) at r[roff + j*ldc + i], bias per
+                            # column (bias[biasoff + j]); `mask` selects valid columns, every row is stored
+                            # (a small-plane 1x1 conv with its pixels as rows: Y's channel planes are columns)
     kind: str = "lowp16"
     _ARGS: ClassVar[str] = LowpUKSpec._ARGS + "pi"
 
     def __post_init__(self):
         super().__post_init__()
         assert not self.b_planar or (self.dtype == "bf16" and self.taps in ((), (0,))), "planar B: bf16, no taps"
+        assert not self.c_transposed or (self.store == "m" and not self.b_planar), "transposed C: masked columns"
 
     def _stem(self) -> str:
         return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_out16"
@@ -184,6 +188,65 @@ def _out16_epilogue(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict
         p = ir.tmp("cp")
         ir(f"{p} = getelementptr i16, ptr {crow[i]}, i64 {offsets[v]}")
         ir(f"call void @llvm.masked.store.v{L}i16.p0({vh} {out}, ptr align 2 {p}, <{L} x i1> {dense[v]})")
+
+
+def _out16_transposed(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, L: int) -> None:
+    """LowpOut16Spec.c_transposed's stores: accumulator (i, v) holds C(i, vL..vL+L-1); the bias is a
+    vector of L columns, the residual gathered and the result scattered at stride ldc (16-bit
+    lanes: LLVM writes them one by one)."""
+    vt, vi, vh = f"<{L} x float>", f"<{L} x i32>", f"<{L} x i16>"
+    lanes = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
+    ldc = ir.tmp("ldcv")
+    ir(f"{ldc}0 = insertelement <{L} x i64> poison, i64 %ldc, i64 0")
+    ir(f"{ldc} = shufflevector <{L} x i64> {ldc}0, <{L} x i64> poison, <{L} x i32> zeroinitializer")
+    cbase = ir.tmp("cb")
+    ir(f"{cbase} = getelementptr i16, ptr %c, i64 %coff")
+    rbase = ir.tmp("rbase")
+    ir(f"{rbase} = getelementptr i16, ptr %r, i64 %roff")
+    column = {}   # v -> <L x i64> (vL + lane) * ldc
+    bias = {}
+    for v in sorted({v for _, v in final}):
+        idx = ir.tmp("cj")
+        ir(f"{idx} = add <{L} x i64> {lanes}, <{', '.join([f'i64 {v * L}'] * L)}>")
+        column[v] = ir.tmp("cjl")
+        ir(f"{column[v]} = mul <{L} x i64> {idx}, {ldc}")
+        if spec.bias:
+            off = ir.tmp("bo")
+            ir(f"{off} = add i64 %biasoff, {v * L}")
+            p = ir.tmp("bp")
+            ir(f"{p} = getelementptr float, ptr %bias, i64 {off}")
+            bias[v] = ir.tmp("bv")
+            ir(f"{bias[v]} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
+               f"{vt} zeroinitializer)")
+    for (i, v), val in final.items():
+        if spec.bias:
+            y = ir.tmp("eb")
+            ir(f"{y} = fadd {vt} {val}, {bias[v]}")
+            val = y
+        if spec.residual:
+            rp = ir.tmp("rp")
+            ir(f"{rp} = getelementptr i16, ptr {rbase}, i64 {i}")
+            ptrs = ir.tmp("rps")
+            ir(f"{ptrs} = getelementptr i16, ptr {rp}, <{L} x i64> {column[v]}")
+            bits = ir.tmp("rb")
+            ir(f"{bits} = call {vh} @llvm.masked.gather.v{L}i16.v{L}p0(<{L} x ptr> {ptrs}, i32 2, <{L} x i1> {masks[v]}, "
+               f"{vh} zeroinitializer)")
+            wide = bf16_to_f32(ir, bits, L) if spec.dtype == "bf16" else f16_to_f32(ir, bits, L, spec.cvt)
+            res = ir.tmp("rf")
+            ir(f"{res} = bitcast {vi} {wide} to {vt}")
+            y = ir.tmp("er")
+            ir(f"{y} = fadd {vt} {val}, {res}")
+            val = y
+        val = _activation(ir, spec, val, vt, L)
+        bits = ir.tmp("yb")
+        ir(f"{bits} = bitcast {vt} {val} to {vi}")
+        to16 = f32_to_bf16 if spec.dtype == "bf16" else f32_to_f16
+        out = to16(ir, bits, L, spec.cvt)
+        cp = ir.tmp("cp")
+        ir(f"{cp} = getelementptr i16, ptr {cbase}, i64 {i}")
+        ptrs = ir.tmp("cps")
+        ir(f"{ptrs} = getelementptr i16, ptr {cp}, <{L} x i64> {column[v]}")
+        ir(f"call void @llvm.masked.scatter.v{L}i16.v{L}p0({vh} {out}, <{L} x ptr> {ptrs}, i32 2, <{L} x i1> {masks[v]})")
 
 
 def _activation(ir: IRBuilder, spec: LowpUKSpec, x: str, vt: str, L: int) -> str:
@@ -258,7 +321,10 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
             step(ir, spec, ka, brow, per_k * off, vecs, L, abase, arow, cur)
         final = close_k_loop(ir, ci, kv, accs, cur, rename)
         if out16:
-            _out16_epilogue(ir, spec, final, masks, offsets, dense, crow, L)
+            if spec.c_transposed:
+                _out16_transposed(ir, spec, final, masks, L)
+            else:
+                _out16_epilogue(ir, spec, final, masks, offsets, dense, crow, L)
             ir(f"br label %{f'chunk{ci + 1}' if ci + 1 < len(chunks) else 'done'}")
             continue
         if spec.bias or spec.act:
@@ -295,6 +361,9 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     if out16:
         decls += [f"declare <{L} x i16> @llvm.masked.load.v{L}i16.p0(ptr, <{L} x i1>, <{L} x i16>)",
                   f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)"]
+    if out16 and spec.c_transposed:
+        decls += [f"declare <{L} x i16> @llvm.masked.gather.v{L}i16.v{L}p0(<{L} x ptr>, i32, <{L} x i1>, <{L} x i16>)",
+                  f"declare void @llvm.masked.scatter.v{L}i16.v{L}p0(<{L} x i16>, <{L} x ptr>, i32, <{L} x i1>)"]
     return function_module(head, ir, rename, decls)
 
 

@@ -108,7 +108,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # masked, so nothing is read past X, which has no zero tail as the phase images have).
     # A small plane (a ResNet's 7 x 7) takes the transposed GEMM (conv1x1t.py), which reads the phase
     # image's pair words as its A: the copy stays.
-    transposed = direct16 and conv1x1t.eligible(pairs, group, T, OH, OW, PW)
+    transposed = direct16 and conv1x1t.eligible(pairs, group, T, OH, OW, PW, icg)
     in_place_x = direct16 and x_narrow and scratch is None and tuple(strides) == (1, 1) and not any(pads) \
         and ldb == H * Wd and pairs and icg % 2 == 0 and not transposed
     if in_place_x:

@@ -20,6 +20,14 @@ Two kernels per Conv:
 
 The epilogue (bias, residual, activation) runs on each tile after its last
 pass over the channels, while the tile is in L1.
+
+A bf16 / fp16 conv whose output is stored in 16 bits (passes/assign_precision.py) sums each tile in
+float32 slots first (_narrow_output_body), except a 1x1 conv whose epilogue the micro-kernel can
+compute: one pass over all the channels, and the tile goes from the registers to Y rounded once
+(ukernel_lowp.LowpOut16Spec, _direct16_body). Such a conv at stride 1 without padding, reading a
+bf16 X with an even channel count, has no ConvPad at all: the micro-kernel reads X's channel planes
+in place and pairs them in registers (b_planar). On small planes (conv1x1t.py) it runs as the
+transposed GEMM, pixels on the tile's rows.
 """
 from __future__ import annotations
 
@@ -261,7 +269,6 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # bf16: offsets in 16-bit elements, a channel pair's phases are 2 ldb of them, kc counts pairs
     ldb_b, k_arg = (2 * ldb, "kc >> 1") if pairs else (ldb, "kc")
     body.line(f"boff = (n * {C_p // (1 + pairs)} + (g * {icg_p} + c0) // {1 + pairs}) * {ldb_b} + tt * {NR * (1 + pairs)}")
-    F = lambda v: literal(v, dtype)
     has_epi = (has_bias or residual_arg is not None or epilogue.active) and not in_registers
 
     def call(mr, nr):
@@ -682,7 +689,7 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: in
         if j_hi > j_lo and s_w > 1:
             src.line(f"gather(p0, x + {j_lo * s_w}, p1, o + {j_lo}, {j_hi - j_lo})")
         elif j_hi > j_lo:
-            src.line(f"for j in range({j_lo}, {j_hi}):").indent().line(f"p1[o + j] = p0[x + j]").dedent()
+            src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("p1[o + j] = p0[x + j]").dedent()
         if j_hi < PW:
             src.line(f"for j in range({j_hi}, {PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
         src.dedent().dedent()

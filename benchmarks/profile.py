@@ -10,6 +10,10 @@ prints each step's time at every count, the speedup, and the time it loses again
 scaling (t2 - t1 / 2), worst first: which steps do not scale. `--samples N` takes each step's
 minimum over N single-run profiles (each its own process, thread counts interleaved) instead of
 the mean of `--runs`: on a shared machine a step a preempted thread held up is then left out.
+`--peak G` (GFLOP/s of one core, e.g. 563 for this Zen 5 core's vdpbf16ps) adds a table of the
+Conv / Gemm nodes: each node's steps summed (pads, conversions, Winograd transforms included), its
+multiply-adds x 2 over that time, the fraction of `threads x G`, and the ms it loses against 85 %
+of that peak, the largest loss first: which convs to work on.
 
     python benchmarks/profile.py yolo_neck --threads 1,2 --samples 50
 """
@@ -64,6 +68,58 @@ def _build(name, batch, threads, disable, precision):
                          precision=precision)
 
 
+def node_flops(name: str, batch: int) -> dict:
+    """{node name: FLOPs} of the model's Conv, Gemm and MatMul nodes (2 x multiply-adds), named as
+    the profile names them: the canonical graph's names (semantic.canonical), which the passes
+    keep on the nodes they fuse into a conv."""
+    import numpy as np
+    from benchmarks.bench import MODELS
+    from benchmarks.corpus_models import CORPUS
+    from cuvil import pipeline
+    from tests import zoo
+    module, shapes = MODELS[name]() if name in MODELS else CORPUS[name][0](batch)
+    graph = pipeline.canonical_graph(pipeline.import_model(zoo.export(module, shapes), shapes), {})
+    flops = {}
+    for node in graph.nodes:
+        y = graph.values[node.outputs[0]].shape
+        if node.op == "Conv":
+            w = graph.values[node.inputs[1]].shape
+            flops[node.name] = 2 * int(np.prod(y, dtype=np.int64)) * int(np.prod(w[1:], dtype=np.int64))
+        elif node.op in ("Gemm", "MatMul"):
+            a = graph.values[node.inputs[0]].shape
+            k = a[0] if node.op == "Gemm" and node.attr("transA", 0) else a[-1]
+            flops[node.name] = 2 * int(np.prod(y, dtype=np.int64)) * int(k)
+    return flops
+
+
+def _print_flops(model, batch, counts, profiles, peak, top):
+    """Per Conv / Gemm node at each thread count: ms (its steps summed), GFLOP/s, % of the peak and
+    the ms lost against 85 % of it; the largest loss at the last count first."""
+    flops = node_flops(model, batch)
+    rows = {}
+    for t in counts:
+        per_node = defaultdict(float)
+        for _, ms, _, node in profiles[t][1]:
+            per_node[node] += ms
+        for node, f in flops.items():
+            if node in per_node:
+                ms = per_node[node]
+                rows.setdefault(node, {})[t] = (ms, f / ms / 1e6, f / ms / 1e6 / (peak * t),
+                                                ms - f / (0.85 * peak * t) / 1e6)
+    last = counts[-1]
+    total = {t: sum(r[t][0] for r in rows.values()) for t in counts}
+    lost = {t: sum(r[t][3] for r in rows.values()) for t in counts}
+    gflop = sum(flops[n] for n in rows) / 1e9
+    print(f"# Conv/Gemm nodes: {gflop:.2f} GFLOP; peak {peak:g} GFLOP/s per core; "
+          + "; ".join(f"t={t}: {total[t]:.3f} ms, {gflop / total[t] * 1e3:.0f} GFLOP/s, "
+                      f"{lost[t]:.3f} ms over 85 % of peak" for t in counts))
+    print(f"{'node':<10}{'MFLOP':>8}" + "".join(f"{f't={t} ms':>9}{'GF/s':>6}{'%pk':>5}{'lost':>7}" for t in counts))
+    for node in sorted(rows, key=lambda n: -rows[n][last][3])[:top]:
+        print(f"{node:<10}{flops[node] / 1e6:>8.0f}" + "".join(
+            f"{rows[node][t][0]:>9.3f}{rows[node][t][1]:>6.0f}{100 * rows[node][t][2]:>5.0f}{rows[node][t][3]:>7.3f}"
+            for t in counts))
+
+
 def _minima(minima, steps):
     """Step by step, the smaller time of two profiles of one library."""
     return steps if minima is None else [(i, min(ms, m[1]), fam, node) for m, (i, ms, fam, node) in zip(minima, steps)]
@@ -84,6 +140,8 @@ def main(argv=None):
                         help="build without this pass (repeatable): where the time goes without it")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16", "int8"),
                         help="build in this precision (default fp32; int8: bench.py's quantised file)")
+    parser.add_argument("--peak", type=float, default=0.0,
+                        help="GFLOP/s of one core: add the per-node FLOP table (see the docstring)")
     args = parser.parse_args(argv)
     if args.model not in MODELS and args.model not in CORPUS:
         parser.error(f"unknown model {args.model!r}")
@@ -99,6 +157,8 @@ def main(argv=None):
     else:
         profiles = {t: profile_library(built[t].artifacts.library, built[t].info, args.runs) for t in counts}
     how = f"minimum of {args.samples} single runs per step" if args.samples else f"mean of {args.runs} runs"
+    if args.peak:
+        _print_flops(args.model, args.batch, counts, profiles, args.peak, args.top)
     if len(counts) > 1:
         _print_scaling(args.model, counts, profiles, how, args.top)
         return

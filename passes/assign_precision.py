@@ -14,7 +14,8 @@ instructions double the products per cycle:
     everything else                                                   -> float32
 
 A marked conv computes in the precision where it runs as an implicit GEMM
-(backends/numba_cpu/convgemm.py, 1x1 convs included) or, bf16 only, as bf16 Winograd F(2x2, 3x3)
+(backends/numba_cpu/convgemm.py, 1x1 convs included; bf16 1x1 convs on small planes as the
+transposed GEMM of conv1x1t.py) or, bf16 only, as bf16 Winograd F(2x2, 3x3)
 (a 3x3 stride-1 conv the `winograd` pass marked, even channel count:
 backends/numba_cpu/winograd_bf16.py; U and V rounded once to bf16, float32 sums; its error
 1.4-1.6x the implicit GEMM's); a conv the backend gives to a float32 Winograd transform (fp16

@@ -53,6 +53,7 @@ from typing import ClassVar
 from .lowp import (CvtSpec, PairCopySpec, PairCvtSpec, bf16_to_f32, column_masks, cvt_ir, f16_to_f32, f32_to_bf16, f32_to_f16,
                    pair_cvt_ir, typed_declaration)
 from backends.targets import has_feature
+from .ukernel import float_ir
 from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, DwRowSpec, IRBuilder,
                       close_k_loop, dwrow_ir, dwrow_split_ir, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
 from .ukernel_amx import amx_ir
@@ -99,6 +100,170 @@ class LowpUKSpec(Declared):
         return self.dtype == "bf16"
 
 
+@dataclass(frozen=True)
+class LowpOut16Spec(LowpUKSpec):
+    """LowpUKSpec's tile (taps or rows, A packed) written straight to a 16-bit C: one call runs the
+    whole k loop from zero (loadc is ignored: no partial sums in memory), then per row
+
+        C16[i, j] = round16( act( (acc[i, j] + bias[i]) + R16[i, j] ) )      (bias, R16 optional)
+
+    in registers: store "x" compresses the valid lanes first (the epilogue is elementwise), so the
+    residual R16 (`residual`: a 16-bit tensor laid out as C: r[roff + i*ldc + j'] for the j'-th
+    stored lane) is read densely like the stores; R16 is widened exactly, the sum rounded once
+    (RNE; `cvt` as CvtSpec's float32 -> 16-bit method). The same float32 operations in the same
+    order as the tile written in float32, then the bias / residual / activation loop and the
+    conversion kernel (convgemm's 16-bit output loop before): bit-identical, without the float32
+    tile's round trip through memory.
+
+    Signature: LowpUKSpec's with c a 16-bit pointer, then (ptr r, i64 roff)."""
+    residual: int = 0       # 1: add r (16-bit, C's layout) before the activation
+    cvt: str = "exact"      # the rounding to 16 bits: "exact" | "hw" (lowp.CvtSpec)
+    b_planar: int = 0       # bf16, no taps: B's pair rows are two plain rows, B(2kp + h, j) at
+                            # b[boff + kp*ldb + h*ldb/2 + j] (a 1x1 conv reading its 16-bit X in place:
+                            # channel planes 2kp, 2kp + 1), interleaved in registers; B loads masked
+                            # by `mask` (nothing read past the valid columns)
+    c_transposed: int = 0   # 1: C(i, j) at c[coff + j*ldc + i] and R(i, j) at r[roff + j*ldc + i], bias per
+                            # column (bias[biasoff + j]); `mask` selects valid columns, every row is stored
+                            # (a small-plane 1x1 conv with its pixels as rows: Y's channel planes are columns)
+    kind: str = "lowp16"
+    _ARGS: ClassVar[str] = LowpUKSpec._ARGS + "pi"
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert not self.b_planar or (self.dtype == "bf16" and self.taps in ((), (0,))), "planar B: bf16, no taps"
+        assert not self.c_transposed or (self.store == "m" and not self.b_planar), "transposed C: masked columns"
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_out16"
+
+    def declaration(self, var: str) -> str:
+        """A, B, C and r as uint16 pointers, bias as a float32 one (uint16 without a bias: the call
+        passes any of its 16-bit buffers, unread)."""
+        sixteen = {ARG_TYPES.index(n): "uint16" for n in ("a", "b", "c") + (() if self.bias else ("bias",))}
+        return typed_declaration(self, var, {**sixteen, len(ARG_TYPES): "uint16"})
+
+
+def _out16_epilogue(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, offsets: dict, dense: dict,
+                    crow: dict, L: int) -> None:
+    """LowpOut16Spec's stores: compress (store "x"), bias, residual, activation, round, store."""
+    vt, vi = f"<{L} x float>", f"<{L} x i32>"
+    vh = f"<{L} x i16>"
+    rows = sorted({i for i, _ in final})
+    bias = {}
+    for i in rows:
+        if spec.bias:
+            idx = ir.tmp("bi")
+            ir(f"{idx} = add i64 %biasoff, {i}")
+            p = ir.tmp("bp")
+            ir(f"{p} = getelementptr float, ptr %bias, i64 {idx}")
+            bias[i] = _splat(ir, p, "float", L)
+    rrow = {i: _element_ptr(ir, "i16", "%r", "%roff", i, "%ldc") for i in rows} if spec.residual else {}
+    for (i, v), val in final.items():
+        if spec.store == "x":
+            packed = ir.tmp("cv")
+            ir(f"{packed} = call {vt} @llvm.experimental.vector.compress.v{L}f32({vt} {val}, <{L} x i1> {masks[v]}, "
+               f"{vt} poison)")
+            val = packed
+        if spec.bias:
+            y = ir.tmp("eb")
+            ir(f"{y} = fadd {vt} {val}, {bias[i]}")
+            val = y
+        if spec.residual:
+            p = ir.tmp("rp")
+            ir(f"{p} = getelementptr i16, ptr {rrow[i]}, i64 {offsets[v]}")
+            bits = ir.tmp("rb")
+            ir(f"{bits} = call {vh} @llvm.masked.load.v{L}i16.p0(ptr align 2 {p}, <{L} x i1> {dense[v]}, "
+               f"{vh} zeroinitializer)")
+            wide = bf16_to_f32(ir, bits, L) if spec.dtype == "bf16" else f16_to_f32(ir, bits, L, spec.cvt)
+            res = ir.tmp("rf")
+            ir(f"{res} = bitcast {vi} {wide} to {vt}")
+            y = ir.tmp("er")
+            ir(f"{y} = fadd {vt} {val}, {res}")
+            val = y
+        val = _activation(ir, spec, val, vt, L)
+        bits = ir.tmp("yb")
+        ir(f"{bits} = bitcast {vt} {val} to {vi}")
+        to16 = f32_to_bf16 if spec.dtype == "bf16" else f32_to_f16
+        out = to16(ir, bits, L, spec.cvt)
+        p = ir.tmp("cp")
+        ir(f"{p} = getelementptr i16, ptr {crow[i]}, i64 {offsets[v]}")
+        ir(f"call void @llvm.masked.store.v{L}i16.p0({vh} {out}, ptr align 2 {p}, <{L} x i1> {dense[v]})")
+
+
+def _out16_transposed(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, L: int) -> None:
+    """LowpOut16Spec.c_transposed's stores: accumulator (i, v) holds C(i, vL..vL+L-1); the bias is a
+    vector of L columns, the residual gathered and the result scattered at stride ldc (16-bit
+    lanes: LLVM writes them one by one)."""
+    vt, vi, vh = f"<{L} x float>", f"<{L} x i32>", f"<{L} x i16>"
+    lanes = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
+    ldc = ir.tmp("ldcv")
+    ir(f"{ldc}0 = insertelement <{L} x i64> poison, i64 %ldc, i64 0")
+    ir(f"{ldc} = shufflevector <{L} x i64> {ldc}0, <{L} x i64> poison, <{L} x i32> zeroinitializer")
+    cbase = ir.tmp("cb")
+    ir(f"{cbase} = getelementptr i16, ptr %c, i64 %coff")
+    rbase = ir.tmp("rbase")
+    ir(f"{rbase} = getelementptr i16, ptr %r, i64 %roff")
+    column = {}   # v -> <L x i64> (vL + lane) * ldc
+    bias = {}
+    for v in sorted({v for _, v in final}):
+        idx = ir.tmp("cj")
+        ir(f"{idx} = add <{L} x i64> {lanes}, <{', '.join([f'i64 {v * L}'] * L)}>")
+        column[v] = ir.tmp("cjl")
+        ir(f"{column[v]} = mul <{L} x i64> {idx}, {ldc}")
+        if spec.bias:
+            off = ir.tmp("bo")
+            ir(f"{off} = add i64 %biasoff, {v * L}")
+            p = ir.tmp("bp")
+            ir(f"{p} = getelementptr float, ptr %bias, i64 {off}")
+            bias[v] = ir.tmp("bv")
+            ir(f"{bias[v]} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
+               f"{vt} zeroinitializer)")
+    for (i, v), val in final.items():
+        if spec.bias:
+            y = ir.tmp("eb")
+            ir(f"{y} = fadd {vt} {val}, {bias[v]}")
+            val = y
+        if spec.residual:
+            rp = ir.tmp("rp")
+            ir(f"{rp} = getelementptr i16, ptr {rbase}, i64 {i}")
+            ptrs = ir.tmp("rps")
+            ir(f"{ptrs} = getelementptr i16, ptr {rp}, <{L} x i64> {column[v]}")
+            bits = ir.tmp("rb")
+            ir(f"{bits} = call {vh} @llvm.masked.gather.v{L}i16.v{L}p0(<{L} x ptr> {ptrs}, i32 2, <{L} x i1> {masks[v]}, "
+               f"{vh} zeroinitializer)")
+            wide = bf16_to_f32(ir, bits, L) if spec.dtype == "bf16" else f16_to_f32(ir, bits, L, spec.cvt)
+            res = ir.tmp("rf")
+            ir(f"{res} = bitcast {vi} {wide} to {vt}")
+            y = ir.tmp("er")
+            ir(f"{y} = fadd {vt} {val}, {res}")
+            val = y
+        val = _activation(ir, spec, val, vt, L)
+        bits = ir.tmp("yb")
+        ir(f"{bits} = bitcast {vt} {val} to {vi}")
+        to16 = f32_to_bf16 if spec.dtype == "bf16" else f32_to_f16
+        out = to16(ir, bits, L, spec.cvt)
+        cp = ir.tmp("cp")
+        ir(f"{cp} = getelementptr i16, ptr {cbase}, i64 {i}")
+        ptrs = ir.tmp("cps")
+        ir(f"{ptrs} = getelementptr i16, ptr {cp}, <{L} x i64> {column[v]}")
+        ir(f"call void @llvm.masked.scatter.v{L}i16.v{L}p0({vh} {out}, <{L} x ptr> {ptrs}, i32 2, <{L} x i1> {masks[v]})")
+
+
+def _activation(ir: IRBuilder, spec: LowpUKSpec, x: str, vt: str, L: int) -> str:
+    """act(x) for spec.act "" | "Relu" | "Clip" (as row_epilogue's, without its epilogue-bit select)."""
+    def splat(value: float) -> str:
+        return f"<{', '.join([f'float {float_ir(value)}'] * L)}>"
+    bounds = {"": (), "Relu": (("maxnum", 0.0),),
+              "Clip": (("maxnum", spec.act_lo), ("minnum", spec.act_hi))}[spec.act]
+    for op, bound in bounds:
+        if abs(bound) == float("inf"):
+            continue
+        y = ir.tmp("ea")
+        ir(f"{y} = call {vt} @llvm.{op}.v{L}f32({vt} {x}, {vt} {splat(bound)})")
+        x = y
+    return x
+
+
 def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     """The LLVM IR (a module of one function named spec.name) for the target's vector width."""
     if spec.method == "amx":
@@ -107,6 +272,7 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     assert spec.nr % L == 0 and spec.nr <= 64, (spec.nr, L)
     V = spec.nr // L
     vt = f"<{L} x float>"
+    out16 = isinstance(spec, LowpOut16Spec)
     ir = IRBuilder()
     ir.label("entry")
     if spec.method == "fp16":   # the k loop counts chunks of fp16_chunk k
@@ -117,10 +283,14 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir("%epi = icmp ne i64 %epiw, 0")
     masks = column_masks(ir, V, L)
     offsets, dense = _compressed_offsets(ir, V, L) if spec.store == "x" else ({v: str(v * L) for v in range(V)}, masks)
-    crow = {i: _element_ptr(ir, "float", "%c", "%coff", i, "%ldc") for i in range(spec.mr)}
+    crow = {i: _element_ptr(ir, "i16" if out16 else "float", "%c", "%coff", i, "%ldc") for i in range(spec.mr)}
     abase = _element_ptr(ir, "i16", "%a", "%aoff", 0, "%lda")
     arow = {i: _element_ptr(ir, "i16", "%a", "%aoff", i, "%lda") for i in range(spec.mr)} if not spec.a_packed else {}
     ir("%bbase = getelementptr i16, ptr %b, i64 %boff")
+    if out16 and spec.b_planar:
+        ir("%ldb_half = sdiv i64 %ldb, 2")
+        for v in range(V):   # the column masks again, under the names the planar B loads use
+            ir(f"%bmask{v} = or <{L} x i1> {masks[v]}, zeroinitializer")
     step = _STEPS[spec.method]
     budget = MAX_ACC[L] - (4 if spec.method == "widen" else 0)   # B pairs widened to two vectors take registers
     per_chunk = max(1, min(V, budget // spec.mr))
@@ -132,27 +302,12 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir("br label %chunk0")
     for ci, vecs in enumerate(chunks):
         ir.label(f"chunk{ci}")
-        ir(f"br i1 %acc, label %ld{ci}, label %pre{ci}")
-        ir.label(f"ld{ci}")
-        loaded = {}
-        for i in range(spec.mr):
-            for v in vecs:
-                p = ir.tmp("cp")
-                ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {offsets[v]}")
-                x = ir.tmp("c")
-                if spec.store == "x":
-                    ir(f"{x} = call {vt} @llvm.masked.expandload.v{L}f32(ptr {p}, <{L} x i1> {masks[v]}, "
-                       f"{vt} zeroinitializer)")
-                else:
-                    ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
-                       f"{vt} zeroinitializer)")
-                loaded[i, v] = x
-        ir(f"br label %pre{ci}")
-        ir.label(f"pre{ci}")
-        init = {}
-        for key, x in loaded.items():
-            init[key] = ir.tmp("i")
-            ir(f"{init[key]} = phi {vt} [ {x}, %ld{ci} ], [ zeroinitializer, %chunk{ci} ]")
+        if out16:   # from zero, whatever loadc says
+            ir(f"br label %pre{ci}")
+            ir.label(f"pre{ci}")
+            init = {(i, v): "zeroinitializer" for i in range(spec.mr) for v in vecs}
+        else:
+            init = _load_c_tile(ir, spec, ci, vecs, crow, offsets, masks, vt, L)
         ir(f"br label %loop{ci}")
         kv, accs = open_k_loop(ir, ci, init, vt, f"%loop{ci}")
         cur = dict(accs)
@@ -165,6 +320,13 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
                 ir(f"{ka} = add i64 {ir_mul(ir, kv, len(spec.taps))}, {t}")
             step(ir, spec, ka, brow, per_k * off, vecs, L, abase, arow, cur)
         final = close_k_loop(ir, ci, kv, accs, cur, rename)
+        if out16:
+            if spec.c_transposed:
+                _out16_transposed(ir, spec, final, masks, L)
+            else:
+                _out16_epilogue(ir, spec, final, masks, offsets, dense, crow, L)
+            ir(f"br label %{f'chunk{ci + 1}' if ci + 1 < len(chunks) else 'done'}")
+            continue
         if spec.bias or spec.act:
             final = row_epilogue(ir, spec, final, vt, L)
         for (i, v), val in final.items():
@@ -181,6 +343,8 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir("ret i32 0")
     args = ", ".join(f"ptr {'' if n == 'c' else 'noalias '}%{n}" if n in ("a", "b", "c", "bias") else f"i64 %{n}"
                      for n in ARG_TYPES)
+    if out16:
+        args += ", ptr noalias %r, i64 %roff"
     if spec.method == "fp16":
         args = args.replace("i64 %kc,", "i64 %k_total,")
     head = f"define i32 @{spec.name}({args}) #0 {{"
@@ -194,7 +358,41 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
              "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
              "declare <32 x half> @llvm.fma.v32f16(<32 x half>, <32 x half>, <32 x half>)"]
+    if out16:
+        decls += [f"declare <{L} x i16> @llvm.masked.load.v{L}i16.p0(ptr, <{L} x i1>, <{L} x i16>)",
+                  f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)"]
+    if out16 and spec.c_transposed:
+        decls += [f"declare <{L} x i16> @llvm.masked.gather.v{L}i16.v{L}p0(<{L} x ptr>, i32, <{L} x i1>, <{L} x i16>)",
+                  f"declare void @llvm.masked.scatter.v{L}i16.v{L}p0(<{L} x i16>, <{L} x ptr>, i32, <{L} x i1>)"]
     return function_module(head, ir, rename, decls)
+
+
+def _load_c_tile(ir: IRBuilder, spec: LowpUKSpec, ci: int, vecs, crow: dict, offsets: dict, masks: dict, vt: str,
+                 L: int) -> dict:
+    """Block ld<ci> loading the float32 C tile (loadc's accumulate bit) and block pre<ci> choosing
+    it or zero: the accumulators' initial values."""
+    ir(f"br i1 %acc, label %ld{ci}, label %pre{ci}")
+    ir.label(f"ld{ci}")
+    loaded = {}
+    for i in range(spec.mr):
+        for v in vecs:
+            p = ir.tmp("cp")
+            ir(f"{p} = getelementptr float, ptr {crow[i]}, i64 {offsets[v]}")
+            x = ir.tmp("c")
+            if spec.store == "x":
+                ir(f"{x} = call {vt} @llvm.masked.expandload.v{L}f32(ptr {p}, <{L} x i1> {masks[v]}, "
+                   f"{vt} zeroinitializer)")
+            else:
+                ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
+                   f"{vt} zeroinitializer)")
+            loaded[i, v] = x
+    ir(f"br label %pre{ci}")
+    ir.label(f"pre{ci}")
+    init = {}
+    for key, x in loaded.items():
+        init[key] = ir.tmp("i")
+        ir(f"{init[key]} = phi {vt} [ {x}, %ld{ci} ], [ zeroinitializer, %chunk{ci} ]")
+    return init
 
 
 def _compressed_offsets(ir: IRBuilder, V: int, L: int) -> tuple[dict, dict]:
@@ -282,7 +480,10 @@ def _fma(ir: IRBuilder, L: int, a: str, b: str, acc: str) -> str:
 def _step_dpbf16(ir: IRBuilder, spec: LowpUKSpec, ka: str, brow: str, tap: int, vecs, L: int, abase: str, arow: dict,
                  cur: dict) -> None:
     """One k pair (one tap): vdpbf16ps of each row's broadcast pair word with each B vector."""
-    bvec = {v: _load(ir, brow, tap + 2 * v * L, "<32 x bfloat>") for v in vecs}
+    if getattr(spec, "b_planar", 0):
+        bvec = {v: _planar_pairs(ir, brow, v, L, "bfloat") for v in vecs}
+    else:
+        bvec = {v: _load(ir, brow, tap + 2 * v * L, "<32 x bfloat>") for v in vecs}
     for i in range(spec.mr):
         word = _splat(ir, _a_address(ir, spec, ka, i, abase, arow), "i32", 16)
         pair = ir.tmp("ab")
@@ -292,6 +493,46 @@ def _step_dpbf16(ir: IRBuilder, spec: LowpUKSpec, ka: str, brow: str, tap: int, 
             ir(f"{out} = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> {cur[i, v]}, "
                f"<32 x bfloat> {pair}, <32 x bfloat> {bvec[v]})")
             cur[i, v] = out
+
+
+def _planar_rows(ir: IRBuilder, brow: str, v: int, L: int) -> tuple[str, str]:
+    """LowpOut16Spec.b_planar: columns v*L.. of B's two rows of pair kp (<L x i16> each, masked by
+    the tile's column mask: no read past the valid columns)."""
+    rows = []
+    for h in (0, 1):
+        p = ir.tmp("bp")
+        ir(f"{p} = getelementptr i16, ptr {brow}, i64 {v * L}")
+        if h:
+            q = ir.tmp("bp")
+            ir(f"{q} = getelementptr i16, ptr {p}, i64 %ldb_half")
+            p = q
+        x = ir.tmp("b")
+        ir(f"{x} = call <{L} x i16> @llvm.masked.load.v{L}i16.p0(ptr align 2 {p}, <{L} x i1> %bmask{v}, "
+           f"<{L} x i16> zeroinitializer)")
+        rows.append(x)
+    return rows[0], rows[1]
+
+
+def _planar_pairs(ir: IRBuilder, brow: str, v: int, L: int, elem: str) -> str:
+    """<2L x elem>: the two planar rows interleaved into pair words (the layout vdpbf16ps reads)."""
+    even, odd = _planar_rows(ir, brow, v, L)
+    interleave = "<" + ", ".join(f"i32 {j // 2 + (j % 2) * L}" for j in range(2 * L)) + ">"
+    pairs = ir.tmp("bi")
+    ir(f"{pairs} = shufflevector <{L} x i16> {even}, <{L} x i16> {odd}, <{2 * L} x i32> {interleave}")
+    out = ir.tmp("bv")
+    ir(f"{out} = bitcast <{2 * L} x i16> {pairs} to <{2 * L} x {elem}>")
+    return out
+
+
+def _planar_split(ir: IRBuilder, brow: str, v: int, L: int) -> tuple[str, str]:
+    """The float32 vectors of the two planar rows ("widen": bf16 -> f32 is a 16-bit shift)."""
+    out = []
+    for row in _planar_rows(ir, brow, v, L):
+        bits = bf16_to_f32(ir, row, L)
+        f = ir.tmp("wf")
+        ir(f"{f} = bitcast <{L} x i32> {bits} to <{L} x float>")
+        out.append(f)
+    return out[0], out[1]
 
 
 def _split_pairs(ir: IRBuilder, words: str, L: int) -> tuple[str, str]:
@@ -312,7 +553,10 @@ def _split_pairs(ir: IRBuilder, words: str, L: int) -> tuple[str, str]:
 def _step_widen(ir: IRBuilder, spec: LowpUKSpec, ka: str, brow: str, tap: int, vecs, L: int, abase: str, arow: dict,
                 cur: dict) -> None:
     """One k pair (one tap): B's pairs and each row's A pair split into float32 (shifts), two FMAs."""
-    bpair = {v: _split_pairs(ir, _load(ir, brow, tap + 2 * v * L, f"<{L} x i32>"), L) for v in vecs}
+    if getattr(spec, "b_planar", 0):
+        bpair = {v: _planar_split(ir, brow, v, L) for v in vecs}
+    else:
+        bpair = {v: _split_pairs(ir, _load(ir, brow, tap + 2 * v * L, f"<{L} x i32>"), L) for v in vecs}
     for i in range(spec.mr):
         a_even, a_odd = _split_pairs(ir, _splat(ir, _a_address(ir, spec, ka, i, abase, arow), "i32", L), L)
         for v in vecs:
@@ -479,12 +723,13 @@ def kinds() -> dict:
     (ukernel_lowp_ir dispatches their IR)."""
     return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d),
             "cvtpairs": lambda d: PairCvtSpec(**d), "copypairs": lambda d: PairCopySpec(**d),
-            "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d)}
+            "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
+            "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))})}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
-    """The IR of a LowpUKSpec, CvtSpec, PairCvtSpec, PairCopySpec, DwRow16Spec or DwRowPairSpec
-    (what ukernel.ukernel_ir would call for these kinds)."""
+    """The IR of a LowpUKSpec, LowpOut16Spec, CvtSpec, PairCvtSpec, PairCopySpec, DwRow16Spec or
+    DwRowPairSpec (what ukernel.ukernel_ir would call for these kinds)."""
     generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir,
                 "dwrow16": dwrow16_ir, "dwrowpairs": dwrowpairs_ir}.get(spec.kind, lowp_ukernel_ir)
     return generate(spec, vector_bits)

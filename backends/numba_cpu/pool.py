@@ -23,6 +23,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+from . import maxpool8
 from .elementwise import check_dtypes, pointer_type
 from .narrow import compute_type, load, store, store_exact, with_helpers
 from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
@@ -235,8 +236,9 @@ def lower_maxpool(node, graph) -> Lowered:
     if len(node.outputs) > 1 and node.outputs[1]:
         kernel = _maxpool_indices_kernel(x, y, geometry, int(node.attr("storage_order", 0)))
         return Lowered([KernelCall(kernel, [x.name, y.name, node.outputs[1]], planes, node.name, n_outputs=2)])
+    if maxpool8.applies(x, y, geometry):   # 8-bit: separably, rows then columns
+        return maxpool8.lower(node, graph, x, y, geometry)
     kernel = _window_kernel("MaxPool", x, y, geometry)
-    planes = int(x.shape[0] * x.shape[1])
     return Lowered([KernelCall(kernel, [x.name, y.name], planes, node.name)])
 
 

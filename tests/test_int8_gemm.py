@@ -411,3 +411,53 @@ def test_narrow_grid_layouts():
     stem = (224, 224, 112, 112, 7, 7, 2, (1, 1), 3, 3, 0)
     assert _layout_holds(*stem, 116, 114) and not _layout_holds(*stem, 115, 114)
     assert not _layout_holds(*stem, 116, 113)
+
+
+QUANTIZE_INTO_STEM = {
+    # name: (x shape, kernel, attrs, activations, identity weights?, q also a graph output?)
+    # identity: the centre tap of channel c is 1 for output channel c, s_w = 1, s_y = s_x, z_y = z_x:
+    # the conv's output is the quantised input itself, so every byte QuantizeLinear wrote is compared
+    "identity_3x3_uint8": ((1, 3, 31, 29), 3, {"pads": [1, 1, 1, 1]}, U8, True, False),
+    "identity_5x5_stride2_int8_batch2": ((2, 3, 19, 23), 5, {"strides": [2, 2], "pads": [2, 2, 2, 2]}, I8, True,
+                                         False),
+    "stem_7x7_stride2_uint8": ((1, 3, 45, 41), 7, {"strides": [2, 2], "pads": [3, 3, 3, 3]}, U8, False, False),
+    # must not fire: the quantised tensor is an output too (it must exist as it is)
+    "q_is_an_output": ((1, 3, 17, 17), 3, {"pads": [1, 1, 1, 1]}, U8, True, True),
+}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZE_INTO_STEM))
+def test_quantize_linear_writes_the_stem_convs_phase_planes(case):
+    """A QuantizeLinear read only by an im2col VNNI QLinearConv (a stem's 3 channels) writes that
+    conv's padded phase planes itself (qconv.quantize_into_phases): no PhasePad, no quantised tensor.
+    Inputs with quotients on .5 ties and past both ends of the range; bit-exact with onnxruntime on
+    1 and 2 threads."""
+    xs, k, attrs, dtype, identity, q_out = QUANTIZE_INTO_STEM[case]
+    OC = 3 if identity else 16
+    sx, zx = np.float32(0.0213), (114 if dtype == U8 else -9)
+    rng = np.random.default_rng(3)
+    if identity:
+        w = np.zeros((OC, 3, k, k), I8)
+        w[np.arange(3), np.arange(3), k // 2, k // 2] = 1
+        sw, sy, zy, b = np.ones(OC, F32), sx, zx, np.zeros(OC, np.int32)
+    else:
+        w, sw = ints((OC, 3, k, k), I8, 1), rng.uniform(0.001, 0.01, OC).astype(F32)
+        sy, zy, b = np.float32(0.07), (90 if dtype == U8 else 4), rng.integers(-2000, 2000, OC).astype(np.int32)
+    inits = {"sx": np.array(sx, F32), "zx": np.array(zx, dtype), "w": w, "sw": sw, "zw": np.zeros(OC, I8),
+             "sy": np.array(sy, F32), "zy": np.array(zy, dtype), "b": b}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["q"]),
+             helper.make_node("QLinearConv", ["q", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], **attrs)]
+    outputs = [("y", dtype, None)] + ([("q", dtype, None)] if q_out else [])
+    model = make_model(nodes, [("x", F32, list(xs))], outputs, initializers=inits, opset=13)
+    n = int(np.prod(xs))
+    ties = (rng.integers(-200, 200, n) + 0.5).astype(F32) * sx    # k + 0.5 steps, and past the range
+    x = np.where(rng.random(n) < 0.5, ties, rng.standard_normal(n).astype(F32) * 2).astype(F32).reshape(xs)
+    feeds = {"x": x}
+    symbols = " ".join(k.symbol for k in explain_model(model, target="native").kernels)
+    fused = "quantizephasepad" in symbols
+    assert fused != q_out and ("quantizelinear" in symbols) == q_out and symbols.count("phasepad") == 1, symbols
+    want = run_ort(model, feeds)
+    for threads in (1, 2):
+        got = cuvil.compile(model, threads=threads).run(feeds)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}, {threads} threads")

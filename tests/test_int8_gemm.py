@@ -423,10 +423,6 @@ QUANTIZE_INTO_STEM = {
     "stem_7x7_stride2_uint8": ((1, 3, 45, 41), 7, {"strides": [2, 2], "pads": [3, 3, 3, 3]}, U8, False, False),
     # must not fire: the quantised tensor is an output too (it must exist as it is)
     "q_is_an_output": ((1, 3, 17, 17), 3, {"pads": [1, 1, 1, 1]}, U8, True, True),
-    # MobileNet's stem: the conv writes the next depthwise's padded planes (its own input planes
-    # then on that grid, which the QuantizeLinear must write: conv_into_depthwise)
-    "stem_3x3_stride2_into_depthwise": ((1, 3, 33, 35), 3, {"strides": [2, 2], "pads": [1, 1, 1, 1]}, U8, False,
-                                        "dw"),
 }
 
 
@@ -451,13 +447,7 @@ def test_quantize_linear_writes_the_stem_convs_phase_planes(case):
              "sy": np.array(sy, F32), "zy": np.array(zy, dtype), "b": b}
     nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["q"]),
              helper.make_node("QLinearConv", ["q", "sx", "zx", "w", "sw", "zw", "sy", "zy", "b"], ["y"], **attrs)]
-    out = "y"
-    if q_out == "dw":   # a depthwise 3x3 after the stem, the graph's output
-        dw, more = _qconv("dw", "y", "d", ints((OC, 1, 3, 3), I8, 2), group=OC, zy=70, pads=[1, 1, 1, 1])
-        nodes.append(dw)
-        inits.update(more, y_s=inits["sy"], y_z=inits["zy"])
-        out, q_out = "d", False
-    outputs = [(out, dtype, None)] + ([("q", dtype, None)] if q_out else [])
+    outputs = [("y", dtype, None)] + ([("q", dtype, None)] if q_out else [])
     model = make_model(nodes, [("x", F32, list(xs))], outputs, initializers=inits, opset=13)
     n = int(np.prod(xs))
     ties = (rng.integers(-200, 200, n) + 0.5).astype(F32) * sx    # k + 0.5 steps, and past the range

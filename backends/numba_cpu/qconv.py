@@ -256,10 +256,7 @@ def quantize_into_phases(node, graph):
     user = users[0]
     if user.op != "QLinearConv" or user.domain or user.inputs[0] != y or y in user.inputs[1:]:
         return None
-    # the conv's plan as it lowers: on the next depthwise's or conv's grid where it writes that one's input
-    into, onto = conv_into_depthwise(user, graph), conv_into_conv(user, graph)
-    grid = (into[1]["Wp"], into[1]["pl"]) if into else (onto[1]["Wps"], onto[1]["pl"]) if onto else None
-    plan = _node_plan(lambda *a: _vnni_plan(*a, grid=grid, quad_out=bool(onto)), user, graph)
+    plan = _node_plan(_vnni_plan, user, graph)
     if plan is None or not plan["im2col"]:
         return None
     return user, plan

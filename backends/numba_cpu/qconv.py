@@ -208,13 +208,11 @@ def _flat_runs(src, read, s, pt, pl, C, H, W, Wps, plane, z):
 
 
 def phase_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: int, pl: int, Hps: int, Wps: int,
-                      zero: int, slack: int, phases: int, read=None) -> tuple[Kernel, int]:
+                      zero: int, slack: int, phases: int) -> tuple[Kernel, int]:
     """x [N, C, H, W] -> [N, C, phases, Hps, Wps] uint8 (+ `slack` bytes of zero point): QuadPad's
     padded phase images (the first `phases` of s*s), one channel a plane, the source an im2col conv
-    gathers its patches from. One work item per (image, channel, phase). `read(expr)`: the byte of
-    an input element (default: the quantised input's, int8 shifted by 128; quantize_into_phases:
-    a float32 input quantised on the way)."""
-    read = read or _to_uint8(x_dtype)
+    gathers its patches from. One work item per (image, channel, phase)."""
+    read = _to_uint8(x_dtype)
     plane = Hps * Wps
     items = N * C * phases
     z = f"np.uint8({zero})"
@@ -231,60 +229,6 @@ def phase_pad_kernel(x_dtype: str, N: int, C: int, H: int, W: int, s: int, pt: i
         src.line(f"for i in range({slack}):").indent()
         src.line(f"p1[{items * plane} + i] = {z}")
     return Kernel("PhasePad", src.text(), (x_dtype, "uint8")), items
-
-
-def quantize_into_phases(node, graph):
-    """(the QLinearConv, its _vnni_plan) where this QuantizeLinear writes that conv's padded phase
-    planes itself (PhasePad reading the float input and quantising each element on the way), else
-    None: the conv alone reads this output, as its input, on the im2col path (a stem's 3 channels:
-    its PhasePad would only copy what this node wrote), and the quantisation is per tensor with a
-    constant float32 scale and zero point into uint8 or int8. The quantised tensor is then never
-    written: one pass over the image instead of two (ResNet's input, 3 x 224 x 224)."""
-    if node.op != "QuantizeLinear" or node.domain or not vnni_target():
-        return None
-    if graph.producers().get(node.outputs[0]) is not node:   # (quant.py's float fallback lowers made-up nodes)
-        return None
-    x, scale, zero = (node_input(node, graph, k) for k in range(3))
-    y = node.outputs[0]
-    users = graph.consumers().get(y, [])
-    if y in graph.outputs or len(users) != 1 or int(node.attr("block_size", 0)):
-        return None
-    if (np.dtype(x.dtype).name != "float32" or np.dtype(scale.dtype).name != "float32" or not scale.is_const
-            or scale.size != 1 or (zero is not None and (not zero.is_const or zero.size != 1))
-            or np.dtype(graph.values[y].dtype).name not in ("uint8", "int8")):
-        return None
-    user = users[0]
-    if user.op != "QLinearConv" or user.domain or user.inputs[0] != y or y in user.inputs[1:]:
-        return None
-    plan = _node_plan(_vnni_plan, user, graph)
-    if plan is None or not plan["im2col"]:
-        return None
-    return user, plan
-
-
-def quantize_phase_pad_call(node, graph, conv, plan) -> KernelCall:
-    """QuantizeLinear (quantize_into_phases) writing the conv's phase planes: PhasePad whose byte of
-    element x is QuantizeLinear's, x / scale rounded to float32 from the float64 product with the
-    reciprocal (quant.py's _exact_quotient: a float64 constant that is no float32, which LLVM does not
-    shrink to a float32 product), rint, the zero point and the clamp in float32."""
-    from .kernel import literal
-    from .scratch import scratch_value
-    _, scale, zero = (node_input(node, graph, k) for k in range(3))
-    y_dtype = np.dtype(graph.values[node.outputs[0]].dtype).name
-    lo, hi = (-128, 127) if y_dtype == "int8" else (0, 255)
-    r = literal(1.0 / np.float64(np.asarray(scale.data, np.float32).reshape(-1)[0]), np.float64)
-    z = 0 if zero is None else int(np.asarray(zero.data).reshape(-1)[0])
-
-    def read(expr):
-        q = (f"min(max(np.rint(np.float32(np.float64({expr}) * {r})) + np.float32({z}), np.float32({lo})), "
-             f"np.float32({hi}))")
-        return f"np.uint8({q})" if y_dtype == "uint8" else f"np.uint8(np.int32({q}) + 128)"
-    N, C, H, W, s, pt, pl, Hps, Wps, zero_x, slack, phases, plane = (plan[k] for k in (
-        "N", "C", "H", "W", "s", "pt", "pl", "Hps", "Wps", "zero_x", "slack", "phases", "plane"))
-    quads = scratch_value(graph, conv, (N * C * phases * plane + slack // 4,), np.uint8, tag="planes")
-    kernel, work = phase_pad_kernel("float32", N, C, H, W, s, pt, pl, Hps, Wps, zero_x, slack // 4, phases, read)
-    return KernelCall(Kernel("QuantizePhasePad", kernel.source, kernel.arg_types), [node.inputs[0], quads], work, node.name,
-                      precision="int8 (QuantizeLinear into the conv's phase planes)")
 
 
 def im2col_pays(C: int, T: int) -> bool:
@@ -474,8 +418,7 @@ def lower_qlinear_conv_vnni(node, graph, x, sx, zx, w, sw, zw, sy, zy, bias, y, 
         "zero_x", "T", "im2col", "Kq", "koffs"))
     from .scratch import scratch_value
     producer = graph.producers().get(x.name)
-    chained = producer is not None and (_same(depthwise_quad_consumer(producer, graph), node)
-                                        or _same((quantize_into_phases(producer, graph) or (None,))[0], node))
+    chained = producer is not None and _same(depthwise_quad_consumer(producer, graph), node)
     if im2col:      # C is not whole quads: no conv before writes this conv's input (see conv_into_conv)
         quads = scratch_value(graph, node, (N * C * phases * plane + slack // 4,), np.uint8, tag="planes")
         pad_kernel, pad_work = phase_pad_kernel(x_dtype, N, C, H, W, s, pt, pl, Hps, Wps, zero_x, slack // 4,

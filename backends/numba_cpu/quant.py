@@ -172,9 +172,6 @@ def _saturate(expr, dtype):
 
 
 def lower_quantize_linear(node, graph) -> Lowered:
-    into = qconv.quantize_into_phases(node, graph)
-    if into:    # the stem conv's phase planes, written here (its PhasePad left out)
-        return Lowered([qconv.quantize_phase_pad_call(node, graph, *into)])
     x, scale, zero = (node_input(node, graph, k) for k in range(3))
     y = graph.values[node.outputs[0]]
     _check(node, x, {"float32", "float64"})

@@ -8,7 +8,8 @@ fall inside the input, so no padding test runs in the inner loop. A 2-D
 MaxPool first takes the outputs whose whole window lies inside the input in
 one loop over all k x k taps (one store per output, not a read-modify-write
 per tap: ResNet's 3x3 stride-2 pool over 64 x 112 x 112 went from 0.247 to
-0.135 ms); the per-tap loops then do only the border.
+0.135 ms); the per-tap loops then do only the border. An 8-bit 2-D MaxPool
+(quantised models) runs separably instead: maxpool8.py.
 
 Window of output position o along one axis: input positions
 o*stride - pad_begin + j*dilation for j in [0, kernel), those in [0, size).

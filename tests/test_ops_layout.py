@@ -61,8 +61,7 @@ MAXPOOL_8BIT = [case for case in MAXPOOL if len(case[1]) == 4 and case[2] >= 12]
 ]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+@pytest.mark.parametrize("dtype,threads", [(np.uint8, 1), (np.int8, 2)], ids=["uint8-1thread", "int8-2threads"])
 @pytest.mark.parametrize("attrs,shape,opset", MAXPOOL_8BIT, ids=[f"case{i}" for i in range(len(MAXPOOL_8BIT))])
 def test_maxpool_8bit(attrs, shape, opset, dtype, threads):
     """backends/numba_cpu/maxpool8.py (rows, then columns) equals onnxruntime exactly, the dtype's

@@ -54,6 +54,28 @@ def test_maxpool_dtypes(dtype):
     assert_matches_ort(model, {"x": x})
 
 
+# 8-bit MaxPool is opset 12's
+MAXPOOL_8BIT = [case for case in MAXPOOL if len(case[1]) == 4 and case[2] >= 12] + [
+    ({"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, (1, 3, 113, 111), 12),   # odd sizes
+    ({"kernel_shape": [5, 4], "strides": [3, 3], "pads": [4, 3, 4, 3]}, (1, 2, 10, 9), 12),       # pads wider than the stride
+]
+
+
+@pytest.mark.parametrize("dtype,threads", [(np.uint8, 1), (np.int8, 2)], ids=["uint8-1thread", "int8-2threads"])
+@pytest.mark.parametrize("attrs,shape,opset", MAXPOOL_8BIT, ids=[f"case{i}" for i in range(len(MAXPOOL_8BIT))])
+def test_maxpool_8bit(attrs, shape, opset, dtype, threads):
+    """backends/numba_cpu/maxpool8.py (rows, then columns) equals onnxruntime exactly, the dtype's
+    extremes included (a window of the lowest value alone, and windows in the padding)."""
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(threads)
+    x = rng.integers(int(info.min), int(info.max) + 1, shape).astype(dtype)
+    x.reshape(-1)[rng.integers(0, x.size, x.size // 4)] = info.min
+    x.reshape(-1)[rng.integers(0, x.size, x.size // 8)] = info.max
+    x[..., : shape[-2] // 3, :] = info.min
+    model = one_node("MaxPool", [("x", dtype, list(shape))], attrs, opset)
+    assert_matches_ort(model, {"x": x}, threads=threads)
+
+
 def test_maxpool_indices_output():
     model = one_node("MaxPool", [("x", F32, [1, 2, 5, 5])], {"kernel_shape": [2, 2], "strides": [2, 2]},
                      outputs=("y", "idx"))

@@ -173,6 +173,25 @@ def test_quantize_linear(case):
     assert_matches_ort(model, feeds)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("zero", [np.array(114, U8), np.array(-7, I8), np.array(30000, np.uint16),
+                                  np.array(-300, np.int16)], ids=lambda z: z.dtype.name)
+def test_quantize_linear_float32_rounding(zero, threads):
+    """A float32 scale into an 8/16-bit integer: the quotient rounded once from float64, its rint, the
+    zero point's sum and the clamp in float32 (quant.py). Ties, values that saturate at both ends,
+    quotients past 2^24 (where a float32 sum is no longer exact) and past 2^31, an odd size (a
+    vector loop's remainder), on 1 and 2 threads: equal to onnxruntime."""
+    scale = F32(0.0187)
+    big = np.array([2.0 ** 24 - 1, 2.0 ** 24, 2.0 ** 24 + 3, 2.0 ** 31, 3e9, 1e12], np.float64)
+    steps = np.concatenate([big, -big, [127.5, 128.5, -128.5, 255.5, 65535.5, -32768.5, 32767.5]])
+    x = np.concatenate([_ties(900, scale, seed=threads), (steps * np.float64(scale)).astype(F32),
+                        (np.random.default_rng(threads).standard_normal(2000) * 800).astype(F32)])
+    x = np.resize(x, (1, 3, 29, 37)).astype(F32)
+    model, feeds = one_node("QuantizeLinear", [("x", x, False), ("s", np.array(scale), True), ("z", zero, True)],
+                            [("y", zero.dtype)], opset=21)
+    assert_matches_ort(model, feeds, threads=threads)
+
+
 DEQUANTIZE = {
     "uint8": (ints(5, 7, seed=1), np.array(0.02, F32), np.array(127, U8), {}, False, 13),
     "int8_constant": (ints(30, dtype=I8, seed=2), np.array(0.5, F32), np.array(-4, I8), {}, True, 13),

@@ -8,7 +8,8 @@ fall inside the input, so no padding test runs in the inner loop. A 2-D
 MaxPool first takes the outputs whose whole window lies inside the input in
 one loop over all k x k taps (one store per output, not a read-modify-write
 per tap: ResNet's 3x3 stride-2 pool over 64 x 112 x 112 went from 0.247 to
-0.135 ms); the per-tap loops then do only the border.
+0.135 ms); the per-tap loops then do only the border. An 8-bit 2-D MaxPool
+(quantised models) runs separably instead: maxpool8.py.
 
 Window of output position o along one axis: input positions
 o*stride - pad_begin + j*dilation for j in [0, kernel), those in [0, size).
@@ -23,6 +24,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
+from . import maxpool8
 from .elementwise import check_dtypes, pointer_type
 from .narrow import compute_type, load, store, store_exact, with_helpers
 from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
@@ -235,8 +237,9 @@ def lower_maxpool(node, graph) -> Lowered:
     if len(node.outputs) > 1 and node.outputs[1]:
         kernel = _maxpool_indices_kernel(x, y, geometry, int(node.attr("storage_order", 0)))
         return Lowered([KernelCall(kernel, [x.name, y.name, node.outputs[1]], planes, node.name, n_outputs=2)])
+    if maxpool8.applies(x, y, geometry):   # 8-bit: separably, rows then columns
+        return maxpool8.lower(node, graph, x, y, geometry)
     kernel = _window_kernel("MaxPool", x, y, geometry)
-    planes = int(x.shape[0] * x.shape[1])
     return Lowered([KernelCall(kernel, [x.name, y.name], planes, node.name)])
 
 

@@ -182,6 +182,14 @@ def lower_quantize_linear(node, graph) -> Lowered:
     if np.dtype(y.dtype).name in _SMALL_FLOATS:  # rounded to nearest even by the store, saturating as told
         def body(xv):
             return f"np.float32({_exact_quotient(xv, scale.dtype)} + z)"
+    elif np.dtype(scale.dtype).name == "float32" and np.dtype(y.dtype).name in _RANGES:
+        # The quotient is a float32 (rounded once, from float64); its rint, the zero point's sum and
+        # the clamp stay in float32: 16 lanes a vector, not float64's 8. The sum is exact while
+        # |rint(q)| < 2^24 - 65535, and past that it saturates at the same end either way.
+        lo, hi = (literal(v, np.float32) for v in _RANGES[np.dtype(y.dtype).name])
+        def body(xv):
+            return (f"np.{np.dtype(y.dtype).name}(min(max(np.rint({_exact_quotient(xv, scale.dtype)}) + np.float32(z), "
+                    f"{lo}), {hi}))")
     else:
         def body(xv):
             return _saturate(f"np.rint({_exact_quotient(xv, scale.dtype)}) + np.float64(z)", y.dtype)

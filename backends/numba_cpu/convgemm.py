@@ -385,6 +385,12 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
                   f"{LOADC_EPILOGUE}, {bias[0]}, {bias[1]}, {res}, " + ("rb + y0)" if pr else "0)"))
         body.dedent()
 
+    _row_tiles(body, MR, ocg, panel)
+    return body
+
+
+def _row_tiles(body: Source, MR: int, ocg: int, panel) -> None:
+    """The item's rows m_lo..m_hi in tiles of MR rows (`panel(mr)` emits one), then the remainder."""
     body.line("m = m_lo")
     body.line(f"while m + {MR} <= m_hi:").indent()
     panel(MR)
@@ -394,7 +400,6 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
         body.line("if m < m_hi:").indent()
         panel(ocg % MR)
         body.dedent()
-    return body
 
 
 def ctile_value(graph, node, work: int, MR: int, NR: int) -> str:
@@ -456,15 +461,7 @@ def _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, 
         body.line(f"cvt({pc}, cr, {py}, ob, cnt)")   # rounded to 16 bits by the vector conversion kernel
         body.dedent().dedent()
 
-    body.line("m = m_lo")
-    body.line(f"while m + {MR} <= m_hi:").indent()
-    panel(MR)
-    body.line(f"m += {MR}")
-    body.dedent()
-    if ocg % MR:
-        body.line("if m < m_hi:").indent()
-        panel(ocg % MR)
-        body.dedent()
+    _row_tiles(body, MR, ocg, panel)
     return body
 
 

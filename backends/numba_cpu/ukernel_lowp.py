@@ -146,8 +146,7 @@ class LowpOut16Spec(LowpUKSpec):
 def _out16_epilogue(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, offsets: dict, dense: dict,
                     crow: dict, L: int) -> None:
     """LowpOut16Spec's stores: compress (store "x"), bias, residual, activation, round, store."""
-    vt, vi = f"<{L} x float>", f"<{L} x i32>"
-    vh = f"<{L} x i16>"
+    vt, vh = f"<{L} x float>", f"<{L} x i16>"
     rows = sorted({i for i, _ in final})
     bias = {}
     for i in rows:
@@ -174,27 +173,39 @@ def _out16_epilogue(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict
             bits = ir.tmp("rb")
             ir(f"{bits} = call {vh} @llvm.masked.load.v{L}i16.p0(ptr align 2 {p}, <{L} x i1> {dense[v]}, "
                f"{vh} zeroinitializer)")
-            wide = bf16_to_f32(ir, bits, L) if spec.dtype == "bf16" else f16_to_f32(ir, bits, L, spec.cvt)
-            res = ir.tmp("rf")
-            ir(f"{res} = bitcast {vi} {wide} to {vt}")
-            y = ir.tmp("er")
-            ir(f"{y} = fadd {vt} {val}, {res}")
-            val = y
-        val = _activation(ir, spec, val, vt, L)
-        bits = ir.tmp("yb")
-        ir(f"{bits} = bitcast {vt} {val} to {vi}")
-        to16 = f32_to_bf16 if spec.dtype == "bf16" else f32_to_f16
-        out = to16(ir, bits, L, spec.cvt)
+            val = _plus_16(ir, spec, val, bits, L)
+        out = _rounded_16(ir, spec, val, L)
         p = ir.tmp("cp")
         ir(f"{p} = getelementptr i16, ptr {crow[i]}, i64 {offsets[v]}")
         ir(f"call void @llvm.masked.store.v{L}i16.p0({vh} {out}, ptr align 2 {p}, <{L} x i1> {dense[v]})")
+
+
+def _plus_16(ir: IRBuilder, spec, val: str, bits: str, L: int) -> str:
+    """val + the 16-bit residual lanes `bits` widened to float32 (exact)."""
+    vt, vi = f"<{L} x float>", f"<{L} x i32>"
+    wide = bf16_to_f32(ir, bits, L) if spec.dtype == "bf16" else f16_to_f32(ir, bits, L, spec.cvt)
+    res = ir.tmp("rf")
+    ir(f"{res} = bitcast {vi} {wide} to {vt}")
+    y = ir.tmp("er")
+    ir(f"{y} = fadd {vt} {val}, {res}")
+    return y
+
+
+def _rounded_16(ir: IRBuilder, spec, val: str, L: int) -> str:
+    """The activation of val, rounded once to the spec's 16-bit format: the lanes to store."""
+    vt, vi = f"<{L} x float>", f"<{L} x i32>"
+    val = _activation(ir, spec, val, vt, L)
+    bits = ir.tmp("yb")
+    ir(f"{bits} = bitcast {vt} {val} to {vi}")
+    to16 = f32_to_bf16 if spec.dtype == "bf16" else f32_to_f16
+    return to16(ir, bits, L, spec.cvt)
 
 
 def _out16_transposed(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, L: int) -> None:
     """LowpOut16Spec.c_transposed's stores: accumulator (i, v) holds C(i, vL..vL+L-1); the bias is a
     vector of L columns, the residual gathered and the result scattered at stride ldc (16-bit
     lanes: LLVM writes them one by one)."""
-    vt, vi, vh = f"<{L} x float>", f"<{L} x i32>", f"<{L} x i16>"
+    vt, vh = f"<{L} x float>", f"<{L} x i16>"
     lanes = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
     ldc = ir.tmp("ldcv")
     ir(f"{ldc}0 = insertelement <{L} x i64> poison, i64 %ldc, i64 0")
@@ -231,17 +242,8 @@ def _out16_transposed(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: di
             bits = ir.tmp("rb")
             ir(f"{bits} = call {vh} @llvm.masked.gather.v{L}i16.v{L}p0(<{L} x ptr> {ptrs}, i32 2, <{L} x i1> {masks[v]}, "
                f"{vh} zeroinitializer)")
-            wide = bf16_to_f32(ir, bits, L) if spec.dtype == "bf16" else f16_to_f32(ir, bits, L, spec.cvt)
-            res = ir.tmp("rf")
-            ir(f"{res} = bitcast {vi} {wide} to {vt}")
-            y = ir.tmp("er")
-            ir(f"{y} = fadd {vt} {val}, {res}")
-            val = y
-        val = _activation(ir, spec, val, vt, L)
-        bits = ir.tmp("yb")
-        ir(f"{bits} = bitcast {vt} {val} to {vi}")
-        to16 = f32_to_bf16 if spec.dtype == "bf16" else f32_to_f16
-        out = to16(ir, bits, L, spec.cvt)
+            val = _plus_16(ir, spec, val, bits, L)
+        out = _rounded_16(ir, spec, val, L)
         cp = ir.tmp("cp")
         ir(f"{cp} = getelementptr i16, ptr {cbase}, i64 {i}")
         ptrs = ir.tmp("cps")

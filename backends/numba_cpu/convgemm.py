@@ -253,13 +253,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
                                     prefetch_c=int(accumulate), **uk_epilogue))
         return specs[mr, nr][0]
 
-    body = Source().indent()
-    body.line("for item in range(begin, end):").indent()
-    body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
-    body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
-    body.line(f"g = rest % {group}").line(f"n = rest // {group}")
-    body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
-    body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
+    body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles)
     body.line(f"for c0 in range(0, {icg_p}, {kc_max}):").indent()
     body.line(f"kc = min({kc_max}, {icg_p} - c0)").line("lc = 1" if accumulate else "lc = min(c0, 1)").line(f"last = 1 if c0 + {kc_max} >= {icg_p} else 0")
     body.line(f"for mg in range(m_lo, m_hi, {group_rows}):").indent()
@@ -360,13 +354,7 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
     item, panel after panel (its weights, MR x K packed contiguously, stay in L1/L2 across the
     item's tiles), one call per tile over all the channels, bias / residual / activation and the
     rounding in registers. No float32 tile in memory."""
-    body = Source().indent()
-    body.line("for item in range(begin, end):").indent()
-    body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
-    body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
-    body.line(f"g = rest % {group}").line(f"n = rest // {group}")
-    body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
-    body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
+    body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles)
     ldb_b, k_arg = (2 * ldb, icg_p // 2) if pairs else (ldb, icg_p)
     bias = (pb, "g * {ocg} + m".format(ocg=ocg)) if pb else ("p1", "0")   # no bias: any pointer (unread)
     res = pr or py   # no residual: any 16-bit pointer (unread)
@@ -386,6 +374,19 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
         body.dedent()
 
     _row_tiles(body, MR, ocg, panel)
+    return body
+
+
+def _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles) -> Source:
+    """A conv GEMM body's loop over its work items (m block, tile block, group, image), decoded into
+    the rows m_lo..m_hi and the column tiles t_lo..t_hi of one group of one image."""
+    body = Source().indent()
+    body.line("for item in range(begin, end):").indent()
+    body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
+    body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
+    body.line(f"g = rest % {group}").line(f"n = rest // {group}")
+    body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
+    body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
     return body
 
 
@@ -416,13 +417,7 @@ def _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, 
     does into Y), and is then written out once, with the bias, residual and activation the
     micro-kernel did not apply, rounded to 16 bits (RNE). Loop order: panel, tile, pass: a panel's
     weights (MR x K) stay in L2 across the item's tiles."""
-    body = Source().indent()
-    body.line("for item in range(begin, end):").indent()
-    body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
-    body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
-    body.line(f"g = rest % {group}").line(f"n = rest // {group}")
-    body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
-    body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
+    body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles)
     body.line(f"cb = item * {MR * NR}")
     ldb_b, k_arg = (2 * ldb, "kc >> 1") if pairs else (ldb, "kc")
 

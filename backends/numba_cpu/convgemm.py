@@ -37,7 +37,7 @@ from cuvil.ir import Value
 
 from .ukernel import LOADC_EPILOGUE
 
-from . import conv1x1t
+from . import conv1x1t, convtappairs
 from .epilogue import EPILOGUE_ACTIVATIONS, Epilogue, register_activation, register_epilogue
 from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
@@ -78,7 +78,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     phase images to 16 bits (bf16: channel pairs interleaved) and the conv multiplies them with
     weights packed in that format by ukernel_lowp's taps kernels; sums and epilogue stay float32."""
     from .ukernel import UKSpec
-    from .ukernel_lowp import LowpOut16Spec, LowpUKSpec
+    from .ukernel_lowp import LowpCalledSpec, LowpOut16Spec, LowpUKSpec
     epilogue = epilogue or Epilogue()
     dtype = np.dtype(np.float32)
     N, C, H, Wd = (int(v) for v in X.shape)
@@ -101,6 +101,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     icg_p = icg + icg % 2 if pairs else icg
     C_p = icg_p * group
     calls = []
+    w_data = W.data
     x_narrow, y_narrow = is_narrow(X.dtype), is_narrow(Y.dtype)
     r_dtype = graph.values[residual_arg].dtype if isinstance(residual_arg, str) else np.dtype(np.float32)
     assert not (x_narrow or y_narrow) or (lowp and not accumulate), "16-bit activations need the lowp form"
@@ -108,6 +109,10 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # like Y, Relu or Clip) is written by it directly (ukernel_lowp.LowpOut16Spec): one pass over
     # the channels. (Convs with taps keep _narrow_output_body's passes: in one pass ResNet-50's
     # 3x3 stride-2 512-channel conv ran 0.715 -> 0.85 ms and the 7x7 stem 0.84 -> 0.93 ms.)
+    # A few odd input channels (an RGB stem) read from float32 at a stride: pairs of (channel, tap)
+    # products instead of channel pairs (convtappairs.py), one "channel pair" with T' taps below.
+    tap_pairs = convtappairs.plan(icg, group, offsets, ldb, PH, PW) \
+        if pairs and scratch is None and not x_narrow and not accumulate and s_w > 1 else None
     direct16 = y_narrow and lowp is not None and T == 1 and _direct16_ok(epilogue, residual_arg, res_strides, r_dtype,
                                                                          Y.dtype, OH, OW)
     # ... and when it reads a 16-bit X as it is stored (stride 1, no padding: the phase image would
@@ -146,7 +151,16 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N, tail)
         calls.append(KernelCall(pad_kernel, [X.name, phases_name], pad_work, node.name))
         scratch = phases_name
-        if lowp:
+        if tap_pairs:
+            scratch = graph.unique_name(f"{Y.name}__tappairs_{lowp[0]}")
+            graph.values[scratch] = Value(scratch, np.dtype(np.uint16), (N * 2 * tap_pairs.ldb + 2 * (NR + 2 * PW + 16),))
+            cvt_kernel, cvt_work = convtappairs.pair_planes_kernel(tap_pairs, N, C, ldb)
+            calls.append(KernelCall(cvt_kernel, [phases_name, scratch], cvt_work, node.name,
+                                    precision=f"{PRECISION_OF[lowp[0]]} (B converted)"))
+            w_data = tap_pairs.weights(W.data)
+            icg = icg_p = C = C_p = 2
+            offsets, ldb, T = tap_pairs.offsets, tap_pairs.ldb, len(tap_pairs.offsets)
+        elif lowp:
             scratch = graph.unique_name(f"{Y.name}__phases_{lowp[0]}")
             graph.values[scratch] = Value(scratch, np.dtype(np.uint16), (N * C_p * ldb + 2 * (NR + 2 * PW + 16),))
             cvt_kernel, cvt_work = _phase_cvt_kernel(lowp[0], N, C, C_p, ldb)
@@ -172,7 +186,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # bf16: [group][pass][panel][channel pair][tap][MR][2] (ukernel_lowp's packed A with taps).
     n_panels = ceil_div(ocg, MR)
     w = np.zeros((group, n_panels * MR, icg_p, T), dtype=np.float32)
-    w[:, :ocg, :icg] = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
+    w[:, :ocg, :icg] = np.asarray(w_data, dtype=np.float32).reshape(group, ocg, icg, T)
     w = w.reshape(group, n_panels, MR, icg_p, T)
     if pairs:
         runs = [w[:, :, :, c0:c0 + kc_max].reshape(group, n_panels, MR, -1, 2, T).transpose(0, 1, 3, 5, 2, 4)
@@ -247,8 +261,9 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
                                            **register_activation(epilogue)))
         if (mr, nr) not in specs:
             specs[mr, nr] = (f"uk{len(specs)}",
-                             LowpUKSpec(mr=mr, nr=nr, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
-                                        taps=offsets, store=store, **uk_epilogue) if lowp else
+                             (LowpCalledSpec if tap_pairs else LowpUKSpec)(
+                                 mr=mr, nr=nr, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR, taps=offsets,
+                                 store=store, **uk_epilogue) if lowp else
                              UKSpec(mr=mr, nr=nr, a_packed=1, a_panel=MR, taps=offsets, store=store,
                                     prefetch_c=int(accumulate), **uk_epilogue))
         return specs[mr, nr][0]
@@ -322,7 +337,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         body = _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, C_p, ldb, pairs, m_blocks,
                                    n_blocks, mpb, tpb, n_tiles, group, in_registers, has_bias, epilogue,
                                    (pr, res_strides, r_dtype) if residual_arg is not None else None,
-                                   pb, pt, pc, py, Y.dtype)
+                                   pb, pt, pc, py, Y.dtype, tiles_outer=tap_pairs is not None)
 
     head = Source()
     for name, uk in sorted(specs.values()):
@@ -410,20 +425,22 @@ def ctile_value(graph, node, work: int, MR: int, NR: int) -> str:
 
 def _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, C_p, ldb, pairs, m_blocks, n_blocks,
                         mpb, tpb, n_tiles, group, in_registers, has_bias, epilogue, residual, pb, pt, pc, py,
-                        y_dtype) -> Source:
+                        y_dtype, tiles_outer: bool = False) -> Source:
     """The conv's loop when Y is stored in 16 bits (bf16 / fp16 activations, passes/assign_precision.py).
     Partial sums cannot be kept in 16 bits, so a tile runs all its passes over the channels at once
     into a float32 slot of the item (the micro-kernel compress-stores its valid lanes there, as it
     does into Y), and is then written out once, with the bias, residual and activation the
     micro-kernel did not apply, rounded to 16 bits (RNE). Loop order: panel, tile, pass: a panel's
-    weights (MR x K) stay in L2 across the item's tiles."""
+    weights (MR x K) stay in L2 across the item's tiles; `tiles_outer`: tile, panel, pass, each
+    tile's B read from L1 by every panel (convtappairs.py: B spread over many planes, all of A in L1)."""
     body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles)
     body.line(f"cb = item * {MR * NR}")
     ldb_b, k_arg = (2 * ldb, "kc >> 1") if pairs else (ldb, "kc")
 
     def panel(mr):
         name = spec(mr)
-        body.line("for tt in range(t_lo, t_hi):").indent()
+        if not tiles_outer:
+            body.line("for tt in range(t_lo, t_hi):").indent()
         body.line(f"mask = {pt}[tt * 3]").line(f"y0 = {pt}[tt * 3 + 1]").line(f"cnt = {pt}[tt * 3 + 2]")
         body.line(f"for c0 in range(0, {icg_p}, {kc_max}):").indent()
         body.line(f"kc = min({kc_max}, {icg_p} - c0)").line("lc = min(c0, 1)")
@@ -454,8 +471,12 @@ def _narrow_output_body(spec, MR, NR, ocg, OC, OHW, icg_p, kc_max, n_panels, T, 
             value = epilogue.expr("v", np.float32) if epilogue.active and not in_registers else "v"
             body.line(f"{pc}[cr + j] = {value}").dedent()
         body.line(f"cvt({pc}, cr, {py}, ob, cnt)")   # rounded to 16 bits by the vector conversion kernel
-        body.dedent().dedent()
+        body.dedent()
+        if not tiles_outer:
+            body.dedent()
 
+    if tiles_outer:
+        body.line("for tt in range(t_lo, t_hi):").indent()
     _row_tiles(body, MR, ocg, panel)
     return body
 

@@ -215,7 +215,9 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
     if target.arch == "wasm32":
         ir = void_wrapper(ir)
     module = llvm.parse_assembly(ir)
-    for name, spec in sorted(specs_in(source, SPEC_KINDS).items()):
+    specs = specs_in(source, SPEC_KINDS)
+    called = {name for name, spec in specs.items() if not getattr(spec, "inline", True)}   # e.g. LowpCalledSpec
+    for name, spec in sorted(specs.items()):
         kind = getattr(spec, "kind", "")
         if kind == "dwlanes":   # its IR generator lives beside its kernel (dwlanes.py)
             text = dwlanes_ir(spec, target.vector_bits)
@@ -234,8 +236,13 @@ def emit_object(ir: str, symbol: str, target: CpuTarget, source: str = "") -> by
             fn.name = symbol
             fn.visibility = "hidden"
         else:
+            inline = fn.name not in called
             fn.name = f"{symbol}__impl{helpers}"
             fn.linkage = "internal"
+            if not inline:
+                fn.add_function_attribute("noinline")
+                helpers += 1
+                continue
             # Inlined into the cfunc wrapper, whose error path (it reports an exception status
             # through the Python C API) then folds away. Left to IPSCCP, a large body (a
             # Winograd output transform) kept that path, and with it references to

@@ -101,6 +101,20 @@ class LowpUKSpec(Declared):
 
 
 @dataclass(frozen=True)
+class LowpCalledSpec(LowpUKSpec):
+    """LowpUKSpec's kernel, called rather than inlined into the conv's loop (emit.emit_object: the
+    `inline` flag). With many taps in one k step (convtappairs.py: 74 for a ResNet stem) and the
+    call's operands loop-invariant in the conv's tile or panel loop, the inlined copy had its
+    weight broadcasts or B loads hoisted out of the loop and spilled (621 stack accesses, a
+    ResNet stem's conv 0.69 ms; called: none, 0.59 ms)."""
+    kind: str = "lowpcall"
+    inline: ClassVar[bool] = False
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_call"
+
+
+@dataclass(frozen=True)
 class LowpOut16Spec(LowpUKSpec):
     """LowpUKSpec's tile (taps or rows, A packed) written straight to a 16-bit C: one call runs the
     whole k loop from zero (loadc is ignored: no partial sums in memory), then per row
@@ -726,7 +740,8 @@ def kinds() -> dict:
     return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d),
             "cvtpairs": lambda d: PairCvtSpec(**d), "copypairs": lambda d: PairCopySpec(**d),
             "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
-            "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))})}
+            "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
+            "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))})}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:

@@ -74,3 +74,65 @@ def test_a_grouped_conv_keeps_channel_pairs():
     OH = OW = 16
     _, PH, PW, ldb, offsets, _ = phase_geometry((3, 3), (2, 2), (1, 1), 1, 32, OH, OW)
     assert convtappairs.plan(3, 2, offsets, ldb, PH, PW) is None
+
+
+@pytest.mark.parametrize("cpu", ["host-avx512bf16", "haswell"])
+@pytest.mark.parametrize("stride", [2, 3])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 112])
+def test_the_strided_pair_copy_is_exact_and_stays_in_its_rows(cpu, stride, n):
+    """lowp.StridedPairCopySpec (a strided conv's bf16 phase-image rows): dst[2j + h] = row_h[stride j]
+    bit for bit, nothing stored outside dst[0:2n] (whole vectors, then the masked rest)."""
+    from backends.numba_cpu.lowp import StridedPairCopySpec
+    from tests.test_lowp_kernels import kernel
+    fn = kernel(StridedPairCopySpec(stride), cpu)
+    gap = stride * n + 7
+    src = np.random.default_rng(n).integers(0, 1 << 16, size=3 + 2 * gap, dtype=np.uint16)
+    dst = np.full(2 * n + 4, 0xABCD, np.uint16)
+    fn(src.ctypes.data, 3, gap, dst.ctypes.data, 2, n)
+    rows = [src[3 + h * gap:3 + h * gap + stride * n:stride] for h in (0, 1)]
+    assert (dst[2:-2] == np.stack(rows, axis=1).ravel()).all()
+    assert (dst[:2] == 0xABCD).all() and (dst[-2:] == 0xABCD).all()
+
+
+def _pooled_conv_model(x_shape, oc, k, stride, pad):
+    """MaxPool (3x3, stride 1: its output is stored in bf16, rounding commutes with the max) then
+    Conv + Relu: the conv reads a bf16 X, its phase images copied by convgemm.padded_narrow_input_kernel."""
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(3)
+    C = x_shape[1]
+    w = (rng.standard_normal((oc, C, k, k)) / np.sqrt(C * k * k)).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
+    nodes = [helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Conv", ["p", "w", "b"], ["h"], strides=[stride] * 2, pads=[pad] * 4),
+             helper.make_node("Relu", ["h"], ["y"])]
+    graph = helper.make_graph(nodes, "pooled", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w, b
+
+
+STRIDED_BF16_X = {   # x shape, out channels, kernel, stride, pad, threads, target
+    "3x3 stride 2, odd plane": ((1, 32, 29, 23), 48, 3, 2, 1, 1, "native"),
+    "1x1 stride 2, 2 threads": ((2, 64, 28, 28), 32, 1, 2, 0, 2, "native"),
+    "3x3 stride 2, odd channels, avx2": ((1, 21, 17, 19), 16, 3, 2, 1, 1, "x86_64-avx2"),
+}
+
+
+@pytest.mark.parametrize("case", list(STRIDED_BF16_X))
+def test_a_strided_conv_reading_bf16_is_within_the_derived_bound(case):
+    # The conv's X is bf16(maxpool(x)) = maxpool(bf16(x)); the bound is test_precision_conv's over
+    # |maxpool(x)| (computed by onnxruntime), which the conv rounds to bf16 anyway.
+    from onnx import helper
+    x_shape, oc, k, stride, pad, threads, target = STRIDED_BF16_X[case]
+    model, w, b = _pooled_conv_model(x_shape, oc, k, stride, pad)
+    x = np.random.default_rng(4).standard_normal(x_shape).astype(np.float32)
+    lib = cuvil.compile(model, precision="bf16", disable_passes=["winograd"], threads=threads, target=target)
+    got, want = lib.run({"x": x})["y"], _ort(model, {"x": x})
+    pool = helper.make_model(helper.make_graph([model.graph.node[0]], "pool", list(model.graph.input),
+                                               [helper.make_tensor_value_info("p", 1, None)]),
+                             opset_imports=[helper.make_opsetid("", 17)])
+    bound = _bound(_ort(pool, {"x": x}), w, b, None, stride, pad, 1, "bf16")
+    assert np.all(np.abs(got.astype(np.float64) - want) <= bound), float(np.max(np.abs(got - want) - bound))
+    assert np.max(np.abs(got - want)) > 1e-3 * np.max(bound)
+    info = explain_model(model, precision="bf16", disable_passes=["winograd"], threads=threads, target=target)
+    assert any("convpad_pairs16" in kernel.symbol for kernel in info.kernels), [k.symbol for k in info.kernels]

@@ -541,15 +541,17 @@ def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, 
     two channels' values interleaved (a last unpaired channel with itself: its pair's weights are
     zero); fp16: an (image, channel). With few items, blocks of rows. bf16 rows read at column
     stride 1 (every 1x1 and 3x3 stride-1 conv) are interleaved by a vector micro-kernel
-    (lowp.PairCopySpec): Numba's loop of two scalar stores per column does not vectorise."""
-    from .lowp import PairCopySpec
+    (lowp.PairCopySpec), at a column stride s_w > 1 by one keeping every s_w-th element
+    (lowp.StridedPairCopySpec): Numba's loop of two scalar stores per column does not vectorise."""
+    from .lowp import PairCopySpec, StridedPairCopySpec
     vector_pairs = pairs and s_w == 1
+    strided_pairs = pairs and s_w > 1   # every s_w-th column: lowp.StridedPairCopySpec
 
     def copy(src, b, j_lo, j_hi):
         col = f"j * {s_w}" if s_w > 1 else "j"
         src.line(f"x = xb + r * {W} + {b - p_l}")
-        if vector_pairs:
-            src.line(f"copy_pairs(p0, x + {j_lo}, xs, p1, o + {2 * j_lo}, {j_hi - j_lo})")
+        if vector_pairs or strided_pairs:
+            src.line(f"copy_pairs(p0, x + {j_lo * s_w}, xs, p1, o + {2 * j_lo}, {j_hi - j_lo})")
             return
         src.line(f"for j in range({j_lo}, {j_hi}):").indent()
         if pairs:
@@ -559,8 +561,9 @@ def padded_narrow_input_kernel(pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, 
         src.dedent()
 
     src = Source()
-    if vector_pairs:
-        for line in PairCopySpec().declaration("copy_pairs").splitlines():
+    if vector_pairs or strided_pairs:
+        spec = PairCopySpec() if vector_pairs else StridedPairCopySpec(s_w)
+        for line in spec.declaration("copy_pairs").splitlines():
             src.line(line)
     src.line(kernel_header(2)).indent()
     items = _phase_rows(src, pairs, C, C_p, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, copy, tail)

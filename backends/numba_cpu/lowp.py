@@ -328,6 +328,83 @@ class PairCopySpec(Declared):
         return typed_declaration(self, var, {0: "uint16", 3: "uint16"})
 
 
+@dataclass(frozen=True)
+class StridedPairCopySpec(Declared):
+    """PairCopySpec reading every `stride`-th element of the two rows (a strided conv's phase image
+    columns from its bf16 X, convgemm.padded_narrow_input_kernel):
+
+        dst[doff + 2j + h] = src[soff + h*sstride + stride*j]     j < n, h in {0, 1}   (uint16 elements)
+
+    Per L columns: stride x L elements of each row loaded, every stride-th kept and the two rows
+    interleaved by shuffles; nothing is read past src[soff + h*sstride + stride*(n - 1)].
+    Signature: PairCopySpec's."""
+    stride: int = 2
+    kind: str = "copypairs_strided"
+    _ARGS: ClassVar[str] = "piipii"
+
+    def _stem(self) -> str:
+        return f"cuvil_copypairs16_s{self.stride}"
+
+    def declaration(self, var: str) -> str:
+        return typed_declaration(self, var, {0: "uint16", 3: "uint16"})
+
+
+def strided_pair_copy_ir(spec: StridedPairCopySpec, vector_bits: int) -> str:
+    """See StridedPairCopySpec: whole groups of L columns while their last loaded element is one
+    the row has (i + L <= n - 1), then the rest with masked loads and stores."""
+    L, s = min(lanes_for(vector_bits), 16), spec.stride
+    W = s * L
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("%s0 = getelementptr i16, ptr %src, i64 %soff")
+    ir("%s1 = getelementptr i16, ptr %s0, i64 %sstride")
+    ir("%d0 = getelementptr i16, ptr %dst, i64 %doff")
+    ir("%nwhole = sub i64 %n, 1")
+    keep = "<" + ", ".join(f"i32 {s * j}" for j in range(L)) + ">"
+    interleave = "<" + ", ".join(f"i32 {j // 2 + (j % 2) * L}" for j in range(2 * L)) + ">"
+    doubled = "<" + ", ".join(f"i32 {j // 2}" for j in range(2 * L)) + ">"
+
+    def step(i, load_mask, mask):
+        rows = []
+        for row in ("%s0", "%s1"):
+            at = _op(ir, f"mul i64 {i}, {s}")
+            wide = _load_lanes(ir, row, at, "i16", W, load_mask)
+            rows.append(_op(ir, f"shufflevector <{W} x i16> {wide}, <{W} x i16> poison, <{L} x i32> {keep}"))
+        pairs = _op(ir, f"shufflevector <{L} x i16> {rows[0]}, <{L} x i16> {rows[1]}, <{2 * L} x i32> {interleave}")
+        pair_mask = None if mask is None else _op(
+            ir, f"shufflevector <{L} x i1> {mask}, <{L} x i1> poison, <{2 * L} x i32> {doubled}")
+        _store_lanes(ir, pairs, "%d0", _op(ir, f"shl i64 {i}, 1"), "i16", 2 * L, pair_mask)
+
+    ir("br label %head")
+    ir.label("head")
+    ir("%i = phi i64 [ 0, %entry ], [ %inext, %body ]")
+    ir(f"%inext = add i64 %i, {L}")
+    ir("%whole = icmp sle i64 %inext, %nwhole")
+    ir("br i1 %whole, label %body, label %tail")
+    ir.label("body")
+    step("%i", None, None)
+    ir("br label %head")
+    ir.label("tail")
+    ir("%rest = sub i64 %n, %i")
+    ir("%some = icmp sgt i64 %rest, 0")
+    ir("br i1 %some, label %last, label %done")
+    ir.label("last")
+    ir(f"%restv0 = insertelement <{W} x i64> poison, i64 %rest, i64 0")
+    ir(f"%restv = shufflevector <{W} x i64> %restv0, <{W} x i64> poison, <{W} x i32> zeroinitializer")
+    lanes = "<" + ", ".join(f"i64 {j}" for j in range(W)) + ">"
+    ir(f"%scaled = mul <{W} x i64> %restv, {_splat(W, s, 'i64')}")
+    ir(f"%bound = sub <{W} x i64> %scaled, {_splat(W, s - 1, 'i64')}")      # s * (rest - 1) + 1 elements
+    ir(f"%lm = icmp slt <{W} x i64> {lanes}, %bound")
+    ir(f"%m = shufflevector <{W} x i1> %lm, <{W} x i1> poison, <{L} x i32> {keep}")
+    step("%i", "%lm", "%m")
+    ir("br label %done")
+    ir.label("done")
+    ir("ret i32 0")
+    head = (f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, i64 %sstride, ptr noalias %dst, i64 %doff, "
+            f"i64 %n) #0 {{")
+    return _kernel_module(head, ir, _masked_decls(*sorted({("i16", W), ("i16", 2 * L)})))
+
+
 def pair_cvt_ir(spec: PairCvtSpec | PairCopySpec, vector_bits: int) -> str:
     """See PairCvtSpec (each group of L columns of both rows converted, then interleaved by a
     shuffle) and PairCopySpec (the same shuffle on 16-bit rows, nothing converted)."""

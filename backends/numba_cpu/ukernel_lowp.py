@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .lowp import (CvtSpec, PairCopySpec, PairCvtSpec, bf16_to_f32, column_masks, cvt_ir, f16_to_f32, f32_to_bf16, f32_to_f16,
+from .lowp import (CvtSpec, PairCopySpec, PairCvtSpec, StridedPairCopySpec, strided_pair_copy_ir, bf16_to_f32, column_masks, cvt_ir, f16_to_f32, f32_to_bf16, f32_to_f16,
                    pair_cvt_ir, typed_declaration)
 from backends.targets import has_feature
 from .ukernel import float_ir
@@ -741,12 +741,13 @@ def kinds() -> dict:
             "cvtpairs": lambda d: PairCvtSpec(**d), "copypairs": lambda d: PairCopySpec(**d),
             "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
             "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
-            "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))})}
+            "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
+            "copypairs_strided": lambda d: StridedPairCopySpec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
     """The IR of a LowpUKSpec, LowpOut16Spec, CvtSpec, PairCvtSpec, PairCopySpec, DwRow16Spec or
     DwRowPairSpec (what ukernel.ukernel_ir would call for these kinds)."""
-    generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir,
+    generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir, "copypairs_strided": strided_pair_copy_ir,
                 "dwrow16": dwrow16_ir, "dwrowpairs": dwrowpairs_ir}.get(spec.kind, lowp_ukernel_ir)
     return generate(spec, vector_bits)

@@ -28,6 +28,11 @@ compute: one pass over all the channels, and the tile goes from the registers to
 bf16 X with an even channel count, has no ConvPad at all: the micro-kernel reads X's channel planes
 in place and pairs them in registers (b_planar). On small planes (conv1x1t.py) it runs as the
 transposed GEMM, pixels on the tile's rows.
+
+A bf16 stem (a few odd channels read from float32 at a stride, 25+ taps) pairs (channel, tap)
+products instead of channels (convtappairs.py): its B is one "channel pair" of pair planes with
+T' taps. A strided bf16 conv reading a bf16 X copies the phase-image columns with a vector
+micro-kernel (lowp.StridedPairCopySpec), as the Winograd input's stride-2 phases do.
 """
 from __future__ import annotations
 

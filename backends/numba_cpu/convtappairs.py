@@ -37,6 +37,8 @@ import numpy as np
 from .kernel import Kernel, Source, kernel_header
 
 MIN_SAVING = 0.9   # taken when the pairs per output drop to this fraction of the channel-pair form's or fewer
+MIN_TAPS = 25      # ... and the kernel has this many taps: MobileNetV2's 3x3 stem (18 -> 14 pairs) ran no faster
+                   # (its node 0.128 -> 0.127 ms: the pair planes' conversion took what the conv saved)
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,9 @@ class TapPairs:
 
 def plan(icg: int, group: int, offsets, ldb: int, PH: int, PW: int) -> TapPairs | None:
     """The tap-pair form of a bf16 conv (module docstring), or None where it does not save at
-    least 1 - MIN_SAVING of the channel-pair form's pairs (even channel counts pair perfectly)."""
-    if group != 1 or icg % 2 == 0:
+    least 1 - MIN_SAVING of the channel-pair form's pairs (even channel counts pair perfectly) or
+    has fewer than MIN_TAPS taps."""
+    if group != 1 or icg % 2 == 0 or len(offsets) < MIN_TAPS:
         return None
     plane = PH * PW
     rows: dict[int, list] = {}   # dy -> [(c, ph, dx, tap)]

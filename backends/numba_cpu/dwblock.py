@@ -126,7 +126,7 @@ class _Gemm(TileLoops):
 
 
 def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo,
-                  ldx) -> None:
+                  ldx, n_bands) -> None:
     """One band of a bf16 block with an expand conv, a block of gx.MR expanded channels at a time:
     x's new rows into channel pairs (once a band), then per block the rows of t this band shares
     with the last one back from the halo store (`halo` rows per channel, at sh), the block's new
@@ -149,7 +149,7 @@ def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1
     sc = p["scratch"]
     src.line(f"for m_lo in range(0, {C1}, {MR}):").indent()
     src.line(f"m_hi = min(m_lo + {MR}, {C1})")
-    if halo:
+    if halo and n_bands > 1:
         src.line("if lo < have_hi:").indent()   # rows [have_hi - halo, have_hi) of each channel at sh + c halo W
         src.line("for c in range(m_lo, m_hi):").indent()
         src.line(f"hs = sh + c * {halo * Wd} + (lo - have_hi + {halo}) * {Wd}")
@@ -163,12 +163,13 @@ def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1
     src.line("for c in range(m_lo, m_hi):").indent()
     src.line(f"xo = so + (c - m_lo) * {BR * Wd} - top * {Wd}").line(f"yo = {yo}")
     rows.emit(src, sc, "xo", p["w2"], f"c * {KH * KW + 1}", y, "yo", "oh0", "oh1")
-    if halo:   # the last rows for the next band
+    if halo and n_bands > 1:   # the last rows for the run's next band
+        src.line("if band + 1 < b_hi:").indent()
         src.line(f"keep = max(lo, hi - {halo})")
         src.line(f"hs = sh + c * {halo * Wd} + (keep - hi + {halo}) * {Wd}")
         src.line(f"ts = so + (c - m_lo) * {BR * Wd} + (keep - top) * {Wd}")
         src.line(f"for j in range((hi - keep) * {Wd}):").indent()
-        src.line(f"{sc}[hs + j] = {sc}[ts + j]").dedent()
+        src.line(f"{sc}[hs + j] = {sc}[ts + j]").dedent().dedent()
     src.dedent().dedent()
     src.line("have_hi = hi")
 
@@ -237,7 +238,7 @@ def lower_depthwise_block(node, graph) -> Lowered:
         gp = (PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
               _Gemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW))
     work = N * runs
-    t_floats = (gx.MR * BR + C1 * halo) * Wd if blocked else C1 * BR * Wd if expand else 0
+    t_floats = (gx.MR * BR + (C1 * halo if n_bands > 1 else 0)) * Wd if blocked else C1 * BR * Wd if expand else 0
     u_floats = C1 * R * OW if project and not u_pairs else 0
     x_floats = C0 * BR * Wd if x_wide else 0
     slot = t_floats + u_floats + x_floats + (C2 * R * OW if y_wide else 0)
@@ -308,7 +309,7 @@ def lower_depthwise_block(node, graph) -> Lowered:
     src.line(f"b_lo = run * {n_bands} // {runs}").line(f"b_hi = (run + 1) * {n_bands} // {runs}")
     if expand:   # t's scratch holds its rows [base, have_hi) from its top on
         src.line("base = 0").line("have_hi = 0")
-    if blocked and halo:
+    if blocked and halo and n_bands > 1:
         src.line(f"sh = so + {gx.MR * BR * Wd}")   # the halo store: rows of t the next band shares
     src.line("for band in range(b_lo, b_hi):").indent()
     src.line(f"oh0 = band * {R}").line(f"oh1 = min(oh0 + {R}, {OH})")
@@ -317,7 +318,7 @@ def lower_depthwise_block(node, graph) -> Lowered:
     else:
         dw_y, dw_yo = (p["scratch"], f"su + c * {R * OW} - oh0 * {OW}") if project else (p["y"], f"(n * {C1} + c) * {OH * OW}")
     if blocked:
-        _blocked_band(src, p, gx, rows, dw_y, dw_yo, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo, ldx)
+        _blocked_band(src, p, gx, rows, dw_y, dw_yo, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo, ldx, n_bands)
     if expand and not blocked:
         src.line(f"top = oh0 * {s} - {p_t}")
         src.line("lo = max(top, 0)").line(f"hi = min((oh1 - 1) * {s} - {p_t} + {KH}, {H})")

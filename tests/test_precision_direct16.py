@@ -150,3 +150,20 @@ def test_small_plane_1x1_convs_as_the_transposed_gemm_are_within_the_propagated_
     assert len(convs) == 4 and len(tiles) == 1 and tiles[0].endswith(convs[0]), (tiles, convs)
     phases = {k.node for k in info.kernels if k.symbol.split("_")[1].startswith("convpad")}
     assert {convs[1], convs[2]} <= phases, (phases, convs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_transposed_gemm_writes_what_the_conv_gemm_tiles_write_bit_for_bit(threads, tmp_path, monkeypatch):
+    # conv1x1t's tile epilogue (LowpOut16Spec.c_transposed: the 7-pixel row vectors transposed in
+    # registers, each output channel's pixels loaded and stored as one masked run) against
+    # convgemm's tiles on the same 7 x 7 convs (conv2 with its 16-bit residual, conv3 at stride 2
+    # onto 4 x 4): the same float32 sums, bias, residual, Relu and rounding, so the same bits
+    from backends.numba_cpu import conv1x1t
+    C, D, E, H, W = 6, 34, 52, 7, 7
+    model, _, _ = _small_chain(C, D, E, H, W)
+    x = np.random.default_rng(2).standard_normal((1, C, H, W)).astype(F)
+    transposed = cuvil.compile(model, precision="bf16", threads=threads).run({"x": x})["y"]
+    monkeypatch.setattr(conv1x1t, "eligible", lambda *args: False)
+    tiles = cuvil.compile(model, precision="bf16", threads=threads, cache_dir=tmp_path).run({"x": x})["y"]
+    assert np.array_equal(transposed.view(np.uint32), tiles.view(np.uint32))
+    assert not np.array_equal(transposed, 0 * transposed)

@@ -201,10 +201,115 @@ def _rounded_16(ir: IRBuilder, spec, val: str, L: int) -> str:
     return to16(ir, bits, L, spec.cvt)
 
 
+def _transpose_labels() -> list:
+    """The two-input shuffles that turn 8 vectors P_i of 16 lanes (lane c: column c of row i) into
+    Q_k (lanes 0-7: column 2k of rows 0-7, lanes 8-15: column 2k + 1): three levels of 8 shuffles,
+    each output made of the two inputs that hold its lanes. Returns per level a list of
+    (input a, input b, lane indices into a ++ b); inputs and outputs are indices of that level."""
+    level = [[(i, c) for c in range(16)] for i in range(8)]
+    plan = []
+    for size in (2, 4, 8):   # rows per group, then columns per output: 8, 4, 2
+        cols = 16 // size
+        out, steps = [], []
+        for g in range(8 // size):
+            rows = range(g * size, (g + 1) * size)
+            for t in range(16 // cols):
+                want = ([(i, c) for c in range(t * cols, (t + 1) * cols) for i in rows] if size < 8 else
+                        [(i, 2 * t) for i in rows] + [(i, 2 * t + 1) for i in rows])
+                src = [k for k, vec in enumerate(level) if set(want) & set(vec)]
+                assert len(src) == 2, (size, g, t, src)
+                both = level[src[0]] + level[src[1]]
+                steps.append((src[0], src[1], [both.index(x) for x in want]))
+                out.append(want)
+        plan.append(steps)
+        level = out
+    return plan
+
+
+_TRANSPOSE_8x16 = _transpose_labels()
+
+
+def _out16_transposed_blocks(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, L: int) -> None:
+    """LowpOut16Spec.c_transposed's stores with 16 lanes and at most 8 rows: per column vector v,
+    the mr row vectors (bias added) are transposed in registers (_TRANSPOSE_8x16: 24 two-input
+    shuffles) into 8 vectors of two columns x 8 rows; each half is one C column's mr consecutive
+    elements, so the residual is two masked loads and the result two masked stores per vector
+    (`vmovdqu16` with a mask): 16 of each per 16 columns, where gathers and scatters of 16-bit
+    lanes are 16 element moves each. The same operations per element in the same order as
+    _out16_transposed: bit-identical."""
+    vt, vh, v8 = f"<{L} x float>", f"<{L} x i16>", "<8 x i16>"
+    cbase = ir.tmp("cb")
+    ir(f"{cbase} = getelementptr i16, ptr %c, i64 %coff")
+    rbase = ir.tmp("rbase")
+    ir(f"{rbase} = getelementptr i16, ptr %r, i64 %roff")
+    rows_mask = "<" + ", ".join(f"i1 {int(j < spec.mr)}" for j in range(8)) + ">"
+    for v in sorted({v for _, v in final}):
+        if spec.bias:
+            off = ir.tmp("bo")
+            ir(f"{off} = add i64 %biasoff, {v * L}")
+            p = ir.tmp("bp")
+            ir(f"{p} = getelementptr float, ptr %bias, i64 {off}")
+            bias = ir.tmp("bv")
+            ir(f"{bias} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
+               f"{vt} zeroinitializer)")
+        level = []
+        for i in range(8):
+            if i >= spec.mr:
+                level.append("zeroinitializer")
+                continue
+            val = final[i, v]
+            if spec.bias:
+                y = ir.tmp("eb")
+                ir(f"{y} = fadd {vt} {val}, {bias}")
+                val = y
+            level.append(val)
+        for steps in _TRANSPOSE_8x16:
+            nxt = []
+            for a, b, lanes in steps:
+                out = ir.tmp("tq")
+                ir(f"{out} = shufflevector {vt} {level[a]}, {vt} {level[b]}, <{L} x i32> "
+                   f"<{', '.join(f'i32 {x}' for x in lanes)}>")
+                nxt.append(out)
+            level = nxt
+        for k, val in enumerate(level):
+            halves = []
+            for h in (0, 1):
+                col = v * L + 2 * k + h
+                bit = ir.tmp("cbit")
+                ir(f"{bit} = extractelement <{L} x i1> {masks[v]}, i64 {2 * k + h}")
+                m = ir.tmp("cm")
+                ir(f"{m} = select i1 {bit}, <8 x i1> {rows_mask}, <8 x i1> zeroinitializer")
+                at = ir.tmp("co")
+                ir(f"{at} = mul i64 %ldc, {col}")
+                halves.append((m, at))
+            if spec.residual:
+                parts = []
+                for m, at in halves:
+                    rp = ir.tmp("rp")
+                    ir(f"{rp} = getelementptr i16, ptr {rbase}, i64 {at}")
+                    x = ir.tmp("rh")
+                    ir(f"{x} = call {v8} @llvm.masked.load.v8i16.p0(ptr align 2 {rp}, <8 x i1> {m}, {v8} zeroinitializer)")
+                    parts.append(x)
+                bits = ir.tmp("rb")
+                ir(f"{bits} = shufflevector {v8} {parts[0]}, {v8} {parts[1]}, <{L} x i32> "
+                   f"<{', '.join(f'i32 {j}' for j in range(L))}>")
+                val = _plus_16(ir, spec, val, bits, L)
+            out = _rounded_16(ir, spec, val, L)
+            for h, (m, at) in enumerate(halves):
+                half = ir.tmp("yh")
+                ir(f"{half} = shufflevector {vh} {out}, {vh} poison, <8 x i32> "
+                   f"<{', '.join(f'i32 {8 * h + j}' for j in range(8))}>")
+                cp = ir.tmp("cp")
+                ir(f"{cp} = getelementptr i16, ptr {cbase}, i64 {at}")
+                ir(f"call void @llvm.masked.store.v8i16.p0({v8} {half}, ptr align 2 {cp}, <8 x i1> {m})")
+
+
 def _out16_transposed(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, L: int) -> None:
     """LowpOut16Spec.c_transposed's stores: accumulator (i, v) holds C(i, vL..vL+L-1); the bias is a
     vector of L columns, the residual gathered and the result scattered at stride ldc (16-bit
     lanes: LLVM writes them one by one)."""
+    if L == 16 and spec.mr <= 8:
+        return _out16_transposed_blocks(ir, spec, final, masks, L)
     vt, vh = f"<{L} x float>", f"<{L} x i16>"
     lanes = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
     ldc = ir.tmp("ldcv")
@@ -363,7 +468,10 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     if out16:
         decls += [f"declare <{L} x i16> @llvm.masked.load.v{L}i16.p0(ptr, <{L} x i1>, <{L} x i16>)",
                   f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)"]
-    if out16 and spec.c_transposed:
+    if out16 and spec.c_transposed and L == 16 and spec.mr <= 8:
+        decls += ["declare <8 x i16> @llvm.masked.load.v8i16.p0(ptr, <8 x i1>, <8 x i16>)",
+                  "declare void @llvm.masked.store.v8i16.p0(<8 x i16>, ptr, <8 x i1>)"]
+    elif out16 and spec.c_transposed:
         decls += [f"declare <{L} x i16> @llvm.masked.gather.v{L}i16.v{L}p0(<{L} x ptr>, i32, <{L} x i1>, <{L} x i16>)",
                   f"declare void @llvm.masked.scatter.v{L}i16.v{L}p0(<{L} x i16>, <{L} x ptr>, i32, <{L} x i1>)"]
     return function_module(head, ir, rename, decls)

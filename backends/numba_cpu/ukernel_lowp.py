@@ -132,6 +132,9 @@ class LowpOut16Spec(LowpUKSpec):
         super().__post_init__()
         assert not self.b_planar or (self.dtype == "bf16" and self.taps in ((), (0,))), "planar B: bf16, no taps"
         assert not self.c_transposed or (self.store == "m" and not self.b_planar), "transposed C: masked columns"
+        assert self.cvt != CVT_EXACT_NOT_NAN or (
+            self.dtype == "bf16" and rounding_after(self.act, self.act_lo, self.act_hi, "exact") == self.cvt), \
+            "the NaN-free rounding needs bf16 and an activation without NaN results"
 
     def _stem(self) -> str:
         return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_out16"
@@ -141,6 +144,30 @@ class LowpOut16Spec(LowpUKSpec):
         passes any of its 16-bit buffers, unread)."""
         sixteen = {ARG_TYPES.index(n): "uint16" for n in ("a", "b", "c") + (() if self.bias else ("bias",))}
         return typed_declaration(self, var, {**sixteen, len(ARG_TYPES): "uint16"})
+
+
+@dataclass(frozen=True)
+class LowpOut16TapsSpec(LowpOut16Spec):
+    """LowpOut16Spec's transposed tile (c_transposed: rows are pixels, columns output channels) of a
+    conv with taps (conv1x1t.py on a small output plane): A is the bf16 phase image read in place
+    (a_packed, a_panel = the pair row's length in pixels), and tap t reads it `a_taps[t]` pixels
+    further on; B holds, per channel pair kp and tap t, a row block of 2 nr bf16 at
+    b[boff + kp*ldb + 2 taps[t] + 2j + h] = W(channel j, 2kp + h, tap t) (conv1x1t packs
+    taps[t] = t nr, ldb = T 2 nr):
+
+        acc(i, j) += sum_{kp, t, h} A(pixel i + a_taps[t], 2kp + h) W(j, 2kp + h, t)
+
+    in the order (kp, t, h), as convgemm's tiles sum a conv with taps. Own kind, so the fields of
+    LowpOut16Spec's kernels (and their names) stay as they were."""
+    a_taps: tuple = ()
+    kind: str = "lowp16t"
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.c_transposed and self.dtype == "bf16" and len(self.a_taps) == len(self.taps) > 0, self
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_out16t"
 
 
 def _out16_epilogue(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, offsets: dict, dense: dict,
@@ -197,8 +224,47 @@ def _rounded_16(ir: IRBuilder, spec, val: str, L: int) -> str:
     val = _activation(ir, spec, val, vt, L)
     bits = ir.tmp("yb")
     ir(f"{bits} = bitcast {vt} {val} to {vi}")
+    if spec.cvt == CVT_EXACT_NOT_NAN:
+        return _bf16_rne_not_nan(ir, bits, L)
     to16 = f32_to_bf16 if spec.dtype == "bf16" else f32_to_f16
     return to16(ir, bits, L, spec.cvt)
+
+
+# LowpOut16Spec.cvt (bf16) after an activation that never yields NaN: Relu (llvm.maxnum(NaN, 0) is
+# 0) or a Clip with a finite bound. lowp.f32_to_bf16's "exact" rounding without its NaN lanes (4 of
+# its 10 vector instructions): the same bits for every value it can get. 1x1 convs over 64 channels
+# spend 10-15 % of a tile's time in the exact rounding (micro-kernel alone: 8 x 48, bias + residual
+# + Relu, K = 64: 63 % of the vdpbf16ps peak; 74 % with `vcvtneps2bf16`, which flushes subnormals).
+CVT_EXACT_NOT_NAN = "exact-not-nan"
+
+
+def rounding_after(act: str, act_lo: float, act_hi: float, cvt: str) -> str:
+    """The LowpOut16Spec.cvt for a bf16 tile rounded `cvt` after the activation: CVT_EXACT_NOT_NAN
+    where that is "exact" and the activation leaves no NaN, else `cvt`."""
+    finite = lambda x: abs(x) != float("inf")
+    no_nan = act == "Relu" or (act == "Clip" and (finite(act_lo) or finite(act_hi)))
+    return CVT_EXACT_NOT_NAN if cvt == "exact" and no_nan else cvt
+
+
+def _bf16_rne_not_nan(ir: IRBuilder, bits: str, L: int) -> str:
+    """<L x i16> bf16 bits of the float32 bits `bits` (not NaN): round to nearest even,
+    (bits + 0x7FFF + bit 16 of bits) >> 16, as f32_to_bf16's "exact" for every non-NaN value
+    (subnormals included; a carry into the exponent is the rounding up to the next binade or inf)."""
+    vi = f"<{L} x i32>"
+    splat = lambda value: "<" + ", ".join([f"i32 {value}"] * L) + ">"
+    high = ir.tmp("rh")
+    ir(f"{high} = lshr {vi} {bits}, {splat(16)}")
+    lsb = ir.tmp("rl")
+    ir(f"{lsb} = and {vi} {high}, {splat(1)}")
+    biased = ir.tmp("rs")
+    ir(f"{biased} = add {vi} {bits}, {splat(0x7FFF)}")
+    rounded = ir.tmp("rr")
+    ir(f"{rounded} = add {vi} {biased}, {lsb}")
+    result = ir.tmp("rt")
+    ir(f"{result} = lshr {vi} {rounded}, {splat(16)}")
+    out = ir.tmp("rw")
+    ir(f"{out} = trunc {vi} {result} to <{L} x i16>")
+    return out
 
 
 def _transpose_labels() -> list:
@@ -394,6 +460,11 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     abase = _element_ptr(ir, "i16", "%a", "%aoff", 0, "%lda")
     arow = {i: _element_ptr(ir, "i16", "%a", "%aoff", i, "%lda") for i in range(spec.mr)} if not spec.a_packed else {}
     ir("%bbase = getelementptr i16, ptr %b, i64 %boff")
+    a_taps = getattr(spec, "a_taps", ())
+    a_tap_base = {}
+    for t, pixels in enumerate(a_taps):
+        a_tap_base[t] = ir.tmp("atap")
+        ir(f"{a_tap_base[t]} = getelementptr i16, ptr {abase}, i64 {2 * pixels}")
     if out16 and spec.b_planar:
         ir("%ldb_half = sdiv i64 %ldb, 2")
         for v in range(V):   # the column masks again, under the names the planar B loads use
@@ -422,6 +493,9 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         per_k = 2 if spec.k_pairs else 1
         for t, off in enumerate(spec.taps or (0,)):
             ka = kv
+            if a_taps:   # LowpOut16TapsSpec: A (pixel rows) shifted by the tap, B's row block (kv, t)
+                step(ir, spec, ka, brow, per_k * off, vecs, L, a_tap_base[t], arow, cur)
+                continue
             if spec.taps:   # A's k index: channel (pair) kv, tap t
                 ka = ir.tmp("ka")
                 ir(f"{ka} = add i64 {ir_mul(ir, kv, len(spec.taps))}, {t}")
@@ -834,7 +908,8 @@ def kinds() -> dict:
     return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d),
             "cvtpairs": lambda d: PairCvtSpec(**d), "copypairs": lambda d: PairCopySpec(**d),
             "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
-            "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))})}
+            "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
+            "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])})}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:

@@ -143,11 +143,12 @@ def test_small_plane_1x1_convs_as_the_transposed_gemm_are_within_the_propagated_
     assert np.max(err) > 2.0 ** -18 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
 
     # conv2 and conv3 wrote 16 bits themselves (no float32 tile slots) and read their phase images
-    # (conv2 would read h1 in place on convgemm's tiles)
+    # (conv2 would read h1 in place on convgemm's tiles); so did conv1, a 3x3 conv onto the same
+    # 35-pixel plane (convtaps_t.py): no float32 tile slots at all
     info = explain_model(model, precision="bf16", threads=threads, target=target)
     convs = list(dict.fromkeys(k.node for k in info.kernels if k.op in ("Conv", "FusedConv")))
     tiles = sorted(b[4] for b in info.buffers if b[4].startswith("__ctile__"))
-    assert len(convs) == 4 and len(tiles) == 1 and tiles[0].endswith(convs[0]), (tiles, convs)
+    assert len(convs) == 4 and not tiles, (tiles, convs)
     phases = {k.node for k in info.kernels if k.symbol.split("_")[1].startswith("convpad")}
     assert {convs[1], convs[2]} <= phases, (phases, convs)
 

@@ -546,3 +546,39 @@ def test_lowp_microkernel_every_tile_shape(dtype, method, cpu):
             spec = LowpUKSpec(mr=mr, nr=nr, dtype=dtype, method=method, a_packed=mr % 2, a_panel=mr if mr % 2 else 0)
             got, ref, bound = run_tile(spec, cpu, 4096 if mr == 6 else 65, nr - 1, 1, seed=mr * 100 + nr)
             assert_within_bound(got, ref, bound)
+
+
+@pytest.mark.parametrize("cpu", sorted(CPUS))
+def test_nan_free_bf16_rounding_is_the_exact_rounding_bit_for_bit(cpu):
+    """ukernel_lowp._bf16_rne_not_nan (LowpOut16Spec's rounding after Relu) against ml_dtypes on every
+    non-NaN special value and 2^18 random non-NaN bit patterns (subnormals, ties, overflow to inf)."""
+    from backends.numba_cpu.ukernel import IRBuilder
+    from backends.numba_cpu.ukernel_lowp import _bf16_rne_not_nan
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("br label %loop")
+    ir.label("loop")
+    ir("%i = phi i64 [ 0, %entry ], [ %i1, %loop ]")
+    ir("%sp = getelementptr <16 x i32>, ptr %src, i64 %i")
+    ir("%bits = load <16 x i32>, ptr %sp, align 4")
+    out = _bf16_rne_not_nan(ir, "%bits", 16)
+    ir("%dp = getelementptr <16 x i16>, ptr %dst, i64 %i")
+    ir(f"store <16 x i16> {out}, ptr %dp, align 2")
+    ir("%i1 = add i64 %i, 1")
+    ir("%more = icmp slt i64 %i1, %n")
+    ir("br i1 %more, label %loop, label %done")
+    ir.label("done")
+    ir("ret void")
+    name = "test_bf16_rne_not_nan"
+    jit = jit_for(cpu)
+    if not jit.has(name):
+        jit.add(f"define void @{name}(ptr %src, ptr %dst, i64 %n) {{\n" + "\n".join(ir.lines) + "\n}\n")
+    fn = jit.function(name, None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    bits = random_f32_bits()
+    bits = bits[~is_nan32(bits)]
+    bits = np.concatenate([bits, np.zeros(-len(bits) % 16, np.uint32)])
+    got = np.zeros(len(bits), np.uint16)
+    fn(bits.ctypes.data, got.ctypes.data, len(bits) // 16)
+    want = expected_narrowing(bits, "bf16")
+    bad = np.flatnonzero(got != want)
+    assert not len(bad), [(hex(bits[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]

@@ -143,10 +143,88 @@ def test_small_plane_1x1_convs_as_the_transposed_gemm_are_within_the_propagated_
     assert np.max(err) > 2.0 ** -18 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
 
     # conv2 and conv3 wrote 16 bits themselves (no float32 tile slots) and read their phase images
-    # (conv2 would read h1 in place on convgemm's tiles)
+    # (conv2 would read h1 in place on convgemm's tiles); so did conv1, a 3x3 conv onto the same
+    # 35-pixel plane (convtaps_t.py): no float32 tile slots at all
     info = explain_model(model, precision="bf16", threads=threads, target=target)
     convs = list(dict.fromkeys(k.node for k in info.kernels if k.op in ("Conv", "FusedConv")))
     tiles = sorted(b[4] for b in info.buffers if b[4].startswith("__ctile__"))
-    assert len(convs) == 4 and len(tiles) == 1 and tiles[0].endswith(convs[0]), (tiles, convs)
+    assert len(convs) == 4 and not tiles, (tiles, convs)
     phases = {k.node for k in info.kernels if k.symbol.split("_")[1].startswith("convpad")}
     assert {convs[1], convs[2]} <= phases, (phases, convs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_transposed_gemm_writes_what_the_conv_gemm_tiles_write_bit_for_bit(threads, tmp_path, monkeypatch):
+    # conv1x1t's tile epilogue (LowpOut16Spec.c_transposed: the 7-pixel row vectors transposed in
+    # registers, each output channel's pixels loaded and stored as one masked run) against
+    # convgemm's tiles on the same 7 x 7 convs (conv2 with its 16-bit residual, conv3 at stride 2
+    # onto 4 x 4): the same float32 sums, bias, residual, Relu and rounding, so the same bits
+    from backends.numba_cpu import conv1x1t
+    C, D, E, H, W = 6, 34, 52, 7, 7
+    model, _, _ = _small_chain(C, D, E, H, W)
+    x = np.random.default_rng(2).standard_normal((1, C, H, W)).astype(F)
+    transposed = cuvil.compile(model, precision="bf16", threads=threads).run({"x": x})["y"]
+    monkeypatch.setattr(conv1x1t, "eligible", lambda *args: False)
+    tiles = cuvil.compile(model, precision="bf16", threads=threads, cache_dir=tmp_path).run({"x": x})["y"]
+    assert np.array_equal(transposed.view(np.uint32), tiles.view(np.uint32))
+    assert not np.array_equal(transposed, 0 * transposed)
+
+
+def _taps_chain(C, D, E, H, W):
+    """conv1 (3x3, Relu) -> conv2 (3x3 stride 2, Relu) -> conv3 (3x3) + h2 + Relu -> conv4 (1x1) -> y:
+    conv2 and conv3 write planes of at most 64 pixels, as the transposed GEMM with taps
+    (convtaps_t.py); E odd keeps conv3 off the bf16 Winograd transforms."""
+    w1, b1 = _weights(D, C, 3, 31)
+    w2, b2 = _weights(E, D, 3, 32)
+    w3, b3 = _weights(E, E, 3, 33)
+    w4, b4 = _weights(8, E, 1, 34)
+    inits = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3, "w4": w4, "b4": b4}
+    conv = lambda x, w, b, y, s, p: helper.make_node("Conv", [x, w, b], [y], strides=[s, s], pads=[p] * 4)
+    stages = [
+        [conv("x", "w1", "b1", "c1", 1, 1), helper.make_node("Relu", ["c1"], ["h1"])],
+        [conv("h1", "w2", "b2", "c2", 2, 1), helper.make_node("Relu", ["c2"], ["h2"])],
+        [conv("h2", "w3", "b3", "c3", 1, 1), helper.make_node("Add", ["c3", "h2"], ["s3"]),
+         helper.make_node("Relu", ["s3"], ["h3"])],
+        [conv("h3", "w4", "b4", "y", 1, 0)],
+    ]
+    ins, outs = ["x", "h1", "h2", "h3"], ["h1", "h2", "h3", "y"]
+    used = lambda nodes: {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
+    model = make_model([n for s in stages for n in s], [("x", F, [1, C, H, W])], [("y", F, None)], inits)
+    parts = [make_model(s, [(i, F, None)], [(o, F, None)], used(s)) for s, i, o in zip(stages, ins, outs)]
+    return model, parts, (w1, b1, w2, b2, w3, b3, w4, b4)
+
+
+@pytest.mark.parametrize("threads,target", [(1, "native"), (2, "native"), (1, "x86_64-avx2")])
+def test_small_plane_convs_with_taps_as_the_transposed_gemm_are_within_the_propagated_bound(threads, target):
+    # 11 x 13 -> 6 x 7 (stride 2: 7-pixel rows) -> 6 x 7; 34 channels (17 pairs), 51 outputs (an odd
+    # channel count, a 48-channel panel and a masked one of 3); bound as above
+    C, D, E, H, W = 5, 34, 51, 11, 13
+    model, parts, (w1, b1, w2, b2, w3, b3, w4, b4) = _taps_chain(C, D, E, H, W)
+    x = np.random.default_rng(3).standard_normal((1, C, H, W)).astype(F)
+    u = U["bf16"]
+    ort = [x]
+    for part in parts:
+        ort.append(next(iter(run_ort(part, {part.graph.input[0].name: ort[-1]}).values())))
+    _, h1, h2, h3, y = ort
+    bound1 = _conv_bound(x, 0.0, w1, b1, 1, u)
+    bound2 = _conv_bound(h1, bound1, w2, b2, 2, u)
+    bound3 = _conv_bound(h2, bound2, w3, b3, 1, u, residual=h2, b_res=bound2)
+    bound_y = _conv_bound(h3, bound3, w4, b4, 1, u, pad=0)
+    got = cuvil.compile(model, precision="bf16", threads=threads, target=target).run({"x": x})["y"]
+    err = np.abs(got.astype(np.float64) - y)
+    assert np.all(err <= bound_y), float(np.max(err - bound_y))
+    assert np.max(err) > 2.0 ** -18 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_transposed_gemm_with_taps_writes_what_the_conv_gemm_tiles_write_bit_for_bit(threads, tmp_path, monkeypatch):
+    # convtaps_t's tiles (an output row each, the taps shifting A) against convgemm's (the flat grid
+    # on the lanes, passes over the channels through float32 tile slots): the same float32 sums in
+    # the same order, bias, residual, Relu and one rounding, so the same bits
+    from backends.numba_cpu import convtaps_t
+    model, _, _ = _taps_chain(5, 34, 51, 11, 13)
+    x = np.random.default_rng(4).standard_normal((1, 5, 11, 13)).astype(F)
+    transposed = cuvil.compile(model, precision="bf16", threads=threads).run({"x": x})["y"]
+    monkeypatch.setattr(convtaps_t, "eligible", lambda *args: False)
+    tiles = cuvil.compile(model, precision="bf16", threads=threads, cache_dir=tmp_path).run({"x": x})["y"]
+    assert np.array_equal(transposed.view(np.uint32), tiles.view(np.uint32))

@@ -14,9 +14,14 @@ channel blocks of 16:
   2 (kp ldb + p), a packed panel of P = ldb rows (ukernel_lowp's a_packed layout);
 - B = W^T packed at build time in VNNI pair panels of 48 channels (lowp_pack.pack_b_pairs);
 - the tile is written by ukernel_lowp.LowpOut16Spec with c_transposed: bias (a vector of 48
-  channels), the 16-bit residual (gathered), Relu / Clip, RNE to 16 bits and a scatter into Y's
-  channel planes. The sums are the same float32 sums over the same products (each k pair by
-  `vdpbf16ps` in the same order), so the output is bit-identical to convgemm's.
+  channels), then the 7 pixel vectors of each 16 channels transposed in registers, so that each
+  channel's 7 pixels are one masked 16-bit load of the residual and one masked store into Y's
+  channel plane; Relu / Clip and RNE to 16 bits (after Relu without the NaN lanes:
+  ukernel_lowp.rounding_after). The sums are the same float32 sums over the same products (each k
+  pair by `vdpbf16ps` in the same order), so the output is bit-identical to convgemm's
+  (tests/test_precision_direct16.py compares the two bit for bit). The residual was gathered and
+  the tile scattered, 16-bit lane by lane, until 2026-12-07: ResNet-50's 512 -> 2048 7x7 conv with
+  its residual took 0.30 ms of micro-kernel time, 0.22 ms now (see docs/performance.md).
 
 Work items: (image, panel of 48 channels), each running its pixel tiles over all of K; the panel's
 weights (K x 48 bf16) stay in L2 across the tiles.
@@ -33,6 +38,9 @@ from .narrow import pointer_type
 # output and input channel. Measured on ResNet-50 at 14 x 14 (196 pixels, 1 thread, against
 # convgemm's 12 x 32 tiles at 87.5 % of the lanes): 1024 -> 256 0.267 -> 0.253 ms, 1024 -> 512
 # 0.557 -> 0.461; 512 -> 1024 (stride 2) 0.549 -> 0.596; 256 -> 1024 + residual 0.28 -> 0.38.
+# With the tile transposed in registers (2026-12-07), 256 -> 1024 at 14 x 14 with and without its
+# residual this way or convgemm's timed the same (a bottleneck-like block of both, CPU time under
+# load ~10: 0.544 / 0.542 ms and 0.545 / 0.548): MID_PLANE_K stays.
 SMALL_PLANE = 64
 MID_PLANE = 196
 MID_PLANE_K = 1024
@@ -69,7 +77,7 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     from .epilogue import register_activation
     from .gemm import lowp_label
     from .ukernel import LOADC_EPILOGUE
-    from .ukernel_lowp import LowpOut16Spec
+    from .ukernel_lowp import LowpOut16Spec, rounding_after
     mr = pixel_rows(OHW)
     full, rem = OHW // mr * mr, OHW % mr
     n_panels = -(-OC // NR)
@@ -82,9 +90,12 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     pr = f"p{2 + has_bias}" if has_res else None
     py = f"p{n_ptrs - 1}"
 
+    act = register_activation(epilogue)
+    cvt = rounding_after(act["act"], act["act_lo"], act["act_hi"], cvt)   # (no NaN lanes after Relu)
+
     def spec(rows):
         return LowpOut16Spec(mr=rows, nr=NR, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=ldb, bias=int(has_bias),
-                             residual=int(has_res), cvt=cvt, c_transposed=1, **register_activation(epilogue))
+                             residual=int(has_res), cvt=cvt, c_transposed=1, **act)
     specs = {mr: ("uk0", spec(mr))}
     if rem:
         specs[rem] = ("uk1", spec(rem))

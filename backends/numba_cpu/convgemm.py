@@ -42,7 +42,7 @@ from cuvil.ir import Value
 
 from .ukernel import LOADC_EPILOGUE
 
-from . import conv1x1t, convtappairs
+from . import conv1x1t, convtappairs, convtaps_t
 from .epilogue import EPILOGUE_ACTIVATIONS, Epilogue, register_activation, register_epilogue
 from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
@@ -83,7 +83,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     phase images to 16 bits (bf16: channel pairs interleaved) and the conv multiplies them with
     weights packed in that format by ukernel_lowp's taps kernels; sums and epilogue stay float32."""
     from .ukernel import UKSpec
-    from .ukernel_lowp import LowpCalledSpec, LowpOut16Spec, LowpUKSpec
+    from .ukernel_lowp import LowpCalledSpec, LowpOut16Spec, LowpUKSpec, rounding_after
     epilogue = epilogue or Epilogue()
     dtype = np.dtype(np.float32)
     N, C, H, Wd = (int(v) for v in X.shape)
@@ -127,6 +127,11 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # A small plane (a ResNet's 7 x 7) takes the transposed GEMM (conv1x1t.py), which reads the phase
     # image's pair words as its A: the copy stays.
     transposed = direct16 and conv1x1t.eligible(pairs, group, T, OH, OW, PW, icg)
+    # A conv with taps onto a small plane (ResNet-50's 3x3 stride 2 onto 7 x 7) as the transposed
+    # GEMM too (convtaps_t.py): an output row per tile, every lane valid, 16-bit Y from registers.
+    taps_transposed = y_narrow and lowp is not None and T > 1 and not accumulate and tap_pairs is None \
+        and convtaps_t.eligible(pairs, group, T, OH, OW) \
+        and _direct16_ok(epilogue, residual_arg, res_strides, r_dtype, Y.dtype, OH, OW)
     in_place_x = direct16 and x_narrow and scratch is None and tuple(strides) == (1, 1) and not any(pads) \
         and ldb == H * Wd and pairs and icg % 2 == 0 and not transposed
     if in_place_x:
@@ -172,6 +177,14 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             calls.append(KernelCall(cvt_kernel, [phases_name, scratch], cvt_work, node.name,
                                     precision=f"{PRECISION_OF[lowp[0]]} (B converted)"))
 
+    if taps_transposed:
+        from .lowp import best_method
+        from .kernel import lowering_target
+        fmt = STORED_FORMAT[np.dtype(Y.dtype).name]
+        return calls + [convtaps_t.conv_call(node, lowp, best_method("f32", fmt, lowering_target()), epilogue, scratch,
+                                             convtaps_t.pack_weights(W.data, icg_p), B, residual_arg,
+                                             res_strides[0] if residual_arg is not None else 0, r_dtype, Y, N, OC,
+                                             icg_p, ldb, PW, OH, OW, offsets)]
     if transposed:
         from .lowp import best_method
         from .kernel import lowering_target
@@ -258,12 +271,15 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             from .lowp import best_method
             from .kernel import lowering_target
             fmt = STORED_FORMAT[np.dtype(Y.dtype).name]
+            act = register_activation(epilogue)
+            cvt = best_method("f32", fmt, lowering_target())
+            if in_place_x:   # (ukernel_lowp.rounding_after: the exact rounding without NaN lanes after Relu)
+                cvt = rounding_after(act["act"], act["act_lo"], act["act_hi"], cvt)
             specs[mr, nr] = (f"uk{len(specs)}",
                              LowpOut16Spec(mr=mr, nr=nr, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
                                            taps=offsets, store=store, bias=int(has_bias),
                                            residual=int(residual_arg is not None),
-                                           cvt=best_method("f32", fmt, lowering_target()), b_planar=int(in_place_x),
-                                           **register_activation(epilogue)))
+                                           cvt=cvt, b_planar=int(in_place_x), **act))
         if (mr, nr) not in specs:
             specs[mr, nr] = (f"uk{len(specs)}",
                              (LowpCalledSpec if tap_pairs else LowpUKSpec)(

@@ -146,6 +146,9 @@ class LowpOut16Spec(LowpUKSpec):
         super().__post_init__()
         assert not self.b_planar or (self.dtype == "bf16" and self.taps in ((), (0,))), "planar B: bf16, no taps"
         assert not self.c_transposed or (self.store == "m" and not self.b_planar), "transposed C: masked columns"
+        assert self.cvt != CVT_EXACT_NOT_NAN or (
+            self.dtype == "bf16" and rounding_after(self.act, self.act_lo, self.act_hi, "exact") == self.cvt), \
+            "the NaN-free rounding needs bf16 and an activation without NaN results"
 
     def _stem(self) -> str:
         return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_out16"
@@ -155,6 +158,30 @@ class LowpOut16Spec(LowpUKSpec):
         passes any of its 16-bit buffers, unread)."""
         sixteen = {ARG_TYPES.index(n): "uint16" for n in ("a", "b", "c") + (() if self.bias else ("bias",))}
         return typed_declaration(self, var, {**sixteen, len(ARG_TYPES): "uint16"})
+
+
+@dataclass(frozen=True)
+class LowpOut16TapsSpec(LowpOut16Spec):
+    """LowpOut16Spec's transposed tile (c_transposed: rows are pixels, columns output channels) of a
+    conv with taps (conv1x1t.py on a small output plane): A is the bf16 phase image read in place
+    (a_packed, a_panel = the pair row's length in pixels), and tap t reads it `a_taps[t]` pixels
+    further on; B holds, per channel pair kp and tap t, a row block of 2 nr bf16 at
+    b[boff + kp*ldb + 2 taps[t] + 2j + h] = W(channel j, 2kp + h, tap t) (conv1x1t packs
+    taps[t] = t nr, ldb = T 2 nr):
+
+        acc(i, j) += sum_{kp, t, h} A(pixel i + a_taps[t], 2kp + h) W(j, 2kp + h, t)
+
+    in the order (kp, t, h), as convgemm's tiles sum a conv with taps. Own kind, so the fields of
+    LowpOut16Spec's kernels (and their names) stay as they were."""
+    a_taps: tuple = ()
+    kind: str = "lowp16t"
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.c_transposed and self.dtype == "bf16" and len(self.a_taps) == len(self.taps) > 0, self
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_out16t"
 
 
 def _out16_epilogue(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, offsets: dict, dense: dict,
@@ -211,14 +238,158 @@ def _rounded_16(ir: IRBuilder, spec, val: str, L: int) -> str:
     val = _activation(ir, spec, val, vt, L)
     bits = ir.tmp("yb")
     ir(f"{bits} = bitcast {vt} {val} to {vi}")
+    if spec.cvt == CVT_EXACT_NOT_NAN:
+        return _bf16_rne_not_nan(ir, bits, L)
     to16 = f32_to_bf16 if spec.dtype == "bf16" else f32_to_f16
     return to16(ir, bits, L, spec.cvt)
+
+
+# LowpOut16Spec.cvt (bf16) after an activation that never yields NaN: Relu (llvm.maxnum(NaN, 0) is
+# 0) or a Clip with a finite bound. lowp.f32_to_bf16's "exact" rounding without its NaN lanes (4 of
+# its 10 vector instructions): the same bits for every value it can get. 1x1 convs over 64 channels
+# spend 10-15 % of a tile's time in the exact rounding (micro-kernel alone: 8 x 48, bias + residual
+# + Relu, K = 64: 63 % of the vdpbf16ps peak; 74 % with `vcvtneps2bf16`, which flushes subnormals).
+CVT_EXACT_NOT_NAN = "exact-not-nan"
+
+
+def rounding_after(act: str, act_lo: float, act_hi: float, cvt: str) -> str:
+    """The LowpOut16Spec.cvt for a bf16 tile rounded `cvt` after the activation: CVT_EXACT_NOT_NAN
+    where that is "exact" and the activation leaves no NaN, else `cvt`."""
+    finite = lambda x: abs(x) != float("inf")
+    no_nan = act == "Relu" or (act == "Clip" and (finite(act_lo) or finite(act_hi)))
+    return CVT_EXACT_NOT_NAN if cvt == "exact" and no_nan else cvt
+
+
+def _bf16_rne_not_nan(ir: IRBuilder, bits: str, L: int) -> str:
+    """<L x i16> bf16 bits of the float32 bits `bits` (not NaN): round to nearest even,
+    (bits + 0x7FFF + bit 16 of bits) >> 16, as f32_to_bf16's "exact" for every non-NaN value
+    (subnormals included; a carry into the exponent is the rounding up to the next binade or inf)."""
+    vi = f"<{L} x i32>"
+    splat = lambda value: "<" + ", ".join([f"i32 {value}"] * L) + ">"
+    high = ir.tmp("rh")
+    ir(f"{high} = lshr {vi} {bits}, {splat(16)}")
+    lsb = ir.tmp("rl")
+    ir(f"{lsb} = and {vi} {high}, {splat(1)}")
+    biased = ir.tmp("rs")
+    ir(f"{biased} = add {vi} {bits}, {splat(0x7FFF)}")
+    rounded = ir.tmp("rr")
+    ir(f"{rounded} = add {vi} {biased}, {lsb}")
+    result = ir.tmp("rt")
+    ir(f"{result} = lshr {vi} {rounded}, {splat(16)}")
+    out = ir.tmp("rw")
+    ir(f"{out} = trunc {vi} {result} to <{L} x i16>")
+    return out
+
+
+def _transpose_labels() -> list:
+    """The two-input shuffles that turn 8 vectors P_i of 16 lanes (lane c: column c of row i) into
+    Q_k (lanes 0-7: column 2k of rows 0-7, lanes 8-15: column 2k + 1): three levels of 8 shuffles,
+    each output made of the two inputs that hold its lanes. Returns per level a list of
+    (input a, input b, lane indices into a ++ b); inputs and outputs are indices of that level."""
+    level = [[(i, c) for c in range(16)] for i in range(8)]
+    plan = []
+    for size in (2, 4, 8):   # rows per group, then columns per output: 8, 4, 2
+        cols = 16 // size
+        out, steps = [], []
+        for g in range(8 // size):
+            rows = range(g * size, (g + 1) * size)
+            for t in range(16 // cols):
+                want = ([(i, c) for c in range(t * cols, (t + 1) * cols) for i in rows] if size < 8 else
+                        [(i, 2 * t) for i in rows] + [(i, 2 * t + 1) for i in rows])
+                src = [k for k, vec in enumerate(level) if set(want) & set(vec)]
+                assert len(src) == 2, (size, g, t, src)
+                both = level[src[0]] + level[src[1]]
+                steps.append((src[0], src[1], [both.index(x) for x in want]))
+                out.append(want)
+        plan.append(steps)
+        level = out
+    return plan
+
+
+_TRANSPOSE_8x16 = _transpose_labels()
+
+
+def _out16_transposed_blocks(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, L: int) -> None:
+    """LowpOut16Spec.c_transposed's stores with 16 lanes and at most 8 rows: per column vector v,
+    the mr row vectors (bias added) are transposed in registers (_TRANSPOSE_8x16: 24 two-input
+    shuffles) into 8 vectors of two columns x 8 rows; each half is one C column's mr consecutive
+    elements, so the residual is two masked loads and the result two masked stores per vector
+    (`vmovdqu16` with a mask): 16 of each per 16 columns, where gathers and scatters of 16-bit
+    lanes are 16 element moves each. The same operations per element in the same order as
+    _out16_transposed: bit-identical."""
+    vt, vh, v8 = f"<{L} x float>", f"<{L} x i16>", "<8 x i16>"
+    cbase = ir.tmp("cb")
+    ir(f"{cbase} = getelementptr i16, ptr %c, i64 %coff")
+    rbase = ir.tmp("rbase")
+    ir(f"{rbase} = getelementptr i16, ptr %r, i64 %roff")
+    rows_mask = "<" + ", ".join(f"i1 {int(j < spec.mr)}" for j in range(8)) + ">"
+    for v in sorted({v for _, v in final}):
+        if spec.bias:
+            off = ir.tmp("bo")
+            ir(f"{off} = add i64 %biasoff, {v * L}")
+            p = ir.tmp("bp")
+            ir(f"{p} = getelementptr float, ptr %bias, i64 {off}")
+            bias = ir.tmp("bv")
+            ir(f"{bias} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {masks[v]}, "
+               f"{vt} zeroinitializer)")
+        level = []
+        for i in range(8):
+            if i >= spec.mr:
+                level.append("zeroinitializer")
+                continue
+            val = final[i, v]
+            if spec.bias:
+                y = ir.tmp("eb")
+                ir(f"{y} = fadd {vt} {val}, {bias}")
+                val = y
+            level.append(val)
+        for steps in _TRANSPOSE_8x16:
+            nxt = []
+            for a, b, lanes in steps:
+                out = ir.tmp("tq")
+                ir(f"{out} = shufflevector {vt} {level[a]}, {vt} {level[b]}, <{L} x i32> "
+                   f"<{', '.join(f'i32 {x}' for x in lanes)}>")
+                nxt.append(out)
+            level = nxt
+        for k, val in enumerate(level):
+            halves = []
+            for h in (0, 1):
+                col = v * L + 2 * k + h
+                bit = ir.tmp("cbit")
+                ir(f"{bit} = extractelement <{L} x i1> {masks[v]}, i64 {2 * k + h}")
+                m = ir.tmp("cm")
+                ir(f"{m} = select i1 {bit}, <8 x i1> {rows_mask}, <8 x i1> zeroinitializer")
+                at = ir.tmp("co")
+                ir(f"{at} = mul i64 %ldc, {col}")
+                halves.append((m, at))
+            if spec.residual:
+                parts = []
+                for m, at in halves:
+                    rp = ir.tmp("rp")
+                    ir(f"{rp} = getelementptr i16, ptr {rbase}, i64 {at}")
+                    x = ir.tmp("rh")
+                    ir(f"{x} = call {v8} @llvm.masked.load.v8i16.p0(ptr align 2 {rp}, <8 x i1> {m}, {v8} zeroinitializer)")
+                    parts.append(x)
+                bits = ir.tmp("rb")
+                ir(f"{bits} = shufflevector {v8} {parts[0]}, {v8} {parts[1]}, <{L} x i32> "
+                   f"<{', '.join(f'i32 {j}' for j in range(L))}>")
+                val = _plus_16(ir, spec, val, bits, L)
+            out = _rounded_16(ir, spec, val, L)
+            for h, (m, at) in enumerate(halves):
+                half = ir.tmp("yh")
+                ir(f"{half} = shufflevector {vh} {out}, {vh} poison, <8 x i32> "
+                   f"<{', '.join(f'i32 {8 * h + j}' for j in range(8))}>")
+                cp = ir.tmp("cp")
+                ir(f"{cp} = getelementptr i16, ptr {cbase}, i64 {at}")
+                ir(f"call void @llvm.masked.store.v8i16.p0({v8} {half}, ptr align 2 {cp}, <8 x i1> {m})")
 
 
 def _out16_transposed(ir: IRBuilder, spec: LowpOut16Spec, final: dict, masks: dict, L: int) -> None:
     """LowpOut16Spec.c_transposed's stores: accumulator (i, v) holds C(i, vL..vL+L-1); the bias is a
     vector of L columns, the residual gathered and the result scattered at stride ldc (16-bit
     lanes: LLVM writes them one by one)."""
+    if L == 16 and spec.mr <= 8:
+        return _out16_transposed_blocks(ir, spec, final, masks, L)
     vt, vh = f"<{L} x float>", f"<{L} x i16>"
     lanes = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
     ldc = ir.tmp("ldcv")
@@ -303,6 +474,11 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     abase = _element_ptr(ir, "i16", "%a", "%aoff", 0, "%lda")
     arow = {i: _element_ptr(ir, "i16", "%a", "%aoff", i, "%lda") for i in range(spec.mr)} if not spec.a_packed else {}
     ir("%bbase = getelementptr i16, ptr %b, i64 %boff")
+    a_taps = getattr(spec, "a_taps", ())
+    a_tap_base = {}
+    for t, pixels in enumerate(a_taps):
+        a_tap_base[t] = ir.tmp("atap")
+        ir(f"{a_tap_base[t]} = getelementptr i16, ptr {abase}, i64 {2 * pixels}")
     if out16 and spec.b_planar:
         ir("%ldb_half = sdiv i64 %ldb, 2")
         for v in range(V):   # the column masks again, under the names the planar B loads use
@@ -331,6 +507,9 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         per_k = 2 if spec.k_pairs else 1
         for t, off in enumerate(spec.taps or (0,)):
             ka = kv
+            if a_taps:   # LowpOut16TapsSpec: A (pixel rows) shifted by the tap, B's row block (kv, t)
+                step(ir, spec, ka, brow, per_k * off, vecs, L, a_tap_base[t], arow, cur)
+                continue
             if spec.taps:   # A's k index: channel (pair) kv, tap t
                 ka = ir.tmp("ka")
                 ir(f"{ka} = add i64 {ir_mul(ir, kv, len(spec.taps))}, {t}")
@@ -377,7 +556,10 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     if out16:
         decls += [f"declare <{L} x i16> @llvm.masked.load.v{L}i16.p0(ptr, <{L} x i1>, <{L} x i16>)",
                   f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)"]
-    if out16 and spec.c_transposed:
+    if out16 and spec.c_transposed and L == 16 and spec.mr <= 8:
+        decls += ["declare <8 x i16> @llvm.masked.load.v8i16.p0(ptr, <8 x i1>, <8 x i16>)",
+                  "declare void @llvm.masked.store.v8i16.p0(<8 x i16>, ptr, <8 x i1>)"]
+    elif out16 and spec.c_transposed:
         decls += [f"declare <{L} x i16> @llvm.masked.gather.v{L}i16.v{L}p0(<{L} x ptr>, i32, <{L} x i1>, <{L} x i16>)",
                   f"declare void @llvm.masked.scatter.v{L}i16.v{L}p0(<{L} x i16>, <{L} x ptr>, i32, <{L} x i1>)"]
     return function_module(head, ir, rename, decls)
@@ -742,7 +924,8 @@ def kinds() -> dict:
             "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
             "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
-            "copypairs_strided": lambda d: StridedPairCopySpec(**d)}
+            "copypairs_strided": lambda d: StridedPairCopySpec(**d),
+            "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])})}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:

@@ -94,21 +94,21 @@ def plan_arena(graph, schedule, external: set[str], strategy: str = "greedy_by_s
     chosen: set = set()
     plan, calls = _plan(graph, schedule, external, views, strategy, in_place, chosen)
     if concats and in_place and strategy != "none":
-        # Greedy, twice over what was refused: a placement that grows the arena alone may not once
-        # others are made (an outer Concat of a chain, once the inner ones are slices of it).
-        left = _concat_choices(graph, schedule, external, views)
-        for _ in range(2):
-            refused = []
-            for choice in left:
-                trial = _plan(graph, schedule, external, views, strategy, in_place, chosen | {choice})
+        # Greedy: every placement at once, then each Concat's placements together, then each one
+        # alone, twice over what was refused (a placement that grows the arena alone may not once
+        # others are made: the outer Concat of a chain, once the inner ones are slices of it).
+        groups = _concat_choices(graph, schedule, external, views)
+        every = {choice for group in groups for choice in group}
+        for trying in [[every], [set(group) for group in groups]] + [[{c} for g in groups for c in g]] * 2:
+            for choice in trying:
+                if choice <= chosen:
+                    continue
+                trial = _plan(graph, schedule, external, views, strategy, in_place, chosen | choice)
                 if trial[0].arena_bytes <= plan.arena_bytes:
-                    chosen.add(choice)
+                    chosen |= choice
                     plan, calls = trial
-                else:
-                    refused.append(choice)
-            if len(refused) == len(left):
+            if chosen == every:
                 break
-            left = refused
     schedule[:] = calls
     return plan
 
@@ -160,19 +160,18 @@ def _plan(graph, schedule, external, views, strategy, in_place, chosen) -> tuple
                       alias_offsets=offsets_in, concats=concats), schedule
 
 
-def _concat_choices(graph, schedule, external, views) -> list:
-    """The Concat placements to try, in the order tried: Concats last first, each as a slice of a
+def _concat_choices(graph, schedule, external, views) -> list[list]:
+    """The Concat placements to try, one list per Concat, Concats last first: as a slice of a
     buffer its inputs already lie in ("view", step), then each input placed in it (step, part)."""
     if any(isinstance(c, LoopMark) for c in schedule):
         return []
-    choices = []
+    groups = []
     for step in reversed(range(len(schedule))):
         call = schedule[step]
         if isinstance(call, KernelCall) and call.parts and call.args[-1] not in external:
-            choices.append(("view", step))
-            choices += [(step, k) for k, part in enumerate(call.parts)
-                        if part.value not in external and not graph.values[part.value].is_const]
-    return choices
+            groups.append([("view", step)] + [(step, k) for k, part in enumerate(call.parts)
+                                              if part.value not in external and not graph.values[part.value].is_const])
+    return groups
 
 
 def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report) -> list:
@@ -208,7 +207,8 @@ def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report)
             result[step] = []
             continue
         copies = []
-        for k, (part, (r, off)) in enumerate(zip(call.parts, where)):
+        for k, part in enumerate(call.parts):
+            r, off = resolve(part.value)   # (again: an input met twice is placed at its first run)
             value = graph.values[part.value]
             if (step, k) in chosen and off == 0 and r != resolve(y)[0] and r not in touched \
                     and graph.values[r].nbytes == value.nbytes and graph.values[r].shape_from is None:

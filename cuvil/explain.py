@@ -235,7 +235,7 @@ def render(report: Explanation, max_buffers: int = 24) -> str:
                  f"({ratio:.1%}; strategy {m['strategy']}, {m['in_place']} in place); "
                  f"weights {_size(m['weights_bytes'])}{shared}")
     for node, how in m.get("concats_in_place", {}).items():
-        lines.append(f"  Concat {node} written in place: {how}")
+        lines.append(f"  Concat {node}: {how}")
     shown = sorted(report.buffers, key=lambda b: (-b[1], b[0]))[:max_buffers]
     for offset, size, first, last, value in sorted(shown):
         lines.append(f"  @{offset:<10d} {_size(size):>10}  steps {first:>3}-{last:<3} {value}")

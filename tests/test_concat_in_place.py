@@ -286,4 +286,5 @@ def test_explain_names_the_placed_concats():
     model, _ = _pyramid_model(1)
     report = explain_model(model)
     assert list(report.memory["concats_in_place"].values()) == ["2 of 2 inputs written in place"]
-    assert "written in place: 2 of 2 inputs" in render(report)
+    node = next(iter(report.memory["concats_in_place"]))
+    assert f"  Concat {node}: 2 of 2 inputs written in place" in render(report).splitlines()

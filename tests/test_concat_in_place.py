@@ -288,3 +288,28 @@ def test_explain_names_the_placed_concats():
     assert list(report.memory["concats_in_place"].values()) == ["2 of 2 inputs written in place"]
     node = next(iter(report.memory["concats_in_place"]))
     assert f"  Concat {node}: 2 of 2 inputs written in place" in render(report).splitlines()
+
+
+def test_value_updated_after_the_concat_keeps_its_copy():
+    """A value some later call writes again (an update in place) keeps its copy, which holds the
+    bytes as they were at the Concat. No lowering makes such a schedule today: the guard is
+    checked on a hand-made one, and its counterpart without the second write is placed."""
+    from backends.native.memory import plan_arena
+    from backends.schedule import ConcatPart, Kernel, KernelCall
+    from cuvil.ir import Graph, Value
+    values = {name: Value(name, np.dtype(F32), shape)
+              for name, shape in (("x", (1, 4)), ("a", (1, 4)), ("b", (1, 4)), ("y", (1, 8)), ("z", (1, 8)))}
+    graph = Graph("g", values, [], ["x"], ["z"])
+    k = Kernel("T", "def kernel(p0, p1, begin, end):\n    pass\n", ("float32", "float32"))
+    cat = KernelCall(Kernel("Concat", "", ("float32",) * 3), ["a", "b", "y"], 1, "cat")
+    cat.parts = [ConcatPart("a", 0, KernelCall(k, ["a", "y"], 1, "cat")),
+                 ConcatPart("b", 16, KernelCall(k, ["b", "y"], 1, "cat"))]
+    schedule = [KernelCall(k, ["x", "a"], 1, "pa"), KernelCall(k, ["x", "b"], 1, "pb"), cat,
+                KernelCall(k, ["x", "a"], 1, "again"),            # `a` written again after the Concat
+                KernelCall(Kernel("U", "", ("float32",) * 3), ["y", "a", "z"], 1, "u")]
+    plan = plan_arena(graph, list(schedule), {"x", "z"})
+    assert plan.concats == {}
+    without = schedule[:3] + schedule[4:]
+    plan = plan_arena(graph, without, {"x", "z"})
+    assert plan.concats == {"cat": "2 of 2 inputs written in place"}
+    assert [c.node for c in without] == ["pa", "pb", "u"]

@@ -188,6 +188,16 @@ def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report)
 
     # Buffers that external values share (a view of a graph input, a graph output's source...).
     touched = {resolve(name)[0] for name in external}
+    # The last step writing each buffer: one written again after a Concat (a value some later call
+    # updates in place) keeps its copy, which holds the bytes as they were at the Concat.
+    # (by the buffer of each value before any placement: alias holds only the views yet)
+    own = {name: resolve(name)[0] for call in schedule if isinstance(call, KernelCall)
+           for name in call.args if isinstance(name, str)}
+    last_write = {}
+    for step, call in enumerate(schedule):
+        if isinstance(call, KernelCall):
+            for name in call_outputs(graph, call):
+                last_write[own[name]] = step
     result: dict[int, list] = {}
     for step in reversed(range(len(schedule))):
         call = schedule[step]
@@ -198,6 +208,8 @@ def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report)
         if y in external or y_root in touched:
             continue
         where = [resolve(part.value) for part in call.parts]
+        if any(last_write.get(own.get(part.value, part.value), -1) > step for part in call.parts):
+            continue
         base = where[0][1] - call.parts[0].offset
         if ("view", step) in chosen and y not in alias and where[0][0] not in touched and all(
                 r == where[0][0] != y and off - part.offset == base >= 0

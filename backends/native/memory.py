@@ -92,8 +92,8 @@ def plan_arena(graph, schedule, external: set[str], strategy: str = "greedy_by_s
         raise ValueError(f"unknown memory strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     views = {call.dst: call.src for call in schedule if isinstance(call, View)}
     chosen: set = set()
-    plan, calls = _plan(graph, schedule, external, views, strategy, in_place, chosen)
     if concats and in_place and strategy != "none":
+        plan = _plan(graph, schedule, external, views, strategy, in_place, chosen, trial=True)[0]
         # Greedy: every placement at once, then each Concat's placements together, then each one
         # alone, twice over what was refused (a placement that grows the arena alone may not once
         # others are made: the outer Concat of a chain, once the inner ones are slices of it).
@@ -103,20 +103,24 @@ def plan_arena(graph, schedule, external: set[str], strategy: str = "greedy_by_s
             for choice in trying:
                 if choice <= chosen:
                     continue
-                trial = _plan(graph, schedule, external, views, strategy, in_place, chosen | choice)
-                if trial[0].arena_bytes <= plan.arena_bytes:
+                trial = _plan(graph, schedule, external, views, strategy, in_place, chosen | choice, trial=True)[0]
+                if trial.arena_bytes <= plan.arena_bytes:
                     chosen |= choice
-                    plan, calls = trial
+                    plan = trial
             if chosen == every:
                 break
+    # the chosen plan once more, now rewriting the schedule's own calls
+    plan, calls = _plan(graph, schedule, external, views, strategy, in_place, chosen)
     schedule[:] = calls
     return plan
 
 
-def _plan(graph, schedule, external, views, strategy, in_place, chosen) -> tuple[MemoryPlan, list]:
-    """The plan with the Concat placements `chosen` (_concat_choices), over a copy of the schedule
-    (the calls it rewrites are copies): (plan, that schedule)."""
-    schedule = [copy.copy(c) if isinstance(c, KernelCall) else c for c in schedule]
+def _plan(graph, schedule, external, views, strategy, in_place, chosen, trial=False) -> tuple[MemoryPlan, list]:
+    """The plan with the Concat placements `chosen` (_concat_choices) and the schedule it runs:
+    `schedule` less the Concats placed, its calls rewritten to their in-place forms (copies of
+    them for a `trial`, which leaves the calls as they are)."""
+    if trial:
+        schedule = [copy.copy(c) if isinstance(c, KernelCall) else c for c in schedule]
     alias, offsets_in, concats = dict(views), {}, {}
     if chosen:
         schedule = _place_concats(graph, schedule, external, alias, offsets_in, chosen, concats)

@@ -15,7 +15,9 @@ own process and `--rounds` processes each (cuvil.bench): cuvil from C (`cuvil C`
 its Python runtime (`cuvil py`), onnxruntime and OpenVINO (float32, latency mode) through
 Python. An engine's figure is its best process's median; ratio = cuvil py / engine (both timed
 through Python: the same call overhead); < 1 means cuvil is faster. An export or build error is
-a row of the table, not the end of the run.
+a row of the table, not the end of the run. The last two columns say what else took the cores
+while a row was timed: the hypervisor's steal time (ms) and the timing processes' involuntary
+context switches (`disturbance`).
 
 `--report` adds per-op accounting: cuvil's per-step profile (CUVIL_PROFILE=1, from C) next to
 onnxruntime's own profiler (SessionOptions.enable_profiling, per-node kernel times), both
@@ -234,7 +236,7 @@ def print_class_summary(rows: list[dict]):
     by_class = defaultdict(list)
     for r in rows:
         by_class[r["op"], r["class"]].append(r)
-    print(f"\n# per op and shape class over the corpus (ratio = cuvil / onnxruntime, summed time)")
+    print("\n# per op and shape class over the corpus (ratio = cuvil / onnxruntime, summed time)")
     print(f"{'op':<20}{'shape class':<34}{'cuvil ms':>10}{'ort ms':>10}{'ratio':>8}  worst (model b thr)")
     for (op, cls), rs in sorted(by_class.items(), key=lambda kv: -sum(r["cuvil_ms"] for r in kv[1])):
         c, o = sum(r["cuvil_ms"] for r in rs), sum(r["ort_ms"] for r in rs)
@@ -248,6 +250,21 @@ def print_class_summary(rows: list[dict]):
 
 
 # -- the timing run --------------------------------------------------------------------------------
+
+def disturbance() -> tuple[float, int]:
+    """What else took the cores so far: the hypervisor's steal time in ms (/proc/stat, all CPUs; a
+    virtual machine's vCPU run by the host for someone else) and the involuntary context switches
+    of this process's finished children (the timing processes: another process was given their
+    core). A row whose figures moved when rerun shows it here (docs/performance.md)."""
+    import resource
+    steal = 0.0
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        steal = int(fields[8]) * 1e3 / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        pass
+    return steal, resource.getrusage(resource.RUSAGE_CHILDREN).ru_nivcsw
+
 
 def bench_one(name, batch, threads, args, workdir: Path, openvino: bool) -> tuple[dict, list]:
     import cuvil
@@ -280,6 +297,7 @@ def bench_one(name, batch, threads, args, workdir: Path, openvino: bool) -> tupl
     row["rel_err"] = rel_err(compiled.run(feeds)[compiled.info["outputs"][0]["name"]], ref)
     processes = defaultdict(list)
     warm = max(3, args.runs // 10)
+    before = disturbance()
     for _ in range(args.rounds):
         processes["c"].append(ctime.time_library(library, runs=args.runs, warmup=warm, info=compiled.info))
         processes["py"].append(ctime.cuvil_py_times(library, shapes, args.runs, warm))
@@ -290,6 +308,7 @@ def bench_one(name, batch, threads, args, workdir: Path, openvino: bool) -> tupl
             except subprocess.CalledProcessError as error:
                 row["ov_error"] = error.stderr.strip().splitlines()[-1][:150] if error.stderr else "failed"
                 openvino = False
+    row["steal_ms"], row["preempted"] = (after - start for after, start in zip(disturbance(), before))
     best = {k: ctime.best_process_median(v) * 1e3 for k, v in processes.items() if v}
     row.update(cuvil_c_ms=best["c"], cuvil_py_ms=best["py"], ort_ms=best["ort"], ratio=best["py"] / best["ort"])
     if "ov" in best:
@@ -312,7 +331,7 @@ def print_row(r):
         return
     ov = f"{r['ov_ms']:>10.3f}{r['ratio_ov']:>7.2f}" if "ov_ms" in r else f"{'-':>10}{'-':>7}"
     print(f"{head}{r['cuvil_c_ms']:>11.3f}{r['cuvil_py_ms']:>11.3f}{r['ort_ms']:>10.3f}{r['ratio']:>7.2f}{ov}"
-          f"{r['rel_err']:>9.1e}{r['build_s']:>8.1f}", flush=True)
+          f"{r['rel_err']:>9.1e}{r['build_s']:>8.1f}{r.get('steal_ms', 0):>7.0f}{r.get('preempted', 0):>8d}", flush=True)
 
 
 def main(argv=None):
@@ -344,7 +363,7 @@ def main(argv=None):
     print(f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, onnxruntime {ort.__version__}, "
           + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}")
     print(f"{'model':<20}{'b':>4}{'thr':>4}{'cuvil C ms':>11}{'cuvil py':>11}{'ort ms':>10}{'ratio':>7}"
-          f"{'ov ms':>10}{'vs ov':>7}{'rel err':>9}{'build s':>8}")
+          f"{'ov ms':>10}{'vs ov':>7}{'rel err':>9}{'build s':>8}{'steal':>7}{'preempt':>8}")
     rows, report = [], []
     with tempfile.TemporaryDirectory(prefix="corpus-bench-") as tmp:
         for name in names:

@@ -13,7 +13,8 @@ prints. It reads the two graphs only, so passes stay pure.
     opt 2  + quantised products (QDQ, quantize_dynamic's integer ops) into one integer product
            (`fold_qdq`, before constants fold the quantised weights to float),
            folding and fusion into ops the kernels already have: BatchNormalization
-           into Conv, MatMul + bias into Gemm, exporters' decompositions into one op,
+           into Conv, a per-channel Mul/Add into InstanceNormalization's scale and bias
+           (`fold_batchnorm`), MatMul + bias into Gemm, exporters' decompositions into one op,
            activations and residual adds into Conv/Gemm/MatMul epilogues; a ScatterElements
            over expanded row indices into a ScatterND (`simplify_scatter`); 3x3
            stride-1 convs marked for Winograd (`winograd`: fewer multiply-adds, more

@@ -162,7 +162,8 @@ def test_lstm_threads():
 
 
 # float32 nodes with constant weights run their products on micro-kernels (rnn_uk.py): batch rows
-# in tiles of up to 6 (B=8: a tile of 6 and one of 2), gate rows in panels of 64 (H=40: LSTM's 160
+# in balanced tiles of up to 6 (rnn._balanced_block: B=8 runs as 4 + 4, B=7 as 4 + 3, B=13 as
+# 5 + 5 + 3 on one thread and 4 + 4 + 4 + 1 on two), gate rows in panels of 64 (H=40: LSTM's 160
 # gate rows end in a partial panel; GRU's z|r group 80 and candidate group 40), input rows of the
 # projection in tiles of 6 (T*B=24 and, with layout 1, per batch row T=3) and K passes of 256 (I=300).
 PANEL_CASES = {

@@ -168,6 +168,10 @@ BLOCK_CASES = {   # expand, project, residual, stride, C, H, W, the block reads 
     "odd_channels_s2": (True, True, False, 2, 13, 15, 21, False),
     "odd_project_only_s2": (False, True, False, 2, 13, 15, 9, False),
     "small_plane_residual": (True, True, True, 1, 13, 7, 7, False),
+    # wide rows: several bands, each a few blocks of expanded channels (dwblock._blocked_band), the
+    # rows two bands share kept in the halo store, a last partial block of 39 channels
+    "wide_bands_residual": (True, True, True, 1, 13, 24, 110, False),
+    "wide_bands_s2": (True, True, False, 2, 13, 25, 110, False),
     # x a float32 graph input (rounded to bf16 into pairs by the block), y a float32 graph output
     "graph_input_output": (True, True, False, 1, 16, 9, 13, True),
 }
@@ -239,7 +243,10 @@ def block_bound(case, precision, x, ort):
         here = ort[src] if src in ort else x.astype(np.float64)
         bound[out] = stage_error(here, bound[src], inits[w], inits[b], rel, **geometry)
         if out == "u" and project and precision == "bf16":
-            bound["u"] = stored(bound["u"], ort["u"], u)   # u's bf16 pairs
+            # u's bf16 pairs; with AVX512-BF16 rounded by vcvtneps2bf16, which flushes a float32
+            # subnormal to zero: 2^-126 more (dwstride.pairs_rounding; the avx2 target's exact
+            # rounding is within this bound too)
+            bound["u"] = stored(bound["u"], ort["u"], u) + 2.0 ** -126
     g = GS_OF[case]
     e = bound[STAGES_OF[case][-1][4]]
     if residual:
@@ -361,7 +368,7 @@ def test_mobilenet_v2_arena_in_bf16_is_at_most_055_of_float32():
     assert len(blocks) == 17 and all(p.startswith("bf16 (") for p in blocks), blocks
 
 
-@pytest.mark.parametrize("case,calls", [("expand_project_residual", 1), ("odd_channels_s2", 2),
+@pytest.mark.parametrize("case,calls", [("expand_project_residual", 1), ("odd_channels_s2", 2), ("wide_bands_s2", 1),
                                         ("small_plane_residual", 2), ("graph_input_output", 2)])
 def test_a_16_bit_depthwise_block_gives_the_same_bits_on_two_threads(case, calls):
     # each work item has its own scratch (the pairs of x and u and the float32 band of y included):

@@ -124,6 +124,19 @@ _SYNC_WORDS = 3 * _SYNC_LINE
 _ADOPT_TICKS = 10000
 
 
+def _balanced_block(B: int, most: int) -> int:
+    """Batch rows per recurrence work item (micro-kernel rows, at most `most`): the fewest blocks,
+    one per thread at least while rows last, rounded up to a multiple of the library's threads,
+    and rows spread evenly over them. A step is bound by the micro-kernel's products of its
+    rows, and every block streams all of R, so 8 rows on two threads run as 4 + 4 (each thread
+    streaming R once for half the products), not 6 + 2 (the 6-row thread's products take ~1.5x
+    the 4-row one's, and the other waits). A row's sums do not depend on its block."""
+    threads = session_threads()
+    n = -(-B // most)
+    n = min(B, -(-n // threads) * threads)
+    return -(-B // n)
+
+
 def _unit_split(spec) -> int | None:
     """An LSTM whose batch is one work item runs each step as two halves of the hidden units: the
     first unit of the second half (None: no split). A half is its units' gate rows of R (H=128:
@@ -219,7 +232,7 @@ class _Spec:
         # float32 with constant weights: the products run on the micro-kernels (rnn_uk.py).
         self.uk_projection = self.dtype == np.float32 and W.is_const
         self.uk_recurrence = self.dtype == np.float32 and R.is_const
-        self.block = rnn_uk.MR if self.uk_recurrence else _BATCH_BLOCK
+        self.block = _balanced_block(self.B, rnn_uk.MR) if self.uk_recurrence else _BATCH_BLOCK
         # Sequence lengths equal to T everywhere are no lengths at all.
         if self.seq is not None and self.seq.is_const and np.all(np.asarray(self.seq.data) == self.T):
             self.seq = None
@@ -356,7 +369,7 @@ def _projection_uk_call(spec, node) -> KernelCall:
     _panel_of_item(spec, body, f"item % {P}")
     body.line(f"n0 = pn*{rnn_uk.NR}")
     body.line(f"nv = min({rnn_uk.NR}, {GH} - n0)")
-    body.line(f"mask = np.int64(-1) if nv >= 64 else (np.int64(1) << nv) - np.int64(1)")
+    body.line("mask = np.int64(-1) if nv >= 64 else (np.int64(1) << nv) - np.int64(1)")
     body.line(f"for r in range({rows}):").indent()
     body.line(f"o = (d*{rows} + r)*{GH}")
     for lo, hi, bias in _bias_segments(spec, pB):
@@ -387,7 +400,7 @@ def _projection_dot_call(spec, node) -> KernelCall:
     """scratch[d, t, b, :] = x[t, b] . W[d]^T + bias (all biases but GRU's Rbh with
     linear_before_reset), for every step at once: _ROW_BLOCK input rows share each pass over a
     row of W. Work items: (direction, block of rows)."""
-    D, T, B, I, H, GH = spec.D, spec.T, spec.B, spec.I, spec.H, spec.GH
+    D, T, B, I, GH = spec.D, spec.T, spec.B, spec.I, spec.GH
     args = _Args()
     pX = args.bind("X", spec.X.name, spec.dtype)
     pW = args.bind("W", spec.W.name, spec.dtype)

@@ -58,7 +58,7 @@ from .emit import NOALIAS_MARK
 from .epilogue import Epilogue
 from .gemm import Operand, bf16_k_pass, choose_tile, uk_eligible, uk_gemm_kernel
 from .kernel import Kernel, KernelCall, Source, kernel_header
-from .narrow import with_bf16_rounding
+from .narrow import with_bf16_lanes
 from .winograd import (F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel,
                        tile_grid_loop, tiles)
 
@@ -130,9 +130,8 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
         for l in range(a):
             at = f"r + q + {offsets[a * k + l]}"
             if x16:
-                src.line(f"w{k}_{l} = np.int64(p0[{at}])")
-                src.line(f"d{k}_{l}_0 = _f32_from_bits(w{k}_{l} << 16)")
-                src.line(f"d{k}_{l}_1 = _f32_from_bits(w{k}_{l} & 4294901760)")
+                src.line(f"w{k}_{l} = p0[{at}]")
+                src.line(f"d{k}_{l}_0 = pair_lo_f32(w{k}_{l})").line(f"d{k}_{l}_1 = pair_hi_f32(w{k}_{l})")
             else:
                 src.line(f"d{k}_{l}_0 = p0[{at}]").line(f"d{k}_{l}_1 = p0[{at} + {ldb}]")
     for h in (0, 1):
@@ -141,9 +140,9 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
                 src.line(f"e{i}_{l}_{h} = {combine(row, lambda k: f'd{k}_{l}_{h}')}")
     for i in range(a):
         for j, row in enumerate(t.BT):          # along its rows
-            lo, hi = (f"bf16_rne({combine(row, lambda l: f'e{i}_{l}_{h}')})" for h in (0, 1))
-            src.line(f"p1[o + q + {(a * i + j) * xs}] = np.uint32({lo} | ({hi} << 16))")
-    return Kernel("WinoIn_bf16", with_bf16_rounding(src.text()), ("uint32" if x16 else "float32", "uint32"))
+            lo, hi = (combine(row, lambda l: f'e{i}_{l}_{h}') for h in (0, 1))
+            src.line(f"p1[o + q + {(a * i + j) * xs}] = bf16_pair_rne({lo}, {hi})")
+    return Kernel("WinoIn_bf16", with_bf16_lanes(src.text()), ("uint32" if x16 else "float32", "uint32"))
 
 
 def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, residual_arg=None, res_strides=None,

@@ -494,6 +494,21 @@ def pair_hi_f32(typingctx, w):
 
 
 @intrinsic
+def pair_join(typingctx, a, b, high):
+    """A channel-pair word from two words of bf16 column pairs (one channel's each): the low
+    halves of a and b (high == 0) or their high halves (high == 1), a's in the low half."""
+    def codegen(context, builder, signature, args):
+        i32 = _ir.IntType(32)
+        k = lambda v: _ir.Constant(i32, v)
+        if signature.args[2].literal_value:
+            return builder.or_(builder.lshr(args[0], k(16)), builder.and_(args[1], k(-65536)))
+        return builder.or_(builder.and_(args[0], k(65535)), builder.shl(args[1], k(16)))
+    if not isinstance(high, _types.IntegerLiteral):
+        return None
+    return _types.uint32(_types.uint32, _types.uint32, high), codegen
+
+
+@intrinsic
 def bf16_widen(typingctx, h):
     """bf16 bits (uint16) -> float32 (exact)."""
     def codegen(context, builder, signature, args):
@@ -506,7 +521,7 @@ def bf16_widen(typingctx, h):
 
 def with_bf16_lanes(source: str) -> str:
     """Kernel source with BF16_LANES' 32-bit lane conversions (bf16_pair_rne, bf16_rne16,
-    pair_lo_f32, pair_hi_f32, bf16_widen) defined before it."""
+    pair_lo_f32, pair_hi_f32, pair_join, bf16_widen) defined before it."""
     return BIT_HELPERS + BF16_LANES + source
 
 

@@ -12,13 +12,19 @@ with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in floa
   channels). The library holds U, not W: 16 bf16 per (oc, c), 32 bytes, against 36 for W in
   float32 and 18 for the direct bf16 conv's packed W (16/9 of it). Nothing runs at load.
 - `ConvPad` lays X out as phase images: float32 (winograd.py's) for a float32 X; for an X stored
-  in bf16 (narrowed activations), bf16 with channel pairs interleaved (convgemm's 16-bit copy);
+  in bf16 (narrowed activations), bf16 with channel pairs interleaved (convgemm's 16-bit copy;
+  with rows of >= 16 words the same layout copied in 32-bit words, `ConvPad_words16`);
 - `WinoIn_bf16` transforms two channels at a time in float32 (a bf16 input widened, exactly) and
   rounds each V value once (RNE) into one 32-bit word per channel pair: the VNNI pair layout
   vdpbf16ps reads (V[n, xi] is C/2 pair rows of T words);
 - `WinoGemm` (gemm.uk_gemm_kernel over LowpUKSpec, A in pair panels, B read in place);
 - `WinoOut` as in float32 from the float32 M; a bf16 residual widened on load, a bf16 Y rounded
-  once on the store.
+  once on the store (with rows of even length: one pair word per tile row, winograd.out_kernel).
+The transforms widen and round in 32-bit lanes (narrow.BF16_LANES: the bits of bf16_rne, 16
+lanes a vector where bf16_rne's int64 arithmetic gave 8). Kernels compile with fastmath, so LLVM
+may order a float32 sum of the transforms differently at another vector width (a 28x28 plane's
+outputs moved by at most one bf16 step when the lanes changed); every gamma below holds for any
+order of its sum.
 The last three run per band of tile rows whose V and M fit BAND_BYTES (lower_winograd_bf16): the
 arena holds one band's V (bf16) and M (float32), not the whole conv's.
 
@@ -164,7 +170,14 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {C // 2}").line(f"cp = item - n * {C // 2}")
     src.line(f"sb = item * {ldb if x16 else 2 * ldb} + {row0 * PW}").line(f"vb = n * {a * a * xs} + cp * {ldv or T}")
-    tile_grid_loop(src, T, TH, TW, PW, pitch)
+    if pitch != PW and TW < 16:
+        # rows of fewer than 16 tiles (a 7x7 output: 4): one loop over the band's tiles, V written
+        # contiguously, the phases read at ti * PW + tj (LLVM gathers them): a loop per row of
+        # tiles would be too short to vectorise.
+        src.line(f"for q in range({T}):").indent()
+        src.line(f"ti = q // {TW}").line(f"r = sb + ti * {PW - TW}").line("o = vb")
+    else:
+        tile_grid_loop(src, T, TH, TW, PW, pitch)
     for k in range(a):
         for l in range(a):
             at = f"r + q + {offsets[a * k + l]}"

@@ -239,3 +239,33 @@ def test_a_resnet18_shaped_model_in_bf16_winograd_keeps_its_outputs():
     assert cosine(bf16.run({bf16.input_names[0]: x})[name], want) >= 0.999
     labels = _labels(model)
     assert sum(label in ("bf16 winograd F2 (dpbf16)", "bf16 winograd F2 (widen)") for label in labels) >= 4, labels
+
+
+def test_the_32_bit_lane_conversions_are_bf16_rne_bit_for_bit():
+    """narrow.BF16_LANES (the transforms' rounding and widening on i32) gives bf16_rne's bits:
+    random float32 patterns, ties, NaNs, infinities, subnormals, the largest finite values."""
+    from backends.numba_cpu import narrow
+    namespace = {}
+    exec("import numpy as np\n" + narrow.BIT_HELPERS + narrow.BF16_RNE + narrow.BF16_LANES + '''
+@njit
+def run(x, y, pair, want, half, widened):
+    for i in range(x.size):
+        pair[i] = bf16_pair_rne(x[i], y[i])
+        want[i] = np.uint32(bf16_rne(x[i]) | (bf16_rne(y[i]) << 16))
+        half[i] = bf16_rne16(x[i])
+        widened[i] = _f32_bits(pair_lo_f32(pair[i])) == _f32_bits(bf16_widen(half[i])) \\
+            and _f32_bits(pair_hi_f32(pair[i])) == (pair[i] & 4294901760)
+''', namespace)
+    rng = np.random.default_rng(0)
+    special = np.array([0, 0x80000000, 0x7f800000, 0xff800000, 0x7f800001, 0x7fbfffff, 0x7fffffff, 0xffffffff,
+                        0x7fc00000, 0x00000001, 0x00008000, 0x00018000, 0x807fffff, 0x3f808000, 0x3f818000,
+                        0x7f7fffff, 0x7f7f8000, 0xff7fffff], dtype=np.uint32)
+    ties = (rng.integers(0, 1 << 16, 50_000).astype(np.uint32) << 16) | 0x8000
+    bits = np.concatenate([special, ties, rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)])
+    x, y = bits.view(np.float32), np.roll(bits, 5).view(np.float32)
+    pair, want = np.zeros(x.size, np.uint32), np.zeros(x.size, np.uint32)
+    half, widened = np.zeros(x.size, np.uint16), np.zeros(x.size, np.bool_)
+    namespace["run"](x, y, pair, want, half, widened)
+    assert np.array_equal(pair, want)
+    assert np.array_equal(half, (want & 0xFFFF).astype(np.uint16))
+    assert widened.all()

@@ -22,9 +22,8 @@ with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in floa
   once on the store (with rows of even length: one pair word per tile row, winograd.out_kernel).
 The transforms widen and round in 32-bit lanes (narrow.BF16_LANES: the bits of bf16_rne, 16
 lanes a vector where bf16_rne's int64 arithmetic gave 8). Kernels compile with fastmath, so LLVM
-may order a float32 sum of the transforms differently at another vector width (a 28x28 plane's
-outputs moved by at most one bf16 step when the lanes changed); every gamma below holds for any
-order of its sum.
+may order a float32 sum of the transforms differently at another vector width; every gamma below
+holds for any order of its sum.
 The last three run per band of tile rows whose V and M fit BAND_BYTES (lower_winograd_bf16): the
 arena holds one band's V (bf16) and M (float32), not the whole conv's.
 

@@ -80,6 +80,18 @@ class InPlace:
 
 
 @dataclass
+class ConcatPart:
+    """One input of a Concat whose outer extent is 1 (a channel Concat at batch 1, or any axis
+    with nothing but 1s before it): its bytes are one contiguous run of the output, starting
+    `offset` bytes in. The memory planner may let the input's producer write there directly
+    (backends/native/memory.py); `copy` is the call that copies this input alone into its run,
+    which the planner keeps for the inputs it could not place."""
+    value: str
+    offset: int
+    copy: KernelCall
+
+
+@dataclass
 class KernelCall:
     """One call of a kernel in the schedule: which values (or build-time packed
     constants) its pointers bind to, and the size of its work range."""
@@ -97,6 +109,9 @@ class KernelCall:
     # The reduced precision the call computes in and how ("bf16 (dpbf16)": see numba_cpu/gemm.py
     # lowp_product); "" for float32.
     precision: str = ""
+    # A Concat the memory planner may write in place (its inputs' runs of the output: see
+    # ConcatPart); None for every other call.
+    parts: list[ConcatPart] | None = None
 
 
 @dataclass

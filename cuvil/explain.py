@@ -46,7 +46,7 @@ class Explanation:
     kernels: list[KernelRecord]
     kernels_before: int          # kernel calls the imported graph would need with no pass
     views: int                   # schedule steps that are views (no code runs)
-    memory: dict                 # arena_bytes, naive_bytes, weights_bytes, in_place, strategy
+    memory: dict                 # arena_bytes, naive_bytes, weights_bytes, in_place, strategy, concats_in_place
     buffers: list[tuple]         # (offset, bytes, first step, last step, value)
     op_counts_before: dict = field(default_factory=dict)
     op_counts_after: dict = field(default_factory=dict)
@@ -114,7 +114,8 @@ def explain_graphs(model: str, stages: list[tuple[str, object]], params) -> Expl
     arena = planned.arena
     buffers = sorted((arena.offsets[r], lowered[r].nbytes, *arena.lifetimes[r], r) for r in arena.offsets)
     return Explanation(model, records, kernels, before_calls, len(planned.schedule) - len(planned.calls),
-                       {**planned.figures(), "in_place": len(arena.in_place), "strategy": arena.strategy},
+                       {**planned.figures(), "in_place": len(arena.in_place), "strategy": arena.strategy,
+                        "concats_in_place": dict(sorted(arena.concats.items()))},
                        buffers, first.op_counts(), final.op_counts(), edges)
 
 
@@ -233,6 +234,8 @@ def render(report: Explanation, max_buffers: int = 24) -> str:
     lines.append(f"arena  {_size(m['arena_bytes'])} for {_size(m['naive_bytes'])} of intermediates "
                  f"({ratio:.1%}; strategy {m['strategy']}, {m['in_place']} in place); "
                  f"weights {_size(m['weights_bytes'])}{shared}")
+    for node, how in m.get("concats_in_place", {}).items():
+        lines.append(f"  Concat {node}: {how}")
     shown = sorted(report.buffers, key=lambda b: (-b[1], b[0]))[:max_buffers]
     for offset, size, first, last, value in sorted(shown):
         lines.append(f"  @{offset:<10d} {_size(size):>10}  steps {first:>3}-{last:<3} {value}")

@@ -9,7 +9,10 @@ schedule (views, in-place reuse), so codegen does it with
 `backends/native/memory.py` (`plan_arena`), using this pass's options:
 
     strategy   greedy_by_size | best_fit | none    (none: no reuse at all)
-    in_place   an elementwise kernel may overwrite an input it reads last
+    in_place   an elementwise kernel may overwrite an input it reads last; a
+               Concat whose inputs are each one contiguous run of its output
+               (outer extent 1) has their producers write there directly, where
+               the arena does not grow (backends/native/memory.py)
     reorder    run the scheduling above
 
 Without this pass in the pass list, codegen places every buffer apart (the

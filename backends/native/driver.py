@@ -119,19 +119,22 @@ def storage(name, plan, weights_offsets, input_index, output_index) -> tuple[str
     driver_cuda.py) spell the place in their own C."""
     if name in output_index:
         return "output", output_index[name]
-    root = name
+    root, offset = name, 0
     while root in plan.alias:
+        offset += plan.alias_offsets.get(root, 0)   # a slice of a Concat's output (memory.py)
         root = plan.alias[root]
         if root in output_index:
+            assert not offset, f"value {name!r} is a slice of the graph output {root!r}"
             return "output", output_index[root]
+    if root in plan.offsets:
+        return "arena", plan.offsets[root] + offset
+    assert not offset, f"value {name!r} is a slice of {root!r}, which is not in the arena"
     if root in input_index:
         return "input", input_index[root]
     if root in weights_offsets:
         return "weights", weights_offsets[root]
     if root in plan.shared:
         return "shared", plan.shared[root]
-    if root in plan.offsets:
-        return "arena", plan.offsets[root]
     raise AssertionError(f"value {name!r} has no storage")
 
 

@@ -10,6 +10,23 @@ no later step reads that input's buffer, the output takes over the buffer
 (as onnxruntime's allocation planner does). A chain of such ops then runs in
 one buffer.
 
+Concat in place: a Concat whose inputs are each one contiguous run of its
+output (outer extent 1: numba_cpu/concat.py lists them as ConcatParts) need
+not copy. An input whose buffer is its own (not external, not a view into a
+larger buffer, not already placed elsewhere) becomes a slice of the output
+(`alias` to the output plus `alias_offsets`), so its producer writes straight
+into the output; the Concat call goes when every input is placed, or keeps a
+one-input copy for each input that is not. A Concat whose inputs already lie
+in order in one buffer (a DenseNet block's growing concatenations of the same
+features) becomes a slice of that buffer itself. Concats are taken last
+first, so the largest one of a chain owns the features and the earlier ones
+become its prefixes. A placed buffer lives as long as the output, from its
+first producer to the last reader of any part: each placement (and each
+Concat made a slice) is kept only if the arena does not grow (greedy, in that
+order: a U-Net's long-lived skip feature stays a copy, the upsampled feature
+made right before the Concat is placed). Not in loops (LoopMark), and never
+into or out of external storage (graph inputs, outputs, weights).
+
 Placement (64-byte aligned offsets, buffers largest first):
   greedy_by_size  the lowest offset that overlaps no buffer alive at the same
                   time (TFLite's planner);
@@ -18,6 +35,7 @@ Placement (64-byte aligned offsets, buffers largest first):
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +62,8 @@ class MemoryPlan:
     strategy: str = "greedy_by_size"
     shared: dict[str, int] = field(default_factory=dict)  # value -> offset in the block the sessions share
     shared_bytes: int = 0
+    alias_offsets: dict[str, int] = field(default_factory=dict)  # value -> byte offset in its alias (Concat slices)
+    concats: dict[str, str] = field(default_factory=dict)  # Concat node -> how it was written in place
 
 
 def shared_values(schedule) -> list[str]:
@@ -63,16 +83,47 @@ def place_shared_values(plan: MemoryPlan, graph, names) -> MemoryPlan:
 
 
 def plan_arena(graph, schedule, external: set[str], strategy: str = "greedy_by_size",
-                in_place: bool = True) -> MemoryPlan:
+                in_place: bool = True, concats: bool = True) -> MemoryPlan:
     """external: values that live outside the arena (graph inputs, outputs, constants). A call
     whose output takes over an input's buffer in its in-place form (KernelCall.in_place) is
-    rewritten to that form in `schedule`."""
+    rewritten to that form in `schedule`; with `concats` (and `in_place`), Concats written in
+    place are removed from it (or replaced by the copies of the inputs that could not be placed)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown memory strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
-    alias: dict[str, str] = {}
-    for call in schedule:
-        if isinstance(call, View):
-            alias[call.dst] = call.src
+    views = {call.dst: call.src for call in schedule if isinstance(call, View)}
+    chosen: set = set()
+    if concats and in_place and strategy != "none":
+        plan = _plan(graph, schedule, external, views, strategy, in_place, chosen, trial=True)[0]
+        # Greedy: every placement at once, then each Concat's placements together, then each one
+        # alone, twice over what was refused (a placement that grows the arena alone may not once
+        # others are made: the outer Concat of a chain, once the inner ones are slices of it).
+        groups = _concat_choices(graph, schedule, external, views)
+        every = {choice for group in groups for choice in group}
+        for trying in [[every], [set(group) for group in groups]] + [[{c} for g in groups for c in g]] * 2:
+            for choice in trying:
+                if choice <= chosen:
+                    continue
+                trial = _plan(graph, schedule, external, views, strategy, in_place, chosen | choice, trial=True)[0]
+                if trial.arena_bytes <= plan.arena_bytes:
+                    chosen |= choice
+                    plan = trial
+            if chosen == every:
+                break
+    # the chosen plan once more, now rewriting the schedule's own calls
+    plan, calls = _plan(graph, schedule, external, views, strategy, in_place, chosen)
+    schedule[:] = calls
+    return plan
+
+
+def _plan(graph, schedule, external, views, strategy, in_place, chosen, trial=False) -> tuple[MemoryPlan, list]:
+    """The plan with the Concat placements `chosen` (_concat_choices) and the schedule it runs:
+    `schedule` less the Concats placed, its calls rewritten to their in-place forms (copies of
+    them for a `trial`, which leaves the calls as they are)."""
+    if trial:
+        schedule = [copy.copy(c) if isinstance(c, KernelCall) else c for c in schedule]
+    alias, offsets_in, concats = dict(views), {}, {}
+    if chosen:
+        schedule = _place_concats(graph, schedule, external, alias, offsets_in, chosen, concats)
 
     def root(name):
         while name in alias:
@@ -109,7 +160,81 @@ def plan_arena(graph, schedule, external: set[str], strategy: str = "greedy_by_s
     offsets = _place(buffers, first, last, strategy)
     ends = [offsets[r] + _align(max(size, 1)) for size, r in buffers]
     return MemoryPlan(offsets, alias, max(ends, default=0), naive, taken_over,
-                      {r: (first[r], last[r]) for _, r in buffers}, strategy)
+                      {r: (first[r], last[r]) for _, r in buffers}, strategy,
+                      alias_offsets=offsets_in, concats=concats), schedule
+
+
+def _concat_choices(graph, schedule, external, views) -> list[list]:
+    """The Concat placements to try, one list per Concat, Concats last first: as a slice of a
+    buffer its inputs already lie in ("view", step), then each input placed in it (step, part)."""
+    if any(isinstance(c, LoopMark) for c in schedule):
+        return []
+    groups = []
+    for step in reversed(range(len(schedule))):
+        call = schedule[step]
+        if isinstance(call, KernelCall) and call.parts and call.args[-1] not in external:
+            groups.append([("view", step)] + [(step, k) for k, part in enumerate(call.parts)
+                                              if part.value not in external and not graph.values[part.value].is_const])
+    return groups
+
+
+def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report) -> list:
+    """Apply the placements `chosen` (see _concat_choices) that are valid where they come, last
+    Concat first: set `alias` / `offsets_in` of each placed buffer (and each Concat made a slice),
+    and return the schedule without the Concats that no longer copy anything."""
+    def resolve(name):
+        """(the buffer that holds `name`, its byte offset there)."""
+        offset = 0
+        while name in alias:
+            offset += offsets_in.get(name, 0)
+            name = alias[name]
+        return name, offset
+
+    # Buffers that external values share (a view of a graph input, a graph output's source...).
+    touched = {resolve(name)[0] for name in external}
+    # The last step writing each buffer: one written again after a Concat (a value some later call
+    # updates in place) keeps its copy, which holds the bytes as they were at the Concat.
+    # (by the buffer of each value before any placement: alias holds only the views yet)
+    own = {name: resolve(name)[0] for call in schedule if isinstance(call, KernelCall)
+           for name in call.args if isinstance(name, str)}
+    last_write = {}
+    for step, call in enumerate(schedule):
+        if isinstance(call, KernelCall):
+            for name in call_outputs(graph, call):
+                last_write[own[name]] = step
+    result: dict[int, list] = {}
+    for step in reversed(range(len(schedule))):
+        call = schedule[step]
+        if not isinstance(call, KernelCall) or not call.parts:
+            continue
+        y = call.args[-1]
+        y_root = resolve(y)[0]
+        if y in external or y_root in touched:
+            continue
+        where = [resolve(part.value) for part in call.parts]
+        if any(last_write.get(own.get(part.value, part.value), -1) > step for part in call.parts):
+            continue
+        base = where[0][1] - call.parts[0].offset
+        if ("view", step) in chosen and y not in alias and where[0][0] not in touched and all(
+                r == where[0][0] != y and off - part.offset == base >= 0
+                for (r, off), part in zip(where, call.parts)):
+            alias[y], offsets_in[y] = where[0][0], base
+            report[call.node] = f"a slice of '{where[0][0]}' (its inputs already lie there in order)"
+            result[step] = []
+            continue
+        copies = []
+        for k, part in enumerate(call.parts):
+            r, off = resolve(part.value)   # (again: an input met twice is placed at its first run)
+            value = graph.values[part.value]
+            if (step, k) in chosen and off == 0 and r != resolve(y)[0] and r not in touched \
+                    and graph.values[r].nbytes == value.nbytes and graph.values[r].shape_from is None:
+                alias[r], offsets_in[r] = y, part.offset
+            else:
+                copies.append(copy.copy(part.copy))
+        if len(copies) < len(call.parts):
+            report[call.node] = f"{len(call.parts) - len(copies)} of {len(call.parts)} inputs written in place"
+            result[step] = copies
+    return [c for step, call in enumerate(schedule) for c in result.get(step, [call])]
 
 
 def _extend_over_loops(schedule, first, last) -> None:

@@ -6,12 +6,19 @@ of the output row (length = sum of len_i). A work item is one outer row, or
 one block of a row when rows are long and few (Concat on axis 0), so the
 work splits across threads either way. The kernel only moves bytes, so its
 pointers are unsigned integers of the element size.
+
+When outer == 1 (a channel Concat at batch 1, or any axis with only 1s before
+it) every input is one contiguous run of the output, so the call also lists
+its inputs as ConcatParts, each with a call that copies that input alone: the
+memory planner (backends/native/memory.py) lets an input's producer write
+straight into its run of the output, drops the Concat when every input is
+placed, and keeps the one-input copies of the others.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header
+from .kernel import ConcatPart, Kernel, KernelCall, Lowered, Source, kernel_header
 from .transpose import copy_type
 
 # A row is split in blocks of this many elements when there are few rows.
@@ -61,4 +68,21 @@ def lower_concat(node, graph) -> Lowered:
     if y.size == 0:
         work = 0
     kernel = Kernel("Concat", src.text(), (ctype,) * (len(parts) + 1))
-    return Lowered([KernelCall(kernel, [name for name, _, _ in parts] + [y.name], work, node.name)])
+    call = KernelCall(kernel, [name for name, _, _ in parts] + [y.name], work, node.name)
+    if outer == 1 and y.size and y.shape_from is None:
+        itemsize = np.dtype(y.dtype).itemsize
+        call.parts = [ConcatPart(name, off * itemsize, _copy_run(name, y.name, off, length, ctype, node.name))
+                      for name, off, length in parts]
+    return Lowered([call])
+
+
+def _copy_run(src: str, dst: str, offset: int, length: int, ctype: str, node: str) -> KernelCall:
+    """The call copying `src` (length elements) to elements [offset, offset + length) of `dst`,
+    in blocks of _BLOCK elements (the work items)."""
+    blocks = -(-length // _BLOCK)
+    src_text = Source().line(kernel_header(2)).indent()
+    src_text.line("for w in range(begin, end):").indent()
+    src_text.line(f"lo = w * {_BLOCK}")
+    src_text.line(f"for j in range(lo, min(lo + {_BLOCK}, {length})):").indent()
+    src_text.line(f"p1[{f'{offset} + ' if offset else ''}j] = p0[j]")
+    return KernelCall(Kernel("ConcatCopy", src_text.text(), (ctype, ctype)), [src, dst], blocks, node)

@@ -9,7 +9,7 @@ import contextvars
 
 import numpy as np
 
-from backends.schedule import InPlace, Kernel, KernelCall, Lowered, View  # noqa: F401  (the generators' types)
+from backends.schedule import ConcatPart, InPlace, Kernel, KernelCall, Lowered, View  # noqa: F401  (the generators' types)
 from backends.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
 

@@ -434,6 +434,97 @@ def bf16_rne(x):
 '''
 
 
+# The same conversions as 32-bit lane operations, for the loops LLVM vectorises (bf16 Winograd's
+# transforms): BF16_RNE's bits come from _f32_bits as an int64, and its int64 adds, shifts and
+# compares made those loops 8 lanes of 64 bits, half the vector, the float32 work with them.
+# Here every operation is on i32 (no value needs more: b + 0x8000 < 2^32 for every b that is not a
+# NaN, and a NaN takes the other branch), so a loop of them is 16 lanes; the results are
+# bf16_rne's, bit for bit (tests/test_precision_winograd.py checks every class of input).
+BF16_LANES = '''
+
+@intrinsic
+def bf16_pair_rne(typingctx, lo, hi):
+    """float32 lo, hi -> one uint32 word: bf16_rne(lo) in the low half, bf16_rne(hi) in the high."""
+    def codegen(context, builder, signature, args):
+        i32 = _ir.IntType(32)
+        k = lambda v: _ir.Constant(i32, v)
+        out = []
+        for x in args:
+            b = builder.bitcast(x, i32)
+            top = builder.lshr(b, k(16))
+            r = builder.add(builder.add(b, k(32767)), builder.and_(top, k(1)))
+            nan = builder.icmp_unsigned(">", builder.and_(b, k(2147483647)), k(2139095040))
+            out.append((b, top, r, nan))
+        (b0, top0, r0, nan0), (b1, top1, r1, nan1) = out
+        lo_bits = builder.select(nan0, builder.or_(top0, k(64)), builder.lshr(r0, k(16)))
+        hi_bits = builder.select(nan1, builder.or_(builder.and_(b1, k(-65536)), k(4194304)),
+                                 builder.and_(r1, k(-65536)))
+        return builder.or_(hi_bits, lo_bits)
+    return _types.uint32(_types.float32, _types.float32), codegen
+
+
+@intrinsic
+def bf16_rne16(typingctx, x):
+    """float32 -> its bf16 bits (bf16_rne) as a uint16."""
+    def codegen(context, builder, signature, args):
+        i32 = _ir.IntType(32)
+        k = lambda v: _ir.Constant(i32, v)
+        b = builder.bitcast(args[0], i32)
+        top = builder.lshr(b, k(16))
+        r = builder.lshr(builder.add(builder.add(b, k(32767)), builder.and_(top, k(1))), k(16))
+        nan = builder.icmp_unsigned(">", builder.and_(b, k(2147483647)), k(2139095040))
+        return builder.trunc(builder.select(nan, builder.or_(top, k(64)), r), _ir.IntType(16))
+    return _types.uint16(_types.float32), codegen
+
+
+@intrinsic
+def pair_lo_f32(typingctx, w):
+    """The low bf16 of a uint32 pair word, widened (exact)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.shl(args[0], _ir.Constant(_ir.IntType(32), 16)), _ir.FloatType())
+    return _types.float32(_types.uint32), codegen
+
+
+@intrinsic
+def pair_hi_f32(typingctx, w):
+    """The high bf16 of a uint32 pair word, widened (exact)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.and_(args[0], _ir.Constant(_ir.IntType(32), -65536)), _ir.FloatType())
+    return _types.float32(_types.uint32), codegen
+
+
+@intrinsic
+def pair_join(typingctx, a, b, high):
+    """A channel-pair word from two words of bf16 column pairs (one channel's each): the low
+    halves of a and b (high == 0) or their high halves (high == 1), a's in the low half."""
+    def codegen(context, builder, signature, args):
+        i32 = _ir.IntType(32)
+        k = lambda v: _ir.Constant(i32, v)
+        if signature.args[2].literal_value:
+            return builder.or_(builder.lshr(args[0], k(16)), builder.and_(args[1], k(-65536)))
+        return builder.or_(builder.and_(args[0], k(65535)), builder.shl(args[1], k(16)))
+    if not isinstance(high, _types.IntegerLiteral):
+        return None
+    return _types.uint32(_types.uint32, _types.uint32, high), codegen
+
+
+@intrinsic
+def bf16_widen(typingctx, h):
+    """bf16 bits (uint16) -> float32 (exact)."""
+    def codegen(context, builder, signature, args):
+        w = builder.shl(builder.zext(args[0], _ir.IntType(32)), _ir.Constant(_ir.IntType(32), 16))
+        return builder.bitcast(w, _ir.FloatType())
+    return _types.float32(_types.uint16), codegen
+
+'''
+
+
+def with_bf16_lanes(source: str) -> str:
+    """Kernel source with BF16_LANES' 32-bit lane conversions (bf16_pair_rne, bf16_rne16,
+    pair_lo_f32, pair_hi_f32, pair_join, bf16_widen) defined before it."""
+    return BIT_HELPERS + BF16_LANES + source
+
+
 def with_bf16_rounding(source: str) -> str:
     """Kernel source with `bf16_rne(x)` (the bf16 bits of float32 x, RNE, as an int64; vectorises),
     `_f32_bits` and `_f32_from_bits` defined before it."""

@@ -12,13 +12,18 @@ with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in floa
   channels). The library holds U, not W: 16 bf16 per (oc, c), 32 bytes, against 36 for W in
   float32 and 18 for the direct bf16 conv's packed W (16/9 of it). Nothing runs at load.
 - `ConvPad` lays X out as phase images: float32 (winograd.py's) for a float32 X; for an X stored
-  in bf16 (narrowed activations), bf16 with channel pairs interleaved (convgemm's 16-bit copy);
+  in bf16 (narrowed activations), bf16 with channel pairs interleaved (convgemm's 16-bit copy;
+  with rows of >= 16 words the same layout copied in 32-bit words, `ConvPad_words16`);
 - `WinoIn_bf16` transforms two channels at a time in float32 (a bf16 input widened, exactly) and
   rounds each V value once (RNE) into one 32-bit word per channel pair: the VNNI pair layout
   vdpbf16ps reads (V[n, xi] is C/2 pair rows of T words);
 - `WinoGemm` (gemm.uk_gemm_kernel over LowpUKSpec, A in pair panels, B read in place);
 - `WinoOut` as in float32 from the float32 M; a bf16 residual widened on load, a bf16 Y rounded
-  once on the store.
+  once on the store (with rows of even length: one pair word per tile row, winograd.out_kernel).
+The transforms widen and round in 32-bit lanes (narrow.BF16_LANES: the bits of bf16_rne, 16
+lanes a vector where bf16_rne's int64 arithmetic gave 8). Kernels compile with fastmath, so LLVM
+may order a float32 sum of the transforms differently at another vector width; every gamma below
+holds for any order of its sum.
 The last three run per band of tile rows whose V and M fit BAND_BYTES (lower_winograd_bf16): the
 arena holds one band's V (bf16) and M (float32), not the whole conv's.
 
@@ -58,7 +63,7 @@ from .emit import NOALIAS_MARK
 from .epilogue import Epilogue
 from .gemm import Operand, bf16_k_pass, choose_tile, uk_eligible, uk_gemm_kernel
 from .kernel import Kernel, KernelCall, Source, kernel_header
-from .narrow import with_bf16_rounding
+from .narrow import with_bf16_lanes
 from .winograd import (F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel,
                        tile_grid_loop, tiles)
 
@@ -111,6 +116,45 @@ def pack_u(t: Transform, W: np.ndarray, MR: int, lead: int) -> np.ndarray:
     return out.ravel()
 
 
+def _pad_words_kernel(C, H, W, p_t, p_l, PH, PW, ldb, N) -> tuple[Kernel, int]:
+    """A bf16 X (N, C, H, W), W even -> F(2x2)'s four phase images in channel-pair words, the
+    layout (and values) of convgemm.padded_narrow_input_kernel's, in 32-bit lanes: X's rows are
+    read as words of two columns, so phase column j (input column 2j + pc - p_l) is the low or the
+    high half of one word of each channel of the pair, and the pair word one pair_join of two
+    contiguous loads (16 a vector; the 16-bit copy interleaves single columns). A work item is an
+    (image, channel pair); pointers: X as uint32 words, the phases as uint32 words. Taken for rows
+    of PW >= 16 words (planes from 30x30 on): with shorter rows LLVM unrolls the row and vectorises
+    the loop over the rows instead, with gathers and scatters (ResNet-18's 28x28 stage: 0.015 ms
+    a conv with the 16-bit copy, 0.038 with this one; its 56x56 stage: 0.030 -> 0.010)."""
+    src = Source()
+    src.line(NOALIAS_MARK).line(kernel_header(2)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {C // 2}").line(f"xb = (n * {C} + (item - n * {C // 2}) * 2) * {H * W // 2}")
+    src.line(f"sb = item * {ldb}")
+    plane = PH * PW
+    for index, (ph, pc) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+        delta = pc - p_l                      # input column of phase column j: 2j + delta
+        shift, high = delta // 2, delta % 2   # its word: j + shift, its half
+        j_lo = max(0, -(delta // 2) if delta < 0 else 0)
+        while 2 * j_lo + delta < 0:
+            j_lo += 1
+        j_hi = min(PW, (W - delta + 1) // 2)
+        src.line(f"for i in range({PH}):").indent()
+        src.line(f"o = sb + {index * plane} + i * {PW}").line(f"r = 2 * i + {ph - p_t}")
+        src.line(f"if r < 0 or r >= {H}:").indent()
+        src.line(f"for j in range({PW}):").indent().line("p1[o + j] = np.uint32(0)").dedent().dedent()
+        src.line("else:").indent()
+        src.line(f"x = xb + r * {W // 2} + {shift}")
+        if j_lo:
+            src.line(f"for j in range({j_lo}):").indent().line("p1[o + j] = np.uint32(0)").dedent()
+        src.line(f"for j in range({j_lo}, {j_hi}):").indent()
+        src.line(f"p1[o + j] = pair_join(p0[x + j], p0[x + {H * W // 2} + j], {high})").dedent()
+        if j_hi < PW:
+            src.line(f"for j in range({j_hi}, {PW}):").indent().line("p1[o + j] = np.uint32(0)").dedent()
+        src.dedent().dedent()
+    return Kernel("ConvPad_words16", with_bf16_lanes(src.text()), ("uint32", "uint32")), N * C // 2
+
+
 def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: bool, row0: int = 0,
                ldv: int = 0) -> Kernel:
     """Phase images -> V[n, xi] in bf16 pairs: word V[n, xi, cp, ti * pitch + tj] holds channels 2cp
@@ -125,14 +169,20 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {C // 2}").line(f"cp = item - n * {C // 2}")
     src.line(f"sb = item * {ldb if x16 else 2 * ldb} + {row0 * PW}").line(f"vb = n * {a * a * xs} + cp * {ldv or T}")
-    tile_grid_loop(src, T, TH, TW, PW, pitch)
+    if pitch != PW and TW < 16:
+        # rows of fewer than 16 tiles (a 7x7 output: 4): one loop over the band's tiles, V written
+        # contiguously, the phases read at ti * PW + tj (LLVM gathers them): a loop per row of
+        # tiles would be too short to vectorise.
+        src.line(f"for q in range({T}):").indent()
+        src.line(f"ti = q // {TW}").line(f"r = sb + ti * {PW - TW}").line("o = vb")
+    else:
+        tile_grid_loop(src, T, TH, TW, PW, pitch)
     for k in range(a):
         for l in range(a):
             at = f"r + q + {offsets[a * k + l]}"
             if x16:
-                src.line(f"w{k}_{l} = np.int64(p0[{at}])")
-                src.line(f"d{k}_{l}_0 = _f32_from_bits(w{k}_{l} << 16)")
-                src.line(f"d{k}_{l}_1 = _f32_from_bits(w{k}_{l} & 4294901760)")
+                src.line(f"w{k}_{l} = p0[{at}]")
+                src.line(f"d{k}_{l}_0 = pair_lo_f32(w{k}_{l})").line(f"d{k}_{l}_1 = pair_hi_f32(w{k}_{l})")
             else:
                 src.line(f"d{k}_{l}_0 = p0[{at}]").line(f"d{k}_{l}_1 = p0[{at} + {ldb}]")
     for h in (0, 1):
@@ -141,9 +191,9 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
                 src.line(f"e{i}_{l}_{h} = {combine(row, lambda k: f'd{k}_{l}_{h}')}")
     for i in range(a):
         for j, row in enumerate(t.BT):          # along its rows
-            lo, hi = (f"bf16_rne({combine(row, lambda l: f'e{i}_{l}_{h}')})" for h in (0, 1))
-            src.line(f"p1[o + q + {(a * i + j) * xs}] = np.uint32({lo} | ({hi} << 16))")
-    return Kernel("WinoIn_bf16", with_bf16_rounding(src.text()), ("uint32" if x16 else "float32", "uint32"))
+            lo, hi = (combine(row, lambda l: f'e{i}_{l}_{h}') for h in (0, 1))
+            src.line(f"p1[o + q + {(a * i + j) * xs}] = bf16_pair_rne({lo}, {hi})")
+    return Kernel("WinoIn_bf16", with_bf16_lanes(src.text()), ("uint32" if x16 else "float32", "uint32"))
 
 
 def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, residual_arg=None, res_strides=None,
@@ -185,7 +235,9 @@ def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, resid
                              ("winom", np.dtype(np.float32), N * P * xs_out)):
         names[tag] = graph.unique_name(f"{Y.name}__{tag}")
         graph.values[names[tag]] = Value(names[tag], dtype, (size,))
-    if x16:
+    if x16 and Wd % 2 == 0 and PW >= 16 and phases == [(0, 0), (0, 1), (1, 0), (1, 1)] and ldb == 4 * PH * PW:
+        pad_kernel, pad_work = _pad_words_kernel(C, H, Wd, p_t, left, PH, PW, ldb, N)
+    elif x16:
         pad_kernel, pad_work = convgemm.padded_narrow_input_kernel(True, C, C, H, Wd, t.m, t.m, p_t, left, phases,
                                                                    PH, PW, N)
     else:

@@ -20,7 +20,10 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# As bench.py: this folder leaves the path (its profile.py would shadow the standard library's), and
+# the repository joins it last, so that a PYTHONPATH naming another checkout builds with that one.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.append(str(ROOT))
 
 
 def build(args) -> None:

@@ -81,8 +81,6 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     mr = pixel_rows(OHW)
     full, rem = OHW // mr * mr, OHW % mr
     n_panels = -(-OC // NR)
-    last = OC - (n_panels - 1) * NR
-    last_mask = (1 << last) - 1
     K2 = icg_p // 2
     has_bias, has_res = B is not None, residual_arg is not None
     n_ptrs = 3 + has_bias + has_res
@@ -103,14 +101,7 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     for name, uk in specs.values():
         for line in uk.declaration(name).splitlines():
             src.line(line)
-    src.line(kernel_header(n_ptrs)).indent()
-    src.line("for item in range(begin, end):").indent()
-    src.line(f"pn = item % {n_panels}").line(f"n = item // {n_panels}")
-    src.line(f"mask = {last_mask} if pn == {n_panels - 1} else -1" if last < NR else "mask = -1")
-    src.line(f"a0 = n * {icg_p * ldb}").line(f"b0 = pn * {K2 * 2 * NR}")
-    src.line(f"y0 = n * {OC * OHW} + pn * {NR * OHW}")
-    src.line(f"r0 = n * {res_n} + pn * {NR * OHW}" if has_res else "r0 = 0")
-    bias = (pb, f"pn * {NR}") if has_bias else ("p1", "0")   # no bias: any 16-bit pointer (unread)
+    bias = item_prologue(src, n_ptrs, OC, OHW, icg_p * ldb, K2 * 2 * NR, res_n if has_res else None, pb)
     res = pr or py
 
     def call(name, i0):
@@ -127,3 +118,20 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     kernel = Kernel("Conv", src.text(), tuple(types), self_sized=True)
     args = [phases, packed] + ([B.name] if has_bias else []) + ([residual_arg] if has_res else []) + [Y.name]
     return KernelCall(kernel, args, N * n_panels, node.name, precision=lowp_label(lowp))
+
+
+def item_prologue(src: Source, n_ptrs: int, OC: int, OHW: int, a_image: int, b_panel: int, res_n, pb):
+    """The kernel header and a transposed conv's work item (output panel pn of NR channels of image
+    n): the last panel's channel mask, and the bases of A (a_image elements an image), B (b_panel a
+    panel), Y and the residual (res_n elements an image; None: no residual). Returns the (pointer,
+    offset) of the bias (any 16-bit pointer when there is none: it is not read)."""
+    n_panels = -(-OC // NR)
+    last = OC - (n_panels - 1) * NR
+    src.line(kernel_header(n_ptrs)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"pn = item % {n_panels}").line(f"n = item // {n_panels}")
+    src.line(f"mask = {(1 << last) - 1} if pn == {n_panels - 1} else -1" if last < NR else "mask = -1")
+    src.line(f"a0 = n * {a_image}").line(f"b0 = pn * {b_panel}")
+    src.line(f"y0 = n * {OC * OHW} + pn * {NR * OHW}")
+    src.line(f"r0 = n * {res_n} + pn * {NR * OHW}" if res_n is not None else "r0 = 0")
+    return (pb, f"pn * {NR}") if pb else ("p1", "0")

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .conv1x1t import MAX_MR, NR
-from .kernel import Kernel, KernelCall, Source, kernel_header
+from .conv1x1t import MAX_MR, NR, item_prologue
+from .kernel import Kernel, KernelCall, Source
 from .narrow import pointer_type
 
 MAX_PLANE = 64   # output planes of at most this many pixels (a ResNet's 7 x 7)
@@ -60,7 +60,6 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     T = len(offsets)
     OHW = OH * OW
     n_panels = -(-OC // NR)
-    last = OC - (n_panels - 1) * NR
     K2 = icg_p // 2
     has_bias, has_res = B is not None, residual_arg is not None
     n_ptrs = 3 + has_bias + has_res
@@ -75,14 +74,7 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     src = Source()
     for line in spec.declaration("uk0").splitlines():
         src.line(line)
-    src.line(kernel_header(n_ptrs)).indent()
-    src.line("for item in range(begin, end):").indent()
-    src.line(f"pn = item % {n_panels}").line(f"n = item // {n_panels}")
-    src.line(f"mask = {(1 << last) - 1} if pn == {n_panels - 1} else -1" if last < NR else "mask = -1")
-    src.line(f"a0 = n * {icg_p * ldb}").line(f"b0 = pn * {K2 * T * 2 * NR}")
-    src.line(f"y0 = n * {OC * OHW} + pn * {NR * OHW}")
-    src.line(f"r0 = n * {res_n} + pn * {NR * OHW}" if has_res else "r0 = 0")
-    bias = (pb, f"pn * {NR}") if has_bias else ("p1", "0")   # no bias: any 16-bit pointer (unread)
+    bias = item_prologue(src, n_ptrs, OC, OHW, icg_p * ldb, K2 * T * 2 * NR, res_n if has_res else None, pb)
     src.line(f"for oh in range({OH}):").indent()
     src.line(f"uk0(p0, a0 + oh * {2 * PW}, 0, p1, b0, {T * 2 * NR}, {py}, y0 + oh * {OW}, {OHW}, {K2}, mask, "
              f"{LOADC_EPILOGUE}, {bias[0]}, {bias[1]}, {pr or py}, r0 + oh * {OW})")

@@ -244,7 +244,7 @@ def block_bound(case, precision, x, ort):
         bound[out] = stage_error(here, bound[src], inits[w], inits[b], rel, **geometry)
         if out == "u" and project and precision == "bf16":
             # u's bf16 pairs; with AVX512-BF16 rounded by vcvtneps2bf16, which flushes a float32
-            # subnormal to zero: 2^-126 more (dwstride.pairs_rounding; the avx2 target's exact
+            # subnormal to zero: 2^-126 more (ukernel_lowp.store_rounding; the avx2 target's exact
             # rounding is within this bound too)
             bound["u"] = stored(bound["u"], ort["u"], u) + 2.0 ** -126
     g = GS_OF[case]

@@ -41,6 +41,7 @@ import numpy as np
 from cuvil.ir import Value
 
 from .ukernel import LOADC_EPILOGUE
+from .ukernel_lowp import store_rounding
 
 from . import conv1x1t, convtappairs, convtaps_t
 from .epilogue import EPILOGUE_ACTIVATIONS, Epilogue, register_activation, register_epilogue
@@ -180,14 +181,14 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     if taps_transposed:
         from .kernel import lowering_target
         fmt = STORED_FORMAT[np.dtype(Y.dtype).name]
-        return calls + [convtaps_t.conv_call(node, lowp, tile_rounding(fmt, lowering_target()), epilogue, scratch,
+        return calls + [convtaps_t.conv_call(node, lowp, store_rounding(fmt, lowering_target()), epilogue, scratch,
                                              convtaps_t.pack_weights(W.data, icg_p), B, residual_arg,
                                              res_strides[0] if residual_arg is not None else 0, r_dtype, Y, N, OC,
                                              icg_p, ldb, PW, OH, OW, offsets)]
     if transposed:
         from .kernel import lowering_target
         fmt = STORED_FORMAT[np.dtype(Y.dtype).name]
-        return calls + [conv1x1t.conv_call(node, lowp, tile_rounding(fmt, lowering_target()), epilogue, scratch,
+        return calls + [conv1x1t.conv_call(node, lowp, store_rounding(fmt, lowering_target()), epilogue, scratch,
                                            conv1x1t.pack_weights(W.data, icg_p), B, residual_arg,
                                            res_strides[0] if residual_arg is not None else 0, r_dtype, Y, N, OC, icg_p,
                                            ldb, OH * OW)]
@@ -269,7 +270,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             from .kernel import lowering_target
             fmt = STORED_FORMAT[np.dtype(Y.dtype).name]
             act = register_activation(epilogue)
-            cvt = tile_rounding(fmt, lowering_target())
+            cvt = store_rounding(fmt, lowering_target())
             if in_place_x:   # (ukernel_lowp.rounding_after: the exact rounding without NaN lanes after Relu)
                 cvt = rounding_after(act["act"], act["act_lo"], act["act_hi"], cvt)
             specs[mr, nr] = (f"uk{len(specs)}",
@@ -596,20 +597,6 @@ def lowp_conv(node, group: int, icg: int) -> tuple[str, str] | None:
     if lowp and lowp[0] == "bf16" and icg % 2 and group > 1:
         return None
     return lowp
-
-
-def tile_rounding(fmt: str, target) -> str:
-    """How a 16-bit conv tile is rounded on its store (LowpOut16Spec.cvt): "hw" for bf16 where the
-    product is `vdpbf16ps` (AVX512-BF16: `vcvtneps2bf16`, one instruction for 16 values where the
-    exact RNE takes six to ten integer ops; 1x1 tiles of 64 channels 67-72 -> 74-77 % of the
-    peak). It rounds to nearest even as the exact method does, but flushes a float32 subnormal to
-    zero: |error| <= u |y| + 2^-126 per output instead of u |y| (and the next bf16 product reads a
-    subnormal bf16 as zero anyway). Elsewhere lowp.best_method's ("exact" bf16, F16C's fp16)."""
-    from .lowp import best_method
-    from .ukernel_lowp import method_for
-    if fmt == "bf16" and target is not None and method_for("bf16", target) == "dpbf16":
-        return "hw"
-    return best_method("f32", fmt, target)
 
 
 def _phase_cvt_kernel(fmt: str, N: int, C: int, C_p: int, ldb: int) -> tuple[Kernel, int]:

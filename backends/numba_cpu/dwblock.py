@@ -48,7 +48,7 @@ two products' additions), |.| * |.| the convolution of magnitudes, and e_x the e
            r = u (W1's rounding; x is exact in bf16), 2u + u^2 when x is rounded too (float32 x)
     u (before its rounding):  |du| <= |w2| * |dt| + gamma(KH KW + 1) (|w2| * (|t| + |dt|) + |b2|)
     u's bf16 pairs:           e_u = |du| + u (|u| + |du|) [+ 2^-126: vcvtneps2bf16 flushes a subnormal,
-                               dwstride.pairs_rounding]
+                               ukernel_lowp.store_rounding]
     y (before its store):     |dy| <= |W3| * e_u + (u + gamma(C1 + 1)) (|W3| * (|u| + e_u) + |b3|)
                                [+ e_r + gamma(1) (|y| + |dy|) with a residual r]
     y stored in bf16:          e_y = |dy| + u (|y| + |dy|)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .ukernel import EPILOGUE_ACTIVATIONS, DwRowSpec
-from .ukernel_lowp import DwRow16Spec, DwRowPairSpec, method_for
+from .ukernel_lowp import DwRow16Spec, DwRowPairSpec, store_rounding
 
 from .epilogue import Epilogue, register_activation
 from .kernel import Kernel, KernelCall, Source, kernel_header, lowering_target
@@ -67,16 +67,6 @@ def packed_weights(W, B, C: int) -> np.ndarray:
     return packed
 
 
-def pairs_rounding(target) -> str:
-    """How DwRowPairSpec rounds u into the bf16 pairs a 1x1 conv's GEMM reads: "hw"
-    (`vcvtneps2bf16`, one instruction for 16 values where the exact RNE takes ten integer ops)
-    where that GEMM is `vdpbf16ps` (AVX512-BF16). The instruction flushes a float32 subnormal to
-    zero; `vdpbf16ps` treats a subnormal bf16 operand as zero already, so the products differ
-    only for a subnormal that the exact rounding carries up to 2^-126: |error| <= 2^-126 more per
-    value of u. Elsewhere "exact" (lowp.best_method's)."""
-    return "hw" if method_for("bf16", target) == "dpbf16" else best_method("f32", "bf16", target)
-
-
 class RowCalls:
     """The DwRowSpec micro-kernels of one depthwise conv and the calls computing its output rows
     [lo, hi) of one channel: row by row (stride 2), or in pairs and then the last one (stride 1).
@@ -88,7 +78,7 @@ class RowCalls:
         spec = DwRowSpec
         self.y_step = 1   # y elements per output
         if y_fmt == "bf16pairs":
-            fields.update(x_fmt=x_fmt, y_fmt="bf16", method=pairs_rounding(lowering_target()))
+            fields.update(x_fmt=x_fmt, y_fmt="bf16", method=store_rounding("bf16", lowering_target()))
             spec, self.y_step = DwRowPairSpec, 2
         elif (x_fmt, y_fmt) != ("f32", "f32"):   # x and/or y stored in 16 bits (DwRow16Spec)
             sixteen = y_fmt if y_fmt != "f32" else x_fmt

@@ -75,18 +75,13 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     """The conv call (see the module docstring). `phases`: the bf16 phase image (N x icg_p/2 pair
     rows of ldb pixels); `packed`: pack_weights' panels."""
     from .epilogue import register_activation
-    from .gemm import lowp_label
     from .ukernel import LOADC_EPILOGUE
     from .ukernel_lowp import LowpOut16Spec, rounding_after
     mr = pixel_rows(OHW)
     full, rem = OHW // mr * mr, OHW % mr
-    n_panels = -(-OC // NR)
     K2 = icg_p // 2
     has_bias, has_res = B is not None, residual_arg is not None
-    n_ptrs = 3 + has_bias + has_res
-    pb = "p2" if has_bias else None
-    pr = f"p{2 + has_bias}" if has_res else None
-    py = f"p{n_ptrs - 1}"
+    n_ptrs, pb, pr, py = pointer_args(has_bias, has_res)
 
     act = register_activation(epilogue)
     cvt = rounding_after(act["act"], act["act_lo"], act["act_hi"], cvt)   # (no NaN lanes after Relu)
@@ -113,11 +108,28 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
         src.dedent()
     if rem:
         call("uk1", full)
+    return kernel_call(src, node, lowp, phases, packed, B, residual_arg, r_dtype, Y, N * -(-OC // NR))
+
+
+def pointer_args(has_bias: bool, has_res: bool) -> tuple[int, str | None, str | None, str]:
+    """A transposed conv kernel's pointer arguments: p0 the bf16 phase image, p1 the packed panels,
+    then the bias and the residual where there are, y last. Returns their count and the names of
+    the bias, residual (None where absent) and y pointers."""
+    n_ptrs = 3 + has_bias + has_res
+    return (n_ptrs, "p2" if has_bias else None, f"p{2 + has_bias}" if has_res else None, f"p{n_ptrs - 1}")
+
+
+def kernel_call(src: Source, node, lowp, phases: str, packed: np.ndarray, B, residual_arg, r_dtype, Y,
+                items: int) -> KernelCall:
+    """The call of a transposed conv kernel whose source is `src`, its arguments in pointer_args'
+    order, `items` work items (an output panel of one image each: item_prologue)."""
+    from .gemm import lowp_label
+    has_bias, has_res = B is not None, residual_arg is not None
     types = ["uint16", "uint16"] + (["float32"] if has_bias else []) + ([pointer_type(r_dtype)] if has_res else []) \
         + [pointer_type(Y.dtype)]
     kernel = Kernel("Conv", src.text(), tuple(types), self_sized=True)
     args = [phases, packed] + ([B.name] if has_bias else []) + ([residual_arg] if has_res else []) + [Y.name]
-    return KernelCall(kernel, args, N * n_panels, node.name, precision=lowp_label(lowp))
+    return KernelCall(kernel, args, items, node.name, precision=lowp_label(lowp))
 
 
 def item_prologue(src: Source, n_ptrs: int, OC: int, OHW: int, a_image: int, b_panel: int, res_n, pb):

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .conv1x1t import MAX_MR, NR, item_prologue
-from .kernel import Kernel, KernelCall, Source
-from .narrow import pointer_type
+from .conv1x1t import MAX_MR, NR, item_prologue, kernel_call, pointer_args
+from .kernel import KernelCall, Source
 
 MAX_PLANE = 64   # output planes of at most this many pixels (a ResNet's 7 x 7)
 
@@ -54,18 +53,13 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     """The conv call (see the module docstring). `phases`: the bf16 phase image (N x icg_p/2 pair
     rows of ldb grid positions); `packed`: pack_weights' panels; `offsets`: the taps' grid offsets."""
     from .epilogue import register_activation
-    from .gemm import lowp_label
     from .ukernel import LOADC_EPILOGUE
     from .ukernel_lowp import LowpOut16TapsSpec, rounding_after
     T = len(offsets)
     OHW = OH * OW
-    n_panels = -(-OC // NR)
     K2 = icg_p // 2
     has_bias, has_res = B is not None, residual_arg is not None
-    n_ptrs = 3 + has_bias + has_res
-    pb = "p2" if has_bias else None
-    pr = f"p{2 + has_bias}" if has_res else None
-    py = f"p{n_ptrs - 1}"
+    n_ptrs, pb, pr, py = pointer_args(has_bias, has_res)
     act = register_activation(epilogue)
     spec = LowpOut16TapsSpec(mr=OW, nr=NR, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=ldb,
                              taps=tuple(t * NR for t in range(T)), a_taps=tuple(offsets), bias=int(has_bias),
@@ -78,8 +72,4 @@ def conv_call(node, lowp, cvt: str, epilogue, phases: str, packed: np.ndarray, B
     src.line(f"for oh in range({OH}):").indent()
     src.line(f"uk0(p0, a0 + oh * {2 * PW}, 0, p1, b0, {T * 2 * NR}, {py}, y0 + oh * {OW}, {OHW}, {K2}, mask, "
              f"{LOADC_EPILOGUE}, {bias[0]}, {bias[1]}, {pr or py}, r0 + oh * {OW})")
-    types = ["uint16", "uint16"] + (["float32"] if has_bias else []) + ([pointer_type(r_dtype)] if has_res else []) \
-        + [pointer_type(Y.dtype)]
-    kernel = Kernel("Conv", src.text(), tuple(types), self_sized=True)
-    args = [phases, packed] + ([B.name] if has_bias else []) + ([residual_arg] if has_res else []) + [Y.name]
-    return KernelCall(kernel, args, N * n_panels, node.name, precision=lowp_label(lowp))
+    return kernel_call(src, node, lowp, phases, packed, B, residual_arg, r_dtype, Y, N * -(-OC // NR))

@@ -220,15 +220,16 @@ def convert(ir: IRBuilder, spec: CvtSpec, bits: str, L: int) -> str:
     return f32_to_f16(ir, bits, L, spec.method)
 
 
-def _strip_loop(ir: IRBuilder, L: int, step) -> None:
-    """for i in 0, L, 2L, ... < n: step(ir, "%i", None) on whole groups of L elements, then
-    step(ir, "%i", mask) once on the last 1..L-1 (mask: <L x i1>, lanes below n - i)."""
-    lane_ids = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
+def _strip_loop(ir: IRBuilder, L: int, step, whole_bound: str = "%n", last_mask=None) -> None:
+    """for i in 0, L, 2L, ...: step(ir, "%i", None) on whole groups of L elements (while
+    i + L <= whole_bound), then step(ir, "%i", mask) once on the last 1..L-1 (%rest = n - i of
+    them). mask = last_mask(ir, L) (emitted in that last block; default: the <L x i1> lanes below
+    %rest)."""
     ir("br label %head")
     ir.label("head")
     ir("%i = phi i64 [ 0, %entry ], [ %inext, %body ]")
     ir(f"%inext = add i64 %i, {L}")
-    ir("%whole = icmp sle i64 %inext, %n")
+    ir(f"%whole = icmp sle i64 %inext, {whole_bound}")
     ir("br i1 %whole, label %body, label %tail")
     ir.label("body")
     step(ir, "%i", None)
@@ -238,13 +239,19 @@ def _strip_loop(ir: IRBuilder, L: int, step) -> None:
     ir("%some = icmp sgt i64 %rest, 0")
     ir("br i1 %some, label %last, label %done")
     ir.label("last")
-    ir(f"%restv0 = insertelement <{L} x i64> poison, i64 %rest, i64 0")
-    ir(f"%restv = shufflevector <{L} x i64> %restv0, <{L} x i64> poison, <{L} x i32> zeroinitializer")
-    ir(f"%m = icmp slt <{L} x i64> {lane_ids}, %restv")
-    step(ir, "%i", "%m")
+    step(ir, "%i", (last_mask or _lanes_below_rest)(ir, L))
     ir("br label %done")
     ir.label("done")
     ir("ret i32 0")
+
+
+def _lanes_below_rest(ir: IRBuilder, L: int) -> str:
+    """<L x i1>: lane j < %rest."""
+    lane_ids = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
+    ir(f"%restv0 = insertelement <{L} x i64> poison, i64 %rest, i64 0")
+    ir(f"%restv = shufflevector <{L} x i64> %restv0, <{L} x i64> poison, <{L} x i32> zeroinitializer")
+    ir(f"%m = icmp slt <{L} x i64> {lane_ids}, %restv")
+    return "%m"
 
 
 def _load_lanes(ir: IRBuilder, base: str, index: str, elem: str, L: int, mask) -> str:
@@ -364,7 +371,8 @@ def strided_pair_copy_ir(spec: StridedPairCopySpec, vector_bits: int) -> str:
     interleave = "<" + ", ".join(f"i32 {j // 2 + (j % 2) * L}" for j in range(2 * L)) + ">"
     doubled = "<" + ", ".join(f"i32 {j // 2}" for j in range(2 * L)) + ">"
 
-    def step(i, load_mask, mask):
+    def step(ir, i, masks):
+        load_mask, mask = masks or (None, None)
         rows = []
         for row in ("%s0", "%s1"):
             at = _op(ir, f"mul i64 {i}, {s}")
@@ -375,31 +383,18 @@ def strided_pair_copy_ir(spec: StridedPairCopySpec, vector_bits: int) -> str:
             ir, f"shufflevector <{L} x i1> {mask}, <{L} x i1> poison, <{2 * L} x i32> {doubled}")
         _store_lanes(ir, pairs, "%d0", _op(ir, f"shl i64 {i}, 1"), "i16", 2 * L, pair_mask)
 
-    ir("br label %head")
-    ir.label("head")
-    ir("%i = phi i64 [ 0, %entry ], [ %inext, %body ]")
-    ir(f"%inext = add i64 %i, {L}")
-    ir("%whole = icmp sle i64 %inext, %nwhole")
-    ir("br i1 %whole, label %body, label %tail")
-    ir.label("body")
-    step("%i", None, None)
-    ir("br label %head")
-    ir.label("tail")
-    ir("%rest = sub i64 %n, %i")
-    ir("%some = icmp sgt i64 %rest, 0")
-    ir("br i1 %some, label %last, label %done")
-    ir.label("last")
-    ir(f"%restv0 = insertelement <{W} x i64> poison, i64 %rest, i64 0")
-    ir(f"%restv = shufflevector <{W} x i64> %restv0, <{W} x i64> poison, <{W} x i32> zeroinitializer")
-    lanes = "<" + ", ".join(f"i64 {j}" for j in range(W)) + ">"
-    ir(f"%scaled = mul <{W} x i64> %restv, {_splat(W, s, 'i64')}")
-    ir(f"%bound = sub <{W} x i64> %scaled, {_splat(W, s - 1, 'i64')}")      # s * (rest - 1) + 1 elements
-    ir(f"%lm = icmp slt <{W} x i64> {lanes}, %bound")
-    ir(f"%m = shufflevector <{W} x i1> %lm, <{W} x i1> poison, <{L} x i32> {keep}")
-    step("%i", "%lm", "%m")
-    ir("br label %done")
-    ir.label("done")
-    ir("ret i32 0")
+    def last_masks(ir, _L):
+        """The loads' <W x i1> (s (rest - 1) + 1 elements of each row) and the columns' <L x i1>."""
+        ir(f"%restv0 = insertelement <{W} x i64> poison, i64 %rest, i64 0")
+        ir(f"%restv = shufflevector <{W} x i64> %restv0, <{W} x i64> poison, <{W} x i32> zeroinitializer")
+        lanes = "<" + ", ".join(f"i64 {j}" for j in range(W)) + ">"
+        ir(f"%scaled = mul <{W} x i64> %restv, {_splat(W, s, 'i64')}")
+        ir(f"%bound = sub <{W} x i64> %scaled, {_splat(W, s - 1, 'i64')}")
+        ir(f"%lm = icmp slt <{W} x i64> {lanes}, %bound")
+        ir(f"%m = shufflevector <{W} x i1> %lm, <{W} x i1> poison, <{L} x i32> {keep}")
+        return "%lm", "%m"
+
+    _strip_loop(ir, L, step, "%nwhole", last_masks)
     head = (f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, i64 %sstride, ptr noalias %dst, i64 %doff, "
             f"i64 %n) #0 {{")
     return _kernel_module(head, ir, _masked_decls(*sorted({("i16", W), ("i16", 2 * L)})))

@@ -31,6 +31,35 @@ from tests.test_precision_conv import U
 F = np.float32
 
 
+def _conv(x, w, b, y, s, p):
+    return helper.make_node("Conv", [x, w, b], [y], strides=[s, s], pads=[p] * 4)
+
+
+def _staged(inits, stages, ins, outs, C, H, W):
+    """The whole chain as one model and each stage as a model of its own (what onnxruntime runs
+    stage by stage: the references the propagated bounds start from)."""
+    used = lambda nodes: {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
+    model = make_model([n for s in stages for n in s], [("x", F, [1, C, H, W])], [("y", F, None)], inits)
+    parts = [make_model(s, [(i, F, None)], [(o, F, None)], used(s)) for s, i, o in zip(stages, ins, outs)]
+    return model, parts
+
+
+def _ort_stages(parts, x):
+    """x and onnxruntime's float32 output of every stage, each stage fed the previous one's."""
+    ort = [x]
+    for part in parts:
+        ort.append(next(iter(run_ort(part, {part.graph.input[0].name: ort[-1]}).values())))
+    return ort
+
+
+def _assert_within(got, y, bound_y):
+    """|got - y| within the bound everywhere, and the 16-bit path ran: float32 throughout stays
+    within ~gamma(K) ~ 2^-18 of the magnitudes."""
+    err = np.abs(got.astype(np.float64) - y)
+    assert np.all(err <= bound_y), float(np.max(err - bound_y))
+    assert np.max(err) > 2.0 ** -18 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
+
+
 def _chain(C, D, E, G, H, W):
     """conv1 (3x3, Relu) -> conv2 (1x1) + h1 + Relu -> conv3 (1x1 stride 2, no activation) ->
     conv4 (1x1, Relu) -> conv5 (3x3) -> y. h1..h4 are stored in 16 bits; conv2, conv3 and conv4
@@ -42,19 +71,16 @@ def _chain(C, D, E, G, H, W):
     w4, b4 = _weights(G, E, 1, 14)
     w5, b5 = _weights(8, G, 3, 15)
     inits = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3, "w4": w4, "b4": b4, "w5": w5, "b5": b5}
-    conv = lambda x, w, b, y, s, p: helper.make_node("Conv", [x, w, b], [y], strides=[s, s], pads=[p] * 4)
     stages = [
-        [conv("x", "w1", "b1", "c1", 1, 1), helper.make_node("Relu", ["c1"], ["h1"])],
-        [conv("h1", "w2", "b2", "c2", 1, 0), helper.make_node("Add", ["c2", "h1"], ["s2"]),
+        [_conv("x", "w1", "b1", "c1", 1, 1), helper.make_node("Relu", ["c1"], ["h1"])],
+        [_conv("h1", "w2", "b2", "c2", 1, 0), helper.make_node("Add", ["c2", "h1"], ["s2"]),
          helper.make_node("Relu", ["s2"], ["h2"])],
-        [conv("h2", "w3", "b3", "h3", 2, 0)],
-        [conv("h3", "w4", "b4", "c4", 1, 0), helper.make_node("Relu", ["c4"], ["h4"])],
-        [conv("h4", "w5", "b5", "y", 1, 1)],
+        [_conv("h2", "w3", "b3", "h3", 2, 0)],
+        [_conv("h3", "w4", "b4", "c4", 1, 0), helper.make_node("Relu", ["c4"], ["h4"])],
+        [_conv("h4", "w5", "b5", "y", 1, 1)],
     ]
     ins, outs = ["x", "h1", "h2", "h3", "h4"], ["h1", "h2", "h3", "h4", "y"]
-    used = lambda nodes: {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
-    model = make_model([n for s in stages for n in s], [("x", F, [1, C, H, W])], [("y", F, None)], inits)
-    parts = [make_model(s, [(i, F, None)], [(o, F, None)], used(s)) for s, i, o in zip(stages, ins, outs)]
+    model, parts = _staged(inits, stages, ins, outs, C, H, W)
     return model, parts, (w1, b1, w2, b2, w3, b3, w4, b4, w5, b5)
 
 
@@ -66,9 +92,7 @@ def test_1x1_convs_writing_16_bits_from_registers_are_within_the_propagated_boun
     model, parts, (w1, b1, w2, b2, w3, b3, w4, b4, w5, b5) = _chain(C, D, E, G, H, W)
     x = np.random.default_rng(0).standard_normal((1, C, H, W)).astype(F)
     u = U[precision]
-    ort = [x]
-    for part in parts:
-        ort.append(next(iter(run_ort(part, {part.graph.input[0].name: ort[-1]}).values())))
+    ort = _ort_stages(parts, x)
     _, h1, h2, h3, h4, y = ort
     bound1 = _conv_bound(x, 0.0, w1, b1, 1, u)
     bound2 = _conv_bound(h1, bound1, w2, b2, 1, u, residual=h1, b_res=bound1, pad=0)
@@ -79,10 +103,7 @@ def test_1x1_convs_writing_16_bits_from_registers_are_within_the_propagated_boun
     lib = cuvil.compile(model, precision=precision, threads=threads, target=target)
     got = lib.run({"x": x})["y"]
     assert got.dtype == np.float32 and got.shape == y.shape
-    err = np.abs(got.astype(np.float64) - y)
-    assert np.all(err <= bound_y), float(np.max(err - bound_y))
-    # the 16-bit path ran: float32 throughout stays within ~gamma(K) ~ 2^-18 of the magnitudes
-    assert np.max(err) > 2.0 ** -18 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
+    _assert_within(got, y, bound_y)
 
     # h1..h3 are 16-bit tensors; the 3x3 conv1 keeps its float32 tile slots (passes over the
     # channels), the 1x1 convs have none: they wrote their 16-bit outputs themselves
@@ -105,18 +126,15 @@ def _small_chain(C, D, E, H, W):
     w3, b3 = _weights(E, D, 1, 23)
     w4, b4 = _weights(8, E, 3, 24)
     inits = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3, "w4": w4, "b4": b4}
-    conv = lambda x, w, b, y, s, p: helper.make_node("Conv", [x, w, b], [y], strides=[s, s], pads=[p] * 4)
     stages = [
-        [conv("x", "w1", "b1", "c1", 1, 1), helper.make_node("Relu", ["c1"], ["h1"])],
-        [conv("h1", "w2", "b2", "c2", 1, 0), helper.make_node("Add", ["c2", "h1"], ["s2"]),
+        [_conv("x", "w1", "b1", "c1", 1, 1), helper.make_node("Relu", ["c1"], ["h1"])],
+        [_conv("h1", "w2", "b2", "c2", 1, 0), helper.make_node("Add", ["c2", "h1"], ["s2"]),
          helper.make_node("Relu", ["s2"], ["h2"])],
-        [conv("h2", "w3", "b3", "c3", 2, 0), helper.make_node("Relu", ["c3"], ["h3"])],
-        [conv("h3", "w4", "b4", "y", 1, 1)],
+        [_conv("h2", "w3", "b3", "c3", 2, 0), helper.make_node("Relu", ["c3"], ["h3"])],
+        [_conv("h3", "w4", "b4", "y", 1, 1)],
     ]
     ins, outs = ["x", "h1", "h2", "h3"], ["h1", "h2", "h3", "y"]
-    used = lambda nodes: {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
-    model = make_model([n for s in stages for n in s], [("x", F, [1, C, H, W])], [("y", F, None)], inits)
-    parts = [make_model(s, [(i, F, None)], [(o, F, None)], used(s)) for s, i, o in zip(stages, ins, outs)]
+    model, parts = _staged(inits, stages, ins, outs, C, H, W)
     return model, parts, (w1, b1, w2, b2, w3, b3, w4, b4)
 
 
@@ -128,9 +146,7 @@ def test_small_plane_1x1_convs_as_the_transposed_gemm_are_within_the_propagated_
     model, parts, (w1, b1, w2, b2, w3, b3, w4, b4) = _small_chain(C, D, E, H, W)
     x = np.random.default_rng(1).standard_normal((1, C, H, W)).astype(F)
     u = U["bf16"]
-    ort = [x]
-    for part in parts:
-        ort.append(next(iter(run_ort(part, {part.graph.input[0].name: ort[-1]}).values())))
+    ort = _ort_stages(parts, x)
     _, h1, h2, h3, y = ort
     bound1 = _conv_bound(x, 0.0, w1, b1, 1, u)
     bound2 = _conv_bound(h1, bound1, w2, b2, 1, u, residual=h1, b_res=bound1, pad=0)
@@ -138,9 +154,7 @@ def test_small_plane_1x1_convs_as_the_transposed_gemm_are_within_the_propagated_
     bound_y = _conv_bound(h3, bound3, w4, b4, 1, u)
 
     got = cuvil.compile(model, precision="bf16", threads=threads, target=target).run({"x": x})["y"]
-    err = np.abs(got.astype(np.float64) - y)
-    assert np.all(err <= bound_y), float(np.max(err - bound_y))
-    assert np.max(err) > 2.0 ** -18 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
+    _assert_within(got, y, bound_y)
 
     # conv2 and conv3 wrote 16 bits themselves (no float32 tile slots) and read their phase images
     # (conv2 would read h1 in place on convgemm's tiles); so did conv1, a 3x3 conv onto the same
@@ -179,18 +193,15 @@ def _taps_chain(C, D, E, H, W):
     w3, b3 = _weights(E, E, 3, 33)
     w4, b4 = _weights(8, E, 1, 34)
     inits = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3, "w4": w4, "b4": b4}
-    conv = lambda x, w, b, y, s, p: helper.make_node("Conv", [x, w, b], [y], strides=[s, s], pads=[p] * 4)
     stages = [
-        [conv("x", "w1", "b1", "c1", 1, 1), helper.make_node("Relu", ["c1"], ["h1"])],
-        [conv("h1", "w2", "b2", "c2", 2, 1), helper.make_node("Relu", ["c2"], ["h2"])],
-        [conv("h2", "w3", "b3", "c3", 1, 1), helper.make_node("Add", ["c3", "h2"], ["s3"]),
+        [_conv("x", "w1", "b1", "c1", 1, 1), helper.make_node("Relu", ["c1"], ["h1"])],
+        [_conv("h1", "w2", "b2", "c2", 2, 1), helper.make_node("Relu", ["c2"], ["h2"])],
+        [_conv("h2", "w3", "b3", "c3", 1, 1), helper.make_node("Add", ["c3", "h2"], ["s3"]),
          helper.make_node("Relu", ["s3"], ["h3"])],
-        [conv("h3", "w4", "b4", "y", 1, 0)],
+        [_conv("h3", "w4", "b4", "y", 1, 0)],
     ]
     ins, outs = ["x", "h1", "h2", "h3"], ["h1", "h2", "h3", "y"]
-    used = lambda nodes: {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
-    model = make_model([n for s in stages for n in s], [("x", F, [1, C, H, W])], [("y", F, None)], inits)
-    parts = [make_model(s, [(i, F, None)], [(o, F, None)], used(s)) for s, i, o in zip(stages, ins, outs)]
+    model, parts = _staged(inits, stages, ins, outs, C, H, W)
     return model, parts, (w1, b1, w2, b2, w3, b3, w4, b4)
 
 
@@ -202,18 +213,14 @@ def test_small_plane_convs_with_taps_as_the_transposed_gemm_are_within_the_propa
     model, parts, (w1, b1, w2, b2, w3, b3, w4, b4) = _taps_chain(C, D, E, H, W)
     x = np.random.default_rng(3).standard_normal((1, C, H, W)).astype(F)
     u = U["bf16"]
-    ort = [x]
-    for part in parts:
-        ort.append(next(iter(run_ort(part, {part.graph.input[0].name: ort[-1]}).values())))
+    ort = _ort_stages(parts, x)
     _, h1, h2, h3, y = ort
     bound1 = _conv_bound(x, 0.0, w1, b1, 1, u)
     bound2 = _conv_bound(h1, bound1, w2, b2, 2, u)
     bound3 = _conv_bound(h2, bound2, w3, b3, 1, u, residual=h2, b_res=bound2)
     bound_y = _conv_bound(h3, bound3, w4, b4, 1, u, pad=0)
     got = cuvil.compile(model, precision="bf16", threads=threads, target=target).run({"x": x})["y"]
-    err = np.abs(got.astype(np.float64) - y)
-    assert np.all(err <= bound_y), float(np.max(err - bound_y))
-    assert np.max(err) > 2.0 ** -18 * np.max(np.abs(y)), (np.max(err), np.max(np.abs(y)))
+    _assert_within(got, y, bound_y)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -2,9 +2,11 @@
 runs alternating, each run's `time.thread_time` (the time its thread ran: a preempted run does not
 count its wait), so both see the same load and the same caches. Prints each library's percentiles and
 new / old at the minimum, 10th and 25th percentile and the median, and checks the outputs are equal
-(max |difference|). The ratio is one thread's: with a pool, the calling thread's share only.
+(max |difference|). The ratio is one thread's: with a pool, the calling thread's share only;
+`--clock process` takes the process's CPU time (every thread's, a pool's waits included: the
+library's threads count, preemption still does not), `--clock wall` the elapsed time.
 
-    python benchmarks/alternate.py compare OLD.so NEW.so [--runs 200]
+    python benchmarks/alternate.py compare OLD.so NEW.so [--runs 200] [--clock thread|process|wall]
     # a chain of L distinct MatMul + bias [1, T, 768] @ [768, 768] (2.36 MB of weights each)
     python benchmarks/alternate.py chain 16 --tokens 128 --threads 1 --out /tmp/chain16
 
@@ -45,6 +47,9 @@ def chain(args) -> None:
     print(cuvil.compile(model, threads=args.threads, jobs=2).save(args.out))
 
 
+CLOCKS = {"thread": time.thread_time, "process": time.process_time, "wall": time.perf_counter}
+
+
 def compare(args) -> None:
     from cuvil.runtime import Library
     folder = Path(tempfile.mkdtemp(prefix="cuvil-alternate-"))
@@ -59,11 +64,12 @@ def compare(args) -> None:
     outs = [list(s.run(feeds).values()) for _, _, s in sessions]
     diff = max(float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in zip(*outs))
     times = {tag: [] for tag, _, _ in sessions}
+    clock = CLOCKS[args.clock]
     for i in range(args.runs):
         for tag, _, session in (sessions if i % 2 else sessions[::-1]):
-            start = time.thread_time()
+            start = clock()
             session.run(feeds)
-            times[tag].append(time.thread_time() - start)
+            times[tag].append(clock() - start)
     q = {tag: np.percentile(np.array(t) * 1e3, [0, 10, 25, 50]) for tag, t in times.items()}
     for tag in times:
         print(f"{tag}: min {q[tag][0]:.3f}  p10 {q[tag][1]:.3f}  p25 {q[tag][2]:.3f}  median {q[tag][3]:.3f} ms")
@@ -79,6 +85,7 @@ def main(argv=None) -> None:
     c.add_argument("old")
     c.add_argument("new")
     c.add_argument("--runs", type=int, default=200)
+    c.add_argument("--clock", choices=sorted(CLOCKS), default="thread")
     b = sub.add_parser("chain")
     b.add_argument("layers", type=int)
     b.add_argument("--tokens", type=int, default=128)

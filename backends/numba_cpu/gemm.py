@@ -222,7 +222,8 @@ MODEL_L2_BYTES = 2 << 20      # a model whose constants all fit in (one core's) 
 # (64 x NR floats: 12 KiB for NR = 48, ~150-200 ns of the tile's FMAs, a DRAM access) instead of the
 # micro-kernel's 8. The first row tile over each micro-panel brings it in from the L3 or memory; 8 rows
 # ahead (~20 ns) left it waiting on DRAM. A chain of 16 distinct [128, 768] @ [768, 768] products
-# (38 MB of weights, past the L3), 1 thread: 6 % faster; one product (weights in the L3): no change.
+# (38 MB of weights, past the L3), 1 thread: 6 % faster (T = 16 rows: 1.8x); one product (weights in the
+# L3): no change. 32 and 128 rows were slower than 64 (docs/performance.md, 2026-12-07 fourth session).
 STREAM_PREFETCH_B_ROWS = 64
 
 

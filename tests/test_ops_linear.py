@@ -93,6 +93,40 @@ def test_gemv_large_weights_threads_identical():
     assert np.array_equal(one["y"], two["y"])
 
 
+def _uk_prefetch_distances(model, threads=1):
+    """The prefetch_b of every micro-kernel spec the lowered model's kernels declare."""
+    import json
+    import re
+    from backends.numba_cpu.registry import lower
+    from cuvil.frontends.onnx import import_onnx
+    from passes import resolve_passes, run_passes
+    graph, _ = import_onnx(model)
+    graph = run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"])
+    return {json.loads(m)["prefetch_b"] for c in lower(graph, threads) if hasattr(c, "kernel")
+            for m in re.findall(r"# cuvil-ukernel cuvil_uk_\S+ (\{.*\})", c.kernel.source)}
+
+
+@pytest.mark.parametrize("threads, target", [(1, "native"), (2, "native"), (1, "x86_64-avx2")])
+def test_streamed_weights_prefetch_far_ahead(threads, target):
+    """Packed weights over L2 (here 600 x 520 floats, 1.25 MB) are prefetched STREAM_PREFETCH_B_ROWS
+    k rows ahead by every row tile (37 rows: partial tiles; N 520: a partial column panel); a GEMV
+    of the same weights does not, nor do weights that fit L2. A prefetch changes no
+    arithmetic: the tolerance is the default 1e-4 of max |ref|, over the ~K u = 600 x 6e-8 = 3.6e-5
+    a float32 sum of 600 products may differ by from onnxruntime's (another summation order)."""
+    from backends.numba_cpu.gemm import STREAM_PREFETCH_B_ROWS
+    from backends.numba_cpu.ukernel import PREFETCH_B_ROWS
+    assert STREAM_PREFETCH_B_ROWS > PREFETCH_B_ROWS
+    for M, K, N, far in [(37, 600, 520, True), (1, 600, 520, False), (37, 300, 200, False)]:
+        a, b = rand(1, M, K, seed=1), (rand(K, N, seed=2) / np.sqrt(K)).astype(F32)
+        model = make_model([helper.make_node("MatMul", ["a", "b"], ["y"])], [("a", F32, [1, M, K])],
+                           [("y", F32, [1, M, N])], {"b": b})
+        if threads == 1 and target == "native":
+            distances = _uk_prefetch_distances(model)   # (a GEMV whose model fits L2 reads B with none: 0)
+            assert distances == {STREAM_PREFETCH_B_ROWS} if far else STREAM_PREFETCH_B_ROWS not in distances, (M, K, N)
+        if far or threads == 1:
+            assert_matches_ort(model, {"a": a}, threads=threads, target=target)
+
+
 @pytest.mark.parametrize("op", ["Gemm", "MatMul"])
 def test_aliasing_rows_of_a_packed_at_run_time(op, tmp_path, monkeypatch):
     """Rows of A 4 KB apart (K = 1024) alias in an 8-way L1: on such targets the GEMM packs A into

@@ -218,6 +218,13 @@ UK_MIN_SPLIT_FLOPS = 1 << 21  # smaller GEMMs are one work item: splitting them 
 GEMV_SPLIT_BYTES = 256 << 10  # a matrix-vector product with this much B splits over threads anyway (bound by
                               # B's bytes, not FLOPs: each thread streams its columns from its own L2)
 MODEL_L2_BYTES = 2 << 20      # a model whose constants all fit in (one core's) L2 reads its GEMV weights from L2
+# Packed float32 weights over L2_RESIDENT_BYTES: each row tile prefetches B this many k rows ahead
+# (64 x NR floats: 12 KiB for NR = 48, ~150-200 ns of the tile's FMAs, a DRAM access) instead of the
+# micro-kernel's 8. The first row tile over each micro-panel brings it in from the L3 or memory; 8 rows
+# ahead (~20 ns) left it waiting on DRAM. A chain of 16 distinct [128, 768] @ [768, 768] products
+# (38 MB of weights, past the L3), 1 thread: 6 % faster (T = 16 rows: 1.8x); one product (weights in the
+# L3): no change. 32 and 128 rows were slower than 64 (docs/performance.md, 2026-12-07 fourth session).
+STREAM_PREFETCH_B_ROWS = 64
 
 
 def split_work(want: int, n_cols: int, m_tiles: int, a_bytes: int, b_bytes: int) -> tuple[int, int, int, int]:
@@ -548,6 +555,10 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     if lowp and lowp[0] == "bf16" and b is None:
         ldb = 2 * NR   # k pairs: each packed row holds two k of NR columns
     specs = {}
+    # B's software prefetch distance (ukernel.UKSpec.prefetch_b): none from L2; far ahead for packed
+    # weights too large for L2, which the first row tile over each micro-panel reads from L3 or DRAM
+    # (a GEMV, M = 1, keeps 8: on a chain of 768 x 768 GEMVs the far prefetch won 3 % at 38 MB and lost 7 % at 151 MB)
+    prefetch_b = 0 if b_in_l2 else STREAM_PREFETCH_B_ROWS if b is None and M > 1 and 4 * K * N > L2_RESIDENT_BYTES else 1
 
     # The last column panel is computed by a kernel only as wide as its columns need (whole vectors).
     edge_nr = min(NR, ceil_div(N % NR, UK_NR_STEP) * UK_NR_STEP) if N % NR else NR
@@ -566,7 +577,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
                                                         a_packed=a_packed, a_panel=a_panel, **uk_epilogue))
         elif key not in specs:
             specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=key[1], a_packed=a_packed, a_panel=a_panel,
-                                                    b_masked=int(key[2]), prefetch_b=int(not b_in_l2),
+                                                    b_masked=int(key[2]), prefetch_b=prefetch_b,
                                                     prefetch_c=int(accumulate), **uk_epilogue))
         return specs[key][0]
 

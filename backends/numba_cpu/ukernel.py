@@ -91,7 +91,9 @@ class UKSpec(Declared):
     taps: tuple = ()        # () rows mode; else the compile-time tap offsets (K loop over channels)
     store: str = "m"        # "m" masked positional, "x" compress
     b_masked: int = 0       # 1: B loads are masked with `mask` (B rows may end at the last valid column)
-    prefetch_b: int = 1     # 0: no software prefetch of B rows (B streams from L2, which the hardware follows)
+    prefetch_b: int = 1     # 0: no software prefetch of B rows (B streams from L2, which the hardware follows);
+                            # 1: PREFETCH_B_ROWS rows ahead; n > 1: n rows ahead (packed weights that stream
+                            # from memory: gemm.STREAM_PREFETCH_B_ROWS)
     prefetch_c: int = 0     # 1: prefetch the C tile mr rows below (the next call's, when it accumulates onto
                             # C in memory: a residual the conv adds onto, not in cache)
     bias: int = 0           # 1: with the epilogue bit, row i gets bias[biasoff + i] added (bias must then be a
@@ -1271,12 +1273,14 @@ EPILOGUE_ACTIVATIONS = ("",) + REGISTER_ACTIVATIONS   # what the micro-kernel's 
 
 
 PREFETCH_A_BYTES = 2048   # packed A (weights, streamed from L3/DRAM): this far ahead
-PREFETCH_B_ROWS = 8       # B rows read in place (rows mode): this many k ahead
+PREFETCH_B_ROWS = 8       # B rows (rows mode): this many k ahead, unless the spec's prefetch_b names a distance
 
 
 def _prefetches(ir: IRBuilder, spec: UKSpec, kv: str, arow: dict, brow: str, T: int, P: int) -> None:
     """Software prefetches in the K loop (first column chunk only): hardware prefetchers stop at
-    4 KiB pages, and weights in a library's read-only data live in 4 KiB pages."""
+    4 KiB pages, and weights in a library's read-only data live in 4 KiB pages. B rows are
+    prefetched `spec.prefetch_b` rows ahead when that is more than 1 (a distance that covers a
+    memory access, for packed weights that stream from DRAM), else PREFETCH_B_ROWS."""
     if spec.a_packed:
         per_k = (T or 1) * P                  # floats of A one iteration reads
         base = ir.tmp("pfa")
@@ -1289,7 +1293,7 @@ def _prefetches(ir: IRBuilder, spec: UKSpec, kv: str, arow: dict, brow: str, T: 
             ir(f"call void @llvm.prefetch.p0(ptr {q}, i32 0, i32 3, i32 1)")
     if not T and spec.prefetch_b:
         ahead = ir.tmp("pfb")
-        ir(f"{ahead} = mul i64 %ldb, {PREFETCH_B_ROWS}")
+        ir(f"{ahead} = mul i64 %ldb, {spec.prefetch_b if spec.prefetch_b > 1 else PREFETCH_B_ROWS}")
         p = ir.tmp("pfp")
         ir(f"{p} = getelementptr float, ptr {brow}, i64 {ahead}")
         for j in range(-(-spec.nr * 4 // 64)):

@@ -42,12 +42,12 @@ from cuvil.ir import Value
 
 from .ukernel import LOADC_EPILOGUE
 
-from . import conv1x1t, convtappairs, convtaps_t
+from . import conv1d, conv1x1t, convtappairs, convtaps_t
 from .epilogue import EPILOGUE_ACTIVATIONS, Epilogue, register_activation, register_epilogue
 from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
 from .gemm import PRECISION_OF, UK_NR_STEP, ceil_div, choose_tile, lowp_label, lowp_product, split_work
-from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
+from .kernel import Kernel, KernelCall, Source, kernel_header, literal, session_threads, work_items
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
 DEPTHWISE_MAX_PLANE = 14 * 14  # strided depthwise convs with outputs up to this size take this path
@@ -237,6 +237,11 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
 
     # Work items: (image, group, tile block, channel block).
     n_blocks, tpb, m_blocks, mpb = split_work(work_items(), n_tiles, n_panels, 4 * ocg * icg * T, 4 * icg * ldb)
+    # One output row (a 1-D conv), float32: each thread its own rows (conv1d.thread_split).
+    rows_split = conv1d.thread_split(session_threads(), N * group, [NR] * (n_tiles - 1) + [edge_nr], n_panels,
+                                     (n_blocks, tpb, m_blocks, mpb)) if OH == 1 and not lowp and not y_narrow else None
+    if rows_split is not None:
+        n_blocks, tpb, m_blocks, mpb = rows_split
     work = N * group * n_blocks * m_blocks
 
     # Output channels per group of panels: one pass's weights for a group stay in L1 while the
@@ -286,7 +291,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
                                     prefetch_c=int(accumulate), **uk_epilogue))
         return specs[mr, nr][0]
 
-    body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles)
+    body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles, rows_outer=rows_split is not None)
     body.line(f"for c0 in range(0, {icg_p}, {kc_max}):").indent()
     body.line(f"kc = min({kc_max}, {icg_p} - c0)").line("lc = 1" if accumulate else "lc = min(c0, 1)").line(f"last = 1 if c0 + {kc_max} >= {icg_p} else 0")
     body.line(f"for mg in range(m_lo, m_hi, {group_rows}):").indent()
@@ -410,13 +415,19 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
     return body
 
 
-def _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles) -> Source:
+def _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles, rows_outer: bool = False) -> Source:
     """A conv GEMM body's loop over its work items (m block, tile block, group, image), decoded into
-    the rows m_lo..m_hi and the column tiles t_lo..t_hi of one group of one image."""
+    the rows m_lo..m_hi and the column tiles t_lo..t_hi of one group of one image. `rows_outer`:
+    (tile block, m block, ...) instead, consecutive items one row block's column blocks
+    (conv1d.thread_split)."""
     body = Source().indent()
     body.line("for item in range(begin, end):").indent()
-    body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
-    body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
+    if rows_outer:
+        body.line(f"nb = item % {n_blocks}").line(f"rest = item // {n_blocks}")
+        body.line(f"mb = rest % {m_blocks}").line(f"rest = rest // {m_blocks}")
+    else:
+        body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
+        body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
     body.line(f"g = rest % {group}").line(f"n = rest // {group}")
     body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
     body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")

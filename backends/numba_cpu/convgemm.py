@@ -42,7 +42,7 @@ from cuvil.ir import Value
 
 from .ukernel import LOADC_EPILOGUE
 
-from . import conv1d, conv1x1t, convtappairs, convtaps_t
+from . import conv1d, conv1x1t, convprologue, convtappairs, convtaps_t
 from .epilogue import EPILOGUE_ACTIVATIONS, Epilogue, register_activation, register_epilogue
 from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
@@ -158,7 +158,9 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     if scratch is None:   # (given: another form of the same conv, reading the same scratch)
         phases_name = graph.unique_name(f"{Y.name}__phases")
         graph.values[phases_name] = Value(phases_name, np.dtype(np.float32), (scratch_floats,))
-        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N, tail)
+        # A PrologueConv's elementwise program, applied to each value copied (convprologue.py).
+        prologue = convprologue.take(X.name) if not lowp else None
+        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N, tail, prologue)
         calls.append(KernelCall(pad_kernel, [X.name, phases_name], pad_work, node.name))
         scratch = phases_name
         if tap_pairs:
@@ -709,11 +711,14 @@ def flat_residual(res_strides, out_spatial) -> bool:
     return (sh == 0 and sw == 0) or sh == sw * out_spatial[1]
 
 
-def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: int = 0) -> tuple[Kernel, int]:
+def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: int = 0,
+                        prologue: list[str] | None = None) -> tuple[Kernel, int]:
     """X (N, C, H, W) -> phase images, and the work size. A work item is one channel's plane or,
     with few planes (a network's first conv: 3 channels), a block of rows of one, so that
     threads share the work evenly; blocks run top rows first, like the conv's output tiles.
-    `tail`: zeros after a plane's last row (phase_geometry's ldb minus its rows)."""
+    `tail`: zeros after a plane's last row (phase_geometry's ldb minus its rows). `prologue`:
+    lines computing `v` from `a_in`, applied to every value copied from X, not to the padding
+    (convprologue.py); strided columns are gathered first and transformed in place, in L1."""
     zero = literal(0, np.float32)
     ldb = len(phases) * PH * PW + tail
     blocks = min(PH, ROW_BLOCKS) if N * C < FEW_PLANES else 1
@@ -747,6 +752,16 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: in
             src.line(f"for j in range({j_lo}):").indent().line(f"p1[o + j] = {zero}").dedent()
         if j_hi > j_lo and s_w > 1:
             src.line(f"gather(p0, x + {j_lo * s_w}, p1, o + {j_lo}, {j_hi - j_lo})")
+            if prologue:
+                src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("a_in = p1[o + j]")
+                for line in prologue:
+                    src.line(line)
+                src.line("p1[o + j] = v").dedent()
+        elif j_hi > j_lo and prologue:
+            src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("a_in = p0[x + j]")
+            for line in prologue:
+                src.line(line)
+            src.line("p1[o + j] = v").dedent()
         elif j_hi > j_lo:
             src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("p1[o + j] = p0[x + j]").dedent()
         if j_hi < PW:

@@ -1,17 +1,18 @@
-"""PrologueConv (domain "cuvil", passes/fuse_conv_prologue.py): Conv(f(x)) for an elementwise
-program f of one input (a FusedElementwise: wav2vec2's and Whisper's Gelu between two convs).
+"""The input copy of a PrologueConv (domain "cuvil", passes/fuse_conv_prologue.py, lowered by
+prologueconv.py): Conv(f(x)) for an elementwise program f of one input (a FusedElementwise:
+wav2vec2's and Whisper's Gelu between two convs).
 
     y = Conv(f(x); W, b)   with  f(x)[i] = program(x[i])
 
-A float32 conv on convgemm.py's implicit GEMM first copies its input into phase images (the
-ConvPad step: every input value once, with the padding's zeros). Here that copy applies f to each
-value it copies, so f(x) is never written to memory and read back: one pass over the activation
-and one step fewer than FusedElementwise then ConvPad. The padding stays zero (it pads f(x)), and
-f is computed once per value with the same float32 expression as FusedElementwise's kernel
-(vectorised over a channel's row here, over blocks of the flat tensor there: a value a loop's
-scalar remainder computes can differ by an ulp of erf's polynomial). Any other conv path (no phase images: a 1x1 conv, the
-direct kernel, Winograd...) runs the FusedElementwise kernel into a scratch tensor first: the
-unfused schedule.
+A float32 conv on convgemm.py's implicit GEMM (or convsmall.py's) first copies its input into
+phase images (the ConvPad step: every input value once, with the padding's zeros). Here that copy
+applies f to each value it copies, so f(x) is never written to memory and read back: one pass over
+the activation and one step fewer than FusedElementwise then ConvPad. The padding stays zero (it
+pads f(x)). f is the same float32 expression as FusedElementwise's kernel, vectorised over a
+channel's row here and over blocks of the flat tensor there (a value a loop's scalar remainder
+computes can differ by an ulp of erf's polynomial). Another conv path (no phase images: a 1x1
+conv, the direct kernel, Winograd...) runs the FusedElementwise kernel into a scratch tensor
+first: the unfused schedule.
 """
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ import contextvars
 
 import numpy as np
 
-from cuvil.ir import Node, Value
-
 from . import fused
-from .kernel import Lowered
+from .elementwise import render
+from .kernel import literal
 
 # (input name of the synthetic conv, program lines over `a`, [used]) while PrologueConv lowers its conv
 _ACTIVE = contextvars.ContextVar("cuvil_conv_prologue", default=None)
@@ -32,8 +32,6 @@ _ACTIVE = contextvars.ContextVar("cuvil_conv_prologue", default=None)
 def program_expression(node, program, dtype, var: str) -> list[str]:
     """Lines computing the single-input program on variable `var` into `v` (FusedElementwise's
     expressions: fused.py), for a copy loop's body."""
-    from .elementwise import render
-    from .kernel import literal
     lines = [f"x0 = {var}"]
     for j, step in enumerate(program):
         op, operands, attrs = fused._parse(step)
@@ -54,32 +52,9 @@ def take(x_name: str):
 
 
 @contextlib.contextmanager
-def _applying(x_name: str, lines: list[str]):
+def applying(x_name: str, lines: list[str]):
     token = _ACTIVE.set((x_name, lines, []))
     try:
         yield _ACTIVE.get()[2]
     finally:
         _ACTIVE.reset(token)
-
-
-def lower_prologue_conv(node, graph) -> Lowered:
-    from .conv import lower_conv
-    x = graph.values[node.inputs[0]]
-    program = list(node.attr("program") or [])
-    dtype = np.dtype(x.dtype)
-    # f(x): a scratch tensor, which only the fallback writes (a ConvPad that applies f reads x).
-    fx = f"__prologue__{node.name}"
-    graph.values[fx] = Value(fx, dtype, tuple(x.shape))
-    attrs = {k: v for k, v in node.attrs.items() if k != "program"}
-    conv = Node("Conv", node.name, [fx] + list(node.inputs[1:]), list(node.outputs), attrs)
-    lines = program_expression(node, program, dtype, "a_in")
-    with _applying(fx, lines) as used:
-        lowered = lower_conv(conv, graph)
-    if used:
-        for call in lowered.calls:
-            call.args = [node.inputs[0] if isinstance(a, str) and a == fx else a for a in call.args]
-        del graph.values[fx]
-        return lowered
-    elementwise = Node("FusedElementwise", f"{node.name}__prologue", [node.inputs[0]], [fx], {"program": program},
-                       domain="cuvil")
-    return Lowered(fused.lower_fused_elementwise(elementwise, graph).calls + lowered.calls)

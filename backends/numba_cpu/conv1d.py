@@ -9,6 +9,8 @@ Conv1d: 1 input channel, kernel 256, stride 128) then runs on the phase images o
 (phase j of the input is X[j], X[j + s], ...: the frames' columns, a strided gather of the
 input) and the channels-in-lanes micro-kernel of convsmall.py, a GEMM over K = channels x taps
 with no im2col buffer; a 1-D conv the direct kernel vectorises well stays 1-D (conv.py decides).
+At batch 1 on several threads, a 1-D conv's few column tiles split unevenly: each thread then
+takes its own rows of all of them (thread_split).
 """
 from __future__ import annotations
 

@@ -100,3 +100,42 @@ def test_pass_leaves_other_readers_and_reduced_precision_alone():
     assert fuse_conv_prologue(g) is g                       # the Gelu is a graph output too: no fusion
     assert "fuse_conv_prologue" not in pipeline.pass_list(2, precision="bf16")[0]
     assert "fuse_conv_prologue" not in pipeline.pass_list(2, gpu=True)[0]
+
+
+def norm_chain_model(C, L, OC, k, N=1, seed=0, **attrs):
+    """x -> InstanceNormalization (per-channel scale, bias: wav2vec2's GroupNorm after
+    fold_batchnorm) -> Gelu -> Conv (k, C -> OC, attrs) -> y."""
+    inits = {"s": rand(C, seed=seed + 1), "z": rand(C, seed=seed + 2),
+             "w1": (rand(OC, C, k, seed=seed + 3) / np.sqrt(k * C)).astype(np.float32),
+             "sqrt2": np.array(math.sqrt(2), np.float32), "one": np.array(1, np.float32),
+             "half": np.array(0.5, np.float32)}
+    nodes = [helper.make_node("InstanceNormalization", ["x", "s", "z"], ["n"])] + gelu_nodes("n", "g") \
+        + [helper.make_node("Conv", ["g", "w1"], ["y"], **attrs)]
+    return make_model(nodes, [("x", np.float32, (N, C, L))], [("y", np.float32, None)], inits), \
+        {"x": (rand(N, C, L, seed=seed + 4) * 3 + 1).astype(np.float32)}
+
+
+# The normalised values carry the plane's moments' rounding (sums of L values: ~L * u relative,
+# the fold_batchnorm tests' 4 x plane x u), then K products: tol = 4 * (K + L) * u.
+@pytest.mark.parametrize("C,L,OC,k,N,attrs", [
+    (64, 401, 48, 3, 1, dict(strides=[2])),            # wav2vec2's first GroupNorm -> Gelu -> k3 s2
+    (32, 150, 40, 3, 2, dict(pads=[1, 1])),            # two images, stride 1 with padding
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_instance_norm_and_gelu_in_the_conv_input_copy(C, L, OC, k, N, attrs, threads):
+    model, feeds = norm_chain_model(C, L, OC, k, N=N, **attrs)
+    fams = schedule_families(model)
+    assert fams.count("ConvPad") == 1 and "InstanceNormalization" not in fams and "FusedElementwise" not in fams
+    assert_matches_ort(model, feeds, tol=4 * (k * C + L) * U, threads=threads)
+
+
+@pytest.mark.parametrize("C,k,attrs", [
+    (64, 1, {}),                 # a 1x1 conv: no phase images, the norm and program run first
+    (4, 3, dict(strides=[2])),   # 4 planes: ConvPad's items are row blocks, not whole planes
+])
+def test_instance_norm_prologue_falls_back(C, k, attrs):
+    model, feeds = norm_chain_model(C, 120, 16, k, **attrs)
+    fams = schedule_families(model)
+    assert "InstanceNormalization" in fams and "FusedElementwise" in fams
+    assert_matches_ort(model, feeds, tol=4 * (k * C + 120) * U)
+    assert_matches_ort(model, feeds, tol=4 * (k * C + 120) * U, threads=2)

@@ -159,9 +159,13 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
         phases_name = graph.unique_name(f"{Y.name}__phases")
         graph.values[phases_name] = Value(phases_name, np.dtype(np.float32), (scratch_floats,))
         # A PrologueConv's elementwise program, applied to each value copied (convprologue.py).
-        prologue = convprologue.take(X.name) if not lowp else None
-        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N, tail, prologue)
-        calls.append(KernelCall(pad_kernel, [X.name, phases_name], pad_work, node.name))
+        prologue = convprologue.take(X.name, whole_planes=N * C >= FEW_PLANES) if not lowp else None
+        norm = prologue.norm if prologue is not None else None
+        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N, tail,
+                                                   prologue.lines if prologue is not None else None,
+                                                   norm.epsilon if norm is not None else None)
+        calls.append(KernelCall(pad_kernel, [X.name] + ([norm.scale, norm.bias] if norm is not None else [])
+                                + [phases_name], pad_work, node.name))
         scratch = phases_name
         if tap_pairs:
             scratch = graph.unique_name(f"{Y.name}__tappairs_{lowp[0]}")
@@ -712,16 +716,21 @@ def flat_residual(res_strides, out_spatial) -> bool:
 
 
 def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: int = 0,
-                        prologue: list[str] | None = None) -> tuple[Kernel, int]:
+                        prologue: list[str] | None = None, norm_eps: float | None = None) -> tuple[Kernel, int]:
     """X (N, C, H, W) -> phase images, and the work size. A work item is one channel's plane or,
     with few planes (a network's first conv: 3 channels), a block of rows of one, so that
     threads share the work evenly; blocks run top rows first, like the conv's output tiles.
     `tail`: zeros after a plane's last row (phase_geometry's ldb minus its rows). `prologue`:
     lines computing `v` from `a_in`, applied to every value copied from X, not to the padding
-    (convprologue.py); strided columns are gathered first and transformed in place, in L1."""
+    (convprologue.py); strided columns are gathered first and transformed in place, in L1.
+    `norm_eps`: an InstanceNormalization before the prologue, per (image, channel) plane (whole
+    planes only): the kernel reads X, scale, bias and writes the phases (p3); `a_in` is then
+    x * sc + sh with the plane's moments computed first, as norm.py computes them."""
     zero = literal(0, np.float32)
     ldb = len(phases) * PH * PW + tail
     blocks = min(PH, ROW_BLOCKS) if N * C < FEW_PLANES else 1
+    assert norm_eps is None or blocks == 1, "an InstanceNormalization prologue needs whole planes"
+    out = "p3" if norm_eps is not None else "p1"
     rows = ceil_div(PH, blocks)
     blocks = ceil_div(PH, rows)
     src = Source()
@@ -729,7 +738,7 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: in
         from .ukernel import GatherSpec
         for line in GatherSpec(s_w).declaration("gather").splitlines():
             src.line(line)
-    src.line(kernel_header(2)).indent()
+    src.line(kernel_header(4 if norm_eps is not None else 2)).indent()
     src.line("for item in range(begin, end):").indent()
     if blocks > 1:
         src.line(f"plane = item % {N * C}").line(f"i_lo = (item // {N * C}) * {rows}")
@@ -737,6 +746,13 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: in
     else:
         src.line("plane = item").line("i_lo = 0").line(f"i_hi = {PH}")
     src.line(f"xb = plane * {H * W}").line(f"sb = plane * {ldb}")
+    norm_term = ""
+    if norm_eps is not None:   # the plane's moments (norm.py's two passes), then x * sc + sh
+        from .norm import moments
+        moments(src, np.dtype(np.float32), H * W, "p0", "xb")
+        src.line(f"sc = p1[plane % {C}] / math.sqrt(var + {literal(norm_eps, np.float32)})")
+        src.line(f"sh = p2[plane % {C}] - mean * sc")
+        norm_term = " * sc + sh"
     for k, (a, b) in enumerate(phases):
         # Columns j with 0 <= j*s_w + b - p_l < W: [j_lo, j_hi).
         j_lo = max(0, ceil_div(p_l - b, s_w))
@@ -745,29 +761,29 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: in
         src.line(f"o = sb + {k * PH * PW} + i * {PW}")
         src.line(f"r = i * {s_h} + {a - p_t}" if s_h > 1 else f"r = i + {a - p_t}")
         src.line(f"if r < 0 or r >= {H}:").indent()
-        src.line(f"for j in range({PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
+        src.line(f"for j in range({PW}):").indent().line(f"{out}[o + j] = {zero}").dedent()
         src.dedent().line("else:").indent()
         src.line(f"x = xb + r * {W} + {b - p_l}")
         if j_lo > 0:
-            src.line(f"for j in range({j_lo}):").indent().line(f"p1[o + j] = {zero}").dedent()
+            src.line(f"for j in range({j_lo}):").indent().line(f"{out}[o + j] = {zero}").dedent()
         if j_hi > j_lo and s_w > 1:
-            src.line(f"gather(p0, x + {j_lo * s_w}, p1, o + {j_lo}, {j_hi - j_lo})")
+            src.line(f"gather(p0, x + {j_lo * s_w}, {out}, o + {j_lo}, {j_hi - j_lo})")
             if prologue:
-                src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("a_in = p1[o + j]")
+                src.line(f"for j in range({j_lo}, {j_hi}):").indent().line(f"a_in = {out}[o + j]" + norm_term)
                 for line in prologue:
                     src.line(line)
-                src.line("p1[o + j] = v").dedent()
+                src.line(f"{out}[o + j] = v").dedent()
         elif j_hi > j_lo and prologue:
-            src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("a_in = p0[x + j]")
+            src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("a_in = p0[x + j]" + norm_term)
             for line in prologue:
                 src.line(line)
-            src.line("p1[o + j] = v").dedent()
+            src.line(f"{out}[o + j] = v").dedent()
         elif j_hi > j_lo:
             src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("p1[o + j] = p0[x + j]").dedent()
         if j_hi < PW:
-            src.line(f"for j in range({j_hi}, {PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
+            src.line(f"for j in range({j_hi}, {PW}):").indent().line(f"{out}[o + j] = {zero}").dedent()
         src.dedent().dedent()
     if tail:
         src.line(f"if i_hi == {PH}:").indent()
-        src.line(f"for j in range({tail}):").indent().line(f"p1[sb + {ldb - tail} + j] = {zero}")
-    return Kernel("ConvPad", src.text(), ("float32", "float32")), N * C * blocks
+        src.line(f"for j in range({tail}):").indent().line(f"{out}[sb + {ldb - tail} + j] = {zero}")
+    return Kernel("ConvPad", src.text(), ("float32",) * (4 if norm_eps is not None else 2)), N * C * blocks

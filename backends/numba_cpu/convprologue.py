@@ -18,42 +18,52 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import fused
-from .elementwise import render
-from .kernel import literal
 
-# (input name of the synthetic conv, program lines over `a`, [used]) while PrologueConv lowers its conv
+
+@dataclass(frozen=True)
+class Norm:
+    """An InstanceNormalization before the program (its scale and bias value names, epsilon)."""
+    scale: str
+    bias: str
+    epsilon: float
+
+
+@dataclass(frozen=True)
+class Prologue:
+    lines: list          # computing `v` from `a_in` (program_expression)
+    norm: Norm | None    # applied first, per (image, channel) plane
+
+
+# (input name of the synthetic conv, Prologue, [used]) while PrologueConv lowers its conv
 _ACTIVE = contextvars.ContextVar("cuvil_conv_prologue", default=None)
 
 
 def program_expression(node, program, dtype, var: str) -> list[str]:
     """Lines computing the single-input program on variable `var` into `v` (FusedElementwise's
     expressions: fused.py), for a copy loop's body."""
-    lines = [f"x0 = {var}"]
-    for j, step in enumerate(program):
-        op, operands, attrs = fused._parse(step)
-        for name, operand in zip("ab", operands):
-            lines.append(f"{name} = {literal(float(operand), dtype) if fused._is_number(operand) else operand}")
-        lines.append(f"t{j} = {render(fused._expression(node, op, operands, attrs), dtype)}")
+    lines = [f"x0 = {var}"] + fused.program_lines(node, program, dtype)
     lines.append(f"v = np.{np.dtype(dtype).name}(t{len(program) - 1})")
     return lines
 
 
-def take(x_name: str):
-    """The program lines a ConvPad copying `x_name` applies (and that it did), or None."""
+def take(x_name: str, whole_planes: bool = False) -> Prologue | None:
+    """The Prologue a ConvPad copying `x_name` applies (noting that it did), or None. A prologue
+    with an InstanceNormalization needs work items of whole (image, channel) planes."""
     active = _ACTIVE.get()
-    if active is None or active[0] != x_name:
+    if active is None or active[0] != x_name or (active[1].norm is not None and not whole_planes):
         return None
     active[2].append(True)
     return active[1]
 
 
 @contextlib.contextmanager
-def applying(x_name: str, lines: list[str]):
-    token = _ACTIVE.set((x_name, lines, []))
+def applying(x_name: str, prologue: Prologue):
+    token = _ACTIVE.set((x_name, prologue, []))
     try:
         yield _ACTIVE.get()[2]
     finally:

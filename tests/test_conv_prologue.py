@@ -139,3 +139,9 @@ def test_instance_norm_prologue_falls_back(C, k, attrs):
     assert "InstanceNormalization" in fams and "FusedElementwise" in fams
     assert_matches_ort(model, feeds, tol=4 * (k * C + 120) * U)
     assert_matches_ort(model, feeds, tol=4 * (k * C + 120) * U, threads=2)
+
+
+@pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])
+def test_prologue_on_narrower_targets(target):
+    model, feeds = norm_chain_model(32, 201, 24, 3, strides=[2])
+    assert_matches_ort(model, feeds, tol=4 * (3 * 32 + 201) * U, target=target, threads=2)

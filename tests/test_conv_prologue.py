@@ -102,17 +102,19 @@ def test_pass_leaves_other_readers_and_reduced_precision_alone():
     assert "fuse_conv_prologue" not in pipeline.pass_list(2, gpu=True)[0]
 
 
-def norm_chain_model(C, L, OC, k, N=1, seed=0, **attrs):
+def norm_chain_model(C, L, OC, k, N=1, seed=0, spatial=None, **attrs):
     """x -> InstanceNormalization (per-channel scale, bias: wav2vec2's GroupNorm after
-    fold_batchnorm) -> Gelu -> Conv (k, C -> OC, attrs) -> y."""
+    fold_batchnorm) -> Gelu -> Conv (k, C -> OC, attrs) -> y; `spatial` (H, W): a 2-D k x k conv."""
+    w_shape = (OC, C, k) if spatial is None else (OC, C, k, k)
+    x_shape = (N, C, L) if spatial is None else (N, C, *spatial)
     inits = {"s": rand(C, seed=seed + 1), "z": rand(C, seed=seed + 2),
-             "w1": (rand(OC, C, k, seed=seed + 3) / np.sqrt(k * C)).astype(np.float32),
+             "w1": (rand(*w_shape, seed=seed + 3) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32),
              "sqrt2": np.array(math.sqrt(2), np.float32), "one": np.array(1, np.float32),
              "half": np.array(0.5, np.float32)}
     nodes = [helper.make_node("InstanceNormalization", ["x", "s", "z"], ["n"])] + gelu_nodes("n", "g") \
         + [helper.make_node("Conv", ["g", "w1"], ["y"], **attrs)]
-    return make_model(nodes, [("x", np.float32, (N, C, L))], [("y", np.float32, None)], inits), \
-        {"x": (rand(N, C, L, seed=seed + 4) * 3 + 1).astype(np.float32)}
+    return make_model(nodes, [("x", np.float32, x_shape)], [("y", np.float32, None)], inits), \
+        {"x": (rand(*x_shape, seed=seed + 4) * 3 + 1).astype(np.float32)}
 
 
 # The normalised values carry the plane's moments' rounding (sums of L values: ~L * u relative,
@@ -120,13 +122,15 @@ def norm_chain_model(C, L, OC, k, N=1, seed=0, **attrs):
 @pytest.mark.parametrize("C,L,OC,k,N,attrs", [
     (64, 401, 48, 3, 1, dict(strides=[2])),            # wav2vec2's first GroupNorm -> Gelu -> k3 s2
     (32, 150, 40, 3, 2, dict(pads=[1, 1])),            # two images, stride 1 with padding
+    (16, 9 * 11, 24, 3, 1, dict(pads=[1, 1, 1, 1], strides=[2, 2], spatial=(9, 11))),   # 2-D planes
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_instance_norm_and_gelu_in_the_conv_input_copy(C, L, OC, k, N, attrs, threads):
     model, feeds = norm_chain_model(C, L, OC, k, N=N, **attrs)
     fams = schedule_families(model)
     assert fams.count("ConvPad") == 1 and "InstanceNormalization" not in fams and "FusedElementwise" not in fams
-    assert_matches_ort(model, feeds, tol=4 * (k * C + L) * U, threads=threads)
+    taps = k * k if "spatial" in attrs else k
+    assert_matches_ort(model, feeds, tol=4 * (taps * C + L) * U, threads=threads)
 
 
 @pytest.mark.parametrize("C,k,attrs", [

@@ -15,7 +15,7 @@ VIEW_OPS = RESHAPE_OPS | {"Identity", "Dropout"}
 
 # cuvil's own domain: what the fusion passes make.
 FUSED_DOMAIN = "cuvil"
-FUSED_OPS = frozenset({"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock",
+FUSED_OPS = frozenset({"FusedGemm", "FusedMatMul", "FusedConv", "FusedElementwise", "DepthwiseBlock", "PrologueConv",
                        "FusedAttention", "FusedMatMulInteger",
                        "QLinearAdd", "QLookup"})
 # cuvil's own control flow (frontends/control_flow.py): a Loop whose trip count or condition is known

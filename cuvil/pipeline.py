@@ -132,7 +132,10 @@ def calibrated_source(source, input_shapes: dict, precision: str, calibration: d
 
 # Passes whose rewrites only the CPU backend lowers (x86 kernels for the fused or transformed
 # ops they make): a GPU target's default pass list leaves them out.
-CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block", "fold_qdq")
+CPU_ONLY_PASSES = ("winograd", "fuse_depthwise_block", "fold_qdq", "fuse_conv_prologue")
+# Passes float32 builds only run: assign_precision marks Conv nodes for bf16 / fp16 / int8, not the
+# PrologueConv this one makes (the reduced-precision convs keep their separate elementwise step).
+FP32_ONLY_PASSES = ("fuse_conv_prologue",)
 
 
 # An fp16 build leaves the winograd pass out of the opt level's list (an explicit `passes:` list
@@ -164,6 +167,8 @@ def pass_list(opt_level: int, passes=None, disable_passes=(), pass_options=None,
     names = resolve_passes(opt_level, passes, disable_passes)
     if gpu:
         names = [n for n in names if n not in CPU_ONLY_PASSES]
+    if precision != "fp32":
+        names = [n for n in names if n not in FP32_ONLY_PASSES]
     if precision in REDUCED_WITHOUT_WINOGRAD and passes is None:
         names = [n for n in names if n != "winograd"]
     options = dict(pass_options or {})

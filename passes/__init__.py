@@ -20,7 +20,9 @@ prints. It reads the two graphs only, so passes stay pure.
            stride-1 convs marked for Winograd (`winograd`: fewer multiply-adds, more
            session memory and slightly different rounding; disable it to keep them direct);
            a depthwise conv and the 1x1 convs before and after it into one DepthwiseBlock
-           when the tensors between them are large (`fuse_depthwise_block`); attention's
+           when the tensors between them are large (`fuse_depthwise_block`); an elementwise
+           program of one input read only by a Conv into that conv's input copy
+           (`fuse_conv_prologue`: PrologueConv, float32 CPU builds); attention's
            MatMul -> scale -> Softmax -> MatMul (and the Transposes around it) into one
            FusedAttention (`fuse_attention`)
     opt 3  + fusion that generates new kernels: elementwise chains into one loop
@@ -36,7 +38,7 @@ from pydantic import ValidationError
 from cuvil.errors import ConfigError
 
 from . import (assign_precision, eliminate_common, eliminate_dead, eliminate_identity, fold_batchnorm, fold_constants, fold_qdq,
-               fuse_activation, fuse_attention, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls,
+               fuse_activation, fuse_attention, fuse_conv_prologue, fuse_depthwise_block, fuse_elementwise, fuse_gemm, fuse_patterns, merge_matmuls,
                plan_memory, quantize_weights, simplify_scatter, simplify_shapes, winograd)
 
 _MODULES = {
@@ -53,6 +55,7 @@ _MODULES = {
     "fuse_activation": fuse_activation,
     "winograd": winograd,
     "fuse_depthwise_block": fuse_depthwise_block,
+    "fuse_conv_prologue": fuse_conv_prologue,
     "merge_matmuls": merge_matmuls,
     "fuse_elementwise": fuse_elementwise,
     "eliminate_dead": eliminate_dead,
@@ -70,13 +73,13 @@ PASS_OPTIONS = {name: module.Options for name, module in _MODULES.items() if has
 
 _BASIC = ["fold_constants", "eliminate_identity", "simplify_shapes", "eliminate_common", "eliminate_dead"]
 _FUSION = ["fold_qdq", "fold_constants", "eliminate_identity", "simplify_shapes", "fold_batchnorm", "fuse_gemm", "fuse_patterns",
-           "simplify_scatter", "fuse_attention", "fuse_activation", "winograd", "fuse_depthwise_block", "eliminate_common",
-           "eliminate_dead"]
+           "simplify_scatter", "fuse_attention", "fuse_activation", "winograd", "fuse_depthwise_block", "fuse_conv_prologue",
+           "eliminate_common", "eliminate_dead"]
 OPT_LEVELS = {
     0: [],
     1: _BASIC + ["plan_memory"],
     2: _FUSION + ["plan_memory"],
-    3: _FUSION + ["fuse_elementwise", "eliminate_common", "eliminate_dead", "plan_memory"],
+    3: _FUSION + ["fuse_elementwise", "fuse_conv_prologue", "eliminate_common", "eliminate_dead", "plan_memory"],
 }
 
 

@@ -324,3 +324,40 @@ def test_phase_images_end_with_the_right_padding_not_a_row():
     assert max(offsets) + 399 < ldb    # the last output's last tap reads the last padding zero
     phases, PH, PW, ldb, offsets, g = phase_geometry([3, 3], [1, 1], [1, 1], 1, 56, 56, 56)
     assert (PH, PW, ldb) == (58, 57, 58 * 57 + 1)
+
+
+# A 1-D conv at batch 1 on several threads: each thread its own rows of every column tile
+# (conv1d.thread_split) where the column-first split leaves a thread waiting. Wav2vec2's
+# 256 -> 256 k3 s2 on 1599 (17 tiles, the last 32 wide) and 799 -> 399 (9 tiles, the last 16),
+# a TCN layer, and channels that do not split evenly over 3 threads (the split is kept).
+@pytest.mark.parametrize("x_shape,w_shape,attrs,threads", [
+    ((1, 256, 1599), (256, 256, 3), dict(strides=[2]), 2),
+    ((1, 256, 799), (256, 256, 3), dict(strides=[2]), 2),
+    ((1, 128, 400), (128, 128, 3), dict(pads=[1, 1]), 2),
+    ((1, 96, 333), (96, 96, 3), dict(strides=[2]), 3),
+])
+def test_conv1d_rows_per_thread(x_shape, w_shape, attrs, threads):
+    model, feeds = conv_model(x_shape, w_shape, bias=False, **attrs)
+    # K = 3 x C products per output (tol's derivation at the top of the file)
+    _, got = assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))), threads=threads)
+    _, one = assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))), threads=1)
+    # blocks group whole tiles: every output is the same sum in the same order on any split
+    np.testing.assert_array_equal(got["c"], one["c"])
+
+
+def test_conv1d_thread_split_rule():
+    """Where the row split fires, and that it evens the threads' shares (thread_split's docstring)."""
+    from backends.numba_cpu.conv1d import slowest_share, thread_split
+    w2v = [48] * 16 + [32]                       # 799 outputs on 8 x 48 tiles, 32 panels of 8 rows
+    old = (6, 3, 2, 16)                          # gemm.split_work's: 6 column blocks x 2 row blocks
+    sizes = [sum(w2v[nb * 3:nb * 3 + 3]) * 16 for nb in range(6) for mb in range(2)]
+    assert slowest_share(sizes, 2) > 1.07        # the first thread 9 tiles, the second 7.7
+    assert thread_split(2, 1, w2v, 32, old) == (3, 6, 2, 16)
+    assert thread_split(1, 1, w2v, 32, old) is None          # one thread
+    assert thread_split(2, 4, w2v, 32, old) is None          # four images: whole images per thread
+    assert thread_split(3, 1, w2v, 32, old) is None          # 32 panels do not split in 3
+    assert thread_split(2, 1, [32] * 16, 32, (2, 8, 4, 8)) is None   # Whisper's 500 outputs: even already
+    # the rows_outer decode in the generated conv: a thread's contiguous items are one row block
+    model, _ = conv_model((1, 256, 799), (256, 256, 3), bias=False, strides=[2])
+    conv = [k for k in lowered_kernels(model, threads=2) if k.family == "Conv"]
+    assert len(conv) == 1 and "nb = item % 3" in conv[0].source

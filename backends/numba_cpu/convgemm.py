@@ -43,12 +43,12 @@ from cuvil.ir import Value
 from .ukernel import LOADC_EPILOGUE
 from .ukernel_lowp import store_rounding
 
-from . import conv1x1t, convtappairs, convtaps_t
+from . import conv1d, conv1x1t, convprologue, convtappairs, convtaps_t
 from .epilogue import EPILOGUE_ACTIVATIONS, Epilogue, register_activation, register_epilogue
 from .narrow import is_narrow, load, pointer_type, with_helpers
 from .scratch import scratch_value
 from .gemm import PRECISION_OF, UK_NR_STEP, ceil_div, choose_tile, lowp_label, lowp_product, split_work
-from .kernel import Kernel, KernelCall, Source, kernel_header, literal, work_items
+from .kernel import Kernel, KernelCall, Source, kernel_header, literal, session_threads, work_items
 
 K_PER_PASS = 256   # channels x taps per pass over the channels (the B footprint stays in L1)
 DEPTHWISE_MAX_PLANE = 14 * 14  # strided depthwise convs with outputs up to this size take this path
@@ -159,8 +159,14 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     if scratch is None:   # (given: another form of the same conv, reading the same scratch)
         phases_name = graph.unique_name(f"{Y.name}__phases")
         graph.values[phases_name] = Value(phases_name, np.dtype(np.float32), (scratch_floats,))
-        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N, tail)
-        calls.append(KernelCall(pad_kernel, [X.name, phases_name], pad_work, node.name))
+        # A PrologueConv's elementwise program, applied to each value copied (convprologue.py).
+        prologue = convprologue.take(X.name, whole_planes=N * C >= FEW_PLANES) if not lowp else None
+        norm = prologue.norm if prologue is not None else None
+        pad_kernel, pad_work = padded_input_kernel(C, H, Wd, s_h, s_w, p_t, left, phases, PH, PW, N, tail,
+                                                   prologue.lines if prologue is not None else None,
+                                                   norm.epsilon if norm is not None else None)
+        calls.append(KernelCall(pad_kernel, [X.name] + ([norm.scale, norm.bias] if norm is not None else [])
+                                + [phases_name], pad_work, node.name))
         scratch = phases_name
         if tap_pairs:
             scratch = graph.unique_name(f"{Y.name}__tappairs_{lowp[0]}")
@@ -238,6 +244,11 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
 
     # Work items: (image, group, tile block, channel block).
     n_blocks, tpb, m_blocks, mpb = split_work(work_items(), n_tiles, n_panels, 4 * ocg * icg * T, 4 * icg * ldb)
+    # One output row (a 1-D conv), float32: each thread its own rows (conv1d.thread_split).
+    rows_split = conv1d.thread_split(session_threads(), N * group, [NR] * (n_tiles - 1) + [edge_nr], n_panels,
+                                     (n_blocks, tpb, m_blocks, mpb)) if OH == 1 and not lowp and not y_narrow else None
+    if rows_split is not None:
+        n_blocks, tpb, m_blocks, mpb = rows_split
     work = N * group * n_blocks * m_blocks
 
     # Output channels per group of panels: one pass's weights for a group stay in L1 while the
@@ -287,7 +298,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
                                     prefetch_c=int(accumulate), **uk_epilogue))
         return specs[mr, nr][0]
 
-    body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles)
+    body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles, rows_outer=rows_split is not None)
     body.line(f"for c0 in range(0, {icg_p}, {kc_max}):").indent()
     body.line(f"kc = min({kc_max}, {icg_p} - c0)").line("lc = 1" if accumulate else "lc = min(c0, 1)").line(f"last = 1 if c0 + {kc_max} >= {icg_p} else 0")
     body.line(f"for mg in range(m_lo, m_hi, {group_rows}):").indent()
@@ -411,13 +422,19 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
     return body
 
 
-def _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles) -> Source:
+def _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles, rows_outer: bool = False) -> Source:
     """A conv GEMM body's loop over its work items (m block, tile block, group, image), decoded into
-    the rows m_lo..m_hi and the column tiles t_lo..t_hi of one group of one image."""
+    the rows m_lo..m_hi and the column tiles t_lo..t_hi of one group of one image. `rows_outer`:
+    (tile block, m block, ...) instead, consecutive items one row block's column blocks
+    (conv1d.thread_split)."""
     body = Source().indent()
     body.line("for item in range(begin, end):").indent()
-    body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
-    body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
+    if rows_outer:
+        body.line(f"nb = item % {n_blocks}").line(f"rest = item // {n_blocks}")
+        body.line(f"mb = rest % {m_blocks}").line(f"rest = rest // {m_blocks}")
+    else:
+        body.line(f"mb = item % {m_blocks}").line(f"rest = item // {m_blocks}")
+        body.line(f"nb = rest % {n_blocks}").line(f"rest = rest // {n_blocks}")
     body.line(f"g = rest % {group}").line(f"n = rest // {group}")
     body.line(f"m_lo = mb * {mpb * MR}").line(f"m_hi = min(m_lo + {mpb * MR}, {ocg})")
     body.line(f"t_lo = nb * {tpb}").line(f"t_hi = min(t_lo + {tpb}, {n_tiles})")
@@ -685,14 +702,22 @@ def flat_residual(res_strides, out_spatial) -> bool:
     return (sh == 0 and sw == 0) or sh == sw * out_spatial[1]
 
 
-def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: int = 0) -> tuple[Kernel, int]:
+def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: int = 0,
+                        prologue: list[str] | None = None, norm_eps: float | None = None) -> tuple[Kernel, int]:
     """X (N, C, H, W) -> phase images, and the work size. A work item is one channel's plane or,
     with few planes (a network's first conv: 3 channels), a block of rows of one, so that
     threads share the work evenly; blocks run top rows first, like the conv's output tiles.
-    `tail`: zeros after a plane's last row (phase_geometry's ldb minus its rows)."""
+    `tail`: zeros after a plane's last row (phase_geometry's ldb minus its rows). `prologue`:
+    lines computing `v` from `a_in`, applied to every value copied from X, not to the padding
+    (convprologue.py); strided columns are gathered first and transformed in place, in L1.
+    `norm_eps`: an InstanceNormalization before the prologue, per (image, channel) plane (whole
+    planes only): the kernel reads X, scale, bias and writes the phases (p3); `a_in` is then
+    x * sc + sh with the plane's moments computed first, as norm.py computes them."""
     zero = literal(0, np.float32)
     ldb = len(phases) * PH * PW + tail
     blocks = min(PH, ROW_BLOCKS) if N * C < FEW_PLANES else 1
+    assert norm_eps is None or blocks == 1, "an InstanceNormalization prologue needs whole planes"
+    out = "p3" if norm_eps is not None else "p1"
     rows = ceil_div(PH, blocks)
     blocks = ceil_div(PH, rows)
     src = Source()
@@ -700,7 +725,7 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: in
         from .ukernel import GatherSpec
         for line in GatherSpec(s_w).declaration("gather").splitlines():
             src.line(line)
-    src.line(kernel_header(2)).indent()
+    src.line(kernel_header(4 if norm_eps is not None else 2)).indent()
     src.line("for item in range(begin, end):").indent()
     if blocks > 1:
         src.line(f"plane = item % {N * C}").line(f"i_lo = (item // {N * C}) * {rows}")
@@ -708,6 +733,13 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: in
     else:
         src.line("plane = item").line("i_lo = 0").line(f"i_hi = {PH}")
     src.line(f"xb = plane * {H * W}").line(f"sb = plane * {ldb}")
+    norm_term = ""
+    if norm_eps is not None:   # the plane's moments (norm.py's two passes), then x * sc + sh
+        from .norm import moments
+        moments(src, np.dtype(np.float32), H * W, "p0", "xb")
+        src.line(f"sc = p1[plane % {C}] / math.sqrt(var + {literal(norm_eps, np.float32)})")
+        src.line(f"sh = p2[plane % {C}] - mean * sc")
+        norm_term = " * sc + sh"
     for k, (a, b) in enumerate(phases):
         # Columns j with 0 <= j*s_w + b - p_l < W: [j_lo, j_hi).
         j_lo = max(0, ceil_div(p_l - b, s_w))
@@ -716,19 +748,29 @@ def padded_input_kernel(C, H, W, s_h, s_w, p_t, p_l, phases, PH, PW, N, tail: in
         src.line(f"o = sb + {k * PH * PW} + i * {PW}")
         src.line(f"r = i * {s_h} + {a - p_t}" if s_h > 1 else f"r = i + {a - p_t}")
         src.line(f"if r < 0 or r >= {H}:").indent()
-        src.line(f"for j in range({PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
+        src.line(f"for j in range({PW}):").indent().line(f"{out}[o + j] = {zero}").dedent()
         src.dedent().line("else:").indent()
         src.line(f"x = xb + r * {W} + {b - p_l}")
         if j_lo > 0:
-            src.line(f"for j in range({j_lo}):").indent().line(f"p1[o + j] = {zero}").dedent()
+            src.line(f"for j in range({j_lo}):").indent().line(f"{out}[o + j] = {zero}").dedent()
         if j_hi > j_lo and s_w > 1:
-            src.line(f"gather(p0, x + {j_lo * s_w}, p1, o + {j_lo}, {j_hi - j_lo})")
+            src.line(f"gather(p0, x + {j_lo * s_w}, {out}, o + {j_lo}, {j_hi - j_lo})")
+            if prologue:
+                src.line(f"for j in range({j_lo}, {j_hi}):").indent().line(f"a_in = {out}[o + j]" + norm_term)
+                for line in prologue:
+                    src.line(line)
+                src.line(f"{out}[o + j] = v").dedent()
+        elif j_hi > j_lo and prologue:
+            src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("a_in = p0[x + j]" + norm_term)
+            for line in prologue:
+                src.line(line)
+            src.line(f"{out}[o + j] = v").dedent()
         elif j_hi > j_lo:
             src.line(f"for j in range({j_lo}, {j_hi}):").indent().line("p1[o + j] = p0[x + j]").dedent()
         if j_hi < PW:
-            src.line(f"for j in range({j_hi}, {PW}):").indent().line(f"p1[o + j] = {zero}").dedent()
+            src.line(f"for j in range({j_hi}, {PW}):").indent().line(f"{out}[o + j] = {zero}").dedent()
         src.dedent().dedent()
     if tail:
         src.line(f"if i_hi == {PH}:").indent()
-        src.line(f"for j in range({tail}):").indent().line(f"p1[sb + {ldb - tail} + j] = {zero}")
-    return Kernel("ConvPad", src.text(), ("float32", "float32")), N * C * blocks
+        src.line(f"for j in range({tail}):").indent().line(f"{out}[sb + {ldb - tail} + j] = {zero}")
+    return Kernel("ConvPad", src.text(), ("float32",) * (4 if norm_eps is not None else 2)), N * C * blocks

@@ -32,6 +32,7 @@ import numpy as np
 
 from .ukernel import LOADC_ACCUMULATE, LOADC_EPILOGUE, TSTORE_OUTPUT, TSpec
 
+from . import convprologue
 from .convgemm import padded_input_kernel, phase_geometry
 from .epilogue import Epilogue, register_epilogue
 from .gemm import UK_MIN_SPLIT_FLOPS, UK_NR_STEP, ceil_div, choose_tile
@@ -114,8 +115,10 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     else:
         phases, PH, PW, ldb, offsets, left = phase_geometry(kernel, strides, dilations, pads[1], Wd, OH, OW)
         src_name = scratch_value(graph, node, (N * C * ldb + PW + 16,), np.float32, tag="phases")
+        # (a PrologueConv's elementwise program applied to each value copied: convprologue.py)
+        prologue = convprologue.take(X.name)
         pad_kernel, pad_work = padded_input_kernel(C, H, Wd, strides[0], strides[1], pads[0], left, phases, PH, PW, N,
-                                                   ldb - len(phases) * PH * PW)
+                                                   ldb - len(phases) * PH * PW, prologue.lines if prologue else None)
         calls.append(KernelCall(pad_kernel, [X.name, src_name], pad_work, node.name))
     T = len(offsets)
 

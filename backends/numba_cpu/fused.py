@@ -79,6 +79,19 @@ def _is_number(text: str) -> bool:
     return not text.startswith(("x", "t"))
 
 
+def program_lines(node, program: list[str], dtype) -> list[str]:
+    """The lines computing a program's steps (t0, t1, ...) from its inputs x0, x1, ...: the last
+    step's value is t{len(program) - 1} (also convprologue.py's, in a conv's input copy)."""
+    lines = []
+    for j, step in enumerate(program):
+        op, operands, attrs = _parse(step)
+        for name, operand in zip("ab", operands):
+            value = literal(float(operand), dtype) if _is_number(operand) else operand
+            lines.append(f"{name} = {value}")
+        lines.append(f"t{j} = {render(_expression(node, op, operands, attrs), dtype)}")
+    return lines
+
+
 def lower_fused_elementwise(node, graph) -> Lowered:
     ins = [graph.values[i] for i in node.inputs]
     out = graph.values[node.outputs[0]]
@@ -94,12 +107,8 @@ def lower_fused_elementwise(node, graph) -> Lowered:
     program = list(node.attr("program") or [])
     if not program:
         raise UnsupportedOpError(f"node '{node.name}' (FusedElementwise): the program is empty")
-    for j, step in enumerate(program):
-        op, operands, attrs = _parse(step)
-        for name, operand in zip("ab", operands):
-            value = literal(float(operand), dtype) if _is_number(operand) else operand
-            src.line(f"{name} = {value}")
-        src.line(f"t{j} = {render(_expression(node, op, operands, attrs), dtype)}")
+    for line in program_lines(node, program, dtype):
+        src.line(line)
     src.line(f"p{len(ins)}[{indices[-1]}] = np.{dtype.name}(t{len(program) - 1})")
     kernel = Kernel("FusedElementwise", src.text(), tuple(dtype.name for _ in range(len(ins) + 1)), in_place=True)
     return Lowered([KernelCall(kernel, [v.name for v in ins] + [out.name], work, node.name)])

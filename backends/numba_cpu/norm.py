@@ -49,7 +49,7 @@ def _per_element(node, value, shape, dtype):
     return np.ascontiguousarray(np.broadcast_to(np.asarray(value.data, dtype=dtype), shape))
 
 
-def _moments(src, dtype, size, x, base):
+def moments(src, dtype, size, x, base):
     """Lines computing `mean` and `var` (of the deviations, two passes) of x[base : base+size]."""
     src.line(f"acc = {literal(0, dtype)}")
     src.line(f"for j in range({size}):").indent().line(f"acc += {x}[{base} + j]").dedent()
@@ -79,7 +79,7 @@ def lower_layer_normalization(node, graph) -> Lowered:
     src = Source().line(kernel_header(len(args))).indent()
     src.line("for r in range(begin, end):").indent()
     src.line(f"base = r*{size}")
-    _moments(src, dtype, size, "p0", "base")
+    moments(src, dtype, size, "p0", "base")
     src.line(f"inv = {literal(1, dtype)} / math.sqrt(var + {literal(eps, dtype)})")
     if pY:
         src.line(f"for j in range({size}):").indent()
@@ -110,7 +110,7 @@ def lower_instance_normalization(node, graph) -> Lowered:
     src = Source().line(kernel_header(4)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"base = item*{plane}").line(f"c = item % {C}")
-    _moments(src, dtype, plane, "p0", "base")
+    moments(src, dtype, plane, "p0", "base")
     src.line(f"sc = p1[c] / math.sqrt(var + {literal(eps, dtype)})")
     src.line("sh = p2[c] - mean * sc")
     src.line(f"for j in range({plane}):").indent().line("p3[base + j] = p0[base + j] * sc + sh")

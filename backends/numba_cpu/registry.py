@@ -42,6 +42,8 @@ from . import dynamic
 
 # fused.py (fused elementwise programs, made by passes/fuse_elementwise.py and fuse_patterns.py)
 from . import fused
+# prologueconv.py (a conv whose input copy computes such a program: passes/fuse_conv_prologue.py)
+from . import prologueconv
 
 # nbits.py (weight-only int4/int8 products: onnxruntime's MatMulNBits and precision: int4)
 from cuvil import nbits as nbits_form
@@ -95,6 +97,7 @@ GENERATORS = {
     "FusedGemm": in_float32(gemm.lower_gemm),
     "FusedMatMul": in_float32(gemm.lower_matmul),
     "FusedConv": in_float32(conv.lower_conv, conv.reads_stored16),
+    "PrologueConv": prologueconv.lower_prologue_conv,
     "DepthwiseBlock": dwblock.lower_depthwise_block,
     "FusedAttention": attention_bf16.lower_fused_attention,   # float32: attention.lower_attention
     # fused elementwise loops, domain "cuvil" (fused.py)

@@ -16,7 +16,10 @@ with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in floa
   with rows of >= 16 words the same layout copied in 32-bit words, `ConvPad_words16`);
 - `WinoIn_bf16` transforms two channels at a time in float32 (a bf16 input widened, exactly) and
   rounds each V value once (RNE) into one 32-bit word per channel pair: the VNNI pair layout
-  vdpbf16ps reads (V[n, xi] is C/2 pair rows of T words);
+  vdpbf16ps reads (V[n, xi] is C/2 pair rows of T words). A vector micro-kernel
+  (winoin_lanes.WinoInSpec) runs each row of tiles 16 tiles a vector; where the GEMM is
+  vdpbf16ps it rounds by `vcvtneps2bf16` ("hw": a float32 subnormal V becomes zero, see the
+  bound below), elsewhere by the exact integer RNE;
 - `WinoGemm` (gemm.uk_gemm_kernel over LowpUKSpec, A in pair panels, B read in place);
 - `WinoOut` as in float32 from the float32 M; a bf16 residual widened on load, a bf16 Y rounded
   once on the store (with rows of even length: one pair word per tile row, winograd.out_kernel).
@@ -32,6 +35,9 @@ Error bound (u = 2^-8, bf16's unit roundoff; v = 2^-24, float32's; gamma(n) = n 
 
     U^ = U (1 + d1), |d1| <= u                              (U's float64 error negligible)
     V^ = V + e,  |e| <= (u + (1 + u) gamma(2)) |B^T| |d| |B|   (F2: two float32 stages of 2 terms)
+         [+ 2^-126 where V is rounded by `vcvtneps2bf16`: a float32 subnormal flushed to zero;
+          vdpbf16ps reads a subnormal bf16 as zero anyway, so only a subnormal that RNE carries up
+          to 2^-126 multiplies differently: |M^ - M| grows by at most 2^-126 sum_c |U^|]
     M^ = sum_c U^ V^ (vdpbf16ps: each product exact, each accumulation rounds once)
     |M^ - M| <= eta S_M,   S_M = sum_c (|G| |W| |G^T|) * (|B^T| |d| |B|),
         eta = 2u + u^2 + (1 + u) gamma(2) (1 + u) + gamma(C) (1 + u)(1 + u + gamma(2))
@@ -39,7 +45,8 @@ Error bound (u = 2^-8, bf16's unit roundoff; v = 2^-24, float32's; gamma(n) = n 
     |Y^ - Y| <= eta |A^T| S_M |A| + gamma(6) ((1 + eta) |A^T| S_M |A| + |b| + |R|)
 
 and a 1-Lipschitz activation (Relu) keeps it. tests/test_precision_winograd.py computes S_M per
-tile in float64 and adds onnxruntime's own float32 error, gamma(9 C + 3) (|X| * |W| + |b| + |R|).
+tile in float64 and adds onnxruntime's own float32 error, gamma(9 C + 3) (|X| * |W| + |b| + |R|),
+and the flush's 9 * 2^-126 max_xi sum_c |U^| (|A^T| has three ones a row).
 The factor over the direct bf16 conv's bound (2u + u^2) |X| * |W| is |A^T| S_M |A| / (|X| * |W|):
 for F(2x2, 3x3) (coefficients 0, +-1, 1/2) 5.5-15x (median 7x, random 64-256 channel convs): a
 worst case where every rounding adds up; the errors measured are closer. Measured against
@@ -64,6 +71,7 @@ from .epilogue import Epilogue
 from .gemm import Operand, bf16_k_pass, choose_tile, uk_eligible, uk_gemm_kernel
 from .kernel import Kernel, KernelCall, Source, kernel_header
 from .narrow import with_bf16_lanes
+from .winoin_lanes import WinoInSpec
 from .winograd import (F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel,
                        tile_grid_loop, tiles)
 
@@ -162,13 +170,30 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
     pair). `x16`: the phases are bf16 with the pair interleaved (one 32-bit word per position,
     ldb words per pair), else float32 planes (ldb floats per channel). As winograd._in_kernel
     otherwise (pitch == PW: one loop over the grid). A band: TH tile rows (T columns) from tile row
-    `row0` on, in pair rows `ldv` words apart (default T)."""
+    `row0` on, in pair rows `ldv` words apart (default T). The grid (pitch == PW) or rows of 16 tiles
+    or more: winoin_lanes' micro-kernel, a call per run of tiles; shorter rows laid out without
+    the extra column (a 7x7 output): Numba's loop below, the exact rounding."""
     a = t.a
     src = Source()
+    lanes = pitch == PW or TW >= 16
+    if lanes:
+        spec = WinoInSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.BT), tuple(int(o) for o in offsets), xs,
+                          int(x16), 0 if x16 else ldb, "hw" if rounding() else "exact")
+        for line in spec.declaration("winoin").splitlines():
+            src.line(line)
     src.line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {C // 2}").line(f"cp = item - n * {C // 2}")
     src.line(f"sb = item * {ldb if x16 else 2 * ldb} + {row0 * PW}").line(f"vb = n * {a * a * xs} + cp * {ldv or T}")
+    if lanes:
+        # the tiles of the grid (pitch == PW: one run of T) or of each row of tiles, a vector at a
+        # time (winoin_lanes.py)
+        if pitch == PW:
+            src.line(f"winoin(p0, sb, p1, vb, {T})")
+        else:
+            src.line(f"for ti in range({TH}):").indent()
+            src.line(f"winoin(p0, sb + ti * {PW}, p1, vb + ti * {pitch}, {TW})").dedent()
+        return Kernel("WinoIn_bf16", src.text(), ("uint32" if x16 else "float32", "uint32"))
     if pitch != PW and TW < 16:
         # rows of fewer than 16 tiles (a 7x7 output: 4): one loop over the band's tiles, V written
         # contiguously, the phases read at ti * PW + tj (LLVM gathers them): a loop per row of
@@ -194,6 +219,13 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
             lo, hi = (combine(row, lambda l: f'e{i}_{l}_{h}') for h in (0, 1))
             src.line(f"p1[o + q + {(a * i + j) * xs}] = bf16_pair_rne({lo}, {hi})")
     return Kernel("WinoIn_bf16", with_bf16_lanes(src.text()), ("uint32" if x16 else "float32", "uint32"))
+
+
+def rounding() -> bool:
+    """Whether WinoIn rounds V by `vcvtneps2bf16` (winoin_lanes.py's "hw": where the GEMM is
+    `vdpbf16ps`, convgemm.tile_rounding's "hw") rather than by the exact RNE."""
+    from .kernel import lowering_target
+    return convgemm.tile_rounding("bf16", lowering_target()) == "hw"
 
 
 def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, residual_arg=None, res_strides=None,

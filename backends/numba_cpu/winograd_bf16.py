@@ -228,6 +228,38 @@ def rounding() -> bool:
     return convgemm.tile_rounding("bf16", lowering_target()) == "hw"
 
 
+def _plane_out_kernel(t: Transform, OC, T, TH, TW, pitch, OH, OW, xs, has_bias, residual_arg, res_strides,
+                      epilogue: Epilogue, r16: bool, y16: bool) -> Kernel | None:
+    """WinoOut for a plane of at most 16 tiles (a 7x7 output) by winoout_plane's micro-kernel, a call
+    per (image, output channel); None where it does not apply (a larger plane, tile rows laid out
+    with the extra column, a residual not stored as the plane, another activation, or a target
+    whose GEMM is not vdpbf16ps: its 512-bit vectors)."""
+    from .winoout_plane import LANES, WinoOutPlaneSpec
+    plane_residual = residual_arg is None or (isinstance(residual_arg, str) and res_strides[3] == 1
+                                              and res_strides[2] == OW)
+    if not (rounding() and pitch == TW and TH * TW <= LANES and OH * OW <= 4 * LANES and plane_residual
+            and epilogue.activation in ("", "Relu", "Clip") and T == TH * TW):
+        return None
+    lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
+    spec = WinoOutPlaneSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.AT), OH, OW, TW, xs,
+                            int(has_bias), "" if residual_arg is None else "bf16" if r16 else "f32", int(y16),
+                            epilogue.activation, float(lo), float(hi), "hw")
+    n_ptrs = 2 + has_bias + (residual_arg is not None)
+    pb = "p1" if has_bias else "p0"
+    pr = f"p{1 + has_bias}" if residual_arg is not None else "p0"
+    src = Source()
+    for line in spec.declaration("plane").splitlines():
+        src.line(line)
+    src.line(kernel_header(n_ptrs)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    roff = f"n * {res_strides[0]} + oc * {res_strides[1]}" if residual_arg is not None else "0"
+    src.line(f"plane(p0, n * {t.a * t.a * xs} + oc * {T}, {pb}, oc, {pr}, {roff}, p{n_ptrs - 1}, item * {OH * OW})")
+    types = ["float32"] + (["float32"] if has_bias else []) \
+        + ([("uint16" if r16 else "float32")] if residual_arg is not None else []) + ["uint16" if y16 else "float32"]
+    return Kernel("WinoOut_bf16", src.text(), tuple(types))
+
+
 def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, residual_arg=None, res_strides=None,
                         epilogue: Epilogue | None = None) -> list:
     """The kernel calls of a bf16 Winograd conv (see `choose` and the module docstring). X, Y and a
@@ -291,8 +323,10 @@ def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, resid
         # (every band's GEMM takes the whole band's tile: U is packed in its row panels)
         gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, t_b, C, (N, P), a_op, b_op, None, m_op, a_panels=True,
                                          self_sized=False, lowp=lowp, tile=(MR, NR))
-        out = out_kernel(t, OC, T, th, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
-                         res_strides, epilogue, np.dtype(np.float32), r16=r16, y16=y16, row0=row0, plane=OH * OW)
+        out = _plane_out_kernel(t, OC, T, TH, TW, pitch, OH, OW, xs_out, B is not None, residual_arg, res_strides,
+                                epilogue, r16, y16) if bands == 1 else None
+        out = out or out_kernel(t, OC, T, th, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
+                                res_strides, epilogue, np.dtype(np.float32), r16=r16, y16=y16, row0=row0, plane=OH * OW)
         calls += [KernelCall(_in_kernel(t, C, t_b, th, TW, PW, pitch, ldb, offsets, xs_in, x16, row0, T),
                              [names["winopad"], names["winov"]], N * C // 2, node.name,
                              precision=f"{label} (V rounded)"),

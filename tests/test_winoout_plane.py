@@ -95,3 +95,54 @@ def test_the_plane_output_transform_is_numpys_bit_for_bit(case, method):
     else:
         np.testing.assert_array_equal(y[2:2 + P].view(np.uint32), want.view(np.uint32))
         assert (y[:2] == 7.5).all() and (y[2 + P:] == 7.5).all()
+
+
+ROWS = [   # n tiles, bias, residual, act
+    (28, 1, 1, "Relu"),
+    (16, 0, 1, ""),
+    (7, 1, 0, "Clip"),
+    (33, 0, 0, "Relu"),
+]
+
+
+@pytest.mark.parametrize("method", ["hw", "exact"])
+@pytest.mark.parametrize("case", ROWS)
+def test_the_row_output_transform_is_numpys_bit_for_bit_and_stays_in_its_words(case, method):
+    """winoout_rows.WinoOutRowSpec: a row of n tiles into two rows of Y pair words (the tile's two
+    columns), a bf16 residual read as pair words; as the plane kernel's reference otherwise."""
+    from backends.numba_cpu.winoout_rows import WinoOutRowSpec
+    n, bias, residual, act = case
+    lo, hi = (0.0, 0.0) if act != "Clip" else (-0.5, 6.0)
+    rng = np.random.default_rng(n)
+    xs = n + 3
+    M = rng.standard_normal(3 + 16 * xs).astype(np.float32)
+    M[3::11] *= np.float32(2.0 ** -130)
+    b = rng.standard_normal(4).astype(np.float32)
+    rrow, yrow = n + 5, n + 2
+    r = _bf16_bits(rng.standard_normal(1 + 2 * rrow).astype(np.float32), False).astype(np.uint32)
+    r = r[:1 + rrow] | (r[rrow:] << 16)                         # pair words
+    r = np.concatenate([r, r[::-1]])
+    guard = np.uint32(0xABCDABCD)
+    y = np.full(2 + 2 * yrow, guard, np.uint32)
+    fn = kernel(WinoOutRowSpec(AT, xs, bias, residual, act, lo, hi, method), BF16)
+    fn(M.ctypes.data, 3, b.ctypes.data, 1, r.ctypes.data, 1, rrow, y.ctypes.data, 2, yrow, n)
+    m = [M[3 + xi * xs:3 + xi * xs + n] for xi in range(16)]
+    for row in range(2):
+        s = [_combine(AT[row], [m[4 * i + j] for i in range(4)]) for j in range(4)]
+        words = r[1 + row * rrow:1 + row * rrow + n]
+        halves = []
+        for q in range(2):
+            v = _combine(AT[q], s)
+            if bias:
+                v = v + b[1]
+            if residual:
+                v = v + ((words << 16) if q == 0 else (words & 0xFFFF0000)).view(np.float32)
+            if act:
+                v = np.maximum(v, np.float32(lo))
+            if act == "Clip":
+                v = np.minimum(v, np.float32(hi))
+            halves.append(_bf16_bits(v.astype(np.float32), method == "hw").astype(np.uint32))
+        got = y[2 + row * yrow:2 + row * yrow + n]
+        np.testing.assert_array_equal(got, halves[0] | (halves[1] << 16))
+        assert (y[2 + row * yrow + n:2 + (row + 1) * yrow] == guard).all()
+    assert (y[:2] == guard).all()

@@ -23,6 +23,8 @@ with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in floa
 - `WinoGemm` (gemm.uk_gemm_kernel over LowpUKSpec, A in pair panels, B read in place);
 - `WinoOut` as in float32 from the float32 M; a bf16 residual widened on load, a bf16 Y rounded
   once on the store (with rows of even length: one pair word per tile row, winograd.out_kernel).
+  A plane of at most 16 tiles (7x7) on a vdpbf16ps target: one vector micro-kernel call per
+  output channel (winoout_plane.py; Y rounded by `vcvtneps2bf16`, a subnormal flushed: 2^-126).
 The transforms widen and round in 32-bit lanes (narrow.BF16_LANES: the bits of bf16_rne, 16
 lanes a vector where bf16_rne's int64 arithmetic gave 8). Kernels compile with fastmath, so LLVM
 may order a float32 sum of the transforms differently at another vector width; every gamma below
@@ -260,6 +262,44 @@ def _plane_out_kernel(t: Transform, OC, T, TH, TW, pitch, OH, OW, xs, has_bias, 
     return Kernel("WinoOut_bf16", src.text(), tuple(types))
 
 
+def _rows_out_kernel(t: Transform, OC, T, pitch, OH, OW, xs, has_bias, residual_arg, res_strides,
+                     epilogue: Epilogue, r16: bool, y16: bool, row0: int, plane: int) -> Kernel | None:
+    """WinoOut of a band into a bf16 Y of even rows and columns (winograd.out_kernel's pair words)
+    by winoout_rows' micro-kernel, a call per row of tiles of an (image, output channel); None where
+    it does not apply (odd rows or columns, a float32 Y, a residual not in pair words, another
+    activation, a target whose GEMM is not vdpbf16ps)."""
+    from .winoout_rows import WinoOutRowSpec
+    words = y16 and OH % 2 == 0 and OW % 2 == 0 and plane % 2 == 0
+    r_words = residual_arg is None or (isinstance(residual_arg, str) and r16 and res_strides[3] == 1
+                                       and all(v % 2 == 0 for v in res_strides[:3]))
+    if not (rounding() and words and r_words and epilogue.activation in ("", "Relu", "Clip")):
+        return None
+    lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
+    spec = WinoOutRowSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.AT), xs, int(has_bias),
+                          int(residual_arg is not None), epilogue.activation, float(lo), float(hi), "hw")
+    n_ptrs = 2 + has_bias + (residual_arg is not None)
+    pb = "p1" if has_bias else "p0"
+    pr = f"p{1 + has_bias}" if residual_arg is not None else "p0"
+    src = Source()
+    for line in spec.declaration("rows").splitlines():
+        src.line(line)
+    src.line(kernel_header(n_ptrs)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    src.line(f"mb = n * {t.a * t.a * xs} + oc * {T}")
+    src.line(f"yw = item * {plane // 2} + {row0 * 2 * OW // 2}")
+    if residual_arg is not None:
+        sn, sc, sh, _ = res_strides
+        src.line(f"rw = n * {sn // 2} + oc * {sc // 2} + {row0 * 2 * sh // 2}")
+    rrow = res_strides[2] // 2 if residual_arg is not None else 0
+    src.line(f"for ti in range({OH // 2}):").indent()
+    src.line(f"rows(p0, mb + ti * {pitch}, {pb}, oc, {pr}, {'rw + ti * ' + str(2 * rrow) if residual_arg is not None else '0'}, "
+             f"{rrow}, p{n_ptrs - 1}, yw + ti * {OW}, {OW // 2}, {OW // 2})")
+    types = ["float32"] + (["float32"] if has_bias else []) + (["uint32"] if residual_arg is not None else []) \
+        + ["uint32"]
+    return Kernel("WinoOut_bf16", src.text(), tuple(types))
+
+
 def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, residual_arg=None, res_strides=None,
                         epilogue: Epilogue | None = None) -> list:
     """The kernel calls of a bf16 Winograd conv (see `choose` and the module docstring). X, Y and a
@@ -325,6 +365,8 @@ def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, resid
                                          self_sized=False, lowp=lowp, tile=(MR, NR))
         out = _plane_out_kernel(t, OC, T, TH, TW, pitch, OH, OW, xs_out, B is not None, residual_arg, res_strides,
                                 epilogue, r16, y16) if bands == 1 else None
+        out = out or _rows_out_kernel(t, OC, T, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
+                                      residual_arg, res_strides, epilogue, r16, y16, row0, OH * OW)
         out = out or out_kernel(t, OC, T, th, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
                                 res_strides, epilogue, np.dtype(np.float32), r16=r16, y16=y16, row0=row0, plane=OH * OW)
         calls += [KernelCall(_in_kernel(t, C, t_b, th, TW, PW, pitch, ldb, offsets, xs_in, x16, row0, T),

@@ -65,7 +65,8 @@ class WinoOutPlaneSpec(Declared):
         return WinoOutPlaneSpec(**{**d, "at": at})
 
 
-def _combine(ir: IRBuilder, row, values, vf: str) -> str:
+def combine_ir(ir: IRBuilder, row, values, vf: str) -> str:
+    """sum over the row's (index, coefficient) of coefficient * values[index], left to right (<16 x float>)."""
     out = None
     for index, c in row:
         v = values[index]
@@ -76,6 +77,16 @@ def _combine(ir: IRBuilder, row, values, vf: str) -> str:
         else:
             out = ir_op(ir, f"{'fadd' if c > 0 else 'fsub'} {vf} {out}, {v}", "f")
     return out
+
+
+def activation_ir(ir: IRBuilder, spec, v: str, L: int) -> str:
+    """spec.act ("" | "Relu" | "Clip" with act_lo, act_hi) of <L x float> v: llvm.maxnum / minnum."""
+    bounds = {"": (), "Relu": (("maxnum", 0.0),), "Clip": (("maxnum", spec.act_lo), ("minnum", spec.act_hi))}
+    for op, bound in bounds[spec.act]:
+        if abs(bound) != float("inf"):
+            v = ir_op(ir, f"call <{L} x float> @llvm.{op}.v{L}f32(<{L} x float> {v}, <{L} x float> "
+                          f"{splat(L, float_ir(bound), 'float')})", "f")
+    return v
 
 
 def winoout_plane_ir(spec: WinoOutPlaneSpec, vector_bits: int) -> str:
@@ -97,8 +108,8 @@ def winoout_plane_ir(spec: WinoOutPlaneSpec, vector_bits: int) -> str:
     for xi in range(a * a):
         M.append(load_lanes(ir, "%m0", str(xi * spec.xs), "float", L, tile_mask))
     used = sorted({j for q in range(2) for j, _ in spec.at[q]})
-    s = {(r, j): _combine(ir, spec.at[r], [M[a * i + j] for i in range(a)], vf) for r in range(2) for j in used}
-    outs = [_combine(ir, spec.at[q], {j: s[r, j] for j in used}, vf) for r in range(2) for q in range(2)]   # 2r + q
+    s = {(r, j): combine_ir(ir, spec.at[r], [M[a * i + j] for i in range(a)], vf) for r in range(2) for j in used}
+    outs = [combine_ir(ir, spec.at[q], {j: s[r, j] for j in used}, vf) for r in range(2) for q in range(2)]   # 2r + q
     # the plane: lane p = y * ow + x of the four (r, q) vectors concatenated
     pairs = [ir_op(ir, f"shufflevector {vf} {outs[0]}, {vf} {outs[1]}, <{2 * L} x i32> "
                        f"<{', '.join(f'i32 {j}' for j in range(2 * L))}>"),
@@ -141,10 +152,7 @@ def winoout_plane_ir(spec: WinoOutPlaneSpec, vector_bits: int) -> str:
             v = ir_op(ir, f"fadd {vf} {v}, {ir_op(ir, f'bitcast {vi} {w} to {vf}', 'f')}", "f")
         elif spec.residual == "f32":
             v = ir_op(ir, f"fadd {vf} {v}, {load_lanes(ir, '%r0', str(chunk * L), 'float', L, mask)}", "f")
-        bounds = {"": (), "Relu": (("maxnum", 0.0),), "Clip": (("maxnum", spec.act_lo), ("minnum", spec.act_hi))}
-        for op, bound in bounds[spec.act]:
-            if abs(bound) != float("inf"):
-                v = ir_op(ir, f"call {vf} @llvm.{op}.v{L}f32({vf} {v}, {vf} {splat(L, float_ir(bound), 'float')})", "f")
+        v = activation_ir(ir, spec, v, L)
         if spec.y16:
             rounded.append(f32_to_bf16(ir, ir_op(ir, f"bitcast {vf} {v} to {vi}"), L, spec.method))
         else:

@@ -205,7 +205,8 @@ def test_bf16_activations_between_two_winograd_convs(case):
     y1 = _ort(first_model, feeds).astype(np.float64)
     first = _bound(feeds["x"], w, b, None) \
         + _gamma(9 * x_shape[1] + 3) * (_direct_magnitude(feeds["x"], w) + np.abs(b)[None, :, None, None])
-    # (+ 2^-126: a 7x7 plane's Y is rounded by vcvtneps2bf16, winoout_plane.py, a subnormal flushed)
+    # (+ 2^-126: Y rounded by vcvtneps2bf16 on AVX512-BF16, winoout_plane.py / winoout_rows.py: a
+    # subnormal flushed to zero)
     e1 = first + U * (np.abs(y1) + first) + 2.0 ** -126
     # with the skip, y1^ is the residual too: its magnitude in the bound, its error carried as is
     r1 = np.abs(y1) + e1 if skip else None

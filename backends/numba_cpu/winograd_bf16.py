@@ -23,8 +23,9 @@ with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in floa
 - `WinoGemm` (gemm.uk_gemm_kernel over LowpUKSpec, A in pair panels, B read in place);
 - `WinoOut` as in float32 from the float32 M; a bf16 residual widened on load, a bf16 Y rounded
   once on the store (with rows of even length: one pair word per tile row, winograd.out_kernel).
-  A plane of at most 16 tiles (7x7) on a vdpbf16ps target: one vector micro-kernel call per
-  output channel (winoout_plane.py; Y rounded by `vcvtneps2bf16`, a subnormal flushed: 2^-126).
+  On a vdpbf16ps target, vector micro-kernels with Y rounded by `vcvtneps2bf16` (a subnormal
+  flushed: 2^-126 more): a plane of at most 16 tiles (7x7) one call per output channel
+  (winoout_plane.py), a bf16 Y of even rows and columns a call per row of tiles (winoout_rows.py).
 The transforms widen and round in 32-bit lanes (narrow.BF16_LANES: the bits of bf16_rne, 16
 lanes a vector where bf16_rne's int64 arithmetic gave 8). Kernels compile with fastmath, so LLVM
 may order a float32 sum of the transforms differently at another vector width; every gamma below

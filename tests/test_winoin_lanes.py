@@ -81,3 +81,39 @@ def test_the_input_transform_is_numpys_bit_for_bit_and_stays_in_its_tiles(cpu, m
     assert (got[:, n:] == guard).all() and (dst[:2] == guard).all(), "wrote outside the n tiles"
     if method == "hw":   # the flush really happened (the first tiles' V are subnormal)
         assert (want != _reference(planes, n, False)).any()
+
+
+@pytest.mark.parametrize("method", ["hw", "exact"])
+@pytest.mark.parametrize("n,tw,pw", [(16, 4, 5), (12, 4, 5), (9, 3, 4), (4, 2, 3)])
+def test_the_plane_form_shuffles_its_tiles_from_one_load(n, tw, pw, method):
+    """WinoInSpec with tw > 0 (a 7x7 output's 4 x 4 tiles, rows pw words apart in the phases):
+    tile q reads the phases at q + (q // tw)(pw - tw) + offsets; as the run form otherwise, bit for
+    bit, nothing stored past tile n - 1 and nothing read past the last tile's last patch word."""
+    offsets = tuple(((k % 2) * 2 + l % 2) * pw * pw + (k // 2) * pw + l // 2 for k in range(4) for l in range(4))
+    place = np.array([q + (q // tw) * (pw - tw) for q in range(n)])
+    span = max(offsets) + place[-1] + 1
+    x = _planes(span, n)
+    words = (_bf16_bits(x[0], False) | (_bf16_bits(x[1], False) << 16)).astype(np.uint32)
+    src = np.concatenate([np.zeros(3, np.uint32), words])   # ends at the span (the loads are masked there)
+    planes = np.stack([(words << 16).view(np.float32), (words & 0xFFFF0000).view(np.float32)])
+    xs = n + 6
+    guard = np.uint32(0xABCDABCD)
+    dst = np.full(2 + 16 * xs, guard, np.uint32)
+    fn = kernel(WinoInSpec(BT, offsets, xs, 1, 0, method, tw, pw), BF16)
+    fn(src.ctypes.data, 3, dst.ctypes.data, 2, n)
+    got = dst[2:].reshape(16, xs)
+    # the run form's reference on the phases gathered into runs: d[kl][q] = phases[offsets[kl] + place[q]]
+    d = np.stack([np.stack([planes[h, np.array(offsets)[:, None] + place[None, :]][i] for i in range(16)])
+                  for h in (0, 1)])
+    want = []
+    bt = F2.BT
+    for i in range(4):
+        for j in range(4):
+            v = []
+            for h in (0, 1):
+                e = [np.float32(bt[i][0][1]) * d[h, 4 * bt[i][0][0] + l] + np.float32(bt[i][1][1]) * d[h, 4 * bt[i][1][0] + l]
+                     for l in range(4)]
+                v.append(np.float32(bt[j][0][1]) * e[bt[j][0][0]] + np.float32(bt[j][1][1]) * e[bt[j][1][0]])
+            want.append(_bf16_bits(v[0], method == "hw") | (_bf16_bits(v[1], method == "hw") << 16))
+    np.testing.assert_array_equal(got[:, :n], np.stack(want))
+    assert (got[:, n:] == guard).all() and (dst[:2] == guard).all()

@@ -174,14 +174,19 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
     ldb words per pair), else float32 planes (ldb floats per channel). As winograd._in_kernel
     otherwise (pitch == PW: one loop over the grid). A band: TH tile rows (T columns) from tile row
     `row0` on, in pair rows `ldv` words apart (default T). The grid (pitch == PW) or rows of 16 tiles
-    or more: winoin_lanes' micro-kernel, a call per run of tiles; shorter rows laid out without
-    the extra column (a 7x7 output): Numba's loop below, the exact rounding."""
+    or more: winoin_lanes' micro-kernel, a call per run of tiles; a plane of <= 16 tiles with its
+    rows laid out without the extra column (a 7x7 output) from bf16 phases on a vdpbf16ps target:
+    its plane form, a call per channel pair; otherwise Numba's loop below, the exact rounding."""
     a = t.a
     src = Source()
-    lanes = pitch == PW or TW >= 16
+    # a plane of <= 16 tiles (7x7) whose rows are laid out without the extra column: the plane form
+    # (one load of the phases' span, constant shuffles), bf16 phases on a vdpbf16ps target
+    plane = pitch != PW and TW < 16 and x16 and TH * TW == T <= 16 and rounding()
+    lanes = pitch == PW or TW >= 16 or plane
     if lanes:
         spec = WinoInSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.BT), tuple(int(o) for o in offsets), xs,
-                          int(x16), 0 if x16 else ldb, "hw" if rounding() else "exact")
+                          int(x16), 0 if x16 else ldb, "hw" if rounding() else "exact",
+                          TW if plane else 0, PW if plane else 0)
         for line in spec.declaration("winoin").splitlines():
             src.line(line)
     src.line(NOALIAS_MARK).line(kernel_header(2)).indent()
@@ -191,7 +196,7 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
     if lanes:
         # the tiles of the grid (pitch == PW: one run of T) or of each row of tiles, a vector at a
         # time (winoin_lanes.py)
-        if pitch == PW:
+        if pitch == PW or plane:
             src.line(f"winoin(p0, sb, p1, vb, {T})")
         else:
             src.line(f"for ti in range({TH}):").indent()

@@ -45,6 +45,8 @@ class WinoInSpec(Declared):
     x16: int
     ldb: int = 0
     method: str = "exact"   # "exact" | "hw" (see the module docstring)
+    tw: int = 0             # > 0: a plane of n <= 16 tiles in rows of tw, `pw` words apart (winoin_plane_ir)
+    pw: int = 0
     kind: str = "winoin16"
     _ARGS: ClassVar[str] = "pipii"
 
@@ -82,6 +84,8 @@ def _combine(ir: IRBuilder, row, values: list, L: int) -> str:
 
 def winoin_ir(spec: WinoInSpec, vector_bits: int) -> str:
     """The micro-kernel's module (see WinoInSpec and the module docstring)."""
+    if spec.tw:
+        return winoin_plane_ir(spec)
     L = min(lanes_for(vector_bits), 16)
     a = len(spec.bt)
     vi, vf = f"<{L} x i32>", f"<{L} x float>"
@@ -124,3 +128,57 @@ def winoin_ir(spec: WinoInSpec, vector_bits: int) -> str:
     strip_loop(ir, L, step)
     head = f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, ptr noalias %dst, i64 %doff, i64 %n) #0 {{"
     return kernel_module(head, ir, masked_decls(("i32", L)))
+
+
+def winoin_plane_ir(spec: WinoInSpec) -> str:
+    """A plane of n <= 16 tiles in rows of `tw` (tile q at q + (q // tw) (pw - tw) of the phases:
+    a 7x7 output's 4 x 4 tiles, its tile rows laid out without the extra column), bf16 pair words
+    only: the phases' whole span loaded once (masked, one <S x i32>), each patch position's 16
+    tiles one constant shuffle of it (where Numba's loop gathered them), then as winoin_ir with
+    the tiles in lanes; V's lanes past n are not stored. Signature as winoin_ir's (n <= 16)."""
+    assert spec.x16, "the plane form reads bf16 pair words"
+    L, a = 16, len(spec.bt)
+    vi, vf = f"<{L} x i32>", f"<{L} x float>"
+    place = [q + (q // spec.tw) * (spec.pw - spec.tw) for q in range(L)]
+    span = max(spec.offsets) + max(place) + 1
+    S = -(-span // L) * L
+    ir = IRBuilder()
+    ir.label("entry")
+    ir("%s0 = getelementptr i32, ptr %src, i64 %soff")
+    ir("%d0 = getelementptr i32, ptr %dst, i64 %doff")
+    lanes = "<" + ", ".join(f"i64 {j}" for j in range(L)) + ">"
+    ir(f"%nv0 = insertelement <{L} x i64> poison, i64 %n, i64 0")
+    ir(f"%nv = shufflevector <{L} x i64> %nv0, <{L} x i64> poison, <{L} x i32> zeroinitializer")
+    ir(f"%m = icmp slt <{L} x i64> {lanes}, %nv")           # the tiles q < n
+    # the span of the phases the n tiles read: every word up to the last tile's last patch word
+    ir("%last = add i64 %n, -1")
+    ir(f"%rowq = udiv i64 %last, {spec.tw}")
+    ir(f"%lastw = mul i64 %rowq, {spec.pw - spec.tw}")
+    ir("%lastp = add i64 %last, %lastw")
+    ir(f"%spanw = add i64 %lastp, {max(spec.offsets) + 1}")
+    ir(f"%sv0 = insertelement <{S} x i64> poison, i64 %spanw, i64 0")
+    ir(f"%sv = shufflevector <{S} x i64> %sv0, <{S} x i64> poison, <{S} x i32> zeroinitializer")
+    ir(f"%sm = icmp slt <{S} x i64> <{', '.join(f'i64 {j}' for j in range(S))}>, %sv")
+    words = load_lanes(ir, "%s0", "0", "i32", S, "%sm")
+    d = [[None] * (a * a), [None] * (a * a)]
+    for p, off in enumerate(spec.offsets):
+        index = ", ".join(f"i32 {off + place[q]}" for q in range(L))
+        w = ir_op(ir, f"shufflevector <{S} x i32> {words}, <{S} x i32> poison, <{L} x i32> <{index}>")
+        lo = ir_op(ir, f"shl {vi} {w}, {splat(L, 16)}")
+        hi = ir_op(ir, f"and {vi} {w}, {splat(L, -65536)}")
+        d[0][p] = ir_op(ir, f"bitcast {vi} {lo} to {vf}", "f")
+        d[1][p] = ir_op(ir, f"bitcast {vi} {hi} to {vf}", "f")
+    halves = []
+    for h in (0, 1):
+        e = [[_combine(ir, rowk, [d[h][a * k + l] for k in range(a)], L) for l in range(a)] for rowk in spec.bt]
+        halves.append([_combine(ir, rowl, e[i], L) for i in range(a) for rowl in spec.bt])
+    for xi in range(a * a):
+        pair = []
+        for h in (0, 1):
+            half = f32_to_bf16(ir, ir_op(ir, f"bitcast {vf} {halves[h][xi]} to {vi}"), L, spec.method)
+            pair.append(ir_op(ir, f"zext <{L} x i16> {half} to {vi}"))
+        word = ir_op(ir, f"or {vi} {pair[0]}, {ir_op(ir, f'shl {vi} {pair[1]}, {splat(L, 16)}')}")
+        store_lanes(ir, word, "%d0", str(xi * spec.xs), "i32", L, "%m")
+    ir("ret i32 0")
+    head = f"define i32 @{spec.name}(ptr noalias %src, i64 %soff, ptr noalias %dst, i64 %doff, i64 %n) #0 {{"
+    return kernel_module(head, ir, masked_decls(*sorted({("i32", L), ("i32", S)})))

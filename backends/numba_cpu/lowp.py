@@ -281,6 +281,12 @@ def _kernel_module(head: str, ir: IRBuilder, decls: list) -> str:
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
+# The strip loop and lane pieces above, for other vector micro-kernels built the same way
+# (winoin_lanes.py: bf16 Winograd's input transform).
+ir_op, splat, load_lanes, store_lanes, masked_decls, strip_loop, kernel_module = \
+    _op, _splat, _load_lanes, _store_lanes, _masked_decls, _strip_loop, _kernel_module
+
+
 def cvt_ir(spec: CvtSpec, vector_bits: int) -> str:
     """The conversion micro-kernel's module (see CvtSpec and the module docstring)."""
     L = min(lanes_for(vector_bits), 16)

@@ -933,18 +933,26 @@ def dwrowpairs_ir(spec: DwRowPairSpec, vector_bits: int) -> str:
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
     (ukernel_lowp_ir dispatches their IR)."""
+    from .winoin_lanes import WinoInSpec
+    from .winoout_plane import WinoOutPlaneSpec
+    from .winoout_rows import WinoOutRowSpec
     return {"lowp": lambda d: LowpUKSpec(**{**d, "taps": tuple(d.get("taps", ()))}), "cvt": lambda d: CvtSpec(**d),
             "cvtpairs": lambda d: PairCvtSpec(**d), "copypairs": lambda d: PairCopySpec(**d),
             "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
             "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
-            "copypairs_strided": lambda d: StridedPairCopySpec(**d),
+            "copypairs_strided": lambda d: StridedPairCopySpec(**d), "winoin16": WinoInSpec.from_dict,
+            "winoout_plane": WinoOutPlaneSpec.from_dict, "winoout_rows": WinoOutRowSpec.from_dict,
             "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])})}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
-    """The IR of a LowpUKSpec, LowpOut16Spec, CvtSpec, PairCvtSpec, PairCopySpec, DwRow16Spec or
-    DwRowPairSpec (what ukernel.ukernel_ir would call for these kinds)."""
+    """The IR of a LowpUKSpec, LowpOut16Spec, CvtSpec, PairCvtSpec, PairCopySpec, DwRow16Spec,
+    DwRowPairSpec, WinoInSpec, WinoOutPlaneSpec or WinoOutRowSpec (what ukernel.ukernel_ir would call for these kinds)."""
+    from .winoin_lanes import winoin_ir
+    from .winoout_plane import winoout_plane_ir
+    from .winoout_rows import winoout_rows_ir
     generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir, "copypairs_strided": strided_pair_copy_ir,
-                "dwrow16": dwrow16_ir, "dwrowpairs": dwrowpairs_ir}.get(spec.kind, lowp_ukernel_ir)
+                "dwrow16": dwrow16_ir, "dwrowpairs": dwrowpairs_ir, "winoin16": winoin_ir,
+                "winoout_plane": winoout_plane_ir, "winoout_rows": winoout_rows_ir}.get(spec.kind, lowp_ukernel_ir)
     return generate(spec, vector_bits)

@@ -16,10 +16,16 @@ with the operands of the GEMMs M[xi] = U[xi] V[xi] in bf16 and every sum in floa
   with rows of >= 16 words the same layout copied in 32-bit words, `ConvPad_words16`);
 - `WinoIn_bf16` transforms two channels at a time in float32 (a bf16 input widened, exactly) and
   rounds each V value once (RNE) into one 32-bit word per channel pair: the VNNI pair layout
-  vdpbf16ps reads (V[n, xi] is C/2 pair rows of T words);
+  vdpbf16ps reads (V[n, xi] is C/2 pair rows of T words). A vector micro-kernel
+  (winoin_lanes.WinoInSpec) runs each row of tiles 16 tiles a vector; where the GEMM is
+  vdpbf16ps it rounds by `vcvtneps2bf16` ("hw": a float32 subnormal V becomes zero, see the
+  bound below), elsewhere by the exact integer RNE;
 - `WinoGemm` (gemm.uk_gemm_kernel over LowpUKSpec, A in pair panels, B read in place);
 - `WinoOut` as in float32 from the float32 M; a bf16 residual widened on load, a bf16 Y rounded
   once on the store (with rows of even length: one pair word per tile row, winograd.out_kernel).
+  On a vdpbf16ps target, vector micro-kernels with Y rounded by `vcvtneps2bf16` (a subnormal
+  flushed: 2^-126 more): a plane of at most 16 tiles (7x7) one call per output channel
+  (winoout_plane.py), a bf16 Y of even rows and columns a call per row of tiles (winoout_rows.py).
 The transforms widen and round in 32-bit lanes (narrow.BF16_LANES: the bits of bf16_rne, 16
 lanes a vector where bf16_rne's int64 arithmetic gave 8). Kernels compile with fastmath, so LLVM
 may order a float32 sum of the transforms differently at another vector width; every gamma below
@@ -32,6 +38,9 @@ Error bound (u = 2^-8, bf16's unit roundoff; v = 2^-24, float32's; gamma(n) = n 
 
     U^ = U (1 + d1), |d1| <= u                              (U's float64 error negligible)
     V^ = V + e,  |e| <= (u + (1 + u) gamma(2)) |B^T| |d| |B|   (F2: two float32 stages of 2 terms)
+         [+ 2^-126 where V is rounded by `vcvtneps2bf16`: a float32 subnormal flushed to zero;
+          vdpbf16ps reads a subnormal bf16 as zero anyway, so only a subnormal that RNE carries up
+          to 2^-126 multiplies differently: |M^ - M| grows by at most 2^-126 sum_c |U^|]
     M^ = sum_c U^ V^ (vdpbf16ps: each product exact, each accumulation rounds once)
     |M^ - M| <= eta S_M,   S_M = sum_c (|G| |W| |G^T|) * (|B^T| |d| |B|),
         eta = 2u + u^2 + (1 + u) gamma(2) (1 + u) + gamma(C) (1 + u)(1 + u + gamma(2))
@@ -39,7 +48,8 @@ Error bound (u = 2^-8, bf16's unit roundoff; v = 2^-24, float32's; gamma(n) = n 
     |Y^ - Y| <= eta |A^T| S_M |A| + gamma(6) ((1 + eta) |A^T| S_M |A| + |b| + |R|)
 
 and a 1-Lipschitz activation (Relu) keeps it. tests/test_precision_winograd.py computes S_M per
-tile in float64 and adds onnxruntime's own float32 error, gamma(9 C + 3) (|X| * |W| + |b| + |R|).
+tile in float64 and adds onnxruntime's own float32 error, gamma(9 C + 3) (|X| * |W| + |b| + |R|),
+and the flush's 9 * 2^-126 max_xi sum_c |U^| (|A^T| has three ones a row).
 The factor over the direct bf16 conv's bound (2u + u^2) |X| * |W| is |A^T| S_M |A| / (|X| * |W|):
 for F(2x2, 3x3) (coefficients 0, +-1, 1/2) 5.5-15x (median 7x, random 64-256 channel convs): a
 worst case where every rounding adds up; the errors measured are closer. Measured against
@@ -64,6 +74,7 @@ from .epilogue import Epilogue
 from .gemm import Operand, bf16_k_pass, choose_tile, uk_eligible, uk_gemm_kernel
 from .kernel import Kernel, KernelCall, Source, kernel_header
 from .narrow import with_bf16_lanes
+from .winoin_lanes import WinoInSpec
 from .winograd import (F2, FLAT_MIN_TW, MIN_CHANNELS, MIN_TILES, XI_SKEW, Transform, combine, out_kernel,
                        tile_grid_loop, tiles)
 
@@ -162,13 +173,35 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
     pair). `x16`: the phases are bf16 with the pair interleaved (one 32-bit word per position,
     ldb words per pair), else float32 planes (ldb floats per channel). As winograd._in_kernel
     otherwise (pitch == PW: one loop over the grid). A band: TH tile rows (T columns) from tile row
-    `row0` on, in pair rows `ldv` words apart (default T)."""
+    `row0` on, in pair rows `ldv` words apart (default T). The grid (pitch == PW) or rows of 16 tiles
+    or more: winoin_lanes' micro-kernel, a call per run of tiles; a plane of <= 16 tiles with its
+    rows laid out without the extra column (a 7x7 output) from bf16 phases on a vdpbf16ps target:
+    its plane form, a call per channel pair; otherwise Numba's loop below, the exact rounding."""
     a = t.a
     src = Source()
+    # a plane of <= 16 tiles (7x7) whose rows are laid out without the extra column: the plane form
+    # (one load of the phases' span, constant shuffles), bf16 phases on a vdpbf16ps target
+    plane = pitch != PW and TW < 16 and x16 and TH * TW == T <= 16 and rounding()
+    lanes = pitch == PW or TW >= 16 or plane
+    if lanes:
+        spec = WinoInSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.BT), tuple(int(o) for o in offsets), xs,
+                          int(x16), 0 if x16 else ldb, "hw" if rounding() else "exact",
+                          TW if plane else 0, PW if plane else 0)
+        for line in spec.declaration("winoin").splitlines():
+            src.line(line)
     src.line(NOALIAS_MARK).line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {C // 2}").line(f"cp = item - n * {C // 2}")
     src.line(f"sb = item * {ldb if x16 else 2 * ldb} + {row0 * PW}").line(f"vb = n * {a * a * xs} + cp * {ldv or T}")
+    if lanes:
+        # the tiles of the grid (pitch == PW: one run of T) or of each row of tiles, a vector at a
+        # time (winoin_lanes.py)
+        if pitch == PW or plane:
+            src.line(f"winoin(p0, sb, p1, vb, {T})")
+        else:
+            src.line(f"for ti in range({TH}):").indent()
+            src.line(f"winoin(p0, sb + ti * {PW}, p1, vb + ti * {pitch}, {TW})").dedent()
+        return Kernel("WinoIn_bf16", src.text(), ("uint32" if x16 else "float32", "uint32"))
     if pitch != PW and TW < 16:
         # rows of fewer than 16 tiles (a 7x7 output: 4): one loop over the band's tiles, V written
         # contiguously, the phases read at ti * PW + tj (LLVM gathers them): a loop per row of
@@ -194,6 +227,83 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
             lo, hi = (combine(row, lambda l: f'e{i}_{l}_{h}') for h in (0, 1))
             src.line(f"p1[o + q + {(a * i + j) * xs}] = bf16_pair_rne({lo}, {hi})")
     return Kernel("WinoIn_bf16", with_bf16_lanes(src.text()), ("uint32" if x16 else "float32", "uint32"))
+
+
+def rounding() -> bool:
+    """Whether WinoIn rounds V by `vcvtneps2bf16` (winoin_lanes.py's "hw": where the GEMM is
+    `vdpbf16ps`, convgemm.tile_rounding's "hw") rather than by the exact RNE."""
+    from .kernel import lowering_target
+    return convgemm.tile_rounding("bf16", lowering_target()) == "hw"
+
+
+def _plane_out_kernel(t: Transform, OC, T, TH, TW, pitch, OH, OW, xs, has_bias, residual_arg, res_strides,
+                      epilogue: Epilogue, r16: bool, y16: bool) -> Kernel | None:
+    """WinoOut for a plane of at most 16 tiles (a 7x7 output) by winoout_plane's micro-kernel, a call
+    per (image, output channel); None where it does not apply (a larger plane, tile rows laid out
+    with the extra column, a residual not stored as the plane, another activation, or a target
+    whose GEMM is not vdpbf16ps: its 512-bit vectors)."""
+    from .winoout_plane import LANES, WinoOutPlaneSpec
+    plane_residual = residual_arg is None or (isinstance(residual_arg, str) and res_strides[3] == 1
+                                              and res_strides[2] == OW)
+    if not (rounding() and pitch == TW and TH * TW <= LANES and OH * OW <= 4 * LANES and plane_residual
+            and epilogue.activation in ("", "Relu", "Clip") and T == TH * TW):
+        return None
+    lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
+    spec = WinoOutPlaneSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.AT), OH, OW, TW, xs,
+                            int(has_bias), "" if residual_arg is None else "bf16" if r16 else "f32", int(y16),
+                            epilogue.activation, float(lo), float(hi), "hw")
+    n_ptrs = 2 + has_bias + (residual_arg is not None)
+    pb = "p1" if has_bias else "p0"
+    pr = f"p{1 + has_bias}" if residual_arg is not None else "p0"
+    src = Source()
+    for line in spec.declaration("plane").splitlines():
+        src.line(line)
+    src.line(kernel_header(n_ptrs)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    roff = f"n * {res_strides[0]} + oc * {res_strides[1]}" if residual_arg is not None else "0"
+    src.line(f"plane(p0, n * {t.a * t.a * xs} + oc * {T}, {pb}, oc, {pr}, {roff}, p{n_ptrs - 1}, item * {OH * OW})")
+    types = ["float32"] + (["float32"] if has_bias else []) \
+        + ([("uint16" if r16 else "float32")] if residual_arg is not None else []) + ["uint16" if y16 else "float32"]
+    return Kernel("WinoOut_bf16", src.text(), tuple(types))
+
+
+def _rows_out_kernel(t: Transform, OC, T, pitch, OH, OW, xs, has_bias, residual_arg, res_strides,
+                     epilogue: Epilogue, r16: bool, y16: bool, row0: int, plane: int) -> Kernel | None:
+    """WinoOut of a band into a bf16 Y of even rows and columns (winograd.out_kernel's pair words)
+    by winoout_rows' micro-kernel, a call per row of tiles of an (image, output channel); None where
+    it does not apply (odd rows or columns, a float32 Y, a residual not in pair words, another
+    activation, a target whose GEMM is not vdpbf16ps)."""
+    from .winoout_rows import WinoOutRowSpec
+    words = y16 and OH % 2 == 0 and OW % 2 == 0 and plane % 2 == 0
+    r_words = residual_arg is None or (isinstance(residual_arg, str) and r16 and res_strides[3] == 1
+                                       and all(v % 2 == 0 for v in res_strides[:3]))
+    if not (rounding() and words and r_words and epilogue.activation in ("", "Relu", "Clip")):
+        return None
+    lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
+    spec = WinoOutRowSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.AT), xs, int(has_bias),
+                          int(residual_arg is not None), epilogue.activation, float(lo), float(hi), "hw")
+    n_ptrs = 2 + has_bias + (residual_arg is not None)
+    pb = "p1" if has_bias else "p0"
+    pr = f"p{1 + has_bias}" if residual_arg is not None else "p0"
+    src = Source()
+    for line in spec.declaration("rows").splitlines():
+        src.line(line)
+    src.line(kernel_header(n_ptrs)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    src.line(f"mb = n * {t.a * t.a * xs} + oc * {T}")
+    src.line(f"yw = item * {plane // 2} + {row0 * 2 * OW // 2}")
+    if residual_arg is not None:
+        sn, sc, sh, _ = res_strides
+        src.line(f"rw = n * {sn // 2} + oc * {sc // 2} + {row0 * 2 * sh // 2}")
+    rrow = res_strides[2] // 2 if residual_arg is not None else 0
+    src.line(f"for ti in range({OH // 2}):").indent()
+    src.line(f"rows(p0, mb + ti * {pitch}, {pb}, oc, {pr}, {'rw + ti * ' + str(2 * rrow) if residual_arg is not None else '0'}, "
+             f"{rrow}, p{n_ptrs - 1}, yw + ti * {OW}, {OW // 2}, {OW // 2})")
+    types = ["float32"] + (["float32"] if has_bias else []) + (["uint32"] if residual_arg is not None else []) \
+        + ["uint32"]
+    return Kernel("WinoOut_bf16", src.text(), tuple(types))
 
 
 def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, residual_arg=None, res_strides=None,
@@ -259,8 +369,12 @@ def lower_winograd_bf16(node, graph, t: Transform, lowp, X, W, B, Y, pads, resid
         # (every band's GEMM takes the whole band's tile: U is packed in its row panels)
         gemm, gemm_work = uk_gemm_kernel("WinoGemm", OC, t_b, C, (N, P), a_op, b_op, None, m_op, a_panels=True,
                                          self_sized=False, lowp=lowp, tile=(MR, NR))
-        out = out_kernel(t, OC, T, th, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
-                         res_strides, epilogue, np.dtype(np.float32), r16=r16, y16=y16, row0=row0, plane=OH * OW)
+        out = _plane_out_kernel(t, OC, T, TH, TW, pitch, OH, OW, xs_out, B is not None, residual_arg, res_strides,
+                                epilogue, r16, y16) if bands == 1 else None
+        out = out or _rows_out_kernel(t, OC, T, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
+                                      residual_arg, res_strides, epilogue, r16, y16, row0, OH * OW)
+        out = out or out_kernel(t, OC, T, th, pitch, min(OH - row0 * t.m, th * t.m), OW, xs_out, B is not None,
+                                res_strides, epilogue, np.dtype(np.float32), r16=r16, y16=y16, row0=row0, plane=OH * OW)
         calls += [KernelCall(_in_kernel(t, C, t_b, th, TW, PW, pitch, ldb, offsets, xs_in, x16, row0, T),
                              [names["winopad"], names["winov"]], N * C // 2, node.name,
                              precision=f"{label} (V rounded)"),

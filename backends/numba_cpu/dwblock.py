@@ -28,7 +28,10 @@ depend on which thread computes what.
 Activations stored in 16 bits (bf16 / fp16, passes/assign_precision.py `narrow_activations`):
 x, r and y may hold 16-bit values. Without expand / project the depthwise rows read x / write
 y in 16 bits themselves (ukernel_lowp.DwRow16Spec); the project GEMM writes the band of y into a
-float32 piece of the scratch, adds the residual (widened) and rounds it once into y.
+float32 piece of the scratch, adds the residual (widened) and rounds it once into y, or, in a
+bf16 block whose y (and r) are bf16 and whose project K fits one k pass, writes y from its
+accumulators with the residual added in registers (dwblock_out16.py: the same float32 sums, the
+rounding `vcvtneps2bf16` with AVX512-BF16).
 
 bf16 (a block that passes/assign_precision.py marked bf16; lowp_product gives the method:
 "dpbf16" = `vdpbf16ps` with AVX512-BF16, else "widen" = the pairs split into float32 FMAs): both
@@ -51,7 +54,8 @@ two products' additions), |.| * |.| the convolution of magnitudes, and e_x the e
                                dwstride.pairs_rounding]
     y (before its store):     |dy| <= |W3| * e_u + (u + gamma(C1 + 1)) (|W3| * (|u| + e_u) + |b3|)
                                [+ e_r + gamma(1) (|y| + |dy|) with a residual r]
-    y stored in bf16:          e_y = |dy| + u (|y| + |dy|)
+    y stored in bf16:          e_y = |dy| + u (|y| + |dy|) [+ 2^-126: rounded by vcvtneps2bf16 in
+                               the project GEMM's registers, dwblock_out16.py]
 
 Relu / Clip are 1-Lipschitz and leave the bounds as they are. tests/test_precision_depthwise.py
 checks every case against onnxruntime's float32 values with this bound. fp16 blocks keep the
@@ -65,6 +69,7 @@ import numpy as np
 from .ukernel import LOADC_EPILOGUE, UKSpec
 from cuvil.ir import Node
 
+from .dwblock_out16 import PairGemmOut16, takes_out16
 from .dwblock_pairs import SPLIT_PIXELS, PairGemm, lower_by_channels
 from .dwstride import RowCalls, fmt, packed_weights
 from .epilogue import Epilogue, epilogue_of, register_epilogue
@@ -194,7 +199,9 @@ def lower_depthwise_block(node, graph) -> Lowered:
     u_pairs = project and method is not None
     # 16-bit x read by a float32 expand GEMM / y written by the project GEMM: float32 pieces of the scratch
     x_wide = expand and fmt(X) != "f32" and not x_pairs
-    y_wide = project and fmt(Y) != "f32"
+    # a bf16 y written by the project GEMM from its accumulators, the residual added there (dwblock_out16.py)
+    out16 = u_pairs and takes_out16(_epilogue(node, "project_"), fmt(Y), fmt(graph.values[r_name]) if r_name else None, C1)
+    y_wide = project and fmt(Y) != "f32" and not out16
     C0p, C1p = C0 + C0 % 2, C1 + C1 % 2   # channel pairs (a last odd channel gets a zero weight)
 
     # Bands of R output rows: t's rows of a band (BR of them) and u's (and the float32 pieces of
@@ -235,7 +242,9 @@ def lower_depthwise_block(node, graph) -> Lowered:
               _Gemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd))
     if project:
         w3 = np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1)
-        gp = (PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
+        gp = (PairGemmOut16("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method, bool(r_name))
+              if out16 else
+              PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
               _Gemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW))
     work = N * runs
     t_floats = (gx.MR * BR + (C1 * halo if n_bands > 1 else 0)) * Wd if blocked else C1 * BR * Wd if expand else 0
@@ -365,7 +374,10 @@ def lower_depthwise_block(node, graph) -> Lowered:
         # y[:, band rows] = W3 @ u (channels of u are k, its R*OW pixels apart), then the residual.
         src.line(f"npx = (oh1 - oh0) * {OW}")
         b_ptr, b_off, b_ld = (p["pairs"], "sup", ldu) if u_pairs else (p["scratch"], "su", R * OW)
-        if y_wide:   # into the float32 piece sy (rows R*OW apart), residual added there, rounded into y
+        if out16:   # y (and its residual) rounded in registers
+            gp.emit_rows(src, p["a3"], b_ptr, b_off, b_ld, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
+                         p["b3"], p["r"] if r_name else p["y"], "npx", 0, C2)
+        elif y_wide:   # into the float32 piece sy (rows R*OW apart), residual added there, rounded into y
             gp.emit(src, p["a3"], b_ptr, b_off, b_ld, p["scratch"], "sy", R * OW, p["b3"], "npx")
             src.line(f"for c in range({C2}):").indent()
             src.line(f"yb = (n * {C2} + c) * {OH * OW} + oh0 * {OW}").line(f"cb = sy + c * {R * OW}")

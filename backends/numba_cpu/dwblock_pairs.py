@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .dwblock_out16 import PairGemmOut16, takes_out16
 from .dwstride import RowCalls, fmt, packed_weights
 from .epilogue import Epilogue, register_epilogue
 from .gemm import TileLoops, bf16_k_pass, ceil_div, choose_tile, lowp_label
@@ -137,7 +138,10 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
     w1 = np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0)
     w3 = np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1)
     gx = PairGemm("ex", w1, b1_name, graph, ex_epi, HW, method)
-    gp = PairGemm("pj", w3, b3_name, graph, pj_epi, OHW, method)
+    r_dtype = graph.values[r_name].dtype if r_name else None
+    out16 = takes_out16(pj_epi, fmt(Y), fmt(graph.values[r_name]) if r_name else None, C1)
+    gp = (PairGemmOut16("pj", w3, b3_name, graph, pj_epi, OHW, method, bool(r_name)) if out16 else
+          PairGemm("pj", w3, b3_name, graph, pj_epi, OHW, method))
     blocks1, rows1 = _blocks(C1, gx.MR, ITEMS_PER_THREAD * threads)
     blocks2, rows2 = _blocks(C2, gp.MR, ITEMS_PER_THREAD * threads)
     ldx, ldu = 2 * HW, 2 * OHW
@@ -179,8 +183,7 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
                        n_outputs=3, precision=label)
 
     # 2: y's block of output channels. Pointers: u pairs, W3 panels, b3, [r], [float32 y piece], y.
-    y_wide = fmt(Y) != "f32"
-    r_dtype = graph.values[r_name].dtype if r_name else None
+    y_wide = fmt(Y) != "f32" and not out16
     ptrs = ["u", "a3", "b3"] + (["r"] if r_name else []) + (["sy"] if y_wide else []) + ["y"]
     p = {key: f"p{i}" for i, key in enumerate(ptrs)}
     src = Source()
@@ -193,7 +196,10 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {blocks2}").line(f"m_lo = (item % {blocks2}) * {rows2}").line(f"m_hi = min(m_lo + {rows2}, {C2})")
     src.line(f"su = n * {u_elems}").line(f"yb = (n * {C2} + m_lo) * {OHW}")
-    if y_wide:   # into the item's float32 piece, the residual added there, rounded into y
+    if out16:   # y (and its residual) rounded in registers (dwblock_out16.py)
+        gp.emit_rows(src, p["a3"], p["u"], "su", ldu, p["y"], "yb", OHW, p["b3"], p["r"] if r_name else p["y"], OHW,
+                     "m_lo", "m_hi")
+    elif y_wide:   # into the item's float32 piece, the residual added there, rounded into y
         src.line(f"sy = item * {rows2 * OHW}")
         gp.emit_rows(src, p["a3"], p["u"], "su", ldu, p["sy"], "sy", OHW, p["b3"], OHW, "m_lo", "m_hi")
         if r_name:

@@ -372,6 +372,26 @@ def test_mobilenet_v2_arena_in_bf16_is_at_most_055_of_float32():
     assert len(blocks) == 17 and all(p.startswith("bf16 (") for p in blocks), blocks
 
 
+@pytest.mark.parametrize("case", ["expand_project_s2", "odd_channels_s2", "wide_bands_s2"])
+def test_bf16_stride_2_blocks_on_phase_split_rows_give_the_shuffling_rows_bits(case, monkeypatch, tmp_path):
+    # a stride-2 bf16 block with an expand conv from a bf16 x copies x's rows phase-split (even
+    # columns, then odd), so t's are too and every depthwise tap is a plain load (dwphase.py): the
+    # same taps summed in the same order as the rows that shuffle lanes, so the same bits (their
+    # error bound: the block test above). Odd widths (21: 11 even columns, 10 odd), several bands.
+    from backends.numba_cpu import dwblock, dwphase
+    model, x = MODEL_OF[case], block_input(case)
+    options = {"fuse_depthwise_block": {"min_bytes": 0}}
+    made = []
+    monkeypatch.setattr(dwblock, "PhaseRowCalls", lambda *a: made.append(a) or dwphase.PhaseRowCalls(*a))
+    phase = cuvil.compile(model, precision="bf16", threads=1, pass_options=options,
+                          cache_dir=tmp_path / "phase").run({"x": x})["y"]
+    assert made, "the block took the shuffling rows"
+    monkeypatch.setattr(dwblock, "PHASE_ROWS", False)
+    shuffled = cuvil.compile(model, precision="bf16", threads=1, pass_options=options,
+                             cache_dir=tmp_path / "shuffle").run({"x": x})["y"]
+    assert len(made) == 1 and np.array_equal(phase, shuffled)
+
+
 @pytest.mark.parametrize("case,calls", [("expand_project_residual", 1), ("odd_channels_s2", 2), ("wide_bands_s2", 1),
                                         ("small_plane_residual", 2), ("graph_input_output", 2)])
 def test_a_16_bit_depthwise_block_gives_the_same_bits_on_two_threads(case, calls):

@@ -20,6 +20,9 @@ of W1's rows) at a time (_blocked_band): the block's new rows of t, then its dep
 rows of t are read back from L1 (T_BLOCK_BYTES caps R for that), and t's scratch holds one block's
 band plus a halo store of the KH - s rows of every channel the next band shares (MobileNetV2 bf16,
 1 thread, CPU time at load 9: 2.270 -> 2.228 ms; bit-identical: the same sums in the same order).
+With stride 2 and a bf16 x, x's rows are copied into the pairs phase-split (even columns, then
+odd), so t's rows are too and the depthwise taps are plain loads (dwphase.py, PHASE_ROWS; the
+same bits as the rows that shuffle lanes).
 
 Work items are (image, run of consecutive bands), each with scratch of its own
 (one for all when the library runs on one thread), so the results do not
@@ -71,11 +74,12 @@ from cuvil.ir import Node
 
 from .dwblock_out16 import PairGemmOut16, takes_out16
 from .dwblock_pairs import SPLIT_PIXELS, PairGemm, lower_by_channels
-from .dwstride import RowCalls, fmt, packed_weights
+from .dwphase import PhaseRowCalls, emit_phase_copy
+from .dwstride import RowCalls, fmt, packed_weights, pairs_rounding
 from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .gemm import TileLoops, ceil_div, choose_tile, lowp_label, lowp_product, pack_a_panels
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target, session_threads, work_items
-from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, best_method
+from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, StridedPairCopySpec, best_method
 from .narrow import load, pointer_type, with_helpers
 from .scratch import scratch_value
 
@@ -93,6 +97,9 @@ BAND_BYTES_PAIRS = 768 << 10
 # (_blocked_band), its rows of a band in at most this many bytes (they stay in L1 between the expand
 # GEMM's stores and the depthwise rows' loads)
 T_BLOCK_BYTES = 32 << 10
+# bf16 stride-2 blocks with an expand conv from a bf16 x: t's rows phase-split, the depthwise taps
+# plain loads (dwphase.py); False: the shuffling rows (the tests compare the two bit for bit)
+PHASE_ROWS = True
 
 
 def _epilogue(node, prefix: str) -> Epilogue:
@@ -131,7 +138,7 @@ class _Gemm(TileLoops):
 
 
 def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo,
-                  ldx, n_bands) -> None:
+                  ldx, n_bands, phase: bool = False) -> None:
     """One band of a bf16 block with an expand conv, a block of gx.MR expanded channels at a time:
     x's new rows into channel pairs (once a band), then per block the rows of t this band shares
     with the last one back from the halo store (`halo` rows per channel, at sh), the block's new
@@ -140,7 +147,8 @@ def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1
     the last `halo` rows of each channel into the halo store for the next band (the depthwise rows
     of channel c write y[yo], yo an expression of c). The block's rows of
     t are written and read while in L1 (T_BLOCK_BYTES); the sums are those of the unblocked band,
-    in the same order (bit-identical)."""
+    in the same order (bit-identical). `phase`: x's rows copied phase-split (dwphase.py), so t's
+    rows are too, for the stride-2 rows of dwphase.PhaseRowCalls."""
     MR, C0p = gx.MR, C0 + C0 % 2
     src.line(f"top = oh0 * {s} - {p_t}")
     src.line("lo = max(top, 0)").line(f"hi = min((oh1 - 1) * {s} - {p_t} + {KH}, {H})")
@@ -149,8 +157,13 @@ def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1
     plane = H * Wd
     src.line(f"for cp in range({C0p // 2}):").indent()
     src.line("c = 2 * cp").line(f"xs = {plane} if c + 1 < {C0} else 0" if C0 % 2 else f"xs = {plane}")
-    src.line(f"to_pairs({p['x']}, (n * {C0} + c) * {plane} + new * {Wd}, xs, {p['pairs']}, sxp + cp * {ldx}, "
-             f"(hi - new) * {Wd})").dedent().dedent()
+    if phase:
+        emit_phase_copy(src, "to_pairs_s2", p["x"], f"(n * {C0} + c) * {plane} + new * {Wd}", "xs", p["pairs"],
+                        f"sxp + cp * {ldx}", "new", "hi", Wd)
+        src.dedent().dedent()
+    else:
+        src.line(f"to_pairs({p['x']}, (n * {C0} + c) * {plane} + new * {Wd}, xs, {p['pairs']}, sxp + cp * {ldx}, "
+                 f"(hi - new) * {Wd})").dedent().dedent()
     sc = p["scratch"]
     src.line(f"for m_lo in range(0, {C1}, {MR}):").indent()
     src.line(f"m_hi = min(m_lo + {MR}, {C1})")
@@ -281,8 +294,12 @@ def lower_depthwise_block(node, graph) -> Lowered:
     types = tuple(pointer_type(stored[key]) if key in stored else "uint16" if key in sixteen else "float32"
                   for key in ptrs)
 
-    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
-                    "bf16pairs" if u_pairs else "f32" if project else fmt(Y))
+    # stride 2 with t made by the bf16 expand GEMM from a bf16 x: t's rows phase-split (dwphase.py)
+    phase = PHASE_ROWS and s == 2 and x_pairs and u_pairs and fmt(X) == "bf16" and KW <= 7
+    rows = (PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, _epilogue(node, ""), pairs_rounding(lowering_target()))
+            if phase else
+            RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
+                     "bf16pairs" if u_pairs else "f32" if project else fmt(Y)))
 
     src = Source()
     rows.declare(src)
@@ -292,6 +309,9 @@ def lower_depthwise_block(node, graph) -> Lowered:
         if wide:
             for line in spec().declaration(var).splitlines():
                 src.line(line)
+    if phase:
+        for line in StridedPairCopySpec(stride=2).declaration("to_pairs_s2").splitlines():
+            src.line(line)
     if expand:
         gx.declare(src)
     if project:
@@ -327,7 +347,7 @@ def lower_depthwise_block(node, graph) -> Lowered:
     else:
         dw_y, dw_yo = (p["scratch"], f"su + c * {R * OW} - oh0 * {OW}") if project else (p["y"], f"(n * {C1} + c) * {OH * OW}")
     if blocked:
-        _blocked_band(src, p, gx, rows, dw_y, dw_yo, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo, ldx, n_bands)
+        _blocked_band(src, p, gx, rows, dw_y, dw_yo, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo, ldx, n_bands, phase)
     if expand and not blocked:
         src.line(f"top = oh0 * {s} - {p_t}")
         src.line("lo = max(top, 0)").line(f"hi = min((oh1 - 1) * {s} - {p_t} + {KH}, {H})")

@@ -74,7 +74,7 @@ from cuvil.ir import Node
 
 from .dwblock_out16 import PairGemmOut16, takes_out16
 from .dwblock_pairs import SPLIT_PIXELS, PairGemm, lower_by_channels
-from .dwphase import PhaseRowCalls, emit_phase_copy
+from .dwphase import PhaseRowCalls, PlaneRowCalls, emit_phase_copy, plane_eligible
 from .dwstride import RowCalls, fmt, packed_weights, pairs_rounding
 from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .gemm import TileLoops, ceil_div, choose_tile, lowp_label, lowp_product, pack_a_panels
@@ -100,6 +100,9 @@ T_BLOCK_BYTES = 32 << 10
 # bf16 stride-2 blocks with an expand conv from a bf16 x: t's rows phase-split, the depthwise taps
 # plain loads (dwphase.py); False: the shuffling rows (the tests compare the two bit for bit)
 PHASE_ROWS = True
+# bf16 blocks with an expand conv whose (stride-1, same-size) plane of at most dwphase.PLANE_MAX
+# outputs is one band: a channel's depthwise plane in one call, its outputs flat (dwphase.py)
+PLANE_ROWS = True
 
 
 def _epilogue(node, prefix: str) -> Epilogue:
@@ -296,8 +299,12 @@ def lower_depthwise_block(node, graph) -> Lowered:
 
     # stride 2 with t made by the bf16 expand GEMM from a bf16 x: t's rows phase-split (dwphase.py)
     phase = PHASE_ROWS and s == 2 and x_pairs and u_pairs and fmt(X) == "bf16" and KW <= 7
+    # a small plane in one band (the late blocks' 7 x 7): each channel's plane one call, outputs flat
+    plane = PLANE_ROWS and x_pairs and u_pairs and n_bands == 1 and plane_eligible(H, Wd, OH, OW, KH, KW, s)
     rows = (PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, _epilogue(node, ""), pairs_rounding(lowering_target()))
             if phase else
+            PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, _epilogue(node, ""), pairs_rounding(lowering_target()))
+            if plane else
             RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
                      "bf16pairs" if u_pairs else "f32" if project else fmt(Y)))
 

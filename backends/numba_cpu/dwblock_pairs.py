@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from .dwblock_out16 import PairGemmOut16, takes_out16
-from .dwstride import RowCalls, fmt, packed_weights
+from .dwphase import PlaneRowCalls, plane_eligible
+from .dwstride import RowCalls, fmt, packed_weights, pairs_rounding
 from .epilogue import Epilogue, register_epilogue
 from .gemm import TileLoops, bf16_k_pass, ceil_div, choose_tile, lowp_label
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
@@ -39,6 +40,7 @@ from .ukernel_lowp import LowpUKSpec
 # and 7 x 7 blocks on two threads
 SPLIT_PIXELS = 128
 ITEMS_PER_THREAD = 2   # channel blocks per thread in each call (whole panels, balanced)
+PLANE_ROWS = True      # small planes' depthwise rows a plane a call (dwphase.PlaneRowCalls), as dwblock.PLANE_ROWS
 
 
 class PairGemm(TileLoops):
@@ -155,7 +157,9 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
 
     # 1: x's pairs, t and u of a block of expanded channels. Pointers: x, W1 panels, b1, depthwise
     # weights, t scratch, x pairs, u pairs.
-    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, dw_epi, "f32", "bf16pairs")
+    rows = (PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, dw_epi, pairs_rounding(lowering_target()))
+            if PLANE_ROWS and plane_eligible(H, Wd, OH, OW, KH, KW, s) else
+            RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, dw_epi, "f32", "bf16pairs"))
     src = Source()
     rows.declare(src)
     for line in (PairCopySpec() if fmt(X) == "bf16" else PairCvtSpec()).declaration("to_pairs").splitlines():

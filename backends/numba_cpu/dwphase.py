@@ -27,11 +27,17 @@ MobileNetV2 bf16, 1 thread, per-step minima of 50 single-run profiles (benchmark
 load 7): the 112 -> 56 block (Conv_7) 0.220 -> 0.193 ms, 56 -> 28 (Conv_18) 0.103 -> 0.097, 28 -> 14
 (Conv_35) 0.047 -> 0.043; its stride-2 depthwise rows had taken 75 / 36 / 11 us of them (the
 blocks built without those rows), 4x the float32 FMA peak's time.
+
+Small stride-1 planes (PlaneRowCalls, ukernel_lowp.DwPlanePairSpec): a 7 x 7 plane's depthwise
+conv a channel's plane a call, its 49 outputs flat in 4 vectors (a vector a row took 7 vectors of
+16 lanes for 7 outputs each, in 4 calls). The same bits. MobileNetV2's 7 x 7 blocks (Conv_80,
+Conv_86, Conv_92), per-step minima of 50 profiles, load 6: 0.092 / 0.092 / 0.133 -> 0.089 / 0.088
+/ 0.126 ms at 1 thread, 0.058 / 0.057 / 0.081 -> 0.050 / 0.050 / 0.073 at 2.
 """
 from __future__ import annotations
 
 from .epilogue import register_activation
-from .ukernel_lowp import DwRowPhaseSpec
+from .ukernel_lowp import DwPlanePairSpec, DwRowPhaseSpec
 
 
 class PhaseRowCalls:
@@ -69,3 +75,31 @@ def emit_phase_copy(src, copy: str, x, xoff: str, xs: str, pairs, doff: str, row
     if Wo:
         src.line(f"{copy}({x}, {xoff} + rr * {W} + 1, {xs}, {pairs}, {doff} + rr * {2 * W} + {2 * We}, {Wo})")
     src.dedent()
+
+
+# stride 1, output plane as large as the input: planes of at most this many outputs are computed
+# flat, a channel's whole plane a call (PlaneRowCalls)
+PLANE_MAX = 64
+
+
+def plane_eligible(H, W, OH, OW, KH, KW, s) -> bool:
+    return s == 1 and (OH, OW) == (H, W) and H * W <= PLANE_MAX and KH <= 7 and KW <= 7
+
+
+class PlaneRowCalls:
+    """dwstride.RowCalls' interface for a whole small plane a call (DwPlanePairSpec: the outputs
+    flat, 4 vectors for a 7 x 7 plane where rows take 7), y in bf16 channel pairs. emit's rows
+    [lo, hi) must be the whole plane."""
+
+    def __init__(self, H, W, KH, KW, p_t, p_l, epilogue, method: str):
+        self.plane = DwPlanePairSpec(H=H, W=W, OW=W, KH=KH, KW=KW, p_l=p_l, p_t=p_t, stride=1, x_fmt="f32",
+                                     y_fmt="bf16", method=method, **register_activation(epilogue))
+
+    def declare(self, src) -> None:
+        for line in self.plane.declaration("dwplane").splitlines():
+            src.line(line)
+
+    def emit(self, src, x, xo, w, wo, y, yo, lo, hi) -> None:
+        """The plane whose row r is at x[xo + r W] (lo = 0, hi = H: the whole plane), outputs at
+        y[yo + 2 j]."""
+        src.line(f"dwplane({x}, {xo}, 0, {w}, {wo}, {y}, {yo})")

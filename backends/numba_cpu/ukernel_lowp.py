@@ -55,7 +55,7 @@ from .lowp import (CvtSpec, PairCopySpec, PairCvtSpec, StridedPairCopySpec, stri
 from backends.targets import has_feature
 from .ukernel import float_ir
 from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, DwRowSpec, IRBuilder,
-                      close_k_loop, dwrow_ir, dwrow_phase_ir, dwrow_split_ir, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
+                      close_k_loop, dwrow_ir, dwrow_phase_ir, dwrow_plane_ir, dwrow_split_ir, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
 from .ukernel_amx import amx_ir
 
 
@@ -948,6 +948,39 @@ def dwrowphase_ir(spec: DwRowPhaseSpec, vector_bits: int) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class DwPlanePairSpec(DwRowPairSpec):
+    """DwRowPairSpec's stride-1 rows of a whole small plane in one call, outputs flat (the plane's
+    rows contiguous, W == OW: ukernel.dwrow_plane_ir), y one half of bf16 channel pairs:
+
+        y[yoff + 2 j] = bf16(act(bias + sum_{kh, kw} w[kh, kw] t(j // W + kh - p_t, j % W + kw - p_l)))
+
+    for j < H W. Signature as DwRowSpec's (r0 ignored, y uint16)."""
+    p_t: int = 0
+    kind: str = "dwplanepairs"
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.stride == 1 and self.x_fmt == "f32" and self.OW == self.W, self
+
+    def _stem(self) -> str:
+        return "cuvil_dwplanepairs"
+
+
+def dwplanepairs_ir(spec: DwPlanePairSpec, vector_bits: int) -> str:
+    """See DwPlanePairSpec: ukernel.dwrow_plane_ir with DwRowPairSpec's rounding and pair stores."""
+    def narrow(ir, value, lanes):
+        bits = ir.tmp("yb")
+        ir(f"{bits} = bitcast <{lanes} x float> {value} to <{lanes} x i32>")
+        return f32_to_bf16(ir, bits, lanes, spec.method)
+    L = min(lanes_for(vector_bits), 16)
+    decl = f"declare void @llvm.masked.store.v{2 * L}i16.p0(<{2 * L} x i16>, ptr, <{2 * L} x i1>)"
+    text = dwrow_plane_ir(spec, vector_bits, narrow, _pair_store)
+    if decl not in text:
+        text = text.replace("\n\nattributes #0", f"\n{decl}\n\nattributes #0", 1)
+    return text
+
+
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
     (ukernel_lowp_ir dispatches their IR)."""
@@ -958,12 +991,13 @@ def kinds() -> dict:
             "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "copypairs_strided": lambda d: StridedPairCopySpec(**d),
             "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])}),
-            "dwrowphase": lambda d: DwRowPhaseSpec(**d)}
+            "dwrowphase": lambda d: DwRowPhaseSpec(**d), "dwplanepairs": lambda d: DwPlanePairSpec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
     """The IR of a LowpUKSpec, LowpOut16Spec, CvtSpec, PairCvtSpec, PairCopySpec, DwRow16Spec or
     DwRowPairSpec (what ukernel.ukernel_ir would call for these kinds)."""
     generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir, "copypairs_strided": strided_pair_copy_ir,
-                "dwrow16": dwrow16_ir, "dwrowpairs": dwrowpairs_ir, "dwrowphase": dwrowphase_ir}.get(spec.kind, lowp_ukernel_ir)
+                "dwrow16": dwrow16_ir, "dwrowpairs": dwrowpairs_ir, "dwrowphase": dwrowphase_ir,
+                "dwplanepairs": dwplanepairs_ir}.get(spec.kind, lowp_ukernel_ir)
     return generate(spec, vector_bits)

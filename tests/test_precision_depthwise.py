@@ -379,18 +379,24 @@ def test_bf16_stride_2_blocks_on_phase_split_rows_give_the_shuffling_rows_bits(c
     # columns, then odd), so t's are too and every depthwise tap is a plain load (dwphase.py): the
     # same taps summed in the same order as the rows that shuffle lanes, so the same bits (their
     # error bound: the block test above). Odd widths (21: 11 even columns, 10 odd), several bands.
-    from backends.numba_cpu import dwblock, dwphase
+    # On two threads the small planes (odd_channels_s2) are split by channels (dwblock_pairs.py),
+    # and take the phase-split rows there too.
+    from backends.numba_cpu import dwblock, dwblock_pairs, dwphase
     model, x = MODEL_OF[case], block_input(case)
     options = {"fuse_depthwise_block": {"min_bytes": 0}}
-    made = []
-    monkeypatch.setattr(dwblock, "PhaseRowCalls", lambda *a: made.append(a) or dwphase.PhaseRowCalls(*a))
-    phase = cuvil.compile(model, precision="bf16", threads=1, pass_options=options,
-                          cache_dir=tmp_path / "phase").run({"x": x})["y"]
-    assert made, "the block took the shuffling rows"
-    monkeypatch.setattr(dwblock, "PHASE_ROWS", False)
-    shuffled = cuvil.compile(model, precision="bf16", threads=1, pass_options=options,
-                             cache_dir=tmp_path / "shuffle").run({"x": x})["y"]
-    assert len(made) == 1 and np.array_equal(phase, shuffled)
+    for threads in (1, 2):
+        made = []
+        for module in (dwblock, dwblock_pairs):
+            monkeypatch.setattr(module, "PhaseRowCalls", lambda *a: made.append(a) or dwphase.PhaseRowCalls(*a))
+            monkeypatch.setattr(module, "PHASE_ROWS", True)
+        phase = cuvil.compile(model, precision="bf16", threads=threads, pass_options=options,
+                              cache_dir=tmp_path / f"phase{threads}").run({"x": x})["y"]
+        assert made, "the block took the shuffling rows"
+        for module in (dwblock, dwblock_pairs):
+            monkeypatch.setattr(module, "PHASE_ROWS", False)
+        shuffled = cuvil.compile(model, precision="bf16", threads=threads, pass_options=options,
+                                 cache_dir=tmp_path / f"shuffle{threads}").run({"x": x})["y"]
+        assert len(made) == 1 and np.array_equal(phase, shuffled)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

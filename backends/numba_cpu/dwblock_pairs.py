@@ -23,12 +23,12 @@ from __future__ import annotations
 import numpy as np
 
 from .dwblock_out16 import PairGemmOut16, takes_out16
-from .dwphase import PlaneRowCalls, plane_eligible
+from .dwphase import PhaseRowCalls, PlaneRowCalls, emit_phase_copy, plane_eligible
 from .dwstride import RowCalls, fmt, packed_weights, pairs_rounding
 from .epilogue import Epilogue, register_epilogue
 from .gemm import TileLoops, bf16_k_pass, ceil_div, choose_tile, lowp_label
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
-from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, best_method
+from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, StridedPairCopySpec, best_method
 from .lowp_pack import bf16_bits, pack_a_pairs
 from .narrow import load, pointer_type, with_helpers
 from .scratch import scratch_value
@@ -41,6 +41,7 @@ from .ukernel_lowp import LowpUKSpec
 SPLIT_PIXELS = 128
 ITEMS_PER_THREAD = 2   # channel blocks per thread in each call (whole panels, balanced)
 PLANE_ROWS = True      # small planes' depthwise rows a plane a call (dwphase.PlaneRowCalls), as dwblock.PLANE_ROWS
+PHASE_ROWS = True      # stride-2 rows on phase-split t (dwphase.PhaseRowCalls), as dwblock.PHASE_ROWS
 
 
 class PairGemm(TileLoops):
@@ -157,12 +158,16 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
 
     # 1: x's pairs, t and u of a block of expanded channels. Pointers: x, W1 panels, b1, depthwise
     # weights, t scratch, x pairs, u pairs.
+    # (stride 2 from a bf16 x: x's rows copied phase-split, t's rows too: dwphase.PhaseRowCalls)
+    phase = PHASE_ROWS and s == 2 and fmt(X) == "bf16" and KW <= 7
     rows = (PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, dw_epi, pairs_rounding(lowering_target()))
             if PLANE_ROWS and plane_eligible(H, Wd, OH, OW, KH, KW, s) else
+            PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, dw_epi, pairs_rounding(lowering_target())) if phase else
             RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, dw_epi, "f32", "bf16pairs"))
     src = Source()
     rows.declare(src)
-    for line in (PairCopySpec() if fmt(X) == "bf16" else PairCvtSpec()).declaration("to_pairs").splitlines():
+    copy = StridedPairCopySpec(stride=2) if phase else PairCopySpec() if fmt(X) == "bf16" else PairCvtSpec()
+    for line in copy.declaration("to_pairs").splitlines():
         src.line(line)
     gx.declare(src)
     src.line(kernel_header(7)).indent()
@@ -171,7 +176,11 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
     src.line(f"st = item * {rows1 * HW}").line(f"sxp = item * {xp_elems}").line(f"su = n * {u_elems}")
     src.line(f"for cp in range({C0p // 2}):").indent()
     src.line("c = 2 * cp").line(f"xs = {HW} if c + 1 < {C0} else 0" if C0 % 2 else f"xs = {HW}")
-    src.line(f"to_pairs(p0, (n * {C0} + c) * {HW}, xs, p5, sxp + cp * {ldx}, {HW})").dedent()
+    if phase:
+        emit_phase_copy(src, "to_pairs", "p0", f"(n * {C0} + c) * {HW}", "xs", "p5", f"sxp + cp * {ldx}", 0, H, Wd)
+        src.dedent()
+    else:
+        src.line(f"to_pairs(p0, (n * {C0} + c) * {HW}, xs, p5, sxp + cp * {ldx}, {HW})").dedent()
     gx.emit_rows(src, "p1", "p5", "sxp", ldx, "p4", "st", HW, "p2", HW, "m_lo", "m_hi")
     if C1 % 2:   # the last pair's second channel: zeros (times zero weights), never written
         src.line(f"if m_hi == {C1}:").indent()

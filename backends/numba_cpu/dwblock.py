@@ -20,6 +20,9 @@ of W1's rows) at a time (_blocked_band): the block's new rows of t, then its dep
 rows of t are read back from L1 (T_BLOCK_BYTES caps R for that), and t's scratch holds one block's
 band plus a halo store of the KH - s rows of every channel the next band shares (MobileNetV2 bf16,
 1 thread, CPU time at load 9: 2.270 -> 2.228 ms; bit-identical: the same sums in the same order).
+With stride 2 and a bf16 x, x's rows are copied into the pairs phase-split (even columns, then
+odd), so t's rows are too and the depthwise taps are plain loads (dwphase.py, PHASE_ROWS; the
+same bits as the rows that shuffle lanes).
 
 Work items are (image, run of consecutive bands), each with scratch of its own
 (one for all when the library runs on one thread), so the results do not
@@ -28,7 +31,10 @@ depend on which thread computes what.
 Activations stored in 16 bits (bf16 / fp16, passes/assign_precision.py `narrow_activations`):
 x, r and y may hold 16-bit values. Without expand / project the depthwise rows read x / write
 y in 16 bits themselves (ukernel_lowp.DwRow16Spec); the project GEMM writes the band of y into a
-float32 piece of the scratch, adds the residual (widened) and rounds it once into y.
+float32 piece of the scratch, adds the residual (widened) and rounds it once into y, or, in a
+bf16 block whose y (and r) are bf16 and whose project K fits one k pass, writes y from its
+accumulators with the residual added in registers (dwblock_out16.py: the same float32 sums, the
+rounding `vcvtneps2bf16` with AVX512-BF16).
 
 bf16 (a block that passes/assign_precision.py marked bf16; lowp_product gives the method:
 "dpbf16" = `vdpbf16ps` with AVX512-BF16, else "widen" = the pairs split into float32 FMAs): both
@@ -51,7 +57,8 @@ two products' additions), |.| * |.| the convolution of magnitudes, and e_x the e
                                ukernel_lowp.store_rounding]
     y (before its store):     |dy| <= |W3| * e_u + (u + gamma(C1 + 1)) (|W3| * (|u| + e_u) + |b3|)
                                [+ e_r + gamma(1) (|y| + |dy|) with a residual r]
-    y stored in bf16:          e_y = |dy| + u (|y| + |dy|)
+    y stored in bf16:          e_y = |dy| + u (|y| + |dy|) [+ 2^-126: rounded by vcvtneps2bf16 in
+                               the project GEMM's registers, dwblock_out16.py]
 
 Relu / Clip are 1-Lipschitz and leave the bounds as they are. tests/test_precision_depthwise.py
 checks every case against onnxruntime's float32 values with this bound. fp16 blocks keep the
@@ -65,12 +72,14 @@ import numpy as np
 from .ukernel import LOADC_EPILOGUE, UKSpec
 from cuvil.ir import Node
 
+from .dwblock_out16 import PairGemmOut16, takes_out16
 from .dwblock_pairs import SPLIT_PIXELS, PairGemm, lower_by_channels
-from .dwstride import RowCalls, fmt, packed_weights
+from .dwphase import PhaseRowCalls, PlaneRowCalls, emit_phase_copy, plane_eligible
+from .dwstride import RowCalls, fmt, packed_weights, pairs_rounding
 from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .gemm import TileLoops, ceil_div, choose_tile, lowp_label, lowp_product, pack_a_panels
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target, session_threads, work_items
-from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, best_method
+from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, StridedPairCopySpec, best_method
 from .narrow import load, pointer_type, with_helpers
 from .scratch import scratch_value
 
@@ -88,6 +97,12 @@ BAND_BYTES_PAIRS = 768 << 10
 # (_blocked_band), its rows of a band in at most this many bytes (they stay in L1 between the expand
 # GEMM's stores and the depthwise rows' loads)
 T_BLOCK_BYTES = 32 << 10
+# bf16 stride-2 blocks with an expand conv from a bf16 x: t's rows phase-split, the depthwise taps
+# plain loads (dwphase.py); False: the shuffling rows (the tests compare the two bit for bit)
+PHASE_ROWS = True
+# bf16 blocks with an expand conv whose (stride-1, same-size) plane of at most dwphase.PLANE_MAX
+# outputs is one band: a channel's depthwise plane in one call, its outputs flat (dwphase.py)
+PLANE_ROWS = True
 
 
 def _epilogue(node, prefix: str) -> Epilogue:
@@ -126,7 +141,7 @@ class _Gemm(TileLoops):
 
 
 def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo,
-                  ldx, n_bands) -> None:
+                  ldx, n_bands, phase: bool = False) -> None:
     """One band of a bf16 block with an expand conv, a block of gx.MR expanded channels at a time:
     x's new rows into channel pairs (once a band), then per block the rows of t this band shares
     with the last one back from the halo store (`halo` rows per channel, at sh), the block's new
@@ -135,7 +150,8 @@ def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1
     the last `halo` rows of each channel into the halo store for the next band (the depthwise rows
     of channel c write y[yo], yo an expression of c). The block's rows of
     t are written and read while in L1 (T_BLOCK_BYTES); the sums are those of the unblocked band,
-    in the same order (bit-identical)."""
+    in the same order (bit-identical). `phase`: x's rows copied phase-split (dwphase.py), so t's
+    rows are too, for the stride-2 rows of dwphase.PhaseRowCalls."""
     MR, C0p = gx.MR, C0 + C0 % 2
     src.line(f"top = oh0 * {s} - {p_t}")
     src.line("lo = max(top, 0)").line(f"hi = min((oh1 - 1) * {s} - {p_t} + {KH}, {H})")
@@ -144,8 +160,13 @@ def _blocked_band(src: Source, p: dict, gx, rows, y: str, yo: str, H, Wd, C0, C1
     plane = H * Wd
     src.line(f"for cp in range({C0p // 2}):").indent()
     src.line("c = 2 * cp").line(f"xs = {plane} if c + 1 < {C0} else 0" if C0 % 2 else f"xs = {plane}")
-    src.line(f"to_pairs({p['x']}, (n * {C0} + c) * {plane} + new * {Wd}, xs, {p['pairs']}, sxp + cp * {ldx}, "
-             f"(hi - new) * {Wd})").dedent().dedent()
+    if phase:
+        emit_phase_copy(src, "to_pairs_s2", p["x"], f"(n * {C0} + c) * {plane} + new * {Wd}", "xs", p["pairs"],
+                        f"sxp + cp * {ldx}", "new", "hi", Wd)
+        src.dedent().dedent()
+    else:
+        src.line(f"to_pairs({p['x']}, (n * {C0} + c) * {plane} + new * {Wd}, xs, {p['pairs']}, sxp + cp * {ldx}, "
+                 f"(hi - new) * {Wd})").dedent().dedent()
     sc = p["scratch"]
     src.line(f"for m_lo in range(0, {C1}, {MR}):").indent()
     src.line(f"m_hi = min(m_lo + {MR}, {C1})")
@@ -194,7 +215,9 @@ def lower_depthwise_block(node, graph) -> Lowered:
     u_pairs = project and method is not None
     # 16-bit x read by a float32 expand GEMM / y written by the project GEMM: float32 pieces of the scratch
     x_wide = expand and fmt(X) != "f32" and not x_pairs
-    y_wide = project and fmt(Y) != "f32"
+    # a bf16 y written by the project GEMM from its accumulators, the residual added there (dwblock_out16.py)
+    out16 = u_pairs and takes_out16(_epilogue(node, "project_"), fmt(Y), fmt(graph.values[r_name]) if r_name else None, C1)
+    y_wide = project and fmt(Y) != "f32" and not out16
     C0p, C1p = C0 + C0 % 2, C1 + C1 % 2   # channel pairs (a last odd channel gets a zero weight)
 
     # Bands of R output rows: t's rows of a band (BR of them) and u's (and the float32 pieces of
@@ -235,7 +258,9 @@ def lower_depthwise_block(node, graph) -> Lowered:
               _Gemm("ex", w1, b1_name, graph, _epilogue(node, "expand_"), R * s * Wd))
     if project:
         w3 = np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1)
-        gp = (PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
+        gp = (PairGemmOut16("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method, bool(r_name))
+              if out16 else
+              PairGemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW, method) if u_pairs else
               _Gemm("pj", w3, b3_name, graph, _epilogue(node, "project_"), R * OW))
     work = N * runs
     t_floats = (gx.MR * BR + (C1 * halo if n_bands > 1 else 0)) * Wd if blocked else C1 * BR * Wd if expand else 0
@@ -272,8 +297,16 @@ def lower_depthwise_block(node, graph) -> Lowered:
     types = tuple(pointer_type(stored[key]) if key in stored else "uint16" if key in sixteen else "float32"
                   for key in ptrs)
 
-    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
-                    "bf16pairs" if u_pairs else "f32" if project else fmt(Y))
+    # stride 2 with t made by the bf16 expand GEMM from a bf16 x: t's rows phase-split (dwphase.py)
+    phase = PHASE_ROWS and s == 2 and x_pairs and u_pairs and fmt(X) == "bf16" and KW <= 7
+    # a small plane in one band (the late blocks' 7 x 7): each channel's plane one call, outputs flat
+    plane = PLANE_ROWS and x_pairs and u_pairs and n_bands == 1 and plane_eligible(H, Wd, OH, OW, KH, KW, s)
+    rows = (PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, _epilogue(node, ""), pairs_rounding(lowering_target()))
+            if phase else
+            PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, _epilogue(node, ""), pairs_rounding(lowering_target()))
+            if plane else
+            RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
+                     "bf16pairs" if u_pairs else "f32" if project else fmt(Y)))
 
     src = Source()
     rows.declare(src)
@@ -283,6 +316,9 @@ def lower_depthwise_block(node, graph) -> Lowered:
         if wide:
             for line in spec().declaration(var).splitlines():
                 src.line(line)
+    if phase:
+        for line in StridedPairCopySpec(stride=2).declaration("to_pairs_s2").splitlines():
+            src.line(line)
     if expand:
         gx.declare(src)
     if project:
@@ -318,7 +354,7 @@ def lower_depthwise_block(node, graph) -> Lowered:
     else:
         dw_y, dw_yo = (p["scratch"], f"su + c * {R * OW} - oh0 * {OW}") if project else (p["y"], f"(n * {C1} + c) * {OH * OW}")
     if blocked:
-        _blocked_band(src, p, gx, rows, dw_y, dw_yo, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo, ldx, n_bands)
+        _blocked_band(src, p, gx, rows, dw_y, dw_yo, H, Wd, C0, C1, KH, KW, s, p_t, BR, halo, ldx, n_bands, phase)
     if expand and not blocked:
         src.line(f"top = oh0 * {s} - {p_t}")
         src.line("lo = max(top, 0)").line(f"hi = min((oh1 - 1) * {s} - {p_t} + {KH}, {H})")
@@ -365,7 +401,10 @@ def lower_depthwise_block(node, graph) -> Lowered:
         # y[:, band rows] = W3 @ u (channels of u are k, its R*OW pixels apart), then the residual.
         src.line(f"npx = (oh1 - oh0) * {OW}")
         b_ptr, b_off, b_ld = (p["pairs"], "sup", ldu) if u_pairs else (p["scratch"], "su", R * OW)
-        if y_wide:   # into the float32 piece sy (rows R*OW apart), residual added there, rounded into y
+        if out16:   # y (and its residual) rounded in registers
+            gp.emit_rows(src, p["a3"], b_ptr, b_off, b_ld, p["y"], f"n * {C2 * OH * OW} + oh0 * {OW}", OH * OW,
+                         p["b3"], p["r"] if r_name else p["y"], "npx", 0, C2)
+        elif y_wide:   # into the float32 piece sy (rows R*OW apart), residual added there, rounded into y
             gp.emit(src, p["a3"], b_ptr, b_off, b_ld, p["scratch"], "sy", R * OW, p["b3"], "npx")
             src.line(f"for c in range({C2}):").indent()
             src.line(f"yb = (n * {C2} + c) * {OH * OW} + oh0 * {OW}").line(f"cb = sy + c * {R * OW}")

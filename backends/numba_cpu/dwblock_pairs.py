@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dwstride import RowCalls, fmt, packed_weights
+from .dwblock_out16 import PairGemmOut16, takes_out16
+from .dwphase import PhaseRowCalls, PlaneRowCalls, emit_phase_copy, plane_eligible
+from .dwstride import RowCalls, fmt, packed_weights, pairs_rounding
 from .epilogue import Epilogue, register_epilogue
 from .gemm import TileLoops, bf16_k_pass, ceil_div, choose_tile, lowp_label
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
-from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, best_method
+from .lowp import CvtSpec, PairCopySpec, PairCvtSpec, StridedPairCopySpec, best_method
 from .lowp_pack import bf16_bits, pack_a_pairs
 from .narrow import load, pointer_type, with_helpers
 from .scratch import scratch_value
@@ -38,6 +40,8 @@ from .ukernel_lowp import LowpUKSpec
 # and 7 x 7 blocks on two threads
 SPLIT_PIXELS = 128
 ITEMS_PER_THREAD = 2   # channel blocks per thread in each call (whole panels, balanced)
+PLANE_ROWS = True      # small planes' depthwise rows a plane a call (dwphase.PlaneRowCalls), as dwblock.PLANE_ROWS
+PHASE_ROWS = True      # stride-2 rows on phase-split t (dwphase.PhaseRowCalls), as dwblock.PHASE_ROWS
 
 
 class PairGemm(TileLoops):
@@ -137,7 +141,10 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
     w1 = np.asarray(graph.values[w1_name].data, dtype=np.float32).reshape(C1, C0)
     w3 = np.asarray(graph.values[w3_name].data, dtype=np.float32).reshape(C2, C1)
     gx = PairGemm("ex", w1, b1_name, graph, ex_epi, HW, method)
-    gp = PairGemm("pj", w3, b3_name, graph, pj_epi, OHW, method)
+    r_dtype = graph.values[r_name].dtype if r_name else None
+    out16 = takes_out16(pj_epi, fmt(Y), fmt(graph.values[r_name]) if r_name else None, C1)
+    gp = (PairGemmOut16("pj", w3, b3_name, graph, pj_epi, OHW, method, bool(r_name)) if out16 else
+          PairGemm("pj", w3, b3_name, graph, pj_epi, OHW, method))
     blocks1, rows1 = _blocks(C1, gx.MR, ITEMS_PER_THREAD * threads)
     blocks2, rows2 = _blocks(C2, gp.MR, ITEMS_PER_THREAD * threads)
     ldx, ldu = 2 * HW, 2 * OHW
@@ -151,10 +158,16 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
 
     # 1: x's pairs, t and u of a block of expanded channels. Pointers: x, W1 panels, b1, depthwise
     # weights, t scratch, x pairs, u pairs.
-    rows = RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, dw_epi, "f32", "bf16pairs")
+    # (stride 2 from a bf16 x: x's rows copied phase-split, t's rows too: dwphase.PhaseRowCalls)
+    phase = PHASE_ROWS and s == 2 and fmt(X) == "bf16" and KW <= 7
+    rows = (PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, dw_epi, pairs_rounding(lowering_target()))
+            if PLANE_ROWS and plane_eligible(H, Wd, OH, OW, KH, KW, s) else
+            PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, dw_epi, pairs_rounding(lowering_target())) if phase else
+            RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, dw_epi, "f32", "bf16pairs"))
     src = Source()
     rows.declare(src)
-    for line in (PairCopySpec() if fmt(X) == "bf16" else PairCvtSpec()).declaration("to_pairs").splitlines():
+    copy = StridedPairCopySpec(stride=2) if phase else PairCopySpec() if fmt(X) == "bf16" else PairCvtSpec()
+    for line in copy.declaration("to_pairs").splitlines():
         src.line(line)
     gx.declare(src)
     src.line(kernel_header(7)).indent()
@@ -163,7 +176,11 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
     src.line(f"st = item * {rows1 * HW}").line(f"sxp = item * {xp_elems}").line(f"su = n * {u_elems}")
     src.line(f"for cp in range({C0p // 2}):").indent()
     src.line("c = 2 * cp").line(f"xs = {HW} if c + 1 < {C0} else 0" if C0 % 2 else f"xs = {HW}")
-    src.line(f"to_pairs(p0, (n * {C0} + c) * {HW}, xs, p5, sxp + cp * {ldx}, {HW})").dedent()
+    if phase:
+        emit_phase_copy(src, "to_pairs", "p0", f"(n * {C0} + c) * {HW}", "xs", "p5", f"sxp + cp * {ldx}", 0, H, Wd)
+        src.dedent()
+    else:
+        src.line(f"to_pairs(p0, (n * {C0} + c) * {HW}, xs, p5, sxp + cp * {ldx}, {HW})").dedent()
     gx.emit_rows(src, "p1", "p5", "sxp", ldx, "p4", "st", HW, "p2", HW, "m_lo", "m_hi")
     if C1 % 2:   # the last pair's second channel: zeros (times zero weights), never written
         src.line(f"if m_hi == {C1}:").indent()
@@ -179,8 +196,7 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
                        n_outputs=3, precision=label)
 
     # 2: y's block of output channels. Pointers: u pairs, W3 panels, b3, [r], [float32 y piece], y.
-    y_wide = fmt(Y) != "f32"
-    r_dtype = graph.values[r_name].dtype if r_name else None
+    y_wide = fmt(Y) != "f32" and not out16
     ptrs = ["u", "a3", "b3"] + (["r"] if r_name else []) + (["sy"] if y_wide else []) + ["y"]
     p = {key: f"p{i}" for i, key in enumerate(ptrs)}
     src = Source()
@@ -193,7 +209,10 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
     src.line("for item in range(begin, end):").indent()
     src.line(f"n = item // {blocks2}").line(f"m_lo = (item % {blocks2}) * {rows2}").line(f"m_hi = min(m_lo + {rows2}, {C2})")
     src.line(f"su = n * {u_elems}").line(f"yb = (n * {C2} + m_lo) * {OHW}")
-    if y_wide:   # into the item's float32 piece, the residual added there, rounded into y
+    if out16:   # y (and its residual) rounded in registers (dwblock_out16.py)
+        gp.emit_rows(src, p["a3"], p["u"], "su", ldu, p["y"], "yb", OHW, p["b3"], p["r"] if r_name else p["y"], OHW,
+                     "m_lo", "m_hi")
+    elif y_wide:   # into the item's float32 piece, the residual added there, rounded into y
         src.line(f"sy = item * {rows2 * OHW}")
         gp.emit_rows(src, p["a3"], p["u"], "su", ldu, p["sy"], "sy", OHW, p["b3"], OHW, "m_lo", "m_hi")
         if r_name:

@@ -1118,6 +1118,120 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None, store=N
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
+def dwrow_phase_ir(spec, vector_bits: int, narrow, store) -> str:
+    """Stride-2 depthwise rows over phase-split float32 input rows (backends/numba_cpu/dwphase.py:
+    each row's even columns, then its odd ones): every tap one load of L floats, no shuffles;
+    `spec.rows` (1 or 2) output rows a call, two reading KH + 2 input rows. `narrow` / `store` as
+    dwrow_ir's (y 16-bit, rounded by `narrow`, stored by `store`). The taps are summed in
+    dwrow_ir's order (input row, then kw): the same bits as its stride-2 rows."""
+    L = min(lanes_for(vector_bits), 16)
+    vt = f"<{L} x float>"
+    We, Wo = (spec.W + 1) // 2, spec.W // 2
+    rows = spec.rows
+    n_in = spec.KH + 2 * (rows - 1)   # input rows the call reads
+    ir = IRBuilder()
+    # (_dw_prologue reads KH + rows - 1 input rows: n_in of them here)
+    wv, bias, valid = _dw_prologue(ir, _Rows(KH=spec.KH, KW=spec.KW, rows=n_in - spec.KH + 1, H=spec.H,
+                                                       W=spec.W), "float", "i16", vt, L)
+
+
+    for c in range(-(-spec.OW // L)):
+        ow0, n = c * L, min(L, spec.OW - c * L)
+        accs = [bias] * rows
+        for i in range(n_in):
+            ok, row = valid[i]
+            here, skip, join = f"c{c}r{i}", f"c{c}s{i}", f"c{c}j{i}"
+            ir(f"br i1 {ok}, label %{here}, label %{skip}")
+            ir.label(here)
+            cur = list(accs)
+            for kw in range(spec.KW):
+                d = kw - spec.p_l
+                base, start, limit = (0, ow0 + d // 2, We) if d % 2 == 0 else (We, ow0 + (d - 1) // 2, Wo)
+                bits = [k < n and 0 <= start + k < limit for k in range(L)]
+                if not any(bits):
+                    continue
+                p, v = ir.tmp("sp"), ir.tmp("tap")
+                ir(f"{p} = getelementptr float, ptr {row}, i64 {base + start}")
+                if all(bits):
+                    ir(f"{v} = load {vt}, ptr {p}, align 4")
+                else:
+                    ir(f"{v} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {_const_mask(bits)}, "
+                       f"{vt} zeroinitializer)")
+                for q in range(rows):
+                    kh = i - 2 * q
+                    if 0 <= kh < spec.KH:
+                        nxt = ir.tmp("acc")
+                        ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {v}, {vt} {wv[kh * spec.KW + kw]}, {vt} {cur[q]})")
+                        cur[q] = nxt
+            _dw_join(ir, here, skip, join, cur, accs, range(rows), vt)
+        for q in range(rows):
+            store(ir, _activation(ir, spec, accs[q], vt, L), narrow, q * spec.OW + ow0, n, L)
+    ir("ret i32 0")
+    head = ("define i32 @{}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, ptr noalias %y, "
+            "i64 %yoff) #0 {{").format(spec.name)
+    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
+             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
+             f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)",
+             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
+    return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+def dwrow_plane_ir(spec, vector_bits: int, narrow, store) -> str:
+    """Stride-1 depthwise convolution of a whole small plane in one call (H x W input, output the
+    same size: p_l + p_r = KW - 1, p_t + p_b = KH - 1), its outputs flat: vector v holds outputs
+    j = v L .. v L + L - 1 (row j // W, column j % W), and tap (kh, kw) reads input j + (kh - p_t) W
+    + (kw - p_l) under a compile-time mask of the lanes whose row and column fall inside the plane
+    (MobileNetV2's 7 x 7 planes: 4 vectors for 49 outputs, where a vector a row takes 7). r0 is
+    ignored (the plane starts at x[xoff]); y as `store` writes output j (dwrow_ir's arguments).
+    The taps summed in dwrow_ir's order (kh, then kw): the same bits as its rows."""
+    L = min(lanes_for(vector_bits), 16)
+    vt = f"<{L} x float>"
+    HW = spec.H * spec.W
+    ir = IRBuilder()
+    wv, bias, _ = _dw_prologue(ir, _Rows(KH=spec.KH, KW=spec.KW, rows=1 - spec.KH + 1, H=spec.H, W=spec.W),
+                               "float", "i16" if narrow else "float", vt, L)
+    for v in range(-(-HW // L)):
+        acc = bias
+        for kh in range(spec.KH):
+            for kw in range(spec.KW):
+                dr, dc = kh - spec.p_t, kw - spec.p_l
+                bits = [j < HW and 0 <= j // spec.W + dr < spec.H and 0 <= j % spec.W + dc < spec.W
+                        for j in range(v * L, v * L + L)]
+                if not any(bits):
+                    continue
+                p, x = ir.tmp("sp"), ir.tmp("tap")
+                ir(f"{p} = getelementptr float, ptr %xb, i64 {v * L + dr * spec.W + dc}")
+                if all(bits):
+                    ir(f"{x} = load {vt}, ptr {p}, align 4")
+                else:
+                    ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {_const_mask(bits)}, "
+                       f"{vt} zeroinitializer)")
+                nxt = ir.tmp("acc")
+                ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {x}, {vt} {wv[kh * spec.KW + kw]}, {vt} {acc})")
+                acc = nxt
+        store(ir, _activation(ir, spec, acc, vt, L), narrow, v * L, min(L, HW - v * L), L)
+    ir("ret i32 0")
+    head = ("define i32 @{}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, ptr noalias %y, "
+            "i64 %yoff) #0 {{").format(spec.name)
+    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
+             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
+             f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)",
+             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
+    return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The fields _dw_prologue reads (dwrow_phase_ir: its input rows)."""
+    KH: int
+    KW: int
+    rows: int
+    H: int
+    W: int
+
+
 def dwrow_split_ir(spec: DwRowSpec, vector_bits: int, narrow=None, store=None) -> str:
     """DwRowSpec's stride-1 rows over bf16 input rows (y float32, or 16-bit with `narrow` as in
     dwrow_ir), 2L outputs a chunk. A load of 2L bf16 values seen as L 32-bit words gives the even

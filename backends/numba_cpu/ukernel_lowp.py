@@ -55,7 +55,7 @@ from .lowp import (CvtSpec, PairCopySpec, best_method, PairCvtSpec, StridedPairC
 from backends.targets import has_feature
 from .ukernel import float_ir
 from .ukernel import (ARG_TYPES, LOADC_ACCUMULATE, LOADC_EPILOGUE, MAX_ACC, Declared, DwRowSpec, IRBuilder,
-                      close_k_loop, dwrow_ir, dwrow_split_ir, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
+                      close_k_loop, dwrow_ir, dwrow_phase_ir, dwrow_plane_ir, dwrow_split_ir, function_module, ir_mul, lanes_for, open_k_loop, row_epilogue)
 from .ukernel_amx import amx_ir
 
 
@@ -930,6 +930,71 @@ def dwrowpairs_ir(spec: DwRowPairSpec, vector_bits: int) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class DwRowPhaseSpec(DwRowPairSpec):
+    """DwRowPairSpec's stride-2 row over phase-split float32 rows of t (backends/numba_cpu/dwphase.py:
+    each input row's even columns, then its odd ones), `rows` 1 or 2 output rows a call:
+
+        y[yoff + 2 (q OW + ow)] = bf16(act(bias + sum_{kh, kw} w[kh, kw] t(r0 + 2q + kh, 2 ow + kw - p_l)))
+
+    every tap one load (ukernel.dwrow_phase_ir). Signature as DwRowSpec's (y uint16)."""
+    kind: str = "dwrowphase"
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.stride == 2 and self.x_fmt == "f32" and self.rows in (1, 2), self
+
+    def _stem(self) -> str:
+        return "cuvil_dwrowphase"
+
+
+def dwrowphase_ir(spec: DwRowPhaseSpec, vector_bits: int) -> str:
+    """See DwRowPhaseSpec: ukernel.dwrow_phase_ir with DwRowPairSpec's rounding and pair stores."""
+    def narrow(ir, value, lanes):
+        bits = ir.tmp("yb")
+        ir(f"{bits} = bitcast <{lanes} x float> {value} to <{lanes} x i32>")
+        return f32_to_bf16(ir, bits, lanes, spec.method)
+    L = min(lanes_for(vector_bits), 16)
+    decl = f"declare void @llvm.masked.store.v{2 * L}i16.p0(<{2 * L} x i16>, ptr, <{2 * L} x i1>)"
+    text = dwrow_phase_ir(spec, vector_bits, narrow, _pair_store)
+    if decl not in text:
+        text = text.replace("\n\nattributes #0", f"\n{decl}\n\nattributes #0", 1)
+    return text
+
+
+@dataclass(frozen=True)
+class DwPlanePairSpec(DwRowPairSpec):
+    """DwRowPairSpec's stride-1 rows of a whole small plane in one call, outputs flat (the plane's
+    rows contiguous, W == OW: ukernel.dwrow_plane_ir), y one half of bf16 channel pairs:
+
+        y[yoff + 2 j] = bf16(act(bias + sum_{kh, kw} w[kh, kw] t(j // W + kh - p_t, j % W + kw - p_l)))
+
+    for j < H W. Signature as DwRowSpec's (r0 ignored, y uint16)."""
+    p_t: int = 0
+    kind: str = "dwplanepairs"
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.stride == 1 and self.x_fmt == "f32" and self.OW == self.W, self
+
+    def _stem(self) -> str:
+        return "cuvil_dwplanepairs"
+
+
+def dwplanepairs_ir(spec: DwPlanePairSpec, vector_bits: int) -> str:
+    """See DwPlanePairSpec: ukernel.dwrow_plane_ir with DwRowPairSpec's rounding and pair stores."""
+    def narrow(ir, value, lanes):
+        bits = ir.tmp("yb")
+        ir(f"{bits} = bitcast <{lanes} x float> {value} to <{lanes} x i32>")
+        return f32_to_bf16(ir, bits, lanes, spec.method)
+    L = min(lanes_for(vector_bits), 16)
+    decl = f"declare void @llvm.masked.store.v{2 * L}i16.p0(<{2 * L} x i16>, ptr, <{2 * L} x i1>)"
+    text = dwrow_plane_ir(spec, vector_bits, narrow, _pair_store)
+    if decl not in text:
+        text = text.replace("\n\nattributes #0", f"\n{decl}\n\nattributes #0", 1)
+    return text
+
+
 def kinds() -> dict:
     """The spec constructors by `kind`, for ukernel.specs_in to read these kernels' comment lines
     (ukernel_lowp_ir dispatches their IR)."""
@@ -943,16 +1008,19 @@ def kinds() -> dict:
             "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "copypairs_strided": lambda d: StridedPairCopySpec(**d), "winoin16": WinoInSpec.from_dict,
             "winoout_plane": WinoOutPlaneSpec.from_dict, "winoout_rows": WinoOutRowSpec.from_dict,
-            "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])})}
+            "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])}),
+            "dwrowphase": lambda d: DwRowPhaseSpec(**d), "dwplanepairs": lambda d: DwPlanePairSpec(**d)}
 
 
 def ukernel_lowp_ir(spec, vector_bits: int) -> str:
     """The IR of a LowpUKSpec, LowpOut16Spec, CvtSpec, PairCvtSpec, PairCopySpec, DwRow16Spec,
-    DwRowPairSpec, WinoInSpec, WinoOutPlaneSpec or WinoOutRowSpec (what ukernel.ukernel_ir would call for these kinds)."""
+    DwRowPairSpec, DwRowPhaseSpec, DwPlanePairSpec, WinoInSpec, WinoOutPlaneSpec or WinoOutRowSpec
+    (what ukernel.ukernel_ir would call for these kinds)."""
     from .winoin_lanes import winoin_ir
     from .winoout_plane import winoout_plane_ir
     from .winoout_rows import winoout_rows_ir
     generate = {"cvt": cvt_ir, "cvtpairs": pair_cvt_ir, "copypairs": pair_cvt_ir, "copypairs_strided": strided_pair_copy_ir,
                 "dwrow16": dwrow16_ir, "dwrowpairs": dwrowpairs_ir, "winoin16": winoin_ir,
-                "winoout_plane": winoout_plane_ir, "winoout_rows": winoout_rows_ir}.get(spec.kind, lowp_ukernel_ir)
+                "winoout_plane": winoout_plane_ir, "winoout_rows": winoout_rows_ir, "dwrowphase": dwrowphase_ir,
+                "dwplanepairs": dwplanepairs_ir}.get(spec.kind, lowp_ukernel_ir)
     return generate(spec, vector_bits)

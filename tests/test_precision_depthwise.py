@@ -255,7 +255,7 @@ def block_bound(case, precision, x, ort):
         return e
     b_g = stored(e, ort[g], u)
     if project and precision == "bf16":
-        # y rounded by the project GEMM in registers (dwblock_out16.py: convgemm.tile_rounding's
+        # y rounded by the project GEMM in registers (dwblock_out16.py: ukernel_lowp.store_rounding's
         # vcvtneps2bf16 with AVX512-BF16, which flushes a float32 subnormal to zero): 2^-126 more
         b_g = b_g + 2.0 ** -126
     return stage_error(ort[g], b_g, inits["w9"], inits["b9"], u, pads=(1, 1, 1, 1))

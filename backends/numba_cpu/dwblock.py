@@ -75,7 +75,8 @@ from cuvil.ir import Node
 from .dwblock_out16 import PairGemmOut16, takes_out16
 from .dwblock_pairs import SPLIT_PIXELS, PairGemm, lower_by_channels
 from .dwphase import PhaseRowCalls, PlaneRowCalls, emit_phase_copy, plane_eligible
-from .dwstride import RowCalls, fmt, packed_weights, pairs_rounding
+from .dwstride import RowCalls, fmt, packed_weights
+from .ukernel_lowp import store_rounding
 from .epilogue import Epilogue, epilogue_of, register_epilogue
 from .gemm import TileLoops, ceil_div, choose_tile, lowp_label, lowp_product, pack_a_panels
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target, session_threads, work_items
@@ -301,9 +302,9 @@ def lower_depthwise_block(node, graph) -> Lowered:
     phase = PHASE_ROWS and s == 2 and x_pairs and u_pairs and fmt(X) == "bf16" and KW <= 7
     # a small plane in one band (the late blocks' 7 x 7): each channel's plane one call, outputs flat
     plane = PLANE_ROWS and x_pairs and u_pairs and n_bands == 1 and plane_eligible(H, Wd, OH, OW, KH, KW, s)
-    rows = (PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, _epilogue(node, ""), pairs_rounding(lowering_target()))
+    rows = (PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, _epilogue(node, ""), store_rounding("bf16", lowering_target()))
             if phase else
-            PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, _epilogue(node, ""), pairs_rounding(lowering_target()))
+            PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, _epilogue(node, ""), store_rounding("bf16", lowering_target()))
             if plane else
             RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, _epilogue(node, ""), "f32" if expand else fmt(X),
                      "bf16pairs" if u_pairs else "f32" if project else fmt(Y)))

@@ -12,7 +12,7 @@ acc = sum over the channel pairs of u in the same order as PairGemm's k passes (
 reload their float32 partial sums, which is exact), so acc, the bias and the residual's sum are
 the same float32 values as before. Only the order of act and the residual differs, so a block
 takes this path when its project conv has no activation or no residual (MobileNetV2's has none).
-The rounding is convgemm.tile_rounding's: `vcvtneps2bf16` where the product is `vdpbf16ps`
+The rounding is ukernel_lowp.store_rounding's: `vcvtneps2bf16` where the product is `vdpbf16ps`
 (flushes a float32 subnormal to zero: |error| <= u |y| + 2^-126 per output, the bound in
 dwblock.py's docstring gets the 2^-126), the exact RNE elsewhere.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .convgemm import tile_rounding
+from .ukernel_lowp import store_rounding
 from .epilogue import Epilogue, register_activation
 from .gemm import bf16_k_pass, ceil_div, choose_tile
 from .kernel import Source, lowering_target
@@ -60,7 +60,7 @@ class PairGemmOut16:
         if bias_name:
             self.bias[:self.M] = np.asarray(graph.values[bias_name].data, dtype=np.float32).reshape(self.M)
         self.residual = residual
-        cvt = tile_rounding("bf16", lowering_target())
+        cvt = store_rounding("bf16", lowering_target())
         self.specs = {mr: (f"{tag}{i}", LowpOut16Spec(mr=mr, nr=self.NR, dtype="bf16", method=method, a_packed=1,
                                                       a_panel=self.MR, bias=1, residual=int(residual), cvt=cvt,
                                                       **register_activation(epilogue)))

@@ -24,7 +24,8 @@ import numpy as np
 
 from .dwblock_out16 import PairGemmOut16, takes_out16
 from .dwphase import PhaseRowCalls, PlaneRowCalls, emit_phase_copy, plane_eligible
-from .dwstride import RowCalls, fmt, packed_weights, pairs_rounding
+from .dwstride import RowCalls, fmt, packed_weights
+from .ukernel_lowp import store_rounding
 from .epilogue import Epilogue, register_epilogue
 from .gemm import TileLoops, bf16_k_pass, ceil_div, choose_tile, lowp_label
 from .kernel import Kernel, KernelCall, Lowered, Source, kernel_header, lowering_target
@@ -160,9 +161,9 @@ def lower_by_channels(node, graph, method: str, threads: int, epilogues: tuple) 
     # weights, t scratch, x pairs, u pairs.
     # (stride 2 from a bf16 x: x's rows copied phase-split, t's rows too: dwphase.PhaseRowCalls)
     phase = PHASE_ROWS and s == 2 and fmt(X) == "bf16" and KW <= 7
-    rows = (PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, dw_epi, pairs_rounding(lowering_target()))
+    rows = (PlaneRowCalls(H, Wd, KH, KW, p_t, p_l, dw_epi, store_rounding("bf16", lowering_target()))
             if PLANE_ROWS and plane_eligible(H, Wd, OH, OW, KH, KW, s) else
-            PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, dw_epi, pairs_rounding(lowering_target())) if phase else
+            PhaseRowCalls(H, Wd, OW, KH, KW, p_t, p_l, dw_epi, store_rounding("bf16", lowering_target())) if phase else
             RowCalls(H, Wd, OW, KH, KW, p_t, p_l, s, dw_epi, "f32", "bf16pairs"))
     src = Source()
     rows.declare(src)

@@ -231,9 +231,10 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs, x16: boo
 
 def rounding() -> bool:
     """Whether WinoIn rounds V by `vcvtneps2bf16` (winoin_lanes.py's "hw": where the GEMM is
-    `vdpbf16ps`, convgemm.tile_rounding's "hw") rather than by the exact RNE."""
+    `vdpbf16ps`, ukernel_lowp.store_rounding's "hw") rather than by the exact RNE."""
     from .kernel import lowering_target
-    return convgemm.tile_rounding("bf16", lowering_target()) == "hw"
+    from .ukernel_lowp import store_rounding
+    return store_rounding("bf16", lowering_target()) == "hw"
 
 
 def _plane_out_kernel(t: Transform, OC, T, TH, TW, pitch, OH, OW, xs, has_bias, residual_arg, res_strides,

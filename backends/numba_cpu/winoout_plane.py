@@ -14,7 +14,7 @@ these planes a tile at a time with 16-bit scalar loads and stores (rows of 7: no
 0.033 ms of a 512-channel conv.
 
 Rounding of a bf16 Y (`method`): "hw" `vcvtneps2bf16` (to nearest even, a float32 subnormal
-flushed to zero: at most 2^-126 more error per value, as convgemm.tile_rounding's conv tiles),
+flushed to zero: at most 2^-126 more error per value, as ukernel_lowp.store_rounding's conv tiles),
 "exact" the integer RNE (lowp.f32_to_bf16).
 Signature: i32 name(ptr m, i64 moff, ptr bias, i64 boff, ptr r, i64 roff, ptr y, i64 yoff)
 (bias / r: any pointer when the spec has none).

@@ -12,7 +12,7 @@ bf16 residual read the same way), the tiles of one row of tiles in lanes:
 float32 as out_kernel (A^T's terms left to right, then the bias, then the residual; Relu / Clip as
 `llvm.maxnum` / `minnum`, as the bf16 conv tiles'). The reason for it is the rounding: Numba's loop
 rounds the 4 outputs of a tile by the exact integer RNE; here `method` "hw" (`vcvtneps2bf16`: a
-float32 subnormal flushed to zero, at most 2^-126 more per value, convgemm.tile_rounding's
+float32 subnormal flushed to zero, at most 2^-126 more per value, ukernel_lowp.store_rounding's
 argument) or "exact" (lowp.f32_to_bf16). Loads and stores of the last n mod 16 tiles are masked.
 Signature: i32 name(ptr m, i64 moff, ptr bias, i64 boff, ptr r, i64 roff, i64 rrow, ptr y, i64 yoff,
 i64 yrow, i64 n) (bias / r: any pointer when the spec has none).

@@ -347,7 +347,8 @@ def test_conv1d_rows_per_thread(x_shape, w_shape, attrs, threads):
 
 def test_conv1d_thread_split_rule():
     """Where the row split fires, and that it evens the threads' shares (thread_split's docstring)."""
-    from backends.numba_cpu.conv1d import slowest_share, thread_split
+    from backends.numba_cpu.conv1d import thread_split
+    from backends.numba_cpu.gemm import slowest_share
     w2v = [48] * 16 + [32]                       # 799 outputs on 8 x 48 tiles, 32 panels of 8 rows
     old = (6, 3, 2, 16)                          # gemm.split_work's: 6 column blocks x 2 row blocks
     sizes = [sum(w2v[nb * 3:nb * 3 + 3]) * 16 for nb in range(6) for mb in range(2)]

@@ -18,6 +18,8 @@ import numpy as np
 
 from cuvil.ir import Value
 
+from .gemm import slowest_share
+
 
 def as_2d(X, W, Y, kernel, strides, dilations, pads, res_strides):
     """The 2-D views (same names) of a 1-D conv's values and geometry: (X, W, Y, kernel, strides,
@@ -76,19 +78,3 @@ def thread_split(threads: int, images: int, widths: list[int], n_panels: int,
     n_blocks = min(n_tiles, BLOCKS_PER_THREAD)
     tpb = -(-n_tiles // n_blocks)
     return -(-n_tiles // tpb), tpb, threads, n_panels // threads
-
-
-def slowest_share(sizes: list[int], threads: int) -> float:
-    """The slowest thread's time over an even share when `threads` threads run items of these
-    sizes as the driver's pool hands them out: each its contiguous range in order, then one by
-    one what is left of the others' ranges."""
-    work = len(sizes)
-    nxt = [work * r // threads for r in range(threads)]
-    end = [work * (r + 1) // threads for r in range(threads)]
-    free = [0] * threads
-    while any(nxt[r] < end[r] for r in range(threads)):
-        t = free.index(min(free))
-        r = next(r % threads for r in range(t, t + threads) if nxt[r % threads] < end[r % threads])
-        free[t] += sizes[nxt[r]]
-        nxt[r] += 1
-    return max(free) * threads / sum(sizes)

@@ -85,12 +85,19 @@ class PairGemmOut16:
             src.line(f"{t}o = {yoff} + ({t}m - {m_lo}) * {ldc} + {t}n0")
             src.line(f"{name}({pa}, {t}m * {self.Kp}, 0, {pb}, {boff} + 2 * {t}n0, {ldb}, {py}, {t}o, {ldc}, "
                      f"{self.Kp // 2}, {t}mask, 0, {pbias}, {t}m, {pr}, {t}o)")
-        src.line(f"{t}m = {m_lo}")
-        src.line(f"while {t}m + {MR} <= {m_hi}:").indent()
-        call(MR)
-        src.line(f"{t}m += {MR}").dedent()
-        if self.M % MR:
-            src.line(f"if {t}m < {m_hi}:").indent()
-            call(self.M % MR)
-            src.dedent()
+        row_tiles(src, t, m_lo, m_hi, self.M, MR, call)
+        src.dedent()
+
+
+def row_tiles(src: Source, t: str, m_lo, m_hi, M: int, MR: int, call) -> None:
+    """The loop over rows [m_lo, m_hi) of the GEMM's A in micro-tiles of MR rows (`{t}m` the
+    first row; call(mr) emits one micro-kernel call), the last tile M % MR rows where M is not
+    a multiple of MR (every block but the last ends on a whole tile)."""
+    src.line(f"{t}m = {m_lo}")
+    src.line(f"while {t}m + {MR} <= {m_hi}:").indent()
+    call(MR)
+    src.line(f"{t}m += {MR}").dedent()
+    if M % MR:
+        src.line(f"if {t}m < {m_hi}:").indent()
+        call(M % MR)
         src.dedent()

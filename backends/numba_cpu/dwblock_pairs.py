@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dwblock_out16 import PairGemmOut16, takes_out16
+from .dwblock_out16 import PairGemmOut16, row_tiles, takes_out16
 from .dwphase import PhaseRowCalls, PlaneRowCalls, emit_phase_copy, plane_eligible
 from .dwstride import RowCalls, fmt, packed_weights
 from .ukernel_lowp import store_rounding
@@ -107,14 +107,7 @@ class PairGemm(TileLoops):
             src.line(f"{name}({pa}, {t}k0 * {panels} + {t}m * {t}kc, 0, {pb}, {boff} + ({t}k0 >> 1) * {ldb} + 2 * {t}n0, "
                      f"{ldb}, {pc}, {coff} + ({t}m - {m_lo}) * {ldc} + {t}n0, {ldc}, {t}kc >> 1, {t}mask, {t}flags, "
                      f"{pbias}, {t}m)")
-        src.line(f"{t}m = {m_lo}")
-        src.line(f"while {t}m + {MR} <= {m_hi}:").indent()
-        call(MR)
-        src.line(f"{t}m += {MR}").dedent()
-        if self.M % MR:
-            src.line(f"if {t}m < {m_hi}:").indent()
-            call(self.M % MR)
-            src.dedent()
+        row_tiles(src, t, m_lo, m_hi, self.M, MR, call)
         src.dedent().dedent()
 
 

@@ -279,6 +279,13 @@ def _imbalance(c, n_cols: int, m_tiles: int, threads: int) -> float:
     n_blocks, per_n, m_blocks, per_m = c
     sizes = [min(per_n, n_cols - nb * per_n) * min(per_m, m_tiles - mb * per_m)
              for nb in range(n_blocks) for mb in range(m_blocks)]
+    return slowest_share(sizes, threads)
+
+
+def slowest_share(sizes: list[int], threads: int) -> float:
+    """The slowest thread's time over an even share when `threads` threads run items of these
+    sizes as the driver's pool hands them out: each its contiguous range in order, then one by
+    one what is left of the others' ranges."""
     work = len(sizes)
     nxt = [work * r // threads for r in range(threads)]
     end = [work * (r + 1) // threads for r in range(threads)]
@@ -288,7 +295,7 @@ def _imbalance(c, n_cols: int, m_tiles: int, threads: int) -> float:
         r = next(r % threads for r in range(t, t + threads) if nxt[r % threads] < end[r % threads])
         free[t] += sizes[nxt[r]]
         nxt[r] += 1
-    return max(free) * threads / (n_cols * m_tiles)
+    return max(free) * threads / sum(sizes)
 
 
 def uk_eligible(dtype, M, N, K, a: Operand, b: Operand | None) -> bool:

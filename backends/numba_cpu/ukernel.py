@@ -467,7 +467,7 @@ def ukernel_ir(spec, vector_bits: int, arch: str = "x86_64") -> str:
         return p
 
     rename = {}
-    ir(f"br label %chunk0")
+    ir("br label %chunk0")
     for ci, vecs in enumerate(chunks):
         ir.label(f"chunk{ci}")
         # Initial accumulators: C (when accumulating) or zero.
@@ -1118,6 +1118,32 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None, store=N
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
+def _float_tap(ir: IRBuilder, base: str, index, bits, vt: str, L: int) -> str:
+    """<L x float> from base[index ...] under the compile-time lane mask `bits` (zeros in the
+    lanes it leaves out; a plain load when it keeps them all)."""
+    p, v = ir.tmp("sp"), ir.tmp("tap")
+    ir(f"{p} = getelementptr float, ptr {base}, i64 {index}")
+    if all(bits):
+        ir(f"{v} = load {vt}, ptr {p}, align 4")
+    else:
+        ir(f"{v} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {_const_mask(bits)}, "
+           f"{vt} zeroinitializer)")
+    return v
+
+
+def _dw_pairs_module(name: str, ir: IRBuilder, vt: str, L: int) -> str:
+    """The module of a depthwise row micro-kernel over float32 t writing 16-bit y (dwrow_phase_ir,
+    dwrow_plane_ir): dwrow_ir's signature, the body in `ir`."""
+    head = ("define i32 @{}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, ptr noalias %y, "
+            "i64 %yoff) #0 {{").format(name)
+    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
+             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
+             f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)",
+             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
+             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
+    return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+
+
 def dwrow_phase_ir(spec, vector_bits: int, narrow, store) -> str:
     """Stride-2 depthwise rows over phase-split float32 input rows (backends/numba_cpu/dwphase.py:
     each row's even columns, then its odd ones): every tap one load of L floats, no shuffles;
@@ -1150,13 +1176,7 @@ def dwrow_phase_ir(spec, vector_bits: int, narrow, store) -> str:
                 bits = [k < n and 0 <= start + k < limit for k in range(L)]
                 if not any(bits):
                     continue
-                p, v = ir.tmp("sp"), ir.tmp("tap")
-                ir(f"{p} = getelementptr float, ptr {row}, i64 {base + start}")
-                if all(bits):
-                    ir(f"{v} = load {vt}, ptr {p}, align 4")
-                else:
-                    ir(f"{v} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {_const_mask(bits)}, "
-                       f"{vt} zeroinitializer)")
+                v = _float_tap(ir, row, base + start, bits, vt, L)
                 for q in range(rows):
                     kh = i - 2 * q
                     if 0 <= kh < spec.KH:
@@ -1167,14 +1187,7 @@ def dwrow_phase_ir(spec, vector_bits: int, narrow, store) -> str:
         for q in range(rows):
             store(ir, _activation(ir, spec, accs[q], vt, L), narrow, q * spec.OW + ow0, n, L)
     ir("ret i32 0")
-    head = ("define i32 @{}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, ptr noalias %y, "
-            "i64 %yoff) #0 {{").format(spec.name)
-    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
-             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
-             f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)",
-             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
-             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
-    return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+    return _dw_pairs_module(spec.name, ir, vt, L)
 
 
 def dwrow_plane_ir(spec, vector_bits: int, narrow, store) -> str:
@@ -1200,26 +1213,13 @@ def dwrow_plane_ir(spec, vector_bits: int, narrow, store) -> str:
                         for j in range(v * L, v * L + L)]
                 if not any(bits):
                     continue
-                p, x = ir.tmp("sp"), ir.tmp("tap")
-                ir(f"{p} = getelementptr float, ptr %xb, i64 {v * L + dr * spec.W + dc}")
-                if all(bits):
-                    ir(f"{x} = load {vt}, ptr {p}, align 4")
-                else:
-                    ir(f"{x} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {_const_mask(bits)}, "
-                       f"{vt} zeroinitializer)")
+                x = _float_tap(ir, "%xb", v * L + dr * spec.W + dc, bits, vt, L)
                 nxt = ir.tmp("acc")
                 ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {x}, {vt} {wv[kh * spec.KW + kw]}, {vt} {acc})")
                 acc = nxt
         store(ir, _activation(ir, spec, acc, vt, L), narrow, v * L, min(L, HW - v * L), L)
     ir("ret i32 0")
-    head = ("define i32 @{}(ptr noalias %x, i64 %xoff, i64 %r0, ptr noalias %w, i64 %woff, ptr noalias %y, "
-            "i64 %yoff) #0 {{").format(spec.name)
-    decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
-             f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
-             f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)",
-             f"declare {vt} @llvm.maxnum.v{L}f32({vt}, {vt})",
-             f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})"]
-    return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
+    return _dw_pairs_module(spec.name, ir, vt, L)
 
 
 @dataclass(frozen=True)

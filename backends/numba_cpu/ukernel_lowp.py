@@ -950,13 +950,19 @@ class DwRowPhaseSpec(DwRowPairSpec):
 
 def dwrowphase_ir(spec: DwRowPhaseSpec, vector_bits: int) -> str:
     """See DwRowPhaseSpec: ukernel.dwrow_phase_ir with DwRowPairSpec's rounding and pair stores."""
+    return _pair_rows_ir(spec, vector_bits, dwrow_phase_ir)
+
+
+def _pair_rows_ir(spec, vector_bits: int, rows_ir) -> str:
+    """`rows_ir` (a ukernel depthwise row generator over float32 t) writing y as one half of bf16
+    channel pairs: each output rounded by spec.method and stored every other 16-bit element."""
     def narrow(ir, value, lanes):
         bits = ir.tmp("yb")
         ir(f"{bits} = bitcast <{lanes} x float> {value} to <{lanes} x i32>")
         return f32_to_bf16(ir, bits, lanes, spec.method)
     L = min(lanes_for(vector_bits), 16)
     decl = f"declare void @llvm.masked.store.v{2 * L}i16.p0(<{2 * L} x i16>, ptr, <{2 * L} x i1>)"
-    text = dwrow_phase_ir(spec, vector_bits, narrow, _pair_store)
+    text = rows_ir(spec, vector_bits, narrow, _pair_store)
     if decl not in text:
         text = text.replace("\n\nattributes #0", f"\n{decl}\n\nattributes #0", 1)
     return text
@@ -983,16 +989,7 @@ class DwPlanePairSpec(DwRowPairSpec):
 
 def dwplanepairs_ir(spec: DwPlanePairSpec, vector_bits: int) -> str:
     """See DwPlanePairSpec: ukernel.dwrow_plane_ir with DwRowPairSpec's rounding and pair stores."""
-    def narrow(ir, value, lanes):
-        bits = ir.tmp("yb")
-        ir(f"{bits} = bitcast <{lanes} x float> {value} to <{lanes} x i32>")
-        return f32_to_bf16(ir, bits, lanes, spec.method)
-    L = min(lanes_for(vector_bits), 16)
-    decl = f"declare void @llvm.masked.store.v{2 * L}i16.p0(<{2 * L} x i16>, ptr, <{2 * L} x i1>)"
-    text = dwrow_plane_ir(spec, vector_bits, narrow, _pair_store)
-    if decl not in text:
-        text = text.replace("\n\nattributes #0", f"\n{decl}\n\nattributes #0", 1)
-    return text
+    return _pair_rows_ir(spec, vector_bits, dwrow_plane_ir)
 
 
 def kinds() -> dict:

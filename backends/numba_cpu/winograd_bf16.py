@@ -253,20 +253,29 @@ def _plane_out_kernel(t: Transform, OC, T, TH, TW, pitch, OH, OW, xs, has_bias, 
     spec = WinoOutPlaneSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.AT), OH, OW, TW, xs,
                             int(has_bias), "" if residual_arg is None else "bf16" if r16 else "f32", int(y16),
                             epilogue.activation, float(lo), float(hi), "hw")
-    n_ptrs = 2 + has_bias + (residual_arg is not None)
-    pb = "p1" if has_bias else "p0"
-    pr = f"p{1 + has_bias}" if residual_arg is not None else "p0"
-    src = Source()
-    for line in spec.declaration("plane").splitlines():
-        src.line(line)
-    src.line(kernel_header(n_ptrs)).indent()
-    src.line("for item in range(begin, end):").indent()
-    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    src, n_ptrs, pb, pr = _out_items(spec, "plane", OC, has_bias, residual_arg is not None)
     roff = f"n * {res_strides[0]} + oc * {res_strides[1]}" if residual_arg is not None else "0"
     src.line(f"plane(p0, n * {t.a * t.a * xs} + oc * {T}, {pb}, oc, {pr}, {roff}, p{n_ptrs - 1}, item * {OH * OW})")
     types = ["float32"] + (["float32"] if has_bias else []) \
         + ([("uint16" if r16 else "float32")] if residual_arg is not None else []) + ["uint16" if y16 else "float32"]
     return Kernel("WinoOut_bf16", src.text(), tuple(types))
+
+
+def _out_items(spec, name: str, OC: int, has_bias: bool, has_res: bool) -> tuple[Source, int, str, str]:
+    """The start of a WinoOut micro-kernel's kernel (_plane_out_kernel, _rows_out_kernel): `spec`
+    declared as `name`, the header, and the loop over work items (image n, output channel oc).
+    Pointers: p0 M, then the bias and the residual where there are, Y last. Returns the source,
+    the pointer count and the bias's and residual's pointers (p0 where absent: not read)."""
+    n_ptrs = 2 + has_bias + has_res
+    pb = "p1" if has_bias else "p0"
+    pr = f"p{1 + has_bias}" if has_res else "p0"
+    src = Source()
+    for line in spec.declaration(name).splitlines():
+        src.line(line)
+    src.line(kernel_header(n_ptrs)).indent()
+    src.line("for item in range(begin, end):").indent()
+    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    return src, n_ptrs, pb, pr
 
 
 def _rows_out_kernel(t: Transform, OC, T, pitch, OH, OW, xs, has_bias, residual_arg, res_strides,
@@ -284,15 +293,7 @@ def _rows_out_kernel(t: Transform, OC, T, pitch, OH, OW, xs, has_bias, residual_
     lo, hi = epilogue.params if epilogue.activation == "Clip" else (0.0, 0.0)
     spec = WinoOutRowSpec(tuple(tuple((int(i), float(c)) for i, c in row) for row in t.AT), xs, int(has_bias),
                           int(residual_arg is not None), epilogue.activation, float(lo), float(hi), "hw")
-    n_ptrs = 2 + has_bias + (residual_arg is not None)
-    pb = "p1" if has_bias else "p0"
-    pr = f"p{1 + has_bias}" if residual_arg is not None else "p0"
-    src = Source()
-    for line in spec.declaration("rows").splitlines():
-        src.line(line)
-    src.line(kernel_header(n_ptrs)).indent()
-    src.line("for item in range(begin, end):").indent()
-    src.line(f"n = item // {OC}").line(f"oc = item - n * {OC}")
+    src, n_ptrs, pb, pr = _out_items(spec, "rows", OC, has_bias, residual_arg is not None)
     src.line(f"mb = n * {t.a * t.a * xs} + oc * {T}")
     src.line(f"yw = item * {plane // 2} + {row0 * 2 * OW // 2}")
     if residual_arg is not None:

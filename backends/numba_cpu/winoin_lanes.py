@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from .lowp import f32_to_bf16, ir_op, kernel_module, load_lanes, masked_decls, splat, store_lanes, \
     strip_loop, typed_declaration
-from .ukernel import Declared, IRBuilder, lanes_for
+from .ukernel import Declared, IRBuilder, float_ir, lanes_for
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,16 @@ class WinoInSpec(Declared):
         return WinoInSpec(**{**d, "bt": bt, "offsets": tuple(d["offsets"])})
 
 
-def _combine(ir: IRBuilder, row, values: list, L: int) -> str:
-    """sum over the row's (index, coefficient) of coefficient * values[index], <L x float>."""
+def combine_ir(ir: IRBuilder, row, values, L: int) -> str:
+    """sum over the row's (index, coefficient) of coefficient * values[index], left to right,
+    <L x float> (zeroinitializer for a row without terms); the transforms of winoout_plane.py and
+    winoout_rows.py too."""
     vf = f"<{L} x float>"
     out = None
     for index, c in row:
         v = values[index]
         if abs(c) != 1:
-            v = ir_op(ir, f"fmul {vf} {v}, {splat(L, repr(float(abs(c))), 'float')}", "f")
+            v = ir_op(ir, f"fmul {vf} {v}, {splat(L, float_ir(abs(c)), 'float')}", "f")
         if out is None:
             out = v if c > 0 else ir_op(ir, f"fneg {vf} {v}", "f")
         else:
@@ -112,9 +114,9 @@ def winoin_ir(spec: WinoInSpec, vector_bits: int) -> str:
                     d[h][p] = ir_op(ir, f"bitcast {vi} {load_lanes(ir, row, at, src_elem, L, mask)} to {vf}", "f")
         halves = []
         for h in (0, 1):
-            e = [[_combine(ir, rowk, [d[h][a * k + l] for k in range(a)], L) for l in range(a)]
+            e = [[combine_ir(ir, rowk, [d[h][a * k + l] for k in range(a)], L) for l in range(a)]
                  for rowk in spec.bt]                                          # e[i][l]: along the patch's columns
-            halves.append([_combine(ir, rowl, e[i], L) for i in range(a) for rowl in spec.bt])   # xi = a i + j
+            halves.append([combine_ir(ir, rowl, e[i], L) for i in range(a) for rowl in spec.bt])   # xi = a i + j
         for xi in range(a * a):
             words = []
             for h in (0, 1):
@@ -170,8 +172,8 @@ def winoin_plane_ir(spec: WinoInSpec) -> str:
         d[1][p] = ir_op(ir, f"bitcast {vi} {hi} to {vf}", "f")
     halves = []
     for h in (0, 1):
-        e = [[_combine(ir, rowk, [d[h][a * k + l] for k in range(a)], L) for l in range(a)] for rowk in spec.bt]
-        halves.append([_combine(ir, rowl, e[i], L) for i in range(a) for rowl in spec.bt])
+        e = [[combine_ir(ir, rowk, [d[h][a * k + l] for k in range(a)], L) for l in range(a)] for rowk in spec.bt]
+        halves.append([combine_ir(ir, rowl, e[i], L) for i in range(a) for rowl in spec.bt])
     for xi in range(a * a):
         pair = []
         for h in (0, 1):

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 from .lowp import f32_to_bf16, ir_op, kernel_module, load_lanes, masked_decls, splat, store_lanes, typed_declaration
 from .ukernel import Declared, IRBuilder, float_ir
+from .winoin_lanes import combine_ir
 
 LANES = 16
 
@@ -65,20 +66,6 @@ class WinoOutPlaneSpec(Declared):
         return WinoOutPlaneSpec(**{**d, "at": at})
 
 
-def combine_ir(ir: IRBuilder, row, values, vf: str) -> str:
-    """sum over the row's (index, coefficient) of coefficient * values[index], left to right (<16 x float>)."""
-    out = None
-    for index, c in row:
-        v = values[index]
-        if abs(c) != 1:
-            v = ir_op(ir, f"fmul {vf} {v}, {splat(LANES, float_ir(abs(c)), 'float')}", "f")
-        if out is None:
-            out = v if c > 0 else ir_op(ir, f"fneg {vf} {v}", "f")
-        else:
-            out = ir_op(ir, f"{'fadd' if c > 0 else 'fsub'} {vf} {out}, {v}", "f")
-    return out
-
-
 def activation_ir(ir: IRBuilder, spec, v: str, L: int) -> str:
     """spec.act ("" | "Relu" | "Clip" with act_lo, act_hi) of <L x float> v: llvm.maxnum / minnum."""
     bounds = {"": (), "Relu": (("maxnum", 0.0),), "Clip": (("maxnum", spec.act_lo), ("minnum", spec.act_hi))}
@@ -108,8 +95,8 @@ def winoout_plane_ir(spec: WinoOutPlaneSpec, vector_bits: int) -> str:
     for xi in range(a * a):
         M.append(load_lanes(ir, "%m0", str(xi * spec.xs), "float", L, tile_mask))
     used = sorted({j for q in range(2) for j, _ in spec.at[q]})
-    s = {(r, j): combine_ir(ir, spec.at[r], [M[a * i + j] for i in range(a)], vf) for r in range(2) for j in used}
-    outs = [combine_ir(ir, spec.at[q], {j: s[r, j] for j in used}, vf) for r in range(2) for q in range(2)]   # 2r + q
+    s = {(r, j): combine_ir(ir, spec.at[r], [M[a * i + j] for i in range(a)], L) for r in range(2) for j in used}
+    outs = [combine_ir(ir, spec.at[q], {j: s[r, j] for j in used}, L) for r in range(2) for q in range(2)]   # 2r + q
     # the plane: lane p = y * ow + x of the four (r, q) vectors concatenated
     pairs = [ir_op(ir, f"shufflevector {vf} {outs[0]}, {vf} {outs[1]}, <{2 * L} x i32> "
                        f"<{', '.join(f'i32 {j}' for j in range(2 * L))}>"),

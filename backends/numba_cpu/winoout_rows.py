@@ -25,7 +25,8 @@ from typing import ClassVar
 from .lowp import f32_to_bf16, ir_op, kernel_module, load_lanes, masked_decls, splat, store_lanes, strip_loop, \
     typed_declaration
 from .ukernel import Declared, IRBuilder
-from .winoout_plane import activation_ir, combine_ir
+from .winoin_lanes import combine_ir
+from .winoout_plane import activation_ir
 
 LANES = 16
 
@@ -81,14 +82,14 @@ def winoout_rows_ir(spec: WinoOutRowSpec, vector_bits: int) -> str:
             if xi % a in used:
                 M[xi] = load_lanes(ir, "%m0", ir_op(ir, f"add i64 {i}, {xi * spec.xs}", "o"), "float", L, mask)
         for r in range(2):
-            s = {j: combine_ir(ir, spec.at[r], [M[a * k + j] for k in range(a)], vf) for j in used}
+            s = {j: combine_ir(ir, spec.at[r], [M[a * k + j] for k in range(a)], L) for j in used}
             if spec.residual:
                 w = load_lanes(ir, f"%r{r}", i, "i32", L, mask)
                 res = [ir_op(ir, f"bitcast {vi} {ir_op(ir, f'shl {vi} {w}, {splat(L, 16)}')} to {vf}", "f"),
                        ir_op(ir, f"bitcast {vi} {ir_op(ir, f'and {vi} {w}, {splat(L, -65536)}')} to {vf}", "f")]
             halves = []
             for q in range(2):
-                v = combine_ir(ir, spec.at[q], s, vf)
+                v = combine_ir(ir, spec.at[q], s, L)
                 if spec.bias:
                     v = ir_op(ir, f"fadd {vf} {v}, %bv", "f")
                 if spec.residual:

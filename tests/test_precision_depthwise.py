@@ -373,7 +373,8 @@ def test_mobilenet_v2_arena_in_bf16_is_at_most_055_of_float32():
     assert len(blocks) == 17 and all(p.startswith("bf16 (") for p in blocks), blocks
 
 
-@pytest.mark.parametrize("case", ["expand_project_s2", "odd_channels_s2", "wide_bands_s2"])
+@pytest.mark.parametrize("case", [pytest.param("expand_project_s2", marks=pytest.mark.slow), "odd_channels_s2",
+                                  pytest.param("wide_bands_s2", marks=pytest.mark.slow)])   # (16 s and 32 s in CI)
 def test_bf16_stride_2_blocks_on_phase_split_rows_give_the_shuffling_rows_bits(case, monkeypatch, tmp_path):
     # a stride-2 bf16 block with an expand conv from a bf16 x copies x's rows phase-split (even
     # columns, then odd), so t's are too and every depthwise tap is a plain load (dwphase.py): the

@@ -35,7 +35,9 @@ machine, so they never run at the same time. Each process does a warm-up and
 medians (`cuvil.bench.best_process_median` says why; the JSON also has every
 process's median and the ratio of the medians over all calls). ratio =
 cuvil (Python) / onnxruntime: < 1 means cuvil is faster (the C figure shows
-the call overhead Python adds); vs ov = cuvil (Python) / OpenVINO. The rel
+the call overhead Python adds); vs ov = cuvil (Python) / OpenVINO. vs fp32 = cuvil (C) in this precision / cuvil
+(C) in float32 at the same thread count (when fp32 is in `--precision`, first). Times
+under 1 ms print with four significant digits. The rel
 err columns compare cuvil's and OpenVINO's first output with onnxruntime's.
 
     python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--precision fp32,bf16,int8] [--runs 50] [--rounds 5]
@@ -308,6 +310,14 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
     return result
 
 
+def _ms(value, width: int) -> str:
+    """A time in ms for the table: three decimals, or four significant digits under 1 ms (the MLP's
+    few microseconds would otherwise print as 0.004 against 0.009, too coarse for a ratio)."""
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value:>{width}.3f}" if value >= 1 else f"{value:>{width}.4g}"
+
+
 def main(argv=None):
     import onnxruntime as ort
 
@@ -335,9 +345,9 @@ def main(argv=None):
     print(f"# {cpu_name()} ({os.cpu_count()} cores; {' '.join(isa)}), onnxruntime {ort.__version__}, "
           + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}"
           + (f", cuvil built without {', '.join(args.disable)}" if args.disable else ""))
-    print(f"{'model':<14}{'thr':>4}{'prec':>9}{'cuvil C ms':>12}{'cuvil py ms':>13}{'ort ms':>10}{'ratio':>7}{'rel err':>9}"
-          + (f"{'ov ms':>10}{'vs ov':>7}{'ov err':>9}" if ov_version else "") + f"{'build s':>9}")
-    results = []
+    print(f"{'model':<14}{'thr':>4}{'prec':>9}{'cuvil C ms':>12}{'vs fp32':>8}{'cuvil py ms':>13}{'ort ms':>10}"
+          f"{'ratio':>7}{'rel err':>9}" + (f"{'ov ms':>10}{'vs ov':>7}{'ov err':>9}" if ov_version else "") + f"{'build s':>9}")
+    results, fp32_c = [], {}   # fp32_c: (model, threads) -> cuvil's float32 C ms, for the 'vs fp32' column
     workdir = Path(tempfile.mkdtemp(prefix="cuvil-bench-"))
     try:
         for name in args.models.split(","):
@@ -345,11 +355,16 @@ def main(argv=None):
                 r = bench_model(name, threads, args.runs, args.rounds, args.jobs, workdir, args.cold, bool(ov_version),
                                 precision, args.disable)
                 results.append(r)
-                ov = (f"{r['openvino_ms']:>10.3f}{r['ratio_openvino']:>7.2f}{r['openvino_rel_err']:>9.1e}"
+                c = r["cuvil_c_ms"]
+                if precision == "fp32" and c is not None:
+                    fp32_c[name, threads] = c
+                if c is not None and (name, threads) in fp32_c:
+                    r["c_vs_fp32"] = c / fp32_c[name, threads]
+                ov = (f"{_ms(r['openvino_ms'], 10)}{r['ratio_openvino']:>7.2f}{r['openvino_rel_err']:>9.1e}"
                       if "openvino_ms" in r else " " * 26 if ov_version else "")
-                c_ms = f"{r['cuvil_c_ms']:>12.3f}" if r["cuvil_c_ms"] is not None else f"{'-':>12}"
-                print(f"{name:<14}{threads:>4}{precision:>9}{c_ms}{r['cuvil_py_ms']:>13.3f}{r['ort_ms']:>10.3f}"
-                      f"{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{ov}{r['build_s']:>9.1f}", flush=True)
+                vs = f"{r['c_vs_fp32']:>8.2f}" if "c_vs_fp32" in r else f"{'-':>8}"
+                print(f"{name:<14}{threads:>4}{precision:>9}{_ms(c, 12)}{vs}{_ms(r['cuvil_py_ms'], 13)}"
+                      f"{_ms(r['ort_ms'], 10)}{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{ov}{r['build_s']:>9.1f}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:

@@ -1068,14 +1068,7 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None, store=N
                 """`lanes` elements of the row (floats, or 16-bit bits) from column `start` (the
                 first `need` lanes that fall inside the row; zeros elsewhere)."""
                 bits = [k < need and 0 <= start + k < spec.W for k in range(lanes)]
-                p, v, t = ir.tmp("sp"), ir.tmp("seg"), f"<{lanes} x {x_elem}>"
-                ir(f"{p} = getelementptr {x_elem}, ptr {row}, i64 {start}")
-                if all(bits):
-                    ir(f"{v} = load {t}, ptr {p}, align {x_align}")
-                else:
-                    ir(f"{v} = call {t} @llvm.masked.load.v{lanes}{x_ir}.p0(ptr align {x_align} {p}, "
-                       f"<{lanes} x i1> {_const_mask(bits)}, {t} zeroinitializer)")
-                return v
+                return _masked_row_load(ir, row, start, bits, x_elem, x_align, name="seg")
 
             def as_float(v, lanes):
                 return widen(ir, v, lanes) if widen else v
@@ -1118,16 +1111,21 @@ def dwrow_ir(spec: DwRowSpec, vector_bits: int, widen=None, narrow=None, store=N
     return head + "\n" + "\n".join(ir.lines) + "\n}\n\n" + "\n".join(decls) + "\n\nattributes #0 = { nounwind }\n"
 
 
-def _float_tap(ir: IRBuilder, base: str, index, bits, vt: str, L: int) -> str:
-    """<L x float> from base[index ...] under the compile-time lane mask `bits` (zeros in the
-    lanes it leaves out; a plain load when it keeps them all)."""
-    p, v = ir.tmp("sp"), ir.tmp("tap")
-    ir(f"{p} = getelementptr float, ptr {base}, i64 {index}")
+def _masked_row_load(ir: IRBuilder, base: str, index, bits, elem: str = "float", align: int = 4,
+                     name: str = "tap") -> str:
+    """<len(bits) x elem> from base[index ...] under the compile-time lane mask `bits` (zeros in
+    the lanes it leaves out; a plain load when it keeps them all): the depthwise rows' tap and
+    segment loads (dwrow_ir's float32 or 16-bit rows, dwrow_phase_ir, dwrow_plane_ir). `name`
+    names the loaded temporary."""
+    lanes, t = len(bits), f"<{len(bits)} x {elem}>"
+    p, v = ir.tmp("sp"), ir.tmp(name)
+    ir(f"{p} = getelementptr {elem}, ptr {base}, i64 {index}")
     if all(bits):
-        ir(f"{v} = load {vt}, ptr {p}, align 4")
+        ir(f"{v} = load {t}, ptr {p}, align {align}")
     else:
-        ir(f"{v} = call {vt} @llvm.masked.load.v{L}f32.p0(ptr align 4 {p}, <{L} x i1> {_const_mask(bits)}, "
-           f"{vt} zeroinitializer)")
+        suffix = "f32" if elem == "float" else elem
+        ir(f"{v} = call {t} @llvm.masked.load.v{lanes}{suffix}.p0(ptr align {align} {p}, "
+           f"<{lanes} x i1> {_const_mask(bits)}, {t} zeroinitializer)")
     return v
 
 
@@ -1176,7 +1174,7 @@ def dwrow_phase_ir(spec, vector_bits: int, narrow, store) -> str:
                 bits = [k < n and 0 <= start + k < limit for k in range(L)]
                 if not any(bits):
                     continue
-                v = _float_tap(ir, row, base + start, bits, vt, L)
+                v = _masked_row_load(ir, row, base + start, bits)
                 for q in range(rows):
                     kh = i - 2 * q
                     if 0 <= kh < spec.KH:
@@ -1213,7 +1211,7 @@ def dwrow_plane_ir(spec, vector_bits: int, narrow, store) -> str:
                         for j in range(v * L, v * L + L)]
                 if not any(bits):
                     continue
-                x = _float_tap(ir, "%xb", v * L + dr * spec.W + dc, bits, vt, L)
+                x = _masked_row_load(ir, "%xb", v * L + dr * spec.W + dc, bits)
                 nxt = ir.tmp("acc")
                 ir(f"{nxt} = call {vt} @llvm.fma.v{L}f32({vt} {x}, {vt} {wv[kh * spec.KW + kw]}, {vt} {acc})")
                 acc = nxt

@@ -538,7 +538,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     b.batch the batch strides, in 16-bit elements; B's last column panel is read in full (NR
     columns, bf16 loads are not masked), so its buffer needs 2 NR elements of slack."""
     from .ukernel import UKSpec
-    from .ukernel_lowp import LowpUKSpec
+    from .ukernel_lowp import LowpStreamedSpec, LowpUKSpec
     assert lowp is None or (b is None and not a_panels and not batch_shape and a.cols == 1) \
         or (lowp[0] == "bf16" and a_panels and b is not None and b.cols == 1 and K % 2 == 0)
     pairs_in_place = bool(lowp) and b is not None
@@ -569,7 +569,9 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     # weights too large for L2, or of a model too large for it (`b_streams`: the other products'
     # weights evicted them since the last call), which the first row tile over each micro-panel reads
     # from L3 or DRAM (a GEMV, M = 1, keeps 8: on a chain of 768 x 768 GEMVs the far prefetch won 3 %
-    # at 38 MB and lost 7 % at 151 MB)
+    # at 38 MB and lost 7 % at 151 MB). bf16 weights that stream take the same distance in pair rows
+    # (ukernel_lowp.LowpStreamedSpec: the same bytes and instructions ahead); the other 16-bit kernels
+    # prefetch nothing (DistilBERT bf16 b1, 1 thread: 11 % faster with it, fifth session).
     streams = b is None and M > 1 and (b_streams or 4 * K * N > L2_RESIDENT_BYTES)
     prefetch_b = 0 if b_in_l2 else STREAM_PREFETCH_B_ROWS if streams else 1
 
@@ -586,8 +588,10 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     def spec(mr, edge_n):
         key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)
         if key not in specs and lowp:
-            specs[key] = (f"uk{len(specs)}", LowpUKSpec(mr=mr, nr=key[1], dtype=lowp[0], method=lowp[1],
-                                                        a_packed=a_packed, a_panel=a_panel, **uk_epilogue))
+            stream = {"prefetch_b": STREAM_PREFETCH_B_ROWS} if streams and lowp[1] in ("dpbf16", "widen") else {}
+            specs[key] = (f"uk{len(specs)}", (LowpStreamedSpec if stream else LowpUKSpec)(
+                mr=mr, nr=key[1], dtype=lowp[0], method=lowp[1], a_packed=a_packed, a_panel=a_panel,
+                **uk_epilogue, **stream))
         elif key not in specs:
             specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=key[1], a_packed=a_packed, a_panel=a_panel,
                                                     b_masked=int(key[2]), prefetch_b=prefetch_b,

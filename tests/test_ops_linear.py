@@ -127,6 +127,22 @@ def test_streamed_weights_prefetch_far_ahead(threads, target):
             assert_matches_ort(model, {"a": a}, threads=threads, target=target)
 
 
+def test_small_weights_of_a_large_model_prefetch_far_ahead():
+    """Weights that fit L2 by themselves (300 x 200 floats, 240 KB) are prefetched far ahead too when
+    the model's constants do not fit it (here with a 200 x 2800 product, 2.2 MB: MODEL_L2_BYTES):
+    between calls the other products' weights evict them (DistilBERT's 384 x 384 projections).
+    Tolerance: the default 1e-4 of max |ref|, over the ~(300 + 200) u a float32 sum of each chain of
+    products may differ by from onnxruntime's (another summation order); a prefetch changes no bits."""
+    from backends.numba_cpu.gemm import MODEL_L2_BYTES, STREAM_PREFETCH_B_ROWS
+    a = rand(1, 37, 300, seed=1)
+    small, large = (rand(300, 200, seed=2) / np.sqrt(300)).astype(F32), (rand(200, 2800, seed=3) / np.sqrt(200)).astype(F32)
+    assert small.nbytes + large.nbytes > MODEL_L2_BYTES
+    model = make_model([helper.make_node("MatMul", ["a", "small"], ["h"]), helper.make_node("MatMul", ["h", "large"], ["y"])],
+                       [("a", F32, [1, 37, 300])], [("y", F32, [1, 37, 2800])], {"small": small, "large": large})
+    assert _uk_prefetch_distances(model) == {STREAM_PREFETCH_B_ROWS}
+    assert_matches_ort(model, {"a": a})
+
+
 @pytest.mark.parametrize("op", ["Gemm", "MatMul"])
 def test_aliasing_rows_of_a_packed_at_run_time(op, tmp_path, monkeypatch):
     """Rows of A 4 KB apart (K = 1024) alias in an 8-way L1: on such targets the GEMM packs A into

@@ -89,6 +89,29 @@ def test_a_batched_matmul_folds_into_one_reduced_precision_product():
     assert np.all(np.abs(got.astype(np.float64) - want) <= bound)
 
 
+@pytest.mark.parametrize("target", ["native", "x86_64-avx2"])
+def test_streamed_bf16_weights_are_prefetched_far_ahead(target):
+    """bf16 weights too large for L2 (600 x 520, 1.25 MB in float32) stream from the L3 or memory:
+    the product's micro-kernels prefetch B STREAM_PREFETCH_B_ROWS pair rows ahead (LowpStreamedSpec;
+    "dpbf16" here, "widen" on x86_64-avx2), within the derived bound (a prefetch changes no bits)."""
+    import json
+    import re
+    from backends.numba_cpu.gemm import STREAM_PREFETCH_B_ROWS
+    from backends.numba_cpu.registry import lower
+    from cuvil import pipeline
+    from cuvil.frontends.onnx import import_onnx
+    M, K, N = 37, 600, 520
+    model, w, b = _linear_model((M, K), K, N)
+    names, options = pipeline.pass_list(2, precision="bf16")
+    graph = pipeline.run_passes(import_onnx(model)[0], [n for n in names if n != "plan_memory"], options)
+    specs = [json.loads(m) for c in lower(graph, 1) if hasattr(c, "kernel")
+             for m in re.findall(r"# cuvil-ukernel cuvil_ukbf16_\S+ (\{.*\})", c.kernel.source)]
+    assert specs and all(s["kind"] == "lowpstream" and s["prefetch_b"] == STREAM_PREFETCH_B_ROWS for s in specs)
+    x = np.random.default_rng(3).standard_normal((M, K)).astype(np.float32)
+    got = cuvil.compile(model, precision="bf16", target=target).run({"x": x})["y"]
+    assert np.all(np.abs(got.astype(np.float64) - _ort(model, {"x": x})) <= _bound(x, w, b, "bf16"))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_an_mlp_keeps_its_outputs_and_halves_its_weights(precision):
     torch = pytest.importorskip("torch")

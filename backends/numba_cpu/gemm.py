@@ -218,7 +218,9 @@ UK_MIN_SPLIT_FLOPS = 1 << 21  # smaller GEMMs are one work item: splitting them 
 GEMV_SPLIT_BYTES = 256 << 10  # a matrix-vector product with this much B splits over threads anyway (bound by
                               # B's bytes, not FLOPs: each thread streams its columns from its own L2)
 MODEL_L2_BYTES = 2 << 20      # a model whose constants all fit in (one core's) L2 reads its GEMV weights from L2
-# Packed float32 weights over L2_RESIDENT_BYTES: each row tile prefetches B this many k rows ahead
+# Packed float32 weights over L2_RESIDENT_BYTES, or of a model over MODEL_L2_BYTES (its 384 x 384
+# projections, 0.6 MB each, come from past L2 too: DistilBERT b1 2.5 % faster, the zoo encoder 6 %;
+# fifth session): each row tile prefetches B this many k rows ahead
 # (64 x NR floats: 12 KiB for NR = 48, ~150-200 ns of the tile's FMAs, a DRAM access) instead of the
 # micro-kernel's 8. The first row tile over each micro-panel brings it in from the L3 or memory; 8 rows
 # ahead (~20 ns) left it waiting on DRAM. A chain of 16 distinct [128, 768] @ [768, 768] products
@@ -515,7 +517,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
                    epilogue: Epilogue | None = None, threads_hint: int | None = None,
                    a_panels: bool = False, tile: tuple[int, int] | None = None,
                    accumulate: bool = False, b_in_l2: bool = False, self_sized: bool = True,
-                   lowp: tuple[str, str] | None = None) -> tuple[Kernel, int]:
+                   lowp: tuple[str, str] | None = None, b_streams: bool = False) -> tuple[Kernel, int]:
     """out = act(A @ B (+ beta*C) (+ R)) through LLVM-IR micro-kernels; with `accumulate`,
     out = act(out + A @ B (+ beta*C)): the output holds a residual on entry (see kernel.InPlace).
 
@@ -524,7 +526,8 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     `a[i*a.rows + k*a.cols]` with a.cols == 1 (rows) or a.rows == 1 (columns); with `a_panels`, A is
     packed at build time by `pack_a_panels` and `a` gives its batch strides and rows = K.
     `b_in_l2`: B comes from L2 (see gemv_weights_in_l2): no software prefetches of it, which only
-    compete with the loads there. `self_sized`: the work items are sized for the threads (see
+    compete with the loads there; `b_streams`: packed B comes from past L2 at each call, however small
+    (see weights_stream). `self_sized`: the work items are sized for the threads (see
     split_work), so the driver hands each out alone (schedule.Kernel.self_sized).
 
     `lowp` = (format, method): A and B are 16-bit ("bf16" | "f16", ukernel_lowp.LowpUKSpec), B packed
@@ -535,7 +538,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     b.batch the batch strides, in 16-bit elements; B's last column panel is read in full (NR
     columns, bf16 loads are not masked), so its buffer needs 2 NR elements of slack."""
     from .ukernel import UKSpec
-    from .ukernel_lowp import LowpUKSpec
+    from .ukernel_lowp import LowpStreamedSpec, LowpUKSpec
     assert lowp is None or (b is None and not a_panels and not batch_shape and a.cols == 1) \
         or (lowp[0] == "bf16" and a_panels and b is not None and b.cols == 1 and K % 2 == 0)
     pairs_in_place = bool(lowp) and b is not None
@@ -563,9 +566,14 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
         ldb = 2 * NR   # k pairs: each packed row holds two k of NR columns
     specs = {}
     # B's software prefetch distance (ukernel.UKSpec.prefetch_b): none from L2; far ahead for packed
-    # weights too large for L2, which the first row tile over each micro-panel reads from L3 or DRAM
-    # (a GEMV, M = 1, keeps 8: on a chain of 768 x 768 GEMVs the far prefetch won 3 % at 38 MB and lost 7 % at 151 MB)
-    prefetch_b = 0 if b_in_l2 else STREAM_PREFETCH_B_ROWS if b is None and M > 1 and 4 * K * N > L2_RESIDENT_BYTES else 1
+    # weights too large for L2, or of a model too large for it (`b_streams`: the other products'
+    # weights evicted them since the last call), which the first row tile over each micro-panel reads
+    # from L3 or DRAM (a GEMV, M = 1, keeps 8: on a chain of 768 x 768 GEMVs the far prefetch won 3 %
+    # at 38 MB and lost 7 % at 151 MB). bf16 weights that stream take the same distance in pair rows
+    # (ukernel_lowp.LowpStreamedSpec: the same bytes and instructions ahead); the other 16-bit kernels
+    # prefetch nothing (DistilBERT bf16 b1, 1 thread: 11 % faster with it, fifth session).
+    streams = b is None and M > 1 and (b_streams or 4 * K * N > L2_RESIDENT_BYTES)
+    prefetch_b = 0 if b_in_l2 else STREAM_PREFETCH_B_ROWS if streams else 1
 
     # The last column panel is computed by a kernel only as wide as its columns need (whole vectors).
     edge_nr = min(NR, ceil_div(N % NR, UK_NR_STEP) * UK_NR_STEP) if N % NR else NR
@@ -580,8 +588,10 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     def spec(mr, edge_n):
         key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)
         if key not in specs and lowp:
-            specs[key] = (f"uk{len(specs)}", LowpUKSpec(mr=mr, nr=key[1], dtype=lowp[0], method=lowp[1],
-                                                        a_packed=a_packed, a_panel=a_panel, **uk_epilogue))
+            stream = {"prefetch_b": STREAM_PREFETCH_B_ROWS} if streams and lowp[1] in ("dpbf16", "widen") else {}
+            specs[key] = (f"uk{len(specs)}", (LowpStreamedSpec if stream else LowpUKSpec)(
+                mr=mr, nr=key[1], dtype=lowp[0], method=lowp[1], a_packed=a_packed, a_panel=a_panel,
+                **uk_epilogue, **stream))
         elif key not in specs:
             specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=key[1], a_packed=a_packed, a_panel=a_panel,
                                                     b_masked=int(key[2]), prefetch_b=prefetch_b,
@@ -820,7 +830,14 @@ def gemv_weights_in_l2(graph, M: int) -> bool:
     """Whether a matrix-vector product (M == 1) of this model finds its constant B in L2: all the
     model's constants fit in one core's L2, so they stay there between calls (an MLP's 1.1 MB).
     Its micro-kernel then issues no B prefetches (MLP 256-512-256-64-1: 7.1 -> 6.6 us a call)."""
-    return M == 1 and sum(v.nbytes for v in graph.values.values() if v.is_const) <= MODEL_L2_BYTES
+    return M == 1 and not weights_stream(graph)
+
+
+def weights_stream(graph) -> bool:
+    """Whether the model's constants are too large to stay in one core's L2 between calls: each
+    product's packed weights then come from the L3 or memory however small they are themselves,
+    and are prefetched STREAM_PREFETCH_B_ROWS ahead (uk_gemm_kernel's `b_streams`)."""
+    return sum(v.nbytes for v in graph.values.values() if v.is_const) > MODEL_L2_BYTES
 
 
 def lower_gemm(node, graph) -> Lowered:
@@ -888,7 +905,8 @@ def lower_gemm(node, graph) -> Lowered:
             pack, args[0], a_panels = _packed_a_calls(graph, node, A.name, M, N, K)
         kernel, work = uk_gemm_kernel(family, M, N, K, (), a, b_in, c_op, Operand((), N, 1), beta_left,
                                       residual=r_op, epilogue=epilogue, a_panels=a_panels,
-                                      b_in_l2=b_in is None and gemv_weights_in_l2(graph, M), lowp=lowp)
+                                      b_in_l2=b_in is None and gemv_weights_in_l2(graph, M), lowp=lowp,
+                                      b_streams=b_in is None and weights_stream(graph))
     else:
         kernel, work = gemm_kernel(family, dtype, M, N, K, (), a, b, c_op, Operand((), N, 1),
                                    alpha_left, beta_left, residual=r_op, epilogue=epilogue)
@@ -957,7 +975,8 @@ def lower_matmul(node, graph) -> Lowered:
             pack, args[0], a_panels = _packed_a_calls(graph, node, A.name, M, N, K)
         kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, None, None, o_op,
                                       residual=r_op, epilogue=epilogue, a_panels=a_panels,
-                                      b_in_l2=gemv_weights_in_l2(graph, M), lowp=lowp)
+                                      b_in_l2=gemv_weights_in_l2(graph, M), lowp=lowp,
+                                      b_streams=weights_stream(graph))
     elif uk_eligible(dtype, M, N, K, a_op, b_op):
         lowp = None
         kernel, work = uk_gemm_kernel("MatMul", M, N, K, batch, a_op, b_op, None, o_op,

@@ -101,6 +101,19 @@ class LowpUKSpec(Declared):
 
 
 @dataclass(frozen=True)
+class LowpStreamedSpec(LowpUKSpec):
+    """A LowpUKSpec (rows of B, no taps) whose packed B streams from the L3 or memory (a large
+    model's weights, gemm.weights_stream): each k step prefetches B `prefetch_b` rows (bf16: pair
+    rows) ahead, as UKSpec's prefetch_b does for float32. A subclass, so the other 16-bit
+    micro-kernels keep their names and bytes."""
+    prefetch_b: int = 0
+    kind: str = "lowpstream"
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_stream"
+
+
+@dataclass(frozen=True)
 class LowpCalledSpec(LowpUKSpec):
     """LowpUKSpec's kernel, called rather than inlined into the conv's loop (emit.emit_object: the
     `inline` flag). With many taps in one k step (convtappairs.py: 74 for a ResNet stem) and the
@@ -505,6 +518,8 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         cur = dict(accs)
         brow = _b_row(ir, kv) if spec.method != "fp16" else None
         per_k = 2 if spec.k_pairs else 1
+        if brow is not None and getattr(spec, "prefetch_b", 0):
+            _prefetch_b_row(ir, brow, spec.prefetch_b, spec.nr * per_k)
         for t, off in enumerate(spec.taps or (0,)):
             ka = kv
             if a_taps:   # LowpOut16TapsSpec: A (pixel rows) shifted by the tap, B's row block (kv, t)
@@ -553,6 +568,8 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
              "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
              "declare <32 x half> @llvm.fma.v32f16(<32 x half>, <32 x half>, <32 x half>)"]
+    if getattr(spec, "prefetch_b", 0):
+        decls.append("declare void @llvm.prefetch.p0(ptr, i32, i32, i32)")
     if out16:
         decls += [f"declare <{L} x i16> @llvm.masked.load.v{L}i16.p0(ptr, <{L} x i1>, <{L} x i16>)",
                   f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)"]
@@ -648,6 +665,18 @@ def _b_row(ir: IRBuilder, kv: str) -> str:
     p = ir.tmp("brow")
     ir(f"{p} = getelementptr i16, ptr %bbase, i64 {idx}")
     return p
+
+
+def _prefetch_b_row(ir: IRBuilder, brow: str, rows: int, elements: int) -> None:
+    """Prefetch the B row (`elements` 16-bit values) `rows` rows of ldb past brow into L1."""
+    ahead = ir.tmp("pfb")
+    ir(f"{ahead} = mul i64 %ldb, {rows}")
+    p = ir.tmp("pfp")
+    ir(f"{p} = getelementptr i16, ptr {brow}, i64 {ahead}")
+    for j in range(-(-elements * 2 // 64)):
+        q = ir.tmp("pfq")
+        ir(f"{q} = getelementptr i8, ptr {p}, i64 {64 * j}")
+        ir(f"call void @llvm.prefetch.p0(ptr {q}, i32 0, i32 3, i32 1)")
 
 
 def _load(ir: IRBuilder, ptr: str, offset: int, vtype: str) -> str:
@@ -1003,6 +1032,7 @@ def kinds() -> dict:
             "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
             "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
+            "lowpstream": lambda d: LowpStreamedSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "copypairs_strided": lambda d: StridedPairCopySpec(**d), "winoin16": WinoInSpec.from_dict,
             "winoout_plane": WinoOutPlaneSpec.from_dict, "winoout_rows": WinoOutRowSpec.from_dict,
             "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])}),

@@ -1,6 +1,9 @@
 """Concat written in place (backends/native/memory.py, numba_cpu/concat.py): where a Concat's
 inputs are each one contiguous run of its output (outer extent 1), their producers write straight
-into the output and the Concat call goes, or copies only the inputs that could not be placed.
+into the output and the Concat call goes, or copies only the inputs that could not be placed. At
+batch > 1 (a Concat along an axis after the batch: each input is one block per image, a row of
+the output apart) only producers with a Strided form (Resize, ConvTranspose's patch shuffle,
+elementwise ops) are placed; the other inputs keep a strided one-input copy.
 
 Only where bytes lie changes, never arithmetic, so the graphs of exact ops (Relu, Neg, Abs, Add,
 Mul, Max reductions, MaxPool, nearest Resize: each output element is one IEEE operation or a
@@ -84,11 +87,59 @@ def test_upsample_and_skip_written_in_place_at_batch_1():
     assert "Concat" not in _families(schedule) and "ConcatCopy" not in _families(schedule)
 
 
-def test_batch_2_channel_concat_is_not_placed():
-    # outer extent 2: each input is two runs of the output; the Concat copies as before.
-    model, feeds = _pyramid_model(2)
-    _, schedule = _check(model, feeds, placed={})
-    assert "Concat" in _families(schedule)
+@pytest.mark.parametrize("batch", [2, 4])
+def test_upsample_written_in_place_at_batch_above_1(batch):
+    """Each input is `batch` blocks of the output: the Resize writes its blocks a row apart (its
+    Strided form); the skip `a` is also read by the MaxPool, so it keeps a (strided) copy."""
+    model, feeds = _pyramid_model(batch)
+    row = (3 + 3) * 6 * 10 * 4
+    after, schedule = _check(model, feeds, placed={"Concat_4": f"1 of 2 inputs written in place ({batch} blocks "
+                                                                f"each, a row of {row} bytes apart)"})
+    families = _families(schedule)
+    assert "Concat" not in families and families.count("ConcatCopy") == 1
+    assert not any(getattr(c, "strided", None) for c in schedule)   # the form taken, or dropped with the plan
+
+
+def test_general_resize_and_elementwise_written_in_place_at_batch_3():
+    """A nearest Resize by 1.5 (the general table-driven kernel, not the integer-factor copy), a
+    Clip and an Add (elementwise, with broadcasting) into one Concat; then the same Concat where
+    every input is read again later (no input placed: the Concat copies them all)."""
+    nodes = [helper.make_node("Resize", ["x", "", "scales"], ["u"], mode="nearest"),
+             helper.make_node("Clip", ["v", "lo", "hi"], ["c"]),
+             helper.make_node("Add", ["v", "bias"], ["s"]),
+             helper.make_node("Concat", ["u", "c", "s"], ["y"], axis=1),
+             helper.make_node("Neg", ["y"], ["out"])]
+    inputs = [("x", F32, [3, 2, 4, 4]), ("v", F32, [3, 1, 6, 6])]
+    consts = {"scales": np.array([1, 1, 1.5, 1.5], F32), "lo": np.array(-0.5, F32), "hi": np.array(0.5, F32),
+              "bias": rand(1, 1, 6, seed=21)}
+    feeds = {"x": rand(3, 2, 4, 4, seed=22), "v": rand(3, 1, 6, 6, seed=23)}
+    model = make_model(nodes, inputs, [("out", F32, None)], initializers=consts, opset=13)
+    after, schedule = _check(model, feeds, placed={"Concat_3": "3 of 3 inputs written in place (3 blocks each"})
+    assert not {"Concat", "ConcatCopy"} & set(_families(schedule))
+    # every input read again after the Concat: none placed, one Concat call as before
+    again = make_model(nodes + [helper.make_node("Sum", ["u", "c", "s"], ["t"])], inputs,
+                       [("out", F32, None), ("t", F32, None)], initializers=consts, opset=13)
+    _, schedule = _check(again, feeds, placed={})
+    assert _families(schedule).count("Concat") == 1
+
+
+def test_conv_transpose_written_in_place_beside_a_conv_copy():
+    """U-Net decoder shape at batch 3: ConvTranspose (2x2, stride 2: the patch shuffle writes each
+    image a row apart) beside a Conv, which has no Strided form and keeps a strided copy."""
+    nodes = [helper.make_node("ConvTranspose", ["x", "wt", "bt"], ["u"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["skip", "wc", "bc"], ["k"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["u", "k"], ["y"], axis=1),
+             helper.make_node("Relu", ["y"], ["out"])]
+    consts = {"wt": rand(4, 3, 2, 2, seed=24), "bt": rand(3, seed=25), "wc": rand(2, 2, 3, 3, seed=26),
+              "bc": rand(2, seed=27)}
+    model = make_model(nodes, [("x", F32, [3, 4, 3, 5]), ("skip", F32, [3, 2, 6, 10])], [("out", F32, None)],
+                       initializers=consts)
+    feeds = {"x": rand(3, 4, 3, 5, seed=28), "skip": rand(3, 2, 6, 10, seed=29)}
+    # one layer of sums of at most 2 * 9 (Conv) or 4 (ConvTranspose) terms
+    after, schedule = _check(model, feeds, tol=_conv_tol(2 * 9, 1),
+                             placed={"Concat_2": "1 of 2 inputs written in place (3 blocks each"})
+    assert "ConvTransposePatches" in _families(schedule)
+    assert "Concat" not in _families(schedule) and _families(schedule).count("ConcatCopy") == 1
 
 
 @pytest.mark.slow   # ~90 s of conv kernel builds on a cold cache
@@ -165,7 +216,9 @@ def test_nested_concat_chain(batch):
         assert sorted(after.concats.values()) == ["2 of 2 inputs written in place"] * 3
         assert "Concat" not in _families(schedule)
     else:
-        assert not after.concats and _families(schedule).count("Concat") == 3
+        # each f_k (a Neg) writes its blocks into c_k; c_(k-1), read again, is copied
+        assert all(how.startswith("1 of 2 inputs written in place (2 blocks each") for how in after.concats.values())
+        assert len(after.concats) == 3 and _families(schedule).count("ConcatCopy") == 3
 
 
 def _list_dense_model():
@@ -269,7 +322,8 @@ def test_reshape_of_a_placed_value_and_of_the_output():
     (0, [(2, 3), (5, 3)], True),              # axis 0: outer extent 1 at any size
     (1, [(1, 3, 4), (1, 2, 4)], True),
     (-1, [(1, 1, 5), (1, 1, 3)], True),       # last axis, 1s before it
-    (-1, [(2, 3, 5), (2, 3, 3)], False),      # last axis, outer extent 6: copied
+    (-1, [(2, 3, 5), (2, 3, 3)], False),      # last axis, outer extent 6 (not the batch): copied
+    (2, [(2, 1, 3, 4), (2, 1, 2, 4)], True),  # outer extent 2, the batch (1s between): strided
     (1, [(1, 4096 + 7), (1, 3)], True),       # a run longer than a copy block
 ])
 def test_axes(axis, shapes, placed):

@@ -16,16 +16,22 @@ not copy. An input whose buffer is its own (not external, not a view into a
 larger buffer, not already placed elsewhere) becomes a slice of the output
 (`alias` to the output plus `alias_offsets`), so its producer writes straight
 into the output; the Concat call goes when every input is placed, or keeps a
-one-input copy for each input that is not. A Concat whose inputs already lie
-in order in one buffer (a DenseNet block's growing concatenations of the same
-features) becomes a slice of that buffer itself. Concats are taken last
-first, so the largest one of a chain owns the features and the earlier ones
-become its prefixes. A placed buffer lives as long as the output, from its
-first producer to the last reader of any part: each placement (and each
-Concat made a slice) is kept only if the arena does not grow (greedy, in that
-order: a U-Net's long-lived skip feature stays a copy, the upsampled feature
-made right before the Concat is placed). Not in loops (LoopMark), and never
-into or out of external storage (graph inputs, outputs, weights).
+one-input copy for each input that is not. At outer extent > 1 (a channel
+Concat at batch > 1) an input is `rows` blocks a row of the output apart: it
+is placed the same way only where the call writing it has a Strided form for
+that row (its generator declared it) and the Concat is its one reader; the
+call then becomes that form. Such a Concat is never made a slice of a buffer
+its inputs already lie in (there they lie contiguously, not a row apart). A
+Concat whose inputs already lie in order in one buffer (a DenseNet block's
+growing concatenations of the same features) becomes a slice of that buffer
+itself. Concats are taken last first, so the largest one of a chain owns the
+features and the earlier ones become its prefixes. A placed buffer lives as
+long as the output, from its first producer to the last reader of any part:
+each placement (and each Concat made a slice) is kept only if the arena does
+not grow (greedy, in that order: a U-Net's long-lived skip feature stays a
+copy, the upsampled feature made right before the Concat is placed). Not in
+loops (LoopMark), and never into or out of external storage (graph inputs,
+outputs, weights).
 
 Placement (64-byte aligned offsets, buffers largest first):
   greedy_by_size  the lowest offset that overlaps no buffer alive at the same

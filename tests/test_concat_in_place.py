@@ -123,6 +123,23 @@ def test_general_resize_and_elementwise_written_in_place_at_batch_3():
     assert _families(schedule).count("Concat") == 1
 
 
+def test_pointwise_conv_and_upsample_written_in_place_at_batch_2():
+    """An FPN merge at batch 2: a lateral 1x1 Conv with bias (the pointwise GEMM, whose output
+    operand takes the Concat's batch stride) beside a nearest x2 upsample; both placed."""
+    nodes = [helper.make_node("Conv", ["c", "w", "b"], ["lat"], kernel_shape=[1, 1]),
+             helper.make_node("Resize", ["top", "", "scales"], ["up"], mode="nearest"),
+             helper.make_node("Concat", ["up", "lat"], ["y"], axis=1),
+             helper.make_node("Abs", ["y"], ["out"])]
+    consts = {"w": rand(5, 6, 1, 1, seed=30), "b": rand(5, seed=31), "scales": np.array([1, 1, 2, 2], F32)}
+    model = make_model(nodes, [("c", F32, [2, 6, 8, 12]), ("top", F32, [2, 3, 4, 6])], [("out", F32, None)],
+                       initializers=consts)
+    feeds = {"c": rand(2, 6, 8, 12, seed=32), "top": rand(2, 3, 4, 6, seed=33)}
+    # sums of 6 products (the 1x1 conv); the upsample is a copy
+    _, schedule = _check(model, feeds, tol=_conv_tol(6, 1),
+                         placed={"Concat_2": "2 of 2 inputs written in place (2 blocks each"})
+    assert not {"Concat", "ConcatCopy"} & set(_families(schedule))
+
+
 def test_conv_transpose_written_in_place_beside_a_conv_copy():
     """U-Net decoder shape at batch 3: ConvTranspose (2x2, stride 2: the patch shuffle writes each
     image a row apart) beside a Conv, which has no Strided form and keeps a strided copy."""

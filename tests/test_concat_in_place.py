@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from onnx import helper
 
+import cuvil
+
 from tests.helpers import assert_matches_ort, make_model, rand
 
 F32 = np.float32
@@ -147,9 +149,8 @@ def test_convs_and_upsample_written_in_place_at_batch_2():
     assert not {"Concat", "ConcatCopy"} & set(_families(schedule))
 
 
-def test_conv_transpose_written_in_place_beside_a_conv_copy():
-    """U-Net decoder shape at batch 3: ConvTranspose (2x2, stride 2: the patch shuffle writes each
-    image a row apart) beside a Conv, which has no Strided form and keeps a strided copy."""
+def _decoder_model():
+    """U-Net decoder shape at batch 3: ConvTranspose (2x2, stride 2) beside a 3x3 Conv, then Relu."""
     nodes = [helper.make_node("ConvTranspose", ["x", "wt", "bt"], ["u"], kernel_shape=[2, 2], strides=[2, 2]),
              helper.make_node("Conv", ["skip", "wc", "bc"], ["k"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
              helper.make_node("Concat", ["u", "k"], ["y"], axis=1),
@@ -158,12 +159,41 @@ def test_conv_transpose_written_in_place_beside_a_conv_copy():
               "bc": rand(2, seed=27)}
     model = make_model(nodes, [("x", F32, [3, 4, 3, 5]), ("skip", F32, [3, 2, 6, 10])], [("out", F32, None)],
                        initializers=consts)
-    feeds = {"x": rand(3, 4, 3, 5, seed=28), "skip": rand(3, 2, 6, 10, seed=29)}
+    return model, {"x": rand(3, 4, 3, 5, seed=28), "skip": rand(3, 2, 6, 10, seed=29)}, consts
+
+
+def test_conv_transpose_written_in_place_beside_a_conv_copy():
+    """The patch shuffle of the ConvTranspose writes each image a row apart; the Conv has no
+    Strided form and keeps a strided copy."""
+    model, feeds, _ = _decoder_model()
     # one layer of sums of at most 2 * 9 (Conv) or 4 (ConvTranspose) terms
     after, schedule = _check(model, feeds, tol=_conv_tol(2 * 9, 1),
                              placed={"Concat_2": "1 of 2 inputs written in place (3 blocks each"})
     assert "ConvTransposePatches" in _families(schedule)
     assert "Concat" not in _families(schedule) and _families(schedule).count("ConcatCopy") == 1
+
+
+def test_conv_transpose_written_in_place_in_a_bf16_build():
+    """The same model built bf16 (the ConvTranspose's products in bf16; this small Conv has no bf16
+    kernel and stays float32): the same placement, and every output element within the bound
+    of products of operands rounded to bf16 (u = 2^-8 each, exact float32 products) summed in
+    float32 by both engines: (2u + u^2 + 2 gamma(K + 3)) x (sum of |x| |w| + |b|), K = 18 the
+    longest sum (tests/test_precision_conv.py's bound); Relu only shrinks differences."""
+    from tests.helpers import run_ort
+    from tests.test_precision_conv import _conv64, _gamma
+    from cuvil.explain import explain_model
+    model, feeds, c = _decoder_model()
+    report = explain_model(model, precision="bf16")
+    assert report.memory["concats_in_place"] == {"Concat_2": "1 of 2 inputs written in place (3 blocks each, "
+                                                              "a row of 1200 bytes apart)"}
+    got = cuvil.compile(model, precision="bf16").run(feeds)["out"]
+    want = run_ort(model, feeds)["out"]
+    x, wt = np.abs(feeds["x"]).astype(np.float64), np.abs(c["wt"]).astype(np.float64)
+    up = np.einsum("nchw,cokl->nohkwl", x, wt).reshape(3, 3, 6, 10) + np.abs(c["bt"])[None, :, None, None]
+    skip = _conv64(np.abs(feeds["skip"]), np.abs(c["wc"]), 1, 1, 1) + np.abs(c["bc"])[None, :, None, None]
+    u = 2.0 ** -8
+    bound = (2 * u + u * u + 2 * _gamma(18 + 3)) * np.concatenate([up, skip], axis=1)
+    assert np.all(np.abs(got.astype(np.float64) - want) <= bound)
 
 
 @pytest.mark.slow   # ~90 s of conv kernel builds on a cold cache

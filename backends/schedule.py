@@ -80,15 +80,29 @@ class InPlace:
 
 
 @dataclass
+class Strided:
+    """The form a call takes when its output is written in place into a Concat at batch > 1: the
+    same arguments, but `kernel` writes the output's batch blocks (dimension 0) `row_bytes` apart,
+    the distance between batch blocks of the Concat's output, instead of one after the other. A
+    generator gives its call this form only where the output's one reader is such a Concat
+    (numba_cpu/concat.py strided_inputs); the memory planner decides whether to take it."""
+    kernel: Kernel
+    work: int
+    row_bytes: int
+
+
+@dataclass
 class ConcatPart:
-    """One input of a Concat whose outer extent is 1 (a channel Concat at batch 1, or any axis
-    with nothing but 1s before it): its bytes are one contiguous run of the output, starting
-    `offset` bytes in. The memory planner may let the input's producer write there directly
-    (backends/native/memory.py); `copy` is the call that copies this input alone into its run,
+    """One input of a Concat as `rows` runs of its output (the Concat's outer extent: 1 for a
+    channel Concat at batch 1, or any axis with nothing but 1s before it; else each run lies one
+    output row further), the first starting `offset` bytes in. The memory planner may let the
+    input's producer write there directly (backends/native/memory.py: at rows > 1 only a producer
+    whose call has a Strided form); `copy` is the call that copies this input alone into its runs,
     which the planner keeps for the inputs it could not place."""
     value: str
     offset: int
     copy: KernelCall
+    rows: int = 1
 
 
 @dataclass
@@ -112,6 +126,7 @@ class KernelCall:
     # A Concat the memory planner may write in place (its inputs' runs of the output: see
     # ConcatPart); None for every other call.
     parts: list[ConcatPart] | None = None
+    strided: Strided | None = None  # see Strided
 
 
 @dataclass

@@ -8,7 +8,8 @@ profiles taken in turn, so both see the same load.
 
 `build` compiles a bench.py / corpus model and keeps its library next to the JSON (the build's own
 folder is temporary); `compare` prints each library's total, its largest kernel families and the
-listed nodes' sums (pads and conversions included), each step the minimum of `--samples` runs.
+listed nodes' sums (pads and conversions included) and the listed families' sums, each step the
+minimum of `--samples` runs. `build --batch N` builds a corpus model at batch N.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def build(args) -> None:
     from benchmarks.bench import MODELS
     from benchmarks.corpus_models import CORPUS
     from tests import zoo
-    module, shapes = MODELS[args.model]() if args.model in MODELS else CORPUS[args.model][0](1)
+    module, shapes = MODELS[args.model]() if args.model in MODELS else CORPUS[args.model][0](args.batch)
     lib = cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=args.threads, jobs=2,
                         precision=args.precision)
     out = Path(args.out)
@@ -49,6 +50,7 @@ def compare(args) -> None:
         for i, lib in enumerate(libs):
             minima[i] = _minima(minima[i], profile_library(lib["library"], lib["info"], 1)[1])
     nodes = [n for n in args.nodes.split(",") if n]
+    families = [f for f in args.families.split(",") if f]
     for path, steps in zip(args.libraries, minima):
         family, node = defaultdict(float), defaultdict(float)
         for _, ms, fam, name in steps:
@@ -58,6 +60,8 @@ def compare(args) -> None:
         print(f"{path}: {sum(s[1] for s in steps):.3f} ms  " + "  ".join(f"{f} {ms:.3f}" for f, ms in top))
         if nodes:
             print("    " + "  ".join(f"{n} {node[n]:.3f}" for n in nodes if n in node))
+        if families:
+            print("    " + "  ".join(f"{f} {family.get(f, 0.0):.3f}" for f in families))
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,12 +69,14 @@ sub = parser.add_subparsers(dest="command", required=True)
 b = sub.add_parser("build")
 b.add_argument("model")
 b.add_argument("--threads", type=int, default=1)
+b.add_argument("--batch", type=int, default=1, help="a corpus model's batch size")
 b.add_argument("--precision", default="bf16")
 b.add_argument("--out", required=True, help="JSON to write; the library goes beside it (.so)")
 c = sub.add_parser("compare")
 c.add_argument("libraries", nargs="+")
 c.add_argument("--samples", type=int, default=20)
 c.add_argument("--nodes", default="", help="nodes whose steps to sum, comma separated")
+c.add_argument("--families", default="", help="kernel families whose steps to sum, comma separated")
 
 if __name__ == "__main__":
     args = parser.parse_args()

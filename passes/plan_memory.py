@@ -12,7 +12,9 @@ schedule (views, in-place reuse), so codegen does it with
     in_place   an elementwise kernel may overwrite an input it reads last; a
                Concat whose inputs are each one contiguous run of its output
                (outer extent 1) has their producers write there directly, where
-               the arena does not grow (backends/native/memory.py)
+               the arena does not grow (backends/native/memory.py); at batch > 1
+               only the producers that can write their batch blocks a row of
+               the output apart (Resize, ConvTranspose, elementwise ops)
     reorder    run the scheduling above
 
 Without this pass in the pass list, codegen places every buffer apart (the

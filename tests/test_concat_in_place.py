@@ -1,6 +1,9 @@
 """Concat written in place (backends/native/memory.py, numba_cpu/concat.py): where a Concat's
 inputs are each one contiguous run of its output (outer extent 1), their producers write straight
-into the output and the Concat call goes, or copies only the inputs that could not be placed.
+into the output and the Concat call goes, or copies only the inputs that could not be placed. At
+batch > 1 (a Concat along an axis after the batch: each input is one block per image, a row of
+the output apart) only producers with a Strided form (Resize, ConvTranspose's patch shuffle,
+elementwise ops) are placed; the other inputs keep a strided one-input copy.
 
 Only where bytes lie changes, never arithmetic, so the graphs of exact ops (Relu, Neg, Abs, Add,
 Mul, Max reductions, MaxPool, nearest Resize: each output element is one IEEE operation or a
@@ -11,6 +14,8 @@ larger than without them.
 import numpy as np
 import pytest
 from onnx import helper
+
+import cuvil
 
 from tests.helpers import assert_matches_ort, make_model, rand
 
@@ -84,11 +89,111 @@ def test_upsample_and_skip_written_in_place_at_batch_1():
     assert "Concat" not in _families(schedule) and "ConcatCopy" not in _families(schedule)
 
 
-def test_batch_2_channel_concat_is_not_placed():
-    # outer extent 2: each input is two runs of the output; the Concat copies as before.
-    model, feeds = _pyramid_model(2)
-    _, schedule = _check(model, feeds, placed={})
-    assert "Concat" in _families(schedule)
+@pytest.mark.parametrize("batch", [2, 4])
+def test_upsample_written_in_place_at_batch_above_1(batch):
+    """Each input is `batch` blocks of the output: the Resize writes its blocks a row apart (its
+    Strided form); the skip `a` is also read by the MaxPool, so it keeps a (strided) copy."""
+    model, feeds = _pyramid_model(batch)
+    row = (3 + 3) * 6 * 10 * 4
+    after, schedule = _check(model, feeds, placed={"Concat_4": f"1 of 2 inputs written in place ({batch} blocks "
+                                                                f"each, a row of {row} bytes apart)"})
+    families = _families(schedule)
+    assert "Concat" not in families and families.count("ConcatCopy") == 1
+    assert not any(getattr(c, "strided", None) for c in schedule)   # the form taken, or dropped with the plan
+
+
+def test_general_resize_and_elementwise_written_in_place_at_batch_3():
+    """A nearest Resize by 1.5 (the general table-driven kernel, not the integer-factor copy), a
+    Clip and an Add (elementwise, with broadcasting) into one Concat; then the same Concat where
+    every input is read again later (no input placed: the Concat copies them all)."""
+    nodes = [helper.make_node("Resize", ["x", "", "scales"], ["u"], mode="nearest"),
+             helper.make_node("Clip", ["v", "lo", "hi"], ["c"]),
+             helper.make_node("Add", ["v", "bias"], ["s"]),
+             helper.make_node("Concat", ["u", "c", "s"], ["y"], axis=1),
+             helper.make_node("Neg", ["y"], ["out"])]
+    inputs = [("x", F32, [3, 2, 4, 4]), ("v", F32, [3, 1, 6, 6])]
+    consts = {"scales": np.array([1, 1, 1.5, 1.5], F32), "lo": np.array(-0.5, F32), "hi": np.array(0.5, F32),
+              "bias": rand(1, 1, 6, seed=21)}
+    feeds = {"x": rand(3, 2, 4, 4, seed=22), "v": rand(3, 1, 6, 6, seed=23)}
+    model = make_model(nodes, inputs, [("out", F32, None)], initializers=consts, opset=13)
+    after, schedule = _check(model, feeds, placed={"Concat_3": "3 of 3 inputs written in place (3 blocks each"})
+    assert not {"Concat", "ConcatCopy"} & set(_families(schedule))
+    # every input read again after the Concat: none placed, one Concat call as before
+    again = make_model(nodes + [helper.make_node("Sum", ["u", "c", "s"], ["t"])], inputs,
+                       [("out", F32, None), ("t", F32, None)], initializers=consts, opset=13)
+    _, schedule = _check(again, feeds, placed={})
+    assert _families(schedule).count("Concat") == 1
+
+
+@pytest.mark.slow   # ~20 s of Winograd and GEMM kernel builds on a cold cache
+def test_convs_and_upsample_written_in_place_at_batch_2():
+    """An FPN merge at batch 2: a lateral 1x1 Conv with bias (the pointwise GEMM, whose output
+    operand takes the Concat's batch stride), a 3x3 Conv by Winograd (its output transform writes
+    each image a row apart; 9 x 10: edge tiles too) and a nearest x2 upsample; all three placed."""
+    # (the Winograd conv first: placed, the Concat's output lives from its first producer on, and
+    # over the Winograd's scratch it would grow the arena, which the planner refuses)
+    nodes = [helper.make_node("Conv", ["c", "w3", "b3"], ["k3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c", "w", "b"], ["lat"], kernel_shape=[1, 1]),
+             helper.make_node("Resize", ["top", "", "scales"], ["up"], mode="nearest"),
+             helper.make_node("Concat", ["up", "lat", "k3"], ["y"], axis=1),
+             helper.make_node("Abs", ["y"], ["out"])]
+    consts = {"w": rand(5, 16, 1, 1, seed=30), "b": rand(5, seed=31), "w3": rand(16, 16, 3, 3, seed=34) * 0.3,
+              "b3": rand(16, seed=35), "scales": np.array([1, 1, 3, 2], F32)}
+    model = make_model(nodes, [("c", F32, [2, 16, 9, 10]), ("top", F32, [2, 3, 3, 5])], [("out", F32, None)],
+                       initializers=consts)
+    feeds = {"c": rand(2, 16, 9, 10, seed=32), "top": rand(2, 3, 3, 5, seed=33)}
+    # the 1x1 conv sums 16 products (_conv_tol(16, 1) = 8e-6); Winograd's transforms add rounding of
+    # their own: the bound tests/test_winograd.py takes for it, 1e-4 of max|ref|; the upsample copies
+    _, schedule = _check(model, feeds, tol=1e-4, placed={"Concat_3": "3 of 3 inputs written in place (2 blocks each"})
+    assert "WinoOut" in _families(schedule)
+    assert not {"Concat", "ConcatCopy"} & set(_families(schedule))
+
+
+def _decoder_model():
+    """U-Net decoder shape at batch 3: ConvTranspose (2x2, stride 2) beside a 3x3 Conv, then Relu."""
+    nodes = [helper.make_node("ConvTranspose", ["x", "wt", "bt"], ["u"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["skip", "wc", "bc"], ["k"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["u", "k"], ["y"], axis=1),
+             helper.make_node("Relu", ["y"], ["out"])]
+    consts = {"wt": rand(4, 3, 2, 2, seed=24), "bt": rand(3, seed=25), "wc": rand(2, 2, 3, 3, seed=26),
+              "bc": rand(2, seed=27)}
+    model = make_model(nodes, [("x", F32, [3, 4, 3, 5]), ("skip", F32, [3, 2, 6, 10])], [("out", F32, None)],
+                       initializers=consts)
+    return model, {"x": rand(3, 4, 3, 5, seed=28), "skip": rand(3, 2, 6, 10, seed=29)}, consts
+
+
+def test_conv_transpose_written_in_place_beside_a_conv_copy():
+    """The patch shuffle of the ConvTranspose writes each image a row apart; the Conv has no
+    Strided form and keeps a strided copy."""
+    model, feeds, _ = _decoder_model()
+    # one layer of sums of at most 2 * 9 (Conv) or 4 (ConvTranspose) terms
+    after, schedule = _check(model, feeds, tol=_conv_tol(2 * 9, 1),
+                             placed={"Concat_2": "1 of 2 inputs written in place (3 blocks each"})
+    assert "ConvTransposePatches" in _families(schedule)
+    assert "Concat" not in _families(schedule) and _families(schedule).count("ConcatCopy") == 1
+
+
+def test_conv_transpose_written_in_place_in_a_bf16_build():
+    """The same model built bf16 (the ConvTranspose's products in bf16; this small Conv has no bf16
+    kernel and stays float32): the same placement, and every output element within the bound
+    of products of operands rounded to bf16 (u = 2^-8 each, exact float32 products) summed in
+    float32 by both engines: (2u + u^2 + 2 gamma(K + 3)) x (sum of |x| |w| + |b|), K = 18 the
+    longest sum (tests/test_precision_conv.py's bound); Relu only shrinks differences."""
+    from tests.helpers import run_ort
+    from tests.test_precision_conv import _conv64, _gamma
+    from cuvil.explain import explain_model
+    model, feeds, c = _decoder_model()
+    report = explain_model(model, precision="bf16")
+    assert report.memory["concats_in_place"] == {"Concat_2": "1 of 2 inputs written in place (3 blocks each, "
+                                                              "a row of 1200 bytes apart)"}
+    got = cuvil.compile(model, precision="bf16").run(feeds)["out"]
+    want = run_ort(model, feeds)["out"]
+    x, wt = np.abs(feeds["x"]).astype(np.float64), np.abs(c["wt"]).astype(np.float64)
+    up = np.einsum("nchw,cokl->nohkwl", x, wt).reshape(3, 3, 6, 10) + np.abs(c["bt"])[None, :, None, None]
+    skip = _conv64(np.abs(feeds["skip"]), np.abs(c["wc"]), 1, 1, 1) + np.abs(c["bc"])[None, :, None, None]
+    u = 2.0 ** -8
+    bound = (2 * u + u * u + 2 * _gamma(18 + 3)) * np.concatenate([up, skip], axis=1)
+    assert np.all(np.abs(got.astype(np.float64) - want) <= bound)
 
 
 @pytest.mark.slow   # ~90 s of conv kernel builds on a cold cache
@@ -99,8 +204,10 @@ def test_unet_style(batch):
     model = zoo.export(zoo.unet_style(), shapes)
     after, schedule = _check(model, {"input": zoo.sample_input(shapes["input"])}, tol=_conv_tol(64 * 9, 9),
                              shapes=shapes)
-    assert len(after.concats) == (2 if batch == 1 else 0)
-    assert ("Concat" in _families(schedule)) == (batch == 2)
+    assert len(after.concats) == 2 and "Concat" not in _families(schedule)
+    if batch == 2:   # the ConvTranspose outputs placed, the skips (also read by the MaxPools) copied
+        assert all(how.startswith("1 of 2 inputs written in place (2 blocks each") for how in after.concats.values())
+        assert _families(schedule).count("ConcatCopy") == 2
 
 
 # -- DenseNet chains -----------------------------------------------------------------------------
@@ -165,7 +272,9 @@ def test_nested_concat_chain(batch):
         assert sorted(after.concats.values()) == ["2 of 2 inputs written in place"] * 3
         assert "Concat" not in _families(schedule)
     else:
-        assert not after.concats and _families(schedule).count("Concat") == 3
+        # each f_k (a Neg) writes its blocks into c_k; c_(k-1), read again, is copied
+        assert all(how.startswith("1 of 2 inputs written in place (2 blocks each") for how in after.concats.values())
+        assert len(after.concats) == 3 and _families(schedule).count("ConcatCopy") == 3
 
 
 def _list_dense_model():
@@ -269,7 +378,8 @@ def test_reshape_of_a_placed_value_and_of_the_output():
     (0, [(2, 3), (5, 3)], True),              # axis 0: outer extent 1 at any size
     (1, [(1, 3, 4), (1, 2, 4)], True),
     (-1, [(1, 1, 5), (1, 1, 3)], True),       # last axis, 1s before it
-    (-1, [(2, 3, 5), (2, 3, 3)], False),      # last axis, outer extent 6: copied
+    (-1, [(2, 3, 5), (2, 3, 3)], False),      # last axis, outer extent 6 (not the batch): copied
+    (2, [(2, 1, 3, 4), (2, 1, 2, 4)], True),  # outer extent 2, the batch (1s between): strided
     (1, [(1, 4096 + 7), (1, 3)], True),       # a run longer than a copy block
 ])
 def test_axes(axis, shapes, placed):

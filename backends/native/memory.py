@@ -16,16 +16,22 @@ not copy. An input whose buffer is its own (not external, not a view into a
 larger buffer, not already placed elsewhere) becomes a slice of the output
 (`alias` to the output plus `alias_offsets`), so its producer writes straight
 into the output; the Concat call goes when every input is placed, or keeps a
-one-input copy for each input that is not. A Concat whose inputs already lie
-in order in one buffer (a DenseNet block's growing concatenations of the same
-features) becomes a slice of that buffer itself. Concats are taken last
-first, so the largest one of a chain owns the features and the earlier ones
-become its prefixes. A placed buffer lives as long as the output, from its
-first producer to the last reader of any part: each placement (and each
-Concat made a slice) is kept only if the arena does not grow (greedy, in that
-order: a U-Net's long-lived skip feature stays a copy, the upsampled feature
-made right before the Concat is placed). Not in loops (LoopMark), and never
-into or out of external storage (graph inputs, outputs, weights).
+one-input copy for each input that is not. At outer extent > 1 (a channel
+Concat at batch > 1) an input is `rows` blocks a row of the output apart: it
+is placed the same way only where the call writing it has a Strided form for
+that row (its generator declared it) and the Concat is its one reader; the
+call then becomes that form. Such a Concat is never made a slice of a buffer
+its inputs already lie in (there they lie contiguously, not a row apart). A
+Concat whose inputs already lie in order in one buffer (a DenseNet block's
+growing concatenations of the same features) becomes a slice of that buffer
+itself. Concats are taken last first, so the largest one of a chain owns the
+features and the earlier ones become its prefixes. A placed buffer lives as
+long as the output, from its first producer to the last reader of any part:
+each placement (and each Concat made a slice) is kept only if the arena does
+not grow (greedy, in that order: a U-Net's long-lived skip feature stays a
+copy, the upsampled feature made right before the Concat is placed). Not in
+loops (LoopMark), and never into or out of external storage (graph inputs,
+outputs, weights).
 
 Placement (64-byte aligned offsets, buffers largest first):
   greedy_by_size  the lowest offset that overlaps no buffer alive at the same
@@ -166,16 +172,40 @@ def _plan(graph, schedule, external, views, strategy, in_place, chosen, trial=Fa
 
 def _concat_choices(graph, schedule, external, views) -> list[list]:
     """The Concat placements to try, one list per Concat, Concats last first: as a slice of a
-    buffer its inputs already lie in ("view", step), then each input placed in it (step, part)."""
+    buffer its inputs already lie in ("view", step; outer extent 1 only), then each input placed
+    in it (step, part; at outer extent > 1 only an input whose writer has a Strided form)."""
     if any(isinstance(c, LoopMark) for c in schedule):
         return []
+    writers = _writers(graph, schedule)
     groups = []
     for step in reversed(range(len(schedule))):
         call = schedule[step]
         if isinstance(call, KernelCall) and call.parts and call.args[-1] not in external:
-            groups.append([("view", step)] + [(step, k) for k, part in enumerate(call.parts)
-                                              if part.value not in external and not graph.values[part.value].is_const])
+            strided = call.parts[0].rows > 1
+            group = [] if strided else [("view", step)]
+            group += [(step, k) for k, part in enumerate(call.parts)
+                      if part.value not in external and not graph.values[part.value].is_const
+                      and (not strided or getattr(writers.get(part.value), "strided", None) is not None)]
+            if group:
+                groups.append(group)
     return groups
+
+
+def _writers(graph, schedule) -> dict:
+    """value -> the kernel call that writes it last."""
+    return {name: call for call in schedule if isinstance(call, KernelCall) for name in call_outputs(graph, call)}
+
+
+def _strided_writer(graph, writers, readers, call, part):
+    """The call writing `part` (an input of the Concat `call` at outer extent > 1) when it can
+    write straight into the Concat's output: it has a Strided form for the distance between the
+    output's rows, and the Concat is the one reader of the value, once; else None."""
+    writer = writers.get(part.value)
+    form = getattr(writer, "strided", None)
+    if form is None or form.row_bytes * part.rows != graph.values[call.args[-1]].nbytes \
+            or readers.get(part.value) != 1 or [p.value for p in call.parts].count(part.value) != 1:
+        return None
+    return writer
 
 
 def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report) -> list:
@@ -202,6 +232,14 @@ def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report)
         if isinstance(call, KernelCall):
             for name in call_outputs(graph, call):
                 last_write[own[name]] = step
+    # Who writes each value, and how many times it is read (a value placed at outer extent > 1
+    # lies in blocks a row apart, which only the Concat reads: see _strided_writer).
+    writers, readers = _writers(graph, schedule), {}
+    for call in schedule:
+        names = [call.src] if isinstance(call, View) else \
+            [a for a in call.args[:len(call.args) - call.n_outputs] if isinstance(a, str)]
+        for name in names:
+            readers[name] = readers.get(name, 0) + 1
     result: dict[int, list] = {}
     for step in reversed(range(len(schedule))):
         call = schedule[step]
@@ -215,7 +253,8 @@ def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report)
         if any(last_write.get(own.get(part.value, part.value), -1) > step for part in call.parts):
             continue
         base = where[0][1] - call.parts[0].offset
-        if ("view", step) in chosen and y not in alias and where[0][0] not in touched and all(
+        rows = call.parts[0].rows
+        if ("view", step) in chosen and rows == 1 and y not in alias and where[0][0] not in touched and all(
                 r == where[0][0] != y and off - part.offset == base >= 0
                 for (r, off), part in zip(where, call.parts)):
             alias[y], offsets_in[y] = where[0][0], base
@@ -226,13 +265,19 @@ def _place_concats(graph, schedule, external, alias, offsets_in, chosen, report)
         for k, part in enumerate(call.parts):
             r, off = resolve(part.value)   # (again: an input met twice is placed at its first run)
             value = graph.values[part.value]
-            if (step, k) in chosen and off == 0 and r != resolve(y)[0] and r not in touched \
-                    and graph.values[r].nbytes == value.nbytes and graph.values[r].shape_from is None:
+            placed = (step, k) in chosen and off == 0 and r != resolve(y)[0] and r not in touched \
+                and graph.values[r].nbytes == value.nbytes and graph.values[r].shape_from is None
+            writer = _strided_writer(graph, writers, readers, call, part) if placed and rows > 1 else None
+            if placed and (rows == 1 or (writer is not None and r == part.value)):
                 alias[r], offsets_in[r] = y, part.offset
+                if writer is not None:   # it now writes its blocks a row of the output apart
+                    form = writer.strided
+                    writer.kernel, writer.work, writer.strided, writer.in_place = form.kernel, form.work, None, None
             else:
                 copies.append(copy.copy(part.copy))
         if len(copies) < len(call.parts):
-            report[call.node] = f"{len(call.parts) - len(copies)} of {len(call.parts)} inputs written in place"
+            strided = f" ({rows} blocks each, a row of {graph.values[y].nbytes // rows} bytes apart)" if rows > 1 else ""
+            report[call.node] = f"{len(call.parts) - len(copies)} of {len(call.parts)} inputs written in place{strided}"
             result[step] = copies
     return [c for step, call in enumerate(schedule) for c in result.get(step, [call])]
 

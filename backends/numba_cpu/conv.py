@@ -50,7 +50,7 @@ from .elementwise import elementwise_kernel
 from .epilogue import Epilogue, epilogue_of
 from .gemm import Operand, choose_tile, gemm_kernel, pack_a_panels, uk_eligible, uk_gemm_kernel
 from .kernel import (InPlace, Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header,
-                     literal)
+                     literal, with_strided_form)
 
 WEIGHT_REGS = 18  # weights live in one pass (OCB x taps): they stay in vector registers
 OC_BLOCK = 2      # output channels per work item (when the group size allows)
@@ -158,7 +158,13 @@ def lower_conv(node, graph) -> Lowered:
     if res_arg is not None:
         args.append(res_arg)
     args.append(Y.name)
-    return Lowered([KernelCall(kernel_obj, args, work, node.name)])
+    call = KernelCall(kernel_obj, args, work, node.name)
+    if pointwise:
+        # before a Concat at batch > 1: the same GEMM writing its images a Concat row apart (concat.py)
+        with_strided_form(call, Y, lambda row: pointwise_kernel(
+            dtype, N, C, OC, group, pixels, B is not None, res_strides, Y.shape[2:], epilogue, W.data, packed=packed,
+            out_batch_stride=row)[:2])
+    return Lowered([call])
 
 
 def _depthwise16(node, graph):
@@ -321,15 +327,16 @@ def _flat_spatial(strides, dims):
 
 
 def pointwise_kernel(dtype, N, C, OC, group, pixels, has_bias, res_strides=None, out_spatial=(), epilogue=None,
-                      weights=None, accumulate=False, packed=None):
+                      weights=None, accumulate=False, packed=None, out_batch_stride=None):
     """1x1 conv as a GEMM batched over (image, group): A = W[g] (OCg x ICg), B = X[n, g] (ICg x pixels).
     Returns the kernel, its work size and the weights packed into micro-kernel panels (or None: W as is);
-    `packed`: those panels from an earlier call for the same weights (not packed again)."""
+    `packed`: those panels from an earlier call for the same weights (not packed again);
+    `out_batch_stride`: elements between the output's images (default OC x pixels: contiguous)."""
     icg, ocg = C // group, OC // group
     a = Operand((0, ocg * icg), icg, 1)
     b = Operand((C * pixels, icg * pixels), pixels, 1)
     c = Operand((0, ocg), 1, 0) if has_bias else None
-    out = Operand((OC * pixels, ocg * pixels), pixels, 1)
+    out = Operand((OC * pixels if out_batch_stride is None else out_batch_stride, ocg * pixels), pixels, 1)
     r = None
     if res_strides is not None:
         sn, sc = res_strides[:2]

@@ -25,7 +25,7 @@ import numpy as np
 
 from cuvil.errors import UnsupportedOpError
 
-from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal
+from .kernel import Kernel, KernelCall, Lowered, Source, dims_strides, kernel_header, literal, with_strided_form
 from .scratch import scratch_value
 
 # GEMM register block: rows of W^T x input channels.
@@ -106,13 +106,26 @@ def _patch_calls(g, node, X, W, Bv, Y, col) -> Lowered:
     args = [packed if packed is not None else np.ascontiguousarray(weights), X.name]
     if Bv is not None:
         args.append(np.repeat(np.asarray(Bv.data, dtype=np.float32).reshape(g.M), g.K))
+    shuffle = KernelCall(_shuffle_kernel(g), [col, Y.name], g.N * g.M * g.in_spatial[0], node.name)
+    # before a Concat at batch > 1: the images a Concat row apart (concat.py)
+    with_strided_form(shuffle, Y, lambda row: (_shuffle_kernel(g, row), shuffle.work))
+    return Lowered([KernelCall(gemm, args + [col], work, node.name), shuffle])
+
+
+def _shuffle_kernel(g, batch_stride=None) -> Kernel:
+    """Step 2 of _patch_calls; with `batch_stride` the output's images lie that many elements
+    apart (else g.M * g.OUT)."""
     KH, KW = g.kernel
     H, Wd = g.in_spatial
     OW = g.out_spatial[1]
     src = Source().line(kernel_header(2)).indent()
     src.line("for item in range(begin, end):").indent()   # (image, output channel, input row)
     src.line(f"plane = item // {H}").line(f"h = item % {H}")
-    src.line(f"ob = plane*{g.OUT}").line(f"cb = plane*{g.K * g.HW}")
+    if batch_stride is None:
+        src.line(f"ob = plane*{g.OUT}")
+    else:
+        src.line(f"ob = (plane // {g.M})*{batch_stride} + (plane % {g.M})*{g.OUT}")
+    src.line(f"cb = plane*{g.K * g.HW}")
     for kh in range(KH):
         src.line(f"yo = ob + (h*{KH} + {kh})*{OW}")
         src.line(f"co = cb + {kh * KW * g.HW} + h*{Wd}")
@@ -120,9 +133,7 @@ def _patch_calls(g, node, X, W, Bv, Y, col) -> Lowered:
         for kw in range(KW):
             src.line(f"p1[yo + w*{KW} + {kw}] = p0[co + {kw * g.HW} + w]")
         src.dedent()
-    shuffle = Kernel("ConvTransposePatches", src.text(), (g.dtype.name,) * 2)
-    return Lowered([KernelCall(gemm, args + [col], work, node.name),
-                    KernelCall(shuffle, [col, Y.name], g.N * g.M * H, node.name)])
+    return Kernel("ConvTransposePatches", src.text(), (g.dtype.name,) * 2)
 
 
 class _Geometry:

@@ -16,7 +16,7 @@ from cuvil.ops import IN_PLACE_OPS
 from .narrow import (BIT_HELPERS, SMALL_FLOATS, SMALL_INTS, compute_type, is_narrow, load,  # noqa: F401
                      pointer_type, store, with_helpers)
 from ..numba_cpu.kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides,
-                                dims_strides, index_expr, kernel_header, literal)
+                                dims_strides, index_expr, kernel_header, literal, with_strided_form)
 
 # Expressions over operand names a, b (c for Where; a, b, c... for the
 # variadic ops). `F(x)` is a typed literal of the output dtype, filled in by
@@ -177,9 +177,12 @@ def operand_name(k: int) -> str:
 
 
 def elementwise_kernel(family: str, expr: str, in_shapes, in_dtypes, out_shape, out_dtype,
-                       saturate: bool = True, value_dtype=None, round_mode: str = "up") -> tuple[Kernel, int]:
-    """A kernel computing `out = expr(a, b, c...)` with broadcasting."""
-    operand_strides = [broadcast_strides(s, out_shape) for s in in_shapes] + [dims_strides(out_shape)]
+                       saturate: bool = True, value_dtype=None, round_mode: str = "up",
+                       out_strides=None) -> tuple[Kernel, int]:
+    """A kernel computing `out = expr(a, b, c...)` with broadcasting; the output laid out by
+    `out_strides` (elements; default: contiguous), a layout its input's bytes cannot share."""
+    operand_strides = [broadcast_strides(s, out_shape) for s in in_shapes] + \
+        [list(out_strides) if out_strides is not None else dims_strides(out_shape)]
     src = Source().line(kernel_header(len(in_shapes) + 1)).indent()
     indices, work = loop_nest(src, out_shape, operand_strides)
     for k, (idx, dtype) in enumerate(zip(indices[:-1], in_dtypes)):
@@ -188,8 +191,22 @@ def elementwise_kernel(family: str, expr: str, in_shapes, in_dtypes, out_shape, 
     src.line(store(f"p{out}", indices[-1], render(expr, compute_type(out_dtype)), out_dtype, saturate, value_dtype,
                    round_mode))
     kernel = Kernel(family, with_helpers(src.text()), tuple(pointer_type(d) for d in list(in_dtypes) + [out_dtype]),
-                    in_place=family in IN_PLACE_OPS)
+                    in_place=family in IN_PLACE_OPS and out_strides is None)
     return kernel, work
+
+
+def elementwise_call(family: str, expr: str, ins, out, node: str, **options) -> KernelCall:
+    """The call (for `node`) of elementwise_kernel over values `ins` -> `out`, with the Strided form that writes
+    the batch blocks of `out` a Concat row apart where `out` feeds one (concat.py)."""
+    shapes, dtypes = [v.shape for v in ins], [v.dtype for v in ins]
+    kernel, work = elementwise_kernel(family, expr, shapes, dtypes, out.shape, out.dtype, **options)
+    call = KernelCall(kernel, [v.name for v in ins] + [out.name], work, node)
+
+    def strided(row):
+        out_strides = [row] + dims_strides(out.shape)[1:]
+        return elementwise_kernel(family, expr, shapes, dtypes, out.shape, out.dtype, out_strides=out_strides,
+                                  **options)
+    return with_strided_form(call, out, strided)
 
 
 def _variadic(op: str, n: int) -> str:
@@ -234,8 +251,7 @@ def lower_elementwise(node, graph) -> Lowered:
             expr = _SMALL_POWERS[_small_exponent(ins[1])]
     else:
         raise KeyError(node.op)
-    kernel, work = elementwise_kernel(node.op, expr, [v.shape for v in ins], [v.dtype for v in ins], out.shape, out.dtype)
-    return Lowered([KernelCall(kernel, [v.name for v in ins] + [out.name], work, node.name)])
+    return Lowered([elementwise_call(node.op, expr, ins, out, node.name)])
 
 
 def lower_clip(node, graph) -> Lowered:
@@ -262,16 +278,13 @@ def lower_clip(node, graph) -> Lowered:
         if not isinstance(bound, str):
             bound = literal(bound, compute_type(out.dtype))
         expr = f"({expr} if {expr} {keep} {bound} else {bound})"
-    kernel, work = elementwise_kernel("Clip", expr, [v.shape for v in operands], [v.dtype for v in operands],
-                                      out.shape, out.dtype)
-    return Lowered([KernelCall(kernel, [v.name for v in operands] + [out.name], work, node.name)])
+    return Lowered([elementwise_call("Clip", expr, operands, out, node.name)])
 
 
 def _unary(node, graph, family, expr) -> Lowered:
     x, out = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     check_dtypes(node, [x, out], float16=True)
-    kernel, work = elementwise_kernel(family, expr, [x.shape], [x.dtype], out.shape, out.dtype)
-    return Lowered([KernelCall(kernel, [x.name, out.name], work, node.name)])
+    return Lowered([elementwise_call(family, expr, [x], out, node.name)])
 
 
 def lower_leaky_relu(node, graph) -> Lowered:

@@ -9,7 +9,7 @@ import contextvars
 
 import numpy as np
 
-from backends.schedule import ConcatPart, InPlace, Kernel, KernelCall, Lowered, View  # noqa: F401  (the generators' types)
+from backends.schedule import ConcatPart, InPlace, Kernel, KernelCall, Lowered, Strided, View  # noqa: F401  (the generators' types)
 from backends.targets import DEFAULT_L1D_WAYS
 from cuvil.errors import UnsupportedOpError
 
@@ -51,6 +51,32 @@ def lowering_for(threads: int, l1d_ways: int = DEFAULT_L1D_WAYS, target=None):
         _TARGET.reset(cpu)
         _L1D_WAYS.reset(ways)
         _THREADS.reset(token)
+
+
+_CONCAT_ROWS = contextvars.ContextVar("cuvil_concat_rows", default={})
+
+
+@contextlib.contextmanager
+def concat_rows(rows: dict[str, int]):
+    """Lower with `rows` (value -> elements between the batch blocks of the Concat output it is
+    the one reader of: numba_cpu/concat.py strided_inputs) for concat_row to read."""
+    token = _CONCAT_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _CONCAT_ROWS.reset(token)
+
+
+def with_strided_form(call: KernelCall, value, kernel_for) -> KernelCall:
+    """`call`, which writes `value`, with the Strided form for the Concat `value` feeds (if it
+    feeds one that can take it: concat_rows): `kernel_for(row)` returns the (kernel, work) that
+    write the batch blocks of `value` `row` elements apart. A generator that can write its output
+    so declares it by calling this."""
+    row = _CONCAT_ROWS.get().get(value.name)
+    if row is not None:
+        kernel, work = kernel_for(row)
+        call.strided = Strided(kernel, work, row * np.dtype(value.dtype).itemsize)
+    return call
 
 
 _ONE_WEIGHT_LAYOUT = contextvars.ContextVar("cuvil_one_weight_layout", default=False)

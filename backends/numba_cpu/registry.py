@@ -10,7 +10,7 @@ from cuvil.errors import UnsupportedOpError
 from cuvil.ops import CONTROL_OPS, FUSED_DOMAIN, FUSED_OPS, VIEW_OPS
 
 from . import attention_bf16, batchnorm, concat, conv, dwblock, elementwise as ew, gemm, pool, softmax, transpose
-from .kernel import Lowered, lowering_for
+from .kernel import Lowered, concat_rows, lowering_for
 from .views import lower_view
 
 # rnn.py, convtranspose.py, norm.py, quant.py
@@ -262,7 +262,8 @@ def lower(graph, threads: int = 1, l1d_ways: int = DEFAULT_L1D_WAYS, target=None
     for a session of `threads` threads, on a target whose L1 data cache has `l1d_ways` ways (the
     target's own when it is given: its features choose the reduced-precision instructions)."""
     schedule = []
-    with lowering_for(threads, target.l1d_ways if target is not None else l1d_ways, target):
+    with lowering_for(threads, target.l1d_ways if target is not None else l1d_ways, target), \
+            concat_rows(concat.strided_inputs(graph)):
         for node in graph.nodes:
             strings.check_node(node, graph)   # a string tensor where the op has no string kernel
             schedule.extend(generator_for(node)(node, graph).calls)

@@ -23,7 +23,8 @@ import numpy as np
 from cuvil.errors import UnsupportedOpError
 
 from .elementwise import check_dtypes, compute_type, load, pointer_type, store, with_helpers
-from .kernel import Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal
+from .kernel import (Kernel, KernelCall, Lowered, Source, const_input, dims_strides, kernel_header, literal,
+                     with_strided_form)
 from .upsample import lower_nearest, nearest_factors
 
 
@@ -208,49 +209,57 @@ def lower_resize(node, graph) -> Lowered:
     factors = nearest_factors(in_shape, [int(d) for d in y.shape], resized, tables) if mode == "nearest" else None
     if factors is not None and resized:
         return Lowered([lower_nearest(node, x, y, factors)])   # an integer-factor upsample: a copy (upsample.py)
-    in_strides = dims_strides(in_shape)
-    ct = compute_type(y.dtype)
-    acc_t = "float64"
-    n_args = 2 + len(tables)
-    out_p = f"p{n_args - 1}"
-    src = Source().line(kernel_header(n_args)).indent()
-    # work item: one output row (all dims but the last)
-    rows = int(np.prod(out_shape[:-1], dtype=np.int64)) if rank > 1 else 1
-    src.line("for w in range(begin, end):").indent()
-    below = 1
-    for d in range(rank - 2, -1, -1):
-        src.line(f"o{d} = (w // {below}) % {out_shape[d]}" if below > 1 else f"o{d} = w % {out_shape[d]}")
-        below *= out_shape[d]
-    last = rank - 1
-    src.line(f"for o{last} in range({out_shape[last]}):").indent()
-    taps = {a: len(tables[2 * k]) // out_shape[a] for k, a in enumerate(resized)}
-    # extrapolated positions (tf_crop_and_resize)
-    checks = [f"p{1 + 2 * k}[o{a} * {taps[a]}] < 0" for k, a in enumerate(resized)]
-    dst = " + ".join(f"o{d} * {s}" if s != 1 else f"o{d}" for d, s in enumerate(dims_strides(out_shape)))
-    if attrs["coordinate_transformation_mode"] == "tf_crop_and_resize" and checks:
-        src.line(f"if {' or '.join(checks)}:").indent()
-        src.line(store(out_p, dst, literal(extrapolation, ct), y.dtype)).line("continue").dedent()
-    src.line(f"acc = {literal(0, acc_t)}")
-    depth = src.depth
-    weight = []
-    for k, a in enumerate(resized):
-        src.line(f"for t{a} in range({taps[a]}):").indent()
-        src.line(f"j{a} = p{1 + 2 * k}[o{a} * {taps[a]} + t{a}]")
-        src.line(f"c{a} = p{2 + 2 * k}[o{a} * {taps[a]} + t{a}]")
-        weight.append(f"c{a}")
-    offset = " + ".join((f"j{d}" if d in resized else f"o{d}") + (f" * {s}" if s != 1 else "")
-                        for d, s in enumerate(in_strides))
-    value = f"np.float64({load('p0', offset, x.dtype)})"
-    src.line(f"acc += {' * '.join(weight + [value])}")
-    src.depth = depth
-    if np.dtype(y.dtype).kind in "iu":
-        info = np.iinfo(y.dtype)
-        src.line("acc = np.float64(np.rint(acc))")
-        src.line(f"acc = {float(info.min)!r} if acc < {float(info.min)!r} else ({float(info.max)!r} if acc > {float(info.max)!r} else acc)")
-    src.line(store(out_p, dst, "acc", y.dtype))
-    arg_types = [pointer_type(x.dtype)] + ["int64", "float64"] * len(resized) + [pointer_type(y.dtype)]
-    kernel = Kernel(node.op, with_helpers(src.text()), tuple(arg_types))
-    return Lowered([KernelCall(kernel, [x.name] + tables + [y.name], rows if y.size else 0, node.name)])
+
+    def build(out_strides):
+        """The kernel writing output element (o0, o1, ...) at sum(o_d * out_strides[d])."""
+        in_strides = dims_strides(in_shape)
+        ct = compute_type(y.dtype)
+        acc_t = "float64"
+        n_args = 2 + len(tables)
+        out_p = f"p{n_args - 1}"
+        src = Source().line(kernel_header(n_args)).indent()
+        # work item: one output row (all dims but the last)
+        rows = int(np.prod(out_shape[:-1], dtype=np.int64)) if rank > 1 else 1
+        src.line("for w in range(begin, end):").indent()
+        below = 1
+        for d in range(rank - 2, -1, -1):
+            src.line(f"o{d} = (w // {below}) % {out_shape[d]}" if below > 1 else f"o{d} = w % {out_shape[d]}")
+            below *= out_shape[d]
+        last = rank - 1
+        src.line(f"for o{last} in range({out_shape[last]}):").indent()
+        taps = {a: len(tables[2 * k]) // out_shape[a] for k, a in enumerate(resized)}
+        # extrapolated positions (tf_crop_and_resize)
+        checks = [f"p{1 + 2 * k}[o{a} * {taps[a]}] < 0" for k, a in enumerate(resized)]
+        dst = " + ".join(f"o{d} * {s}" if s != 1 else f"o{d}" for d, s in enumerate(out_strides))
+        if attrs["coordinate_transformation_mode"] == "tf_crop_and_resize" and checks:
+            src.line(f"if {' or '.join(checks)}:").indent()
+            src.line(store(out_p, dst, literal(extrapolation, ct), y.dtype)).line("continue").dedent()
+        src.line(f"acc = {literal(0, acc_t)}")
+        depth = src.depth
+        weight = []
+        for k, a in enumerate(resized):
+            src.line(f"for t{a} in range({taps[a]}):").indent()
+            src.line(f"j{a} = p{1 + 2 * k}[o{a} * {taps[a]} + t{a}]")
+            src.line(f"c{a} = p{2 + 2 * k}[o{a} * {taps[a]} + t{a}]")
+            weight.append(f"c{a}")
+        offset = " + ".join((f"j{d}" if d in resized else f"o{d}") + (f" * {s}" if s != 1 else "")
+                            for d, s in enumerate(in_strides))
+        value = f"np.float64({load('p0', offset, x.dtype)})"
+        src.line(f"acc += {' * '.join(weight + [value])}")
+        src.depth = depth
+        if np.dtype(y.dtype).kind in "iu":
+            info = np.iinfo(y.dtype)
+            src.line("acc = np.float64(np.rint(acc))")
+            src.line(f"acc = {float(info.min)!r} if acc < {float(info.min)!r} else ({float(info.max)!r} if acc > {float(info.max)!r} else acc)")
+        src.line(store(out_p, dst, "acc", y.dtype))
+        arg_types = [pointer_type(x.dtype)] + ["int64", "float64"] * len(resized) + [pointer_type(y.dtype)]
+        kernel = Kernel(node.op, with_helpers(src.text()), tuple(arg_types))
+        return kernel, rows if y.size else 0
+
+    kernel, work = build(dims_strides(out_shape))
+    call = KernelCall(kernel, [x.name] + tables + [y.name], work, node.name)
+    # before a Concat at batch > 1: the output's batch blocks a Concat row apart (concat.py)
+    return Lowered([with_strided_form(call, y, lambda row: build([row] + dims_strides(out_shape)[1:]))])
 
 
 # -- GridSample -----------------------------------------------------------------------------------

@@ -8,14 +8,15 @@ DBNet's x2..x8) only repeats each input element s_w times along the row and each
 s_h times. `nearest_factors` recognises it from those same tables (every resized axis has one
 tap of weight 1 at o // s, whatever coordinate transformation and rounding gave it), and
 `lower_nearest` copies: a work item is one output row, which reads its input row once and
-stores each element s_w times (a compile-time unrolled store per copy).
+stores each element s_w times (a compile-time unrolled store per copy). Before a Concat at batch
+> 1 it can write its batch blocks a Concat row apart (concat.py, kernel.with_strided_form).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .elementwise import pointer_type
-from .kernel import Kernel, KernelCall, Source, kernel_header
+from .kernel import Kernel, KernelCall, Source, kernel_header, with_strided_form
 
 
 def nearest_factors(in_shape, out_shape, resized, tables) -> list[int] | None:
@@ -38,6 +39,17 @@ def nearest_factors(in_shape, out_shape, resized, tables) -> list[int] | None:
 
 
 def lower_nearest(node, x, y, factors) -> KernelCall:
+    call = KernelCall(*_nearest_kernel(node, x, y, factors), node.name)
+
+    def strided(row):
+        kernel, _, work = _nearest_kernel(node, x, y, factors, row)
+        return kernel, work
+    return with_strided_form(call, y, strided)
+
+
+def _nearest_kernel(node, x, y, factors, batch_stride=None):
+    """(kernel, args, work) of the upsample; with `batch_stride` it writes the output's batch
+    blocks that many elements apart (in place into a Concat: concat.py)."""
     in_shape, out_shape = [int(d) for d in x.shape], [int(d) for d in y.shape]
     rank = len(in_shape)
     sw, IW, OW = factors[-1], in_shape[-1], out_shape[-1]
@@ -52,10 +64,15 @@ def lower_nearest(node, x, y, factors) -> KernelCall:
         terms.append(f"{i} * {in_stride}")
         below *= out_shape[d]
         in_stride *= in_shape[d]
-    src.line(f"xb = {' + '.join(terms) if terms else '0'}").line(f"yb = w * {OW}")
+    src.line(f"xb = {' + '.join(terms) if terms else '0'}")
+    if batch_stride is None:
+        src.line(f"yb = w * {OW}")
+    else:
+        per_image = rows // out_shape[0]
+        src.line(f"yb = (w // {per_image}) * {batch_stride} + (w % {per_image}) * {OW}")
     src.line(f"for i in range({IW}):").indent()
     src.line("v = p0[xb + i]")
     for r in range(sw):
         src.line(f"p1[yb + i * {sw} + {r}] = v")
     kernel = Kernel(node.op, src.text(), (pointer_type(x.dtype), pointer_type(y.dtype)))
-    return KernelCall(kernel, [x.name, y.name], rows if y.size else 0, node.name)
+    return kernel, [x.name, y.name], rows if y.size else 0

@@ -49,7 +49,7 @@ from cuvil.ir import Value
 from . import convgemm
 from .epilogue import Epilogue
 from .gemm import Operand, choose_tile, uk_eligible, uk_gemm_kernel, uk_k_pass
-from .kernel import Kernel, KernelCall, Source, kernel_header, literal
+from .kernel import Kernel, KernelCall, Source, kernel_header, literal, with_strided_form
 from .narrow import with_bf16_lanes
 
 @dataclass(frozen=True)
@@ -193,12 +193,14 @@ def _in_kernel(t: Transform, C, T, TH, TW, PW, pitch, ldb, offsets, xs) -> Kerne
 
 
 def out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_strides, epilogue: Epilogue,
-               dtype, r16: bool = False, y16: bool = False, row0: int = 0, plane: int = 0) -> Kernel:
+               dtype, r16: bool = False, y16: bool = False, row0: int = 0, plane: int = 0,
+               batch_stride: int | None = None) -> Kernel:
     """M[n, xi, oc, t] -> Y (+ bias, + residual, activation); a work item is one (image, channel) plane.
     `r16` / `y16`: the residual / Y are bf16 activations (uint16 bits): the residual widened on load
     (exact), Y rounded once on the store (RNE, as lowp.py's "exact" conversion; winograd_bf16.py).
     A band of tile rows (winograd_bf16.py): M holds TH tile rows from tile row `row0` on, which are
-    OH output rows of planes of `plane` outputs."""
+    OH output rows of planes of `plane` outputs. `batch_stride` (float32 Y): the elements between
+    Y's images (default: OC planes, contiguous), for a Y written in place into a Concat."""
     a, m = t.a, t.m
     # A bf16 Y with rows of even length: a tile row's m = 2 outputs are one 32-bit word (the
     # tile's two columns, bf16_pair_rne), so its outputs go out as one word per tile and the
@@ -218,8 +220,10 @@ def out_kernel(t: Transform, OC, T, TH, pitch, OH, OW, xs, has_bias, res_strides
     src.line(f"mb = n * {a * a * xs} + oc * {T}")
     if words:
         src.line(f"yw = item * {(plane or OH * OW) // 2} + {row0 * m * OW // 2}")
-    else:
+    elif batch_stride is None:
         src.line(f"yb = item * {plane or OH * OW} + {row0 * m * OW}")
+    else:
+        src.line(f"yb = n * {batch_stride} + oc * {plane or OH * OW} + {row0 * m * OW}")
     if has_bias:
         src.line(f"bias = {pb}[oc]")
     if pr is not None:
@@ -381,8 +385,11 @@ def lower_winograd(node, graph, t: Transform, X, W, B, Y, pads, residual_arg=Non
     out = out_kernel(t, OC, T, TH, pitch, OH, OW, xs_out, B is not None, res_strides, epilogue, dtype)
     out_args = [names["winom"]] + ([B.name] if B is not None else []) \
         + ([residual_arg] if residual_arg is not None else []) + [Y.name]
+    out_call = KernelCall(out, out_args, N * OC, node.name)
+    # before a Concat at batch > 1: the images a Concat row apart (concat.py)
+    with_strided_form(out_call, Y, lambda row: (out_kernel(t, OC, T, TH, pitch, OH, OW, xs_out, B is not None,
+                                                           res_strides, epilogue, dtype, batch_stride=row), N * OC))
     return [prep, KernelCall(pad_kernel, [X.name, names["winopad"]], pad_work, node.name),
             KernelCall(_in_kernel(t, C, T, TH, TW, PW, pitch, ldb, offsets, xs_in), [names["winopad"], names["winov"]],
                        N * C, node.name),
-            KernelCall(gemm, [names["winou"], names["winov"], names["winom"]], gemm_work, node.name),
-            KernelCall(out, out_args, N * OC, node.name)]
+            KernelCall(gemm, [names["winou"], names["winov"], names["winom"]], gemm_work, node.name), out_call]

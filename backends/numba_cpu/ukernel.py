@@ -207,9 +207,10 @@ class TSpec(Declared):
     """A transposed micro-kernel: output channels in the vector lanes, output positions broadcast,
     for convolutions whose planes are too small to fill vectors of positions (7x7):
 
-        C[i, j] (+)= sum_{c < kc, t}  A[aoff + c*a_ks + taps[t] + i] * B[boff + (c*T + t)*nr + j]
+        C[i, j] (+)= sum_{c < kc, t}  A[aoff + c*a_ks + taps[t] + i*a_is] * B[boff + (c*T + t)*nr + j]
 
-    i < mr positions of one output row (their inputs broadcast), j < nr output channels (weights
+    i < mr positions of one output row (their inputs broadcast; a_is > 1: the frames of a 1-D conv
+    read in place, convim2col.py), j < nr output channels (weights
     packed at build time, nr floats per k, zero padded). Between passes over the input channels
     the tile lives in a scratch slot s[soff + i*nr + j] (plain vector loads and stores); the
     last pass scatters it into the NCHW output, C[i, j] at c[coff + i + j*c_cs], rows i < `rows`
@@ -233,6 +234,7 @@ class TSpec(Declared):
     act: str = ""
     act_lo: float = 0.0
     act_hi: float = 0.0
+    a_is: int = 1
     kind: str = "t"
     _ARGS: ClassVar[str] = "pipipipiiiiipii"
 
@@ -888,7 +890,7 @@ def tkernel_ir(spec: TSpec, vector_bits: int) -> str:
                 bvec[v] = x
             for i in range(spec.mr):
                 p = ir.tmp("ap")
-                ir(f"{p} = getelementptr float, ptr {ap}, i64 {off + i}")
+                ir(f"{p} = getelementptr float, ptr {ap}, i64 {off + i * spec.a_is}")
                 _fma_broadcast(ir, p, vt, L, i, vecs, bvec, cur)
         final = close_k_loop(ir, ci, kv, accs, cur, rename)
         nxt = f"chunk{ci + 1}" if ci + 1 < len(chunks) else "done"

@@ -201,6 +201,11 @@ class Session:
             self._output_shape = library._lib[f"{library.prefix}session_output_shape"]
             self._output_shape.restype = ctypes.POINTER(ctypes.c_int64)
             self._output_shape.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        # Plain tensors (no sequences or optionals, strings, data-dependent shapes or batch buckets):
+        # run calls _plain_run's closure, whose per-call work is the checks, the copies and the call.
+        plain = self._structure is None and not (self._string_inputs or self._string_outputs or self._dynamic
+                                                 or "batch" in library.info)
+        self._plain = self._plain_run() if plain else None
 
     @staticmethod
     def _stage(ptrs, index, dtype, shape):
@@ -215,24 +220,16 @@ class Session:
     def _feeds_as_given(self, feeds) -> list | None:
         """The feeds in input order when they can be used as they are, else None:
         the full check in `Library._check_feeds` then converts them or names the problem."""
-        if type(feeds) is not dict or len(feeds) != len(self._input_checks):
-            return None
-        arrays = []
-        for name, dtype, shape, addressed in self._input_checks:
-            arr = feeds.get(name)
-            if type(arr) is not np.ndarray or arr.dtype is not dtype or arr.shape != shape:
-                return None
-            if addressed:
-                flags = arr.flags
-                if not (flags.c_contiguous and flags.aligned):
-                    return None
-            arrays.append(arr)
-        return arrays
+        return _as_given(self._input_checks, feeds)
 
     def run(self, feeds: dict) -> dict:
         """Run on numpy arrays by input name; return new output arrays by name, in graph order. A
         sequence input or output is a list of arrays, an optional one an array (or list) or None
         (docs/sequences.md)."""
+        if self._plain is not None:
+            outputs = self._plain(feeds)
+            if outputs is not None:
+                return outputs
         if self._structure is None:
             return self._run_tensors(feeds)
         flat = _flatten_feeds(self._structure, feeds, self.library.path.name)
@@ -265,9 +262,7 @@ class Session:
                 out_ptrs[i] = _address(arr)
             code = self._run_c(self._handle_arg, in_ptrs, out_ptrs)
             if code != 0:
-                lib = self.library
-                message = lib._error(self._handle).decode("utf-8", "replace")
-                raise RuntimeFailure(f"{lib.path.name}: run failed with code {code}: {message}")
+                raise _run_failure(self.library, self._handle_arg, code)
             results = {}
             for name, i, staged in self._results:
                 results[name] = fresh[i] if staged is None else staged.copy()
@@ -276,6 +271,42 @@ class Session:
                 if i in self._string_outputs:   # read now: the next run frees the strings
                     results[name] = _strings_from(results[name])
             return results
+
+    def _plain_run(self):
+        """run's fast path for a library of plain tensors: a closure over what it reads (no method
+        calls, no attribute lookups; it holds no reference to the session, whose __del__ closes it).
+        It runs on feeds that _feeds_as_given takes as they are and returns the outputs; for any
+        others it returns None, and run takes _run_tensors, which converts them or names the problem."""
+        checks, lock, run_c, handle = self._input_checks, self._lock, self._run_c, self._handle_arg
+        staged_copies = tuple((staged, i) for i, staged in self._staged_inputs)
+        addressed_inputs, addressed_outputs = tuple(self._addressed_inputs), tuple(self._addressed_outputs)
+        in_ptrs, out_ptrs, results, library, empty = self._in_ptrs, self._out_ptrs, tuple(self._results), \
+            self.library, np.empty
+
+        def run(feeds):
+            arrays = _as_given(checks, feeds)
+            if arrays is None:
+                return None
+            lock.acquire()
+            try:
+                for staged, i in staged_copies:
+                    staged[...] = arrays[i]
+                for i in addressed_inputs:
+                    in_ptrs[i] = _address(arrays[i])
+                fresh = {}
+                for i, shape, dtype in addressed_outputs:
+                    arr = fresh[i] = empty(shape, dtype)
+                    out_ptrs[i] = _address(arr)
+                code = run_c(handle, in_ptrs, out_ptrs)
+                if code != 0:
+                    raise _run_failure(library, handle, code)
+                outputs = {}   # (a loop: a comprehension is a call of its own)
+                for name, i, staged in results:
+                    outputs[name] = fresh[i] if staged is None else staged.copy()
+                return outputs
+            finally:
+                lock.release()
+        return run
 
     def _actual(self, index: int, buffer: np.ndarray) -> np.ndarray:
         """A data-dependent output: the C-contiguous prefix of its upper-bound buffer, in the shape
@@ -370,7 +401,7 @@ class Session:
 
     def close(self):
         if getattr(self, "_handle", None):
-            self._handle_arg = None  # a closed session runs with NULL: an error, not a use after free
+            self._handle_arg.value = None  # a closed session runs with NULL: an error, not a use after free
             self.library._destroy(self._handle)
             self._handle = None
 
@@ -416,6 +447,29 @@ class _Generation:
             raise CuvilError(f"sampling={sampling!r}: expected None (greedy) or a dict of temperature, top_k, top_p")
         return ctypes.pointer(Sampling(float(sampling.get("temperature", 1.0)), int(sampling.get("top_k", 0)),
                                        float(sampling.get("top_p", 1.0))))
+
+
+def _as_given(checks: list, feeds) -> list | None:
+    """Session._feeds_as_given over the session's (name, dtype, shape, passed by address) checks."""
+    if type(feeds) is not dict or len(feeds) != len(checks):
+        return None
+    arrays = []
+    for name, dtype, shape, addressed in checks:
+        arr = feeds.get(name)
+        if type(arr) is not np.ndarray or arr.dtype is not dtype or arr.shape != shape:
+            return None
+        if addressed:
+            flags = arr.flags
+            if not (flags.c_contiguous and flags.aligned):
+                return None
+        arrays.append(arr)
+    return arrays
+
+
+def _run_failure(library: "Library", handle: ctypes.c_void_p, code: int) -> RuntimeFailure:
+    """The error of a session_run that returned `code`, with the session's last error message."""
+    message = library._error(handle).decode("utf-8", "replace")
+    return RuntimeFailure(f"{library.path.name}: run failed with code {code}: {message}")
 
 
 def _flatten_feeds(structure: dict, feeds, library: str) -> dict:

@@ -57,7 +57,6 @@ def conv_model(x_shape, w_shape, bias=True, relu=False, residual=False, seed=0, 
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
-    ((1, 1, 1024), (258, 1, 256), dict(strides=[128]), {}),                              # STFT: 7 frames
     ((2, 1, 2000), (258, 1, 256), dict(strides=[128]), dict(bias=False)),                # STFT, batch 2, 14 frames
     ((1, 2, 300), (40, 2, 80), dict(strides=[10], pads=[35, 35]), dict(relu=True)),      # padded, 2 channels
     ((1, 1, 700), (32, 1, 100), dict(strides=[7], dilations=[2]), dict(residual=True, relu=True)),
@@ -66,6 +65,27 @@ def test_long_kernel_conv1d_as_im2col_gemm(x_shape, w_shape, attrs, extra):
     model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
     assert "Im2col" in families(model)
     assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [
+    ((1, 1, 1024), (258, 1, 256), dict(strides=[128]), {}),                              # STFT: 7 frames
+    ((1, 1, 1100), (258, 1, 256), dict(strides=[128]), dict(bias=False, relu=True)),     # frames end before x does
+    ((1, 1, 800), (96, 1, 100), dict(strides=[100]), dict(relu=True)),                   # 8 frames, 2 whole panels
+])
+def test_stft_frames_read_in_place(x_shape, w_shape, attrs, extra):
+    """A one-channel 1-D conv without padding is one Conv kernel (convim2col._frames_in_place): its
+    micro-kernel broadcasts the frames' taps from x at the hop's stride, no Im2col copy."""
+    from backends.numba_cpu.registry import lower
+    from backends.numba_cpu.ukernel import specs_in
+    from cuvil.frontends.onnx import import_onnx
+    from passes import resolve_passes, run_passes
+    model, feeds = conv_model(x_shape, w_shape, **attrs, **extra)
+    graph, _ = import_onnx(model)
+    calls = lower(run_passes(graph, [p for p in resolve_passes(2) if p != "plan_memory"]))
+    assert [c.kernel.family for c in calls] == ["Conv"]
+    assert {spec.a_is for spec in specs_in(calls[0].kernel.source).values()} == {attrs["strides"][0]}
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))))
+    assert_matches_ort(model, feeds, tol=tol(int(np.prod(w_shape[1:]))), threads=2)
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs,extra", [

@@ -313,6 +313,43 @@ def test_sync_counters():
     assert list(words) == [0, 2, 1, 7]
 
 
+@pytest.mark.parametrize("rows,cols", [(7, 48), (7, 18), (5, 48)])
+def test_transposed_tile_of_a_whole_plane(rows, cols):
+    """A TSpec tile holding a whole output plane (c_cs = mr: the STFT's 7 frames) stores its
+    columns as contiguous vectors shuffled in registers, not as scatters: the outputs of the
+    `cols` columns only (an edge panel leaves the next channels' floats alone), bias and Relu
+    applied; a tile of fewer rows than mr takes the scatters. JIT-compiled for this machine's CPU
+    and called on buffers; the reference is float64, and each output of kc = 40 float32 products
+    summed with FMAs is within 40 x 2^-24 of the sum of their magnitudes."""
+    import ctypes
+
+    import llvmlite.binding as llvm
+
+    from backends.numba_cpu.ukernel import LOADC_EPILOGUE, TSTORE_OUTPUT
+    from backends.targets import init_llvm
+    init_llvm()
+    mr, nr, kc = 7, 48, 40
+    spec = TSpec(mr=mr, nr=nr, taps=(0,), a_ks=mr, c_cs=mr, bias=1, act="Relu")
+    machine = llvm.Target.from_default_triple().create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                                                       features=llvm.get_host_cpu_features().flatten())
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(ukernel_ir(spec, 512)), machine)
+    engine.finalize_object()
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    fn = ctypes.CFUNCTYPE(ctypes.c_int32, p, i, p, i, p, i, p, i, i, i, i, i, p, i, i)(
+        engine.get_function_address(spec.name))
+    a, b, bias = rand(kc * mr, seed=1), rand(kc * nr, seed=2), rand(nr, seed=3)
+    slot = np.zeros(mr * nr, np.float32)
+    c = np.full(nr * mr + 16, 7.0, np.float32)          # 7.0: not written
+    fn(a.ctypes.data, 0, b.ctypes.data, 0, slot.ctypes.data, 0, c.ctypes.data, 0, kc, rows, cols,
+       TSTORE_OUTPUT + LOADC_EPILOGUE, bias.ctypes.data, 0, 0)
+    A, B = a.reshape(kc, mr).astype(np.float64), b.reshape(kc, nr).astype(np.float64)
+    want = np.maximum(A.T @ B + bias, 0.0)              # (position i, channel j) -> c[i + j * mr]
+    bound = kc * 2.0 ** -24 * (np.abs(A).T @ np.abs(B) + np.abs(bias))
+    got = c[:nr * mr].reshape(nr, mr).T
+    assert np.all(np.abs(got[:rows, :cols] - want[:rows, :cols]) <= bound[:rows, :cols])
+    assert np.all(got[rows:, :] == 7.0) and np.all(got[:, cols:] == 7.0) and np.all(c[nr * mr:] == 7.0)
+
+
 @pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])
 def test_other_targets_compute_the_same(target):
     """Narrower targets run the same micro-kernels with 8- or 4-wide vectors."""

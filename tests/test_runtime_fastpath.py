@@ -182,6 +182,19 @@ def test_a_closed_session_fails_cleanly(compiled):
         s.run(feeds(8))
 
 
+def test_a_dropped_session_is_destroyed_at_once_and_its_run_keeps_it(compiled):
+    """The fast path's closure holds no reference to its session: a session nobody holds is
+    destroyed when its last reference goes (no cycle left for the garbage collector), while a
+    bound `run` kept alone (cuvil.bench's functools.partial) keeps its session alive."""
+    import weakref
+    s = compiled.session()
+    gone = weakref.ref(s)
+    del s
+    assert gone() is None
+    run = compiled.session().run
+    assert_close(run(feeds(9)), run_ort(two_path_model(), feeds(9)))
+
+
 @pytest.mark.parametrize("limit", [16 * 1024, -1])
 def test_an_output_listed_twice_is_returned_once(limit, monkeypatch):
     monkeypatch.setattr(runtime, "STAGED_BYTES", limit)

@@ -14,7 +14,9 @@ each pass over the input channels (a pass's weights, at most 32 KiB, stay in
 L1 across the item's tiles) and each tile: the partial sums go to a per-tile
 scratch slot (contiguous vectors); the last pass adds bias and activation and
 scatters the tile into the NCHW output (one scatter per accumulator per tile,
-not per pass).
+not per pass; a tile of a whole one-row plane, the STFT's 7 frames, is one
+contiguous run of the output, stored as vectors shuffled in registers). The
+last panel of output channels is only as wide as its columns need.
 
 The weights are laid out panel by panel, pass after pass, and each tile
 prefetches its share of the next contiguous run (the next pass, or the next
@@ -27,6 +29,8 @@ with it, 1.20 ms.
 1x1 convolutions take the same kernel with one tap, reading X in place.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -100,8 +104,11 @@ def eligible(X, W, B, group, kernel, strides, dilations, pads, Y, res_strides=No
 
 def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations, pads,
                      residual_arg=None, res_strides=None, epilogue: Epilogue | None = None,
-                     pointwise: bool = False) -> list:
-    """The kernel calls (ConvPad unless pointwise, then Conv) of a conv on a small plane."""
+                     pointwise: bool = False, frames: tuple | None = None) -> list:
+    """The kernel calls (ConvPad unless pointwise, then Conv) of a conv on a small plane. `frames`
+    (image stride, hop): X is the frames of a one-channel 1-D conv without padding, read in place
+    (convim2col.py), and this conv is the 1x1 conv over them: X's shape is (N, taps, 1, frames),
+    its "channel" k of frame ow at X[n*image stride + k + ow*hop]."""
     epilogue = epilogue or Epilogue()
     N, C, H, Wd = (int(v) for v in X.shape)
     OC = int(W.shape[0])
@@ -111,7 +118,7 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     calls = []
     if pointwise:
         # The input as it is: position (oh, ow) of channel c at c*H*W + oh*W + ow (stride 1, no pad).
-        offsets, ldb, PW, src_name = (0,), H * Wd, Wd, X.name
+        offsets, ldb, PW, src_name = (0,), (1 if frames else H * Wd), Wd, X.name
     else:
         phases, PH, PW, ldb, offsets, left = phase_geometry(kernel, strides, dilations, pads[1], Wd, OH, OW)
         src_name = scratch_value(graph, node, (N * C * ldb + PW + 16,), np.float32, tag="phases")
@@ -128,10 +135,16 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     kc_max = max(1, min(icg, PASS_BYTES // (4 * T * NR)))
     passes = ceil_div(icg, kc_max)
     kc_max = ceil_div(icg, passes)
+    # The last panel is only as wide as its columns need (whole vectors): the STFT's 258 channels
+    # in 7 x 48 tiles are five panels of 48 and one of 32, not six of 48 (1/18 of the FMAs).
+    last_nr = min(NR, ceil_div(ocg - (n_panels - 1) * NR, UK_NR_STEP) * UK_NR_STEP)
     w = np.zeros((group, n_panels * NR, icg, T), dtype=np.float32)
     w[:, :ocg] = np.asarray(W.data, dtype=np.float32).reshape(group, ocg, icg, T)
-    packed = np.ascontiguousarray(w.reshape(group, n_panels, NR, icg, T).transpose(0, 1, 3, 4, 2).reshape(-1))
-    per_group = n_panels * NR * icg * T
+    whole = w[:, :(n_panels - 1) * NR].reshape(group, n_panels - 1, NR, icg, T).transpose(0, 1, 3, 4, 2)
+    last = w[:, (n_panels - 1) * NR:(n_panels - 1) * NR + last_nr].transpose(0, 2, 3, 1)
+    packed = np.ascontiguousarray(np.concatenate([whole.reshape(group, -1), last.reshape(group, -1)], axis=1)
+                                  .reshape(-1))
+    per_group = ((n_panels - 1) * NR + last_nr) * icg * T
 
     # Work items: (image, group, panel, block of rows); rows split only to give threads enough items.
     want = work_items()
@@ -155,7 +168,8 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     share = ceil_div(pass_lines, tiles)
     pf_lines = ceil_div(share, kc_max)
     spec = TSpec(mr=MR, nr=NR, taps=tuple(offsets), a_ks=ldb, c_cs=OH * OW, pf_lines=pf_lines,
-                 **(uk_epilogue or {}))
+                 a_is=frames[1] if frames else 1, **(uk_epilogue or {}))
+    narrow = last_nr < NR   # the last panel's micro-kernel: uk_last, its weights last_nr floats per k
     # Pointers: A (phases or X), W (packed), [bias], [residual], partial tiles, Y.
     n_ptrs = 4 + has_bias + (residual_arg is not None)
     pb = "p2" if has_bias else None
@@ -166,6 +180,9 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     src = Source()
     for line in spec.declaration("uk").splitlines():
         src.line(line)
+    if narrow:
+        for line in replace(spec, nr=last_nr).declaration("uk_last").splitlines():
+            src.line(line)
     src.line(kernel_header(n_ptrs)).indent()
     src.line("for item in range(begin, end):").indent()
     src.line(f"rb = item % {row_blocks}").line(f"rest = item // {row_blocks}")
@@ -174,19 +191,31 @@ def lower_conv_small(node, graph, X, W, B, Y, group, kernel, strides, dilations,
     src.line(f"oc0 = g * {ocg} + pn * {NR}").line(f"cols = min({NR}, {ocg} - pn * {NR})")
     src.line(f"r_lo = rb * {rows_per}").line(f"r_hi = min(r_lo + {rows_per}, {OH})")
     src.line(f"slot0 = item * {rows_per * tiles_per_row}")
+    if narrow:
+        src.line(f"nrp = {NR} if pn < {n_panels - 1} else {last_nr}")
+    run_floats = f"nrp * {T}" if narrow else f"{T * NR}"   # weights of one k in this panel
     src.line(f"for c0 in range(0, {icg}, {kc_max}):").indent()
     src.line(f"kc = min({kc_max}, {icg} - c0)")
     src.line(f"flags = (0 if c0 == 0 else {LOADC_ACCUMULATE}) + "
              f"({TSTORE_OUTPUT + (LOADC_EPILOGUE if in_registers else 0)} if c0 + {kc_max} >= {icg} else 0)")
-    src.line(f"boff = g * {per_group} + pn * {icg * T * NR} + c0 * {T * NR}")
-    src.line(f"abase = (n * {C} + g * {icg} + c0) * {ldb}")
+    src.line(f"boff = g * {per_group} + pn * {icg * T * NR} + c0 * {run_floats}")
+    if frames:
+        src.line(f"abase = n * {frames[0]} + c0")
+    else:
+        src.line(f"abase = (n * {C} + g * {icg} + c0) * {ldb}")
     src.line("for oh in range(r_lo, r_hi):").indent()
     src.line(f"for ow in range(0, {OW}, {MR}):").indent()
     src.line(f"slot = slot0 + (oh - r_lo) * {tiles_per_row} + ow // {MR}")
-    src.line(f"pfoff = kc * {T * NR} + ((oh - r_lo) * {tiles_per_row} + ow // {MR}) * {share * 16}")
-    src.line(f"uk(p0, abase + oh * {PW} + ow, p1, boff, {pp}, slot * {MR * NR}, {py}, "
-             f"(n * {OC} + oc0) * {OHW} + oh * {OW} + ow, kc, min({MR}, {OW} - ow), cols, flags, "
-             + (f"{pb}, oc0, pfoff)" if has_bias and in_registers else "p0, 0, pfoff)"))
+    src.line(f"pfoff = kc * {run_floats} + ((oh - r_lo) * {tiles_per_row} + ow // {MR}) * {share * 16}")
+    position = f"ow * {frames[1]}" if frames else f"oh * {PW} + ow"
+    args = (f"(p0, abase + {position}, p1, boff, {pp}, slot * {MR * NR}, {py}, "
+            f"(n * {OC} + oc0) * {OHW} + oh * {OW} + ow, kc, min({MR}, {OW} - ow), cols, flags, "
+            + (f"{pb}, oc0, pfoff)" if has_bias and in_registers else "p0, 0, pfoff)"))
+    if narrow:
+        src.line(f"if pn == {n_panels - 1}:").indent().line("uk_last" + args).dedent()
+        src.line("else:").indent().line("uk" + args).dedent()
+    else:
+        src.line("uk" + args)
     src.dedent().dedent().dedent()
     if not in_registers and (has_bias or residual_arg is not None or epilogue.active):
         # Bias, residual and other activations on the item's outputs, after its last pass.

@@ -30,6 +30,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, Vali
                       model_validator)
 
 from .errors import ConfigError, CuvilError
+from .select import SELECT_MODES  # `select:`: rules or measure
 
 # backends/targets.py resolves each (known_targets() there lists the same names; a test checks).
 TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4", "x86_64-sapphirerapids",
@@ -304,6 +305,15 @@ class _Settings(_Strict):
     link: Annotated[str, *_one_of(LINK_MODES, "link")] = Field(
         "shared", description="What the link makes: shared (lib<name>.so), static (lib<name>.a, the same "
         "exported symbols), or both; <name>.pc and <name>Config.cmake point at what was made.")
+    select: Annotated[str, *_one_of(SELECT_MODES, "select")] = Field(
+        "rules", description="How a node with several applicable kernels gets one: rules (shape rules: the same "
+        "library on every machine) or measure (each candidate built as a one-node library and timed on this "
+        "machine, the fastest taken; cached per node shape, target, threads and CPU model; `cuvil explain` "
+        "shows the times). Today it chooses among Winograd F(4x4), F(2x2) and direct for float32 3x3 "
+        "stride-1 convs.")
+    select_candidates: list[str] | None = Field(
+        None, description="With select: measure, the kernels to time (at least two of winograd_f4, "
+        "winograd_f2, direct); null: every one that applies.")
 
 
 class _Model(_Settings):
@@ -394,6 +404,8 @@ class ModelConfig(BaseModel):
     calibration: CalibrationConfig = CalibrationConfig()
     serve: ServeConfig = ServeConfig()
     link: str = "shared"
+    select: str = "rules"
+    select_candidates: list[str] | None = None
     signature: str | None = None
     generate: dict | None = None    # GenerateConfig's keys, the tokenizer path absolute
     batch: list[int] | None = None  # batch buckets, sorted (inputs: the largest bucket's shapes)

@@ -7,7 +7,8 @@ profiles taken in turn, so both see the same load.
     python benchmarks/profile_ab.py compare /tmp/rn18-old.json /tmp/rn18-new.json --samples 40 --nodes Conv_0,Conv_14
 
 `build` compiles a bench.py / corpus model and keeps its library next to the JSON (the build's own
-folder is temporary); `compare` prints each library's total, its largest kernel families and the
+folder is temporary; `--select measure` builds it with measured kernel selection and prints each
+measured node's times and choice); `compare` prints each library's total, its largest kernel families and the
 listed nodes' sums (pads and conversions included), each step the minimum of `--samples` runs.
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ def build(args) -> None:
     from tests import zoo
     module, shapes = MODELS[args.model]() if args.model in MODELS else CORPUS[args.model][0](1)
     lib = cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=args.threads, jobs=2,
-                        precision=args.precision)
+                        precision=args.precision, select=args.select,
+                        progress=(lambda line: line.startswith("select:") and print(line, flush=True)))
     out = Path(args.out)
     library = out.with_suffix(".so")
     shutil.copy(lib.artifacts.library, library)
@@ -66,6 +68,7 @@ b = sub.add_parser("build")
 b.add_argument("model")
 b.add_argument("--threads", type=int, default=1)
 b.add_argument("--precision", default="bf16")
+b.add_argument("--select", default="rules", help="rules, or measure: each node's kernel timed here (cuvil/select.py)")
 b.add_argument("--out", required=True, help="JSON to write; the library goes beside it (.so)")
 c = sub.add_parser("compare")
 c.add_argument("libraries", nargs="+")

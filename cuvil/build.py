@@ -197,6 +197,13 @@ def kernel_step(target, spec: dict) -> Step:
                 parallel=True)
 
 
+def compiled_kernels(dag, target, specs: list[dict]) -> dict[str, bytes]:
+    """symbol -> object file of each kernel spec, from their cached kernel steps (measured
+    selection's one-node libraries, cuvil/select.py)."""
+    steps = [dag.add(kernel_step(target, spec)) for spec in specs]
+    return dict(zip([spec["symbol"] for spec in specs], dag.get_many(steps)))
+
+
 def add_kernel_steps(dag, link_step: str, bundle: dict) -> list[str]:
     """Add the kernel steps of a codegen bundle as dependencies of its link step."""
     from backends.targets import target_from_key
@@ -368,7 +375,7 @@ def _plan_select(dag, spec, target, base: str, last: str) -> dict[str, str]:
                          hint="use select: rules (the default) for this target")
     params = {"candidates": select.check_options(spec.select, spec.select_candidates, f"model '{spec.name}'"),
               "target": target.as_key(), "threads": spec.threads, "cpu": select.cpu_model()}
-    step = dag.add(Step(f"{base}/select", "select", params, [last], lambda d, g: select.measure(d, g, params),
+    step = dag.add(Step(f"{base}/select", "select", params, [last], lambda d, g: select.measure(d, g, params, compiled_kernels),
                         lambda out: json.dumps(out, sort_keys=True).encode(), json.loads))
     return {node: result["kernel"] for node, result in sorted(dag.get(step).items())}
 

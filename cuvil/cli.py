@@ -65,8 +65,8 @@ def _main(make_parser, argv, prog: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from .bench import VS_ENGINES
+    from .config import SELECT_MODES
     from .pipeline import PRECISIONS_SUPPORTED
-    from .select import SELECT_MODES
     # --debug is accepted before or after the command; SUPPRESS keeps a command's
     # parser from resetting a --debug given before it.
     common = argparse.ArgumentParser(add_help=False)
@@ -338,8 +338,7 @@ _OUTPUT_LINK = {".so": "shared", ".a": "static", ".dll": "shared"}
 
 
 def _compile_parser() -> argparse.ArgumentParser:
-    from .config import PRECISIONS, TARGETS
-    from .select import SELECT_MODES
+    from .config import PRECISIONS, SELECT_MODES, TARGETS
     parser = argparse.ArgumentParser(
         prog="cuvil-compile", description="Compile one model into a shared library in one command: the same "
         "cached build as `cuvil build` with a one-model cuvil.yaml of these settings, and the same bytes. "

@@ -30,7 +30,6 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, Vali
                       model_validator)
 
 from .errors import ConfigError, CuvilError
-from .select import SELECT_MODES  # `select:`: rules or measure
 
 # backends/targets.py resolves each (known_targets() there lists the same names; a test checks).
 TARGETS = ("native", "generic", "x86_64-avx2", "x86_64-avx512", "x86_64-znver4", "x86_64-sapphirerapids",
@@ -41,6 +40,7 @@ PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most i
 DIFF_MODES = ("syntactic", "semantic")
 EXECUTORS = ("local", "dask")  # `executor: kind:`: this machine, or a Dask cluster (cluster.py)
 LINK_MODES = ("shared", "static", "both")  # `link:`: lib<name>.so, lib<name>.a, or both
+SELECT_MODES = ("rules", "measure")  # `select:`: kernels by shape rules, or timed here (cuvil/select.py)
 GROUP_SIZES = (32, 64, 128)  # `quantization: group_size:` (precision int4)
 # TensorFlow: Keras files and frozen GraphDefs; a SavedModel is a folder (a source with no suffix).
 SOURCE_SUFFIXES = (".onnx", ".pt", ".pth", ".keras", ".h5", ".hdf5", ".pb")

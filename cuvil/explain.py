@@ -251,7 +251,7 @@ def render(report: Explanation, max_buffers: int = 24) -> str:
         lines.append(f"select  measured on {report.selection['cpu']}: {len(nodes)} nodes with a choice")
         for node, result in nodes.items():
             times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(result["times_ms"].items(), key=lambda kv: kv[1]))
-            lines.append(f"  {node[:width]:<{width}}  {result['kernel']:<12} ({times})")
+            lines.append(f"  {node[:width]:<{width}}  {result['kernel']:<12} rules {result['rules']:<12} ({times})")
     m = report.memory
     ratio = m["arena_bytes"] / m["naive_bytes"] if m["naive_bytes"] else 0.0
     shared = f", shared by the sessions {_size(m['shared_bytes'])}" if m.get("shared_bytes") else ""

@@ -31,9 +31,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from .cache import step_key
+from .config import SELECT_MODES
 from .errors import CuvilError
 
-SELECT_MODES = ("rules", "measure")
 ROUNDS = 3      # interleaved rounds: a candidate's time is the median of its rounds
 RUNS = 10       # timed calls per process (after the harness's warm-up); the process gives their minimum
 
@@ -76,14 +76,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def choices_to_measure(graph, allowed) -> list[tuple[object, list[str]]]:
-    """(node, candidates) for every node with two or more candidates among `allowed` (None: all)."""
+def choices_to_measure(graph, allowed) -> list[tuple[object, list[str], str]]:
+    """(node, candidates, the kernel the shape rules take) for every node with two or more
+    candidates among `allowed` (None: all)."""
     from backends.numba_cpu.conv import kernel_candidates
     found = []
     for node in graph.nodes:
-        names = [c for c in kernel_candidates(node, graph) if allowed is None or c in allowed]
+        names, rules = kernel_candidates(node, graph)
+        names = [c for c in names if allowed is None or c in allowed]
         if len(names) > 1:
-            found.append((node, names))
+            found.append((node, names, rules))
     return found
 
 
@@ -124,12 +126,14 @@ def apply(graph, kernels: dict[str, str]):
     return graph
 
 
-def measure(dag, graph, params: dict) -> dict:
-    """The select step: {node name: {"kernel": the fastest, "times_ms": {candidate: ms}}} for every
-    node with a choice; each node's times from the cache or measured (progress lines as it goes)."""
+def measure(dag, graph, params: dict, compiled) -> dict:
+    """The select step: {node name: {"kernel": the fastest, "rules": the shape rules' kernel,
+    "times_ms": {candidate: ms}}} for every node with a choice; each node's times from the cache or
+    measured (progress lines as it goes). `compiled(dag, target, kernel specs)`: their objects
+    (build.compiled_kernels: cached kernel steps)."""
     found = choices_to_measure(graph, params["candidates"])
     results = {}
-    for k, (node, names) in enumerate(found, 1):
+    for k, (node, names, rules) in enumerate(found, 1):
         key = step_key({"kind": "select-node", "node": node_content(node, graph), "candidates": names,
                         "target": params["target"], "threads": params["threads"], "cpu": params["cpu"],
                         "rounds": ROUNDS, "runs": RUNS, "versions": dag.versions})
@@ -139,26 +143,26 @@ def measure(dag, graph, params: dict) -> dict:
             shape = "x".join(str(d) for d in graph.values[node.outputs[0]].shape)
             dag.progress(f"select: measuring {node.name} ({node.op} -> {shape}), {k}/{len(found)}: "
                          f"{', '.join(names)}")
-            times = time_candidates(dag, node, graph, names, params)
+            times = time_candidates(dag, node, graph, names, params, compiled)
             dag.cache.put(key, json.dumps(times, sort_keys=True).encode())
         fastest = min(names, key=lambda name: (times[name], names.index(name)))
-        results[node.name] = {"kernel": fastest, "times_ms": {name: times[name] for name in names}}
-        dag.progress(f"select: {node.name}: {fastest} ("
+        results[node.name] = {"kernel": fastest, "rules": rules, "times_ms": {name: times[name] for name in names}}
+        dag.progress(f"select: {node.name}: {fastest} (rules: {rules}; "
                      + ", ".join(f"{name} {times[name]:.3f} ms" for name in names) + ")")
     return results
 
 
-def time_candidates(dag, node, graph, names: list[str], params: dict) -> dict[str, float]:
+def time_candidates(dag, node, graph, names: list[str], params: dict, compiled) -> dict[str, float]:
     """Milliseconds per call of each candidate's one-node library: the median over ROUNDS
     interleaved rounds of each process's fastest call."""
     from backends.targets import target_from_key
 
-    from .bench import run_harness
+    from .ctime import run_harness
     target = target_from_key(params["target"])
     minima = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="cuvil-select-") as tmp:
         libraries = {name: one_node_library(dag, one_node_graph(node, graph, name), target, params["threads"],
-                                            Path(tmp) / name) for name in names}
+                                            Path(tmp) / name, compiled) for name in names}
         for _ in range(ROUNDS):
             for name in names:
                 library, info = libraries[name]
@@ -173,17 +177,15 @@ def time_candidates(dag, node, graph, names: list[str], params: dict) -> dict[st
     return {name: round(statistics.median(values), 6) for name, values in minima.items()}
 
 
-def one_node_library(dag, graph, target, threads: int, folder: Path) -> tuple[Path, dict]:
-    """The shared library of a one-node graph (pipeline.plan, generate, link; its kernels compiled
-    by cached kernel steps, so the winner's are compiled already when the model's build wants them)."""
+def one_node_library(dag, graph, target, threads: int, folder: Path, compiled) -> tuple[Path, dict]:
+    """The shared library of a one-node graph (pipeline.plan, generate, link); its kernels from
+    `compiled` (the build's cached kernel steps: the winner's are compiled already when the model's
+    build wants them)."""
     from . import pipeline
-    from .build import kernel_step
     planned = pipeline.plan(graph, pipeline.VariantParams(graph.name, target, threads))
     info = pipeline.describe(planned, {"name": graph.name, "symbol_prefix": "cuvil_select_"})
     bundle = pipeline.generate(planned, info, "cuvil_select_", threads)
-    specs = json.loads(bundle["kernels.json"])
-    steps = [dag.add(kernel_step(target, spec)) for spec in specs]
-    objects = dict(zip([spec["symbol"] for spec in specs], dag.get_many(steps)))
+    objects = compiled(dag, target, json.loads(bundle["kernels.json"]))
     files = pipeline.link(graph.name, "cuvil_select_", bundle["driver.c"], bundle["weights.bin"], objects,
                           target=target)
     folder.mkdir(parents=True)

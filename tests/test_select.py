@@ -13,7 +13,7 @@ from onnx import helper
 
 import cuvil
 from cuvil import select
-from cuvil.build import VariantSpec, build_variants, plan_variant, tool_versions
+from cuvil.build import VariantSpec, build_variants, compiled_kernels, plan_variant, tool_versions
 from cuvil.cache import Cache, default_cache_dir
 from cuvil.dag import StepGraph
 from cuvil.errors import CuvilError
@@ -67,7 +67,7 @@ def test_measured_selection_builds_matches_onnxruntime_caches_and_explains(tmp_p
     report = explain_variant(dag, "convs/native/link", "convs")
     assert {node: r["kernel"] for node, r in report.selection["nodes"].items()} == chosen["kernels"]
     for result in report.selection["nodes"].values():
-        assert set(result["times_ms"]) == {"winograd_f2", "direct"}
+        assert set(result["times_ms"]) == {"winograd_f2", "direct"} and result["rules"] == "winograd_f2"
         assert result["times_ms"][result["kernel"]] == min(result["times_ms"].values()) > 0
     assert f"select  measured on {select.cpu_model()}: 2 nodes with a choice" in render(report)
 
@@ -97,12 +97,12 @@ def test_every_candidate_library_matches_onnxruntime(kernel, tmp_path):
     model, _ = convs(size=16)
     graph = run_passes(import_onnx(model, {})[0], resolve_passes(2))
     choices = select.choices_to_measure(graph, None)
-    assert [names for _, names in choices] == [["winograd_f4", "winograd_f2", "direct"]] * 2
+    assert [(names, rules) for _, names, rules in choices] == [(["winograd_f4", "winograd_f2", "direct"],
+                                                                "winograd_f4")] * 2
     node = choices[0][0]
     single = select.one_node_graph(node, graph, kernel)
     library, _ = select.one_node_library(StepGraph(Cache(default_cache_dir()), tool_versions()), single,
-                                         resolve_target("native"),
-                                         1, tmp_path / kernel)
+                                         resolve_target("native"), 1, tmp_path / kernel, compiled_kernels)
     x = rand(1, 16, 16, 16, seed=6)
     got = Library(library).session().run({single.inputs[0]: x})[node.outputs[0]]
     conv = make_model([helper.make_node("Conv", ["x", "w1", "b"], ["c"], pads=[1, 1, 1, 1]),

@@ -250,18 +250,21 @@ def _float32_winograd(node, lowp) -> bool:
     return bool(node.attr("winograd", 0)) and not (lowp and lowp[0] == "bf16")
 
 
-def kernel_candidates(node, graph) -> list[str]:
+def kernel_candidates(node, graph) -> tuple[list[str], str | None]:
     """The kernels measured selection (cuvil/select.py) chooses among for this node, by the names of
-    winograd.KERNELS; [] where the shape rules leave nothing to choose: a float32 Conv / FusedConv
-    with constant weights that the winograd pass marked, and at least one transform fits it."""
+    winograd.KERNELS, and the one the shape rules take; ([], None) where the rules leave nothing to
+    choose: a float32 Conv / FusedConv with constant weights that the winograd pass marked, and at
+    least one transform fits it."""
     if node.op not in ("Conv", "FusedConv") or not node.attr("winograd", 0) or node.attr("precision"):
-        return []
+        return [], None
     _, inputs = epilogue_of(node)
     X, W, Y = graph.values[inputs[0]], graph.values[inputs[1]], graph.values[node.outputs[0]]
     if not W.is_const or len(X.shape) != 4 or len(W.shape) != 4:
-        return []
+        return [], None
     kernel, strides, dilations, _ = conv_geometry(node, X.shape[2:], W.shape[2:])
-    return winograd.candidates(Y.dtype, X, W, int(node.attr("group", 1)), kernel, strides, dilations, Y)
+    shape = (X, W, int(node.attr("group", 1)), kernel, strides, dilations, Y)
+    names = winograd.candidates(Y.dtype, *shape)
+    return names, (winograd.kernel_name(winograd.choose(Y.dtype, *shape)) if names else None)
 
 
 def _bf16_winograd(node, graph, lowp, X, W, B, Y, group, epilogue) -> Lowered | None:

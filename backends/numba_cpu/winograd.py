@@ -97,6 +97,11 @@ def tiles(OH, OW, m) -> int:
 KERNELS = {"winograd_f4": F4, "winograd_f2": F2, "direct": None}
 
 
+def kernel_name(t: Transform | None) -> str:
+    """The name in KERNELS of a transform `choose` returned (None: "direct")."""
+    return next(name for name, kernel in KERNELS.items() if kernel is t)
+
+
 def _fits(t: Transform, X, W, Y) -> bool:
     """Whether the transform's GEMMs fit the micro-kernel (wide enough rows of tiles)."""
     C, OC = int(X.shape[1]), int(W.shape[0])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -168,9 +169,9 @@ def time_candidates(dag, node, graph, names: list[str], params: dict, compiled) 
                 library, info = libraries[name]
                 try:
                     out = run_harness(library, runs=RUNS, warmup=3, info=info).stdout
-                except Exception as error:   # the harness failed: the library cannot run here
+                except subprocess.CalledProcessError as error:   # the library cannot run here
                     raise CuvilError(f"select: measure: the one-node library of node '{node.name}' ({name}) "
-                                     f"did not run on this machine: {getattr(error, 'stderr', '') or error}",
+                                     f"did not run on this machine: {(error.stderr or '').strip() or error}",
                                      hint="measured selection runs the candidates: build for a target this "
                                           "machine can run, or use select: rules") from None
                 minima[name].append(min(float(t) for t in out.split()) * 1e-6)

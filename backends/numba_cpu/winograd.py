@@ -9,7 +9,9 @@ patches d_c under it (a = m + 2):
 position, a GEMM: M[xi] (OC x tiles) = U[xi] (OC x C) @ V[xi] (C x tiles). Per output and
 channel pair that is a*a/m^2 multiply-adds instead of the direct conv's 9: 2.25 for F(4x4, 3x3)
 (4x fewer), 4 for F(2x2, 3x3) (2.25x fewer). The transforms cost a few adds per value.
-F(4x4, 3x3) is taken when the output has at least MIN_TILES 4x4 tiles, else F(2x2, 3x3).
+F(4x4, 3x3) is taken when the output has at least MIN_TILES 4x4 tiles, else F(2x2, 3x3) (the
+shape rules of `choose`); with `select: measure` (cuvil/select.py) the build times the
+`candidates` on its machine instead and the node attribute `select` names the one to take.
 
 A run-once call (KernelCall.once), when the first session of the loaded library is created:
 `WinoPrep` computes U from W, packed into micro-kernel panels, into a block all its sessions

@@ -144,3 +144,17 @@ def test_config_rejects_an_unknown_select(tmp_path):
     (tmp_path / "m.onnx").write_bytes(convs()[0].SerializeToString())
     with pytest.raises(ConfigError, match="unknown select 'fastest'"):
         load_config(path)
+
+
+def test_command_line_flags(tmp_path, capsys):
+    """`cuvil-compile --select measure` is the config's `select: measure`; `cuvil build --select` takes
+    rules or measure only (a usage error, exit 2)."""
+    from cuvil.cli import _compile_parser, compile_config, main
+    model = tmp_path / "m.onnx"
+    model.write_bytes(convs()[0].SerializeToString())
+    parser = _compile_parser()
+    args = parser.parse_args(["--model", str(model), "--output", str(tmp_path / "libm.so"), "--select", "measure"])
+    parser.get_default("validate")(parser, args)
+    assert compile_config(args).models[0].select == "measure"
+    assert main(["build", "--select", "fastest"]) == 2
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err

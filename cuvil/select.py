@@ -6,7 +6,8 @@ makes the same library on every machine. With `select: measure` a `select` step 
 finds the nodes where more than one kernel applies (conv.kernel_candidates: today the float32
 3x3 stride-1 convs the winograd pass marked: winograd_f4, winograd_f2, direct), builds each
 candidate as a one-node library (the node with its real shapes and weights, the variant's target
-and threads), times the candidates in interleaved rounds and takes the fastest.
+and threads), times the candidates in interleaved rounds and takes the fastest, unless the rules'
+kernel is within MARGIN of it.
 
 Timing: each (round, candidate) is one process of the C timing program (cuvil/bench.py: dlopen,
 warm-up, `RUNS` timed calls of session_run); a process gives the minimum of its calls, a
@@ -37,6 +38,9 @@ from .errors import CuvilError
 
 ROUNDS = 3      # interleaved rounds: a candidate's time is the median of its rounds
 RUNS = 10       # timed calls per process (after the harness's warm-up); the process gives their minimum
+# The rules' kernel stays unless another is this much faster (a fraction of its time): two kernels
+# within the noise of a shared machine do not make builds flip between them.
+MARGIN = 0.05
 
 
 def kernel_names() -> tuple[str, ...]:
@@ -146,11 +150,19 @@ def measure(dag, graph, params: dict, compiled) -> dict:
                          f"{', '.join(names)}")
             times = time_candidates(dag, node, graph, names, params, compiled)
             dag.cache.put(key, json.dumps(times, sort_keys=True).encode())
-        fastest = min(names, key=lambda name: (times[name], names.index(name)))
+        fastest = pick(names, times, rules)
         results[node.name] = {"kernel": fastest, "rules": rules, "times_ms": {name: times[name] for name in names}}
         dag.progress(f"select: {node.name}: {fastest} (rules: {rules}; "
                      + ", ".join(f"{name} {times[name]:.3f} ms" for name in names) + ")")
     return results
+
+
+def pick(names: list[str], times: dict[str, float], rules: str | None) -> str:
+    """The fastest candidate, unless the rules' kernel is within MARGIN of it (ties: the first)."""
+    fastest = min(names, key=lambda name: (times[name], names.index(name)))
+    if rules in names and times[rules] <= times[fastest] * (1 + MARGIN):
+        return rules
+    return fastest
 
 
 def time_candidates(dag, node, graph, names: list[str], params: dict, compiled) -> dict[str, float]:

@@ -158,3 +158,11 @@ def test_command_line_flags(tmp_path, capsys):
     assert compile_config(args).models[0].select == "measure"
     assert main(["build", "--select", "fastest"]) == 2
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_the_rules_kernel_stays_within_the_margin():
+    names = ["winograd_f4", "winograd_f2", "direct"]
+    times = {"winograd_f4": 1.04, "winograd_f2": 1.0, "direct": 2.0}
+    assert select.pick(names, times, "winograd_f4") == "winograd_f4"     # 4 % slower: noise
+    assert select.pick(names, {**times, "winograd_f4": 1.06}, "winograd_f4") == "winograd_f2"
+    assert select.pick(names, {**times, "winograd_f4": 2.0, "direct": 1.0}, None) == "winograd_f2"  # a tie: the first

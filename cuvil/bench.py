@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .ctime import BUILD, HARNESS, WARMUP_SECONDS, harness, run_harness, time_library  # noqa: F401 (benchmarks/ use them from here)
+# the C timing program (cuvil/ctime.py), which benchmarks/ use from here
+from .ctime import BUILD, HARNESS, WARMUP_SECONDS, harness, run_harness, time_library  # noqa: F401
 from .errors import CuvilError
 
 ROOT = Path(__file__).resolve().parents[1]

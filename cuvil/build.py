@@ -375,7 +375,8 @@ def _plan_select(dag, spec, target, base: str, last: str) -> dict[str, str]:
                          hint="use select: rules (the default) for this target")
     params = {"candidates": select.check_options(spec.select, spec.select_candidates, f"model '{spec.name}'"),
               "target": target.as_key(), "threads": spec.threads, "cpu": select.cpu_model()}
-    step = dag.add(Step(f"{base}/select", "select", params, [last], lambda d, g: select.measure(d, g, params, compiled_kernels),
+    step = dag.add(Step(f"{base}/select", "select", params, [last],
+                        lambda d, g: select.measure(d, g, params, compiled_kernels),
                         lambda out: json.dumps(out, sort_keys=True).encode(), json.loads))
     return {node: result["kernel"] for node, result in sorted(dag.get(step).items())}
 

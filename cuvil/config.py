@@ -308,9 +308,9 @@ class _Settings(_Strict):
     select: Annotated[str, *_one_of(SELECT_MODES, "select")] = Field(
         "rules", description="How a node with several applicable kernels gets one: rules (shape rules: the same "
         "library on every machine) or measure (each candidate built as a one-node library and timed on this "
-        "machine, the fastest taken; cached per node shape, target, threads and CPU model; `cuvil explain` "
-        "shows the times). Today it chooses among Winograd F(4x4), F(2x2) and direct for float32 3x3 "
-        "stride-1 convs.")
+        "machine, the fastest taken unless the rules' kernel is within 5 %; cached per node shape, target, "
+        "threads and CPU model; `cuvil explain` shows the times). Today it chooses among Winograd F(4x4), "
+        "F(2x2) and direct for float32 3x3 stride-1 convs.")
     select_candidates: list[str] | None = Field(
         None, description="With select: measure, the kernels to time (at least two of winograd_f4, "
         "winograd_f2, direct); null: every one that applies.")

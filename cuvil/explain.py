@@ -54,7 +54,8 @@ class Explanation:
     # outputs "out:<name>"; views (no code) are looked through to the kernel that made their data
     edges: list[tuple[str, str, str]] = field(default_factory=list)
     # measured selection (cuvil/select.py): {"cpu": the machine's model, "nodes": {node: {"kernel":
-    # the one taken, "times_ms": {candidate: ms}}}}; empty for a build by the shape rules
+    # the one taken, "rules": the shape rules' one, "times_ms": {candidate: ms}}}}; empty for a build
+    # by the shape rules
     selection: dict = field(default_factory=dict)
 
     @property
@@ -250,7 +251,8 @@ def render(report: Explanation, max_buffers: int = 24) -> str:
         nodes = report.selection["nodes"]
         lines.append(f"select  measured on {report.selection['cpu']}: {len(nodes)} nodes with a choice")
         for node, result in nodes.items():
-            times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(result["times_ms"].items(), key=lambda kv: kv[1]))
+            fastest_first = sorted(result["times_ms"].items(), key=lambda kv: kv[1])
+            times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in fastest_first)
             lines.append(f"  {node[:width]:<{width}}  {result['kernel']:<12} rules {result['rules']:<12} ({times})")
     m = report.memory
     ratio = m["arena_bytes"] / m["naive_bytes"] if m["naive_bytes"] else 0.0

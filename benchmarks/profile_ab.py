@@ -7,9 +7,10 @@ profiles taken in turn, so both see the same load.
     python benchmarks/profile_ab.py compare /tmp/rn18-old.json /tmp/rn18-new.json --samples 40 --nodes Conv_0,Conv_14
 
 `build` compiles a bench.py / corpus model and keeps its library next to the JSON (the build's own
-folder is temporary); `compare` prints each library's total, its largest kernel families and the
-listed nodes' sums (pads and conversions included) and the listed families' sums, each step the
-minimum of `--samples` runs. `build --batch N` builds a corpus model at batch N.
+folder is temporary; `--select measure` builds it with measured kernel selection and prints each
+measured node's times and choice; `--batch N` builds a corpus model at batch N); `compare` prints each
+library's total, its largest kernel families and the listed nodes' sums (pads and conversions
+included) and the listed families' sums, each step the minimum of `--samples` runs.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def build(args) -> None:
     from tests import zoo
     module, shapes = MODELS[args.model]() if args.model in MODELS else CORPUS[args.model][0](args.batch)
     lib = cuvil.compile(zoo.export(module, shapes), input_shapes=shapes, threads=args.threads, jobs=2,
-                        precision=args.precision)
+                        precision=args.precision, select=args.select,
+                        progress=(lambda line: line.startswith("select:") and print(line, flush=True)))
     out = Path(args.out)
     library = out.with_suffix(".so")
     shutil.copy(lib.artifacts.library, library)
@@ -71,6 +73,7 @@ b.add_argument("model")
 b.add_argument("--threads", type=int, default=1)
 b.add_argument("--batch", type=int, default=1, help="a corpus model's batch size")
 b.add_argument("--precision", default="bf16")
+b.add_argument("--select", default="rules", help="rules, or measure: each node's kernel timed here (cuvil/select.py)")
 b.add_argument("--out", required=True, help="JSON to write; the library goes beside it (.so)")
 c = sub.add_parser("compare")
 c.add_argument("libraries", nargs="+")

@@ -90,11 +90,15 @@ def _generate_options(generate) -> dict:
 def compile(model, *, input_shapes=None, target="native", precision="fp32", threads=None, enable_fp16=False,
             opt_level=2, passes=None, disable_passes=(), pass_options=None, symbol_prefix="cuvil_", name=None,
             cache_dir=None, jobs=1, progress=None, max_arena_mb=4096, sanitize=False,
-            accuracy=None, calibration=None, signature=None, generate=None, batch=None) -> CompiledModel:
+            accuracy=None, calibration=None, signature=None, generate=None, batch=None, select="rules",
+            select_candidates=None) -> CompiledModel:
     """Build `model` and load it. generate={max_context, prefill_buckets, tokenizer, pad_token}
     builds an ONNX decoder as a generation library (lib.generate(...), README "LLM generation").
     batch=[1, 8, 32] (or input_shapes listing one shape per bucket) builds one entry per batch size
-    sharing the weights; .run then takes any batch from 1 to the largest (cuvil/batching.py)."""
+    sharing the weights; .run then takes any batch from 1 to the largest (cuvil/batching.py).
+    select="measure" times the candidate kernels of each node that has several (today the float32 3x3
+    convs' Winograd F(4x4) / F(2x2) / direct) on this machine and takes the fastest (cuvil/select.py);
+    select_candidates=["winograd_f2", "direct"] limits what it times."""
     from backends.targets import TARGETS
 
     from .build import VariantSpec, build_variant
@@ -132,7 +136,8 @@ def compile(model, *, input_shapes=None, target="native", precision="fp32", thre
                        max_arena_mb=max_arena_mb, sanitize=sanitize, accuracy=accuracy,
                        calibration=calibration, signature=signature,
                        generate=_generate_options(generate) if generate is not None else None,
-                       batch=batches)
+                       batch=batches, select=select,
+                       select_candidates=None if select_candidates is None else list(select_candidates))
     cache = Cache(Path(cache_dir) if cache_dir else default_cache_dir())
     workdir = tempfile.TemporaryDirectory(prefix="cuvil-")
     artifacts = build_variant(spec, Path(workdir.name), cache, jobs=jobs, progress=progress)

@@ -1,9 +1,9 @@
 """Latency measurement of built libraries, each engine in its own process.
 
-- `time_library`: a small C program (compiled once into $TMPDIR/cuvil-bench/)
-  opens the library with dlopen, creates a session, fills the inputs with fixed
-  pseudo-random values in [-1, 1), runs a warm-up (calls, and at least
-  WARMUP_SECONDS) and then times each call of session_run: no Python in the loop.
+- `time_library` (cuvil/ctime.py): a small C program (compiled once into
+  $TMPDIR/cuvil-bench/) opens the library with dlopen, creates a session, fills the
+  inputs with fixed pseudo-random values in [-1, 1), runs a warm-up (calls, and at
+  least WARMUP_SECONDS) and then times each call of session_run: no Python in the loop.
 - `cuvil_py_times`: the same through the Python runtime (ctypes), in a fresh process.
 - `ort_times`: onnxruntime on the ONNX model, same thread count, in a fresh process.
 - `openvino_times`: OpenVINO's CPU plugin on the ONNX model, when it is installed
@@ -15,9 +15,7 @@ in rounds of processes and compares their best process medians. benchmarks/
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,127 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+# the C timing program (cuvil/ctime.py), which benchmarks/ use from here
+from .ctime import BUILD, HARNESS, WARMUP_SECONDS, harness, run_harness, time_library  # noqa: F401
 from .errors import CuvilError
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD = Path(tempfile.gettempdir()) / "cuvil-bench"
-
-# Every timing process warms up for at least this long as well as its warm-up calls: a new
-# thread pool runs slowly until the OS has spread its threads over the cores (the first
-# milliseconds; a 0.1 ms model's 3 warm-up calls end long before).
-WARMUP_SECONDS = 0.2
-
-HARNESS = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-
-typedef void* (*create_fn)(void);
-typedef int (*run_fn)(void*, const void* const*, void* const*);
-typedef void (*destroy_fn)(void*);
-
-#define WARMUP_NS {warmup_ns}
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec; }
-
-int main(int argc, char** argv) {
-    /* ctime LIB PREFIX RUNS WARMUP N_IN bytes... N_OUT bytes... */
-    if (argc < 6) { fprintf(stderr, "usage\n"); return 2; }
-    void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-    if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 1; }
-    char name[256];
-    snprintf(name, sizeof name, "%ssession_create", argv[2]); create_fn create = (create_fn)dlsym(lib, name);
-    snprintf(name, sizeof name, "%ssession_run", argv[2]); run_fn run = (run_fn)dlsym(lib, name);
-    snprintf(name, sizeof name, "%ssession_destroy", argv[2]); destroy_fn destroy = (destroy_fn)dlsym(lib, name);
-    if (!create || !run || !destroy) { fprintf(stderr, "missing symbols\n"); return 1; }
-    int runs = atoi(argv[3]), warmup = atoi(argv[4]);
-    int a = 5, n_in = atoi(argv[a++]);
-    void** ins = calloc(n_in + 1, sizeof(void*));
-    uint32_t seed = 12345;
-    for (int i = 0; i < n_in; i++) {
-        size_t bytes = strtoull(argv[a++], NULL, 10);
-        float* p = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
-        for (size_t j = 0; j < bytes / 4; j++) { seed = seed * 1664525u + 1013904223u; p[j] = (seed >> 8) * (2.0f / 16777216.0f) - 1.0f; }
-        ins[i] = p;
-    }
-    int n_out = atoi(argv[a++]);
-    void** outs = calloc(n_out + 1, sizeof(void*));
-    for (int i = 0; i < n_out; i++) { size_t bytes = strtoull(argv[a++], NULL, 10); outs[i] = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64); }
-    void* s = create();
-    if (!s) { fprintf(stderr, "session_create failed\n"); return 1; }
-    double start = now();
-    for (int i = 0; i < warmup || now() - start < WARMUP_NS; i++)
-        if (run(s, (const void* const*)ins, outs)) { fprintf(stderr, "run failed\n"); return 1; }
-    for (int i = 0; i < runs; i++) {
-        double t = now();
-        run(s, (const void* const*)ins, outs);
-        printf("%.0f\n", now() - t);
-    }
-    destroy(s);
-    /* the process's peak resident memory (Linux; benchmarks/resident.py reads it) */
-    FILE* status = fopen("/proc/self/status", "r");
-    char line[256];
-    while (status && fgets(line, sizeof line, status))
-        if (strncmp(line, "VmHWM:", 6) == 0) fputs(line, stderr);
-    if (status) fclose(status);
-    return 0;
-}
-"""
-
-
-HARNESS = HARNESS.replace("{warmup_ns}", f"{WARMUP_SECONDS * 1e9:.0f}")
-
-
-def harness() -> Path:
-    """The C timing program, compiled on first use with $CC (default gcc). Its name holds a hash of
-    its source and the compiler, and it is compiled under a temporary name and renamed, so
-    processes timing at the same time never run a half-written or stale program."""
-    cc = os.environ.get("CC", "gcc")
-    digest = hashlib.sha256(f"{cc}\n{HARNESS}".encode()).hexdigest()[:16]
-    exe = BUILD / f"ctime-{digest}"
-    if exe.exists():
-        return exe
-    BUILD.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=BUILD) as tmp:
-        src, built = Path(tmp) / "ctime.c", Path(tmp) / "ctime"
-        src.write_text(HARNESS)
-        try:
-            subprocess.run([cc, "-O2", "-o", str(built), str(src), "-ldl"], check=True, capture_output=True, text=True)
-        except (OSError, subprocess.CalledProcessError) as error:
-            detail = getattr(error, "stderr", "") or str(error)
-            raise CuvilError(f"cannot compile the timing program with '{cc}': {detail.strip()}",
-                             hint="install gcc or set CC to a working C compiler") from None
-        os.replace(built, exe)
-    return exe
-
-
-def _info(lib: Path) -> dict:
-    from cuvil.runtime import Library
-    return Library(lib).info
-
-
-def run_harness(lib, runs: int = 100, warmup: int = 10, info: dict | None = None) -> subprocess.CompletedProcess:
-    """The C timing program run on `lib`: stdout has the nanoseconds of each timed call, stderr
-    the process's peak resident memory (VmHWM) as it ends. Raises CalledProcessError if it fails."""
-    lib = Path(lib).resolve()
-    info = info or _info(lib)
-    strings = [v["name"] for v in info["inputs"] + info["outputs"] if v["dtype"] == "string"]
-    if strings:   # the C program feeds zeroed buffers: NULL string pointers (docs/strings.md)
-        raise CuvilError(f"{lib.name}: '{strings[0]}' is a string tensor; the timing program feeds zeroed "
-                         "buffers, which are no strings", hint="time a string library from Python or your own C")
-    size = lambda v: int(np.prod(v["shape"], dtype=np.int64)) * np.dtype(v["dtype"]).itemsize
-    args = [str(harness()), str(lib), info.get("symbol_prefix", "cuvil_"), str(runs), str(warmup)]
-    args += [str(len(info["inputs"]))] + [str(size(v)) for v in info["inputs"]]
-    args += [str(len(info["outputs"]))] + [str(size(v)) for v in info["outputs"]]
-    return subprocess.run(args, check=True, capture_output=True, text=True)
-
-
-def time_library(lib, runs: int = 100, warmup: int = 10, info: dict | None = None) -> list[float]:
-    """Seconds per call of session_run, measured in C."""
-    return [float(line) * 1e-9 for line in run_harness(lib, runs, warmup, info).stdout.split()]
 
 
 # The timing processes: each reads a JSON job on argv, prints a JSON list of seconds. A worker

@@ -57,6 +57,10 @@ class VariantSpec:
     # batch buckets (cuvil/batching.py): the batch sizes with a compiled entry, dim 0 of every input
     # (or input_shapes listing one shape per bucket)
     batch: list | None = None
+    # how each node's kernel is chosen (cuvil/select.py): "rules" (shape rules, the default) or
+    # "measure" (timed here, cached); select_candidates: the kernels measure times (None: all)
+    select: str = "rules"
+    select_candidates: list | None = None
 
 
 @dataclass
@@ -90,7 +94,7 @@ def code_fingerprint() -> str:
 # The modules of cuvil/ that shape what a step produces (the CLI, the config
 # loader, the runtime loader and the cache do not).
 _OUTPUT_AFFECTING = ("__init__.py", "build.py", "pipeline.py", "generation.py", "batching.py", "semantic.py", "ops.py", "dag.py", "ir.py", "ir_io.py", "errors.py",
-                     "consumers.py", "calibrate.py", "accuracy.py")
+                     "consumers.py", "calibrate.py", "accuracy.py", "select.py")
 
 
 @lru_cache(maxsize=None)
@@ -140,7 +144,8 @@ def _cpu_provenance(target: dict) -> dict:
 
 
 def _run_codegen(dag, graph, params):
-    planned = pipeline.plan(graph, _variant_params(params))
+    from .select import apply
+    planned = pipeline.plan(apply(graph, params.get("select", {}).get("kernels")), _variant_params(params))
     info = pipeline.describe(planned, _provenance(dag, params))
     return pipeline.generate(planned, info, params["symbol_prefix"], params["threads"])
 
@@ -169,6 +174,7 @@ def _provenance(dag, params) -> dict:
         "symbol_prefix": params["symbol_prefix"],
         "passes": params["passes"],
         **({"pass_options": params["pass_options"]} if params.get("pass_options") else {}),
+        **({"select": params["select"]} if params.get("select") else {}),
         "cuvil_version": __version__,
         "versions": {k: v for k, v in dag.versions.items() if k != "code"},
         # a library keyed by its imported graph names that graph's semantic hash (the same library
@@ -189,6 +195,13 @@ def kernel_step(target, spec: dict) -> Step:
     return Step(name=f"kernel:{spec['symbol']}@{target.name}", kind="kernel", params=params,
                 deps=[], run=lambda dag: pipeline.compile_kernel(spec, target), encode=bytes, decode=bytes,
                 parallel=True)
+
+
+def compiled_kernels(dag, target, specs: list[dict]) -> dict[str, bytes]:
+    """symbol -> object file of each kernel spec, from their cached kernel steps (measured
+    selection's one-node libraries, cuvil/select.py)."""
+    steps = [dag.add(kernel_step(target, spec)) for spec in specs]
+    return dict(zip([spec["symbol"] for spec in specs], dag.get_many(steps)))
 
 
 def add_kernel_steps(dag, link_step: str, bundle: dict) -> list[str]:
@@ -256,6 +269,8 @@ def spec_hash(model_sha: str, spec: VariantSpec, pass_names, by_graph: bool = Fa
         payload["signature"] = spec.signature
     if spec.batch:
         payload["batch"] = sorted(spec.batch)
+    if spec.select != "rules":
+        payload["select"] = {"mode": spec.select, "candidates": spec.select_candidates}
     if spec.precision in pipeline.CALIBRATED and spec.calibration:
         payload["calibration"] = {k: v for k, v in sorted(spec.calibration.items()) if k != "inputs"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -272,6 +287,8 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
     from backends.targets import check_link, check_threads
     check_link(target, spec.link, spec.sanitize)   # before anything is compiled (and before the C compiler is looked for)
     check_threads(target, spec.threads)
+    from .select import check_options
+    check_options(spec.select, spec.select_candidates, f"model '{spec.name}'")
     pass_names, pass_options = pipeline.pass_list(spec.opt_level, spec.passes, spec.disable_passes, spec.pass_options,
                                                   spec.precision, gpu=pipeline.is_gpu(target))
     from .batching import split_input_shapes
@@ -288,6 +305,10 @@ def plan_variant(dag: StepGraph, spec: VariantSpec, tag: str = "") -> str:
 
 def _plan_variant_steps(dag, spec, target, base, model_bytes, kind, model_sha, pass_names, pass_options, shapes,
                         batches) -> str:
+    if spec.select != "rules" and (spec.generate is not None or batches):
+        raise CuvilError(f"model '{spec.name}': select: {spec.select} is not supported with "
+                         f"{'generate:' if spec.generate is not None else 'batch buckets'} yet",
+                         hint="use select: rules (the default) for this model")
     if spec.generate is not None:
         if batches:
             raise CuvilError(f"model '{spec.name}': batch buckets and generate: cannot be combined",
@@ -336,10 +357,28 @@ def _plan_variant_steps(dag, spec, target, base, model_bytes, kind, model_sha, p
               "max_arena_mb": spec.max_arena_mb, "memory": pipeline.memory_options(pass_names, pass_options)}
     if spec.pass_options:
         params["pass_options"] = {k: v for k, v in sorted(spec.pass_options.items()) if k in pass_names}
+    if spec.select != "rules":
+        params["select"] = {"mode": spec.select, "kernels": _plan_select(dag, spec, target, base, last)}
     codegen = dag.add(Step(f"{base}/codegen", "codegen", params, [last],
                            _with_original_names(lambda d, g: _run_codegen(d, g, params), f"{base}/import"),
                            pack_files, unpack_files))
     return _plan_link(dag, spec, target, base, codegen)
+
+
+def _plan_select(dag, spec, target, base: str, last: str) -> dict[str, str]:
+    """The select step after the passes (`select: measure`, cuvil/select.py), run now, while the
+    build is planned: node -> kernel, which goes into the codegen step's parameters (its key)."""
+    from . import select
+    if pipeline.is_gpu(target) or getattr(target, "is_cross", False):
+        raise CuvilError(f"model '{spec.name}': select: measure runs the candidate kernels on this machine, "
+                         f"which cannot run target '{spec.target}'",
+                         hint="use select: rules (the default) for this target")
+    params = {"candidates": select.check_options(spec.select, spec.select_candidates, f"model '{spec.name}'"),
+              "target": target.as_key(), "threads": spec.threads, "cpu": select.cpu_model()}
+    step = dag.add(Step(f"{base}/select", "select", params, [last],
+                        lambda d, g: select.measure(d, g, params, compiled_kernels),
+                        lambda out: json.dumps(out, sort_keys=True).encode(), json.loads))
+    return {node: result["kernel"] for node, result in sorted(dag.get(step).items())}
 
 
 def _plan_passes(dag, base, import_params, deps, importer, pass_names, pass_options, semantic_key=True):
@@ -552,7 +591,8 @@ def _plan_accuracy(dag: StepGraph, spec: VariantSpec, base: str, link_name: str,
     from . import accuracy
     options = {"samples": 8, "inputs": "random", "min_cosine": None, **(spec.accuracy or {})}
     reference = plan_variant(dag, dataclasses.replace(spec, precision="fp32", sanitize=False, accuracy=None,
-                                                      calibration=None, link="shared"), tag="fp32-reference")
+                                                      calibration=None, link="shared", select="rules",
+                                                      select_candidates=None), tag="fp32-reference")
     params = {**options, "seed": accuracy.SEED}
     if options["inputs"] != "random":
         path = Path(options["inputs"])

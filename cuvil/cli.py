@@ -65,6 +65,7 @@ def _main(make_parser, argv, prog: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from .bench import VS_ENGINES
+    from .config import SELECT_MODES
     from .pipeline import PRECISIONS_SUPPORTED
     # --debug is accepted before or after the command; SUPPRESS keeps a command's
     # parser from resetting a --debug given before it.
@@ -95,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--timeline", type=Path, metavar="FILE.html",
                        help="write the build's step timeline (when each step ran, where) as a self-contained "
                             "HTML page")
+    build.add_argument("--select", choices=SELECT_MODES,
+                       help="how nodes with several applicable kernels get one, for every model (overrides "
+                            "`select:`): rules (shape rules) or measure (timed on this machine, cached)")
     build.add_argument("models", nargs="*", metavar="MODEL", help="build only these models (default: all)")
     build.set_defaults(command=cmd_build)
 
@@ -281,6 +285,8 @@ def cmd_build(args) -> int:
     from .project import build_project, open_project_cache
 
     spec = load_config(args.file)
+    if args.select:
+        spec.models = [model.model_copy(update={"select": args.select}) for model in spec.models]
     cache = open_project_cache(spec)
     # --json keeps stdout for the report: the progress goes to stderr
     with BuildDisplay(sys.stderr if args.json else sys.stdout) as display:
@@ -332,7 +338,7 @@ _OUTPUT_LINK = {".so": "shared", ".a": "static", ".dll": "shared"}
 
 
 def _compile_parser() -> argparse.ArgumentParser:
-    from .config import PRECISIONS, TARGETS
+    from .config import PRECISIONS, SELECT_MODES, TARGETS
     parser = argparse.ArgumentParser(
         prog="cuvil-compile", description="Compile one model into a shared library in one command: the same "
         "cached build as `cuvil build` with a one-model cuvil.yaml of these settings, and the same bytes. "
@@ -355,6 +361,9 @@ def _compile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS, help="default fp32")
     parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
                         help="threads each session runs on (default 1)")
+    parser.add_argument("--select", choices=SELECT_MODES, default="rules",
+                        help="rules (default): kernels by shape rules; measure: the candidates of each node "
+                             "timed on this machine (cuvil.yaml's select:)")
     parser.add_argument("--input-shape", action="append", default=[], type=_input_shape, dest="input_shapes",
                         metavar="NAME=D1,D2,...", help="static shape of an input the model leaves open (repeat "
                                                        "per input)")
@@ -447,7 +456,7 @@ def compile_config(args):
     folder = args.output.resolve().parent
     model = {"name": args.name, "source": str(args.model.resolve()),
              "targets": [CUDA_ALIASES.get(args.target, args.target)], "precision": args.precision,
-             "opt_level": args.opt_level, "threads": args.threads}
+             "opt_level": args.opt_level, "threads": args.threads, "select": args.select}
     if args.input_shapes:
         model["inputs"] = dict(args.input_shapes)
     if args.prefix:

@@ -40,6 +40,7 @@ PRIORITIES = ("critical", "high", "normal", "low")  # `serve: priority:`, most i
 DIFF_MODES = ("syntactic", "semantic")
 EXECUTORS = ("local", "dask")  # `executor: kind:`: this machine, or a Dask cluster (cluster.py)
 LINK_MODES = ("shared", "static", "both")  # `link:`: lib<name>.so, lib<name>.a, or both
+SELECT_MODES = ("rules", "measure")  # `select:`: kernels by shape rules, or timed here (cuvil/select.py)
 GROUP_SIZES = (32, 64, 128)  # `quantization: group_size:` (precision int4)
 # TensorFlow: Keras files and frozen GraphDefs; a SavedModel is a folder (a source with no suffix).
 SOURCE_SUFFIXES = (".onnx", ".pt", ".pth", ".keras", ".h5", ".hdf5", ".pb")
@@ -304,6 +305,15 @@ class _Settings(_Strict):
     link: Annotated[str, *_one_of(LINK_MODES, "link")] = Field(
         "shared", description="What the link makes: shared (lib<name>.so), static (lib<name>.a, the same "
         "exported symbols), or both; <name>.pc and <name>Config.cmake point at what was made.")
+    select: Annotated[str, *_one_of(SELECT_MODES, "select")] = Field(
+        "rules", description="How a node with several applicable kernels gets one: rules (shape rules: the same "
+        "library on every machine) or measure (each candidate built as a one-node library and timed on this "
+        "machine, the fastest taken unless the rules' kernel is within 5 %; cached per node shape, target, "
+        "threads and CPU model; `cuvil explain` shows the times). Today it chooses among Winograd F(4x4), "
+        "F(2x2) and direct for float32 3x3 stride-1 convs.")
+    select_candidates: list[str] | None = Field(
+        None, description="With select: measure, the kernels to time (at least two of winograd_f4, "
+        "winograd_f2, direct); null: every one that applies.")
 
 
 class _Model(_Settings):
@@ -394,6 +404,8 @@ class ModelConfig(BaseModel):
     calibration: CalibrationConfig = CalibrationConfig()
     serve: ServeConfig = ServeConfig()
     link: str = "shared"
+    select: str = "rules"
+    select_candidates: list[str] | None = None
     signature: str | None = None
     generate: dict | None = None    # GenerateConfig's keys, the tokenizer path absolute
     batch: list[int] | None = None  # batch buckets, sorted (inputs: the largest bucket's shapes)

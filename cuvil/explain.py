@@ -53,6 +53,10 @@ class Explanation:
     # (from, to, tensor) between kernels "k<i>" (index in `kernels`), graph inputs "in:<name>" and
     # outputs "out:<name>"; views (no code) are looked through to the kernel that made their data
     edges: list[tuple[str, str, str]] = field(default_factory=list)
+    # measured selection (cuvil/select.py): {"cpu": the machine's model, "nodes": {node: {"kernel":
+    # the one taken, "rules": the shape rules' one, "times_ms": {candidate: ms}}}}; empty for a build
+    # by the shape rules
+    selection: dict = field(default_factory=dict)
 
     @property
     def distinct_kernels(self) -> int:
@@ -197,7 +201,22 @@ def explain_variant(dag, link_step: str, model: str) -> Explanation:
     chain.reverse()
     stages = [("import", dag.get(chain[0].name))]
     stages += [(step.params["pass"], dag.get(step.name)) for step in chain[1:]]
-    return explain_graphs(model, stages, variant_params(dag, link_step))
+    selection = _selection(dag, codegen)
+    if selection:   # the kernels the codegen step lowers with
+        from .select import apply
+        stages[-1] = (stages[-1][0], apply(stages[-1][1], dag.step(codegen).params["select"]["kernels"]))
+    report = explain_graphs(model, stages, variant_params(dag, link_step))
+    report.selection = selection
+    return report
+
+
+def _selection(dag, codegen: str) -> dict:
+    """The measured selection of a variant (its select step's output and the CPU it was measured
+    on), or {} for a variant built by the shape rules."""
+    if "select" not in dag.step(codegen).params:
+        return {}
+    step = f"{codegen.rsplit('/', 1)[0]}/select"
+    return {"cpu": dag.step(step).params["cpu"], "nodes": dag.get(step)}
 
 
 # -- text -----------------------------------------------------------------------------------
@@ -228,6 +247,13 @@ def render(report: Explanation, max_buffers: int = 24) -> str:
         shape = "x".join(str(d) for d in k.output_shape) or "scalar"
         lines.append(f"  {k.node[:width]:<{width}}  {k.computes:<36} -> {shape}"
                      + (f"  [{k.precision}]" if k.precision else ""))
+    if report.selection:
+        nodes = report.selection["nodes"]
+        lines.append(f"select  measured on {report.selection['cpu']}: {len(nodes)} nodes with a choice")
+        for node, result in nodes.items():
+            fastest_first = sorted(result["times_ms"].items(), key=lambda kv: kv[1])
+            times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in fastest_first)
+            lines.append(f"  {node[:width]:<{width}}  {result['kernel']:<12} rules {result['rules']:<12} ({times})")
     m = report.memory
     ratio = m["arena_bytes"] / m["naive_bytes"] if m["naive_bytes"] else 0.0
     shared = f", shared by the sessions {_size(m['shared_bytes'])}" if m.get("shared_bytes") else ""
@@ -252,4 +278,4 @@ def as_dict(report: Explanation) -> dict:
             "memory": report.memory,
             "buffers": [dict(zip(("offset", "bytes", "first", "last", "value"), b)) for b in report.buffers],
             "op_counts_before": report.op_counts_before, "op_counts_after": report.op_counts_after,
-            "edges": [list(e) for e in report.edges]}
+            "edges": [list(e) for e in report.edges], "selection": report.selection}

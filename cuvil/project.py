@@ -88,7 +88,8 @@ def plan_project(spec: BuildSpec, models: list[str] | None = None, jobs: int = 1
                     symbol_prefix=model.symbol_prefix, max_arena_mb=model.max_arena_mb, sanitize=model.sanitize,
                     accuracy=model.accuracy.model_dump(), link=model.link,
                     calibration=model.calibration.model_dump(), signature=model.signature,
-                    generate=model.generate, batch=model.batch)
+                    generate=model.generate, batch=model.batch, select=model.select,
+                    select_candidates=model.select_candidates)
                 planned.append((model, target, spec.output_dir / model.name / target, plan_variant(dag, variant)))
     dag.check()
     return dag, planned

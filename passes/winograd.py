@@ -2,7 +2,8 @@
 
 A marked Conv or FusedConv (attribute `winograd` = 1: group 1, 3x3 kernel, stride 1,
 dilation 1, constant weights) runs as F(4x4, 3x3) or F(2x2, 3x3) when its shape pays
-(enough channels and output tiles; backends/numba_cpu/winograd.py), else as before.
+(enough channels and output tiles; backends/numba_cpu/winograd.py), else as before; with
+`select: measure` the build times those candidates and takes the fastest (cuvil/select.py).
 That needs 2.25-4x fewer multiply-adds than the direct kernels, at two costs a user may
 not want, which disabling this pass (`disable_passes: [winograd]`) avoids:
 

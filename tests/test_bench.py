@@ -2,12 +2,12 @@
 is a CuvilError naming it (timing itself is measured by benchmarks/, never asserted)."""
 import pytest
 
-from cuvil import bench
+from cuvil import bench, ctime
 from cuvil.errors import CuvilError
 
 
 def test_the_timing_program_is_built_with_cc(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "BUILD", tmp_path)
+    monkeypatch.setattr(ctime, "BUILD", tmp_path)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(CuvilError, match="cannot compile the timing program with '.*no-such-cc'") as error:
         bench.harness()

@@ -256,6 +256,23 @@ def _float32_winograd(node, lowp) -> bool:
     return bool(node.attr("winograd", 0)) and not (lowp and lowp[0] == "bf16")
 
 
+def kernel_candidates(node, graph) -> tuple[list[str], str | None]:
+    """The kernels measured selection (cuvil/select.py) chooses among for this node, by the names of
+    winograd.KERNELS, and the one the shape rules take; ([], None) where the rules leave nothing to
+    choose: a float32 Conv / FusedConv with constant weights that the winograd pass marked, and at
+    least one transform fits it."""
+    if node.op not in ("Conv", "FusedConv") or not node.attr("winograd", 0) or node.attr("precision"):
+        return [], None
+    _, inputs = epilogue_of(node)
+    X, W, Y = graph.values[inputs[0]], graph.values[inputs[1]], graph.values[node.outputs[0]]
+    if not W.is_const or len(X.shape) != 4 or len(W.shape) != 4:
+        return [], None
+    kernel, strides, dilations, _ = conv_geometry(node, X.shape[2:], W.shape[2:])
+    shape = (X, W, int(node.attr("group", 1)), kernel, strides, dilations, Y)
+    names = winograd.candidates(Y.dtype, *shape)
+    return names, (winograd.kernel_name(winograd.choose(Y.dtype, *shape)) if names else None)
+
+
 def _bf16_winograd(node, graph, lowp, X, W, B, Y, group, epilogue) -> Lowered | None:
     """A conv marked both bf16 and for Winograd, on winograd_bf16.py's kernels when they take it
     (float32 or bf16 activations), else None."""
@@ -282,7 +299,7 @@ def _gemm_paths(node, graph, dtype, X, W, B, Y, group, kernel, strides, dilation
     bf16_winograd = _bf16_winograd(node, graph, lowp, X, W, B, Y, group, epilogue)
     if bf16_winograd is not None:
         return bf16_winograd
-    transform = winograd.choose(dtype, X, W, group, kernel, strides, dilations, Y) \
+    transform = winograd.choose(dtype, X, W, group, kernel, strides, dilations, Y, node.attr("select")) \
         if W.is_const and _float32_winograd(node, lowp) else None
     if transform is not None:
         return Lowered(winograd.lower_winograd(node, graph, transform, X, W, B, Y, pads, res_arg, res_strides,

@@ -9,7 +9,9 @@ patches d_c under it (a = m + 2):
 position, a GEMM: M[xi] (OC x tiles) = U[xi] (OC x C) @ V[xi] (C x tiles). Per output and
 channel pair that is a*a/m^2 multiply-adds instead of the direct conv's 9: 2.25 for F(4x4, 3x3)
 (4x fewer), 4 for F(2x2, 3x3) (2.25x fewer). The transforms cost a few adds per value.
-F(4x4, 3x3) is taken when the output has at least MIN_TILES 4x4 tiles, else F(2x2, 3x3).
+F(4x4, 3x3) is taken when the output has at least MIN_TILES 4x4 tiles, else F(2x2, 3x3) (the
+shape rules of `choose`); with `select: measure` (cuvil/select.py) the build times the
+`candidates` on its machine instead and the node attribute `select` names the one to take.
 
 A run-once call (KernelCall.once), when the first session of the loaded library is created:
 `WinoPrep` computes U from W, packed into micro-kernel panels, into a block all its sessions
@@ -91,19 +93,47 @@ def tiles(OH, OW, m) -> int:
     return -(-OH // m) * -(-OW // m)
 
 
-def choose(dtype, X, W, group, kernel, strides, dilations, Y) -> Transform | None:
-    """The Winograd transform a conv runs with, or None (the direct kernels)."""
-    if np.dtype(dtype) != np.float32 or len(X.shape) != 4 or group != 1:
-        return None
-    if tuple(kernel) != (3, 3) or tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
-        return None
+# The kernels a float32 conv the winograd pass marked can run on, by the names measured selection
+# (cuvil/select.py) gives them in the node attribute `select`: None is the kernels without Winograd
+# (implicit GEMM or direct, conv.py's other rules).
+KERNELS = {"winograd_f4": F4, "winograd_f2": F2, "direct": None}
+
+
+def kernel_name(t: Transform | None) -> str:
+    """The name in KERNELS of a transform `choose` returned (None: "direct")."""
+    return next(name for name, kernel in KERNELS.items() if kernel is t)
+
+
+def _fits(t: Transform, X, W, Y) -> bool:
+    """Whether the transform's GEMMs fit the micro-kernel (wide enough rows of tiles)."""
     C, OC = int(X.shape[1]), int(W.shape[0])
-    OH, OW = (int(v) for v in Y.shape[2:])
-    if min(C, OC) < MIN_CHANNELS:
+    T = tiles(*(int(v) for v in Y.shape[2:]), t.m)
+    return uk_eligible(np.float32, OC, T, C, Operand((0, 0), C, 1), Operand((0, 0), T, 1))
+
+
+def candidates(dtype, X, W, group, kernel, strides, dilations, Y) -> list[str]:
+    """The KERNELS that can compute this conv, whatever the shape rules of `choose` prefer: the
+    Winograd transforms whose GEMMs fit the micro-kernel, and the direct kernels; [] for a conv no
+    transform applies to (nothing to choose)."""
+    if np.dtype(dtype) != np.float32 or len(X.shape) != 4 or group != 1:
+        return []
+    if tuple(kernel) != (3, 3) or tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
+        return []
+    names = [name for name, t in KERNELS.items() if t is not None and _fits(t, X, W, Y)]
+    return names + ["direct"] if names else []
+
+
+def choose(dtype, X, W, group, kernel, strides, dilations, Y, selected: str | None = None) -> Transform | None:
+    """The Winograd transform a conv runs with, or None (the direct kernels): `selected`, a name of
+    KERNELS measured selection chose among `candidates`, else the shape rules below."""
+    if selected is not None:
+        return KERNELS[selected]
+    if not candidates(dtype, X, W, group, kernel, strides, dilations, Y):
+        return None
+    if min(int(X.shape[1]), int(W.shape[0])) < MIN_CHANNELS:
         return None
     for t in (F4, F2):   # the larger tile when it leaves enough tiles
-        T = tiles(OH, OW, t.m)
-        if T >= MIN_TILES and uk_eligible(np.float32, OC, T, C, Operand((0, 0), C, 1), Operand((0, 0), T, 1)):
+        if tiles(*(int(v) for v in Y.shape[2:]), t.m) >= MIN_TILES and _fits(t, X, W, Y):
             return t
     return None
 

@@ -120,13 +120,36 @@ def test_rank_3_attention():
     assert_matches_ort(model, feeds, tol=1e-5)
 
 
-@pytest.mark.parametrize("threads", [2, 3])
-def test_results_identical_for_any_thread_count(threads):
-    """Row blocks split over the threads, each with scratch of its own: the same bits as one thread."""
-    model, feeds = heads(B=1, T=96, S=80, H=2, D=32)
+@pytest.mark.parametrize("threads, shape", [(2, {}), (3, {}), (2, {"T": 198, "H": 3, "D": 64})])
+def test_results_identical_for_any_thread_count(threads, shape):
+    """Row blocks split over the threads, each with scratch of its own: the same bits as one thread
+    (DeiT's 3 heads x 198 rows at 2 threads: 2 runs of blocks of 48 rows a head, 72 on one thread)."""
+    model, feeds = heads(**({"B": 1, "T": 96, "S": 80, "H": 2, "D": 32} | shape))
     one = cuvil.compile(model, threads=1).run(feeds)
     many = cuvil.compile(model, threads=threads).run(feeds)
     np.testing.assert_array_equal(one["y"], many["y"])
+
+
+@pytest.mark.parametrize("T, H, threads, items, even", [
+    (198, 3, 2, 6, True), (197, 3, 2, 6, True),   # DeiT / ViT: were 9 (72, 72, 54 rows a head: 9 % over)
+    (250, 6, 2, 6, True),                         # Whisper: were 12, each packing its head's Kt
+    (197, 3, 4, 12, True),                        # were 18 (36 x 5 + 17 rows a head: 9 % over)
+    (50, 1, 2, 5, False),   # no split of 4 tiles of 12 rows and 2 is even: as many as the threads want
+])
+def test_threads_finish_together_on_the_fewest_items(T, H, threads, items, even):
+    """The fewest work items (each packs its head's Kt) whose threads finish within IMBALANCE_OK of
+    an even share as the pool hands them out; where none does, as many as the threads want."""
+    from backends.numba_cpu.attention import Geometry, run_rows
+    from backends.numba_cpu.gemm import IMBALANCE_OK, slowest_share
+    from backends.numba_cpu.kernel import lowering_for
+    model, _ = heads(T=T, H=H, D=64)
+    graph, _ = lowered(model, threads)
+    node = next(n for n in graph.nodes if n.op == "FusedAttention")
+    with lowering_for(threads):
+        g = Geometry(node, graph)
+    rows = run_rows(T, g.RB, g.runs)
+    assert sum(rows) == T and min(rows) > 0 and g.RB % g.s_tile[0] == 0 and g.RB % g.o_tile[0] == 0
+    assert g.work == items and (slowest_share(rows * H, threads) <= IMBALANCE_OK) == even
 
 
 @pytest.mark.parametrize("target", ["x86_64-avx2", "generic"])

@@ -20,9 +20,12 @@ the GEMM micro-kernel with A = Q's rows in place, the softmax in place over
 each row (scale, vmax, vexp, sum, 1/sum, as the Softmax kernel computes it),
 then O's rows by the micro-kernel with A = P, B = V's rows in place, C = the
 output rows in place. With one thread there is one run per batch and one
-scratch slot; with more, the runs are as many as the threads want (blocks
-get smaller when there are fewer than threads) and each item has a slot of
-its own, so no result depends on which thread ran what.
+scratch slot; with more, each item has a slot of its own, so no result
+depends on which thread ran what, and the runs are the fewest that the
+threads finish together (even_split: whole batches where they divide among
+the threads), else as many as the threads want (wanted_split: blocks get
+smaller when there are fewer than threads). Blocks are whole tiles of both
+products, so no result depends on the blocking either.
 
 bf16 builds (the node marked `precision: bf16` by passes/assign_precision.py; attention_bf16.py):
 both products on the bf16 micro-kernel (`vdpbf16ps` with AVX512-BF16, "widen" elsewhere), float32
@@ -56,7 +59,7 @@ import numpy as np
 
 from .ukernel import TBLOCK, TBlockSpec, UKSpec
 
-from .gemm import TileLoops, ceil_div, choose_tile
+from .gemm import IMBALANCE_OK, TileLoops, ceil_div, choose_tile, slowest_share
 from .kernel import (Kernel, KernelCall, Lowered, Source, broadcast_strides, dims_strides, kernel_header, literal,
                      session_threads, work_items)
 from .scratch import scratch_value
@@ -101,12 +104,42 @@ class _Product(TileLoops):
         self.loops(src, self.N, rows, self.rem, f"min({t}k0, 1)", call)
 
 
+def run_rows(T: int, RB: int, runs: int) -> list[int]:
+    """The query rows of each of a batch's `runs` runs of consecutive blocks of RB rows (the last
+    block the rest of T), cut as the kernel's block loop cuts them."""
+    n_blocks = ceil_div(T, RB)
+    return [min(T, (r + 1) * n_blocks // runs * RB) - r * n_blocks // runs * RB for r in range(runs)]
+
+
+def even_split(T: int, nb: int, step: int, rb_most: int, most_runs: int) -> tuple[int, int] | None:
+    """(RB, runs): the fewest work items (nb batches x runs) that the session's threads finish
+    within IMBALANCE_OK of an even share, as the pool hands them out, with the largest blocks
+    (multiples of `step` rows, at most rb_most) among those; None when no split up to most_runs
+    runs a batch does. Every item packs its batch's Kt, so fewer items pack less.
+    DeiT / ViT (3 heads x 197-198 rows) at 2 threads: 3 runs of 72, 72, 54 rows a head left
+    the slowest thread 9 % over an even share; 2 runs of 96 and 102 (blocks of 48) give 1.01 and
+    6 packs, not 9. Whisper (6 heads x 250): whole heads, 6 packs, not 12."""
+    threads = session_threads()
+    for runs in range(1, most_runs + 1):
+        fits = [RB for RB in range(step, rb_most + 1, step)
+                if ceil_div(T, RB) >= runs and slowest_share(run_rows(T, RB, runs) * nb, threads) <= IMBALANCE_OK]
+        if fits:
+            return max(fits), runs
+    return None
+
+
+def wanted_split(T: int, nb: int, step: int, RB: int) -> tuple[int, int]:
+    """(RB, runs) for as many work items as work_items() wants: runs of blocks of at most RB rows,
+    smaller blocks (multiples of `step`) where there are too few for every thread."""
+    if nb * ceil_div(T, RB) < work_items():
+        RB = min(RB, max(step, ceil_div(ceil_div(T, ceil_div(work_items(), nb)), step) * step))
+    return RB, min(ceil_div(T, RB), ceil_div(work_items(), nb))
+
+
 class Geometry:
     """The shapes, strides and blocking of one FusedAttention node (float32 and bf16 kernels alike)."""
 
-    def __init__(self, node, graph, whole_batches: bool = False):
-        """`whole_batches`: with several threads, when the batches (batch x heads) divide among them
-        evenly, a work item is a whole batch (one run): no batch's Kt (and V) is packed twice."""
+    def __init__(self, node, graph):
         self.q_name, self.k_name, self.v_name = node.inputs[:3]
         self.mask_name = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3] else ""
         self.out_name = node.outputs[0]
@@ -132,16 +165,15 @@ class Geometry:
         self.SP = SP
         self.s_tile, self.o_tile = choose_tile(T, S), choose_tile(T, Dv)
         step = math.lcm(self.s_tile[0], self.o_tile[0])    # blocks of whole tiles of both products
-        RB = max(step, BLOCK_BYTES // (4 * SP) // step * step)
+        RB = min(max(step, BLOCK_BYTES // (4 * SP) // step * step), ceil_div(T, step) * step)
         self.one_slot = session_threads() == 1
-        whole = whole_batches and self.nb % session_threads() == 0
-        if not self.one_slot and not whole and self.nb * ceil_div(T, RB) < work_items():   # smaller blocks: something for every thread
-            RB = max(step, ceil_div(ceil_div(T, ceil_div(work_items(), self.nb)), step) * step)
-        self.RB = RB = min(RB, ceil_div(T, step) * step)
+        # Work items: (batch, run of consecutive blocks), each packing its batch's Kt once into a slot of
+        # its own. One run per batch on one thread; else the fewest items the threads finish together,
+        # else as many as the threads want.
+        self.RB, self.runs = (RB, 1) if self.one_slot else (
+            even_split(T, self.nb, step, RB, ceil_div(work_items(), self.nb)) or wanted_split(T, self.nb, step, RB))
+        RB = self.RB
         self.n_blocks = ceil_div(T, RB)
-        # Work items: (batch, run of consecutive blocks); one run per batch on one thread, else as many
-        # as the threads want (each item packs its batch's Kt once, into a slot of its own).
-        self.runs = 1 if self.one_slot or whole else min(self.n_blocks, ceil_div(work_items(), self.nb))
         self.work = self.nb * self.runs
         self.slot = self.D * SP + RB * SP
         # Every block but the last has RB rows (whole tiles of both products); the last may end in a partial tile.

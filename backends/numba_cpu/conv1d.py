@@ -18,7 +18,7 @@ import numpy as np
 
 from cuvil.ir import Value
 
-from .gemm import slowest_share
+from .gemm import IMBALANCE_OK, slowest_share
 
 
 def as_2d(X, W, Y, kernel, strides, dilations, pads, res_strides):
@@ -41,8 +41,6 @@ def as_2d(X, W, Y, kernel, strides, dilations, pads, res_strides):
 # Column blocks per thread of a row-block split (see thread_split): enough for a thread done early
 # to take some of another's work, few enough that each block's weights are read a few times only.
 BLOCKS_PER_THREAD = 3
-# A split whose slowest thread takes this much more than an even share keeps its split.
-IMBALANCE_OK = 1.02
 
 
 def thread_split(threads: int, images: int, widths: list[int], n_panels: int,

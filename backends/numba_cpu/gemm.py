@@ -284,6 +284,11 @@ def _imbalance(c, n_cols: int, m_tiles: int, threads: int) -> float:
     return slowest_share(sizes, threads)
 
 
+# A split whose slowest thread takes this much more than an even share is even enough (conv1d,
+# attention).
+IMBALANCE_OK = 1.02
+
+
 def slowest_share(sizes: list[int], threads: int) -> float:
     """The slowest thread's time over an even share when `threads` threads run items of these
     sizes as the driver's pool hands them out: each its contiguous range in order, then one by

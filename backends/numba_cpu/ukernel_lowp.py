@@ -161,6 +161,23 @@ class LowpOut16Spec(LowpUKSpec):
 
 
 @dataclass(frozen=True)
+class LowpOut16CalledSpec(LowpOut16Spec):
+    """LowpOut16Spec's kernel, called rather than inlined, for LowpCalledSpec's reason: a ResNet
+    stem's 74 tap pairs in one k step (convtappairs.py), its 16-bit Y written from the registers.
+
+    The k count reaches the loop through a volatile stack slot (one store and one load a call):
+    the kernel is internal and every call passes one constant count (a stem: 1 pair), so LLVM's
+    interprocedural constant propagation removed the loop, and the 74 taps' 1776 `vdpbf16ps`, one
+    straight block from zeroed accumulators, came out with 210 zmm spills (ResNet-18's stem conv
+    0.64 ms, the float32-tile path 0.59); with the loop kept, 4 spills (0.54-0.55 ms)."""
+    kind: str = "lowp16call"
+    inline: ClassVar[bool] = False
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_out16_call"
+
+
+@dataclass(frozen=True)
 class LowpOut16TapsSpec(LowpOut16Spec):
     """LowpOut16Spec's transposed tile (c_transposed: rows are pixels, columns output channels) of a
     conv with taps (conv1x1t.py on a small output plane): A is the bf16 phase image read in place
@@ -468,6 +485,11 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir("%acc = icmp ne i64 %accw, 0")
     ir(f"%epiw = and i64 %loadc, {LOADC_EPILOGUE}")
     ir("%epi = icmp ne i64 %epiw, 0")
+    opaque_k = out16 and not getattr(spec, "inline", True)
+    if opaque_k:   # see LowpOut16CalledSpec: the k count through a volatile slot, unknown to LLVM
+        ir("%kc.slot = alloca i64")
+        ir("store volatile i64 %kc.arg, ptr %kc.slot")
+        ir("%kc = load volatile i64, ptr %kc.slot")
     masks = column_masks(ir, V, L)
     offsets, dense = _compressed_offsets(ir, V, L) if spec.store == "x" else ({v: str(v * L) for v in range(V)}, masks)
     crow = {i: _element_ptr(ir, "i16" if out16 else "float", "%c", "%coff", i, "%ldc") for i in range(spec.mr)}
@@ -542,6 +564,8 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         args += ", ptr noalias %r, i64 %roff"
     if spec.method == "fp16":
         args = args.replace("i64 %kc,", "i64 %k_total,")
+    if opaque_k:
+        args = args.replace("i64 %kc,", "i64 %kc.arg,")
     head = f"define i32 @{spec.name}({args}) #0 {{"
     decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
              f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
@@ -1003,6 +1027,7 @@ def kinds() -> dict:
             "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
             "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
+            "lowp16call": lambda d: LowpOut16CalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "copypairs_strided": lambda d: StridedPairCopySpec(**d), "winoin16": WinoInSpec.from_dict,
             "winoout_plane": WinoOutPlaneSpec.from_dict, "winoout_rows": WinoOutRowSpec.from_dict,
             "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])}),

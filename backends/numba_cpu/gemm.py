@@ -225,6 +225,12 @@ MODEL_L2_BYTES = 2 << 20      # a model whose constants all fit in (one core's) 
 # (38 MB of weights, past the L3), 1 thread: 6 % faster (T = 16 rows: 1.8x); one product (weights in the
 # L3): no change. 32 and 128 rows were slower than 64 (docs/performance.md, 2026-12-07 fourth session).
 STREAM_PREFETCH_B_ROWS = 64
+# bf16 Winograd GEMMs whose A (one position's U, M x K bf16) is larger than this prefetch it far ahead
+# (ukernel_lowp.LowpStreamASpec): ResNet-18's 14 x 14 and 7 x 7 stages (128 / 512 KB a position,
+# 2 / 8.4 MB a conv, past L2 and, in a whole bf16 ResNet-18's 38.8 MB of weights, past L3: 1 thread,
+# their WinoGemm steps 0.29 -> 0.26 and 0.37 -> 0.30 ms); the 56 / 28 stages' U (8 / 32 KB a position,
+# re-read by each band) ran as fast with it as without (docs/performance.md, fifth session).
+STREAM_A_BYTES = 64 << 10
 
 
 def split_work(want: int, n_cols: int, m_tiles: int, a_bytes: int, b_bytes: int) -> tuple[int, int, int, int]:
@@ -535,7 +541,7 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     b.batch the batch strides, in 16-bit elements; B's last column panel is read in full (NR
     columns, bf16 loads are not masked), so its buffer needs 2 NR elements of slack."""
     from .ukernel import UKSpec
-    from .ukernel_lowp import LowpUKSpec
+    from .ukernel_lowp import LowpStreamASpec, LowpUKSpec
     assert lowp is None or (b is None and not a_panels and not batch_shape and a.cols == 1) \
         or (lowp[0] == "bf16" and a_panels and b is not None and b.cols == 1 and K % 2 == 0)
     pairs_in_place = bool(lowp) and b is not None
@@ -566,6 +572,9 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     # weights too large for L2, which the first row tile over each micro-panel reads from L3 or DRAM
     # (a GEMV, M = 1, keeps 8: on a chain of 768 x 768 GEMVs the far prefetch won 3 % at 38 MB and lost 7 % at 151 MB)
     prefetch_b = 0 if b_in_l2 else STREAM_PREFETCH_B_ROWS if b is None and M > 1 and 4 * K * N > L2_RESIDENT_BYTES else 1
+    # bf16 Winograd's U (A in panels, each read once a band) streams from L3 or memory where one
+    # position's matrix is large: prefetched far ahead (ukernel_lowp.LowpStreamASpec)
+    stream_a = bool(lowp) and a_panels and 2 * M * K > STREAM_A_BYTES
 
     # The last column panel is computed by a kernel only as wide as its columns need (whole vectors).
     edge_nr = min(NR, ceil_div(N % NR, UK_NR_STEP) * UK_NR_STEP) if N % NR else NR
@@ -580,8 +589,9 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     def spec(mr, edge_n):
         key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)
         if key not in specs and lowp:
-            specs[key] = (f"uk{len(specs)}", LowpUKSpec(mr=mr, nr=key[1], dtype=lowp[0], method=lowp[1],
-                                                        a_packed=a_packed, a_panel=a_panel, **uk_epilogue))
+            spec_type = LowpStreamASpec if stream_a else LowpUKSpec
+            specs[key] = (f"uk{len(specs)}", spec_type(mr=mr, nr=key[1], dtype=lowp[0], method=lowp[1],
+                                                       a_packed=a_packed, a_panel=a_panel, **uk_epilogue))
         elif key not in specs:
             specs[key] = (f"uk{len(specs)}", UKSpec(mr=mr, nr=key[1], a_packed=a_packed, a_panel=a_panel,
                                                     b_masked=int(key[2]), prefetch_b=prefetch_b,

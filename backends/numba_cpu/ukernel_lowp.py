@@ -115,6 +115,18 @@ class LowpCalledSpec(LowpUKSpec):
 
 
 @dataclass(frozen=True)
+class LowpStreamASpec(LowpUKSpec):
+    """LowpUKSpec's kernel with A (packed panels, read once: bf16 Winograd's U of a 7 x 7 stage,
+    8.4 MB a conv) prefetched `prefetch_a` k pairs ahead of the k loop, into the next calls' panels
+    (they follow in memory), as gemm.py's streamed B (ukernel.UKSpec.prefetch_b)."""
+    prefetch_a: int = 256
+    kind: str = "lowpstream"
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_streama"
+
+
+@dataclass(frozen=True)
 class LowpOut16Spec(LowpUKSpec):
     """LowpUKSpec's tile (taps or rows, A packed) written straight to a 16-bit C: one call runs the
     whole k loop from zero (loadc is ignored: no partial sums in memory), then per row
@@ -527,6 +539,10 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         cur = dict(accs)
         brow = _b_row(ir, kv) if spec.method != "fp16" else None
         per_k = 2 if spec.k_pairs else 1
+        if getattr(spec, "prefetch_a", 0) and ci == 0:
+            ahead = ir.tmp("pfa")
+            ir(f"{ahead} = add i64 {kv}, {spec.prefetch_a}")
+            ir(f"call void @llvm.prefetch.p0(ptr {_a_address(ir, spec, ahead, 0, abase, arow)}, i32 0, i32 3, i32 1)")
         for t, off in enumerate(spec.taps or (0,)):
             ka = kv
             if a_taps:   # LowpOut16TapsSpec: A (pixel rows) shifted by the tap, B's row block (kv, t)
@@ -576,7 +592,8 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
              "declare i64 @llvm.ctpop.i64(i64)",
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
              "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
-             "declare <32 x half> @llvm.fma.v32f16(<32 x half>, <32 x half>, <32 x half>)"]
+             "declare <32 x half> @llvm.fma.v32f16(<32 x half>, <32 x half>, <32 x half>)",
+             "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
     if out16:
         decls += [f"declare <{L} x i16> @llvm.masked.load.v{L}i16.p0(ptr, <{L} x i1>, <{L} x i16>)",
                   f"declare void @llvm.masked.store.v{L}i16.p0(<{L} x i16>, ptr, <{L} x i1>)"]
@@ -1027,6 +1044,7 @@ def kinds() -> dict:
             "dwrow16": lambda d: DwRow16Spec(**d), "dwrowpairs": lambda d: DwRowPairSpec(**d),
             "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
+            "lowpstream": lambda d: LowpStreamASpec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "lowp16call": lambda d: LowpOut16CalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "copypairs_strided": lambda d: StridedPairCopySpec(**d), "winoin16": WinoInSpec.from_dict,
             "winoout_plane": WinoOutPlaneSpec.from_dict, "winoout_rows": WinoOutRowSpec.from_dict,

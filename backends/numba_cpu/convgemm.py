@@ -31,8 +31,9 @@ transposed GEMM, pixels on the tile's rows.
 
 A bf16 stem (a few odd channels read from float32 at a stride, 25+ taps) pairs (channel, tap)
 products instead of channels (convtappairs.py): its B is one "channel pair" of pair planes with
-T' taps, all summed in one pass, so a 16-bit Y is written from the registers as a 1x1 conv's is. A strided bf16 conv reading a bf16 X copies the phase-image columns with a vector
-micro-kernel (lowp.StridedPairCopySpec), as the Winograd input's stride-2 phases do.
+T' taps, all summed in one pass, so a 16-bit Y is written from the registers as a 1x1 conv's is.
+A strided bf16 conv reading a bf16 X copies the phase-image columns with a vector micro-kernel
+(lowp.StridedPairCopySpec), as the Winograd input's stride-2 phases do.
 """
 from __future__ import annotations
 
@@ -410,6 +411,11 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
     bias = (pb, "g * {ocg} + m".format(ocg=ocg)) if pb else ("p1", "0")   # no bias: any pointer (unread)
     res = pr or py   # no residual: any 16-bit pointer (unread)
 
+    def tile_start():
+        col = NR if planar else NR * (1 + pairs)   # planar: X's channel planes, 2 per pair row
+        body.line(f"boff = (n * {C_p // (1 + pairs)} + g * {icg_p // (1 + pairs)}) * {ldb_b} + tt * {col}")
+        body.line(f"y0 = {pt}[tt * 3 + 1]")
+
     def panel(mr):
         name = spec(mr)
         body.line(f"a0 = g * {icg_p * n_panels * T * MR} + (m // {MR}) * {icg_p * T * MR}")
@@ -423,11 +429,6 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
                   f"{LOADC_EPILOGUE}, {bias[0]}, {bias[1]}, {res}, " + ("rb + y0)" if pr else "0)"))
         if not tiles_outer:
             body.dedent()
-
-    def tile_start():
-        col = NR if planar else NR * (1 + pairs)   # planar: X's channel planes, 2 per pair row
-        body.line(f"boff = (n * {C_p // (1 + pairs)} + g * {icg_p // (1 + pairs)}) * {ldb_b} + tt * {col}")
-        body.line(f"y0 = {pt}[tt * 3 + 1]")
 
     if tiles_outer:
         body.line("for tt in range(t_lo, t_hi):").indent()

@@ -11,8 +11,11 @@ the plan says.
 import numpy as np
 import pytest
 
+from onnx import helper
+
 import cuvil
 from backends.numba_cpu import convtappairs
+from backends.numba_cpu.lowp_pack import bf16_bits
 from backends.numba_cpu.convgemm import phase_geometry
 from cuvil.explain import explain_model
 from tests.test_precision_conv import _bound, _conv_model, _ort
@@ -140,3 +143,50 @@ def test_a_strided_conv_reading_bf16_is_within_the_derived_bound(case):
     assert np.max(np.abs(got - want)) > 1e-3 * np.max(bound)
     info = explain_model(model, precision="bf16", disable_passes=["winograd"], threads=threads, target=target)
     assert any("convpad_pairs16" in kernel.symbol for kernel in info.kernels), [k.symbol for k in info.kernels]
+
+
+def _stem_pool_model(x_shape, oc):
+    """ResNet's stem: Conv 7x7 / 2 (bias) + Relu, then MaxPool 3x3 / 2: the conv's Y is a bf16
+    activation (MaxPool reads it), the case where the tap-pair conv writes it from its registers."""
+    model, w, b = _conv_model(x_shape, oc, 7, 2, 3, 1, False)
+    graph = model.graph
+    graph.node[-1].output[0] = "h_relu"
+    graph.node.append(helper.make_node("MaxPool", ["h_relu"], ["y"], kernel_shape=[3, 3], strides=[2, 2],
+                                       pads=[1, 1, 1, 1]))
+    return model, w, b
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bf16_stem_output_is_rounded_once_from_the_float32_sums(threads):
+    """The stem conv writes its bf16 Y from the micro-kernel's registers (ukernel_lowp.LowpOut16CalledSpec,
+    no float32 tile: no `ctile` buffer). Exact reference: the same conv built with its float32 Y as
+    the graph output (same products, same float32 sums, bias and Relu in the same order), rounded
+    once to bf16 (RNE, a float32 subnormal to zero as `vcvtneps2bf16` does) and max-pooled in numpy;
+    and onnxruntime float32 within the derived bound: the conv's (test_precision_conv), plus the
+    rounding's u |Y|, through MaxPool (1-Lipschitz: the window's largest bound)."""
+    x_shape, oc = (1, 3, 46, 38), 24
+    model, w, b = _stem_pool_model(x_shape, oc)
+    conv_only, _, _ = _conv_model(x_shape, oc, 7, 2, 3, 1, False)
+    x = np.random.default_rng(5).standard_normal(x_shape).astype(np.float32)
+    lib = cuvil.compile(model, precision="bf16", threads=threads)
+    got = lib.run({"x": x})["y"]
+    y32 = cuvil.compile(conv_only, precision="bf16", threads=threads).run({"x": x})["y"]
+    y32 = np.where(np.abs(y32) < 2.0 ** -126, np.float32(0), y32)
+    y16 = (bf16_bits(y32).astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(got, _maxpool64(y16).astype(np.float32))
+    conv_bound = _bound(x, w, b, None, 2, 3, 1, "bf16")
+    y_ort = _ort(conv_only, {"x": x}).astype(np.float64)
+    bound = _maxpool64(conv_bound + 2.0 ** -8 * (np.abs(y_ort) + conv_bound), pad_value=0.0)
+    want = _ort(model, {"x": x})
+    assert np.all(np.abs(got.astype(np.float64) - want) <= bound), float(np.max(np.abs(got - want) - bound))
+    info = explain_model(model, precision="bf16", threads=threads)
+    assert not any("ctile" in str(buffer[-1]) for buffer in info.buffers), info.buffers
+
+
+def _maxpool64(y, pad_value=-np.inf):
+    """MaxPool 3x3 / 2, pads 1, in float64 (NCHW)."""
+    N, C, H, W = y.shape
+    yp = np.pad(y.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=pad_value)
+    OH, OW = (H + 2 - 3) // 2 + 1, (W + 2 - 3) // 2 + 1
+    windows = [yp[:, :, i:i + 2 * OH:2, j:j + 2 * OW:2] for i in range(3) for j in range(3)]
+    return np.max(windows, axis=0)

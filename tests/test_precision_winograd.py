@@ -278,3 +278,19 @@ def run(x, y, pair, want, half, widened):
     assert np.array_equal(pair, want)
     assert np.array_equal(half, (want & 0xFFFF).astype(np.uint16))
     assert widened.all()
+
+
+@pytest.mark.parametrize("C, streams", [(256, True), (128, False)])
+def test_a_large_position_streams_its_u_far_ahead(C, streams):
+    """A WinoGemm whose A (one position's U, C x C bf16) is over gemm.STREAM_A_BYTES prefetches it
+    ukernel_lowp.LowpStreamedSpec.prefetch_a k pairs ahead (256 channels: 128 KB a position); a
+    smaller one (128: 32 KB) keeps the plain micro-kernel. A prefetch changes no arithmetic: the
+    256-channel 7x7 case of test_a_bf16_winograd_conv_is_within_the_derived_bound runs it against
+    onnxruntime."""
+    from backends.numba_cpu.gemm import STREAM_A_BYTES, Operand, uk_gemm_kernel
+    assert (2 * C * C > STREAM_A_BYTES) == streams
+    T, xs = 16, C // 2 * 16 + 16
+    kernel, _ = uk_gemm_kernel("WinoGemm", C, T, C, (1, 16), Operand((0, C * C + 32), C, 1),
+                               Operand((2 * 16 * xs, 2 * xs), 2 * T, 1), None, Operand((16 * xs, xs), T, 1),
+                               a_panels=True, self_sized=False, lowp=("bf16", "dpbf16"), tile=(12, 32))
+    assert ('"kind": "lowpstream"' in kernel.source) == streams

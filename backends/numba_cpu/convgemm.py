@@ -31,8 +31,9 @@ transposed GEMM, pixels on the tile's rows.
 
 A bf16 stem (a few odd channels read from float32 at a stride, 25+ taps) pairs (channel, tap)
 products instead of channels (convtappairs.py): its B is one "channel pair" of pair planes with
-T' taps. A strided bf16 conv reading a bf16 X copies the phase-image columns with a vector
-micro-kernel (lowp.StridedPairCopySpec), as the Winograd input's stride-2 phases do.
+T' taps, all summed in one pass, so a 16-bit Y is written from the registers as a 1x1 conv's is.
+A strided bf16 conv reading a bf16 X copies the phase-image columns with a vector micro-kernel
+(lowp.StridedPairCopySpec), as the Winograd input's stride-2 phases do.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     phase images to 16 bits (bf16: channel pairs interleaved) and the conv multiplies them with
     weights packed in that format by ukernel_lowp's taps kernels; sums and epilogue stay float32."""
     from .ukernel import UKSpec
-    from .ukernel_lowp import LowpCalledSpec, LowpOut16Spec, LowpUKSpec, rounding_after
+    from .ukernel_lowp import LowpCalledSpec, LowpOut16CalledSpec, LowpOut16Spec, LowpUKSpec, rounding_after
     epilogue = epilogue or Epilogue()
     dtype = np.dtype(np.float32)
     N, C, H, Wd = (int(v) for v in X.shape)
@@ -114,13 +115,17 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     # A 1x1 conv's 16-bit Y whose epilogue the micro-kernel can compute (bias, a residual stored
     # like Y, Relu or Clip) is written by it directly (ukernel_lowp.LowpOut16Spec): one pass over
     # the channels. (Convs with taps keep _narrow_output_body's passes: in one pass ResNet-50's
-    # 3x3 stride-2 512-channel conv ran 0.715 -> 0.85 ms and the 7x7 stem 0.84 -> 0.93 ms.)
+    # 3x3 stride-2 512-channel conv ran 0.715 -> 0.85 ms and the 7x7 stem 0.84 -> 0.93 ms, before
+    # its tap-pair form; that form sums everything in one pass anyway and takes this path: below.)
     # A few odd input channels (an RGB stem) read from float32 at a stride: pairs of (channel, tap)
     # products instead of channel pairs (convtappairs.py), one "channel pair" with T' taps below.
     tap_pairs = convtappairs.plan(icg, group, offsets, ldb, PH, PW) \
         if pairs and scratch is None and not x_narrow and not accumulate and s_w > 1 else None
-    direct16 = y_narrow and lowp is not None and T == 1 and _direct16_ok(epilogue, residual_arg, res_strides, r_dtype,
-                                                                         Y.dtype, OH, OW)
+    # The tap-pair form sums all its products in one pass too (one "channel pair"): its 16-bit Y from the
+    # registers as well, by a called kernel (LowpOut16CalledSpec; ResNet-18's stem conv 0.59-0.61 ->
+    # 0.54-0.55 ms, docs/performance.md, fifth session).
+    direct16 = y_narrow and lowp is not None and (T == 1 or tap_pairs is not None) \
+        and _direct16_ok(epilogue, residual_arg, res_strides, r_dtype, Y.dtype, OH, OW)
     # ... and when it reads a 16-bit X as it is stored (stride 1, no padding: the phase image would
     # be X with its channel pairs interleaved), no copy at all: the micro-kernel pairs the channel
     # planes in registers (LowpOut16Spec.b_planar: bf16 with an even channel count; its loads are
@@ -285,10 +290,10 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
             if in_place_x:   # (ukernel_lowp.rounding_after: the exact rounding without NaN lanes after Relu)
                 cvt = rounding_after(act["act"], act["act_lo"], act["act_hi"], cvt)
             specs[mr, nr] = (f"uk{len(specs)}",
-                             LowpOut16Spec(mr=mr, nr=nr, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
-                                           taps=offsets, store=store, bias=int(has_bias),
-                                           residual=int(residual_arg is not None),
-                                           cvt=cvt, b_planar=int(in_place_x), **act))
+                             (LowpOut16CalledSpec if tap_pairs else LowpOut16Spec)(
+                                 mr=mr, nr=nr, dtype=lowp[0], method=lowp[1], a_packed=1, a_panel=MR,
+                                 taps=offsets, store=store, bias=int(has_bias), residual=int(residual_arg is not None),
+                                 cvt=cvt, b_planar=int(in_place_x), **act))
         if (mr, nr) not in specs:
             specs[mr, nr] = (f"uk{len(specs)}",
                              (LowpCalledSpec if tap_pairs else LowpUKSpec)(
@@ -357,7 +362,7 @@ def lower_conv_gemm(node, graph, X, W, B, Y, group, kernel, strides, dilations, 
     if direct16:
         body = _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pairs, m_blocks, n_blocks, mpb,
                               tpb, n_tiles, group, pb, pt, pr, py, res_strides[0] if residual_arg is not None else 0,
-                              in_place_x)
+                              in_place_x, tiles_outer=tap_pairs is not None)
     elif y_narrow:
         from .lowp import CvtSpec, best_method
         from .kernel import lowering_target
@@ -394,15 +399,22 @@ def _direct16_ok(epilogue: Epilogue, residual_arg, res_strides, r_dtype, y_dtype
 
 
 def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pairs, m_blocks, n_blocks, mpb, tpb,
-                   n_tiles, group, pb, pt, pr, py, res_n: int = 0, planar: bool = False) -> Source:
+                   n_tiles, group, pb, pt, pr, py, res_n: int = 0, planar: bool = False,
+                   tiles_outer: bool = False) -> Source:
     """The conv's loop when the micro-kernel writes the 16-bit Y itself (LowpOut16Spec): per work
     item, panel after panel (its weights, MR x K packed contiguously, stay in L1/L2 across the
     item's tiles), one call per tile over all the channels, bias / residual / activation and the
-    rounding in registers. No float32 tile in memory."""
+    rounding in registers. No float32 tile in memory. `tiles_outer`: tile after tile, every panel
+    of each (as _narrow_output_body's: the tap-pair form's B is spread over many planes, its A in L1)."""
     body = _item_loop(m_blocks, n_blocks, group, mpb, MR, ocg, tpb, n_tiles)
     ldb_b, k_arg = (2 * ldb, icg_p // 2) if pairs else (ldb, icg_p)
     bias = (pb, "g * {ocg} + m".format(ocg=ocg)) if pb else ("p1", "0")   # no bias: any pointer (unread)
     res = pr or py   # no residual: any 16-bit pointer (unread)
+
+    def tile_start():
+        col = NR if planar else NR * (1 + pairs)   # planar: X's channel planes, 2 per pair row
+        body.line(f"boff = (n * {C_p // (1 + pairs)} + g * {icg_p // (1 + pairs)}) * {ldb_b} + tt * {col}")
+        body.line(f"y0 = {pt}[tt * 3 + 1]")
 
     def panel(mr):
         name = spec(mr)
@@ -410,14 +422,17 @@ def _direct16_body(spec, MR, ocg, OC, OHW, icg_p, n_panels, T, C_p, ldb, NR, pai
         body.line(f"yb = (n * {OC} + g * {ocg} + m) * {OHW}")
         if pr:
             body.line(f"rb = n * {res_n} + (g * {ocg} + m) * {OHW}")
-        body.line("for tt in range(t_lo, t_hi):").indent()
-        col = NR if planar else NR * (1 + pairs)   # planar: X's channel planes, 2 per pair row
-        body.line(f"boff = (n * {C_p // (1 + pairs)} + g * {icg_p // (1 + pairs)}) * {ldb_b} + tt * {col}")
-        body.line(f"y0 = {pt}[tt * 3 + 1]")
+        if not tiles_outer:
+            body.line("for tt in range(t_lo, t_hi):").indent()
+            tile_start()
         body.line(f"{name}(p1, a0, 0, p0, boff, {ldb_b}, {py}, yb + y0, {OHW}, {k_arg}, {pt}[tt * 3], "
                   f"{LOADC_EPILOGUE}, {bias[0]}, {bias[1]}, {res}, " + ("rb + y0)" if pr else "0)"))
-        body.dedent()
+        if not tiles_outer:
+            body.dedent()
 
+    if tiles_outer:
+        body.line("for tt in range(t_lo, t_hi):").indent()
+        tile_start()
     _row_tiles(body, MR, ocg, panel)
     return body
 

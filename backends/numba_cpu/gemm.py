@@ -227,6 +227,13 @@ MODEL_L2_BYTES = 2 << 20      # a model whose constants all fit in (one core's) 
 # (38 MB of weights, past the L3), 1 thread: 6 % faster (T = 16 rows: 1.8x); one product (weights in the
 # L3): no change. 32 and 128 rows were slower than 64 (docs/performance.md, 2026-12-07 fourth session).
 STREAM_PREFETCH_B_ROWS = 64
+# bf16 Winograd GEMMs whose A (one position's U, M x K bf16) is larger than this prefetch it far ahead
+# (ukernel_lowp.LowpStreamedSpec's prefetch_a): ResNet-18's 14 x 14 and 7 x 7 stages (128 / 512 KB a position,
+# 2 / 8.4 MB a conv, past L2 and, in a whole bf16 ResNet-18's 38.8 MB of weights, past L3: 1 thread,
+# their WinoGemm steps 0.29 -> 0.26 and 0.37 -> 0.30 ms); the 56 / 28 stages' U (8 / 32 KB a position,
+# re-read by each band) ran as fast with it as without (docs/performance.md, fifth session).
+STREAM_A_BYTES = 64 << 10
+STREAM_PREFETCH_A_PAIRS = 256   # k pairs ahead (~12 KB); 128 and 512 measured within the noise of it
 
 
 def split_work(want: int, n_cols: int, m_tiles: int, a_bytes: int, b_bytes: int) -> tuple[int, int, int, int]:
@@ -579,6 +586,9 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
     # prefetch nothing (DistilBERT bf16 b1, 1 thread: 11 % faster with it, fifth session).
     streams = b is None and M > 1 and (b_streams or 4 * K * N > L2_RESIDENT_BYTES)
     prefetch_b = 0 if b_in_l2 else STREAM_PREFETCH_B_ROWS if streams else 1
+    # bf16 Winograd's U (A in panels, each read once a band) streams from L3 or memory where one
+    # position's matrix is large: prefetched far ahead (ukernel_lowp.LowpStreamedSpec's prefetch_a)
+    stream_a = bool(lowp) and a_panels and 2 * M * K > STREAM_A_BYTES
 
     # The last column panel is computed by a kernel only as wide as its columns need (whole vectors).
     edge_nr = min(NR, ceil_div(N % NR, UK_NR_STEP) * UK_NR_STEP) if N % NR else NR
@@ -594,6 +604,8 @@ def uk_gemm_kernel(family: str, M: int, N: int, K: int, batch_shape, a: Operand,
         key = (mr, edge_nr if edge_n else NR, edge_n and b is not None)
         if key not in specs and lowp:
             stream = {"prefetch_b": STREAM_PREFETCH_B_ROWS} if streams and lowp[1] in ("dpbf16", "widen") else {}
+            if stream_a:
+                stream["prefetch_a"] = STREAM_PREFETCH_A_PAIRS
             specs[key] = (f"uk{len(specs)}", (LowpStreamedSpec if stream else LowpUKSpec)(
                 mr=mr, nr=key[1], dtype=lowp[0], method=lowp[1], a_packed=a_packed, a_panel=a_panel,
                 **uk_epilogue, **stream))

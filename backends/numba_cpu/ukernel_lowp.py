@@ -102,15 +102,18 @@ class LowpUKSpec(Declared):
 
 @dataclass(frozen=True)
 class LowpStreamedSpec(LowpUKSpec):
-    """A LowpUKSpec (rows of B, no taps) whose packed B streams from the L3 or memory (a large
-    model's weights, gemm.weights_stream): each k step prefetches B `prefetch_b` rows (bf16: pair
-    rows) ahead, as UKSpec's prefetch_b does for float32. A subclass, so the other 16-bit
-    micro-kernels keep their names and bytes."""
+    """A LowpUKSpec (rows of B, no taps) whose operand streams from the L3 or memory, prefetched
+    far ahead of the k loop as UKSpec's prefetch_b does for float32:
+    - `prefetch_b` rows (bf16: pair rows) of packed B: a large model's weights (gemm.weights_stream);
+    - `prefetch_a` k pairs of packed A panels, read once (bf16 Winograd's U of a 7 x 7 stage, 8.4 MB
+      a conv), into the next calls' panels (they follow in memory).
+    A subclass, so the other 16-bit micro-kernels keep their names and bytes."""
     prefetch_b: int = 0
+    prefetch_a: int = 0
     kind: str = "lowpstream"
 
     def _stem(self) -> str:
-        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_stream"
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_stream{'a' if self.prefetch_a else ''}"
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,23 @@ class LowpOut16Spec(LowpUKSpec):
         passes any of its 16-bit buffers, unread)."""
         sixteen = {ARG_TYPES.index(n): "uint16" for n in ("a", "b", "c") + (() if self.bias else ("bias",))}
         return typed_declaration(self, var, {**sixteen, len(ARG_TYPES): "uint16"})
+
+
+@dataclass(frozen=True)
+class LowpOut16CalledSpec(LowpOut16Spec):
+    """LowpOut16Spec's kernel, called rather than inlined, for LowpCalledSpec's reason: a ResNet
+    stem's 74 tap pairs in one k step (convtappairs.py), its 16-bit Y written from the registers.
+
+    The k count reaches the loop through a volatile stack slot (one store and one load a call):
+    the kernel is internal and every call passes one constant count (a stem: 1 pair), so LLVM's
+    interprocedural constant propagation removed the loop, and the 74 taps' 1776 `vdpbf16ps`, one
+    straight block from zeroed accumulators, came out with 210 zmm spills (ResNet-18's stem conv
+    0.64 ms, the float32-tile path 0.59); with the loop kept, 4 spills (0.54-0.55 ms)."""
+    kind: str = "lowp16call"
+    inline: ClassVar[bool] = False
+
+    def _stem(self) -> str:
+        return f"cuvil_uk{self.dtype}_{self.method}_{self.mr}x{self.nr}_out16_call"
 
 
 @dataclass(frozen=True)
@@ -481,6 +501,11 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
     ir("%acc = icmp ne i64 %accw, 0")
     ir(f"%epiw = and i64 %loadc, {LOADC_EPILOGUE}")
     ir("%epi = icmp ne i64 %epiw, 0")
+    opaque_k = out16 and not getattr(spec, "inline", True)
+    if opaque_k:   # see LowpOut16CalledSpec: the k count through a volatile slot, unknown to LLVM
+        ir("%kc.slot = alloca i64")
+        ir("store volatile i64 %kc.arg, ptr %kc.slot")
+        ir("%kc = load volatile i64, ptr %kc.slot")
     masks = column_masks(ir, V, L)
     offsets, dense = _compressed_offsets(ir, V, L) if spec.store == "x" else ({v: str(v * L) for v in range(V)}, masks)
     crow = {i: _element_ptr(ir, "i16" if out16 else "float", "%c", "%coff", i, "%ldc") for i in range(spec.mr)}
@@ -520,6 +545,10 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         per_k = 2 if spec.k_pairs else 1
         if brow is not None and getattr(spec, "prefetch_b", 0):
             _prefetch_b_row(ir, brow, spec.prefetch_b, spec.nr * per_k)
+        if getattr(spec, "prefetch_a", 0) and ci == 0:
+            ahead = ir.tmp("pfa")
+            ir(f"{ahead} = add i64 {kv}, {spec.prefetch_a}")
+            ir(f"call void @llvm.prefetch.p0(ptr {_a_address(ir, spec, ahead, 0, abase, arow)}, i32 0, i32 3, i32 1)")
         for t, off in enumerate(spec.taps or (0,)):
             ka = kv
             if a_taps:   # LowpOut16TapsSpec: A (pixel rows) shifted by the tap, B's row block (kv, t)
@@ -557,6 +586,8 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
         args += ", ptr noalias %r, i64 %roff"
     if spec.method == "fp16":
         args = args.replace("i64 %kc,", "i64 %k_total,")
+    if opaque_k:
+        args = args.replace("i64 %kc,", "i64 %kc.arg,")
     head = f"define i32 @{spec.name}({args}) #0 {{"
     decls = [f"declare {vt} @llvm.fma.v{L}f32({vt}, {vt}, {vt})",
              f"declare {vt} @llvm.masked.load.v{L}f32.p0(ptr, <{L} x i1>, {vt})",
@@ -568,7 +599,7 @@ def lowp_ukernel_ir(spec: LowpUKSpec, vector_bits: int) -> str:
              f"declare {vt} @llvm.minnum.v{L}f32({vt}, {vt})",
              "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)",
              "declare <32 x half> @llvm.fma.v32f16(<32 x half>, <32 x half>, <32 x half>)"]
-    if getattr(spec, "prefetch_b", 0):
+    if getattr(spec, "prefetch_b", 0) or getattr(spec, "prefetch_a", 0):
         decls.append("declare void @llvm.prefetch.p0(ptr, i32, i32, i32)")
     if out16:
         decls += [f"declare <{L} x i16> @llvm.masked.load.v{L}i16.p0(ptr, <{L} x i1>, <{L} x i16>)",
@@ -1033,6 +1064,7 @@ def kinds() -> dict:
             "lowp16": lambda d: LowpOut16Spec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "lowpcall": lambda d: LowpCalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "lowpstream": lambda d: LowpStreamedSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
+            "lowp16call": lambda d: LowpOut16CalledSpec(**{**d, "taps": tuple(d.get("taps", ()))}),
             "copypairs_strided": lambda d: StridedPairCopySpec(**d), "winoin16": WinoInSpec.from_dict,
             "winoout_plane": WinoOutPlaneSpec.from_dict, "winoout_rows": WinoOutRowSpec.from_dict,
             "lowp16t": lambda d: LowpOut16TapsSpec(**{**d, "taps": tuple(d["taps"]), "a_taps": tuple(d["a_taps"])}),

@@ -37,7 +37,9 @@ process's median and the ratio of the medians over all calls). ratio =
 cuvil (Python) / onnxruntime: < 1 means cuvil is faster (the C figure shows
 the call overhead Python adds); vs ov = cuvil (Python) / OpenVINO. vs fp32 = cuvil (C) in this precision / cuvil
 (C) in float32 at the same thread count (when fp32 is in `--precision`, first). Times
-under 1 ms print with four significant digits. The rel
+under 1 ms print with four significant digits; c2c ns = the first two CPUs' cache-line round trip
+before and after the row, the larger (cuvil.ctime.PINGPONG: on a VM two vCPUs far apart make a
+2-thread run slower, see benchmarks/corpus.py). The rel
 err columns compare cuvil's and OpenVINO's first output with onnxruntime's.
 
     python benchmarks/bench.py [--models mlp,resnet18,...] [--threads 1] [--precision fp32,bf16,int8] [--runs 50] [--rounds 5]
@@ -258,6 +260,7 @@ def build(name, model_path, shapes, threads, cache_dir, jobs, precision="fp32", 
 def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, openvino: bool = False,
                 precision: str = "fp32", disable=()):
     from cuvil import bench as ctime
+    from cuvil.ctime import core_round_trip_ns
     feeds = feeds_path = None
     if name in EXPORTED:
         model, shapes, feeds = EXPORTED[name]()
@@ -285,6 +288,7 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
         processes["ov"] = []
     ov_output = workdir / f"{name}-t{threads}-{precision}-openvino.npy"
     warm = max(3, runs // 10)
+    round_trip = core_round_trip_ns()   # the two CPUs' distance around the row (corpus.py's c2c column)
     for round_ in range(rounds):
         if "c" in processes:
             processes["c"].append(ctime.time_library(library, runs=runs, warmup=warm, info=compiled.info))
@@ -304,6 +308,8 @@ def bench_model(name, threads, runs, rounds, jobs, workdir: Path, cold: bool, op
               "all_calls_median_ratio": all_calls("py") / all_calls("ort"),
               "rel_err": err, "build_s": build_s, "cold": cold,
               "kernels": compiled.info["kernels"], "arena_bytes": compiled.info["memory"]["arena_bytes"]}
+    if round_trip is not None:
+        result["round_trip_ns"] = max(round_trip, core_round_trip_ns())
     if openvino:
         result.update(openvino_ms=best["ov"] * 1e3, ratio_openvino=p / best["ov"],
                       openvino_rel_err=rel_err(np.load(ov_output), ref))
@@ -346,7 +352,8 @@ def main(argv=None):
           + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}"
           + (f", cuvil built without {', '.join(args.disable)}" if args.disable else ""))
     print(f"{'model':<14}{'thr':>4}{'prec':>9}{'cuvil C ms':>12}{'vs fp32':>8}{'cuvil py ms':>13}{'ort ms':>10}"
-          f"{'ratio':>7}{'rel err':>9}" + (f"{'ov ms':>10}{'vs ov':>7}{'ov err':>9}" if ov_version else "") + f"{'build s':>9}")
+          f"{'ratio':>7}{'rel err':>9}" + (f"{'ov ms':>10}{'vs ov':>7}{'ov err':>9}" if ov_version else "") + f"{'build s':>9}"
+          f"{'c2c ns':>8}")
     results, fp32_c = [], {}   # fp32_c: (model, threads) -> cuvil's float32 C ms, for the 'vs fp32' column
     workdir = Path(tempfile.mkdtemp(prefix="cuvil-bench-"))
     try:
@@ -364,7 +371,8 @@ def main(argv=None):
                       if "openvino_ms" in r else " " * 26 if ov_version else "")
                 vs = f"{r['c_vs_fp32']:>8.2f}" if "c_vs_fp32" in r else f"{'-':>8}"
                 print(f"{name:<14}{threads:>4}{precision:>9}{_ms(c, 12)}{vs}{_ms(r['cuvil_py_ms'], 13)}"
-                      f"{_ms(r['ort_ms'], 10)}{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{ov}{r['build_s']:>9.1f}", flush=True)
+                      f"{_ms(r['ort_ms'], 10)}{r['ratio']:>7.2f}{r['rel_err']:>9.1e}{ov}{r['build_s']:>9.1f}"
+                      f"{r.get('round_trip_ns', 0):>8.0f}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:

@@ -15,9 +15,12 @@ own process and `--rounds` processes each (cuvil.bench): cuvil from C (`cuvil C`
 its Python runtime (`cuvil py`), onnxruntime and OpenVINO (float32, latency mode) through
 Python. An engine's figure is its best process's median; ratio = cuvil py / engine (both timed
 through Python: the same call overhead); < 1 means cuvil is faster. An export or build error is
-a row of the table, not the end of the run. The last two columns say what else took the cores
-while a row was timed: the hypervisor's steal time (ms) and the timing processes' involuntary
-context switches (`disturbance`).
+a row of the table, not the end of the run. The last three columns say what else took the
+cores while a row was timed: the hypervisor's steal time (ms) and the timing processes' involuntary
+context switches (`disturbance`), and how far apart the first two CPUs were (`c2c ns`: a cache
+line's round trip between them before and after the row, the larger; cuvil.ctime.PINGPONG). On a VM
+it reads 80-120 ns or, for minutes at a time, 350-370 ns; then a 2-thread row whose steps read what
+the other core wrote can take twice as long (docs/performance.md, fifth session).
 
 `--report` adds per-op accounting: cuvil's per-step profile (CUVIL_PROFILE=1, from C) next to
 onnxruntime's own profiler (SessionOptions.enable_profiling, per-node kernel times), both
@@ -269,6 +272,7 @@ def disturbance() -> tuple[float, int]:
 def bench_one(name, batch, threads, args, workdir: Path, openvino: bool) -> tuple[dict, list]:
     import cuvil
     from cuvil import bench as ctime
+    from cuvil.ctime import core_round_trip_ns
     row = {"model": name, "batch": batch, "threads": threads}
     model_path = workdir / f"{name}-b{batch}.onnx"
     try:
@@ -297,7 +301,7 @@ def bench_one(name, batch, threads, args, workdir: Path, openvino: bool) -> tupl
     row["rel_err"] = rel_err(compiled.run(feeds)[compiled.info["outputs"][0]["name"]], ref)
     processes = defaultdict(list)
     warm = max(3, args.runs // 10)
-    before = disturbance()
+    before, round_trip = disturbance(), core_round_trip_ns()
     for _ in range(args.rounds):
         processes["c"].append(ctime.time_library(library, runs=args.runs, warmup=warm, info=compiled.info))
         processes["py"].append(ctime.cuvil_py_times(library, shapes, args.runs, warm))
@@ -309,6 +313,8 @@ def bench_one(name, batch, threads, args, workdir: Path, openvino: bool) -> tupl
                 row["ov_error"] = error.stderr.strip().splitlines()[-1][:150] if error.stderr else "failed"
                 openvino = False
     row["steal_ms"], row["preempted"] = (after - start for after, start in zip(disturbance(), before))
+    if round_trip is not None:   # the two CPUs' distance before and after the row (ctime.PINGPONG): the larger
+        row["round_trip_ns"] = max(round_trip, core_round_trip_ns())
     best = {k: ctime.best_process_median(v) * 1e3 for k, v in processes.items() if v}
     row.update(cuvil_c_ms=best["c"], cuvil_py_ms=best["py"], ort_ms=best["ort"], ratio=best["py"] / best["ort"])
     if "ov" in best:
@@ -331,7 +337,8 @@ def print_row(r):
         return
     ov = f"{r['ov_ms']:>10.3f}{r['ratio_ov']:>7.2f}" if "ov_ms" in r else f"{'-':>10}{'-':>7}"
     print(f"{head}{r['cuvil_c_ms']:>11.3f}{r['cuvil_py_ms']:>11.3f}{r['ort_ms']:>10.3f}{r['ratio']:>7.2f}{ov}"
-          f"{r['rel_err']:>9.1e}{r['build_s']:>8.1f}{r.get('steal_ms', 0):>7.0f}{r.get('preempted', 0):>8d}", flush=True)
+          f"{r['rel_err']:>9.1e}{r['build_s']:>8.1f}{r.get('steal_ms', 0):>7.0f}{r.get('preempted', 0):>8d}"
+          f"{r.get('round_trip_ns', 0):>7.0f}", flush=True)
 
 
 def main(argv=None):
@@ -363,7 +370,7 @@ def main(argv=None):
     print(f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, onnxruntime {ort.__version__}, "
           + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}")
     print(f"{'model':<20}{'b':>4}{'thr':>4}{'cuvil C ms':>11}{'cuvil py':>11}{'ort ms':>10}{'ratio':>7}"
-          f"{'ov ms':>10}{'vs ov':>7}{'rel err':>9}{'build s':>8}{'steal':>7}{'preempt':>8}")
+          f"{'ov ms':>10}{'vs ov':>7}{'rel err':>9}{'build s':>8}{'steal':>7}{'preempt':>8}{'c2c ns':>7}")
     rows, report = [], []
     with tempfile.TemporaryDirectory(prefix="corpus-bench-") as tmp:
         for name in names:

@@ -90,26 +90,79 @@ HARNESS = HARNESS.replace("{warmup_ns}", f"{WARMUP_SECONDS * 1e9:.0f}")
 
 
 def harness() -> Path:
-    """The C timing program, compiled on first use with $CC (default gcc). Its name holds a hash of
-    its source and the compiler, and it is compiled under a temporary name and renamed, so
-    processes timing at the same time never run a half-written or stale program."""
+    """The C timing program, compiled on first use with $CC (default gcc)."""
+    return _program("ctime", HARNESS, ["-ldl"])
+
+
+def _program(name: str, source: str, libs: list[str]) -> Path:
+    """A C program compiled on first use with $CC (default gcc). Its name holds a hash of its
+    source and the compiler, and it is compiled under a temporary name and renamed, so processes
+    timing at the same time never run a half-written or stale program."""
     cc = os.environ.get("CC", "gcc")
-    digest = hashlib.sha256(f"{cc}\n{HARNESS}".encode()).hexdigest()[:16]
-    exe = BUILD / f"ctime-{digest}"
+    digest = hashlib.sha256(f"{cc}\n{source}".encode()).hexdigest()[:16]
+    exe = BUILD / f"{name}-{digest}"
     if exe.exists():
         return exe
     BUILD.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=BUILD) as tmp:
-        src, built = Path(tmp) / "ctime.c", Path(tmp) / "ctime"
-        src.write_text(HARNESS)
+        src, built = Path(tmp) / f"{name}.c", Path(tmp) / name
+        src.write_text(source)
         try:
-            subprocess.run([cc, "-O2", "-o", str(built), str(src), "-ldl"], check=True, capture_output=True, text=True)
+            subprocess.run([cc, "-O2", "-o", str(built), str(src), *libs], check=True, capture_output=True, text=True)
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", "") or str(error)
             raise CuvilError(f"cannot compile the timing program with '{cc}': {detail.strip()}",
                              hint="install gcc or set CC to a working C compiler") from None
         os.replace(built, exe)
     return exe
+
+
+# Two threads pinned to the first two CPUs this process may use bounce one cache line; prints the
+# mean round trip in ns. On a VM the two vCPUs can sit near (80-120 ns here) or, for minutes at a
+# time, far apart (350-370 ns), and a 2-thread run whose steps read what the other core wrote then
+# takes up to twice as long (docs/performance.md, fifth session): the benchmarks record it per row.
+PINGPONG = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+static _Alignas(64) atomic_long flag;
+static long rounds;
+static int cpus[2];
+static void pin(int c) { cpu_set_t s; CPU_ZERO(&s); CPU_SET(c, &s); pthread_setaffinity_np(pthread_self(), sizeof s, &s); }
+static void* pong(void* arg) {
+    pin(cpus[1]);
+    for (long i = 0; i < rounds; i++) { while (atomic_load(&flag) != 2 * i + 1) ; atomic_store(&flag, 2 * i + 2); }
+    return NULL;
+}
+int main(int argc, char** argv) {
+    rounds = argc > 1 ? atol(argv[1]) : 100000;
+    cpu_set_t mine; CPU_ZERO(&mine);
+    if (sched_getaffinity(0, sizeof mine, &mine) != 0) return 1;
+    int n = 0;
+    for (int c = 0; c < CPU_SETSIZE && n < 2; c++) if (CPU_ISSET(c, &mine)) cpus[n++] = c;
+    if (n < 2) { printf("none\n"); return 0; }
+    pthread_t t; pin(cpus[0]);
+    if (pthread_create(&t, NULL, pong, NULL) != 0) return 1;
+    struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);
+    for (long i = 0; i < rounds; i++) { atomic_store(&flag, 2 * i + 1); while (atomic_load(&flag) != 2 * i + 2) ; }
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    pthread_join(t, NULL);
+    printf("%.1f\n", ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / rounds);
+    return 0;
+}
+"""
+
+
+def core_round_trip_ns(rounds: int = 100000) -> float | None:
+    """The mean round trip of one cache line between the first two CPUs this process may use, in
+    ns (PINGPONG; ~10-40 ms), or None with fewer than two."""
+    out = subprocess.run([str(_program("pingpong", PINGPONG, ["-pthread"])), str(rounds)], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    return None if out == "none" else float(out)
 
 
 def _info(lib: Path) -> dict:

@@ -20,6 +20,23 @@ def test_the_timing_program_is_built_with_cc(tmp_path, monkeypatch):
     assert bench.harness() == exe  # built once per compiler and source
 
 
+def test_the_cpus_round_trip_needs_two_of_them(tmp_path, monkeypatch):
+    """core_round_trip_ns (the benchmarks' c2c column) bounces a cache line between the first two
+    CPUs this process may use: a time in ns with two, None with one (no second CPU to ask)."""
+    import os
+    import subprocess
+    import sys
+    monkeypatch.setattr(ctime, "BUILD", tmp_path)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        ns = ctime.core_round_trip_ns(rounds=2000)
+        assert ns is not None and 0 < ns < 1e6
+    one = subprocess.run([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpus[0]}}}); "
+                          "from cuvil import ctime; print(ctime.core_round_trip_ns(rounds=10))"],
+                         capture_output=True, text=True, check=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert one.stdout.strip() == "None"
+
+
 def test_bench_int8_quantises_with_onnxruntimes_tools_and_cuvil_folds_the_file(tmp_path):
     """`bench.py --precision int8`: the file every engine runs is onnxruntime's quantize_dynamic
     output for a non-convolutional model, and cuvil builds its products on int8 kernels."""

@@ -74,10 +74,16 @@ def watch(config_path: Path, jobs: int = 1, say=print, stop_event=None, max_buil
     while max_builds is None or builds < max_builds:
         debounce = spec.watch.debounce_ms if spec is not None else 300
         paths = watched_paths(config_path, spec)
-        say(f"watching {', '.join(str(p) for p in paths)} (Ctrl-C to stop)")
-        for changes in watchfiles.watch(*paths, debounce=debounce, stop_event=stop_event, rust_timeout=1000,
-                                        yield_on_timeout=False, raise_interrupt=False):
-            if relevant_change(changes, config_path, spec):
+        announced = False
+        # The watcher is live once it first yields (a change, or an empty set after rust_timeout): only
+        # then is "watching" said, so a save made after the message is never lost (one made while the
+        # watcher started was, under load: tests/test_watch.py).
+        for changes in watchfiles.watch(*paths, debounce=debounce, stop_event=stop_event, rust_timeout=200,
+                                        yield_on_timeout=True, raise_interrupt=False):
+            if not announced:
+                say(f"watching {', '.join(str(p) for p in paths)} (Ctrl-C to stop)")
+                announced = True
+            if changes and relevant_change(changes, config_path, spec):
                 break
         else:
             return 0  # stopped

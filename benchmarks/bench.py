@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -163,16 +162,6 @@ MODELS = {
 DEFAULT_MODELS = "mlp,resnet18,resnet50,mobilenet_v2,encoder,encoder_t16,lstm,graphsage,gat,fraud_hybrid"
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def cpu_flags() -> list[str]:
     try:
         for line in open("/proc/cpuinfo"):
@@ -188,6 +177,7 @@ def sample_feeds(shapes: dict) -> dict:
 
 
 from cuvil.bench import cuvil_py_times, openvino_times, openvino_version, ort_time, ort_times  # noqa: E402,F401,E501
+from cuvil.select import cpu_model  # noqa: E402
 
 
 def reference_output(model_path, shapes, feeds=None) -> np.ndarray:
@@ -348,7 +338,7 @@ def main(argv=None):
     flags = set(cpu_flags())
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                        "amx_tile") if f in flags]
-    print(f"# {cpu_name()} ({os.cpu_count()} cores; {' '.join(isa)}), onnxruntime {ort.__version__}, "
+    print(f"# {cpu_model()} ({os.cpu_count()} cores; {' '.join(isa)}), onnxruntime {ort.__version__}, "
           + (f"OpenVINO {ov_version}, " if ov_version else "") + f"cuvil {cuvil.__version__}"
           + (f", cuvil built without {', '.join(args.disable)}" if args.disable else ""))
     print(f"{'model':<14}{'thr':>4}{'prec':>9}{'cuvil C ms':>12}{'vs fp32':>8}{'cuvil py ms':>13}{'ort ms':>10}"
@@ -376,7 +366,7 @@ def main(argv=None):
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "openvino": ov_version, "results": results},
+        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "openvino": ov_version, "results": results},
                                               indent=2) + "\n")
     return results
 
